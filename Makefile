@@ -1,0 +1,55 @@
+# DPLB front door. Every target uses the project's own virtual environment (.venv),
+# created by `make install` on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.dplb-installed
+
+.PHONY: install build test test-fast test-faults test-vllm bench-kernel bench bench-quick lint typecheck clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	$(MAKE) build
+	touch $(STAMP)
+
+build:
+	test -x $(PY) || $(MAKE) install
+	$(PY) setup.py -q build_ext --inplace
+
+test: install build
+	$(PY) -m pytest -q -m "not vllm" tests
+
+test-fast: install build
+	$(PY) -m pytest -q -m "not vllm and not slow and not faults" tests
+
+test-faults: install build
+	$(PY) -m pytest -q -m faults tests
+
+test-vllm: install build
+	bash scripts/test_vllm.sh
+
+bench-kernel: install build
+	$(PY) -m bench.kernel
+
+bench: install build
+	$(PY) -m bench.run
+
+bench-quick: install build
+	$(PY) -m bench.run --quick
+
+lint: install
+	$(PIP) install -q ruff
+	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench tests
+
+typecheck: install
+	$(PIP) install -q mypy
+	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine
+
+clean:
+	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so .pytest_cache .hypothesis .mypy_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
