@@ -1,0 +1,257 @@
+"""``python -m bench.run [--quick]``: DPLB's policies and the field's routers, side by side.
+
+For each system (:func:`bench.systems.all_systems`) the harness starts fresh sim engines with the
+same flags for everyone, starts the system in front of them, waits until a request gets through,
+runs the workloads of :mod:`bench.workloads` one after another (waiting for idle engines in
+between), reads the engines' counters and the routing processes' CPU time around each workload,
+and stops everything it started. Workload (d) gets its own engine set with one engine at
+``--slowdown 3``. Then DPLB's scaling run on 1, 2, 4, 8 engines.
+
+Output (``--out``, default ``bench/results``): ``latest.json`` (rows with exactly the keys of
+:data:`bench.stats.ROW_KEYS`), ``latest.md`` (tables, machine, versions, command line) and PNG
+plots (TTFT CDF on (a), per-worker share on (e), scaling curve). Logs of every process go to
+``bench/results/tmp/<run id>/`` (git-ignored).
+
+Engine speed: ``--time-scale`` (default :data:`TIME_SCALE`) is passed to every engine; workload
+rates in :mod:`bench.workloads` were set once so that 4 engines are busy but not saturated by a
+neutral round-robin spread, and are the same for every system.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench import report
+from bench.engines import EngineFlags, counter_delta, scrape, start_engines, wait_idle
+from bench.errors import BenchError
+from bench.loadgen import RequestSpec, Result, run_closed, run_open
+from bench.procs import ProcessSet, cpu_seconds
+from bench.stats import make_row
+from bench.systems import MODEL, SystemSpec, all_systems, probe, start_system, stop_system
+from bench.workloads import FULL, QUICK, WORKLOADS, Profile, scaling
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: simulated seconds per wall second given to every engine (``sim_engine --time-scale``)
+TIME_SCALE = 1.0
+NUM_ENGINES = 4
+HETERO_SLOWDOWN = 3.0
+SCALING_SIZES = (1, 2, 4, 8)
+
+
+def _run_async(coro):  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            return r.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def send(base_url: str, specs: list[RequestSpec], closed_concurrency: int | None) -> tuple[list[Result], float]:
+    """Run one workload's requests against ``base_url``; ``(results, wall seconds)``."""
+    if closed_concurrency:
+        return _run_async(run_closed(base_url, specs, closed_concurrency))
+    return _run_async(run_open(base_url, specs))
+
+
+class Harness:
+    """One benchmark run: settings, the rows gathered so far, raw samples for plots, notes."""
+
+    def __init__(self, profile: Profile, flags: EngineFlags, out: Path, log_dir: Path, verbose: bool = True):
+        self.profile = profile
+        self.flags = flags
+        self.out = out
+        self.log_dir = log_dir
+        self.verbose = verbose
+        self.rows: list[dict[str, object]] = []
+        self.notes: list[str] = []
+        self.ttft_a: dict[str, list[float]] = {}
+        self.share_e: dict[str, list[float]] = {}
+        self.router_only_cpu: dict[tuple[str, str], float] = {}
+        self._specs: dict[str, list[RequestSpec]] = {}
+
+    def log(self, msg: str) -> None:
+        """Progress line on stderr (timestamped)."""
+        if self.verbose:
+            print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    def specs(self, workload: str) -> list[RequestSpec]:
+        """The (cached) request list of ``workload`` — the same bytes for every system."""
+        if workload not in self._specs:
+            self._specs[workload] = WORKLOADS[workload].build(self.profile, MODEL)
+        return self._specs[workload]
+
+    def _failed_row(self, spec: SystemSpec, workload: str, workers: int, n: int) -> dict[str, object]:
+        row = make_row(spec.kind, spec.policy, workload, workers, [], 0.0, None, None)
+        row["requests"] = n
+        row["errors"] = n
+        return row
+
+    def run_group(self, spec: SystemSpec, workloads: list[str], hetero: bool) -> None:
+        """Start engines + ``spec``, run ``workloads`` in order, stop everything."""
+        if not workloads:
+            return
+        n = NUM_ENGINES
+        slow = tuple([1.0] * (n - 1) + [HETERO_SLOWDOWN]) if hetero else None
+        tag = spec.label.replace("/", "-") + ("-hetero" if hetero else "")
+        with ProcessSet(self.log_dir / tag) as procs:
+            running = None
+            try:
+                self.log(f"{spec.label}: starting {n} engines" + (" (one 3x slower)" if hetero else ""))
+                engines = start_engines(procs, n, self.flags, slow, tag="engine")
+                running = start_system(spec, procs, engines, self.log_dir / tag / "run")
+                for _ in range(2 * n):  # warm-up: connections, first-request paths (not counted)
+                    probe(running.base_url)
+                for w in workloads:
+                    self.run_workload(spec, w, running, engines.urls, procs)
+            except BenchError as e:
+                self.log(f"{spec.label}: FAILED: {e}")
+                self.notes.append(f"{spec.label} ({'heterogeneous' if hetero else 'homogeneous'} engines): "
+                                  f"{str(e).splitlines()[0]}")
+                done = {(r["system"], r["policy"], r["workload"]) for r in self.rows}
+                for w in workloads:
+                    if (spec.kind, spec.policy, w) not in done:
+                        self.rows.append(self._failed_row(spec, w, n, len(self.specs(w))))
+            finally:
+                if running is not None:
+                    stop_system(running, procs)
+
+    def run_workload(self, spec: SystemSpec, workload: str, running, engine_urls: list[str],  # type: ignore[no-untyped-def]
+                     procs: ProcessSet) -> dict[str, object]:
+        """Run one workload on a started system and append its row."""
+        specs = self.specs(workload)
+        wl = WORKLOADS[workload]
+        if not wait_idle(engine_urls, 180):
+            self.notes.append(f"{spec.label}/{workload}: engines still busy before the start")
+        before = scrape(engine_urls)
+        cpu0, rcpu0 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
+        conc = self.profile.overhead_concurrency if wl.closed else None
+        self.log(f"{spec.label}: {workload} ({len(specs)} requests)")
+        results, wall = send(running.base_url, specs, conc)
+        wait_idle(engine_urls, 60)
+        after = scrape(engine_urls)
+        cpu1, rcpu1 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
+        has_router = bool(running.route_pids)
+        deltas = counter_delta(before, after)
+        if spec.kind == "direct":  # one engine took everything; share over the others is meaningless
+            deltas = deltas[:1]
+        row = make_row(spec.kind, spec.policy, workload, len(deltas), results, wall, deltas,
+                       (cpu1 - cpu0) if has_router else None)
+        self.rows.append(row)
+        if has_router:
+            self.router_only_cpu[(spec.label, workload)] = (rcpu1 - rcpu0) * 1000.0 / max(1, len(results))
+        if workload == "a_mooncake":
+            self.ttft_a[spec.label] = [r.ttft for r in results if r.ok and r.ttft is not None]
+        if workload == "e_burst":
+            done = [d["vllm:request_success_total"] for d in deltas]
+            tot = sum(done) or 1.0
+            self.share_e[spec.label] = [x / tot for x in done]
+        errs = [r.error for r in results if not r.ok]
+        if errs:
+            self.notes.append(f"{spec.label}/{workload}: {len(errs)} errors, first: {errs[0][:200]}")
+        self.log(f"  -> ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, {row['output_tok_s']} tok/s, "
+                 f"hit {row['prefix_hit_rate']}, share {row['max_share']}/{row['min_share']}, errors {row['errors']}")
+        return row
+
+    def run_scaling(self, policy: str) -> None:
+        """DPLB ``policy`` on 1, 2, 4, 8 engines, closed loop with concurrency ∝ engines."""
+        spec = SystemSpec("dplb", policy)
+        for n in SCALING_SIZES:
+            specs = scaling(self.profile, MODEL, n)
+            tag = f"scaling-{policy}-{n}"
+            with ProcessSet(self.log_dir / tag) as procs:
+                running = None
+                try:
+                    self.log(f"scaling: dplb/{policy} on {n} engines ({len(specs)} requests)")
+                    engines = start_engines(procs, n, self.flags, tag="engine")
+                    running = start_system(spec, procs, engines, self.log_dir / tag / "run")
+                    for _ in range(2 * n):
+                        probe(running.base_url)
+                    wait_idle(engines.urls, 60)
+                    before = scrape(engines.urls)
+                    cpu0 = cpu_seconds(running.route_pids)
+                    results, wall = send(running.base_url, specs, self.profile.scaling_concurrency_per_engine * n)
+                    wait_idle(engines.urls, 60)
+                    deltas = counter_delta(before, scrape(engines.urls))
+                    row = make_row("dplb", policy, "scaling", n, results, wall, deltas,
+                                   cpu_seconds(running.route_pids) - cpu0)
+                    self.rows.append(row)
+                    self.log(f"  -> {row['output_tok_s']} tok/s, errors {row['errors']}")
+                except BenchError as e:
+                    self.log(f"scaling {n}: FAILED: {e}")
+                    self.notes.append(f"scaling dplb/{policy} on {n} engines: {str(e).splitlines()[0]}")
+                    self.rows.append(self._failed_row(spec, "scaling", n, len(specs)))
+                finally:
+                    if running is not None:
+                        stop_system(running, procs)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags of ``python -m bench.run``."""
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small request counts (make bench-quick, < 10 min)")
+    ap.add_argument("--systems", default="all",
+                    help="comma list of systems (dplb/dplb, sglang/cache_aware, vllm/power_of_two, direct, ...)")
+    ap.add_argument("--workloads", default="all", help=f"comma list of {', '.join(WORKLOADS)}")
+    ap.add_argument("--no-scaling", action="store_true", help="skip the 1/2/4/8-engine scaling run")
+    ap.add_argument("--scaling-policy", default="dplb", help="DPLB policy used for the scaling run")
+    ap.add_argument("--time-scale", type=float, default=TIME_SCALE, help="sim_engine --time-scale for every engine")
+    ap.add_argument("--seed", type=int, default=1234, help="base seed of the engines")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where latest.json/latest.md/plots go")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    return ap.parse_args(argv)
+
+
+def select(args: argparse.Namespace) -> tuple[list[SystemSpec], list[str]]:
+    """The systems and workloads the flags ask for; ``SystemExit`` (code 2) naming unknown ones."""
+    systems = all_systems()
+    if args.systems != "all":
+        want = [s.strip() for s in args.systems.split(",") if s.strip()]
+        by = {s.label: s for s in systems}
+        bad = [w for w in want if w not in by]
+        if bad:
+            raise SystemExit(f"unknown system(s) {bad}; known: {sorted(by)}")
+        systems = [by[w] for w in want]
+    workloads = list(WORKLOADS)
+    if args.workloads != "all":
+        workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        bad = [w for w in workloads if w not in WORKLOADS]
+        if bad:
+            raise SystemExit(f"unknown workload(s) {bad}; known: {list(WORKLOADS)}")
+    return systems, workloads
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; write ``latest.json``, ``latest.md`` and plots under ``--out``; exit 0."""
+    args = parse_args(argv)
+    systems, workloads = select(args)
+    profile = QUICK if args.quick else FULL
+    flags = EngineFlags(time_scale=args.time_scale, seed=args.seed)
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    log_dir = args.out / "tmp" / run_id
+    h = Harness(profile, flags, args.out, log_dir, verbose=not args.quiet)
+    t0 = time.monotonic()
+    cmdline = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    for spec in systems:
+        mine = [w for w in workloads if spec.kind != "direct" or w == "f_overhead"]
+        h.run_group(spec, [w for w in mine if not WORKLOADS[w].hetero], hetero=False)
+        h.run_group(spec, [w for w in mine if WORKLOADS[w].hetero], hetero=True)
+    if not args.no_scaling:
+        h.run_scaling(args.scaling_policy)
+    elapsed = time.monotonic() - t0
+    meta = {"command": cmdline, "elapsed_s": round(elapsed, 1), "profile": "quick" if args.quick else "full",
+            "engine_flags": asdict(flags), "num_engines": NUM_ENGINES, "hetero_slowdown": HETERO_SLOWDOWN,
+            "profile_values": asdict(profile), "run_id": run_id, "log_dir": str(log_dir)}
+    report.write_all(args.out, h.rows, meta, h.notes, h.ttft_a, h.share_e, h.router_only_cpu)
+    h.log(f"done in {elapsed:.0f} s; wrote {args.out}/latest.json, latest.md and plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

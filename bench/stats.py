@@ -1,0 +1,96 @@
+"""Turning raw client results and engine counters into one table row.
+
+Row keys (issue 7, exactly): ``system, policy, workload, workers, requests, errors, ttft_p50_ms,
+ttft_p90_ms, ttft_p99_ms, e2e_p50_ms, e2e_p99_ms, output_tok_s, req_s, prefix_hit_rate,
+max_share, min_share, router_cpu_s_per_1k``.
+
+Definitions:
+
+- percentiles: linear interpolation between closest ranks (numpy's default, ``method="linear"``),
+  over successful requests only;
+- ``output_tok_s`` = successful output tokens / wall seconds (first send → last completion);
+  ``req_s`` = successful requests / wall seconds;
+- ``prefix_hit_rate`` = Σ Δ``vllm:prefix_cache_hits_total`` / Σ Δ``vllm:prefix_cache_queries_total``
+  over all engines (tokens, vLLM's definition), ``None`` when no query was counted;
+- ``max_share``/``min_share`` = largest/smallest fraction of Δ``vllm:request_success_total`` that one
+  engine served (so the same counter decides the share for DPLB and for the peers);
+- ``router_cpu_s_per_1k`` = Δ CPU seconds of the routing processes × 1000 / requests sent
+  (``None`` for the direct run, which has no router).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from bench.loadgen import Result
+
+ROW_KEYS = ("system", "policy", "workload", "workers", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+            "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "prefix_hit_rate",
+            "max_share", "min_share", "router_cpu_s_per_1k")
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) with linear interpolation; ``None`` for no values.
+
+    Raises ``ValueError`` when ``q`` is outside 0..100.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in 0..100, got {q}")
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def shares(per_engine_done: Sequence[float]) -> tuple[float | None, float | None]:
+    """(max, min) fraction of the finished requests one engine served; ``(None, None)`` if none."""
+    total = sum(per_engine_done)
+    if total <= 0:
+        return None, None
+    fr = [x / total for x in per_engine_done]
+    return max(fr), min(fr)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000.0, 3)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def make_row(system: str, policy: str, workload: str, workers: int, results: Sequence[Result], wall_s: float,
+             engine_deltas: Sequence[dict[str, float]] | None, router_cpu_s: float | None) -> dict[str, object]:
+    """One table row (keys :data:`ROW_KEYS`, in that order) from a workload's raw figures.
+
+    ``engine_deltas``: per-engine counter differences (:func:`bench.engines.counter_delta`), or
+    ``None`` when unavailable; ``router_cpu_s``: CPU seconds the routing processes used during the
+    workload, ``None`` when there is no router.
+    """
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    out_tok = sum(r.output_tokens for r in ok)
+    n = len(results)
+    hit_rate = max_share = min_share = None
+    if engine_deltas:
+        q = sum(d["vllm:prefix_cache_queries_total"] for d in engine_deltas)
+        h = sum(d["vllm:prefix_cache_hits_total"] for d in engine_deltas)
+        hit_rate = (h / q) if q > 0 else None
+        max_share, min_share = shares([d["vllm:request_success_total"] for d in engine_deltas])
+    row = {
+        "system": system, "policy": policy, "workload": workload, "workers": workers,
+        "requests": n, "errors": n - len(ok),
+        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p90_ms": _ms(percentile(ttft, 90)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "e2e_p50_ms": _ms(percentile(e2e, 50)), "e2e_p99_ms": _ms(percentile(e2e, 99)),
+        "output_tok_s": _r(out_tok / wall_s if wall_s > 0 else None, 2),
+        "req_s": _r(len(ok) / wall_s if wall_s > 0 else None, 3),
+        "prefix_hit_rate": _r(hit_rate), "max_share": _r(max_share), "min_share": _r(min_share),
+        "router_cpu_s_per_1k": _r(router_cpu_s * 1000.0 / n if (router_cpu_s is not None and n) else None, 3),
+    }
+    assert tuple(row) == ROW_KEYS
+    return row

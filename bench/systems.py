@@ -1,0 +1,163 @@
+"""The systems under test, each started in front of a fresh :class:`bench.engines.EngineSet`.
+
+- ``dplb/<policy>``: a fresh segment, one worker agent per engine attached to it with
+  ``--engine openai --engine-url http://127.0.0.1:P`` (so DPLB drives exactly the engines the
+  peers get, with the same flags), and one router process. Routing CPU = router + agents (the
+  agents relay every byte, so they are part of DPLB's data path; the router alone is recorded too).
+- ``sglang/<policy>``, ``vllm/<policy>``: the peer router pointed at the engines' URLs directly.
+- ``direct``: no router; the client talks to engine 0 (baseline for added latency).
+
+A started system is a :class:`Running`: the client's base URL plus the PIDs whose CPU time is
+charged to routing. Stopping is by PID/process group through the shared :class:`ProcessSet`;
+the DPLB segment is unlinked.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from bench.engines import EngineSet, http_get
+from bench.errors import StartupError
+from bench.peers import ensure_peer, peer_command
+from bench.procs import LOOPBACK, Child, ProcessSet, free_port, wait_until
+
+MODEL = "sim-llama-3.1-8b"
+DPLB_POLICIES = ("dplb", "cache_aware", "round_robin", "shortest_queue", "power_of_two")
+PEER_POLICIES = {"sglang": ("cache_aware", "round_robin"), "vllm": ("cache_aware", "power_of_two")}
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """Which system: ``kind`` in ``dplb|sglang|vllm|direct`` and its routing ``policy``."""
+
+    kind: str
+    policy: str
+
+    @property
+    def label(self) -> str:
+        """``kind/policy`` (``direct`` alone)."""
+        return self.kind if self.kind == "direct" else f"{self.kind}/{self.policy}"
+
+
+def all_systems() -> list[SystemSpec]:
+    """Every system of issue 7, DPLB first, then the peers, then the direct baseline."""
+    out = [SystemSpec("dplb", p) for p in DPLB_POLICIES]
+    out += [SystemSpec(k, p) for k, ps in PEER_POLICIES.items() for p in ps]
+    out.append(SystemSpec("direct", "none"))
+    return out
+
+
+@dataclass
+class Running:
+    """A started system: ``base_url`` for the client, ``route_pids`` charged with routing CPU,
+    ``router_pids`` (the router processes alone), the children to stop, and cleanup hooks."""
+
+    spec: SystemSpec
+    base_url: str
+    route_pids: list[int]
+    router_pids: list[int]
+    children: list[Child] = field(default_factory=list)
+    shm_name: str | None = None
+
+
+def _post_json(url: str, body: dict, timeout: float = 10.0) -> int:
+    req = urllib.request.Request(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback URLs built here
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def probe(base_url: str) -> bool:
+    """One tiny non-streaming chat completion through ``base_url``; True on HTTP 200."""
+    return _post_json(base_url + "/v1/chat/completions",
+                      {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}) == 200
+
+
+def start_system(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path,
+                 ready_timeout_s: float = 120.0) -> Running:
+    """Start ``spec`` in front of ``engines`` and wait until a probe request succeeds.
+
+    Raises :class:`StartupError` (process exited, not ready in time) or
+    :class:`bench.errors.PeerInstallError` (peer could not be installed).
+    """
+    if spec.kind == "direct":
+        return Running(spec, engines.urls[0], [], [])
+    if spec.kind in PEER_POLICIES:
+        return _start_peer(spec, procs, engines, ready_timeout_s)
+    if spec.kind == "dplb":
+        return _start_dplb(spec, procs, engines, run_dir, ready_timeout_s)
+    raise StartupError(spec.label, f"unknown system kind {spec.kind!r}")
+
+
+def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout: float) -> Running:
+    ensure_peer(spec.kind)
+    port, prom = free_port(), free_port()
+    child = procs.start(f"{spec.kind}-{spec.policy}", peer_command(spec.kind, spec.policy, port, prom, engines.urls))
+    base = f"http://{LOOPBACK}:{port}"
+    wait_until(lambda: probe(base), timeout, f"{spec.label} router at {base}", interval=0.25, children=[child])
+    return Running(spec, base, [child.pid], [child.pid], [child])
+
+
+def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path, timeout: float) -> Running:
+    shm = f"dplb-bench-{os.getpid()}-{free_port()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    seg = procs.start("dplb-shm-create", [sys.executable, "-m", "dplb_shm", "create", "--name", shm,
+                                          "--slots", "64", "--replace"])
+    try:
+        rc = seg.popen.wait(60)
+    finally:
+        procs.children.remove(seg)
+    if rc != 0:
+        raise StartupError("dplb segment", f"`python -m dplb_shm create` exited {rc}", seg.log)
+    running = Running(spec, "", [], [], shm_name=shm)
+    try:
+        agents = []
+        for i, url in enumerate(engines.urls):
+            sock = str(run_dir / f"agent-{i}.sock")
+            agents.append(procs.start(f"dplb-agent-{i}", [
+                sys.executable, "-m", "worker_agent", "--worker-id", str(i), "--shm", shm, "--uds", sock,
+                "--engine", "openai", "--engine-url", url, "--model", MODEL, "--run-dir", str(run_dir)]))
+        port = free_port()
+        router = procs.start(f"dplb-router-{spec.policy}", [
+            sys.executable, "-m", "router", "--host", LOOPBACK, "--port", str(port), "--shm", shm,
+            "--policy", spec.policy, "--log-level", "warning"])
+        base = f"http://{LOOPBACK}:{port}"
+        running.base_url = base
+        running.children = [router, *agents]
+        running.route_pids = [router.pid] + [a.pid for a in agents]
+        running.router_pids = [router.pid]
+
+        def all_ready() -> bool:
+            status, body = http_get(base + "/dplb/status", 2.0)
+            if status != 200:
+                return False
+            ws = orjson.loads(body).get("workers", [])
+            ready = [w for w in ws if str(w.get("state", "")).lower() in ("ready", "2")]
+            return len(ready) >= engines.n
+
+        wait_until(all_ready, timeout, f"{spec.label}: {engines.n} workers ready", interval=0.25,
+                   children=[router, *agents])
+        wait_until(lambda: probe(base), timeout, f"{spec.label} router at {base}", interval=0.25, children=[router])
+        return running
+    except BaseException:
+        stop_system(running, procs)
+        raise
+
+
+def stop_system(running: Running, procs: ProcessSet) -> None:
+    """Stop the system's processes (by PID / process group) and unlink its segment, if any."""
+    for c in reversed(running.children):
+        procs.stop(c)
+    if running.shm_name:
+        path = f"/dev/shm/{running.shm_name}"
+        if os.path.exists(path):
+            os.unlink(path)

@@ -1,0 +1,213 @@
+"""The workloads of issue 7, as lists of prepared requests (same bytes for every system).
+
+Each workload is deterministic (seeded), so every system sees exactly the same requests at the
+same offsets. Tokens are whitespace-separated words (the simulated engine's tokenizer), so a
+prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
+
+(a) ``a_mooncake``: replay of the first ``mooncake_requests`` lines of the Mooncake conversation
+    trace (``../shared/data/mooncake/``, via :mod:`bench.trace`), arrival times divided by
+    ``mooncake_speedup``; ``max_tokens`` = the trace's ``output_length``. Streamed.
+(b) ``b_shared_prefix``: SGLang's generated-shared-prefix shape (``bench_serving.py
+    --dataset-name generated-shared-prefix``: ``gsp_num_groups`` groups, ``gsp_prompts_per_group``
+    questions each, ``gsp_system_prompt_len`` system prompt, ``gsp_question_len`` question,
+    ``gsp_output_len`` output; SGLang's defaults are 64/16/2048/128/256), scaled down; requests
+    shuffled across groups, Poisson arrivals. Streamed.
+(c) ``c_mixed_lengths``: unique prompts of 128 and 4,096 words interleaved (short, long, short,
+    ...), Poisson arrivals. Streamed.
+(d) ``d_heterogeneous``: unique prompts of 256..2,048 words, Poisson arrivals, on an engine set in
+    which one engine runs ``--slowdown 3``. Streamed.
+(e) ``e_burst``: ``burst_requests`` (200) unique 512-word prompts all sent at t=0 on idle engines.
+    Streamed. Judged on per-worker share.
+(f) ``f_overhead``: tiny non-streaming requests (8 words, ``max_tokens`` 1) at fixed concurrency,
+    closed loop; the same run straight to one engine gives the baseline for added latency.
+``scaling``: closed loop with ``scaling_concurrency_per_engine`` × N clients, unique 256-word
+    prompts, 64 output tokens, N = 1, 2, 4, 8 engines; efficiency(N) = tok/s(N) / (N × tok/s(1)).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from bench.errors import WorkloadError
+from bench.loadgen import RequestSpec, chat_body
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes and rates of every workload (``FULL`` for ``make bench``, ``QUICK`` for ``--quick``).
+
+    Rates are wall-clock requests per second; the engines' ``--time-scale`` sets how much
+    simulated work one wall second holds, so both are chosen together (see ``bench.run``).
+    """
+
+    mooncake_requests: int
+    mooncake_speedup: float
+    gsp_num_groups: int
+    gsp_prompts_per_group: int
+    gsp_system_prompt_len: int
+    gsp_question_len: int
+    gsp_output_len: int
+    gsp_rate: float
+    mixed_requests: int
+    mixed_output_len: int
+    mixed_rate: float
+    hetero_requests: int
+    hetero_output_len: int
+    hetero_rate: float
+    burst_requests: int
+    burst_prompt_len: int
+    burst_output_len: int
+    overhead_requests: int
+    overhead_concurrency: int
+    scaling_requests_per_engine: int
+    scaling_concurrency_per_engine: int
+    scaling_prompt_len: int
+    scaling_output_len: int
+
+
+FULL = Profile(
+    mooncake_requests=360, mooncake_speedup=2.0,
+    gsp_num_groups=8, gsp_prompts_per_group=24, gsp_system_prompt_len=2048, gsp_question_len=128,
+    gsp_output_len=128, gsp_rate=4.0,
+    mixed_requests=160, mixed_output_len=128, mixed_rate=4.0,
+    hetero_requests=160, hetero_output_len=128, hetero_rate=4.0,
+    burst_requests=200, burst_prompt_len=512, burst_output_len=64,
+    overhead_requests=1500, overhead_concurrency=4,
+    scaling_requests_per_engine=32, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
+    scaling_output_len=64,
+)
+
+QUICK = replace(
+    FULL, mooncake_requests=100, gsp_num_groups=4, gsp_prompts_per_group=12, mixed_requests=50,
+    hetero_requests=50, overhead_requests=300, scaling_requests_per_engine=12,
+)
+
+_VOCAB: tuple[str, ...] | None = None
+
+
+def _vocab() -> tuple[str, ...]:
+    global _VOCAB
+    if _VOCAB is None:
+        from bench.trace import VOCAB
+        _VOCAB = VOCAB
+    return _VOCAB
+
+
+def words(rng: random.Random, n: int, tag: str) -> str:
+    """``n`` whitespace-separated words; the first is ``tag`` so texts of different workloads or
+    requests never share a first block by accident."""
+    if n < 1:
+        raise WorkloadError(f"a prompt needs at least one word, got {n}")
+    return " ".join([tag] + rng.choices(_vocab(), k=n - 1))
+
+
+def _poisson_offsets(rng: random.Random, n: int, rate: float) -> list[float]:
+    if rate <= 0:
+        raise WorkloadError(f"arrival rate must be > 0, got {rate}")
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def mooncake(p: Profile, model: str) -> list[RequestSpec]:
+    """(a) Mooncake replay: ``p.mooncake_requests`` trace lines, times ÷ ``p.mooncake_speedup``."""
+    from bench.trace import load_trace, prompt_for
+
+    reqs = load_trace(limit=p.mooncake_requests)
+    if not reqs:
+        raise WorkloadError("the Mooncake trace gave no requests")
+    return [RequestSpec(r.timestamp_ms / 1000.0 / p.mooncake_speedup, CHAT,
+                        chat_body(model, _user(prompt_for(r)), r.output_length, True), True, "trace")
+            for r in reqs]
+
+
+def shared_prefix(p: Profile, model: str, seed: int = 2) -> list[RequestSpec]:
+    """(b) generated-shared-prefix: groups × questions over a few long system prompts."""
+    rng = random.Random(seed)
+    systems = [words(rng, p.gsp_system_prompt_len, f"sys{g}") for g in range(p.gsp_num_groups)]
+    pairs = [(g, words(rng, p.gsp_question_len, f"q{g}x{i}"))
+             for g in range(p.gsp_num_groups) for i in range(p.gsp_prompts_per_group)]
+    rng.shuffle(pairs)
+    at = _poisson_offsets(rng, len(pairs), p.gsp_rate)
+    return [RequestSpec(t, CHAT, chat_body(model, [{"role": "system", "content": systems[g]},
+                                                   {"role": "user", "content": q}], p.gsp_output_len, True),
+                        True, f"group{g}")
+            for t, (g, q) in zip(at, pairs)]
+
+
+def mixed_lengths(p: Profile, model: str, seed: int = 3) -> list[RequestSpec]:
+    """(c) 128- and 4,096-word unique prompts interleaved, Poisson arrivals."""
+    rng = random.Random(seed)
+    at = _poisson_offsets(rng, p.mixed_requests, p.mixed_rate)
+    out = []
+    for i, t in enumerate(at):
+        n, tag = (128, "short") if i % 2 == 0 else (4096, "long")
+        out.append(RequestSpec(t, CHAT, chat_body(model, _user(words(rng, n, f"mx{i}")), p.mixed_output_len, True),
+                               True, tag))
+    return out
+
+
+def heterogeneous(p: Profile, model: str, seed: int = 4) -> list[RequestSpec]:
+    """(d) unique 256..2,048-word prompts, Poisson arrivals (run on the heterogeneous engine set)."""
+    rng = random.Random(seed)
+    at = _poisson_offsets(rng, p.hetero_requests, p.hetero_rate)
+    return [RequestSpec(t, CHAT, chat_body(model, _user(words(rng, rng.randint(256, 2048), f"ht{i}")),
+                                           p.hetero_output_len, True), True, "hetero")
+            for i, t in enumerate(at)]
+
+
+def burst(p: Profile, model: str, seed: int = 5) -> list[RequestSpec]:
+    """(e) ``p.burst_requests`` unique prompts, all at t=0."""
+    rng = random.Random(seed)
+    return [RequestSpec(0.0, CHAT, chat_body(model, _user(words(rng, p.burst_prompt_len, f"bu{i}")),
+                                             p.burst_output_len, True), True, "burst")
+            for i in range(p.burst_requests)]
+
+
+def overhead(p: Profile, model: str, seed: int = 6) -> list[RequestSpec]:
+    """(f) tiny non-streaming requests (8 words, 1 output token), for a closed loop."""
+    rng = random.Random(seed)
+    return [RequestSpec(0.0, CHAT, chat_body(model, _user(words(rng, 8, f"oh{i}")), 1, False), False, "tiny")
+            for i in range(p.overhead_requests)]
+
+
+def scaling(p: Profile, model: str, engines: int, seed: int = 7) -> list[RequestSpec]:
+    """Scaling run on ``engines`` engines: ``p.scaling_requests_per_engine × engines`` requests."""
+    rng = random.Random(seed)
+    return [RequestSpec(0.0, CHAT, chat_body(model, _user(words(rng, p.scaling_prompt_len, f"sc{i}")),
+                                             p.scaling_output_len, True), True, "scale")
+            for i in range(p.scaling_requests_per_engine * engines)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named workload: how to build its requests and how to send them.
+
+    ``build(profile, model)``: the request list; ``closed``: closed loop at
+    ``profile.overhead_concurrency`` clients instead of sending at each spec's offset;
+    ``hetero``: run on the engine set with one 3× slower engine.
+    """
+
+    name: str
+    build: Callable[[Profile, str], list[RequestSpec]]
+    hetero: bool = False
+    closed: bool = False
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("a_mooncake", mooncake),
+    Workload("b_shared_prefix", shared_prefix),
+    Workload("c_mixed_lengths", mixed_lengths),
+    Workload("d_heterogeneous", heterogeneous, hetero=True),
+    Workload("e_burst", burst),
+    Workload("f_overhead", overhead, closed=True),
+)}
