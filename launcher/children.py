@@ -1,0 +1,165 @@
+"""Child processes of the launcher: start each in its own process group, stop whole trees.
+
+Every child (router, worker agents) runs in a new session (``start_new_session=True``), so its
+process group holds it and whatever it forks that stays in the group. Engines an agent starts in
+a session of their own are found through the process tree instead: the launcher makes itself a
+*child subreaper* (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so an engine orphaned by a crashed
+agent is re-parented to the launcher rather than to init and is still stopped at shutdown.
+
+Stopping (:func:`stop_tree`): SIGTERM to every group and every descendant, wait up to a grace
+period, then SIGKILL whatever is left — the order ``docker stop`` and systemd use.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux only); True on success."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass
+class Child:
+    """A started child: ``name`` (e.g. ``"worker 2"``), its ``Popen``, ``log_path`` and ``argv``."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        """The child's pid (also its process-group id)."""
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """Exit status, or None while it runs."""
+        return self.popen.poll()
+
+
+def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
+                cwd: str | os.PathLike[str] | None = None) -> Child:
+    """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
+
+    Raises ``OSError`` when the program cannot be executed.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"=== {name}: {' '.join(argv)}\n".encode())
+        log.flush()
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             cwd=cwd, start_new_session=True)
+    return Child(name=name, popen=p, log_path=log_path, argv=list(argv))
+
+
+def log_tail(path: Path, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
+    """The last ``lines`` lines of ``path`` (reads at most ``max_bytes`` from the end); "" if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(deque(data.decode("utf-8", "replace").splitlines(), maxlen=lines))
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (default: this process), deepest last; [] if it is gone."""
+    try:
+        return psutil.Process(pid if pid is not None else os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_tree(children: Iterable[Child], grace_s: float = 10.0) -> list[int]:
+    """Stop ``children`` with their process groups and every descendant of this process.
+
+    SIGTERM first, SIGKILL after ``grace_s`` seconds for whatever is still alive; reaps the
+    ``Popen`` objects. Returns the pids that needed SIGKILL (empty when all stopped in time).
+    """
+    kids = [c for c in children]
+    procs: dict[int, psutil.Process] = {}
+    for c in kids:
+        for p in [*_as_proc(c.pid), *descendants(c.pid)]:
+            procs[p.pid] = p
+    for p in descendants():  # orphans re-parented to us (subreaper) and anything else we started
+        procs[p.pid] = p
+    for c in kids:
+        if c.poll() is None:
+            _signal_group(c.pid, signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
+    killed = []
+    for c in kids:
+        _signal_group(c.pid, signal.SIGKILL)
+    for p in alive:
+        try:
+            p.kill()
+            killed.append(p.pid)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    for c in kids:
+        try:
+            c.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    reap_orphans({c.pid for c in kids})
+    return killed
+
+
+def reap_orphans(ours: set[int]) -> None:
+    """Collect exit statuses of zombie descendants that are not our own ``Popen`` children.
+
+    Needed because a subreaper inherits orphans it never started; without ``waitpid`` they would
+    stay zombies. Our ``Popen`` children (``ours``) are left to ``Popen.poll``.
+    """
+    try:
+        me = psutil.Process()
+        kids = me.children()
+    except psutil.Error:
+        return
+    for p in kids:
+        if p.pid in ours:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+def _as_proc(pid: int) -> list[psutil.Process]:
+    try:
+        return [psutil.Process(pid)]
+    except psutil.Error:
+        return []

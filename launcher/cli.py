@@ -1,0 +1,139 @@
+"""Command line of the launcher (``scripts/launch_dplb.sh`` execs ``python -m launcher``).
+
+``launch_dplb.sh --num-workers N [--gpus LIST] [--engine sim|vllm|sglang|openai] [--model M]
+[--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
+[-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
+anything (``--json`` for a machine-readable plan).
+
+Exit status: 0 after a requested stop, 1 when a start failed or the router died, 2 for a usage
+error (bad flag, impossible GPU split, port taken), 130 when interrupted before ready.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import orjson
+
+from launcher.errors import LaunchError, UsageError
+from launcher.gpus import ENGINES, choose_engine, discover_gpus, parse_gpu_list, plan_gpus
+from launcher.supervisor import LaunchConfig, Supervisor
+
+#: start-up budget per engine kind, seconds: a real model can take many minutes to load.
+START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argparse parser."""
+    p = argparse.ArgumentParser(
+        prog="launch_dplb.sh",
+        description="Start a DPLB endpoint: one router in front of N engines (one per GPU group).",
+        epilog="Arguments after -- are passed to every engine. Example: launch_dplb.sh --num-workers 4",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--num-workers", "-n", type=int, required=True, help="number of workers (engines)")
+    p.add_argument("--gpus", default=None,
+                   help="GPU ids to use, e.g. 0,1,2,3 or 0-7 (default: every GPU NVML or nvidia-smi sees)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="engine kind (default: vllm when a GPU and --model are given, else sim)")
+    p.add_argument("--model", default=None, help="model to serve (HF id or local folder; sim: its name)")
+    p.add_argument("--engine-url", action="append", default=[], dest="engine_urls",
+                   help="--engine openai: the URL of an OpenAI-compatible server, once per worker")
+    p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve other machines)")
+    p.add_argument("--port", type=int, default=30000, help="router port")
+    p.add_argument("--config", default=None, help="dplb.yaml passed to the router")
+    p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
+    p.add_argument("--policy", default=None, help="routing policy (router default: dplb)")
+    p.add_argument("--time-scale", type=float, default=None, help="sim engines: time scale factor")
+    p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
+    p.add_argument("--log-level", default=None, help="router log level")
+    p.add_argument("--shm", default=None, help="segment name (default: dplb-<port>)")
+    p.add_argument("--run-dir", default=None,
+                   help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
+    p.add_argument("--start-timeout", type=float, default=None,
+                   help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
+    p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    return p
+
+
+def split_engine_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` at the first ``--``: (launcher args, extra engine args)."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> LaunchConfig:
+    """Validate flags and plan GPUs; raises :class:`UsageError` / :class:`GpuPlanError`."""
+    if args.num_workers < 1:
+        raise UsageError(f"--num-workers must be at least 1 (got {args.num_workers})")
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 1..65535 (got {args.port})")
+    if args.state_interval_ms < 1:
+        raise UsageError(f"--state-interval-ms must be positive (got {args.state_interval_ms})")
+    if args.time_scale is not None and args.time_scale <= 0:
+        raise UsageError(f"--time-scale must be positive (got {args.time_scale})")
+    explicit = args.gpus is not None
+    gpus = parse_gpu_list(args.gpus) if explicit else discover_gpus()
+    engine = choose_engine(args.engine, bool(gpus), args.model)
+    if engine == "sim" and not explicit:
+        gpus = []  # the simulator needs no GPU: do not refuse a launch over an uneven split it won't use
+    if engine == "openai" and len(args.engine_urls) != args.num_workers:
+        raise UsageError(f"--engine openai needs one --engine-url per worker ({args.num_workers}), "
+                         f"got {len(args.engine_urls)}")
+    if engine != "openai" and args.engine_urls:
+        raise UsageError("--engine-url is only for --engine openai")
+    if args.time_scale is not None and engine != "sim":
+        raise UsageError("--time-scale only applies to --engine sim")
+    plan = plan_gpus(gpus, args.num_workers)
+    if args.config and not os.path.isfile(args.config):
+        raise UsageError(f"--config: no such file: {args.config}")
+    run_dir = Path(args.run_dir or os.environ.get("DPLB_RUN_DIR")
+                   or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dplb-{args.port}"))
+    return LaunchConfig(
+        num_workers=args.num_workers, plan=plan, engine=engine, model=args.model, host=args.host, port=args.port,
+        config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
+        policy=args.policy, time_scale=args.time_scale, router_workers=args.router_workers,
+        log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
+        run_dir=run_dir.absolute(), shm_name=args.shm or f"dplb-{args.port}",
+        start_timeout_s=args.start_timeout or START_TIMEOUTS[engine])
+
+
+def plan_document(cfg: LaunchConfig) -> dict:
+    """The ``--dry-run --json`` document: engine, tp size, and per worker GPUs, env and argv."""
+    return {
+        "engine": cfg.engine, "model": cfg.model, "num_workers": cfg.num_workers, "tp_size": cfg.plan.tp_size,
+        "shm": cfg.shm_name, "run_dir": str(cfg.run_dir), "url": cfg.url,
+        "workers": [{"worker_id": k, "gpus": cfg.plan.groups[k],
+                     "cuda_visible_devices": cfg.plan.cuda_visible_devices(k), "argv": cfg.agent_argv(k)}
+                    for k in range(cfg.num_workers)],
+        "router": {"argv": cfg.router_argv()},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    own, engine_args = split_engine_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
+    try:
+        cfg = config_from_args(args, engine_args)
+        if args.dry_run:
+            doc = plan_document(cfg)
+            if args.json:
+                sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+            else:
+                print(f"engine {cfg.engine}, {cfg.num_workers} worker(s), tp {cfg.plan.tp_size}")
+                for w in doc["workers"]:
+                    print(f"worker {w['worker_id']}: CUDA_VISIBLE_DEVICES={w['cuda_visible_devices'] or '(unset)'} "
+                          + " ".join(w["argv"]))
+                print("router: " + " ".join(doc["router"]["argv"]))
+            return 0
+        return Supervisor(cfg).run()
+    except LaunchError as e:
+        print(f"launch_dplb: error: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,408 @@
+"""The supervisor behind ``scripts/launch_dplb.sh``: segment, router, N worker agents, one lifetime.
+
+Start-up, in order (each step fails with a :class:`launcher.errors.LaunchError` naming what and
+why, after undoing the steps before it):
+
+1. check the router port is free and the run dir's socket paths fit ``sun_path`` (108 bytes);
+2. create the run dir (mode 0700) and drop sockets a previous run left behind;
+3. create the segment ``dplb-<port>`` (64 slots, replacing a stale one — the port being free
+   means no live launch owns it);
+4. start the N agents (``python -m worker_agent``, ``CUDA_VISIBLE_DEVICES`` = the worker's GPU
+   group) and the router (``python -m router``), each in its own process group, logs in the run
+   dir;
+5. wait until every agent's slot is READY and the router answers ``GET /health`` with 200,
+   printing progress from the slot states; a child that exits stops the launch with its log's
+   last lines;
+6. print the ready banner and stay in the foreground.
+
+Ctrl-C, SIGTERM or SIGHUP stop every child and its descendants (engines included, see
+:mod:`launcher.children`), unlink the segment and remove the sockets; logs stay in the run dir.
+After start-up an agent that dies is reported (the router stops sending to it once its
+heartbeat goes stale); a router that dies ends the launch with status 1.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from launcher.children import Child, become_subreaper, log_tail, reap_orphans, start_child, stop_tree
+from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
+from launcher.gpus import GpuPlan
+
+ROOT = Path(__file__).resolve().parent.parent
+SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+DEFAULT_SIM_MODEL = "sim-llama-3.1-8b"  # sim engine's default model name (docs/INTERFACES.md)
+
+
+@dataclass
+class LaunchConfig:
+    """Everything one launch needs; built by :func:`launcher.cli.config_from_args`.
+
+    ``time_scale``: passed to sim engines as ``--time-scale`` (None: the engine's default);
+    ``engine_args``: extra engine flags given after ``--``; ``engine_urls``: one per worker for
+    ``--engine openai``; ``start_timeout_s``: how long every worker has to become ready.
+    """
+
+    num_workers: int
+    plan: GpuPlan
+    engine: str
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    config: str | None = None
+    state_interval_ms: int = 200
+    policy: str | None = None
+    time_scale: float | None = None
+    router_workers: int | None = None
+    log_level: str | None = None
+    engine_urls: list[str] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)
+    run_dir: Path = Path("/tmp/dplb-30000")
+    shm_name: str = "dplb-30000"
+    num_slots: int = 64
+    start_timeout_s: float = 120.0
+    python: str = sys.executable
+
+    def agent_socket(self, k: int) -> Path:
+        """Unix socket worker ``k``'s agent serves on."""
+        return self.run_dir / f"agent-{k}.sock"
+
+    def agent_argv(self, k: int) -> list[str]:
+        """Command line of worker ``k``'s agent (``docs/INTERFACES.md``, worker agent)."""
+        argv = [self.python, "-m", "worker_agent", "--worker-id", str(k), "--shm", self.shm_name,
+                "--uds", str(self.agent_socket(k)), "--engine", self.engine,
+                "--state-interval-ms", str(self.state_interval_ms), "--run-dir", str(self.run_dir)]
+        if self.model:
+            argv += ["--model", self.model]
+        gpus = self.plan.groups[k]
+        if gpus:
+            argv += ["--gpus", ",".join(map(str, gpus)), "--tp-size", str(self.plan.tp_size)]
+        if self.engine == "openai":
+            argv += ["--engine-url", self.engine_urls[k]]
+        extra = list(self.engine_args)
+        if self.engine == "sim" and self.time_scale is not None:
+            extra = ["--time-scale", f"{self.time_scale:g}", *extra]
+        if extra:
+            argv += ["--", *extra]
+        return argv
+
+    def router_argv(self) -> list[str]:
+        """Command line of the router (``docs/INTERFACES.md``, router)."""
+        argv = [self.python, "-m", "router", "--host", self.host, "--port", str(self.port), "--shm", self.shm_name]
+        if self.config:
+            argv += ["--config", self.config]
+        if self.policy:
+            argv += ["--policy", self.policy]
+        if self.router_workers:
+            argv += ["--workers", str(self.router_workers)]
+        if self.log_level:
+            argv += ["--log-level", self.log_level]
+        return argv
+
+    def child_env(self, k: int | None) -> dict[str, str]:
+        """Environment of worker ``k`` (``None``: the router): ours + PYTHONPATH + its GPU group."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        if k is not None:
+            cvd = self.plan.cuda_visible_devices(k)
+            if cvd is not None:
+                env["CUDA_VISIBLE_DEVICES"] = cvd
+        return env
+
+    @property
+    def url(self) -> str:
+        """The router's base URL as a client on this machine reaches it."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host == "::" else self.host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+class _Stop(Exception):
+    """Raised inside the supervisor's loops when a stop signal arrived."""
+
+
+class Supervisor:
+    """Runs one launch (:meth:`run`); the children's commands come from ``cfg``.
+
+    ``out`` receives progress and the banner (default stdout). ``segment_api`` is the
+    ``dplb_shm.Segment`` class (injected so tests can run without the native extension).
+    """
+
+    def __init__(self, cfg: LaunchConfig, out: TextIO | None = None, segment_api: Any = None) -> None:
+        self.cfg = cfg
+        self.out = out or sys.stdout
+        self._segment_api = segment_api
+        self.segment: Any = None
+        self.router: Child | None = None
+        self.agents: list[Child] = []
+        self._stop_sig: int | None = None
+        self._reported_dead: set[str] = set()
+        self._tty = hasattr(self.out, "isatty") and self.out.isatty()
+
+    # ----------------------------------------------------------------- public
+    def run(self) -> int:
+        """Start everything, wait for a stop signal, stop everything; returns the exit status.
+
+        0 after a requested stop once ready, 130 when stopped before ready, 1 when the router
+        died; raises :class:`LaunchError` for a failed start (after cleaning up).
+        """
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            try:
+                self.start()
+                self.wait_ready()
+            except _Stop:
+                self._say(f"\nstopping ({signal.Signals(self._stop_sig or 2).name}) before ready ...")
+                return 130
+            self.print_banner()
+            try:
+                return self.serve()
+            except _Stop:
+                self._say(f"\nstopping ({signal.Signals(self._stop_sig or 2).name}) ...")
+                return 0
+        finally:
+            self.shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def start(self) -> None:
+        """Steps 1–4 of the module docstring."""
+        cfg = self.cfg
+        check_port_free(cfg.host, cfg.port)
+        longest = cfg.run_dir / f"engine-{cfg.num_workers - 1}.sock"
+        if len(os.fsencode(longest)) > SUN_PATH_MAX:
+            raise UsageError(f"run dir {cfg.run_dir} is too long for Unix socket paths ({longest} > "
+                             f"{SUN_PATH_MAX} bytes); set DPLB_RUN_DIR to a shorter directory")
+        prepare_run_dir(cfg.run_dir)
+        become_subreaper()
+        seg_cls = self._segment_api or _segment_class()
+        self.segment = seg_cls.create(cfg.shm_name, num_slots=cfg.num_slots, replace=True)
+        gpu_note = (f"GPUs {cfg.plan.groups} (tp {cfg.plan.tp_size})" if any(cfg.plan.groups) else "no GPU")
+        self._say(f"dplb: {cfg.num_workers} worker(s), engine {cfg.engine}"
+                  f"{' model ' + cfg.model if cfg.model else ''}, {gpu_note}; segment {cfg.shm_name}; "
+                  f"logs in {cfg.run_dir}")
+        for k in range(cfg.num_workers):
+            self._check_stop()
+            self.agents.append(self._start(f"worker {k}", cfg.agent_argv(k), cfg.run_dir / f"agent-{k}.log",
+                                           cfg.child_env(k)))
+        self.router = self._start("router", cfg.router_argv(), cfg.run_dir / "router.log", cfg.child_env(None))
+
+    def wait_ready(self) -> None:
+        """Step 5: poll slots and the router until all are ready; progress on ``out``."""
+        cfg = self.cfg
+        t0 = time.monotonic()
+        last = ""
+        while True:
+            self._check_stop()
+            self._check_children(starting=True)
+            states = self.slot_states()
+            router_ok = http_ok(cfg.url + "/health")
+            ready = sum(1 for s in states if s == "READY")
+            line = (f"[{time.monotonic() - t0:5.1f}s] workers ready {ready}/{cfg.num_workers}: "
+                    + " ".join(f"{k}:{s}" for k, s in enumerate(states))
+                    + f" | router: {'up' if router_ok else 'starting'}")
+            if ready == cfg.num_workers and router_ok:
+                self._progress(line, final=True)
+                return
+            if line.split("] ", 1)[1] != last.split("] ", 1)[-1] or self._tty:
+                self._progress(line)
+            last = line
+            if time.monotonic() - t0 > cfg.start_timeout_s:
+                pending = [f"worker {k} ({s})" for k, s in enumerate(states) if s != "READY"]
+                if not router_ok:
+                    pending.append("router")
+                tails = "\n".join(f"--- last lines of {c.log_path} ---\n{log_tail(c.log_path, 8)}"
+                                  for c in self._children() if c.name in {p.split(' (')[0] for p in pending})
+                raise StartTimeoutError(cfg.start_timeout_s, pending, tails)
+            self._sleep(0.25)
+
+    def serve(self) -> int:
+        """Step 6: stay in the foreground until a stop signal (returns 0) or the router dies (1)."""
+        while True:
+            self._check_stop()
+            rc = self._check_children(starting=False)
+            if rc is not None:
+                return rc
+            self._sleep(0.5)
+
+    def shutdown(self) -> None:
+        """Stop every child tree, unlink the segment, remove sockets. Safe to call twice."""
+        children = self._children()
+        if children:
+            stop_tree(children, grace_s=10.0)
+        self.agents, self.router = [], None
+        if self.segment is not None:
+            seg, self.segment = self.segment, None
+            for fn in (seg.close, seg.unlink):
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - cleanup must go on; report it
+                    self._say(f"dplb: segment cleanup: {type(e).__name__}: {e}")
+            if os.path.exists(f"/dev/shm/{self.cfg.shm_name}"):
+                try:
+                    os.unlink(f"/dev/shm/{self.cfg.shm_name}")
+                except OSError:
+                    pass
+        remove_sockets(self.cfg.run_dir)
+
+    def slot_states(self) -> list[str]:
+        """State name of each worker's slot (``"-"`` before the agent claims it)."""
+        try:
+            snaps = self.segment.snapshot()
+        except Exception:  # noqa: BLE001 - a torn read while starting is not fatal
+            return ["?"] * self.cfg.num_workers
+        out = []
+        for k in range(self.cfg.num_workers):
+            s = snaps[k] if k < len(snaps) else None
+            name = getattr(getattr(s, "state", None), "name", None) or "-"
+            out.append("-" if name == "EMPTY" else name)
+        return out
+
+    def served_model(self) -> str:
+        """Model name the workers serve (from slot 0), else ``--model``, else the sim default."""
+        try:
+            m = self.segment.read_slot(0).model
+            if m:
+                return str(m)
+        except Exception:  # noqa: BLE001
+            pass
+        return self.cfg.model or DEFAULT_SIM_MODEL
+
+    def print_banner(self) -> None:
+        """The ready banner: URL, a curl line, the segment dump command, logs, how to stop."""
+        cfg = self.cfg
+        body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+                % self.served_model())
+        lines = [
+            "",
+            f"DPLB ready: {cfg.num_workers} worker(s) ({cfg.engine}), router on {cfg.url}",
+            f"  OpenAI base URL  {cfg.url}/v1",
+            f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}",
+            f"  live state       dplb-shm-dump --shm {cfg.shm_name} --watch",
+            f"  router status    curl -s {cfg.url}/dplb/status",
+            f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",
+            "Press Ctrl-C to stop every worker, engine and the router.",
+        ]
+        self._say("\n".join(lines))
+
+    # ---------------------------------------------------------------- helpers
+    def _start(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> Child:
+        try:
+            return start_child(name, argv, log, env)
+        except OSError as e:
+            raise ChildStartError(name, None, str(log), "", reason=f"could not be started ({e})") from None
+
+    def _children(self) -> list[Child]:
+        return [*([self.router] if self.router else []), *self.agents]
+
+    def _check_children(self, starting: bool) -> int | None:
+        reap_orphans({c.pid for c in self._children()})
+        for c in self._children():
+            rc = c.poll()
+            if rc is None:
+                continue
+            if starting:
+                raise ChildStartError(c.name, rc, str(c.log_path), log_tail(c.log_path, 20))
+            if c.name not in self._reported_dead:
+                self._reported_dead.add(c.name)
+                self._say(f"dplb: {c.name} exited with status {rc}; last lines of {c.log_path}:\n"
+                          + log_tail(c.log_path, 10))
+            if c is self.router:
+                self._say("dplb: the router is gone; stopping")
+                return 1
+            if all(a.poll() is not None for a in self.agents):
+                self._say("dplb: every worker is gone; stopping")
+                return 1
+        return None
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._stop_sig is None:
+            self._stop_sig = signum
+        else:  # a second Ctrl-C: no more patience for graceful engine shutdown
+            for c in self._children():
+                try:
+                    os.killpg(c.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def _check_stop(self) -> None:
+        if self._stop_sig is not None:
+            raise _Stop()
+
+    def _sleep(self, s: float) -> None:
+        end = time.monotonic() + s
+        while self._stop_sig is None and time.monotonic() < end:
+            time.sleep(min(0.05, end - time.monotonic()) if end > time.monotonic() else 0)
+
+    def _progress(self, line: str, final: bool = False) -> None:
+        if self._tty:
+            self.out.write("\r\033[K" + line + ("\n" if final else ""))
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def _say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+def _segment_class() -> Any:
+    try:
+        from dplb_shm import Segment
+    except ImportError as e:
+        raise LaunchError(f"cannot import the segment library dplb_shm ({e}); run `make install`") from None
+    return Segment
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`UsageError` when ``host:port`` cannot be bound (another router runs there)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"port {port} on {host} is not free ({e.strerror}); is another DPLB running? "
+                             f"Choose another with --port") from None
+
+
+def prepare_run_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700) and remove stale ``*.sock`` files; logs are kept and appended to."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    remove_sockets(path)
+
+
+def remove_sockets(path: Path) -> None:
+    """Delete every ``*.sock`` in ``path`` (sockets of this launch's agents and engines)."""
+    try:
+        for p in path.glob("*.sock"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+    except OSError:
+        pass
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """True when ``GET url`` answers 200 (no proxy, loopback only in practice)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout_s) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+

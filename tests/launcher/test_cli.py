@@ -1,0 +1,112 @@
+"""The launcher's command line and scripts/launch_dplb.sh, without starting any worker (--dry-run)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "launch_dplb.sh"
+
+
+def launch(*args: str, script: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    argv = (["bash", str(SCRIPT)] if script else [sys.executable, "-m", "launcher"]) + list(args)
+    full_env = {**os.environ, "DPLB_PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120)
+
+
+def plan(*args: str, **kw) -> dict:
+    args_l = list(args)
+    cut = args_l.index("--") if "--" in args_l else len(args_l)
+    cp = launch(*args_l[:cut], "--dry-run", "--json", *args_l[cut:], **kw)
+    assert cp.returncode == 0, cp.stderr
+    return json.loads(cp.stdout)
+
+
+@pytest.mark.parametrize("script", [False, True])
+def test_eight_gpus_four_workers_tp2(script):
+    doc = plan("--num-workers", "4", "--gpus", "0-7", "--model", "meta-llama/Llama-3.1-8B-Instruct", script=script)
+    assert doc["engine"] == "vllm" and doc["tp_size"] == 2
+    assert [w["cuda_visible_devices"] for w in doc["workers"]] == ["0,1", "2,3", "4,5", "6,7"]
+    a0 = doc["workers"][0]["argv"]
+    assert a0[1:3] == ["-m", "worker_agent"]
+    assert a0[a0.index("--tp-size") + 1] == "2" and a0[a0.index("--gpus") + 1] == "0,1"
+    assert a0[a0.index("--worker-id") + 1] == "0" and a0[a0.index("--shm") + 1] == "dplb-30000"
+    assert a0[a0.index("--uds") + 1].endswith("/agent-0.sock")
+    assert doc["router"]["argv"][1:3] == ["-m", "router"]
+
+
+@pytest.mark.parametrize("script", [False, True])
+def test_three_gpus_two_workers_is_a_clear_error(script):
+    cp = launch("--num-workers", "2", "--gpus", "0,1,2", "--model", "m", "--dry-run", script=script)
+    assert cp.returncode == 2
+    assert "cannot split 3 GPU(s)" in cp.stderr and "uneven" in cp.stderr
+
+
+def test_no_gpu_no_model_is_sim_with_time_scale_passed_to_engine():
+    doc = plan("-n", "3", "--gpus", "none", "--time-scale", "0.25", "--port", "30123", "--policy", "round_robin")
+    assert doc["engine"] == "sim" and doc["tp_size"] == 1 and doc["shm"] == "dplb-30123"
+    for k, w in enumerate(doc["workers"]):
+        assert w["cuda_visible_devices"] is None and w["gpus"] == []
+        argv = w["argv"]
+        assert argv[argv.index("--") + 1:] == ["--time-scale", "0.25"]
+        assert argv[argv.index("--engine") + 1] == "sim"
+    r = doc["router"]["argv"]
+    assert r[r.index("--port") + 1] == "30123" and r[r.index("--policy") + 1] == "round_robin"
+
+
+def test_extra_engine_args_after_double_dash():
+    doc = plan("-n", "1", "--gpus", "0", "--model", "m", "--", "--max-model-len", "4096")
+    argv = doc["workers"][0]["argv"]
+    assert argv[argv.index("--") + 1:] == ["--max-model-len", "4096"]
+
+
+def test_openai_engine_needs_one_url_per_worker():
+    cp = launch("-n", "2", "--engine", "openai", "--engine-url", "http://127.0.0.1:8001", "--dry-run")
+    assert cp.returncode == 2 and "one --engine-url per worker" in cp.stderr
+    doc = plan("-n", "2", "--engine", "openai", "--engine-url", "http://127.0.0.1:8001",
+               "--engine-url", "http://127.0.0.1:8002")
+    urls = [w["argv"][w["argv"].index("--engine-url") + 1] for w in doc["workers"]]
+    assert urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["-n", "0"], "at least 1"),
+    (["-n", "2", "--engine", "vllm", "--gpus", "0,1"], "needs --model"),
+    (["-n", "2", "--port", "70000"], "--port"),
+    (["-n", "2", "--config", "/nonexistent/dplb.yaml"], "no such file"),
+    (["-n", "2", "--gpus", "0,x"], "not a GPU id"),
+    (["-n", "1", "--gpus", "0", "--model", "m", "--time-scale", "2"], "only applies to --engine sim"),
+])
+def test_usage_errors_exit_2(args, msg):
+    cp = launch(*args, "--dry-run")
+    assert cp.returncode == 2 and msg in cp.stderr, cp.stderr
+
+
+def test_run_dir_from_environment(tmp_path):
+    doc = plan("-n", "1", env={"DPLB_RUN_DIR": str(tmp_path / "rd")})
+    assert doc["run_dir"] == str(tmp_path / "rd")
+    assert doc["workers"][0]["argv"][doc["workers"][0]["argv"].index("--uds") + 1] == str(tmp_path / "rd" / "agent-0.sock")
+
+
+def test_port_in_use_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cp = launch("-n", "1", "--port", str(port), "--run-dir", str(tmp_path / "rd"))
+    assert cp.returncode == 2 and f"port {port}" in cp.stderr and "not free" in cp.stderr
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
+def test_script_help_lists_flags():
+    cp = launch("--help", script=True)
+    assert cp.returncode == 0
+    for flag in ("--num-workers", "--gpus", "--engine", "--model", "--port", "--config", "--state-interval-ms",
+                 "--policy", "--time-scale"):
+        assert flag in cp.stdout
