@@ -1,0 +1,101 @@
+"""Command line parsing and the adapters' command lines and environments (nothing is started)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from worker_agent.adapters import OpenAIAdapter, SglangAdapter, SimAdapter, VllmAdapter, build_adapter
+from worker_agent.config import DEFAULT_MAX_NUM_SEQS, parse_args
+from worker_agent.errors import ConfigError
+
+
+def cfg(*extra: str, engine: str = "vllm"):
+    return parse_args(["--worker-id", "3", "--shm", "dplb-x", "--uds", "/tmp/dplb-x/agent-3.sock",
+                       "--engine", engine, *extra])
+
+
+def test_defaults_and_pass_through():
+    c = cfg("--model", "/m", "--gpus", "2,3", "--", "--max-num-seqs", "64", "--dtype", "bfloat16")
+    assert c.worker_id == 3 and c.shm == "dplb-x" and c.gpus == [2, 3]
+    assert c.tp_size == 2                      # default: one rank per GPU
+    assert c.state_interval_ms == 200
+    assert c.engine_args == ["--max-num-seqs", "64", "--dtype", "bfloat16"]
+    assert c.max_num_seqs == 64                # learned from the pass-through engine args
+    assert c.run_dir == "/tmp/dplb-x"
+    assert cfg("--model", "/m").max_num_seqs == DEFAULT_MAX_NUM_SEQS
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--gpus", "0,x"], "--gpus"),
+    (["--gpus", "1,1"], "--gpus"),
+    (["--gpus", "0", "--tp-size", "2"], "--tp-size"),
+    (["--state-interval-ms", "1"], "--state-interval-ms"),
+    (["--max-queue", "-1"], "--max-queue"),
+])
+def test_bad_values_name_the_flag(argv, field):
+    with pytest.raises(ConfigError) as e:
+        cfg(*argv)
+    assert e.value.field == field
+
+
+def test_openai_needs_url():
+    with pytest.raises(ConfigError) as e:
+        cfg(engine="openai")
+    assert e.value.field == "--engine-url"
+    with pytest.raises(ConfigError):
+        cfg("--engine-url", "ftp://x", engine="openai")
+
+
+def test_vllm_command_and_environment():
+    c = cfg("--model", "/models/tiny", "--gpus", "0,1", "--engine-python", "/opt/v/bin/python",
+            "--", "--served-model-name", "tiny")
+    a = build_adapter(c)
+    assert isinstance(a, VllmAdapter)
+    argv = a.command()
+    assert argv[:3] == ["/opt/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == "/models/tiny"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert int(argv[argv.index("--port") + 1]) == a.port
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[-2:] == ["--served-model-name", "tiny"]
+    env = a.env_overrides()
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert a.environment()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert a.address.base == f"http://127.0.0.1:{a.port}"
+    assert a.metric_names is not None and a.metric_names.running == "vllm:num_requests_running"
+
+
+def test_sglang_command_and_environment():
+    a = build_adapter(cfg("--model", "meta-llama/x", "--gpus", "4,5,6,7", "--tp-size", "4", engine="sglang"))
+    assert isinstance(a, SglangAdapter)
+    argv = a.command()
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == "meta-llama/x"
+    assert argv[argv.index("--tp-size") + 1] == "4"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv.count("--enable-metrics") == 1   # metrics are off by default in SGLang
+    assert a.env_overrides() == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert a.metric_names is not None and a.metric_names.waiting == "sglang:num_queue_reqs"
+    a2 = build_adapter(cfg("--model", "m", engine="sglang", *["--", "--enable-metrics"]))
+    assert a2.command().count("--enable-metrics") == 1
+
+
+def test_real_engines_need_a_model():
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ConfigError) as e:
+            build_adapter(cfg(engine=engine))
+        assert e.value.field == "--model"
+
+
+def test_sim_and_openai():
+    s = build_adapter(cfg("--run-dir", "/tmp/r", "--", "--time-scale", "0.1", engine="sim"))
+    assert isinstance(s, SimAdapter)
+    assert s.command() == [sys.executable, "-m", "sim_engine", "--uds", "/tmp/r/engine-3.sock",
+                           "--time-scale", "0.1"]
+    assert s.address.uds == "/tmp/r/engine-3.sock"
+    o = build_adapter(cfg("--engine-url", "http://127.0.0.1:8000/", engine="openai"))
+    assert isinstance(o, OpenAIAdapter)
+    assert o.command() is None and o.env_overrides() == {}
+    assert o.address.base == "http://127.0.0.1:8000"

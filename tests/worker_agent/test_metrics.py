@@ -1,0 +1,85 @@
+"""Metric parsing on real /metrics texts from vLLM and SGLang (tests/fixtures/)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import ROOT
+from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics, parse_gauges
+
+FIX = ROOT / "tests" / "fixtures"
+
+
+def read(name: str) -> str:
+    return (FIX / name).read_text()
+
+
+def test_sglang_docs_sample():
+    m = parse_engine_metrics(read("sglang_metrics.txt"), SGLANG)
+    assert m == EngineMetrics(num_running=162, num_waiting=2826, kv_cache_usage=pytest.approx(0.28))
+
+
+def test_vllm_v1_engine_label_prefers_new_kv_name():
+    text = read("vllm_v010_metrics.txt")
+    m = parse_engine_metrics(text, VLLM)
+    assert m.num_running == 3
+    assert m.num_waiting == 2
+    assert m.kv_cache_usage == pytest.approx(9.75010481363281e-06)
+    # the deprecated name is present too but must not be what we read when the new one exists
+    changed = text.replace('vllm:kv_cache_usage_perc{engine="0",model_name="zai-org/GLM-4.5"} 9.75010481363281e-06',
+                           'vllm:kv_cache_usage_perc{engine="0",model_name="zai-org/GLM-4.5"} 0.5')
+    assert parse_engine_metrics(changed, VLLM).kv_cache_usage == pytest.approx(0.5)
+
+
+def test_vllm_v0_falls_back_to_gpu_cache_usage():
+    m = parse_engine_metrics(read("vllm_v07_metrics.txt"), VLLM)
+    assert m == EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0)
+
+
+def test_vllm_data_parallel_engines_sum_counts_and_max_usage():
+    # one API server in front of two DP engines labels each sample with its engine rank
+    text = "\n".join([
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 5.0',
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75',
+    ]) + "\n"
+    m = parse_engine_metrics(text, VLLM)
+    assert (m.num_running, m.num_waiting) == (7, 7)
+    assert m.kv_cache_usage == pytest.approx(0.75)
+
+
+def test_sglang_tp_ranks_take_max_not_sum():
+    text = "\n".join([
+        "# TYPE sglang:num_running_reqs gauge",
+        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 8.0',
+        'sglang:num_running_reqs{model_name="m",tp_rank="1"} 8.0',
+    ]) + "\n"
+    assert parse_engine_metrics(text, SGLANG).num_running == 8
+
+
+def test_missing_families_are_none_and_other_engine_names_ignored():
+    m = parse_engine_metrics(read("sglang_metrics.txt"), VLLM)
+    assert m.empty
+    assert parse_engine_metrics("", VLLM).empty
+
+
+def test_usage_clamped_and_nan_ignored():
+    text = "vllm:kv_cache_usage_perc 1.7\nvllm:num_requests_running NaN\n"
+    m = parse_engine_metrics(text, VLLM)
+    assert m.kv_cache_usage == 1.0
+    assert m.num_running is None
+
+
+def test_malformed_line_raises_value_error():
+    with pytest.raises(ValueError):
+        parse_engine_metrics('vllm:num_requests_running{engine="0" 3\n', VLLM)
+
+
+def test_parse_gauges_keeps_labels():
+    out = parse_gauges(read("vllm_v010_metrics.txt"), ["vllm:num_requests_running"])
+    assert out == {"vllm:num_requests_running": [({"engine": "0", "model_name": "zai-org/GLM-4.5"}, 3.0)]}

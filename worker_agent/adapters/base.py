@@ -1,0 +1,276 @@
+"""The engine adapter interface and the process handling every spawning adapter shares.
+
+An adapter answers five questions for the agent: how to start (or attach to) its engine
+(:meth:`EngineAdapter.start`), when the engine is ready (:meth:`EngineAdapter.wait_ready`: its
+health endpoint answers and a warm-up request succeeds), where to forward requests
+(:attr:`EngineAdapter.address`), what the engine's live state is (:meth:`EngineAdapter.probe`), and
+how to stop it (:meth:`EngineAdapter.stop`). Command line and environment are pure functions of
+the config (:meth:`EngineAdapter.command`, :meth:`EngineAdapter.env_overrides`) so tests check them
+without starting anything.
+
+Spawned engines run in their own session (so stopping one kills its whole process tree, e.g. vLLM's
+EngineCore processes) and get ``PR_SET_PDEATHSIG=SIGTERM``, so an agent killed with SIGKILL does not
+leave an orphan engine holding a GPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import time
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import orjson
+
+from ..config import AgentConfig
+from ..errors import EngineExitedError, EngineStartError, UpstreamError
+from ..metrics import EngineMetrics, MetricNames, parse_engine_metrics
+from ..upstream import EngineAddress, Upstream
+
+log = logging.getLogger("worker_agent.engine")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the engine binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EngineAdapter(ABC):
+    """One engine behind one agent. Subclasses set :attr:`name` and :attr:`metric_names`.
+
+    Args:
+        cfg: the agent's config (model, GPUs, TP size, run dir, pass-through engine args).
+
+    Attributes:
+        address: where requests go (set by the constructor or by :meth:`start`).
+        upstream: the pooled client to :attr:`address`.
+        served_model: model name the engine serves (learned from ``/v1/models`` during readiness).
+    """
+
+    name: ClassVar[str] = "?"
+    #: metric families read from ``/metrics`` (None: the engine has none)
+    metric_names: ClassVar[MetricNames | None] = None
+    #: path polled for readiness before the warm-up request
+    health_path: ClassVar[str] = "/health"
+    #: seconds between readiness polls
+    poll_interval_s: ClassVar[float] = 0.5
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.proc: asyncio.subprocess.Process | None = None
+        self.address: EngineAddress = self._make_address()
+        self.upstream = Upstream(self.address)
+        self.served_model: str | None = cfg.model
+        self._log_file: int | None = None
+        self._metrics_missing = False
+
+    # -- pure description (tested without starting anything) ------------------------------
+    @abstractmethod
+    def _make_address(self) -> EngineAddress:
+        """The address the engine will listen on (chooses a private port or socket path)."""
+
+    def command(self) -> list[str] | None:
+        """argv that starts the engine, or None for adapters that attach to a running server."""
+        return None
+
+    def env_overrides(self) -> dict[str, str]:
+        """Environment variables set for the engine on top of the agent's own environment."""
+        env: dict[str, str] = {}
+        if self.cfg.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.cfg.gpus)
+        return env
+
+    def environment(self) -> dict[str, str]:
+        """The engine's full environment: the agent's plus :meth:`env_overrides`."""
+        env = dict(os.environ)
+        env.update(self.env_overrides())
+        return env
+
+    @property
+    def log_path(self) -> str:
+        """File the engine's stdout and stderr go to (``<run-dir>/engine-<K>.log``)."""
+        return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.log")
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the engine (no-op for attaching adapters).
+
+        Raises:
+            EngineStartError: the executable cannot be started.
+        """
+        argv = self.command()
+        if argv is None:
+            return
+        os.makedirs(self.cfg.run_dir, exist_ok=True)
+        self._log_file = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        log.info("starting engine %s: %s (log %s)", self.name, " ".join(argv), self.log_path)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, env=self.environment(), stdin=asyncio.subprocess.DEVNULL, stdout=self._log_file,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            raise EngineStartError(f"cannot start {argv[0]}: {e}", engine=self.name,
+                                   worker_id=self.cfg.worker_id) from e
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit code of the engine process; None while it runs (or when there is no process)."""
+        return None if self.proc is None else self.proc.returncode
+
+    async def wait_exit(self) -> int:
+        """Wait until the engine process exits and return its exit code (negative: signal).
+
+        Attaching adapters have no process: this waits forever (cancel it).
+        """
+        if self.proc is None:
+            await asyncio.Event().wait()
+        assert self.proc is not None
+        return await self.proc.wait()
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.returncode is not None:
+            raise EngineExitedError(self.proc.returncode, engine=self.name, worker_id=self.cfg.worker_id)
+
+    async def wait_ready(self, timeout_s: float) -> str:
+        """Wait until the engine answers its health path, learn its model name, send a warm-up.
+
+        Args:
+            timeout_s: overall bound in seconds.
+
+        Returns:
+            The served model name (``/v1/models`` ``data[0].id``, else ``--model``, else ``""``).
+
+        Raises:
+            EngineStartError: timed out, or the warm-up request failed.
+            EngineExitedError: the engine process exited meanwhile.
+        """
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engine not healthy after {timeout_s:.0f}s ({last})",
+                                       engine=self.name, worker_id=self.cfg.worker_id)
+            try:
+                status, _ = await self.upstream.get(self.health_path, timeout_s=5.0)
+                if status == 200:
+                    break
+                last = f"{self.health_path} answered {status}"
+            except UpstreamError as e:
+                last = str(e)
+            await asyncio.sleep(self.poll_interval_s)
+        self.served_model = await self._served_model()
+        await self.warm_up(max(1.0, deadline - time.monotonic()))
+        return self.served_model or ""
+
+    async def _served_model(self) -> str | None:
+        try:
+            status, body = await self.upstream.get("/v1/models", timeout_s=10.0)
+            if status == 200:
+                data = orjson.loads(body).get("data") or []
+                if data and isinstance(data[0], dict) and data[0].get("id"):
+                    return str(data[0]["id"])
+        except (UpstreamError, orjson.JSONDecodeError, AttributeError):
+            pass
+        return self.cfg.model
+
+    def warm_up_request(self) -> tuple[str, dict]:
+        """``(path, json body)`` of the warm-up request: a one-token completion."""
+        body: dict = {"prompt": "Hello", "max_tokens": 1, "temperature": 0.0}
+        if self.served_model:
+            body["model"] = self.served_model
+        return "/v1/completions", body
+
+    async def warm_up(self, timeout_s: float) -> None:
+        """Send the warm-up request; the first request also pays one-off costs (graphs, kernels).
+
+        Raises:
+            EngineStartError: the engine answered with an error or not at all.
+        """
+        self._check_alive()
+        path, body = self.warm_up_request()
+        try:
+            status, resp = await self.upstream.get(path, timeout_s=timeout_s, json_body=body, method="POST")
+        except UpstreamError as e:
+            self._check_alive()
+            raise EngineStartError(f"warm-up request failed: {e}", engine=self.name,
+                                   worker_id=self.cfg.worker_id) from e
+        if status != 200:
+            raise EngineStartError(f"warm-up {path} answered {status}: {resp[:300]!r}", engine=self.name,
+                                   worker_id=self.cfg.worker_id)
+
+    async def probe(self) -> EngineMetrics:
+        """Read the engine's live state from ``/metrics``.
+
+        Returns:
+            :class:`EngineMetrics`; all ``None`` when the engine has no metrics endpoint (the
+            agent then falls back on its own counters).
+
+        Raises:
+            UpstreamError: the engine did not answer within the timeout.
+        """
+        if self.metric_names is None or self._metrics_missing:
+            return EngineMetrics()
+        status, body = await self.upstream.get("/metrics", timeout_s=max(1.0, 5 * self.cfg.state_interval_s))
+        if status == 404:
+            self._metrics_missing = True
+            log.warning("engine %s has no /metrics; using the agent's own counters", self.name)
+            return EngineMetrics()
+        if status != 200:
+            return EngineMetrics()
+        try:
+            return parse_engine_metrics(body.decode("utf-8", "replace"), self.metric_names)
+        except ValueError as e:
+            log.warning("cannot parse engine /metrics: %s", e)
+            return EngineMetrics()
+
+    async def stop(self, timeout_s: float = 15.0) -> int | None:
+        """Stop the engine: SIGTERM to its process group, SIGKILL after ``timeout_s``.
+
+        Returns:
+            The exit code, or None when there was no process.
+        """
+        await self.upstream.close()
+        proc = self.proc
+        rc: int | None = None
+        if proc is not None:
+            if proc.returncode is None:
+                self._signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    rc = await asyncio.wait_for(proc.wait(), timeout_s)
+                except asyncio.TimeoutError:
+                    log.warning("engine %s ignored SIGTERM for %.0fs; killing it", self.name, timeout_s)
+                    rc = None
+            # whatever it left in its group (vLLM's EngineCore, SGLang's scheduler) goes too
+            self._signal_group(proc.pid, signal.SIGKILL)
+            if rc is None:
+                rc = await proc.wait()
+            else:
+                rc = proc.returncode
+        if self._log_file is not None:
+            os.close(self._log_file)
+            self._log_file = None
+        return rc
+
+    @staticmethod
+    def _signal_group(pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,47 @@
+"""Sim adapter: spawns DPLB's simulated engine on a private Unix socket.
+
+Command::
+
+    <engine-python> -m sim_engine --uds <run-dir>/engine-<K>.sock [--model M] [pass-through args]
+
+The simulator serves vLLM's API and vLLM's metric names, so the state probe is vLLM's.
+"""
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from ..metrics import VLLM, MetricNames
+from ..upstream import EngineAddress
+from .base import EngineAdapter
+
+
+class SimAdapter(EngineAdapter):
+    """Runs ``python -m sim_engine`` on ``<run-dir>/engine-<K>.sock``."""
+
+    name: ClassVar[str] = "sim"
+    metric_names: ClassVar[MetricNames | None] = VLLM
+    poll_interval_s: ClassVar[float] = 0.05
+
+    @property
+    def socket_path(self) -> str:
+        """The engine's private socket, ``<run-dir>/engine-<K>.sock``."""
+        return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.sock")
+
+    def _make_address(self) -> EngineAddress:
+        return EngineAddress(uds=self.socket_path)
+
+    def command(self) -> list[str]:
+        """argv of the simulated engine (see module docstring)."""
+        argv = [self.cfg.engine_python, "-m", "sim_engine", "--uds", self.socket_path]
+        if self.cfg.model:
+            argv += ["--model", self.cfg.model]
+        return argv + list(self.cfg.engine_args)
+
+    async def start(self) -> None:
+        """Remove a stale socket left by an earlier run, then spawn the simulator."""
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        await super().start()

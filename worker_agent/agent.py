@@ -1,0 +1,312 @@
+"""The agent: claims its slot, runs the engine through an adapter, serves the relay, keeps the slot true.
+
+Lifecycle written to the slot::
+
+    claim ─► STARTING ──engine healthy + warm-up answered──► READY ──SIGTERM──► DRAINING ──► EMPTY
+                 │                                             │                 (in-flight done
+                 └──────────── engine exits / fails ──────────►┴──► DEAD          or deadline)
+
+- DEAD: the engine exited unexpectedly (exit code logged) or never became ready. The agent keeps
+  running, heartbeating and answering 503 so routers see the state; SIGTERM then ends it (EMPTY).
+- DRAINING: new requests get 503 with ``Retry-After``; in-flight ones run to completion until
+  ``--drain-timeout``; then the engine is stopped, the slot released (EMPTY) and the agent exits 0.
+
+Slot updates (one writer: this process, from its event loop thread only):
+
+- every request start/finish, immediately: in-flight count, queued prompt tokens + prompt-length
+  histogram, latency windows (TTFT/TPOT/e2e), completed/failed counters — so a burst is visible
+  to routers before the next state tick;
+- every ``--state-interval-ms``: engine running/waiting/KV usage from its ``/metrics`` (a separate
+  loop, so a slow scrape never delays the heartbeat), NVML memory of the agent's GPUs, heartbeat.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import ORJSONResponse
+
+from dplb_shm import Segment, WorkerState
+
+from .adapters import EngineAdapter, build_adapter
+from .config import AgentConfig
+from .errors import AgentError, EngineExitedError, NotReadyError, QueueFullError, UpstreamError
+from .metrics import EngineMetrics
+from .nvml import GpuMemoryProbe
+from .relay import RelayApp
+from .upstream import Upstream
+
+log = logging.getLogger("worker_agent")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server that leaves SIGINT/SIGTERM to the agent (drain first, then shut down)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
+    """Bind a listening Unix socket at ``path`` with ``mode``, replacing a stale socket file.
+
+    Raises:
+        OSError: the path is held by a live listener (``EADDRINUSE``) or cannot be created.
+    """
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a leftover from a dead agent
+        else:
+            raise OSError(98, f"{path} is in use by a running process")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Agent:
+    """One worker agent.
+
+    Args:
+        cfg: validated config.
+        adapter: engine adapter (default: ``build_adapter(cfg)``).
+        segment: an attached segment (default: ``Segment.attach(cfg.shm)``); the agent closes it
+            only when it attached it itself.
+        nvml: GPU memory probe (default: ``GpuMemoryProbe(cfg.gpus)``).
+    """
+
+    def __init__(self, cfg: AgentConfig, *, adapter: EngineAdapter | None = None,
+                 segment: Segment | None = None, nvml: GpuMemoryProbe | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = cfg.worker_id
+        self.adapter = adapter or build_adapter(cfg)
+        self._own_segment = segment is None
+        self.segment = segment or Segment.attach(cfg.shm)
+        self.writer = self.segment.writer(cfg.worker_id)
+        self.nvml = nvml or GpuMemoryProbe(cfg.gpus)
+        self.state = WorkerState.EMPTY
+        self.inflight = 0
+        self.exit_code: int | None = None
+        self._engine_metrics_seen = False
+        self._stop = asyncio.Event()
+        self._stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task] = []
+        self._server: _Server | None = None
+
+    # -- request sink (called by the relay on the event loop) ------------------------------
+    def admit(self, counted: bool) -> None:
+        """Refuse when not READY (503) or when ``--max-queue`` requests are in flight (429)."""
+        if self.state != WorkerState.READY:
+            raise NotReadyError(self.state.name, worker_id=self.worker_id)
+        if counted and self.cfg.max_queue and self.inflight >= self.cfg.max_queue:
+            raise QueueFullError(self.cfg.max_queue, worker_id=self.worker_id)
+
+    def on_start(self, prompt_tokens: int) -> None:
+        """Slot: in-flight +1, queued prompt tokens and histogram +prompt, right now."""
+        self.inflight += 1
+        self._idle.clear()
+        self.writer.inflight_add(1)
+        self.writer.record_request(prompt_tokens, delta=+1)
+
+    def on_finish(self, prompt_tokens: int, ttft_ms: float | None, tpot_ms: float | None,
+                  e2e_ms: float | None, outcome: str) -> None:
+        """Slot: in-flight −1, queued prompt −prompt, latency windows, completed/failed counters.
+
+        Aborted requests (the router went away) count as neither completed nor failed.
+        """
+        self.inflight -= 1
+        self.writer.inflight_add(-1)
+        self.writer.record_request(prompt_tokens, delta=-1)
+        if ttft_ms is not None or tpot_ms is not None or e2e_ms is not None:
+            self.writer.record_latency(ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms)
+        if outcome == "ok":
+            self.writer.count(completed=1)
+        elif outcome == "failed":
+            self.writer.count(failed=1)
+        if self.inflight == 0:
+            self._idle.set()
+
+    def get_upstream(self) -> Upstream | None:
+        """The engine's client while the engine is up, else None."""
+        return None if self.state == WorkerState.DEAD else self.adapter.upstream
+
+    # -- state -------------------------------------------------------------------------
+    def set_state(self, state: WorkerState) -> None:
+        """Change the lifecycle state in this process and in the slot."""
+        if state != self.state:
+            log.info("worker %d: %s -> %s", self.worker_id, self.state.name, state.name)
+        self.state = state
+        self.writer.set_state(state)
+
+    def slot_dict(self) -> dict[str, Any]:
+        """The slot as ``/dplb/state`` serves it (``WorkerSnapshot.to_dict()``)."""
+        return self.segment.read_slot(self.worker_id).to_dict()
+
+    def _publish_engine(self, m: EngineMetrics) -> None:
+        fields: dict[str, Any] = {}
+        if m.num_running is not None:
+            fields["num_running"] = m.num_running
+        if m.num_waiting is not None:
+            fields["num_waiting"] = m.num_waiting
+        if m.kv_cache_usage is not None:
+            fields["kv_cache_usage"] = m.kv_cache_usage
+        if fields:
+            self._engine_metrics_seen = True
+            self.writer.publish(**fields)
+
+    async def _probe_loop(self) -> None:
+        """Engine ``/metrics`` → slot, every state interval (errors skip one tick)."""
+        interval = self.cfg.state_interval_s
+        while True:
+            if self.state in (WorkerState.READY, WorkerState.DRAINING):
+                try:
+                    self._publish_engine(await self.adapter.probe())
+                except UpstreamError as e:
+                    log.debug("engine probe failed: %s", e)
+            await asyncio.sleep(interval)
+
+    async def _heartbeat_loop(self) -> None:
+        """NVML memory + heartbeat (and the agent's own counters when the engine has no metrics)."""
+        interval = self.cfg.state_interval_s
+        while True:
+            fields: dict[str, Any] = {}
+            if self.nvml.available:
+                used, total = await asyncio.to_thread(self.nvml.read)
+                fields.update(gpu_mem_used_bytes=used, gpu_mem_total_bytes=total)
+            if not self._engine_metrics_seen:
+                fields.update(num_running=self.inflight, num_waiting=0)
+            self.writer.publish(**fields)  # always: refreshes the heartbeat
+            await asyncio.sleep(interval)
+
+    async def _watch_engine(self) -> None:
+        rc = await self.adapter.wait_exit()
+        if self._stopping:
+            return
+        log.error("worker %d: engine %s exited unexpectedly with code %s (log: %s)",
+                  self.worker_id, self.adapter.name, rc, self.adapter.log_path)
+        self.exit_code = rc
+        self.set_state(WorkerState.DEAD)
+
+    async def _start_engine(self) -> None:
+        try:
+            await self.adapter.start()
+            if self.adapter.proc is not None:
+                self._tasks.append(asyncio.create_task(self._watch_engine()))
+            model = await self.adapter.wait_ready(self.cfg.engine_start_timeout_s)
+        except EngineExitedError as e:
+            if not self._stopping:
+                log.error("worker %d: %s (log: %s)", self.worker_id, e, self.adapter.log_path)
+                self.set_state(WorkerState.DEAD)
+            return
+        except AgentError as e:
+            if not self._stopping:
+                log.error("worker %d: engine did not start: %s (log: %s)", self.worker_id, e,
+                          self.adapter.log_path)
+                self.set_state(WorkerState.DEAD)
+            return
+        if self._stopping or self.state == WorkerState.DEAD:
+            return
+        if model and model != (self.cfg.model or ""):
+            log.info("worker %d: engine serves model %r", self.worker_id, model)
+        self.set_state(WorkerState.READY)
+
+    def request_stop(self, sig: int | None = None) -> None:
+        """Begin draining (signal handler target); a second SIGINT skips the drain."""
+        if self._stop.is_set() and sig == signal.SIGINT:
+            log.warning("second SIGINT: not waiting for in-flight requests")
+            self._idle.set()
+        self._stop.set()
+
+    def _control_app(self) -> FastAPI:
+        app = FastAPI(title="dplb-worker-agent", openapi_url=None, docs_url=None, redoc_url=None,
+                      default_response_class=ORJSONResponse)
+
+        @app.get("/health")
+        async def health() -> ORJSONResponse:
+            """200 only when READY; 503 with the state name otherwise."""
+            ready = self.state == WorkerState.READY
+            return ORJSONResponse({"status": self.state.name.lower(), "worker_id": self.worker_id},
+                                  status_code=200 if ready else 503,
+                                  headers=None if ready else {"Retry-After": "1"})
+
+        @app.get("/dplb/state")
+        async def state() -> ORJSONResponse:
+            """The slot as JSON (``WorkerSnapshot.to_dict()``)."""
+            return ORJSONResponse(self.slot_dict())
+
+        return app
+
+    # -- main ----------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Run until SIGTERM/SIGINT (or :meth:`request_stop`); return the process exit code (0)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop, sig)
+        self.writer.claim(worker_id=self.worker_id, pid=os.getpid(), endpoint=self.cfg.uds,
+                          gpu_ids=self.cfg.gpus, weight=self.cfg.weight, model=self.cfg.model or "",
+                          max_num_seqs=self.cfg.max_num_seqs)
+        self.state = WorkerState.STARTING
+        sock = bind_unix_socket(self.cfg.uds)
+        app = RelayApp(self, self.get_upstream, self._control_app())
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http="httptools",
+                                loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30)
+        self._server = _Server(config)
+        server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self._tasks += [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._probe_loop())]
+        starter = asyncio.create_task(self._start_engine())
+        try:
+            await self._stop.wait()
+            self._stopping = True
+            starter.cancel()
+            if self.state != WorkerState.DEAD:
+                self.set_state(WorkerState.DRAINING)
+            if self.inflight:
+                log.info("worker %d: draining %d in-flight request(s), up to %.0fs", self.worker_id,
+                         self.inflight, self.cfg.drain_timeout_s)
+                try:
+                    await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    log.warning("worker %d: drain deadline passed with %d request(s) in flight",
+                                self.worker_id, self.inflight)
+        finally:
+            self._stopping = True
+            self._server.should_exit = True
+            if self.inflight:
+                self._server.force_exit = True
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(server_task, 10)
+            for t in (starter, *self._tasks):
+                t.cancel()
+            await asyncio.gather(starter, *self._tasks, return_exceptions=True)
+            rc = await self.adapter.stop()
+            if rc is not None:
+                log.info("worker %d: engine stopped (exit code %s)", self.worker_id, rc)
+            self.nvml.close()
+            self.writer.release()
+            self.state = WorkerState.EMPTY
+            if self._own_segment:
+                self.segment.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.uds)
+        return 0

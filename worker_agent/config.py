@@ -1,0 +1,171 @@
+"""Command line of ``dplb-worker-agent`` and the validated :class:`AgentConfig` it produces.
+
+``dplb-worker-agent --worker-id K --shm NAME --uds PATH --engine {sim,vllm,sglang,openai}
+[--model M] [--gpus 0,1] [--tp-size N] [--engine-url URL] [--state-interval-ms 200]
+[--max-queue N] [--run-dir DIR] [-- extra engine args...]`` (docs/INTERFACES.md).
+
+Everything after a bare ``--`` goes to the engine unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+ENGINES = ("sim", "vllm", "sglang", "openai")
+
+#: vLLM's and SGLang's default cap on concurrently running sequences (vLLM ``--max-num-seqs``
+#: default 256 for the OpenAI server on GPUs; SGLang derives ``max_running_requests`` from memory)
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+@dataclass
+class AgentConfig:
+    """Everything the agent was told on its command line, validated.
+
+    Attributes (units in names): ``worker_id`` slot index; ``shm`` segment name (no leading
+    slash); ``uds`` the socket the agent serves on (also written as the slot endpoint);
+    ``engine`` adapter name; ``model`` model path/name (``None``: the engine's default, asked from
+    ``/v1/models``); ``gpus`` physical GPU indices; ``tp_size`` tensor-parallel size (default: number
+    of GPUs, at least 1); ``engine_url`` base URL for ``openai``; ``state_interval_ms`` period of the
+    engine/NVML/heartbeat refresh; ``max_queue`` in-flight cap (0 = none, else 429 beyond it);
+    ``max_num_seqs`` engine batch cap published in the slot; ``run_dir`` for engine sockets and
+    logs; ``engine_python`` interpreter that runs the engine; ``engine_start_timeout_s``,
+    ``drain_timeout_s`` bounds of start-up and drain; ``weight`` static slot weight;
+    ``engine_args`` passed through verbatim.
+    """
+
+    worker_id: int
+    shm: str
+    uds: str
+    engine: str = "sim"
+    model: str | None = None
+    gpus: list[int] = field(default_factory=list)
+    tp_size: int = 1
+    engine_url: str | None = None
+    state_interval_ms: int = 200
+    max_queue: int = 0
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    run_dir: str = ""
+    engine_python: str = sys.executable
+    engine_start_timeout_s: float = 900.0
+    drain_timeout_s: float = 30.0
+    weight: float = 1.0
+    log_level: str = "info"
+    engine_args: list[str] = field(default_factory=list)
+
+    @property
+    def state_interval_s(self) -> float:
+        """The state interval in seconds."""
+        return self.state_interval_ms / 1000.0
+
+
+def _gpu_list(s: str) -> list[int]:
+    s = s.strip()
+    if not s:
+        return []
+    try:
+        ids = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        raise ConfigError("--gpus", s, "expected comma-separated GPU indices like 0,1") from e
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ConfigError("--gpus", s, "GPU indices must be distinct and non-negative")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (without the pass-through part after ``--``)."""
+    p = argparse.ArgumentParser(
+        prog="dplb-worker-agent",
+        description="DPLB worker agent: wraps one inference engine on one GPU (group), relays the "
+                    "router's requests to it and publishes its live state in the shared segment. "
+                    "Arguments after a bare -- are passed to the engine.")
+    p.add_argument("--worker-id", type=int, required=True, help="slot index in the segment (0..slots-1)")
+    p.add_argument("--shm", default=os.environ.get("DPLB_SHM", "dplb-30000"),
+                   help="segment name without leading slash (default: dplb-30000)")
+    p.add_argument("--uds", required=True, help="Unix socket path this agent serves on (mode 0660)")
+    p.add_argument("--engine", choices=ENGINES, default="sim", help="engine adapter (default: sim)")
+    p.add_argument("--model", default=None, help="model path or name given to the engine")
+    p.add_argument("--gpus", default="", help="physical GPU indices, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--tp-size", type=int, default=0, help="tensor-parallel size (default: number of GPUs)")
+    p.add_argument("--engine-url", default=None, help="attach to a running OpenAI-compatible server (openai)")
+    p.add_argument("--state-interval-ms", type=int, default=200,
+                   help="period of engine metrics, NVML and heartbeat refresh (default: 200)")
+    p.add_argument("--max-queue", type=int, default=0,
+                   help="refuse with 429 beyond this many in-flight requests (default: 0 = no cap)")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="engine batch cap published in the slot (default: the engine's "
+                        "--max-num-seqs/--max-running-requests from the pass-through args, else 256)")
+    p.add_argument("--run-dir", default=None, help="directory for engine sockets and logs (default: dir of --uds)")
+    p.add_argument("--engine-python", default=os.environ.get("DPLB_ENGINE_PYTHON", sys.executable),
+                   help="Python interpreter that runs the engine (default: $DPLB_ENGINE_PYTHON or this one)")
+    p.add_argument("--engine-start-timeout", type=float, default=900.0,
+                   help="seconds to wait for the engine to become ready (default: 900)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
+    p.add_argument("--weight", type=float, default=1.0, help="static weight written into the slot (default: 1.0)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """Value of ``--name V`` or ``--name=V`` in a pass-through argument list (last one wins)."""
+    found = None
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                found = args[i + 1]
+            elif a.startswith(n + "="):
+                found = a.split("=", 1)[1]
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    """Parse and validate a command line into an :class:`AgentConfig`.
+
+    Raises:
+        SystemExit: on unknown flags or ``--help`` (argparse's behaviour).
+        ConfigError: on values that parse but make no sense (names the flag and the value).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ns = build_parser().parse_args(argv)
+    gpus = _gpu_list(ns.gpus)
+    if ns.worker_id < 0:
+        raise ConfigError("--worker-id", ns.worker_id, "must be >= 0")
+    if ns.state_interval_ms < 10:
+        raise ConfigError("--state-interval-ms", ns.state_interval_ms, "must be >= 10")
+    if ns.max_queue < 0:
+        raise ConfigError("--max-queue", ns.max_queue, "must be >= 0")
+    tp = ns.tp_size or max(1, len(gpus))
+    if tp < 1:
+        raise ConfigError("--tp-size", ns.tp_size, "must be >= 1")
+    if gpus and tp > len(gpus):
+        raise ConfigError("--tp-size", tp, f"larger than the {len(gpus)} GPUs given in --gpus")
+    if ns.engine == "openai" and not ns.engine_url:
+        raise ConfigError("--engine-url", None, "required with --engine openai")
+    if ns.engine_url and not ns.engine_url.startswith(("http://", "https://")):
+        raise ConfigError("--engine-url", ns.engine_url, "must start with http:// or https://")
+    if len(os.fsencode(ns.uds)) > 107:
+        raise ConfigError("--uds", ns.uds, "Unix socket paths must be shorter than 108 bytes")
+    max_num_seqs = ns.max_num_seqs
+    if not max_num_seqs:
+        v = _flag_value(extra, "--max-num-seqs", "--max-running-requests")
+        try:
+            max_num_seqs = int(v) if v else DEFAULT_MAX_NUM_SEQS
+        except ValueError as e:
+            raise ConfigError("--max-num-seqs", v, "expected an integer") from e
+    run_dir = ns.run_dir or os.path.dirname(os.path.abspath(ns.uds))
+    return AgentConfig(
+        worker_id=ns.worker_id, shm=ns.shm.lstrip("/"), uds=os.path.abspath(ns.uds), engine=ns.engine,
+        model=ns.model, gpus=gpus, tp_size=tp, engine_url=ns.engine_url,
+        state_interval_ms=ns.state_interval_ms, max_queue=ns.max_queue, max_num_seqs=max_num_seqs,
+        run_dir=run_dir, engine_python=ns.engine_python, engine_start_timeout_s=ns.engine_start_timeout,
+        drain_timeout_s=ns.drain_timeout, weight=ns.weight, log_level=ns.log_level, engine_args=extra,
+    )

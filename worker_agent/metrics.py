@@ -1,0 +1,144 @@
+"""Reading an engine's Prometheus ``/metrics`` text into the few figures the slot needs.
+
+Parsing uses ``prometheus_client.parser`` (the reference parser of the exposition format). A real
+vLLM ``/metrics`` page is tens of kilobytes of histogram buckets; the agent scrapes it every state
+interval, so lines are first filtered to the families we read (a ``startswith`` per line) and only
+those go through the parser.
+
+Metric names (sources):
+
+- vLLM (``vllm/v1/metrics/loggers.py``; docs.vllm.ai "Metrics"): ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting`` (gauges, requests), ``vllm:kv_cache_usage_perc`` (gauge, a fraction
+  0..1 despite the name; before v0.10 it was ``vllm:gpu_cache_usage_perc``). V1 labels every sample
+  with ``engine="<dp rank>"`` and ``model_name``.
+- SGLang (docs.sglang.io "Production Metrics"): ``sglang:num_running_reqs``,
+  ``sglang:num_queue_reqs`` (gauges, requests), ``sglang:token_usage`` (gauge, fraction 0..1 of
+  the KV token pool), labelled by ``model_name`` (and ``tp_rank`` etc. in newer versions).
+
+When several label sets are present (vLLM data-parallel engines behind one API server, SGLang TP
+ranks), counts are summed per ``engine`` label and usage takes the maximum (the fullest engine is
+the one that preempts first). SGLang reports the same scheduler state on every TP rank, so its
+counts take the maximum across samples instead of the sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Which gauge families of an engine give running, waiting and KV-cache usage.
+
+    ``kv_usage`` lists names in order of preference (the first present wins). ``sum_running``:
+    whether samples of several label sets are summed (vLLM DP engines) or maxed (SGLang TP ranks).
+    """
+
+    running: str
+    waiting: str
+    kv_usage: tuple[str, ...]
+    sum_counts: bool = True
+
+
+VLLM = MetricNames("vllm:num_requests_running", "vllm:num_requests_waiting",
+                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), sum_counts=True)
+SGLANG = MetricNames("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",),
+                     sum_counts=False)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Live engine state read from ``/metrics``; ``None`` where the page lacks that family.
+
+    Attributes:
+        num_running: requests in the engine's running batch (prefill or decode).
+        num_waiting: requests queued in the engine's scheduler, not yet admitted.
+        kv_cache_usage: fraction 0..1 of the KV-cache blocks (vLLM) or token pool (SGLang) in use.
+    """
+
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_cache_usage: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        """True when none of the three figures was found."""
+        return self.num_running is None and self.num_waiting is None and self.kv_cache_usage is None
+
+
+def _filter_lines(text: str, prefixes: tuple[str, ...]) -> str:
+    """Keep only sample and ``# HELP``/``# TYPE`` lines of the families named by ``prefixes``."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2].startswith(prefixes):
+                keep.append(line)
+        elif line.startswith(prefixes):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def parse_gauges(text: str, names: list[str] | tuple[str, ...]) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Parse the samples of the named families out of a Prometheus exposition ``text``.
+
+    Args:
+        text: the body of a ``/metrics`` response (text format 0.0.4).
+        names: family names, e.g. ``["vllm:num_requests_running"]``.
+
+    Returns:
+        ``{name: [(labels, value), ...]}`` for each name found (names absent from the text are
+        absent from the result).
+
+    Raises:
+        ValueError: when a kept line is not valid exposition text (from ``prometheus_client``).
+    """
+    wanted = tuple(names)
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(_filter_lines(text, wanted)):
+        for sample in family.samples:
+            # untyped families keep the sample name; typed ones too for gauges (no suffix)
+            if sample.name in wanted:
+                out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def _combine(samples: list[tuple[dict[str, str], float]], how: str) -> float:
+    values = [v for _, v in samples if v == v]  # drop NaN
+    if not values:
+        return float("nan")
+    return sum(values) if how == "sum" else max(values)
+
+
+def parse_engine_metrics(text: str, names: MetricNames) -> EngineMetrics:
+    """Read running, waiting and KV-cache usage from ``text`` using the family ``names``.
+
+    Args:
+        text: a ``/metrics`` body.
+        names: :data:`VLLM` or :data:`SGLANG` (or any :class:`MetricNames`).
+
+    Returns:
+        :class:`EngineMetrics`; a field is ``None`` when its family is missing or NaN. Usage is
+        clamped to 0..1.
+
+    Raises:
+        ValueError: on malformed exposition text in the families read.
+    """
+    fams = parse_gauges(text, (names.running, names.waiting, *names.kv_usage))
+    how = "sum" if names.sum_counts else "max"
+
+    def count(name: str) -> int | None:
+        if name not in fams:
+            return None
+        v = _combine(fams[name], how)
+        return None if v != v else int(round(v))
+
+    kv: float | None = None
+    for kv_name in names.kv_usage:
+        if kv_name in fams:
+            v = _combine(fams[kv_name], "max")
+            if v == v:
+                kv = min(1.0, max(0.0, v))
+                break
+    return EngineMetrics(num_running=count(names.running), num_waiting=count(names.waiting), kv_cache_usage=kv)
