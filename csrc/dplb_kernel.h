@@ -1,0 +1,194 @@
+/*
+ * dplb_kernel.h -- DPLB's scoring kernel: one pass over every slot, one routing decision.
+ *
+ * dplb_shm/reference.py is the same function in pure Python; tests/csrc/test_kernel_equiv.py
+ * checks that both give the same choice and the same terms. Change both together.
+ *
+ * For slot i, read once (hot lines under the seqlock, router line with relaxed atomic loads):
+ *
+ *   eligible  = state == READY
+ *               && now_ns - heartbeat_ns <= (int64)(heartbeat_timeout_ms * 1e6)
+ *               && circuit != OPEN                 (HALF_OPEN is eligible: it admits probes)
+ *               && kv_cache_usage <= kv_cache_threshold   (unknown, -1, passes)
+ *               && weight > 0
+ *   pending   = max(num_running + num_waiting, inflight) + max(0, router_inflight - inflight)
+ *               The engine's own counts lag by one state interval and the agent's in-flight count
+ *               may already include requests the engine has not reported yet, so the larger of
+ *               the two is the worker's known load; router_inflight - inflight is what routers
+ *               dispatched that the agent has not seen yet (on the wire, or dispatched since the
+ *               last publish). Counting it is what stops a burst piling onto one worker between
+ *               two state refreshes.
+ *   max_queue = params.max_queue if > 0, else the slot's max_num_seqs, else 256
+ *               (256: vLLM's EngineArgs default max_num_seqs).
+ *   pending_term = w_pending * (1 - clip(pending / max_queue, 0, 1))
+ *   kv_term      = w_kv * (1 - kv)               kv = 0 when unknown (-1)
+ *   latency_term = w_latency * 1 / (1 + ttft_ms / latency_scale_ms)    1.0 when no sample (-1)
+ *   length_term  = w_length * compat, where b = bin(prompt_len), bin(x) = floor(log2 x) clipped
+ *                  to [0, 31] (bin(0) = bin(1) = 0), and
+ *                    compat = sum_k hist[k] * 2^-|k-b| / sum_k hist[k]      (1.0 if nothing queued)
+ *                  i.e. 1 when everything queued is in the prompt's own power-of-two bucket,
+ *                  halving per bucket of distance (prompts of similar length batch well together:
+ *                  similar prefill cost, similar padding in chunked prefill).
+ *   score = weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity[i]
+ *   (weights default to the seeds' 0.4/0.3/0.2/0.1, DESIGN.md "Scoring").
+ *
+ * Pick: best = max score over eligible slots; ties = eligible slots with score >= best - 1e-9;
+ * the winner is ties[floor(rng_u * len(ties))] in slot order, so ties break uniformly at random
+ * and slot 0 is never favoured. No eligible slot: -1.
+ *
+ * Evaluation order above is the order of floating-point operations; the reference follows it so
+ * both give bit-identical scores (built with -ffp-contract=off: no fused multiply-add).
+ */
+#ifndef DPLB_KERNEL_H
+#define DPLB_KERNEL_H
+
+#include "dplb_shm.h"
+
+#define DPLB_TIE_EPS 1e-9
+#define DPLB_DEFAULT_MAX_QUEUE 256
+#define DPLB_READ_MAX_SPINS 1000000L
+
+typedef struct dplb_params {
+    double w_pending;
+    double w_kv;
+    double w_latency;
+    double w_length;
+    int32_t max_queue;
+    double kv_cache_threshold;
+    double heartbeat_timeout_ms;
+    double latency_scale_ms;
+} dplb_params_t;
+
+typedef struct dplb_terms {
+    int32_t worker_id;
+    double score;
+    double pending;
+    double pending_term;
+    double kv_term;
+    double latency_term;
+    double length_term;
+    double affinity;
+    double weight;
+} dplb_terms_t;
+
+static inline int dplb_len_bin(int64_t n) {
+    if (n <= 1) return 0;
+    int b = 63 - __builtin_clzll((unsigned long long)n);
+    return b > DPLB_HIST_BINS - 1 ? DPLB_HIST_BINS - 1 : b;
+}
+
+/* 2^-d for d in [0, 31], exact. */
+static const double dplb_pow2_neg[DPLB_HIST_BINS] = {
+    1.0, 0x1p-1, 0x1p-2, 0x1p-3, 0x1p-4, 0x1p-5, 0x1p-6, 0x1p-7,
+    0x1p-8, 0x1p-9, 0x1p-10, 0x1p-11, 0x1p-12, 0x1p-13, 0x1p-14, 0x1p-15,
+    0x1p-16, 0x1p-17, 0x1p-18, 0x1p-19, 0x1p-20, 0x1p-21, 0x1p-22, 0x1p-23,
+    0x1p-24, 0x1p-25, 0x1p-26, 0x1p-27, 0x1p-28, 0x1p-29, 0x1p-30, 0x1p-31,
+};
+
+static inline double dplb_length_compat(const uint32_t *hist, int b) {
+    double num = 0.0, den = 0.0;
+    for (int k = 0; k < DPLB_HIST_BINS; k++) {
+        if (hist[k] == 0) continue;
+        int d = k > b ? k - b : b - k;
+        num += (double)hist[k] * dplb_pow2_neg[d];
+        den += (double)hist[k];
+    }
+    return den > 0.0 ? num / den : 1.0;
+}
+
+/*
+ * Score every slot of the segment at `base` and pick one.
+ *   affinity: n_aff doubles (slot i gets affinity[i] when i < n_aff, else 0); may be NULL.
+ *   scores:   scratch of num_slots doubles (caller-owned).
+ *   terms:    NULL, or num_slots entries receiving the terms of every eligible slot, in slot
+ *             order; *n_terms gets their count.
+ * Returns the chosen slot index or -1.
+ */
+static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_params_t *p,
+                            int64_t prompt_len, const double *affinity, uint32_t n_aff,
+                            int64_t now_ns, double rng_u, double *scores, dplb_terms_t *terms,
+                            int *n_terms) {
+    dplb_slot_t s;
+    const int b = dplb_len_bin(prompt_len);
+    const int64_t hb_timeout_ns = (int64_t)(p->heartbeat_timeout_ms * 1e6);
+    double best = 0.0;
+    int any = 0, nt = 0;
+    for (uint32_t i = 0; i < num_slots; i++) {
+        const dplb_slot_t *src = dplb_slot_at((void *)base, i);
+        scores[i] = -1.0 / 0.0;
+        if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
+        if (dplb_seqlock_read(src, &s, DPLB_HOT_END, DPLB_READ_MAX_SPINS) < 0) continue;
+        int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
+        int64_t rinfl = __atomic_load_n(&src->router.router_inflight, __ATOMIC_RELAXED);
+        if (s.state != DPLB_STATE_READY) continue;
+        if (now_ns - s.heartbeat_ns > hb_timeout_ns) continue;
+        if (circuit == DPLB_CIRCUIT_OPEN) continue;
+        if (s.kv_cache_usage > p->kv_cache_threshold) continue;
+        if (!(s.weight > 0.0)) continue;
+
+        int64_t engine = (int64_t)s.num_running + (int64_t)s.num_waiting;
+        int64_t known = engine > s.inflight ? engine : (int64_t)s.inflight;
+        int64_t unseen = rinfl - (int64_t)s.inflight;
+        if (unseen < 0) unseen = 0;
+        double pending = (double)(known + unseen);
+        double mq = p->max_queue > 0 ? (double)p->max_queue
+                  : (s.max_num_seqs > 0 ? (double)s.max_num_seqs : (double)DPLB_DEFAULT_MAX_QUEUE);
+        double x = pending / mq;
+        if (x > 1.0) x = 1.0;
+        if (x < 0.0) x = 0.0;
+        double pending_term = p->w_pending * (1.0 - x);
+        double kv = s.kv_cache_usage < 0.0 ? 0.0 : s.kv_cache_usage;
+        double kv_term = p->w_kv * (1.0 - kv);
+        double lat = s.ttft_ms < 0.0 ? 1.0 : 1.0 / (1.0 + s.ttft_ms / p->latency_scale_ms);
+        double latency_term = p->w_latency * lat;
+        double length_term = p->w_length * dplb_length_compat(s.prompt_len_hist, b);
+        double aff = i < n_aff && affinity ? affinity[i] : 0.0;
+        double score = s.weight * (((pending_term + kv_term) + latency_term) + length_term) + aff;
+        scores[i] = score;
+        if (!any || score > best) best = score;
+        any = 1;
+        if (terms) {
+            dplb_terms_t *t = &terms[nt];
+            t->worker_id = (int32_t)i;
+            t->score = score;
+            t->pending = pending;
+            t->pending_term = pending_term;
+            t->kv_term = kv_term;
+            t->latency_term = latency_term;
+            t->length_term = length_term;
+            t->affinity = aff;
+            t->weight = s.weight;
+        }
+        nt++;
+    }
+    if (n_terms) *n_terms = nt;
+    if (!any) return -1;
+    const double floor_ = best - DPLB_TIE_EPS;
+    int k = 0;
+    for (uint32_t i = 0; i < num_slots; i++) k += scores[i] >= floor_;
+    int j = (int)(rng_u * (double)k);
+    if (j >= k) j = k - 1;
+    if (j < 0) j = 0;
+    for (uint32_t i = 0; i < num_slots; i++) {
+        if (scores[i] >= floor_) {
+            if (j == 0) return (int)i;
+            j--;
+        }
+    }
+    return -1; /* unreachable */
+}
+
+/* splitmix64 (Steele, Lea, Flood 2014): a fast, seedable 64-bit generator for tie-breaking. */
+static inline uint64_t dplb_splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* Uniform double in [0, 1) from the top 53 bits. */
+static inline double dplb_rng_u(uint64_t *state) {
+    return (double)(dplb_splitmix64(state) >> 11) * 0x1p-53;
+}
+
+#endif /* DPLB_KERNEL_H */

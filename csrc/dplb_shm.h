@@ -1,0 +1,337 @@
+/*
+ * dplb_shm.h -- the one owner of DPLB's shared-memory segment layout and its seqlock.
+ *
+ * Everything else (csrc/dplb_native.pyx, dplb_shm/layout.py, the dump tool) takes offsets and
+ * sizes from here; tests/csrc/test_layout.py checks that Python's view equals offsetof() below.
+ *
+ * Segment (a POSIX shm object, /dev/shm/<name>, mode 0600), little-endian, all fields naturally
+ * aligned, one cache line = 64 bytes:
+ *
+ *   0          128                128+S              128+2S          128+N*S
+ *   +----------+------------------+------------------+-- ... --------+
+ *   | header   | slot 0           | slot 1           |               |
+ *   +----------+------------------+------------------+-- ... --------+
+ *                S = DPLB_SLOT_SIZE = 1152 bytes (18 cache lines), N = num_slots
+ *
+ * Header (128 bytes, written once by the creator except `generation`):
+ *
+ *   off  size  field
+ *     0     8  magic        "DPLBSHM\0" as little-endian u64 (DPLB_MAGIC)
+ *     8     4  version      DPLB_LAYOUT_VERSION
+ *    12     4  num_slots
+ *    16     4  slot_size    DPLB_SLOT_SIZE
+ *    20     4  header_size  DPLB_HEADER_SIZE
+ *    24     8  created_ns   CLOCK_REALTIME ns at creation
+ *    32     8  generation   membership counter, atomic; bumped on every claim/release
+ *    40     4  creator_pid
+ *    44    84  reserved (zero)
+ *
+ * Slot i (one writer: worker agent i, or a router keeping a mirror of a remote worker).
+ * Bytes [0, 960) are guarded by the seqlock `seq`; the router line [1088, 1152) is NOT: it holds
+ * atomics that every router process updates with __atomic read-modify-write operations, kept on
+ * their own cache line so router traffic never invalidates the agent's line or makes readers retry.
+ *
+ *   off  size  field                     unit / meaning
+ *  ---- hot lines 0..2: the only bytes the kernel copies (DPLB_HOT_END = 192) ----------------
+ *     0     8  seq                       seqlock: odd while the writer is inside a write
+ *     8     4  worker_id                 == slot index
+ *    12     4  state                     DPLB_STATE_* (EMPTY, STARTING, READY, DRAINING, DEAD)
+ *    16     8  weight                    static weight (double), score multiplier
+ *    24     8  heartbeat_ns              CLOCK_MONOTONIC ns of the last write
+ *    32     4  num_running               engine: requests being decoded/prefilled
+ *    36     4  num_waiting               engine: requests queued in the engine
+ *    40     4  inflight                  agent: requests accepted and not finished
+ *    44     4  max_num_seqs              engine batch limit (max_queue default)
+ *    48     8  kv_cache_usage            0..1, -1 = unknown
+ *    56     8  ttft_ms                   mean of the TTFT window, -1 = no sample
+ *    64   128  prompt_len_hist[32]       u32 counts of queued prompts, bin b holds
+ *                                        lengths in [2^b, 2^(b+1)) (bin 0 also holds 0)
+ *  ---- cold lines 3..14 ----------------------------------------------------------------------
+ *   192     4  pid
+ *   196     4  num_gpus                  entries used in gpu_ids
+ *   200     8  queued_prompt_tokens      sum of prompt tokens of queued requests
+ *   208     8  gpu_mem_used_bytes        NVML, -1 = unknown
+ *   216     8  gpu_mem_total_bytes       NVML, -1 = unknown
+ *   224     8  tpot_ms                   mean of the TPOT window, -1 = no sample
+ *   232     8  e2e_ms                    mean of the end-to-end window, -1 = no sample
+ *   240     8  ttft_p99_ms               nearest-rank p99 of the window, -1 = no sample
+ *   248     8  tpot_p99_ms
+ *   256     8  e2e_p99_ms
+ *   264     8  completed                 requests finished OK (u64)
+ *   272     8  failed                    requests failed (u64)
+ *   280     4  ttft_n                    samples ever pushed; ring index = n % DPLB_WINDOW
+ *   284     4  tpot_n
+ *   288     4  e2e_n
+ *   292     4  reserved0
+ *   296    32  gpu_ids[16]               i16
+ *   328   128  ttft_ring[32]             f32 ms, the last DPLB_WINDOW samples
+ *   456   128  tpot_ring[32]
+ *   584   128  e2e_ring[32]
+ *   712   128  endpoint                  NUL-terminated: Unix socket path (<= 107 bytes) or host:port
+ *   840   120  model                     NUL-terminated served model name (<= 119 bytes)
+ *  ---- reserved ------------------------------------------------------------------------------
+ *   960   128  reserved (zero)           room for fields in later layout versions
+ *  ---- router line (atomics, outside the seqlock) --------------------------------------------
+ *  1088     8  router_inflight           i64: dispatched by any router, not yet finished
+ *  1096     8  dispatched                u64: total dispatched by routers
+ *  1104     4  circuit                   0 closed, 1 open, 2 half-open
+ *  1108    44  reserved
+ *
+ * Seqlock (Boehm, "Can seqlocks get along with programming language memory models?", 2012):
+ *   writer: s = seq; seq = s+1 (relaxed); release fence; copy data; seq = s+2 (release store)
+ *   reader: s1 = seq (acquire); odd -> retry; copy data; acquire fence; s2 = seq (relaxed);
+ *           s1 != s2 -> retry.
+ * One writer per slot; the writer keeps a private copy of the slot and publishes it whole.
+ */
+#ifndef DPLB_SHM_H
+#define DPLB_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* "DPLBSHM\0" read as a little-endian u64 */
+#define DPLB_MAGIC 0x004D4853424C5044ULL
+#define DPLB_LAYOUT_VERSION 1
+#define DPLB_CACHE_LINE 64
+#define DPLB_HEADER_SIZE 128
+#define DPLB_SLOT_SIZE 1152
+#define DPLB_MAX_SLOTS 4096
+#define DPLB_WINDOW 32
+#define DPLB_HIST_BINS 32
+#define DPLB_MAX_GPUS 16
+#define DPLB_ENDPOINT_LEN 128
+#define DPLB_UNIX_PATH_MAX 107
+#define DPLB_MODEL_LEN 120
+#define DPLB_HOT_END 192
+#define DPLB_DATA_END 1088
+
+enum {
+    DPLB_STATE_EMPTY = 0,
+    DPLB_STATE_STARTING = 1,
+    DPLB_STATE_READY = 2,
+    DPLB_STATE_DRAINING = 3,
+    DPLB_STATE_DEAD = 4,
+};
+
+enum { DPLB_CIRCUIT_CLOSED = 0, DPLB_CIRCUIT_OPEN = 1, DPLB_CIRCUIT_HALF_OPEN = 2 };
+
+typedef struct dplb_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t num_slots;
+    uint32_t slot_size;
+    uint32_t header_size;
+    int64_t created_ns;
+    uint64_t generation;
+    int32_t creator_pid;
+    uint8_t reserved[84];
+} dplb_header_t;
+
+typedef struct dplb_router_line {
+    int64_t router_inflight;
+    uint64_t dispatched;
+    int32_t circuit;
+    uint8_t reserved[44];
+} dplb_router_line_t;
+
+typedef struct dplb_slot {
+    uint64_t seq;
+    /* hot */
+    int32_t worker_id;
+    int32_t state;
+    double weight;
+    int64_t heartbeat_ns;
+    int32_t num_running;
+    int32_t num_waiting;
+    int32_t inflight;
+    int32_t max_num_seqs;
+    double kv_cache_usage;
+    double ttft_ms;
+    uint32_t prompt_len_hist[DPLB_HIST_BINS];
+    /* cold */
+    int32_t pid;
+    int32_t num_gpus;
+    int64_t queued_prompt_tokens;
+    int64_t gpu_mem_used_bytes;
+    int64_t gpu_mem_total_bytes;
+    double tpot_ms;
+    double e2e_ms;
+    double ttft_p99_ms;
+    double tpot_p99_ms;
+    double e2e_p99_ms;
+    uint64_t completed;
+    uint64_t failed;
+    uint32_t ttft_n;
+    uint32_t tpot_n;
+    uint32_t e2e_n;
+    uint32_t reserved0;
+    int16_t gpu_ids[DPLB_MAX_GPUS];
+    float ttft_ring[DPLB_WINDOW];
+    float tpot_ring[DPLB_WINDOW];
+    float e2e_ring[DPLB_WINDOW];
+    char endpoint[DPLB_ENDPOINT_LEN];
+    char model[DPLB_MODEL_LEN];
+    uint8_t reserved1[DPLB_DATA_END - 960];
+    /* router line: atomics, outside the seqlock */
+    dplb_router_line_t router;
+} dplb_slot_t;
+
+#define DPLB_ASSERT_OFF(T, f, o) _Static_assert(offsetof(T, f) == (o), #T "." #f " offset")
+_Static_assert(sizeof(dplb_header_t) == DPLB_HEADER_SIZE, "header size");
+_Static_assert(sizeof(dplb_router_line_t) == DPLB_CACHE_LINE, "router line size");
+_Static_assert(sizeof(dplb_slot_t) == DPLB_SLOT_SIZE, "slot size");
+_Static_assert(DPLB_SLOT_SIZE % DPLB_CACHE_LINE == 0, "slot is whole cache lines");
+_Static_assert(DPLB_HEADER_SIZE % DPLB_CACHE_LINE == 0, "header is whole cache lines");
+DPLB_ASSERT_OFF(dplb_header_t, version, 8);
+DPLB_ASSERT_OFF(dplb_header_t, num_slots, 12);
+DPLB_ASSERT_OFF(dplb_header_t, generation, 32);
+DPLB_ASSERT_OFF(dplb_slot_t, worker_id, 8);
+DPLB_ASSERT_OFF(dplb_slot_t, weight, 16);
+DPLB_ASSERT_OFF(dplb_slot_t, heartbeat_ns, 24);
+DPLB_ASSERT_OFF(dplb_slot_t, kv_cache_usage, 48);
+DPLB_ASSERT_OFF(dplb_slot_t, ttft_ms, 56);
+DPLB_ASSERT_OFF(dplb_slot_t, prompt_len_hist, 64);
+DPLB_ASSERT_OFF(dplb_slot_t, pid, DPLB_HOT_END);
+DPLB_ASSERT_OFF(dplb_slot_t, completed, 264);
+DPLB_ASSERT_OFF(dplb_slot_t, gpu_ids, 296);
+DPLB_ASSERT_OFF(dplb_slot_t, ttft_ring, 328);
+DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 712);
+DPLB_ASSERT_OFF(dplb_slot_t, model, 840);
+DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 960);
+DPLB_ASSERT_OFF(dplb_slot_t, router, DPLB_DATA_END);
+DPLB_ASSERT_OFF(dplb_slot_t, router.circuit, DPLB_DATA_END + 16);
+
+static inline dplb_slot_t *dplb_slot_at(void *base, uint32_t i) {
+    return (dplb_slot_t *)((char *)base + DPLB_HEADER_SIZE + (size_t)i * DPLB_SLOT_SIZE);
+}
+
+static inline int64_t dplb_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline int64_t dplb_realtime_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void dplb_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Writer: publish bytes [8, DPLB_DATA_END) of `src` into `dst`. Only the slot's single writer
+ * may call this. The sequence becomes odd for the duration of the copy. */
+static inline void dplb_seqlock_write(dplb_slot_t *dst, const dplb_slot_t *src) {
+    uint64_t s = __atomic_load_n(&dst->seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&dst->seq, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    memcpy((char *)dst + 8, (const char *)src + 8, DPLB_DATA_END - 8);
+    __atomic_store_n(&dst->seq, s + 2, __ATOMIC_RELEASE);
+}
+
+/* Reader: copy bytes [8, end) of `src` into `dst` as one consistent version. Returns the number
+ * of retries (0 on a clean first read). `end` is DPLB_HOT_END for the kernel, DPLB_DATA_END for
+ * full snapshots. Spins while a write is in progress; a writer that died mid-write (odd seq
+ * forever) is bounded by `max_spins`, after which the slot reads as EMPTY and -1 is returned. */
+static inline int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, size_t end,
+                                    long max_spins) {
+    int retries = 0;
+    for (long spin = 0; spin < max_spins; spin++) {
+        uint64_t s1 = __atomic_load_n(&src->seq, __ATOMIC_ACQUIRE);
+        if (s1 & 1) {
+            dplb_cpu_relax();
+            retries++;
+            continue;
+        }
+        memcpy((char *)dst + 8, (const char *)src + 8, end - 8);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        uint64_t s2 = __atomic_load_n(&src->seq, __ATOMIC_RELAXED);
+        if (s1 == s2) {
+            dst->seq = s1;
+            return retries;
+        }
+        retries++;
+    }
+    memset((char *)dst + 8, 0, end - 8);
+    dst->state = DPLB_STATE_EMPTY;
+    return -1;
+}
+
+/* ---- router line and header atomics (several router processes, no lock) ------------------ */
+
+static inline int64_t dplb_router_inflight_add(dplb_slot_t *s, int64_t delta) {
+    return __atomic_add_fetch(&s->router.router_inflight, delta, __ATOMIC_ACQ_REL);
+}
+static inline uint64_t dplb_dispatched_add(dplb_slot_t *s, uint64_t n) {
+    return __atomic_add_fetch(&s->router.dispatched, n, __ATOMIC_ACQ_REL);
+}
+static inline void dplb_circuit_set(dplb_slot_t *s, int32_t c) {
+    __atomic_store_n(&s->router.circuit, c, __ATOMIC_RELEASE);
+}
+static inline int64_t dplb_router_inflight_get(const dplb_slot_t *s) {
+    return __atomic_load_n(&s->router.router_inflight, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t dplb_dispatched_get(const dplb_slot_t *s) {
+    return __atomic_load_n(&s->router.dispatched, __ATOMIC_ACQUIRE);
+}
+static inline int32_t dplb_circuit_get(const dplb_slot_t *s) {
+    return __atomic_load_n(&s->router.circuit, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t dplb_generation_bump(dplb_header_t *h) {
+    return __atomic_add_fetch(&h->generation, 1, __ATOMIC_ACQ_REL);
+}
+static inline uint64_t dplb_generation_get(const dplb_header_t *h) {
+    return __atomic_load_n(&h->generation, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t dplb_magic_get(const dplb_header_t *h) {
+    return __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE);
+}
+static inline void dplb_magic_set(dplb_header_t *h, uint64_t m) {
+    __atomic_store_n(&h->magic, m, __ATOMIC_RELEASE);
+}
+
+/* ---- field table: name, offsetof, sizeof of every field, exported for tests ---------------- */
+
+typedef struct dplb_field { const char *name; size_t offset; size_t size; } dplb_field_t;
+#define DPLB_F(T, f) { #f, offsetof(T, f), sizeof(((T *)0)->f) }
+
+static const dplb_field_t dplb_header_fields[] = {
+    DPLB_F(dplb_header_t, magic), DPLB_F(dplb_header_t, version),
+    DPLB_F(dplb_header_t, num_slots), DPLB_F(dplb_header_t, slot_size),
+    DPLB_F(dplb_header_t, header_size), DPLB_F(dplb_header_t, created_ns),
+    DPLB_F(dplb_header_t, generation), DPLB_F(dplb_header_t, creator_pid),
+    DPLB_F(dplb_header_t, reserved),
+    { 0, 0, 0 },
+};
+
+static const dplb_field_t dplb_slot_fields[] = {
+    DPLB_F(dplb_slot_t, seq), DPLB_F(dplb_slot_t, worker_id), DPLB_F(dplb_slot_t, state),
+    DPLB_F(dplb_slot_t, weight), DPLB_F(dplb_slot_t, heartbeat_ns),
+    DPLB_F(dplb_slot_t, num_running), DPLB_F(dplb_slot_t, num_waiting),
+    DPLB_F(dplb_slot_t, inflight), DPLB_F(dplb_slot_t, max_num_seqs),
+    DPLB_F(dplb_slot_t, kv_cache_usage), DPLB_F(dplb_slot_t, ttft_ms),
+    DPLB_F(dplb_slot_t, prompt_len_hist), DPLB_F(dplb_slot_t, pid), DPLB_F(dplb_slot_t, num_gpus),
+    DPLB_F(dplb_slot_t, queued_prompt_tokens), DPLB_F(dplb_slot_t, gpu_mem_used_bytes),
+    DPLB_F(dplb_slot_t, gpu_mem_total_bytes), DPLB_F(dplb_slot_t, tpot_ms),
+    DPLB_F(dplb_slot_t, e2e_ms), DPLB_F(dplb_slot_t, ttft_p99_ms), DPLB_F(dplb_slot_t, tpot_p99_ms),
+    DPLB_F(dplb_slot_t, e2e_p99_ms), DPLB_F(dplb_slot_t, completed), DPLB_F(dplb_slot_t, failed),
+    DPLB_F(dplb_slot_t, ttft_n), DPLB_F(dplb_slot_t, tpot_n), DPLB_F(dplb_slot_t, e2e_n),
+    DPLB_F(dplb_slot_t, reserved0), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
+    DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
+    DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router),
+    { 0, 0, 0 },
+};
+
+static const dplb_field_t dplb_router_fields[] = {
+    DPLB_F(dplb_router_line_t, router_inflight), DPLB_F(dplb_router_line_t, dispatched),
+    DPLB_F(dplb_router_line_t, circuit), DPLB_F(dplb_router_line_t, reserved),
+    { 0, 0, 0 },
+};
+
+#endif /* DPLB_SHM_H */

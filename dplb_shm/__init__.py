@@ -1,0 +1,74 @@
+"""dplb_shm: DPLB's shared-memory state plane and native scoring kernel.
+
+One POSIX shm segment (``/dev/shm/<name>``) holds a header and one slot per worker. Each worker
+agent is the single writer of its slot (seqlock, native code); router processes read every slot
+lock-free and pick a worker with the native kernel. Layout: ``csrc/dplb_shm.h``; formula:
+``csrc/dplb_kernel.h``; pure-Python reference: :mod:`dplb_shm.reference`.
+
+The extension is required: a missing or stale build raises :class:`NativeBuildError` (an
+ImportError) telling you to run ``make build``; there is no silent fallback to Python.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dplb_shm._sources import source_hash
+from dplb_shm.errors import (LayoutMismatchError, NativeBuildError, SegmentClosedError, SegmentError,
+                             SegmentExistsError, SegmentNotFoundError, SlotFieldError, SlotIndexError)
+from dplb_shm.types import Circuit, ScoreTerms, ScoringParams, WorkerSnapshot, WorkerState
+
+try:
+    from dplb_shm import _native
+except ImportError as e:  # pragma: no cover - depends on the build state
+    raise NativeBuildError(f"dplb_shm native extension is not built ({e}); run `make build` "
+                           "(or `.venv/bin/python setup.py build_ext --inplace`) in the source tree") from e
+
+
+def _check_build() -> None:
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    if not csrc.is_dir():
+        return  # installed without sources: nothing to compare against
+    on_disk = source_hash(csrc)
+    if on_disk is not None and on_disk != _native.SOURCE_SHA256:
+        raise NativeBuildError(
+            f"dplb_shm native extension is stale: built from sources {_native.SOURCE_SHA256[:12]}, "
+            f"csrc/ on disk is {on_disk[:12]}; run `make build`")
+
+
+_check_build()
+
+Segment = _native.Segment
+SlotWriter = _native.SlotWriter
+LAYOUT_VERSION: int = _native.LAYOUT_VERSION
+MAGIC: int = _native.MAGIC
+DEFAULT_NUM_SLOTS = 64
+now_ns = _native.now_ns
+
+
+def default_name(port: int = 30000) -> str:
+    """The segment name every CLI uses by default: ``dplb-<router port>``."""
+    return f"dplb-{port}"
+
+
+def unlink(name: str, missing_ok: bool = False) -> bool:
+    """Remove ``/dev/shm/<name>`` without attaching; True if it was there.
+
+    Raises :class:`SegmentNotFoundError` when it is missing, unless ``missing_ok``.
+    """
+    import posix_ipc
+
+    try:
+        posix_ipc.unlink_shared_memory("/" + name.lstrip("/"))
+        return True
+    except posix_ipc.ExistentialError:
+        if missing_ok:
+            return False
+        raise SegmentNotFoundError(f"no segment {name} in /dev/shm", name=name, reason="not found") from None
+
+
+__all__ = [
+    "Segment", "SlotWriter", "WorkerSnapshot", "WorkerState", "Circuit", "ScoringParams", "ScoreTerms",
+    "LAYOUT_VERSION", "MAGIC", "DEFAULT_NUM_SLOTS", "SegmentError", "SegmentExistsError",
+    "SegmentNotFoundError", "LayoutMismatchError", "SegmentClosedError", "SlotIndexError",
+    "SlotFieldError", "NativeBuildError", "default_name", "unlink", "now_ns",
+]

@@ -1,0 +1,119 @@
+"""``dplb-shm-dump``: print the live worker table of a DPLB segment.
+
+Usage::
+
+    dplb-shm-dump [--shm NAME] [--watch SECONDS] [--json] [--all]
+
+Without ``--shm`` it attaches to the only DPLB segment in /dev/shm (and lists them if there are
+several). ``--json`` prints ``{"version", "name", "generation", "num_slots", "workers": [...]}``
+where each worker is :meth:`WorkerSnapshot.to_dict`; ``--watch`` redraws every SECONDS.
+EMPTY slots are hidden unless ``--all``.
+
+Exit status: 0 ok; 1 no segment / segment error; 2 wrong magic or layout version, several
+segments and no ``--shm``, or bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import orjson
+
+from dplb_shm import LAYOUT_VERSION, LayoutMismatchError, Segment, SegmentError, WorkerSnapshot, WorkerState
+from dplb_shm.discover import list_segments
+
+COLUMNS = ("id", "state", "pid", "hb_age_ms", "run", "wait", "infl", "r_infl", "kv%", "mem_gb",
+           "ttft_ms", "tpot_ms", "e2e_ms", "done", "fail", "circ", "endpoint")
+CIRCUIT = {0: "closed", 1: "open", 2: "half"}
+
+
+def _fmt_ms(v: float) -> str:
+    return "-" if v < 0 else f"{v:.1f}"
+
+
+def _row(s: WorkerSnapshot) -> tuple[str, ...]:
+    mem = "-" if s.gpu_mem_total_bytes < 0 else f"{s.gpu_mem_used_bytes / 1e9:.1f}/{s.gpu_mem_total_bytes / 1e9:.0f}"
+    return (str(s.worker_id), s.state.name.lower(), str(s.pid), _fmt_ms(s.heartbeat_age_ms),
+            str(s.num_running), str(s.num_waiting), str(s.inflight), str(s.router_inflight),
+            "-" if s.kv_cache_usage < 0 else f"{100 * s.kv_cache_usage:.1f}", mem,
+            _fmt_ms(s.ttft_ms), _fmt_ms(s.tpot_ms), _fmt_ms(s.e2e_ms), str(s.completed), str(s.failed),
+            CIRCUIT.get(s.circuit, str(s.circuit)), s.endpoint)
+
+
+def render_table(seg: Segment, show_all: bool = False) -> str:
+    """The worker table of ``seg`` as text (one header line, one line per shown slot)."""
+    snaps = [s for s in seg.snapshot() if show_all or s.state != WorkerState.EMPTY]
+    rows = [COLUMNS] + [_row(s) for s in snaps]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    head = (f"segment {seg.name}  layout v{seg.version}  slots {seg.num_slots}  "
+            f"generation {seg.generation}  workers {len(snaps)}")
+    lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def render_json(seg: Segment, show_all: bool = False) -> bytes:
+    """The JSON document printed by ``--json`` (UTF-8 bytes, no trailing newline)."""
+    workers = [s.to_dict() for s in seg.snapshot() if show_all or s.state != WorkerState.EMPTY]
+    return orjson.dumps({"version": seg.version, "name": seg.name, "generation": seg.generation,
+                         "num_slots": seg.num_slots, "workers": workers})
+
+
+def _pick_name(args: argparse.Namespace) -> str | None:
+    if args.shm:
+        return args.shm
+    found = list_segments()
+    if not found:
+        print("dplb-shm-dump: no DPLB segment in /dev/shm (give --shm NAME)", file=sys.stderr)
+        return None
+    if len(found) > 1:
+        names = ", ".join(f"{i.name} (v{i.version})" for i in found)
+        print(f"dplb-shm-dump: several DPLB segments, choose one with --shm: {names}", file=sys.stderr)
+        raise SystemExit(2)
+    return found[0].name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dplb-shm-dump``; returns the exit status."""
+    p = argparse.ArgumentParser(prog="dplb-shm-dump", description="Print the live DPLB worker table.")
+    p.add_argument("--shm", help="segment name (default: the only DPLB segment in /dev/shm)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--all", action="store_true", help="also show EMPTY slots")
+    args = p.parse_args(argv)
+    if args.watch is not None and not args.watch > 0:
+        p.error("--watch needs a positive number of seconds")
+    name = _pick_name(args)
+    if name is None:
+        return 1
+    try:
+        seg = Segment.attach(name, readonly=True)
+    except LayoutMismatchError as e:
+        print(f"dplb-shm-dump: {e}", file=sys.stderr)
+        return 2
+    except SegmentError as e:
+        print(f"dplb-shm-dump: {e}", file=sys.stderr)
+        return 1
+    try:
+        while True:
+            if args.json:
+                sys.stdout.buffer.write(render_json(seg, args.all) + b"\n")
+            else:
+                text = render_table(seg, args.all)
+                if args.watch is not None and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")  # home + clear: redraw in place
+                sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        return 0
+    finally:
+        seg.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Plain Python types of the segment API: worker state, snapshots, scoring parameters and terms.
+
+These carry no native code so that :mod:`dplb_shm.reference` and tests can use them on their own.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dplb_shm.errors import SlotFieldError
+
+
+class WorkerState(enum.IntEnum):
+    """Life cycle of a slot (``state`` field). Only READY workers receive requests."""
+
+    EMPTY = 0
+    STARTING = 1
+    READY = 2
+    DRAINING = 3
+    DEAD = 4
+
+
+class Circuit(enum.IntEnum):
+    """Router-side circuit breaker state stored in a slot's router line."""
+
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """One slot as read under its seqlock (every field from the same write).
+
+    Units: ``heartbeat_ns`` CLOCK_MONOTONIC ns; ``heartbeat_age_ms`` computed at read time;
+    ``kv_cache_usage`` 0..1 or -1.0 when unknown; memory in bytes, -1 when unknown; latencies in
+    ms (window mean and nearest-rank p99 over the last 32 samples), -1.0 when no sample;
+    ``prompt_len_hist[b]`` counts queued prompts with length in [2^b, 2^(b+1)) (bin 0 also holds
+    0). ``router_inflight``, ``dispatched`` and ``circuit`` come from the router line (atomics
+    shared by every router process), read at the same moment but outside the seqlock.
+    """
+
+    worker_id: int
+    state: WorkerState
+    pid: int
+    endpoint: str
+    model: str
+    gpu_ids: list[int]
+    weight: float
+    heartbeat_ns: int
+    heartbeat_age_ms: float
+    num_running: int
+    num_waiting: int
+    inflight: int
+    router_inflight: int
+    dispatched: int
+    queued_prompt_tokens: int
+    max_num_seqs: int
+    kv_cache_usage: float
+    gpu_mem_used_bytes: int
+    gpu_mem_total_bytes: int
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+    e2e_p99_ms: float
+    prompt_len_hist: list[int]
+    completed: int
+    failed: int
+    circuit: int
+    seq: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
+
+        ``state`` becomes its lower-case name (``"ready"``); every other field keeps its name.
+        """
+        d = asdict(self)
+        d["state"] = self.state.name.lower()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "WorkerSnapshot":
+        """Inverse of :meth:`to_dict` (e.g. a remote agent's ``/dplb/state``).
+
+        Raises :class:`SlotFieldError` on an unknown state or a missing field.
+        """
+        kw = dict(d)
+        st = kw.get("state")
+        try:
+            kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))
+        except (KeyError, ValueError, TypeError) as e:
+            raise SlotFieldError(f"unknown worker state {st!r}", field="state") from e
+        names = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in kw.items() if k in names}
+        try:
+            return cls(**kw)
+        except TypeError as e:
+            raise SlotFieldError(f"bad worker state dict: {e}", field="*") from e
+
+    @property
+    def is_live(self) -> bool:
+        """True unless the slot is EMPTY or DEAD."""
+        return self.state not in (WorkerState.EMPTY, WorkerState.DEAD)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringParams:
+    """Parameters of the scoring kernel (see ``csrc/dplb_kernel.h`` for the formula).
+
+    Defaults are the seeds' weights and thresholds from DESIGN.md "Scoring":
+    ``w_pending=0.4, w_kv=0.3, w_latency=0.2, w_length=0.1``; ``max_queue=0`` means "use each
+    slot's ``max_num_seqs``" (256 when the slot has none); ``kv_cache_threshold=0.8``: a worker
+    above it is not eligible; ``heartbeat_timeout_ms``: older heartbeats make a worker ineligible;
+    ``latency_scale_ms``: TTFT at which the latency term halves.
+    Raises :class:`SlotFieldError` (a ValueError) on a non-finite weight, negative ``max_queue``,
+    or non-positive ``latency_scale_ms``/``heartbeat_timeout_ms``.
+    """
+
+    w_pending: float = 0.4
+    w_kv: float = 0.3
+    w_latency: float = 0.2
+    w_length: float = 0.1
+    max_queue: int = 0
+    kv_cache_threshold: float = 0.8
+    heartbeat_timeout_ms: float = 1000.0
+    latency_scale_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        for name in ("w_pending", "w_kv", "w_latency", "w_length", "kv_cache_threshold",
+                     "heartbeat_timeout_ms", "latency_scale_ms"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise SlotFieldError(f"ScoringParams.{name} must be a finite number, got {v!r}", field=name)
+        if not isinstance(self.max_queue, int) or self.max_queue < 0 or self.max_queue > 2**31 - 1:
+            raise SlotFieldError(f"ScoringParams.max_queue must be an int >= 0, got {self.max_queue!r}",
+                                 field="max_queue")
+        if self.latency_scale_ms <= 0:
+            raise SlotFieldError("ScoringParams.latency_scale_ms must be > 0", field="latency_scale_ms")
+        if self.heartbeat_timeout_ms <= 0:
+            raise SlotFieldError("ScoringParams.heartbeat_timeout_ms must be > 0", field="heartbeat_timeout_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreTerms:
+    """Every term of one eligible worker's score.
+
+    ``pending`` is the raw pending count; ``*_term`` are already multiplied by their weight in
+    :class:`ScoringParams`; ``weight`` is the worker's static weight; and
+    ``score = weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity``.
+    """
+
+    worker_id: int
+    score: float
+    pending: float
+    pending_term: float
+    kv_term: float
+    latency_term: float
+    length_term: float
+    affinity: float
+    weight: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for ``/dplb/route``)."""
+        return asdict(self)
+
+
+__all__ = ["WorkerState", "Circuit", "WorkerSnapshot", "ScoringParams", "ScoreTerms"]

@@ -1,0 +1,216 @@
+"""Segment life cycle and slot writer: create/attach/unlink, mode, fields round-trip, errors."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from dplb_shm import (LAYOUT_VERSION, LayoutMismatchError, ScoringParams, Segment, SegmentClosedError,
+                      SegmentExistsError, SegmentNotFoundError, SlotFieldError, SlotIndexError,
+                      WorkerState, now_ns)
+
+
+def test_create_mode_0600_and_unlink_leaves_nothing(shm_name):
+    seg = Segment.create(shm_name, num_slots=8)
+    try:
+        st = os.stat(f"/dev/shm/{shm_name}")
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert seg.num_slots == 8 and seg.version == LAYOUT_VERSION and seg.generation == 0
+        assert st.st_size == 128 + 8 * 1152
+    finally:
+        seg.close()
+        seg.unlink()
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+    assert not [n for n in os.listdir("/dev/shm") if n == shm_name]
+
+
+def test_mode_0600_even_with_permissive_umask(shm_name):
+    old = os.umask(0)
+    try:
+        seg = Segment.create(shm_name, num_slots=1)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{shm_name}").st_mode) == 0o600
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+def test_create_fails_if_exists_unless_replace(segment, shm_name):
+    with pytest.raises(SegmentExistsError) as ei:
+        Segment.create(shm_name, num_slots=4)
+    assert isinstance(ei.value, FileExistsError) and ei.value.name == shm_name
+    w = segment.writer(3)
+    w.claim(3, endpoint="127.0.0.1:8001")
+    seg2 = Segment.create(shm_name, num_slots=4, replace=True)
+    try:
+        assert seg2.num_slots == 4
+        assert seg2.read_slot(3).state == WorkerState.EMPTY
+        # the old mapping is still valid (and separate) for whoever had it open
+        assert segment.read_slot(3).state == WorkerState.STARTING
+    finally:
+        seg2.close()
+
+
+def test_attach_missing_and_unlink_missing(shm_name):
+    with pytest.raises(SegmentNotFoundError):
+        Segment.attach(shm_name)
+    seg = Segment.create(shm_name, num_slots=1)
+    seg.unlink()
+    with pytest.raises(SegmentNotFoundError):
+        seg.unlink()
+    seg.close()
+
+
+def test_attach_sees_writes_of_other_mapping(segment, shm_name):
+    w = segment.writer(2)
+    w.claim(2, pid=1234, endpoint="/tmp/dplb-x/agent-2.sock", gpu_ids=[4, 5], weight=2.0,
+            model="sim-llama-3.1-8b", max_num_seqs=128)
+    w.set_state(WorkerState.READY)
+    w.publish(num_running=3, num_waiting=4, kv_cache_usage=0.25, gpu_mem_used_bytes=10 ** 9,
+              gpu_mem_total_bytes=80 * 10 ** 9)
+    w.inflight_add(5)
+    w.inflight_add(-2)
+    w.record_request(1000)
+    w.record_request(3)
+    w.record_request(1000, delta=-1)
+    w.count(completed=7, failed=1)
+    with Segment.attach(shm_name, readonly=True) as other:
+        s = other.read_slot(2)
+    assert s.worker_id == 2 and s.state == WorkerState.READY and s.pid == 1234
+    assert s.endpoint == "/tmp/dplb-x/agent-2.sock" and s.model == "sim-llama-3.1-8b"
+    assert s.gpu_ids == [4, 5] and s.weight == 2.0 and s.max_num_seqs == 128
+    assert (s.num_running, s.num_waiting, s.inflight) == (3, 4, 3)
+    assert s.kv_cache_usage == 0.25
+    assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (10 ** 9, 80 * 10 ** 9)
+    assert s.queued_prompt_tokens == 3
+    assert s.prompt_len_hist[1] == 1 and s.prompt_len_hist[9] == 0 and sum(s.prompt_len_hist) == 1
+    assert (s.completed, s.failed) == (7, 1)
+    assert 0 <= s.heartbeat_age_ms < 60_000
+    assert segment.generation == 1
+
+
+def test_latency_windows_mean_and_p99(segment):
+    w = segment.writer(0)
+    w.claim(0)
+    assert segment.read_slot(0).ttft_ms == -1.0
+    for v in range(1, 41):  # 40 samples: the window keeps the last 32 (9..40)
+        w.record_latency(ttft_ms=v, tpot_ms=2 * v)
+    w.record_latency(e2e_ms=500)
+    s = segment.read_slot(0)
+    assert s.ttft_ms == pytest.approx(sum(range(9, 41)) / 32)
+    assert s.tpot_ms == pytest.approx(2 * sum(range(9, 41)) / 32)
+    assert s.ttft_p99_ms == 40.0  # nearest rank ceil(0.99 * 32) = 32nd of 32
+    assert s.e2e_ms == 500.0 and s.e2e_p99_ms == 500.0
+
+
+def test_claim_and_release_bump_generation_and_reset(segment):
+    w = segment.writer(5)
+    g0 = segment.generation
+    w.claim(5, endpoint="127.0.0.1:9000")
+    w.publish(num_running=9, state=WorkerState.READY)
+    assert segment.generation == g0 + 1
+    w.release()
+    s = segment.read_slot(5)
+    assert segment.generation == g0 + 2
+    assert s.state == WorkerState.EMPTY and s.num_running == 0 and s.endpoint == ""
+
+
+def test_router_atomics_shared_between_mappings(segment, shm_name):
+    other = Segment.attach(shm_name)
+    try:
+        assert segment.router_inflight_add(1, 2) == 2
+        assert other.router_inflight_add(1, 3) == 5
+        assert other.router_inflight_add(1, -1) == 4
+        assert segment.dispatched_add(1) == 1 and other.dispatched_add(1, 4) == 5
+        other.circuit_set(1, 1)
+        s = segment.read_slot(1)
+        assert (s.router_inflight, s.dispatched, s.circuit) == (4, 5, 1)
+        # router writes do not disturb the seqlock of the slot
+        assert s.seq == segment.read_slot(1).seq
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"endpoint": "/" + "x" * 107}, "endpoint"),
+    ({"endpoint": "not-an-endpoint"}, "endpoint"),
+    ({"kv_cache_usage": 1.5}, "kv_cache_usage"),
+    ({"num_running": -1}, "num_running"),
+    ({"gpu_ids": list(range(17))}, "gpu_ids"),
+    ({"model": "m" * 120}, "model"),
+    ({"weight": float("nan")}, "weight"),
+    ({"bogus": 1}, "bogus"),
+    ({"state": 9}, "state"),
+])
+def test_bad_fields_raise_and_leave_slot_unchanged(segment, fields, field):
+    w = segment.writer(0)
+    w.claim(0, endpoint="/tmp/a.sock")
+    before = segment.read_slot(0)
+    with pytest.raises(SlotFieldError) as ei:
+        w.publish(num_waiting=7, **fields)
+    assert ei.value.field == field and isinstance(ei.value, ValueError)
+    after = segment.read_slot(0)
+    assert after.num_waiting == before.num_waiting == 0 and after.endpoint == "/tmp/a.sock"
+
+
+def test_longest_unix_socket_path_fits(segment):
+    path = "/" + "p" * 106
+    w = segment.writer(0)
+    w.claim(0, endpoint=path)
+    assert segment.read_slot(0).endpoint == path
+
+
+def test_slot_index_and_closed_errors(segment):
+    with pytest.raises(SlotIndexError):
+        segment.read_slot(16)
+    with pytest.raises(SlotIndexError):
+        segment.writer(-1)
+    w = segment.writer(0)
+    with pytest.raises(SlotFieldError):
+        w.claim(1)
+    segment.close()
+    with pytest.raises(SegmentClosedError):
+        segment.snapshot()
+    with pytest.raises(SegmentClosedError):
+        w.heartbeat()
+    with pytest.raises(SegmentClosedError):
+        segment.pick(ScoringParams())
+
+
+def test_readonly_attach_refuses_writes(segment, shm_name):
+    with Segment.attach(shm_name, readonly=True) as ro:
+        with pytest.raises(Exception, match="read-only"):
+            ro.writer(0)
+        with pytest.raises(Exception, match="read-only"):
+            ro.router_inflight_add(0, 1)
+
+
+def test_wrong_version_names_both_versions(shm_name):
+    seg = Segment.create(shm_name, num_slots=2)
+    seg.close()
+    with open(f"/dev/shm/{shm_name}", "r+b") as f:
+        f.seek(8)
+        f.write((LAYOUT_VERSION + 6).to_bytes(4, "little"))
+    with pytest.raises(LayoutMismatchError) as ei:
+        Segment.attach(shm_name)
+    msg = str(ei.value)
+    assert f"version {LAYOUT_VERSION + 6}" in msg and f"version {LAYOUT_VERSION}" in msg
+    assert "\n" not in msg and ei.value.found_version == LAYOUT_VERSION + 6
+
+
+def test_wrong_magic(shm_name):
+    with open(f"/dev/shm/{shm_name}", "wb") as f:
+        f.write(b"NOTDPLB!" + (1).to_bytes(4, "little") + bytes(4096))
+    with pytest.raises(LayoutMismatchError, match="magic"):
+        Segment.attach(shm_name)
+
+
+def test_heartbeat_is_monotonic_clock(segment):
+    w = segment.writer(0)
+    t0 = now_ns()
+    w.heartbeat()
+    s = segment.read_slot(0)
+    assert t0 <= s.heartbeat_ns <= now_ns()
