@@ -1,0 +1,269 @@
+"""Generation endpoints: ``/v1/completions``, ``/v1/chat/completions`` (vLLM's OpenAI shapes) and
+SGLang's ``/generate``; streaming as Server-Sent Events, one token per chunk, ``data: [DONE]`` last.
+
+Route handlers only parse, submit to the :class:`~sim_engine.runner.EngineRunner` and format; a
+client that disconnects (stream or not) aborts its requests, which frees their KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from sim_engine.engine import EngineCore
+from sim_engine.protocol import GenParams, load_json, parse_chat, parse_completion, parse_generate
+from sim_engine.request import SimRequest
+from sim_engine.runner import EngineRunner, OutputChannel
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(obj: object, status: int = 200, headers: dict | None = None) -> Response:
+    """An ``application/json`` response encoded with orjson."""
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+class Generation:
+    """One HTTP generation request: its engine requests (choices) and output channel."""
+
+    def __init__(self, server: "SimServer", params: GenParams, rid: str) -> None:
+        self.server = server
+        self.params = params
+        self.rid = rid
+        self.created = int(time.time())
+        core = server.core
+        self.reqs: list[SimRequest] = []
+        bs = core.config.block_size
+        for p_idx, prompt in enumerate(params.prompts):
+            mt = params.max_tokens if params.max_tokens is not None else core.default_max_tokens(len(prompt))
+            for j in range(params.n):
+                i = p_idx * params.n + j
+                sub = f"{rid}-{i}"
+                if sub in core.requests:
+                    sub = f"{sub}-{uuid.uuid4().hex[:8]}"
+                self.reqs.append(SimRequest(sub, prompt, mt, bs, params.stop))
+        self.prompt_tokens = sum(len(p) for p in params.prompts)
+        self.channel: OutputChannel = server.runner.submit(self.reqs)
+
+    # ---- text helpers --------------------------------------------------------------------
+    @staticmethod
+    def final_text(req: SimRequest) -> str:
+        """Generated text; for a stop finish, cut before the matched stop string (as vLLM does)."""
+        full = "".join(" " + w for w in req.output)
+        if req.finish_reason == "stop" and req.stop_matched:
+            cut = full.find(req.stop_matched)
+            if cut >= 0:
+                return full[:cut]
+        return full
+
+    def delta(self, req: SimRequest, k: int) -> tuple[str, str | None]:
+        """Text of token ``k`` (1-based) and the finish reason when it is the last one."""
+        if k == len(req.output) and req.finish_reason is not None:
+            if req.finish_reason == "stop" and req.stop_matched:
+                full = self.final_text(req)
+                sent = sum(len(w) + 1 for w in req.output[:-1])
+                return full[sent:], "stop"
+            return " " + req.output[k - 1], req.finish_reason
+        return " " + req.output[k - 1], None
+
+    def usage(self) -> dict:
+        """OpenAI ``usage`` object."""
+        comp = sum(len(r.output) for r in self.reqs)
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + comp,
+                "completion_tokens": comp, "prompt_tokens_details": None}
+
+    def abort(self) -> None:
+        """Abort every unfinished choice (frees blocks now)."""
+        self.server.runner.abort(self.reqs)
+
+    # ---- waiting -------------------------------------------------------------------------
+    async def wait_all(self, request: Request) -> bool:
+        """Wait until every choice finished; False (after aborting) if the client went away."""
+        ch = self.channel
+
+        async def consume() -> None:
+            while not ch.done:
+                await ch.drain()
+
+        work = asyncio.ensure_future(consume())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                t.cancel()
+        if not ch.done:
+            self.abort()
+            return False
+        return True
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the ASGI server reports ``http.disconnect`` (body must already be read)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _chunk(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _sse(gen: Generation, make_chunk: Callable[[int, str, str | None], dict],
+               first: list[dict], usage_chunk: Callable[[], dict] | None) -> AsyncIterator[bytes]:
+    """SSE body: ``first`` chunks, then one chunk per token, then usage (if asked), then [DONE].
+    Cancellation (client gone) aborts the unfinished choices in ``finally``."""
+    try:
+        if first:
+            yield b"".join(_chunk(c) for c in first)
+        ch = gen.channel
+        while not ch.done:
+            items = await ch.drain()
+            out = []
+            for idx, req, k in items:
+                text, fr = gen.delta(req, k)
+                out.append(_chunk(make_chunk(idx, text, fr)))
+            yield b"".join(out)
+        if usage_chunk is not None:
+            yield _chunk(usage_chunk())
+        yield b"data: [DONE]\n\n"
+    finally:
+        gen.abort()
+
+
+def build_router(server: "SimServer") -> APIRouter:
+    """Routes for the generation endpoints of ``server``."""
+    r = APIRouter()
+    model = server.config.model
+
+    def rid_for(request: Request, prefix: str) -> str:
+        h = request.headers.get("x-request-id")
+        return h if h else f"{prefix}-{uuid.uuid4().hex}"
+
+    @r.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        params = parse_completion(load_json(await request.body()), model)
+        gen = Generation(server, params, rid_for(request, "cmpl"))
+        base = {"id": gen.rid, "object": "text_completion", "created": gen.created, "model": model}
+        if params.stream:
+            def mk(idx: int, text: str, fr: str | None) -> dict:
+                return {**base, "choices": [{"index": idx, "text": text, "logprobs": None, "finish_reason": fr,
+                                             "stop_reason": None}]}
+            uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
+            return StreamingResponse(server.track(_sse(gen, mk, [], uc)), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        async with server.load():
+            if not await gen.wait_all(request):
+                return Response(status_code=499)
+        choices = [{"index": i, "text": gen.final_text(q), "logprobs": None, "finish_reason": q.finish_reason,
+                    "stop_reason": q.stop_matched} for i, q in enumerate(gen.reqs)]
+        return json_response({**base, "choices": choices, "usage": gen.usage()})
+
+    @r.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        params = parse_chat(load_json(await request.body()), model)
+        gen = Generation(server, params, rid_for(request, "chatcmpl"))
+        if params.stream:
+            base = {"id": gen.rid, "object": "chat.completion.chunk", "created": gen.created, "model": model}
+
+            def mk(idx: int, text: str, fr: str | None) -> dict:
+                return {**base, "choices": [{"index": idx, "delta": {"content": text}, "logprobs": None,
+                                             "finish_reason": fr}]}
+            first = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]} for i in range(len(gen.reqs))]
+            uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
+            return StreamingResponse(server.track(_sse(gen, mk, first, uc)), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        async with server.load():
+            if not await gen.wait_all(request):
+                return Response(status_code=499)
+        choices = [{"index": i, "message": {"role": "assistant", "content": gen.final_text(q), "tool_calls": []},
+                    "logprobs": None, "finish_reason": q.finish_reason, "stop_reason": q.stop_matched}
+                   for i, q in enumerate(gen.reqs)]
+        return json_response({"id": gen.rid, "object": "chat.completion", "created": gen.created, "model": model,
+                              "choices": choices, "usage": gen.usage()})
+
+    @r.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        params = parse_generate(load_json(await request.body()))
+        gen = Generation(server, params, params.request_id or uuid.uuid4().hex)
+        t0 = time.monotonic()
+
+        def meta(q: SimRequest) -> dict:
+            fr = None
+            if q.finish_reason == "length":
+                fr = {"type": "length", "length": len(q.output)}
+            elif q.finish_reason == "stop":
+                fr = {"type": "stop", "matched": q.stop_matched}
+            elif q.finish_reason == "abort":
+                fr = {"type": "abort", "message": "aborted"}
+            return {"id": q.request_id, "finish_reason": fr, "prompt_tokens": q.num_prompt_tokens,
+                    "completion_tokens": len(q.output), "cached_tokens": q.num_cached_tokens,
+                    "e2e_latency": time.monotonic() - t0}
+
+        if params.stream:
+            async def body() -> AsyncIterator[bytes]:
+                try:
+                    ch = gen.channel
+                    while not ch.done:
+                        items = await ch.drain()
+                        out = []
+                        for idx, q, k in items:
+                            text = "".join(" " + w for w in q.output[:k])
+                            if k == len(q.output) and q.finish_reason is not None:
+                                text = gen.final_text(q)
+                            out.append(_chunk({"text": text, "index": idx, "meta_info": meta(q)}))
+                        yield b"".join(out)
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    gen.abort()
+            return StreamingResponse(server.track(body()), media_type="text/event-stream", headers=SSE_HEADERS)
+        async with server.load():
+            if not await gen.wait_all(request):
+                return Response(status_code=499)
+        outs = [{"text": gen.final_text(q), "meta_info": meta(q), "index": i} for i, q in enumerate(gen.reqs)]
+        return json_response(outs[0] if len(outs) == 1 else outs)
+
+    return r
+
+
+class SimServer:
+    """Process-wide state shared by the routes: config, core, runner, metrics registry, load count."""
+
+    def __init__(self, core: EngineCore, runner: EngineRunner) -> None:
+        self.core = core
+        self.config = core.config
+        self.runner = runner
+        self.server_load = 0  # HTTP generation requests in progress (vLLM's /load)
+        self.started = time.time()
+
+    def load(self) -> "_LoadGuard":
+        """Context manager counting one in-progress request for ``/load``."""
+        return _LoadGuard(self)
+
+    async def track(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Wrap a streaming body so that it counts in ``/load`` while it runs."""
+        self.server_load += 1
+        try:
+            async for b in it:
+                yield b
+        finally:
+            self.server_load -= 1
+            await it.aclose()  # type: ignore[attr-defined]
+
+
+class _LoadGuard:
+    def __init__(self, s: SimServer) -> None:
+        self.s = s
+
+    async def __aenter__(self) -> None:
+        self.s.server_load += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.s.server_load -= 1

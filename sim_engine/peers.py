@@ -1,0 +1,131 @@
+"""Small endpoints that routers and tools call on a worker, in the shapes the real engines use.
+
+* vLLM: ``GET /health``, ``GET /v1/models``, ``GET /load`` → ``{"server_load": N}`` (HTTP generation
+  requests in progress), ``POST /tokenize`` → ``{"count", "max_model_len", "tokens", "token_strs"}``,
+  ``POST /v1/chat/completions/render`` → ``{"request_id", "model", "token_ids", ...}`` and
+  ``POST /v1/completions/render`` → a list of those (vllm-router's cache_aware policy calls both),
+  ``GET /metrics`` (see :mod:`sim_engine.metrics`), ``GET /version``.
+* SGLang: ``GET /server_info`` and ``/get_server_info`` (server args + ``internal_states``),
+  ``GET /model_info`` and ``/get_model_info`` (no ``model_path``: there is no hub model, and SGLang's
+  router would try to download a tokenizer for one), ``GET /get_load`` → SGLang's list shape
+  ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``.
+* Simulator: ``GET /sim/state`` (see :meth:`EngineCore.state`), ``POST /reset_prefix_cache``.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sim_engine import __version__
+from sim_engine.api import SimServer, json_response
+from sim_engine.errors import InvalidRequestError
+from sim_engine.metrics import CONTENT_TYPE, make_registry, render
+from sim_engine.protocol import check_model, load_json, parse_chat, parse_completion, parse_tokenize
+from sim_engine.tokenizer import token_ids
+
+
+def build_peer_router(server: SimServer) -> APIRouter:
+    """Routes for the peer, health, metrics and simulator-state endpoints of ``server``."""
+    r = APIRouter()
+    core, cfg = server.core, server.config
+    registry = make_registry(core, cfg.model)
+
+    @r.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @r.get("/version")
+    async def version() -> Response:
+        return json_response({"version": f"sim-{__version__}"})
+
+    @r.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [{
+            "id": cfg.model, "object": "model", "created": int(server.started), "owned_by": "dplb-sim",
+            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len}]})
+
+    @r.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type=CONTENT_TYPE)
+
+    @r.get("/sim/state")
+    async def sim_state() -> Response:
+        st = core.state()
+        st.update(sim_time_s=server.runner.now(), time_scale=server.runner.time_scale,
+                  wall_busy_s=server.runner.wall_busy, server_load=server.server_load)
+        return json_response(st)
+
+    @r.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return json_response({"reset_blocks": core.kv.reset_prefix_cache()})
+
+    @r.get("/load")
+    async def load() -> Response:
+        return json_response({"server_load": server.server_load})
+
+    @r.get("/get_load")
+    async def get_load() -> Response:
+        return json_response([{"dp_rank": 0, "num_reqs": len(core.running) + len(core.waiting),
+                               "num_waiting_reqs": len(core.waiting), "num_tokens": core.queued_tokens(),
+                               "ts_tic": time.perf_counter()}])
+
+    def server_info() -> dict:
+        return {
+            "served_model_name": cfg.model, "tp_size": 1, "dp_size": 1, "page_size": cfg.block_size,
+            "max_running_requests": cfg.max_num_seqs, "chunked_prefill_size": cfg.max_num_batched_tokens,
+            "context_length": cfg.max_model_len, "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
+            "enable_prefix_caching": cfg.enable_prefix_caching, "time_scale": cfg.time_scale,
+            "slowdown": cfg.slowdown, "seed": cfg.seed, "engine": "dplb-sim-engine",
+            "internal_states": [{"num_running_reqs": len(core.running), "num_queue_reqs": len(core.waiting),
+                                 "token_usage": core.kv.usage}],
+            "version": f"sim-{__version__}",
+        }
+
+    def model_info() -> dict:
+        return {"served_model_name": cfg.model, "tokenizer_path": None, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": "default",
+                "max_model_len": cfg.max_model_len}
+
+    for path in ("/server_info", "/get_server_info"):
+        r.add_api_route(path, lambda: json_response(server_info()), methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        r.add_api_route(path, lambda: json_response(model_info()), methods=["GET"])
+
+    @r.post("/tokenize")
+    async def tokenize_ep(request: Request) -> Response:
+        body = load_json(await request.body())
+        words = parse_tokenize(body, cfg.model)
+        return json_response({"count": len(words), "max_model_len": cfg.max_model_len,
+                              "tokens": token_ids(words, cfg.vocab_size),
+                              "token_strs": words if body.get("return_token_strs") else None})
+
+    def _render(words: list[str], max_tokens: int | None, prefix: str) -> dict:
+        return {"request_id": f"{prefix}-{uuid.uuid4().hex}", "model": cfg.model, "prompt": " ".join(words),
+                "token_ids": token_ids(words, cfg.vocab_size),
+                "sampling_params": {"max_tokens": max_tokens if max_tokens is not None
+                                    else core.default_max_tokens(len(words))}}
+
+    @r.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> Response:
+        p = parse_chat(load_json(await request.body()), cfg.model)
+        return json_response(_render(p.prompts[0], p.max_tokens, "chatcmpl"))
+
+    @r.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Response:
+        p = parse_completion(load_json(await request.body()), cfg.model)
+        return json_response([_render(w, p.max_tokens, "cmpl") for w in p.prompts])
+
+    @r.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = load_json(await request.body())
+        check_model(body, cfg.model)
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise InvalidRequestError("'tokens' must be a list of integers", param="tokens")
+        # ids are hashes of words and cannot be inverted: answer with placeholders
+        return json_response({"prompt": " ".join(f"<{t}>" for t in toks)})
+
+    return r

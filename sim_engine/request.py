@@ -1,0 +1,89 @@
+"""One sequence inside the engine: its tokens, KV blocks, progress and timestamps."""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from sim_engine.kv_cache import ROOT_HASH, chain_hashes
+
+
+class Status(enum.IntEnum):
+    """Lifecycle: WAITING → RUNNING → FINISHED; RUNNING → WAITING again on preemption."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class SimRequest:
+    """A sequence to prefill and decode.
+
+    ``prompt``: prompt tokens (words); ``max_tokens``: output tokens to generate (>= 1);
+    ``stop``: stop strings (generation ends when the output text contains one, which is cut off);
+    ``arrival``: simulated seconds. ``sink`` is an opaque slot for the server's output channel.
+    """
+
+    __slots__ = ("request_id", "prompt", "num_prompt_tokens", "max_tokens", "stop", "arrival",
+                 "output", "text", "num_computed_tokens", "blocks", "hashes", "num_registered", "status",
+                 "finish_reason", "stop_matched", "first_scheduled", "first_token_time", "last_token_time",
+                 "finish_time", "num_cached_tokens", "num_preemptions", "word_offset", "sink", "_block_size",
+                 "counted_prompt")
+
+    def __init__(self, request_id: str, prompt: list[str], max_tokens: int, block_size: int,
+                 stop: list[str] | None = None, arrival: float = 0.0, sink: Any = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.num_prompt_tokens = len(prompt)
+        self.max_tokens = max_tokens
+        self.stop = stop or []
+        self.arrival = arrival
+        self.output: list[str] = []
+        self.text: list[str] = []          # only kept when stop strings must be checked
+        self.num_computed_tokens = 0
+        self.blocks: list[int] = []
+        self._block_size = block_size
+        self.hashes: list[int] = chain_hashes(prompt, block_size)
+        self.num_registered = 0            # leading blocks already registered in the prefix cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_matched: str | None = None
+        self.first_scheduled: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_cached_tokens = 0         # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        self.word_offset = 0
+        self.sink = sink
+        self.counted_prompt = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.num_prompt_tokens + len(self.output)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output)
+
+    def append_output(self, word: str) -> None:
+        """Add a generated token and hash the block it completes, if any (O(block_size))."""
+        self.output.append(word)
+        bs = self._block_size
+        n = self.num_tokens
+        if n % bs == 0:
+            i = n // bs - 1
+            start = i * bs
+            p = self.num_prompt_tokens
+            if start >= p:
+                toks = self.output[start - p:]
+            else:
+                toks = self.prompt[start:] + self.output
+            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            self.hashes.append(hash((parent, *toks)))
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (f"SimRequest({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output)}/{self.max_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.blocks)})")

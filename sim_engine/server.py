@@ -1,0 +1,144 @@
+"""``dplb-sim-engine``: the HTTP server around the simulated engine (FastAPI + uvicorn).
+
+::
+
+    dplb-sim-engine (--uds PATH | [--host 127.0.0.1] --port P) [--model NAME] [--time-scale F]
+                    [--seed S] [--block-size 16] [--num-gpu-blocks N] [--max-num-seqs 256]
+                    [--max-num-batched-tokens 8192] [--max-model-len 131072] [--slowdown F] ...
+
+A Unix socket is created with mode 0600. Errors are OpenAI-shaped JSON
+(``{"error": {"message", "type", "param", "code"}}``): 400 for a bad body, 404 for an unknown
+model or path; an unexpected exception is still answered in that shape (500) and logged.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import sys
+from typing import AsyncIterator, Sequence
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sim_engine.api import SimServer, build_router, json_response
+from sim_engine.config import EngineConfig, add_engine_args, config_from_args
+from sim_engine.engine import EngineCore
+from sim_engine.errors import SimEngineError
+from sim_engine.peers import build_peer_router
+from sim_engine.runner import EngineRunner
+
+log = logging.getLogger("sim_engine")
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | int | None = None) -> Response:
+    """OpenAI-shaped error response."""
+    return json_response({"error": {"message": message, "type": type_, "param": param,
+                                    "code": status if code is None else code}}, status=status)
+
+
+def create_app(config: EngineConfig) -> FastAPI:
+    """Build the FastAPI app for ``config``; the step loop runs for the app's lifespan.
+
+    ``app.state.sim`` is the :class:`SimServer` (core, runner) — tests use it in-process."""
+    core = EngineCore(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner = sim.runner
+        runner.start()
+        try:
+            yield
+        finally:
+            await runner.stop()
+
+    app = FastAPI(title="dplb-sim-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    sim = SimServer(core, EngineRunner(core, config.time_scale))
+    app.state.sim = sim
+
+    @app.exception_handler(SimEngineError)
+    async def _sim_error(request: Request, exc: SimEngineError) -> Response:
+        return json_response(exc.to_dict(), status=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, str(exc), "BadRequestError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        t = "NotFoundError" if exc.status_code == 404 else "BadRequestError" if exc.status_code < 500 \
+            else "InternalServerError"
+        return error_response(exc.status_code, str(exc.detail), t)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:  # pragma: no cover - a bug
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "InternalServerError")
+
+    app.include_router(build_router(sim))
+    app.include_router(build_peer_router(sim))
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser of ``dplb-sim-engine``."""
+    p = argparse.ArgumentParser(prog="dplb-sim-engine", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    lsn = p.add_argument_group("listening")
+    lsn.add_argument("--uds", help="Serve on this Unix socket path (mode 0600) instead of TCP.")
+    lsn.add_argument("--host", default="127.0.0.1", help="TCP host (loopback by default).")
+    lsn.add_argument("--port", type=int, default=8000, help="TCP port.")
+    lsn.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    return p
+
+
+def _unix_socket(path: str) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    s.listen(1024)
+    s.setblocking(False)
+    return s
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dplb-sim-engine`` / ``python -m sim_engine``. Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"dplb-sim-engine: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    ucfg = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                          timeout_graceful_shutdown=2, lifespan="on")
+    server = uvicorn.Server(ucfg)
+    if args.uds:
+        sock = _unix_socket(args.uds)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(args.uds)
+    else:
+        server.run()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
