@@ -49,7 +49,9 @@ class LaunchConfig:
 
     ``time_scale``: passed to sim engines as ``--time-scale`` (None: the engine's default);
     ``engine_args``: extra engine flags given after ``--``; ``engine_urls``: one per worker for
-    ``--engine openai``; ``start_timeout_s``: how long every worker has to become ready.
+    ``--engine openai``; ``start_timeout_s``: how long every worker has to become ready;
+    ``agent_module``/``router_module``: what ``python -m`` runs (the launcher's own tests run
+    stand-ins that speak the same CLIs).
     """
 
     num_workers: int
@@ -71,6 +73,8 @@ class LaunchConfig:
     num_slots: int = 64
     start_timeout_s: float = 120.0
     python: str = sys.executable
+    agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
+    router_module: str = "router"
 
     def agent_socket(self, k: int) -> Path:
         """Unix socket worker ``k``'s agent serves on."""
@@ -78,7 +82,7 @@ class LaunchConfig:
 
     def agent_argv(self, k: int) -> list[str]:
         """Command line of worker ``k``'s agent (``docs/INTERFACES.md``, worker agent)."""
-        argv = [self.python, "-m", "worker_agent", "--worker-id", str(k), "--shm", self.shm_name,
+        argv = [self.python, "-m", self.agent_module, "--worker-id", str(k), "--shm", self.shm_name,
                 "--uds", str(self.agent_socket(k)), "--engine", self.engine,
                 "--state-interval-ms", str(self.state_interval_ms), "--run-dir", str(self.run_dir)]
         if self.model:
@@ -97,7 +101,7 @@ class LaunchConfig:
 
     def router_argv(self) -> list[str]:
         """Command line of the router (``docs/INTERFACES.md``, router)."""
-        argv = [self.python, "-m", "router", "--host", self.host, "--port", str(self.port), "--shm", self.shm_name]
+        argv = [self.python, "-m", self.router_module, "--host", self.host, "--port", str(self.port), "--shm", self.shm_name]
         if self.config:
             argv += ["--config", self.config]
         if self.policy:

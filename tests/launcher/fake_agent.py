@@ -1,0 +1,54 @@
+"""Stand-in worker agent for the launcher's tests: same CLI as ``python -m worker_agent``.
+
+Claims its slot, starts an "engine" (a sleeping grandchild in a session of its own, pid written to
+``<run-dir>/engine-K.pid``) and turns READY after a short delay, then heartbeats. Behaviour per
+worker id from the environment: ``FAKE_FAIL=K`` makes worker K print an error and exit 3;
+``FAKE_NEVER=K`` keeps worker K in STARTING; ``FAKE_DIE_AFTER_READY=K`` exits 4 after 1 s of READY.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from dplb_shm import Segment, WorkerState
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker-id", type=int, required=True)
+    ap.add_argument("--shm", required=True)
+    ap.add_argument("--uds", required=True)
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--model", default="fake-model")
+    args, extra = ap.parse_known_args()
+    k = args.worker_id
+    print(f"fake agent {k} argv={sys.argv[1:]} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}",
+          flush=True)
+    if os.environ.get("FAKE_FAIL") == str(k):
+        print(f"fake agent {k}: engine failed to start: CUDA out of memory (simulated)", flush=True)
+        return 3
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    with open(os.path.join(args.run_dir, f"engine-{k}.pid"), "w") as f:
+        f.write(str(engine.pid))
+    seg = Segment.attach(args.shm)
+    w = seg.writer(k)
+    w.claim(worker_id=k, pid=os.getpid(), endpoint=args.uds, gpu_ids=[], weight=1.0, model=args.model,
+            max_num_seqs=256)
+    time.sleep(0.3)
+    if os.environ.get("FAKE_NEVER") != str(k):
+        w.set_state(WorkerState.READY)
+    ready_at = time.monotonic()
+    while True:
+        w.heartbeat()
+        if os.environ.get("FAKE_DIE_AFTER_READY") == str(k) and time.monotonic() - ready_at > 1.0:
+            print(f"fake agent {k}: crashing", flush=True)
+            os._exit(4)
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

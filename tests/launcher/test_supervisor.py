@@ -1,0 +1,113 @@
+"""The supervisor's lifecycle with stand-in agents and router: ready banner, clean stop on SIGINT and
+SIGTERM (engines included, segment unlinked), a failing worker stops the launch with its log."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import ROOT, free_port, wait_until
+
+
+def start(procs, run_dir: str, port: int, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    log = Path(run_dir) / "launcher.out"
+    p = procs.start([sys.executable, "-m", "tests.launcher.run_fake_launch", "--port", str(port),
+                     "--run-dir", os.path.join(run_dir, "rd"), "--start-timeout", "60", *args],
+                    log=log, env=env, cwd=ROOT)
+    return p, log
+
+
+def banner_seen(log: Path) -> bool:
+    return "DPLB ready" in log.read_text(errors="replace")
+
+
+def engine_pids(run_dir: str, n: int) -> list[int]:
+    return [int((Path(run_dir) / "rd" / f"engine-{k}.pid").read_text()) for k in range(n)]
+
+
+def gone(pids: list[int]) -> bool:
+    return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+
+@pytest.fixture
+def port():
+    port = free_port()
+    yield port
+    if os.path.exists(f"/dev/shm/dplb-{port}"):
+        os.unlink(f"/dev/shm/dplb-{port}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ready_then_signal_stops_everything(procs, run_dir, port, sig):
+    p, log = start(procs, run_dir, port, "--num-workers", "3", "--gpus", "0-5")
+    wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+    out = log.read_text()
+    assert p.poll() is None, out
+    assert f"http://127.0.0.1:{port}/v1" in out and f"dplb-shm-dump --shm dplb-{port}" in out and "curl" in out
+    assert "workers ready 3/3" in out
+    assert os.path.exists(f"/dev/shm/dplb-{port}")
+    agent_logs = [(Path(run_dir) / "rd" / f"agent-{k}.log").read_text() for k in range(3)]
+    for k, text in enumerate(agent_logs):  # 6 GPUs, 3 workers → tp 2, consecutive pairs
+        assert f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}" in text and "'--tp-size', '2'" in text
+    engines = engine_pids(run_dir, 3)
+    tree = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+    assert len(tree) >= 4  # 3 agents + router
+    os.kill(p.pid, sig)
+    assert p.wait(timeout=60) == 0
+    wait_until(lambda: gone(engines + tree), timeout=20, what="children and engines gone")
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+    assert not list((Path(run_dir) / "rd").glob("*.sock"))
+
+
+def test_failing_worker_stops_launch_with_its_log(procs, run_dir, port):
+    p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_FAIL": "1"})
+    assert p.wait(timeout=90) == 1
+    out = log.read_text()
+    assert "worker 1 exited with status 3" in out
+    assert "CUDA out of memory (simulated)" in out  # the log's last lines are shown
+    assert "DPLB ready" not in out
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+    wait_until(lambda: gone(engine_pids(run_dir, 1)), timeout=20, what="worker 0's engine gone")
+
+
+def test_start_timeout_names_the_pending_worker(procs, run_dir, port):
+    p, log = start(procs, run_dir, port, "--num-workers", "2", "--start-timeout", "3", env={"FAKE_NEVER": "0"})
+    assert p.wait(timeout=90) == 1
+    out = log.read_text()
+    assert "not ready after 3 s" in out and "worker 0 (STARTING)" in out and "worker 1" not in out.split("waiting for")[1].split("\n")[0]
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
+def test_worker_dying_after_ready_is_reported_and_launch_keeps_serving(procs, run_dir, port):
+    p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_DIE_AFTER_READY": "1"})
+    wait_until(lambda: "worker 1 exited with status 4" in log.read_text(), timeout=90, what="death report")
+    assert p.poll() is None and "crashing" in log.read_text()
+    engines = engine_pids(run_dir, 2)  # worker 1's engine is an orphan now: still stopped at the end
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0
+    wait_until(lambda: gone(engines), timeout=20, what="engines gone")
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
+def test_stale_segment_is_replaced(procs, run_dir, port):
+    from dplb_shm import Segment
+
+    stale = Segment.create(f"dplb-{port}", num_slots=4)
+    stale.close()
+    p, log = start(procs, run_dir, port, "--num-workers", "1")
+    wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+    assert p.poll() is None, log.read_text()
+    seg = Segment.attach(f"dplb-{port}")
+    try:
+        assert seg.num_slots == 64
+    finally:
+        seg.close()
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
