@@ -30,8 +30,9 @@ import socket
 from typing import Any
 
 import uvicorn
+import orjson
 from fastapi import FastAPI
-from fastapi.responses import ORJSONResponse
+from starlette.responses import Response
 
 from dplb_shm import Segment, WorkerState
 
@@ -226,8 +227,10 @@ class Agent:
             return
         if self._stopping or self.state == WorkerState.DEAD:
             return
-        if model and model != (self.cfg.model or ""):
+        if model:
             log.info("worker %d: engine serves model %r", self.worker_id, model)
+            # the slot holds at most 119 bytes of UTF-8
+            self.writer.publish(model=model.encode()[:119].decode("utf-8", "ignore"))
         self.set_state(WorkerState.READY)
 
     def request_stop(self, sig: int | None = None) -> None:
@@ -238,21 +241,22 @@ class Agent:
         self._stop.set()
 
     def _control_app(self) -> FastAPI:
-        app = FastAPI(title="dplb-worker-agent", openapi_url=None, docs_url=None, redoc_url=None,
-                      default_response_class=ORJSONResponse)
+        app = FastAPI(title="dplb-worker-agent", openapi_url=None, docs_url=None, redoc_url=None)
+
+        def json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+            return Response(orjson.dumps(obj), status_code=status, headers=headers, media_type="application/json")
 
         @app.get("/health")
-        async def health() -> ORJSONResponse:
+        async def health() -> Response:
             """200 only when READY; 503 with the state name otherwise."""
             ready = self.state == WorkerState.READY
-            return ORJSONResponse({"status": self.state.name.lower(), "worker_id": self.worker_id},
-                                  status_code=200 if ready else 503,
-                                  headers=None if ready else {"Retry-After": "1"})
+            return json({"status": self.state.name.lower(), "worker_id": self.worker_id},
+                        200 if ready else 503, None if ready else {"Retry-After": "1"})
 
         @app.get("/dplb/state")
-        async def state() -> ORJSONResponse:
+        async def state() -> Response:
             """The slot as JSON (``WorkerSnapshot.to_dict()``)."""
-            return ORJSONResponse(self.slot_dict())
+            return json(self.slot_dict())
 
         return app
 
@@ -267,6 +271,7 @@ class Agent:
                           gpu_ids=self.cfg.gpus, weight=self.cfg.weight, model=self.cfg.model or "",
                           max_num_seqs=self.cfg.max_num_seqs)
         self.state = WorkerState.STARTING
+        os.makedirs(os.path.dirname(self.cfg.uds), mode=0o700, exist_ok=True)
         sock = bind_unix_socket(self.cfg.uds)
         app = RelayApp(self, self.get_upstream, self._control_app())
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http="httptools",

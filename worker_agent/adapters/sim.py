@@ -45,3 +45,12 @@ class SimAdapter(EngineAdapter):
         except FileNotFoundError:
             pass
         await super().start()
+
+    async def stop(self, timeout_s: float = 15.0) -> int | None:
+        """Stop the simulator and remove its socket file."""
+        rc = await super().stop(timeout_s)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        return rc
