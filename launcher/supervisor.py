@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -294,7 +295,7 @@ class Supervisor:
             f"  OpenAI base URL  {cfg.url}/v1",
             f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d {shlex.quote(body)}",
-            f"  live state       dplb-shm-dump --shm {cfg.shm_name} --watch",
+            f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
             f"  router status    curl -s {cfg.url}/dplb/status",
             f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",
             "Press Ctrl-C to stop every worker, engine and the router.",
@@ -360,6 +361,14 @@ class Supervisor:
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+
+def dump_command() -> str:
+    """How to run ``dplb-shm-dump`` from this shell: the bare name when it is on PATH, else its path."""
+    if shutil.which("dplb-shm-dump"):
+        return "dplb-shm-dump"
+    sibling = Path(sys.executable).parent / "dplb-shm-dump"
+    return str(sibling) if sibling.exists() else f"{sys.executable} -m dplb_shm.dump"
 
 
 def _segment_class() -> Any:
