@@ -1,0 +1,67 @@
+"""``dplb-router`` / ``python -m router``: the OpenAI-compatible front door (default port 30000).
+
+    dplb-router [--config dplb.yaml] [--host 0.0.0.0] [--port 30000] [--shm NAME] [--policy dplb]
+                [--workers K] [--admin-token T] [--api-key KEY] [--log-level warning]
+
+Flags override the config file. ``--workers K`` runs K router processes (uvicorn workers) on the
+same port; they share one segment, so in-flight counts and circuit states are one truth.
+Exit status 2 on an invalid config (the message names the field).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from router.config import POLICIES, load_config
+from router.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (every flag defaults to None = "not given, keep the file's value")."""
+    p = argparse.ArgumentParser(prog="dplb-router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="dplb.yaml (see dplb.example.yaml)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--shm", help="segment name (default dplb-<port>)")
+    p.add_argument("--policy", choices=POLICIES)
+    p.add_argument("--workers", type=int, help="router processes sharing the segment")
+    p.add_argument("--admin-token")
+    p.add_argument("--api-key")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, validate config, serve with uvicorn (uvloop + httptools) until stopped."""
+    args = build_parser().parse_args(argv)
+    overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
+                 "routing_policy.policy": args.policy, "router.workers": args.workers,
+                 "router.admin_token": args.admin_token, "router.api_key": args.api_key,
+                 "router.log_level": args.log_level}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"dplb-router: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    common = dict(host=cfg.router.host, port=cfg.router.port, loop="uvloop", http="httptools",
+                  log_level=cfg.router.log_level, access_log=False, server_header=False,
+                  timeout_keep_alive=30, backlog=4096, date_header=False)
+    if cfg.router.workers > 1:
+        from router.app import CONFIG_ENV
+
+        os.environ[CONFIG_ENV] = cfg.model_dump_json()
+        uvicorn.run("router.app:create_app_from_env", factory=True, workers=cfg.router.workers, **common)
+    else:
+        from router.app import create_app
+
+        uvicorn.run(create_app(cfg), **common)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

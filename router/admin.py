@@ -1,0 +1,172 @@
+"""Admin API: add, remove and drain workers at run time.
+
+    POST   /dplb/workers                 {"endpoint": "host:port" | "/abs/agent.sock", "weight": 1.0, "model": null}
+    DELETE /dplb/workers/{id}            remote mirror: slot released; local agent: no longer routed to
+    POST   /dplb/workers/{id}/drain      no new requests; in-flight ones finish
+    POST   /dplb/workers/{id}/undrain    back in rotation
+    GET    /dplb/workers                 same rows as /dplb/status
+
+Protection: by default only loopback clients may call these (403 otherwise;
+``router.admin_loopback_only``), and when ``router.admin_token`` is set every call needs
+``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise).
+
+Several router processes share the admin state through ``<state_dir>/admin.json`` (written
+atomically, re-read by every process's health tick when its mtime changes).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from router.config import BackendServer
+from router.errors import BadRequest, Forbidden, NotFound, Unauthorized
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+class AdminStore:
+    """The shared admin state: drained ids, removed ids, wanted mirrors (endpoint → spec)."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, "admin.json")
+        self.state_dir = state_dir
+        self.drained: set[int] = set()
+        self.removed: set[int] = set()
+        self.mirrors: dict[str, dict[str, Any]] = {}
+        self._mtime = 0.0
+
+    def save(self) -> None:
+        """Write the state atomically (tmp file + rename)."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps({"drained": sorted(self.drained), "removed": sorted(self.removed),
+                                  "mirrors": self.mirrors}))
+        os.replace(tmp, self.path)
+        self._mtime = os.stat(self.path).st_mtime
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the file when another process changed it; True when something was loaded."""
+        try:
+            m = os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return False
+        if m == self._mtime:
+            return False
+        try:
+            with open(self.path, "rb") as f:
+                d = orjson.loads(f.read())
+        except (OSError, orjson.JSONDecodeError):
+            return False
+        self._mtime = m
+        self.drained = set(d.get("drained", []))
+        self.removed = set(d.get("removed", []))
+        self.mirrors = dict(d.get("mirrors", {}))
+        return True
+
+
+def check_admin(request: Request, cfg: Any) -> None:
+    """Raise Forbidden (non-loopback client while loopback-only) or Unauthorized (bad token)."""
+    client = request.client.host if request.client else ""
+    if cfg.router.admin_loopback_only and client not in LOOPBACK:
+        raise Forbidden("admin endpoints accept loopback clients only (router.admin_loopback_only)")
+    tok = cfg.router.admin_token
+    if tok:
+        given = request.headers.get("x-dplb-admin-token")
+        auth = request.headers.get("authorization", "")
+        if given != tok and auth != f"Bearer {tok}":
+            raise Unauthorized("admin token required (Authorization: Bearer <token> or X-DPLB-Admin-Token)")
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
+                    headers={"x-dplb-worker-id": "none"})
+
+
+def admin_router(state: Any) -> APIRouter:
+    """FastAPI routes of the admin API bound to the :class:`router.app.RouterState` ``state``."""
+    r = APIRouter()
+
+    @r.get("/dplb/workers")
+    async def list_workers(request: Request) -> Response:
+        check_admin(request, state.cfg)
+        return _json({"workers": state.registry.status_rows()})
+
+    @r.post("/dplb/workers")
+    async def add_worker(request: Request) -> Response:
+        check_admin(request, state.cfg)
+        try:
+            d = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise BadRequest("body must be JSON: {\"endpoint\": \"host:port\", \"weight\": 1.0}") from None
+        if not isinstance(d, dict):
+            raise BadRequest("body must be a JSON object")
+        try:
+            spec = BackendServer.model_validate(d)
+        except Exception as e:  # pydantic ValidationError
+            raise BadRequest(f"invalid worker: {e}", param="endpoint") from None
+        if not spec.endpoint:
+            raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
+        store: AdminStore = state.admin
+        # a local agent that was removed earlier comes back by naming its socket again
+        for s in state.seg.snapshot():
+            if int(s.state) != 0 and s.endpoint == spec.endpoint and s.worker_id in store.removed \
+                    and spec.endpoint not in store.mirrors:
+                store.removed.discard(s.worker_id)
+                store.save()
+                state.apply_admin()
+                return _json({"worker_id": s.worker_id, "endpoint": spec.endpoint, "restored": True})
+        store.mirrors[spec.endpoint] = {"weight": spec.weight, "model": spec.model}
+        store.save()
+        state.apply_admin()
+        await state.mirrors.tick()
+        state.monitor.sync()
+        slot = state.mirrors.slot_of(spec.endpoint)
+        return _json({"worker_id": slot, "endpoint": spec.endpoint, "mirrored": True}, 201)
+
+    def _known(wid: int) -> Any:
+        h = state.registry.handles.get(wid)
+        if h is None and wid not in state.admin.removed:
+            raise NotFound(f"no worker with id {wid}", param="id")
+        return h
+
+    @r.delete("/dplb/workers/{wid}")
+    async def remove_worker(wid: int, request: Request) -> Response:
+        check_admin(request, state.cfg)
+        h = _known(wid)
+        store: AdminStore = state.admin
+        ep = h.endpoint if h is not None else None
+        if ep is not None and ep in store.mirrors:
+            del store.mirrors[ep]
+        else:
+            store.removed.add(wid)
+        store.drained.discard(wid)
+        store.save()
+        state.apply_admin()
+        await state.mirrors.tick()
+        state.monitor.sync()
+        return _json({"worker_id": wid, "removed": True})
+
+    @r.post("/dplb/workers/{wid}/drain")
+    async def drain_worker(wid: int, request: Request) -> Response:
+        check_admin(request, state.cfg)
+        _known(wid)
+        state.admin.drained.add(wid)
+        state.admin.save()
+        state.apply_admin()
+        return _json({"worker_id": wid, "draining": True})
+
+    @r.post("/dplb/workers/{wid}/undrain")
+    async def undrain_worker(wid: int, request: Request) -> Response:
+        check_admin(request, state.cfg)
+        _known(wid)
+        state.admin.drained.discard(wid)
+        state.admin.save()
+        state.apply_admin()
+        return _json({"worker_id": wid, "draining": False})
+
+    return r

@@ -1,0 +1,270 @@
+"""The router application: shared state, control endpoints (FastAPI) and the ASGI entry point.
+
+    app = create_app(cfg)          # ASGI callable served by uvicorn (uvloop + httptools)
+
+Requests are dispatched in :class:`DPLBApp`: ``POST /v1/*`` and ``POST /generate`` go straight to
+the raw-ASGI :class:`router.proxy.Proxy` (the hot path); everything else — ``GET /health``,
+``GET /v1/models``, ``GET /dplb/status``, ``POST /dplb/route``, ``GET /metrics`` and the admin API
+(:mod:`router.admin`) — is served by FastAPI. Errors anywhere are OpenAI-shaped JSON.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.admin import AdminStore, admin_router
+from router.config import Config, config_from_json
+from router.errors import BadRequest, NoEligibleWorker, RouterError, Unauthorized, error_body
+from router.health import HealthMonitor
+from router.metrics import Metrics
+from router.mirror import MirrorManager
+from router.parsing import parse_request
+from router.policies import build_policy
+from router.proxy import Proxy
+from router.scheduling import Scheduler
+from router.transport import Transport
+from router.workers import Registry
+
+log = logging.getLogger("dplb.router")
+CONFIG_ENV = "DPLB_ROUTER_CONFIG_JSON"
+
+
+def attach_segment(name: str, wait_s: float = 10.0) -> Any:
+    """Attach to segment ``name``, waiting up to ``wait_s`` for it to be created.
+
+    Raises ``dplb_shm.SegmentError`` (not found after the wait, or layout mismatch)."""
+    from dplb_shm import Segment, SegmentNotFoundError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Segment.attach(name)
+        except SegmentNotFoundError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
+class RouterState:
+    """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
+    from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
+
+    def __init__(self, cfg: Config, seg: Any = None) -> None:
+        self.cfg = cfg
+        self.seg = seg
+        self._own_seg = seg is None
+        self.metrics = Metrics()
+        self.started = int(time.time())
+        self.proxy: Proxy | None = None
+
+    async def start(self) -> None:
+        """Attach, build the pipeline, start the health monitor."""
+        from dplb_shm import ScoringParams
+
+        cfg = self.cfg
+        if self.seg is None:
+            self.seg = await asyncio.get_running_loop().run_in_executor(None, attach_segment, cfg.shm_name)
+        rp = cfg.routing_policy
+        self.params = ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
+                                    w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
+                                    max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
+                                    heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
+                                    latency_scale_ms=rp.latency_scale_ms)
+        self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params)
+        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
+        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit)
+        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics)
+        hc = cfg.health_check
+        self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
+                                     hc.max_failures, probes=hc.enabled)
+        self.admin = AdminStore(cfg.state_dir)
+        self.admin.reload_if_changed()
+        self.mirrors = MirrorManager(self.seg, self.transport, cfg.state_dir,
+                                     timeout_s=max(0.2, hc.interval_ms / 1000.0), max_failures=hc.max_failures)
+        self.apply_admin()
+        self.monitor.extra = [self._admin_tick, self.mirrors.tick]
+        await self.mirrors.tick()
+        self.monitor.start()
+        self.proxy = Proxy(self)
+
+    async def stop(self) -> None:
+        """Stop background work, close pools, release mirror slots, detach."""
+        await self.monitor.stop()
+        self.mirrors.close()
+        await self.transport.close()
+        if self._own_seg and self.seg is not None:
+            self.seg.close()
+
+    def apply_admin(self) -> None:
+        """Push the admin store into the registry and the mirror manager."""
+        a = self.admin
+        self.registry.drained = set(a.drained)
+        self.registry.removed = set(a.removed)
+        for wid, h in self.registry.handles.items():
+            h.drained = wid in a.drained
+        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers if b.endpoint}
+        wanted.update(a.mirrors)
+        self.mirrors.wanted = wanted
+
+    async def _admin_tick(self) -> None:
+        if self.admin.reload_if_changed():
+            self.apply_admin()
+        for h in self.registry.handles.values():
+            h.mirror = h.endpoint in self.mirrors.wanted
+
+    def _on_leave(self, wid: int, endpoint: str) -> None:
+        self.policy.forget(wid)
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(self.transport.forget(endpoint))
+
+    def _on_circuit(self, wid: int, state: int) -> None:
+        try:
+            self.seg.circuit_set(wid, state)
+        except Exception:  # noqa: BLE001 - slot may be gone
+            log.debug("circuit_set(%d) failed", wid)
+        self.metrics.circuit.labels(str(wid)).set(state)
+        if state == 1:
+            log.warning("circuit of worker %d opened", wid)
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    h = {"x-dplb-worker-id": "none"}
+    if headers:
+        h.update(headers)
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=h)
+
+
+def _error(e: RouterError) -> Response:
+    h = {"x-dplb-worker-id": "none", **e.headers}
+    return Response(e.body(), status_code=e.status, media_type="application/json", headers=h)
+
+
+def build_fastapi(state: RouterState) -> FastAPI:
+    """The FastAPI app of the control endpoints, bound to ``state`` (started in its lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="DPLB router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_: Request, e: RouterError) -> Response:
+        return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        t = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return Response(error_body(str(e.detail), t, e.status_code), status_code=e.status_code,
+                        media_type="application/json", headers={"x-dplb-worker-id": "none"})
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> Response:
+        errs = e.errors()
+        loc = ".".join(str(x) for x in errs[0].get("loc", ())) if errs else None
+        return _error(BadRequest(f"invalid request: {errs[0].get('msg') if errs else e}", param=loc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> Response:
+        log.exception("unexpected error")
+        return Response(error_body(f"internal router error: {type(e).__name__}", "internal_error", 500),
+                        status_code=500, media_type="application/json", headers={"x-dplb-worker-id": "none"})
+
+    def check_key(request: Request) -> None:
+        key = state.cfg.router.api_key
+        if key and request.headers.get("authorization") != f"Bearer {key}":
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+
+    @app.get("/health")
+    async def health() -> Response:
+        n = len(state.registry.ready_handles())
+        if n:
+            return _json({"status": "ok", "ready_workers": n})
+        return _json({"status": "unavailable", "ready_workers": 0}, 503, {"retry-after": "1"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        data = [{"id": m, "object": "model", "created": state.started, "owned_by": "dplb"}
+                for m in state.registry.models()]
+        return _json({"object": "list", "data": data})
+
+    @app.get("/dplb/status")
+    async def status() -> Response:
+        return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
+                      "pid": os.getpid(), "workers": state.registry.status_rows()})
+
+    @app.post("/dplb/route")
+    async def route(request: Request) -> Response:
+        check_key(request)
+        body = await request.body()
+        path = request.query_params.get("path", "/v1/chat/completions")
+        try:
+            info = parse_request(path, body, True)
+        except BadRequest as e:
+            if path == "/v1/chat/completions" and b'"prompt"' in body:
+                info = parse_request("/v1/completions", body, True)
+            else:
+                raise e
+        state.monitor.sync_if_changed()
+        h, d = state.scheduler.decide(info, explain=True)
+        return _json({"worker_id": d.worker_id, "policy": state.policy.name, "reason": d.reason,
+                      "endpoint": h.endpoint, "scores": d.scores})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, ctype = state.metrics.render()
+        return Response(body, media_type=ctype)
+
+    app.include_router(admin_router(state))
+    return app
+
+
+class DPLBApp:
+    """ASGI entry: hot proxy paths to :class:`Proxy`, everything else to FastAPI."""
+
+    def __init__(self, state: RouterState, fastapi_app: FastAPI) -> None:
+        self.state = state
+        self.fastapi = fastapi_app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            p = scope["path"]
+            if p.startswith("/v1/") or p == "/generate":
+                proxy = self.state.proxy
+                if proxy is not None:
+                    await proxy(scope, receive, send)
+                    return
+                e = NoEligibleWorker("router is starting", reason="starting")
+                await send({"type": "http.response.start", "status": e.status,
+                            "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                        (b"x-dplb-worker-id", b"none")]})
+                await send({"type": "http.response.body", "body": e.body()})
+                return
+        await self.fastapi(scope, receive, send)
+
+
+def create_app(cfg: Config | None = None, seg: Any = None) -> DPLBApp:
+    """Build the ASGI app for ``cfg`` (defaults when None); ``seg`` injects an attached segment."""
+    state = RouterState(cfg or Config(), seg)
+    return DPLBApp(state, build_fastapi(state))
+
+
+def create_app_from_env() -> DPLBApp:
+    """uvicorn factory for ``--workers`` > 1: the config comes from ``$DPLB_ROUTER_CONFIG_JSON``."""
+    text = os.environ.get(CONFIG_ENV)
+    return create_app(config_from_json(text) if text else Config())

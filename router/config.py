@@ -1,0 +1,214 @@
+"""Router configuration: ``dplb.yaml`` validated with pydantic v2; command-line flags override it.
+
+Every field has a default (DESIGN.md "Config"), so an empty file or no file is valid. Unknown keys
+are rejected so that a typo does not silently fall back to a default. :func:`load_config` raises
+:class:`router.errors.ConfigError` whose message names the dotted field, the value and the reason.
+
+Example (see ``dplb.example.yaml`` at the repository root for every field)::
+
+    router: {port: 30000, shm: dplb-30000, admin_token: s3cret}
+    routing_policy: {policy: dplb, kv_cache_threshold: 0.8}
+    backend_servers:
+      - {endpoint: "10.0.0.7:8001", weight: 2.0}     # remote agent, mirrored into a slot
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from router.errors import ConfigError
+
+POLICIES = ("dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RouterSection(_Strict):
+    """Process-level settings of the router (network, auth, limits)."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(30000, ge=1, le=65535)
+    shm: str | None = None  # default: "dplb-<port>" (docs/INTERFACES.md)
+    workers: int = Field(1, ge=1, le=64, description="router processes sharing the segment")
+    admin_token: str | None = None
+    admin_loopback_only: bool = True
+    api_key: str | None = None
+    # 64 MiB: a 128k-token prompt is ~0.5 MB of text; chat bodies with images can be tens of MB.
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    # time until the worker sends its response headers (non-streamed completions arrive whole)
+    request_timeout_s: float = Field(600.0, gt=0)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
+    state_dir: str | None = None  # admin state shared by router processes; default /tmp/dplb-router-<port>
+
+    @field_validator("shm")
+    @classmethod
+    def _no_slash(cls, v: str | None) -> str | None:
+        if v is not None and (not v or "/" in v):
+            raise ValueError("segment name without slashes, e.g. dplb-30000")
+        return v
+
+
+class BackendServer(_Strict):
+    """One backend. ``endpoint`` ``host:port`` (or a Unix socket path) makes the router mirror it
+    into a slot; entries without ``endpoint`` describe local agents (used by the launch script)."""
+
+    endpoint: str | None = None
+    gpu_ids: list[int] = Field(default_factory=list)
+    weight: float = Field(1.0, gt=0, le=100)
+    model: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = v.strip()
+        for prefix in ("http://", "https://"):
+            if v.startswith(prefix):
+                v = v[len(prefix):].rstrip("/")
+        if v.startswith("/"):
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("expected host:port or an absolute Unix socket path")
+        return v
+
+
+class HealthCheck(_Strict):
+    """Active probes of ``GET /health`` on every worker (DESIGN.md: 200 ms / 50 ms / 3 failures)."""
+
+    interval_ms: int = Field(200, ge=10)
+    timeout_ms: int = Field(50, ge=1)
+    max_failures: int = Field(3, ge=1)
+    heartbeat_timeout_ms: int = Field(1000, ge=50)
+    enabled: bool = True
+
+
+class RoutingPolicy(_Strict):
+    """Policy choice and its parameters. Weights are those of DESIGN.md's score formula."""
+
+    policy: Literal["dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"] = "dplb"
+    w_pending: float = Field(0.4, ge=0)
+    w_kv: float = Field(0.3, ge=0)
+    w_latency: float = Field(0.2, ge=0)
+    w_length: float = Field(0.1, ge=0)
+    enable_length_compatibility: bool = True
+    latency_window_sec: float = Field(10.0, gt=0)
+    latency_scale_ms: float = Field(100.0, gt=0)
+    kv_cache_threshold: float = Field(0.8, gt=0, le=1)
+    max_queue: int = Field(0, ge=0, description="0: each slot's max_num_seqs")
+    # prefix affinity (dplb): bonus = w_affinity * matched fraction of the prompt
+    w_affinity: float = Field(0.3, ge=0)
+    # the bonus fades to 0 once the affine worker has this many more pending requests than the least loaded
+    affinity_max_imbalance: float = Field(16.0, gt=0)
+    # cache_aware: SGLang router's published defaults (sglang-router 0.3.x launch_router:
+    # cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5)
+    cache_threshold: float = Field(0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    # approximate prefix index: prompt text cut in chunks of this many characters (~16 tokens)
+    prefix_chunk_chars: int = Field(64, ge=4)
+    prefix_max_chunks: int = Field(2048, ge=1)
+    prefix_index_max_entries: int = Field(500_000, ge=16)
+
+
+class CircuitBreaker(_Strict):
+    """Per-worker breaker over a sliding window of the last requests (only connect errors,
+    timeouts and 5xx count as failures)."""
+
+    failure_rate_threshold: float = Field(0.15, gt=0, le=1)
+    minimum_requests: int = Field(20, ge=1)
+    window_size: int = Field(100, ge=1)
+    open_time_s: float = Field(5.0, gt=0)
+    enabled: bool = True
+
+
+class Retries(_Strict):
+    """Retries before the first response byte, with jittered exponential backoff."""
+
+    max_attempts: int = Field(3, ge=1, le=16)
+    backoff_base_ms: float = Field(5.0, ge=0)
+    backoff_max_ms: float = Field(200.0, ge=0)
+    retry_on_status: list[int] = Field(default_factory=lambda: [429, 500, 502, 503, 504])
+
+
+class Config(_Strict):
+    """Whole router configuration (the ``dplb.yaml`` file)."""
+
+    router: RouterSection = Field(default_factory=RouterSection)
+    backend_servers: list[BackendServer] = Field(default_factory=list)
+    health_check: HealthCheck = Field(default_factory=HealthCheck)
+    routing_policy: RoutingPolicy = Field(default_factory=RoutingPolicy)
+    circuit_breaker: CircuitBreaker = Field(default_factory=CircuitBreaker)
+    retries: Retries = Field(default_factory=Retries)
+
+    @property
+    def shm_name(self) -> str:
+        """Segment name: ``router.shm`` or ``dplb-<port>``."""
+        return self.router.shm or f"dplb-{self.router.port}"
+
+    @property
+    def state_dir(self) -> str:
+        """Directory holding admin state shared by router processes."""
+        return self.router.state_dir or f"/tmp/dplb-router-{self.router.port}"
+
+
+def _field_error(e: ValidationError) -> ConfigError:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+    return ConfigError(field, err.get("input"), err.get("msg", "invalid"))
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict):
+            raise ConfigError(dotted, value, f"'{k}' is not a mapping")
+    d[keys[-1]] = value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load and validate ``path`` (YAML; ``None`` → defaults), then apply ``overrides``.
+
+    ``overrides`` maps dotted field names to values, e.g. ``{"router.port": 30001,
+    "routing_policy.policy": "round_robin"}``; ``None`` values are skipped (flag not given).
+    Raises :class:`ConfigError` naming the field on any invalid value, unknown key or YAML error.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text()) if p.exists() else None
+        except yaml.YAMLError as e:
+            raise ConfigError("<file>", str(p), f"not valid YAML: {e}") from None
+        if not p.exists():
+            raise ConfigError("<file>", str(p), "no such file")
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("<root>", type(loaded).__name__, "the file must hold a mapping")
+        raw = loaded
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            _set_dotted(raw, k, v)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise _field_error(e) from None
+
+
+def config_from_json(text: str) -> Config:
+    """Rebuild a :class:`Config` from :meth:`Config.model_dump_json` (used to hand the config to
+    uvicorn's worker processes through an environment variable)."""
+    try:
+        return Config.model_validate_json(text)
+    except ValidationError as e:
+        raise _field_error(e) from None

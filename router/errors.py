@@ -1,0 +1,136 @@
+"""Errors raised inside the router, and their OpenAI-shaped rendering.
+
+Tree (HTTP status in brackets; the mapping happens only at the edge, in :func:`error_body`)::
+
+    RouterError                         base; carries status, type, code, param
+    ├── BadRequest          [400]       malformed JSON, wrong field types
+    ├── Unauthorized        [401]       missing/wrong API key or admin token
+    ├── Forbidden           [403]       admin call from a non-loopback client
+    ├── NotFound            [404]       unknown model, unknown worker id, unknown path
+    ├── BodyTooLarge        [413]       request body above ``max_body_bytes``
+    ├── NoEligibleWorker    [503]       no ready worker can take the request (Retry-After)
+    ├── UpstreamError       [502]       every attempt failed before the first byte
+    └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
+
+OpenAI's error body is ``{"error": {"message", "type", "param", "code"}}`` (see
+https://platform.openai.com/docs/guides/error-codes); ``code`` here is the HTTP status as a
+string, the way vLLM's OpenAI server fills it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class RouterError(Exception):
+    """Base class: ``status`` (int HTTP status), ``type`` (OpenAI error type), ``param``."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None,
+                 **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+        self.fields = fields
+
+    def body(self) -> bytes:
+        """The OpenAI-shaped JSON body for this error (bytes)."""
+        return error_body(self.message, self.type, self.status, self.param)
+
+
+class BadRequest(RouterError):
+    """The request body or a field of it is malformed (400)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    """Missing or wrong API key / admin token (401)."""
+
+    status = 401
+    type = "authentication_error"
+
+
+class Forbidden(RouterError):
+    """Admin endpoint called from a non-loopback client while admin is loopback-only (403)."""
+
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(RouterError):
+    """Unknown model, worker or path (404)."""
+
+    status = 404
+    type = "not_found_error"
+
+
+class BodyTooLarge(RouterError):
+    """Body larger than the configured ``max_body_bytes`` (413)."""
+
+    status = 413
+    type = "invalid_request_error"
+
+
+class NoEligibleWorker(RouterError):
+    """No worker can take the request now (503 + ``Retry-After``).
+
+    ``reason`` names why (``no_workers``, ``all_excluded``, ...); ``retry_after`` is seconds.
+    """
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str = "no worker can take the request now", *, reason: str = "no_workers",
+                 retry_after: int = 1, **kw: Any) -> None:
+        super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class UpstreamError(RouterError):
+    """Every attempt failed before the first response byte (502). ``worker_id``: the last one tried."""
+
+    status = 502
+    type = "upstream_error"
+
+    def __init__(self, message: str, *, worker_id: int | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.worker_id = worker_id
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. ``field`` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        super().__init__(f"config field '{field}' = {value!r}: {reason}")
+        self.field = field
+        self.value = value
+        self.reason = reason
+
+
+def error_body(message: str, type_: str, status: int, param: str | None = None) -> bytes:
+    """Render ``{"error": {"message", "type", "param", "code"}}`` as bytes."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": str(status)}})
+
+
+def sse_error_event(message: str, type_: str = "upstream_error", status: int = 502) -> bytes:
+    """An SSE ``data:`` event carrying an OpenAI-shaped error, sent when a stream breaks after its first byte."""
+    return b"data: " + error_body(message, type_, status) + b"\n\n"
+
+
+class TransportError(Exception):
+    """Forwarding to a worker failed. ``kind``: ``connect`` (refused, reset, closed before the
+    response head), ``timeout`` (connect or read timeout) or ``stream_broken`` (after the head);
+    ``endpoint``: the worker's socket path or host:port."""
+
+    def __init__(self, kind: str, endpoint: str, detail: str = "") -> None:
+        super().__init__(f"{kind} error talking to {endpoint}: {detail}")
+        self.kind = kind
+        self.endpoint = endpoint
+        self.detail = detail

@@ -1,0 +1,123 @@
+"""Background upkeep of one router process: segment sync, active probes, gauges, admin state.
+
+Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
+
+1. re-reads the segment and reconciles the registry (new workers appear, gone ones leave);
+2. probes ``GET /health`` on every worker with ``timeout_ms`` (50 ms); ``max_failures`` (3)
+   failures in a row take the worker out, one success brings it back;
+3. reloads the admin state file when it changed (drain/remove made through another process);
+4. refreshes remote mirror slots (only in the process holding the mirror lock, see
+   :mod:`router.mirror`);
+5. updates the per-worker gauges (KV use, ready, circuit).
+
+Heartbeat staleness and slot state are checked on every decision from the live segment, not here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable
+
+from router.errors import TransportError
+from router.transport import Transport
+from router.workers import Registry, WorkerHandle
+
+log = logging.getLogger("dplb.router.health")
+
+
+class HealthMonitor:
+    """Periodic sync + probes. ``extra``: async callables run every tick (admin reload, mirrors)."""
+
+    def __init__(self, registry: Registry, transport: Transport, metrics: Any, interval_ms: int = 200,
+                 timeout_ms: int = 50, max_failures: int = 3, probes: bool = True) -> None:
+        self.registry = registry
+        self.transport = transport
+        self.metrics = metrics
+        self.interval = interval_ms / 1000.0
+        self.timeout = timeout_ms / 1000.0
+        self.max_failures = max_failures
+        self.probes = probes
+        self.extra: list[Callable[[], Awaitable[None]]] = []
+        self._task: asyncio.Task | None = None
+        self._generation = -1
+
+    def sync(self) -> None:
+        """Reconcile the registry with the segment now (cheap enough to call on demand)."""
+        seg = self.registry.seg
+        self._generation = seg.generation
+        self.registry.sync(seg.snapshot())
+
+    def sync_if_changed(self) -> None:
+        """Sync only when the segment's membership generation moved (hot path)."""
+        if self.registry.seg.generation != self._generation:
+            self.sync()
+
+    async def probe(self, h: WorkerHandle) -> bool:
+        """One ``GET /health`` probe; updates ``probe_failures``/``probe_ok``; returns success."""
+        try:
+            status, _ = await self.transport.get(h.endpoint, "/health", self.timeout)
+            ok = status == 200
+        except TransportError:
+            ok = False
+        except Exception:  # noqa: BLE001 - a probe must never kill the loop
+            log.exception("probe of worker %d failed unexpectedly", h.worker_id)
+            ok = False
+        if ok:
+            if not h.probe_ok:
+                log.warning("worker %d passes probes again", h.worker_id)
+            h.probe_failures = 0
+            h.probe_ok = True
+        else:
+            h.probe_failures += 1
+            if h.probe_ok and h.probe_failures >= self.max_failures:
+                log.warning("worker %d out: %d failed probes", h.worker_id, h.probe_failures)
+                h.probe_ok = False
+        return ok
+
+    async def tick(self) -> None:
+        """One round: sync, extras, probes, gauges."""
+        self.sync()
+        for fn in self.extra:
+            try:
+                await fn()
+            except Exception:  # noqa: BLE001
+                log.exception("health tick extra failed")
+        handles = list(self.registry.handles.values())
+        if self.probes and handles:
+            await asyncio.gather(*(self.probe(h) for h in handles))
+        m = self.metrics
+        if m is not None:
+            for h in handles:
+                w = str(h.worker_id)
+                s = h.snap
+                if s is not None:
+                    m.kv.labels(w).set(float(s.kv_cache_usage))
+                m.ready.labels(w).set(1.0 if s is not None and self.registry.live(s) and h.router_eligible() else 0.0)
+                m.circuit.labels(w).set(h.breaker.state)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("health tick failed")
+            await asyncio.sleep(max(0.0, self.interval - (loop.time() - t0)))
+
+    def start(self) -> None:
+        """Sync once synchronously, then run ticks in the background."""
+        self.sync()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Cancel the background task and wait for it."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None

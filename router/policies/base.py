@@ -1,0 +1,115 @@
+"""What every policy shares: the request summary it reads, the decision it returns, the load measure.
+
+A policy sees only *eligible* workers (the pipeline in :mod:`router.scheduling` has already
+dropped those that are not ready, stale, unhealthy, circuit-open, drained, serving another model or
+already tried) as read-only snapshots with at least the attributes of
+``dplb_shm.WorkerSnapshot`` used below, and returns a :class:`Decision`. Policies never touch the
+network and never raise for an empty list (the pipeline guarantees at least one worker).
+"""
+from __future__ import annotations
+
+import random as _random
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What routing needs from a request, parsed once from the raw body.
+
+    ``text``: prompt text used for prefix matching (chat: the messages' text contents joined;
+    ``""`` when the prompt is token ids). ``prompt_len``: approximate prompt length in tokens
+    (whitespace-separated words of ``text``, or the number of token ids).
+    """
+
+    path: str = "/v1/chat/completions"
+    model: str | None = None
+    stream: bool = False
+    text: str = ""
+    prompt_len: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's choice: ``worker_id``, a short ``reason`` (metric label) and, when asked to
+    explain, ``scores``: one dict per eligible worker with ``worker_id``, ``score`` and each term."""
+
+    worker_id: int
+    reason: str
+    scores: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Snap(Protocol):
+    """The snapshot attributes policies read (a subset of ``dplb_shm.WorkerSnapshot``)."""
+
+    worker_id: int
+    weight: float
+    num_running: int
+    num_waiting: int
+    inflight: int
+    router_inflight: int
+    kv_cache_usage: float
+    max_num_seqs: int
+
+
+class Policy(Protocol):
+    """A routing policy. ``name`` is its config name; ``needs_text``: whether the pipeline must
+    extract the prompt text."""
+
+    name: str
+    needs_text: bool
+
+    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision: ...
+
+    def on_dispatch(self, worker_id: int, req: RequestInfo) -> None: ...
+
+    def forget(self, worker_id: int) -> None: ...
+
+
+def pending(s: Any) -> int:
+    """Requests queued on or headed to worker ``s``, the same measure as the native kernel
+    (``csrc/dplb_kernel.h``): ``max(running + waiting, agent in-flight)`` plus the router's
+    in-flight requests the agent has not seen yet (``router_inflight - inflight``, never negative).
+
+    The last term is why a burst does not pile onto one worker between two state refreshes: the
+    router bumps ``router_inflight`` in the segment the moment it picks (vLLM's DP balancer bumps a
+    local count between stats updates for the same reason, ``vllm/v1/engine/core_client.py``).
+    """
+    inflight = int(s.inflight)
+    return max(int(s.num_waiting) + int(s.num_running), inflight) + max(0, int(s.router_inflight) - inflight)
+
+
+def least_loaded(workers: Sequence[Any], rng: _random.Random) -> Any:
+    """The worker with the smallest :func:`pending`; ties broken at random (never towards id 0)."""
+    best: list[Any] = []
+    best_p = None
+    for w in workers:
+        p = pending(w)
+        if best_p is None or p < best_p:
+            best, best_p = [w], p
+        elif p == best_p:
+            best.append(w)
+    return best[0] if len(best) == 1 else rng.choice(best)
+
+
+def load_scores(workers: Sequence[Any]) -> list[dict[str, Any]]:
+    """Explanation rows for load-based baselines: score = -pending (higher is better)."""
+    return [{"worker_id": w.worker_id, "score": float(-pending(w)), "pending": pending(w),
+             "num_running": w.num_running, "num_waiting": w.num_waiting,
+             "router_inflight": w.router_inflight} for w in workers]
+
+
+class BasePolicy:
+    """Default no-op hooks; ``rng`` is injectable so tests are deterministic."""
+
+    name = "base"
+    needs_text = False
+
+    def __init__(self, rng: _random.Random | None = None) -> None:
+        self.rng = rng or _random.Random()
+
+    def on_dispatch(self, worker_id: int, req: RequestInfo) -> None:
+        """Called once the request is sent to ``worker_id`` (prefix policies index it here)."""
+
+    def forget(self, worker_id: int) -> None:
+        """Called when a worker leaves (drop its prefix entries, counters...)."""

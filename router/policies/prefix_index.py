@@ -1,0 +1,107 @@
+"""Approximate prefix index: which worker was recently sent which prompt prefix.
+
+The router has no tokenizer, so, like llm-d's approximate prefix-cache scorer and SGLang's
+character radix tree, it works on text: the prompt is cut into chunks of ``chunk_chars``
+characters (64 characters ≈ 16 tokens, one vLLM KV block) and each full chunk gets a rolling hash
+chained on its predecessor (vLLM's block hash scheme: hash(parent, block)), so equal hashes mean
+equal prefixes. The index maps hash → set of worker ids, with one global LRU bound of
+``max_entries`` hashes; memory is about ``max_entries`` × ~150 bytes.
+
+    match(hashes)  -> {worker_id: number of leading chunks it holds}
+    insert(hashes, worker_id)
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    """Bounded LRU map from chained chunk hashes to the workers that were sent that prefix.
+
+    ``chunk_chars``: characters per chunk (≥ 1); ``max_chunks``: only the first ``max_chunks``
+    chunks of a prompt are hashed (bounds the cost per request); ``max_entries``: LRU bound.
+    """
+
+    def __init__(self, chunk_chars: int = 64, max_chunks: int = 2048, max_entries: int = 500_000) -> None:
+        if chunk_chars < 1 or max_chunks < 1 or max_entries < 1:
+            raise ValueError("chunk_chars, max_chunks and max_entries must be >= 1")
+        self.chunk_chars = chunk_chars
+        self.max_chunks = max_chunks
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, set[int]] = OrderedDict()
+        self._sizes: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def hashes(self, text: str) -> list[int]:
+        """Chained hashes of the full ``chunk_chars`` chunks of ``text`` (a partial tail is ignored)."""
+        c = self.chunk_chars
+        n = min(len(text) // c, self.max_chunks)
+        out = []
+        h = 0
+        for i in range(n):
+            h = hash((h, text[i * c:(i + 1) * c]))
+            out.append(h)
+        return out
+
+    def match(self, hashes: list[int]) -> dict[int, int]:
+        """Per worker, how many leading chunks of ``hashes`` it holds (workers with 0 omitted)."""
+        result: dict[int, int] = {}
+        cands: set[int] | None = None
+        depth = 0
+        entries = self._entries
+        for depth, h in enumerate(hashes):
+            ws = entries.get(h)
+            if not ws:
+                break
+            entries.move_to_end(h)
+            if cands is None:
+                cands = set(ws)
+            else:
+                kept = cands & ws
+                for w in cands - kept:
+                    result[w] = depth
+                cands = kept
+            if not cands:
+                break
+        else:
+            depth = len(hashes)
+        for w in cands or ():
+            result[w] = depth
+        return result
+
+    def insert(self, hashes: list[int], worker_id: int) -> None:
+        """Record that ``worker_id`` now holds every prefix in ``hashes``; evicts LRU entries."""
+        entries = self._entries
+        sizes = self._sizes
+        for h in hashes:
+            ws = entries.get(h)
+            if ws is None:
+                entries[h] = {worker_id}
+                sizes[worker_id] = sizes.get(worker_id, 0) + 1
+            else:
+                entries.move_to_end(h)
+                if worker_id not in ws:
+                    ws.add(worker_id)
+                    sizes[worker_id] = sizes.get(worker_id, 0) + 1
+        while len(entries) > self.max_entries:
+            _, ws = entries.popitem(last=False)
+            for w in ws:
+                sizes[w] -= 1
+
+    def size(self, worker_id: int) -> int:
+        """How many prefix chunks ``worker_id`` holds (SGLang's "tenant size")."""
+        return self._sizes.get(worker_id, 0)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget everything about ``worker_id`` (it left or restarted with an empty cache)."""
+        if not self._sizes.pop(worker_id, 0):
+            return
+        dead = []
+        for h, ws in self._entries.items():
+            ws.discard(worker_id)
+            if not ws:
+                dead.append(h)
+        for h in dead:
+            del self._entries[h]

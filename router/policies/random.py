@@ -1,0 +1,23 @@
+"""random: a random eligible worker, weighted by each worker's static ``weight``.
+
+Reads: ``weight``. Formula: P(worker i) = weight_i / Σ weight. Config: ``routing_policy: {policy: random}``
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
+
+
+class RandomPolicy(BasePolicy):
+    """Weighted random choice (uniform when all weights are equal)."""
+
+    name = "random"
+
+    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+        weights = [max(float(w.weight), 0.0) for w in workers]
+        if sum(weights) <= 0:
+            w = self.rng.choice(list(workers))
+        else:
+            w = self.rng.choices(list(workers), weights=weights, k=1)[0]
+        return Decision(w.worker_id, "random", load_scores(workers) if explain else [])

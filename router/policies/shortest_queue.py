@@ -1,0 +1,21 @@
+"""shortest_queue: the worker with the fewest pending requests.
+
+Reads: ``num_waiting``, ``num_running``, ``router_inflight``, ``inflight``.
+Formula: argmin pending, pending = waiting + running + (router in-flight not yet seen by the agent);
+ties at random. Config: ``routing_policy: {policy: shortest_queue}``
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from router.policies.base import BasePolicy, Decision, RequestInfo, least_loaded, load_scores
+
+
+class ShortestQueuePolicy(BasePolicy):
+    """Join-the-shortest-queue over :func:`router.policies.base.pending`."""
+
+    name = "shortest_queue"
+
+    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+        w = least_loaded(workers, self.rng)
+        return Decision(w.worker_id, "shortest", load_scores(workers) if explain else [])

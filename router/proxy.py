@@ -1,0 +1,271 @@
+"""The forwarding hot path, as a raw ASGI handler (no FastAPI dependency machinery per request).
+
+For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other ``POST /v1/*``:
+
+1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
+2. read the body once and parse only what routing needs (:mod:`router.parsing`); 400 if malformed,
+   404 if no worker serves the named model;
+3. pick a worker through the scheduling pipeline and take its :class:`~router.scheduling.Lease`;
+4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent);
+5. before the first byte reaches the client, a connect error, timeout or a status in
+   ``retries.retry_on_status`` sends the request to another worker (bounded attempts, jittered
+   exponential backoff); after it, never: a broken stream ends with an SSE error event;
+6. relay the response (whole for non-streamed bodies, chunk by chunk for streams) with
+   ``X-DPLB-Worker-ID``; release the lease exactly once in ``finally`` — on success, error or
+   client disconnect (a watcher on ``receive()`` cancels the work and closes the upstream
+   connection, which makes the worker abort the generation).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from typing import Any
+
+from router.errors import (BodyTooLarge, NoEligibleWorker, NotFound, RouterError, TransportError,
+                           Unauthorized, UpstreamError, error_body, sse_error_event)
+from router.parsing import parse_request
+from router.transport import HOP_BY_HOP
+
+log = logging.getLogger("dplb.router.proxy")
+
+_XRID = b"x-request-id"
+_XWID = b"x-dplb-worker-id"
+_JSON = (b"content-type", b"application/json")
+_NONE = b"none"
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
+
+
+async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
+                    worker: bytes = _NONE) -> None:
+    """Send a complete JSON response (router-made: ``X-DPLB-Worker-ID: none`` unless given)."""
+    hs = [_JSON, (b"content-length", str(len(body)).encode()), (_XWID, worker)]
+    if headers:
+        hs.extend(headers)
+    await send({"type": "http.response.start", "status": status, "headers": hs})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Any, e: RouterError, request_id: bytes | None = None) -> None:
+    """Render a RouterError at the edge (status, OpenAI body, its headers, request id)."""
+    hs = [(k.encode(), v.encode()) for k, v in e.headers.items()]
+    if request_id:
+        hs.append((_XRID, request_id))
+    await send_json(send, e.status, e.body(), hs)
+
+
+async def read_body(receive: Any, limit: int, declared: int | None) -> bytes:
+    """Read the whole request body; BodyTooLarge beyond ``limit`` bytes (checked on the declared
+    Content-Length first, then while reading)."""
+    if declared is not None and declared > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        return body
+    parts = [body]
+    size = len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            raise asyncio.CancelledError()  # client left while sending
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+class Proxy:
+    """ASGI callable for the proxied paths; ``state`` is the :class:`router.app.RouterState`."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        cfg = state.cfg
+        self.limit = cfg.router.max_body_bytes
+        self.api_key = (f"Bearer {cfg.router.api_key}".encode() if cfg.router.api_key else None)
+        r = cfg.retries
+        self.max_attempts = r.max_attempts
+        self.retry_status = frozenset(r.retry_on_status)
+        self.backoff_base = r.backoff_base_ms / 1000.0
+        self.backoff_max = r.backoff_max_ms / 1000.0
+        self.needs_text = bool(getattr(state.policy, "needs_text", True))
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        t0 = time.perf_counter()
+        rid: bytes | None = None
+        declared = None
+        auth = None
+        fwd: list[tuple[str, str]] = []
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = None
+            elif k == b"authorization":
+                auth = v
+            elif k == _XRID:
+                rid = v
+            if k not in HOP_BY_HOP:
+                fwd.append((k.decode("latin-1"), v.decode("latin-1")))
+        if rid is None:
+            rid = uuid.uuid4().hex.encode()
+            fwd.append(("x-request-id", rid.decode()))
+        path = scope["path"]
+        route = path if path in ROUTES else "/v1/other"  # bounded metric label
+        try:
+            if self.api_key is not None and auth != self.api_key:
+                raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+            body = await read_body(receive, self.limit, declared)
+            info = parse_request(path, body, self.needs_text)
+            st = self.state
+            st.monitor.sync_if_changed()
+            if not st.registry.knows_model(info.model):
+                raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(st.registry.models()) or 'none'})",
+                               param="model")
+        except RouterError as e:
+            await send_error(send, e, rid)
+            self.state.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+            return
+        except asyncio.CancelledError:
+            return
+        qs = scope.get("query_string")
+        target = path + ("?" + qs.decode("latin-1") if qs else "")
+        task = asyncio.current_task()
+        gone = False
+
+        def on_message(t: asyncio.Task) -> None:
+            nonlocal gone
+            if t.cancelled() or t.exception() is not None:
+                return
+            if t.result().get("type") == "http.disconnect" and task is not None and not task.done():
+                gone = True
+                task.cancel()
+
+        watch = asyncio.ensure_future(receive())
+        watch.add_done_callback(on_message)
+        try:
+            await self.forward(scope["method"], route, target, fwd, body, info, rid, send, t0)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+        finally:
+            watch.remove_done_callback(on_message)
+            watch.cancel()
+
+    async def forward(self, method: str, route: str, target: str, headers: list[tuple[str, str]], body: bytes,
+                      info: Any, rid: bytes, send: Any, t0: float) -> None:
+        """Choose, send, retry before the first byte, relay. Never raises RouterError to the caller."""
+        st = self.state
+        metrics = st.metrics
+        tried: set[int] = set()
+        last: Exception | None = None
+        last_wid: int | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                delay = min(self.backoff_max, self.backoff_base * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            try:
+                lease, dec = st.scheduler.select(info, tried)
+            except NoEligibleWorker as e:
+                if last is None:
+                    await send_error(send, e, rid)
+                    metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+                    return
+                break
+            h = lease.handle
+            wid = h.worker_id
+            wid_b = str(wid).encode()
+            outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
+            try:
+                try:
+                    up = await st.transport.send(h.endpoint, method, target, headers, body)
+                except TransportError as e:
+                    outcome = False
+                    metrics.errors.labels(str(wid), e.kind).inc()
+                    last, last_wid = e, wid
+                    tried.add(wid)
+                    metrics.retries.labels(e.kind).inc()
+                    continue
+                status = up.status
+                if status in self.retry_status and attempt + 1 < self.max_attempts and \
+                        st.registry.candidates(info.model, tried | {wid}, False):
+                    outcome = status < 500
+                    up.release(abort=True)
+                    if status >= 500:
+                        metrics.errors.labels(str(wid), "status_5xx").inc()
+                    last, last_wid = UpstreamError(f"worker {wid} answered {status}", worker_id=wid), wid
+                    tried.add(wid)
+                    metrics.retries.labels(f"status_{status}").inc()
+                    continue
+                resp_headers = up.headers
+                if not any(k == _XRID for k, _ in resp_headers):
+                    resp_headers.append((_XRID, rid))
+                resp_headers.append((_XWID, wid_b))
+                if not up.is_stream:
+                    try:
+                        data = await up.read()
+                    except TransportError as e:
+                        outcome = False
+                        metrics.errors.labels(str(wid), e.kind).inc()
+                        last, last_wid = e, wid
+                        tried.add(wid)
+                        metrics.retries.labels(e.kind).inc()
+                        continue
+                    outcome = status < 500
+                    resp_headers.append((b"content-length", str(len(data)).encode()))
+                    await send({"type": "http.response.start", "status": status, "headers": resp_headers})
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                    metrics.observe_request(str(wid), status, route, time.perf_counter() - t0)
+                    return
+                ok = await self.relay_stream(up, status, resp_headers, send, route, t0, wid)
+                outcome = ok and status < 500
+                return
+            except asyncio.CancelledError:
+                metrics.errors.labels(str(wid), "client_disconnect").inc()
+                outcome = None
+                raise
+            finally:
+                lease.release()
+                if outcome is None:
+                    h.breaker.abandon()
+                else:
+                    h.breaker.record(outcome)
+        msg = f"all {len(tried)} worker(s) tried failed before the first byte: {last}"
+        err = UpstreamError(msg, worker_id=last_wid)
+        await send_error(send, err, rid)
+        metrics.observe_request(str(last_wid) if last_wid is not None else "none", err.status, route,
+                                time.perf_counter() - t0)
+
+    async def relay_stream(self, up: Any, status: int, headers: list, send: Any, route: str, t0: float,
+                           wid: int) -> bool:
+        """Relay a streamed body chunk by chunk; a broken upstream ends with an SSE error event.
+        Returns False when the stream broke (a breaker failure)."""
+        metrics = self.state.metrics
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        first = True
+        ok = True
+        complete = False
+        try:
+            async for chunk in up.chunks():
+                if first:
+                    metrics.observe_ttft(route, time.perf_counter() - t0)
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
+        except TransportError as e:
+            ok = False
+            metrics.errors.labels(str(wid), "stream_broken").inc()
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": sse_error_event(f"worker {wid} stream broke: {e.kind}", "upstream_error", 502)})
+        finally:
+            up.release(abort=not complete)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        metrics.observe_request(str(wid), status if ok else 502, route, time.perf_counter() - t0)
+        return ok

@@ -1,0 +1,107 @@
+"""The one scheduling pipeline: eligibility → policy → breaker admission → lease.
+
+    lease, decision = scheduler.select(req, exclude)   # raises NoEligibleWorker (503)
+    ... forward ...
+    lease.release()                                    # exactly once; idempotent
+
+Eligibility is :meth:`router.workers.Registry.candidates`; kernel-backed policies (``dplb``)
+get the last synced snapshots (the kernel re-checks state, heartbeat, circuit and KV threshold on
+the live segment), the baselines get freshly read slots. After a policy picks, the worker's
+breaker must admit it (a half-open breaker admits one probe); otherwise the pipeline tries again
+without it.
+
+A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): taking it bumps the
+shared ``router_inflight`` atomic in the segment (so every router process and the kernel see the
+dispatch at once) and this process's count; :meth:`Lease.release` undoes both exactly once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from router.errors import NoEligibleWorker
+from router.metrics import Metrics
+from router.policies.base import Decision, Policy, RequestInfo
+from router.workers import Registry, WorkerHandle
+
+
+class Lease:
+    """In-flight accounting for one dispatched request on ``handle``; release exactly once."""
+
+    __slots__ = ("handle", "_seg", "_metrics", "_released")
+
+    def __init__(self, handle: WorkerHandle, seg: Any, metrics: Metrics | None) -> None:
+        self.handle = handle
+        self._seg = seg
+        self._metrics = metrics
+        self._released = False
+        seg.router_inflight_add(handle.worker_id, 1)
+        seg.dispatched_add(handle.worker_id, 1)
+        handle.local_inflight += 1
+        if metrics is not None:
+            metrics.inflight.labels(str(handle.worker_id)).set(handle.local_inflight)
+
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` ran."""
+        return self._released
+
+    def release(self) -> bool:
+        """Give the request's load back; returns False (and does nothing) when already released."""
+        if self._released:
+            return False
+        self._released = True
+        h = self.handle
+        try:
+            self._seg.router_inflight_add(h.worker_id, -1)
+        finally:
+            h.local_inflight -= 1
+            if self._metrics is not None:
+                self._metrics.inflight.labels(str(h.worker_id)).set(h.local_inflight)
+        return True
+
+
+class Scheduler:
+    """Runs the pipeline for ``policy`` over ``registry`` (see module docstring)."""
+
+    def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.seg = seg
+        self.metrics = metrics
+        self.fresh = not getattr(policy, "uses_kernel", False)
+
+    def decide(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset(),
+               explain: bool = False) -> tuple[WorkerHandle, Decision]:
+        """Choose a worker without dispatching (``/dplb/route`` uses it with ``explain``).
+
+        Raises NoEligibleWorker (reason ``no_workers``: none registered; ``none_eligible``: all
+        excluded, unhealthy, open or busy)."""
+        excl = set(exclude)
+        handles = self.registry.handles
+        for _ in range(len(handles) + 1):
+            cands = self.registry.candidates(req.model, excl, self.fresh)
+            if not cands:
+                break
+            d = self.policy.choose(cands, req, explain)
+            h = handles.get(d.worker_id)
+            if h is None:
+                excl.add(d.worker_id)
+                continue
+            return h, d
+        reason = "no_workers" if not handles else "none_eligible"
+        raise NoEligibleWorker("no worker can take the request now" if handles else "no worker is registered",
+                               reason=reason)
+
+    def select(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[Lease, Decision]:
+        """Choose, admit through the breaker, take a :class:`Lease` and tell the policy."""
+        excl = set(exclude)
+        while True:
+            h, d = self.decide(req, excl)
+            if not h.breaker.allow():
+                excl.add(h.worker_id)
+                continue
+            lease = Lease(h, self.seg, self.metrics)
+            self.policy.on_dispatch(h.worker_id, req)
+            if self.metrics is not None:
+                self.metrics.decision(self.policy.name, d.reason)
+            return lease, d

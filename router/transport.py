@@ -1,0 +1,180 @@
+"""Forwarding over Unix sockets (local agents) or TCP (remote agents), behind two methods.
+
+    t = Transport(connect_timeout_s=2, read_timeout_s=600)
+    up = await t.send(endpoint, "POST", "/v1/chat/completions", headers, body)   # after the response head
+    ... up.status, up.headers, up.is_stream, await up.read() / async for chunk in up.chunks()
+    up.release()            # always (returns or drops the pooled connection)
+    await t.close()
+
+One pooled ``aiohttp.ClientSession`` per endpoint (``aiohttp.UnixConnector`` for a path, a TCP
+connector for ``host:port``), created on first use. Bodies and headers are forwarded byte for
+byte: no auto headers (User-Agent, Content-Type, Accept-Encoding) are added and responses are not
+decompressed. Hop-by-hop headers (RFC 9110 §7.6.1) are dropped both ways.
+
+Failures raise :class:`router.errors.TransportError` with ``kind`` ``connect``/``timeout``
+before the response head and ``stream_broken`` while reading the body. Route handlers never see
+aiohttp objects.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Iterable
+
+import aiohttp
+
+from router.errors import TransportError
+
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+_SKIP_AUTO = frozenset({"User-Agent", "Content-Type", "Accept-Encoding", "Accept"})
+
+
+def endpoint_url(endpoint: str) -> str:
+    """Base URL for ``endpoint``: a Unix socket path → ``http://localhost``; ``host:port`` →
+    ``http://host:port`` (IPv6 hosts bracketed)."""
+    if endpoint.startswith("/"):
+        return "http://localhost"
+    host, _, port = endpoint.rpartition(":")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class Upstream:
+    """A worker's response after its head arrived. ``status`` int; ``headers``: list of
+    (name, value) bytes pairs without hop-by-hop ones (names lower-case); ``is_stream``: SSE or
+    chunked without length. Call :meth:`release` exactly once (``read`` does it for you)."""
+
+    __slots__ = ("_resp", "status", "headers", "is_stream", "endpoint")
+
+    def __init__(self, resp: aiohttp.ClientResponse, endpoint: str) -> None:
+        self._resp = resp
+        self.endpoint = endpoint
+        self.status = resp.status
+        hs = []
+        stream = False
+        has_len = False
+        for k, v in resp.raw_headers:
+            lk = k.lower()
+            if lk == b"content-length":
+                has_len = True
+            if lk in HOP_BY_HOP:
+                continue
+            if lk == b"content-type" and v.startswith(b"text/event-stream"):
+                stream = True
+            hs.append((lk, v))
+        self.headers = hs
+        self.is_stream = stream or not has_len
+
+    async def read(self) -> bytes:
+        """The whole body; raises TransportError(stream_broken / timeout); releases the connection."""
+        try:
+            return await self._resp.read()
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+            self._resp.close()
+            raise TransportError("timeout", self.endpoint, repr(e)) from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            self._resp.close()
+            raise TransportError("stream_broken", self.endpoint, repr(e)) from None
+        finally:
+            self._resp.release()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive (no re-framing); raises TransportError on a broken stream."""
+        content = self._resp.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    if not self._resp.content.is_eof():
+                        continue
+                    return
+                yield chunk
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+            self._resp.close()
+            raise TransportError("timeout", self.endpoint, repr(e)) from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            self._resp.close()
+            raise TransportError("stream_broken", self.endpoint, repr(e)) from None
+
+    def complete(self) -> bool:
+        """True when the whole body was received (the connection can be reused)."""
+        return self._resp.content.is_eof()
+
+    def release(self, abort: bool = False) -> None:
+        """Give the connection back to the pool, or close it (``abort``: client left mid-stream,
+        which also tells the worker to stop generating)."""
+        if abort or not self._resp.content.is_eof():
+            self._resp.close()
+        else:
+            self._resp.release()
+
+
+class Transport:
+    """Pooled HTTP/1.1 forwarding to workers; see the module docstring.
+
+    ``connect_timeout_s``: connect timeout; ``read_timeout_s``: longest wait for the response head
+    and between two body chunks; ``limit_per_endpoint``: pooled connections per worker (0 = no limit).
+    """
+
+    def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
+                 limit_per_endpoint: int = 0) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout_s,
+                                             sock_read=read_timeout_s)
+        self.limit = limit_per_endpoint
+        self._sessions: dict[str, tuple[aiohttp.ClientSession, str]] = {}
+
+    def _session(self, endpoint: str) -> tuple[aiohttp.ClientSession, str]:
+        s = self._sessions.get(endpoint)
+        if s is None or s[0].closed:
+            if endpoint.startswith("/"):
+                conn: aiohttp.BaseConnector = aiohttp.UnixConnector(path=endpoint, limit=self.limit,
+                                                                    keepalive_timeout=30)
+            else:
+                conn = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=30, ttl_dns_cache=300)
+            sess = aiohttp.ClientSession(connector=conn, timeout=self.timeout, auto_decompress=False,
+                                         skip_auto_headers=_SKIP_AUTO, cookie_jar=aiohttp.DummyCookieJar())
+            s = self._sessions[endpoint] = (sess, endpoint_url(endpoint))
+        return s
+
+    async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[str, str]],
+                   body: bytes | None, timeout_s: float | None = None) -> Upstream:
+        """Send one request (``path`` includes any query string) and return once the head is in.
+
+        ``timeout_s`` overrides the read timeout (health probes). Raises TransportError
+        (``connect`` or ``timeout``)."""
+        sess, base = self._session(endpoint)
+        kw = {}
+        if timeout_s is not None:
+            kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            resp = await sess.request(method, base + path, data=body, headers=list(headers),
+                                      allow_redirects=False, compress=None, **kw)
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+            raise TransportError("timeout", endpoint, repr(e)) from None
+        except (aiohttp.ClientError, ConnectionError, OSError) as e:
+            raise TransportError("connect", endpoint, repr(e)) from None
+        return Upstream(resp, endpoint)
+
+    async def get(self, endpoint: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """Small GET for probes and state mirroring: (status, body). Raises TransportError."""
+        up = await self.send(endpoint, "GET", path, (), None, timeout_s=timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                body = await up.read()
+        except TimeoutError:
+            up.release(abort=True)
+            raise TransportError("timeout", endpoint, "reading body") from None
+        return up.status, body
+
+    async def forget(self, endpoint: str) -> None:
+        """Close the pool of a worker that left."""
+        s = self._sessions.pop(endpoint, None)
+        if s is not None:
+            await s[0].close()
+
+    async def close(self) -> None:
+        """Close every pooled connection."""
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for s, _ in sessions:
+            await s.close()

@@ -1,0 +1,177 @@
+"""Unit tests of the breaker, the prefix index, request parsing and config validation."""
+from __future__ import annotations
+
+import pytest
+
+from router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from router.config import load_config
+from router.errors import BadRequest, ConfigError
+from router.parsing import parse_request
+from router.policies.prefix_index import PrefixIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_breaker_needs_minimum_requests_before_opening():
+    cb = CircuitBreaker(0.15, 20, 100, 5.0, clock=Clock())
+    for _ in range(19):
+        cb.record(False)
+    assert cb.state == CLOSED          # 19 failures out of 19, but fewer than 20 requests
+    cb.record(False)
+    assert cb.state == OPEN
+
+
+@pytest.mark.parametrize("failures,successes,opens", [
+    (3, 17, False),    # 15.0 % is not above 15 %
+    (4, 16, True),     # 20 %
+    (15, 85, False),   # 15 % over 100
+    (16, 84, True),
+])
+def test_breaker_threshold(failures, successes, opens):
+    cb = CircuitBreaker(0.15, 20, 100, 5.0, clock=Clock())
+    for _ in range(successes):
+        cb.record(True)
+    for _ in range(failures):
+        cb.record(False)
+    assert (cb.state == OPEN) is opens
+
+
+def test_breaker_half_open_admits_one_probe_and_closes_on_success():
+    clock = Clock()
+    changes = []
+    cb = CircuitBreaker(0.15, 20, 100, 5.0, clock=clock, on_change=changes.append)
+    for _ in range(20):
+        cb.record(False)
+    assert not cb.allow() and not cb.available()
+    clock.t += 5.0
+    assert cb.available() and cb.state == HALF_OPEN
+    assert cb.allow()            # the probe
+    assert not cb.allow()        # only one at a time
+    cb.record(True)
+    assert cb.state == CLOSED and cb.allow() and cb.failure_rate == 0.0
+    assert changes == [OPEN, HALF_OPEN, CLOSED]
+
+
+def test_breaker_half_open_failure_reopens_and_abandon_frees_probe():
+    clock = Clock()
+    cb = CircuitBreaker(0.15, 20, 100, 5.0, clock=clock)
+    for _ in range(20):
+        cb.record(False)
+    clock.t += 6
+    assert cb.allow()
+    cb.abandon()                 # client left: no verdict, the probe slot is free again
+    assert cb.allow()
+    cb.record(False)
+    assert cb.state == OPEN and not cb.allow()
+
+
+def test_breaker_sliding_window_forgets_old_failures():
+    cb = CircuitBreaker(0.15, 20, 20, 5.0, clock=Clock())
+    for _ in range(3):
+        cb.record(False)
+    for _ in range(40):
+        cb.record(True)
+    assert cb.failure_rate == 0.0
+    for _ in range(3):
+        cb.record(False)
+    assert cb.state == CLOSED     # 3/20 = 15 %, not above
+
+
+def test_prefix_index_match_depths_and_lru_bound():
+    idx = PrefixIndex(chunk_chars=4, max_chunks=100, max_entries=6)
+    a = idx.hashes("aaaabbbbcccc")
+    b = idx.hashes("aaaabbbbdddd")
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    idx.insert(a, 0)
+    idx.insert(b[:2], 1)
+    assert idx.match(a) == {0: 3, 1: 2}
+    assert idx.match(idx.hashes("zzzz")) == {}
+    assert idx.match(idx.hashes("aaa")) == {}      # shorter than one chunk
+    assert idx.size(0) == 3 and idx.size(1) == 2
+    idx.insert(idx.hashes("qqqqrrrrsssstttt"), 2)  # 4 new entries, bound 6: 1 evicted (LRU)
+    assert len(idx) == 6
+    idx.remove_worker(2)
+    assert idx.size(2) == 0 and len(idx) == 2
+
+
+def test_prefix_index_same_chunk_at_different_depth_differs():
+    idx = PrefixIndex(chunk_chars=4)
+    assert idx.hashes("abcdabcd")[0] != idx.hashes("abcdabcd")[1]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", b"", None),
+    ("/v1/chat/completions", b"{bad", None),
+    ("/v1/chat/completions", b"[1,2]", None),
+    ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+    ("/v1/chat/completions", b'{"messages": []}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [1]}', "messages"),
+    ("/v1/chat/completions", b'{"model": 3, "messages": [{"role":"user","content":"x"}]}', "model"),
+    ("/v1/chat/completions", b'{"stream": "yes", "messages": [{"role":"user","content":"x"}]}', "stream"),
+    ("/v1/completions", b'{"model": "m"}', "prompt"),
+    ("/v1/completions", b'{"prompt": [{"a": 1}]}', "prompt"),
+    ("/generate", b'{"sampling_params": {}}', "text"),
+])
+def test_parse_rejects_malformed(path, body, param):
+    with pytest.raises(BadRequest) as ei:
+        parse_request(path, body)
+    assert ei.value.param == param and ei.value.status == 400
+
+
+def test_parse_extracts_routing_fields():
+    r = parse_request("/v1/chat/completions", b'{"model":"m","stream":true,"messages":[{"role":"system","content":'
+                      b'"be brief"},{"role":"user","content":[{"type":"text","text":"two words"}]}],"x":{"y":1}}')
+    assert (r.model, r.stream, r.prompt_len) == ("m", True, 4)
+    assert r.text == "system:be brief\nuser:two words"
+    r = parse_request("/v1/completions", b'{"prompt":[1,2,3,4,5]}')
+    assert (r.model, r.stream, r.text, r.prompt_len) == (None, False, "", 5)
+    r = parse_request("/generate", b'{"text":"a b c","stream":false}')
+    assert r.prompt_len == 3
+
+
+def test_config_defaults_and_overrides(tmp_path):
+    cfg = load_config(None)
+    assert cfg.health_check.interval_ms == 200 and cfg.health_check.timeout_ms == 50
+    assert cfg.health_check.max_failures == 3
+    assert cfg.circuit_breaker.failure_rate_threshold == 0.15 and cfg.circuit_breaker.minimum_requests == 20
+    assert cfg.routing_policy.kv_cache_threshold == 0.8 and cfg.shm_name == "dplb-30000"
+    p = tmp_path / "d.yaml"
+    p.write_text("router: {port: 31000}\nrouting_policy: {policy: cache_aware}\n"
+                 "backend_servers:\n  - {endpoint: 'http://10.1.2.3:8001', weight: 2}\n")
+    cfg = load_config(p, {"routing_policy.policy": "round_robin", "router.api_key": None})
+    assert cfg.router.port == 31000 and cfg.shm_name == "dplb-31000"
+    assert cfg.routing_policy.policy == "round_robin"          # flag beats file
+    assert cfg.backend_servers[0].endpoint == "10.1.2.3:8001" and cfg.backend_servers[0].weight == 2.0
+
+
+@pytest.mark.parametrize("text,field", [
+    ("health_check: {interval_ms: -5}", "health_check.interval_ms"),
+    ("routing_policy: {policy: fastest}", "routing_policy.policy"),
+    ("routing_policy: {kv_cache_threshold: 1.5}", "routing_policy.kv_cache_threshold"),
+    ("circuit_breaker: {failure_rate: 0.2}", "circuit_breaker.failure_rate"),     # unknown key (typo)
+    ("backend_servers: [{endpoint: 'nohostport'}]", "backend_servers.0.endpoint"),
+    ("router: {shm: '/dev/shm/x'}", "router.shm"),
+    ("- just\n- a list", "<root>"),
+    ("router: {port: [", "<file>"),
+])
+def test_config_errors_name_the_field(tmp_path, text, field):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert ei.value.field == field
+    assert field in str(ei.value)
+
+
+def test_example_config_is_valid_and_matches_defaults():
+    from router.config import Config
+    from tests.helpers import ROOT
+
+    cfg = load_config(ROOT / "dplb.example.yaml")
+    assert cfg == Config()
