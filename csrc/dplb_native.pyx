@@ -546,10 +546,11 @@ cdef class Segment:
 
     # ---- diagnostics ---------------------------------------------------------------------------
 
-    def check_reads(self, int slot, long n_reads):
+    def check_reads(self, int slot, long n_reads, bint locked=True):
         """Self-test of the seqlock: read ``slot`` ``n_reads`` times (full data, native loop) and
-        check that every read carries one value in all numeric fields, as written by
+        check that every read carries one value in all fields, as written by
         :meth:`SlotWriter.fill_pattern`. Returns ``(torn, retries, distinct_values)``.
+        ``locked=False`` copies without the seqlock (the control that shows tears are detected).
         """
         cdef dplb_slot_t s
         cdef const dplb_slot_t *src
@@ -561,7 +562,11 @@ cdef class Segment:
         src = dplb_slot_at(self.base, slot)
         with nogil:
             for i in range(n_reads):
-                r = dplb_seqlock_read(src, &s, DPLB_DATA_END, DPLB_READ_MAX_SPINS)
+                if locked:
+                    r = dplb_seqlock_read(src, &s, DPLB_DATA_END, DPLB_READ_MAX_SPINS)
+                else:
+                    memcpy(&s, src, DPLB_DATA_END)
+                    r = 0
                 if r < 0:
                     torn += 1
                     continue

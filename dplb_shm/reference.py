@@ -1,0 +1,102 @@
+"""Pure-Python reference of the native scoring kernel (``csrc/dplb_kernel.h``).
+
+Used by tests to check the native kernel on the same inputs; never used for routing. The order
+of floating-point operations follows the C code exactly, so scores agree bit for bit.
+
+Formula (weights from :class:`~dplb_shm.ScoringParams`, defaults are the seeds' 0.4/0.3/0.2/0.1,
+DESIGN.md "Scoring")::
+
+    eligible     = state READY and now - heartbeat <= heartbeat_timeout and circuit != OPEN
+                   and kv_cache_usage <= kv_cache_threshold (unknown -1 passes) and weight > 0
+    pending      = max(running + waiting, inflight) + max(0, router_inflight - inflight)
+    max_queue    = params.max_queue or slot.max_num_seqs or 256 (vLLM's default max_num_seqs)
+    pending_term = w_pending * (1 - clip(pending / max_queue, 0, 1))
+    kv_term      = w_kv * (1 - max(kv, 0))
+    latency_term = w_latency * (1 / (1 + ttft_ms / latency_scale_ms), or 1 without a sample)
+    length_term  = w_length * sum_k hist[k] * 2^-|k - bin(prompt_len)| / sum_k hist[k]   (1 if empty)
+    score        = weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity[i]
+
+Ties (score >= best - 1e-9) break by ``ties[int(rng_u * len(ties))]`` in slot order.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from dplb_shm.types import Circuit, ScoreTerms, ScoringParams, WorkerSnapshot, WorkerState
+
+TIE_EPS = 1e-9
+DEFAULT_MAX_QUEUE = 256  # vLLM EngineArgs default max_num_seqs
+HIST_BINS = 32
+
+
+def len_bin(n: int) -> int:
+    """Histogram bin of a prompt length: floor(log2 n) clipped to [0, 31]; 0 for n <= 1."""
+    return 0 if n <= 1 else min(HIST_BINS - 1, int(n).bit_length() - 1)
+
+
+def length_compat(hist: Sequence[int], b: int) -> float:
+    """How well a prompt in bin ``b`` fits the queued prompt-length histogram ``hist`` (0..1]."""
+    num = 0.0
+    den = 0.0
+    for k in range(HIST_BINS):
+        c = hist[k] if k < len(hist) else 0
+        if c == 0:
+            continue
+        num += float(c) * 2.0 ** -abs(k - b)
+        den += float(c)
+    return num / den if den > 0.0 else 1.0
+
+
+def score_terms(s: WorkerSnapshot, params: ScoringParams, prompt_len: int, affinity: float,
+                now_ns: int) -> ScoreTerms | None:
+    """Terms of one worker's score, or None when it is not eligible."""
+    if s.state != WorkerState.READY:
+        return None
+    if now_ns - s.heartbeat_ns > int(params.heartbeat_timeout_ms * 1e6):
+        return None
+    if s.circuit == Circuit.OPEN:
+        return None
+    if s.kv_cache_usage > params.kv_cache_threshold:
+        return None
+    if not s.weight > 0.0:
+        return None
+    known = max(s.num_running + s.num_waiting, s.inflight)
+    unseen = max(0, s.router_inflight - s.inflight)
+    pending = float(known + unseen)
+    if params.max_queue > 0:
+        mq = float(params.max_queue)
+    else:
+        mq = float(s.max_num_seqs) if s.max_num_seqs > 0 else float(DEFAULT_MAX_QUEUE)
+    x = min(1.0, max(0.0, pending / mq))
+    pending_term = params.w_pending * (1.0 - x)
+    kv = 0.0 if s.kv_cache_usage < 0.0 else s.kv_cache_usage
+    kv_term = params.w_kv * (1.0 - kv)
+    lat = 1.0 if s.ttft_ms < 0.0 else 1.0 / (1.0 + s.ttft_ms / params.latency_scale_ms)
+    latency_term = params.w_latency * lat
+    length_term = params.w_length * length_compat(s.prompt_len_hist, len_bin(prompt_len))
+    score = s.weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity
+    return ScoreTerms(worker_id=s.worker_id, score=score, pending=pending, pending_term=pending_term,
+                      kv_term=kv_term, latency_term=latency_term, length_term=length_term,
+                      affinity=affinity, weight=s.weight)
+
+
+def pick(snapshots: Sequence[WorkerSnapshot], params: ScoringParams, prompt_len: int,
+         affinity: Sequence[float] | None, now_ns: int, rng_u: float) -> tuple[int, list[ScoreTerms]]:
+    """Reference pick over ``snapshots`` (index == slot).
+
+    ``affinity``: per-slot bonus (shorter lists pad with 0); ``now_ns``: CLOCK_MONOTONIC ns;
+    ``rng_u``: the tie-breaking draw in [0, 1). Returns ``(chosen slot or -1, terms of every
+    eligible worker in slot order)``.
+    """
+    terms: list[ScoreTerms] = []
+    for i, s in enumerate(snapshots):
+        aff = float(affinity[i]) if affinity is not None and i < len(affinity) else 0.0
+        t = score_terms(s, params, prompt_len, aff, now_ns)
+        if t is not None:
+            terms.append(t)
+    if not terms:
+        return -1, terms
+    best = max(t.score for t in terms)
+    ties = [t.worker_id for t in terms if t.score >= best - TIE_EPS]
+    j = min(len(ties) - 1, max(0, int(rng_u * len(ties))))
+    return ties[j], terms
