@@ -36,3 +36,35 @@ def engine_factory(procs, run_dir) -> Callable[..., httpx.Client]:
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.fixture(scope="module")
+def shared_engine():
+    """One engine process (``--time-scale 20``) shared by a module's tests; killed at module teardown."""
+    import shutil
+    import tempfile
+
+    from tests.helpers import Procs
+
+    d = tempfile.mkdtemp(prefix="dplb-t-", dir="/tmp")
+    with Procs() as procs:
+        c = start_engine(procs, d, "--time-scale", "20", "--seed", "1")
+        try:
+            yield c
+        finally:
+            c.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """Scrape ``/metrics`` into ``{"name{label=value,...}": value}`` (label ``engine``/``model_name``
+    dropped; other labels kept in order), plus bare ``name`` keys for unlabelled-by-extra samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(client.get("/metrics").text):
+        for s in fam.samples:
+            extra = {k: v for k, v in s.labels.items() if k not in ("engine", "model_name")}
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else "")
+            out[key] = s.value
+    return out
