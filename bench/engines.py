@@ -36,7 +36,7 @@ class EngineFlags:
 
     time_scale: float
     seed: int = 1234
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ("--log-level", "warning")
 
     def argv(self, i: int) -> list[str]:
         """The flags for engine ``i`` (without host/port and slowdown)."""

@@ -189,7 +189,8 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
     lines += ["", "## Settings", "",
               f"- engines per system: {meta.get('num_engines')} fresh `python -m sim_engine` processes per system "
               f"(same flags for all: `{meta.get('engine_flags')}`); (d) runs on a separate set with one engine at "
-              f"`--slowdown {meta.get('hetero_slowdown')}`",
+              f"`--slowdown {meta.get('hetero_slowdown')}`; (f) on a set at `--time-scale "
+              f"{meta.get('fast_time_scale')}` so that engine time is negligible",
               f"- workload sizes: `{meta.get('profile_values')}`",
               "- DPLB: one router + one worker agent per engine (`--engine openai --engine-url ...`), fresh segment; "
               "peers: pointed at the engines directly, `--host 127.0.0.1 --prometheus-host 127.0.0.1`, warn-level "

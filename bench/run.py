@@ -24,7 +24,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from bench import report
@@ -37,10 +37,23 @@ from bench.systems import MODEL, SystemSpec, all_systems, probe, start_system, s
 from bench.workloads import FULL, QUICK, WORKLOADS, Profile, scaling
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: simulated seconds per wall second given to every engine (``sim_engine --time-scale``)
-TIME_SCALE = 1.0
+#: simulated seconds per wall second given to every engine (``sim_engine --time-scale``) of the
+#: ``main`` and ``hetero`` sets. Below 1, the simulated GPU runs slower than real time, so the
+#: engines are the bottleneck while the token rate stays within what 2 CPU cores can stream.
+TIME_SCALE = 0.5
+#: ``--time-scale`` of the ``fast`` set used by (f): a 5 ms step takes 0.05 ms of wall time, so
+#: the engine adds next to nothing and the router's own added latency shows.
+FAST_TIME_SCALE = 100.0
 NUM_ENGINES = 4
 HETERO_SLOWDOWN = 3.0
+
+
+def engine_sets(time_scale: float, seed: int, n: int = NUM_ENGINES) -> dict[str, tuple[EngineFlags, tuple[float, ...]]]:
+    """The engine sets by name: ``(flags, per-engine slowdowns)``; every system gets the same."""
+    flags = EngineFlags(time_scale=time_scale, seed=seed)
+    return {"main": (flags, tuple([1.0] * n)),
+            "hetero": (flags, tuple([1.0] * (n - 1) + [HETERO_SLOWDOWN])),
+            "fast": (EngineFlags(time_scale=FAST_TIME_SCALE, seed=seed), tuple([1.0] * n))}
 SCALING_SIZES = (1, 2, 4, 8)
 
 
@@ -66,6 +79,7 @@ class Harness:
     def __init__(self, profile: Profile, flags: EngineFlags, out: Path, log_dir: Path, verbose: bool = True):
         self.profile = profile
         self.flags = flags
+        self.sets = engine_sets(flags.time_scale, flags.seed)
         self.out = out
         self.log_dir = log_dir
         self.verbose = verbose
@@ -93,18 +107,18 @@ class Harness:
         row["errors"] = n
         return row
 
-    def run_group(self, spec: SystemSpec, workloads: list[str], hetero: bool) -> None:
-        """Start engines + ``spec``, run ``workloads`` in order, stop everything."""
+    def run_group(self, spec: SystemSpec, workloads: list[str], engine_set: str) -> None:
+        """Start the ``engine_set`` engines + ``spec``, run ``workloads`` in order, stop everything."""
         if not workloads:
             return
-        n = NUM_ENGINES
-        slow = tuple([1.0] * (n - 1) + [HETERO_SLOWDOWN]) if hetero else None
-        tag = spec.label.replace("/", "-") + ("-hetero" if hetero else "")
+        flags, slow = self.sets[engine_set]
+        n = len(slow)
+        tag = spec.label.replace("/", "-") + "-" + engine_set
         with ProcessSet(self.log_dir / tag) as procs:
             running = None
             try:
-                self.log(f"{spec.label}: starting {n} engines" + (" (one 3x slower)" if hetero else ""))
-                engines = start_engines(procs, n, self.flags, slow, tag="engine")
+                self.log(f"{spec.label}: starting {n} engines ({engine_set} set)")
+                engines = start_engines(procs, n, flags, slow, tag="engine")
                 running = start_system(spec, procs, engines, self.log_dir / tag / "run")
                 for _ in range(2 * n):  # warm-up: connections, first-request paths (not counted)
                     probe(running.base_url)
@@ -112,7 +126,7 @@ class Harness:
                     self.run_workload(spec, w, running, engines.urls, procs)
             except BenchError as e:
                 self.log(f"{spec.label}: FAILED: {e}")
-                self.notes.append(f"{spec.label} ({'heterogeneous' if hetero else 'homogeneous'} engines): "
+                self.notes.append(f"{spec.label} ({engine_set} engine set): "
                                   f"{str(e).splitlines()[0]}")
                 done = {(r["system"], r["policy"], r["workload"]) for r in self.rows}
                 for w in workloads:
@@ -203,6 +217,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scaling-policy", default="dplb", help="DPLB policy used for the scaling run")
     ap.add_argument("--time-scale", type=float, default=TIME_SCALE, help="sim_engine --time-scale for every engine")
     ap.add_argument("--seed", type=int, default=1234, help="base seed of the engines")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override one workload size of the profile (bench.workloads.Profile), e.g. "
+                         "--set mooncake_requests=50; repeatable")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where latest.json/latest.md/plots go")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return ap.parse_args(argv)
@@ -227,11 +244,29 @@ def select(args: argparse.Namespace) -> tuple[list[SystemSpec], list[str]]:
     return systems, workloads
 
 
+def apply_overrides(profile: Profile, pairs: list[str]) -> Profile:
+    """``profile`` with ``FIELD=VALUE`` overrides applied (value cast to the field's type).
+
+    ``SystemExit`` (code 2 message) for an unknown field or a value of the wrong type.
+    """
+    kinds = {f.name: type(getattr(profile, f.name)) for f in fields(profile)}
+    changes: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in kinds:
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of {sorted(kinds)}")
+        try:
+            changes[key] = kinds[key](value)
+        except ValueError:
+            raise SystemExit(f"--set {pair!r}: {key} takes a {kinds[key].__name__}") from None
+    return replace(profile, **changes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; write ``latest.json``, ``latest.md`` and plots under ``--out``; exit 0."""
     args = parse_args(argv)
     systems, workloads = select(args)
-    profile = QUICK if args.quick else FULL
+    profile = apply_overrides(replace(QUICK if args.quick else FULL, time_scale=args.time_scale), args.set)
     flags = EngineFlags(time_scale=args.time_scale, seed=args.seed)
     run_id = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.out / "tmp" / run_id
@@ -240,13 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     cmdline = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     for spec in systems:
         mine = [w for w in workloads if spec.kind != "direct" or w == "f_overhead"]
-        h.run_group(spec, [w for w in mine if not WORKLOADS[w].hetero], hetero=False)
-        h.run_group(spec, [w for w in mine if WORKLOADS[w].hetero], hetero=True)
+        for name in h.sets:
+            h.run_group(spec, [w for w in mine if WORKLOADS[w].engines == name], name)
     if not args.no_scaling:
         h.run_scaling(args.scaling_policy)
     elapsed = time.monotonic() - t0
     meta = {"command": cmdline, "elapsed_s": round(elapsed, 1), "profile": "quick" if args.quick else "full",
-            "engine_flags": asdict(flags), "num_engines": NUM_ENGINES, "hetero_slowdown": HETERO_SLOWDOWN,
+            "engine_flags": asdict(flags), "fast_time_scale": FAST_TIME_SCALE, "num_engines": NUM_ENGINES,
+            "hetero_slowdown": HETERO_SLOWDOWN,
             "profile_values": asdict(profile), "run_id": run_id, "log_dir": str(log_dir)}
     report.write_all(args.out, h.rows, meta, h.notes, h.ttft_a, h.share_e, h.router_only_cpu)
     h.log(f"done in {elapsed:.0f} s; wrote {args.out}/latest.json, latest.md and plots")

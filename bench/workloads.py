@@ -5,8 +5,11 @@ same offsets. Tokens are whitespace-separated words (the simulated engine's toke
 prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
 
 (a) ``a_mooncake``: replay of the first ``mooncake_requests`` lines of the Mooncake conversation
-    trace (``../shared/data/mooncake/``, via :mod:`bench.trace`), arrival times divided by
-    ``mooncake_speedup``; ``max_tokens`` = the trace's ``output_length``. Streamed.
+    trace (``../shared/data/mooncake/``, via :mod:`bench.trace`) at ``mooncake_load`` × the trace's
+    own rate *in simulated time*: wall offset = timestamp / (``mooncake_load`` × ``time_scale``).
+    At load 1.0, four simulated H100s get the production trace's request rate; by the engines'
+    cost model that keeps them about 70-80 % busy (prefill ≈ 0.53 of capacity before prefix
+    hits, decode steps on ~14k-token contexts the rest). ``max_tokens`` = ``output_length``.
 (b) ``b_shared_prefix``: SGLang's generated-shared-prefix shape (``bench_serving.py
     --dataset-name generated-shared-prefix``: ``gsp_num_groups`` groups, ``gsp_prompts_per_group``
     questions each, ``gsp_system_prompt_len`` system prompt, ``gsp_question_len`` question,
@@ -44,7 +47,7 @@ class Profile:
     """
 
     mooncake_requests: int
-    mooncake_speedup: float
+    mooncake_load: float
     gsp_num_groups: int
     gsp_prompts_per_group: int
     gsp_system_prompt_len: int
@@ -66,23 +69,25 @@ class Profile:
     scaling_concurrency_per_engine: int
     scaling_prompt_len: int
     scaling_output_len: int
+    #: the engines' ``--time-scale`` (filled in by ``bench.run``), used to express the trace's rate
+    time_scale: float = 0.5
 
 
 FULL = Profile(
-    mooncake_requests=360, mooncake_speedup=2.0,
-    gsp_num_groups=8, gsp_prompts_per_group=24, gsp_system_prompt_len=2048, gsp_question_len=128,
-    gsp_output_len=128, gsp_rate=4.0,
-    mixed_requests=160, mixed_output_len=128, mixed_rate=4.0,
-    hetero_requests=160, hetero_output_len=128, hetero_rate=4.0,
+    mooncake_requests=200, mooncake_load=1.0,
+    gsp_num_groups=16, gsp_prompts_per_group=16, gsp_system_prompt_len=2048, gsp_question_len=128,
+    gsp_output_len=128, gsp_rate=8.0,
+    mixed_requests=240, mixed_output_len=64, mixed_rate=12.0,
+    hetero_requests=160, hetero_output_len=128, hetero_rate=8.0,
     burst_requests=200, burst_prompt_len=512, burst_output_len=64,
-    overhead_requests=1500, overhead_concurrency=4,
+    overhead_requests=2000, overhead_concurrency=4,
     scaling_requests_per_engine=32, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
     scaling_output_len=64,
 )
 
 QUICK = replace(
-    FULL, mooncake_requests=100, gsp_num_groups=4, gsp_prompts_per_group=12, mixed_requests=50,
-    hetero_requests=50, overhead_requests=300, scaling_requests_per_engine=12,
+    FULL, mooncake_requests=30, gsp_num_groups=4, gsp_prompts_per_group=10, mixed_requests=48,
+    hetero_requests=32, overhead_requests=300, scaling_requests_per_engine=8,
 )
 
 _VOCAB: tuple[str, ...] | None = None
@@ -119,13 +124,17 @@ def _user(text: str) -> list[dict[str, str]]:
 
 
 def mooncake(p: Profile, model: str) -> list[RequestSpec]:
-    """(a) Mooncake replay: ``p.mooncake_requests`` trace lines, times ÷ ``p.mooncake_speedup``."""
+    """(a) Mooncake replay: ``p.mooncake_requests`` trace lines at ``p.mooncake_load`` × the trace's
+    rate in simulated time (wall offset = timestamp / (load × time_scale))."""
     from bench.trace import load_trace, prompt_for
 
     reqs = load_trace(limit=p.mooncake_requests)
     if not reqs:
         raise WorkloadError("the Mooncake trace gave no requests")
-    return [RequestSpec(r.timestamp_ms / 1000.0 / p.mooncake_speedup, CHAT,
+    if p.mooncake_load <= 0 or p.time_scale <= 0:
+        raise WorkloadError(f"mooncake_load and time_scale must be > 0, got {p.mooncake_load}, {p.time_scale}")
+    speedup = p.mooncake_load * p.time_scale
+    return [RequestSpec(r.timestamp_ms / 1000.0 / speedup, CHAT,
                         chat_body(model, _user(prompt_for(r)), r.output_length, True), True, "trace")
             for r in reqs]
 
@@ -194,12 +203,14 @@ class Workload:
 
     ``build(profile, model)``: the request list; ``closed``: closed loop at
     ``profile.overhead_concurrency`` clients instead of sending at each spec's offset;
-    ``hetero``: run on the engine set with one 3× slower engine.
+    ``engines``: which engine set it runs on (see ``bench.run.ENGINE_SETS``): ``main`` (4 equal
+    engines), ``hetero`` (one of them 3× slower) or ``fast`` (engines whose steps take almost no
+    wall time, so that the router's own latency is what (f) measures).
     """
 
     name: str
     build: Callable[[Profile, str], list[RequestSpec]]
-    hetero: bool = False
+    engines: str = "main"
     closed: bool = False
 
 
@@ -207,7 +218,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("a_mooncake", mooncake),
     Workload("b_shared_prefix", shared_prefix),
     Workload("c_mixed_lengths", mixed_lengths),
-    Workload("d_heterogeneous", heterogeneous, hetero=True),
+    Workload("d_heterogeneous", heterogeneous, engines="hetero"),
     Workload("e_burst", burst),
-    Workload("f_overhead", overhead, closed=True),
+    Workload("f_overhead", overhead, engines="fast", closed=True),
 )}

@@ -81,7 +81,8 @@ def test_scaling_grows_with_engines():
 
 
 def test_only_d_runs_on_heterogeneous_engines():
-    assert [w.name for w in WORKLOADS.values() if w.hetero] == ["d_heterogeneous"]
+    assert [w.name for w in WORKLOADS.values() if w.engines == "hetero"] == ["d_heterogeneous"]
+    assert [w.name for w in WORKLOADS.values() if w.engines == "fast"] == ["f_overhead"]
 
 
 def test_burst_is_200_in_both_profiles():
@@ -91,3 +92,11 @@ def test_burst_is_200_in_both_profiles():
 def test_bad_parameters_raise():
     with pytest.raises(WorkloadError):
         mixed_lengths(replace(SMALL, mixed_rate=0.0), "m")
+
+
+def test_mooncake_rate_is_the_trace_rate_in_simulated_time():
+    from bench.trace import load_trace
+    trace = load_trace(limit=30)
+    for load, ts in ((1.0, 0.5), (2.0, 0.25), (1.0, 4.0)):
+        specs = mooncake(replace(SMALL, mooncake_load=load, time_scale=ts), "m")
+        assert [s.at for s in specs] == pytest.approx([r.timestamp_ms / 1000.0 / (load * ts) for r in trace])
