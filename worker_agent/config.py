@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model path or name given to the engine")
     p.add_argument("--gpus", default="", help="physical GPU indices, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--tp-size", type=int, default=0, help="tensor-parallel size (default: number of GPUs)")
-    p.add_argument("--engine-url", default=None, help="attach to a running OpenAI-compatible server (openai)")
+    p.add_argument("--engine-url", default=None,
+                   help="attach to a running OpenAI-compatible server (openai): http(s)://host:port or unix:/path")
     p.add_argument("--state-interval-ms", type=int, default=200,
                    help="period of engine metrics, NVML and heartbeat refresh (default: 200)")
     p.add_argument("--max-queue", type=int, default=0,
@@ -150,8 +151,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         raise ConfigError("--tp-size", tp, f"larger than the {len(gpus)} GPUs given in --gpus")
     if ns.engine == "openai" and not ns.engine_url:
         raise ConfigError("--engine-url", None, "required with --engine openai")
-    if ns.engine_url and not ns.engine_url.startswith(("http://", "https://")):
-        raise ConfigError("--engine-url", ns.engine_url, "must start with http:// or https://")
+    if ns.engine_url and not ns.engine_url.startswith(("http://", "https://", "unix:")):
+        raise ConfigError("--engine-url", ns.engine_url, "must start with http://, https:// or unix:")
     if len(os.fsencode(ns.uds)) > 107:
         raise ConfigError("--uds", ns.uds, "Unix socket paths must be shorter than 108 bytes")
     max_num_seqs = ns.max_num_seqs

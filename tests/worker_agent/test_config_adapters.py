@@ -99,3 +99,8 @@ def test_sim_and_openai():
     assert isinstance(o, OpenAIAdapter)
     assert o.command() is None and o.env_overrides() == {}
     assert o.address.base == "http://127.0.0.1:8000"
+
+
+def test_openai_over_unix_socket():
+    o = build_adapter(cfg("--engine-url", "unix:/tmp/x/engine.sock", engine="openai"))
+    assert o.address.uds == "/tmp/x/engine.sock" and o.address.base == "http://localhost"

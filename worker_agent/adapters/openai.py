@@ -1,4 +1,5 @@
-"""OpenAI adapter: attaches to a running OpenAI-compatible server at ``--engine-url``.
+"""OpenAI adapter: attaches to a running OpenAI-compatible server at ``--engine-url``
+(``http(s)://host:port`` or ``unix:/path/to.sock``).
 
 Nothing is spawned and nothing is stopped. Readiness: ``GET /v1/models`` answers 200 (not every
 server has ``/health``), then the one-token warm-up. State: the server's ``/metrics`` read with
@@ -25,7 +26,10 @@ class OpenAIAdapter(EngineAdapter):
     health_path: ClassVar[str] = "/v1/models"
 
     def _make_address(self) -> EngineAddress:
-        return EngineAddress(url=str(self.cfg.engine_url))
+        url = str(self.cfg.engine_url)
+        if url.startswith("unix:"):
+            return EngineAddress(uds=url[len("unix:"):])
+        return EngineAddress(url=url)
 
     def env_overrides(self) -> dict[str, str]:
         """No environment: nothing is spawned."""
