@@ -2,7 +2,8 @@
 
 It answers ``max_tokens`` words (one per SSE chunk when streamed, then a usage chunk when
 ``stream_options.include_usage`` is set), names a rotating worker (0, 1, 2) in
-``X-DPLB-Worker-ID``, and fails with an OpenAI-shaped 503 when ``max_tokens == 13``.
+``X-DPLB-Worker-ID``, fails with an OpenAI-shaped 503 when ``max_tokens == 13`` and ends a
+stream with an SSE error event when ``max_tokens == 17``.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ async def _complete(request: Request, chat: bool) -> Response:
             ch = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat
                   else {"index": 0, "text": "tok ", "finish_reason": None})
             yield b"data: " + orjson.dumps({**base, "object": obj + (".chunk" if chat else ""), "choices": [ch]}) + b"\n\n"
+        if n == 17:
+            yield b'data: {"error": {"message": "engine died", "type": "server_error", "code": 500}}\n\n'
+            return
         if (body.get("stream_options") or {}).get("include_usage"):
             yield b"data: " + orjson.dumps({**base, "object": obj + (".chunk" if chat else ""), "choices": [],
                                             "usage": usage}) + b"\n\n"

@@ -34,12 +34,13 @@ def _run(args, timeout=120):
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
-@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("stream", ["sse", "typed", "no"])
 def test_replay_reports_every_request_and_worker_share(fake_url, tmp_path, api, stream):
     trace = _trace(tmp_path, [5, 7, 9, 4, 6, 8])
     out = tmp_path / "r.json"
+    flags = {"sse": [], "typed": ["--typed-chunks"], "no": ["--no-stream"]}[stream]
     cp = _run([str(trace), "--url", fake_url, "--api", api, "--time-scale", "0.5", "--json-out", str(out),
-               "--per-request", "--quiet"] + ([] if stream else ["--no-stream"]))
+               "--per-request", "--quiet"] + flags)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     rep = json.loads(out.read_text())
     assert rep["requests"] == 6 and rep["completed"] == 6 and rep["errors"] == 0
@@ -47,7 +48,7 @@ def test_replay_reports_every_request_and_worker_share(fake_url, tmp_path, api, 
     assert rep["output_tokens_total"] == 5 + 7 + 9 + 4 + 6 + 8
     assert {w: d["requests"] for w, d in rep["workers"].items()} == {"0": 2, "1": 2, "2": 2}
     assert rep["e2e_ms"]["p50"] > 0
-    if stream:
+    if stream != "no":
         assert rep["ttft_ms"]["p50"] > 0 and rep["ttft_ms"]["p99"] <= rep["e2e_ms"]["max"]
     else:
         assert rep["ttft_ms"]["p50"] is None
@@ -107,3 +108,20 @@ def test_summarize_percentiles_and_tpot():
     assert s["output_tokens_total"] == 110 and s["output_tokens_per_s"] == 55.0
     assert s["workers"]["0"] == {"requests": 5, "share": round(5 / 11, 4), "errors": 0}
     assert s["workers"]["?"]["errors"] == 1
+
+
+def test_counts_text_chunks_when_server_sends_no_usage(fake_url, tmp_path):
+    trace = _trace(tmp_path, [5, 7])
+    out = tmp_path / "r.json"
+    cp = _run([str(trace), "--url", fake_url, "--no-usage", "--time-scale", "0", "--json-out", str(out), "--quiet"])
+    assert cp.returncode == 0, cp.stderr
+    assert json.loads(out.read_text())["output_tokens_total"] == 12
+
+
+def test_error_event_inside_a_stream_counts_as_error(fake_url, tmp_path):
+    trace = _trace(tmp_path, [6, 17])  # the fake server ends a 17-token stream with an error event
+    out = tmp_path / "r.json"
+    cp = _run([str(trace), "--url", fake_url, "--time-scale", "0", "--json-out", str(out), "--quiet"])
+    assert cp.returncode == 1
+    rep = json.loads(out.read_text())
+    assert rep["errors"] == 1 and rep["error_types"] == {"StreamError": 1} and "engine died" in rep["first_errors"][0]
