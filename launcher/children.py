@@ -6,6 +6,8 @@ a session of their own are found through the process tree instead: the launcher 
 *child subreaper* (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so an engine orphaned by a crashed
 agent is re-parented to the launcher rather than to init and is still stopped at shutdown.
 
+Children also get SIGTERM when the launcher itself dies (``PR_SET_PDEATHSIG``).
+
 Stopping (:func:`stop_tree`): SIGTERM to every group and every descendant, wait up to a grace
 period, then SIGKILL whatever is left — the order ``docker stop`` and systemd use.
 """
@@ -22,6 +24,7 @@ from typing import Iterable
 
 import psutil
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
@@ -32,6 +35,14 @@ def become_subreaper() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -57,6 +68,10 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
                 cwd: str | os.PathLike[str] | None = None) -> Child:
     """Start ``argv`` in a new session with stdout+stderr appended to ``log_path``.
 
+    The child also gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``), so a
+    SIGKILLed launcher does not leave a router holding the port. The launcher is single-threaded,
+    which makes ``preexec_fn`` safe here.
+
     Raises ``OSError`` when the program cannot be executed.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +79,7 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
         log.write(f"=== {name}: {' '.join(argv)}\n".encode())
         log.flush()
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                             cwd=cwd, start_new_session=True)
+                             cwd=cwd, start_new_session=True, preexec_fn=_term_with_parent)
     return Child(name=name, popen=p, log_path=log_path, argv=list(argv))
 
 

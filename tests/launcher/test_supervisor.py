@@ -112,3 +112,22 @@ def test_stale_segment_is_replaced(procs, run_dir, port):
     os.kill(p.pid, signal.SIGINT)
     assert p.wait(timeout=60) == 0
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
+def test_killed_launcher_takes_router_and_agents_with_it(procs, run_dir, port):
+    p, log = start(procs, run_dir, port, "--num-workers", "2")
+    wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+    assert p.poll() is None, log.read_text()
+    children = [c.pid for c in psutil.Process(p.pid).children()]  # router + 2 agents
+    engines = engine_pids(run_dir, 2)
+    try:
+        assert len(children) == 3
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        wait_until(lambda: gone(children), timeout=30, what="router and agents gone after the launcher died")
+    finally:
+        for pid in engines:  # the stand-in agents do not stop their engines (real agents do)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
