@@ -55,7 +55,8 @@ def build_peer_router(server: SimServer) -> APIRouter:
     async def sim_state() -> Response:
         st = core.state()
         st.update(sim_time_s=server.runner.now(), time_scale=server.runner.time_scale,
-                  wall_busy_s=server.runner.wall_busy, server_load=server.server_load)
+                  wall_busy_s=server.runner.wall_busy,
+                  wall_active_s=server.runner.wall_active, server_load=server.server_load)
         return json_response(st)
 
     @r.post("/reset_prefix_cache")

@@ -58,7 +58,8 @@ class EngineRunner:
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.wall_busy = 0.0  # wall seconds of CPU spent in schedule/complete (engine overhead)
+        self.wall_busy = 0.0    # wall seconds spent in schedule/complete (the core's own CPU cost)
+        self.wall_active = 0.0  # wall seconds from each step's start to its completion (incl. sleep)
 
     def now(self) -> float:
         """Current simulated time, seconds."""
@@ -132,4 +133,6 @@ class EngineRunner:
             for req in produced:
                 ch, idx = req.sink
                 ch.push(idx, req)
-            self.wall_busy += (t_mid - t_start) + (mono() - t_c)
+            t_end = mono()
+            self.wall_busy += (t_mid - t_start) + (t_end - t_c)
+            self.wall_active += t_end - t_start
