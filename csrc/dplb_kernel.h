@@ -4,7 +4,8 @@
  * dplb_shm/reference.py is the same function in pure Python; tests/csrc/test_kernel_equiv.py
  * checks that both give the same choice and the same terms. Change both together.
  *
- * For slot i, read once (hot lines under the seqlock, router line with relaxed atomic loads):
+ * For slot i, read once (line 0 and length_compat[bin(prompt_len)] under the seqlock, the router
+ * line with relaxed atomic loads):
  *
  *   eligible  = state == READY
  *               && now_ns - heartbeat_ns <= (int64)(heartbeat_timeout_ms * 1e6)
@@ -25,7 +26,9 @@
  *   latency_term = w_latency * 1 / (1 + ttft_ms / latency_scale_ms)    1.0 when no sample (-1)
  *   length_term  = w_length * compat, where b = bin(prompt_len), bin(x) = floor(log2 x) clipped
  *                  to [0, 31] (bin(0) = bin(1) = 0), and
- *                    compat = sum_k hist[k] * 2^-|k-b| / sum_k hist[k]      (1.0 if nothing queued)
+ *                    compat = sum_k h[k] * 2^-|k-b| / sum_k h[k]      (1.0 if nothing queued)
+ *                  with h[k] = min(hist[k], 2^26), summed exactly in 31-bit fixed point,
+ *                  precomputed by the writer for every b (dplb_refresh_compat, slot.length_compat),
  *                  i.e. 1 when everything queued is in the prompt's own power-of-two bucket,
  *                  halving per bucket of distance (prompts of similar length batch well together:
  *                  similar prefill cost, similar padding in chunked prefill).
@@ -77,23 +80,28 @@ static inline int dplb_len_bin(int64_t n) {
     return b > DPLB_HIST_BINS - 1 ? DPLB_HIST_BINS - 1 : b;
 }
 
-/* 2^-d for d in [0, 31], exact. */
-static const double dplb_pow2_neg[DPLB_HIST_BINS] = {
-    1.0, 0x1p-1, 0x1p-2, 0x1p-3, 0x1p-4, 0x1p-5, 0x1p-6, 0x1p-7,
-    0x1p-8, 0x1p-9, 0x1p-10, 0x1p-11, 0x1p-12, 0x1p-13, 0x1p-14, 0x1p-15,
-    0x1p-16, 0x1p-17, 0x1p-18, 0x1p-19, 0x1p-20, 0x1p-21, 0x1p-22, 0x1p-23,
-    0x1p-24, 0x1p-25, 0x1p-26, 0x1p-27, 0x1p-28, 0x1p-29, 0x1p-30, 0x1p-31,
-};
+/* Histogram counts saturate here for scoring, so the fixed-point sum below cannot overflow:
+ * 32 bins * 2^26 * 2^31 < 2^63. (67M queued prompts in one bin is far beyond any engine.) */
+#define DPLB_HIST_SAT (1u << 26)
 
+/* compat = sum_k hist[k] * 2^-|k-b| / sum_k hist[k], in fixed point with 31 fractional bits:
+ * integer sums are exact and branch-free (no mispredicts, no 4-cycle FP add chain), and the
+ * result is the correctly rounded (double)num * 2^-31 / (double)den, which Python reproduces. */
 static inline double dplb_length_compat(const uint32_t *hist, int b) {
-    double num = 0.0, den = 0.0;
+    uint64_t num = 0, den = 0;
     for (int k = 0; k < DPLB_HIST_BINS; k++) {
-        if (hist[k] == 0) continue;
+        uint64_t c = hist[k] < DPLB_HIST_SAT ? hist[k] : DPLB_HIST_SAT;
         int d = k > b ? k - b : b - k;
-        num += (double)hist[k] * dplb_pow2_neg[d];
-        den += (double)hist[k];
+        num += c << (31 - d);
+        den += c;
     }
-    return den > 0.0 ? num / den : 1.0;
+    return den ? ((double)(int64_t)num * 0x1p-31) / (double)den : 1.0;
+}
+
+/* Writer side: recompute the slot's length_compat table from its histogram (32 x 32 steps,
+ * done once per histogram change so the kernel reads one double instead of 32 counts). */
+static inline void dplb_refresh_compat(dplb_slot_t *s) {
+    for (int b = 0; b < DPLB_HIST_BINS; b++) s->length_compat[b] = dplb_length_compat(s->prompt_len_hist, b);
 }
 
 /*
@@ -117,7 +125,7 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
         const dplb_slot_t *src = dplb_slot_at((void *)base, i);
         scores[i] = -1.0 / 0.0;
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
-        if (dplb_seqlock_read(src, &s, DPLB_HOT_END, DPLB_READ_MAX_SPINS) < 0) continue;
+        if (dplb_seqlock_read_hot(src, &s, b, DPLB_READ_MAX_SPINS) < 0) continue;
         int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
         int64_t rinfl = __atomic_load_n(&src->router.router_inflight, __ATOMIC_RELAXED);
         if (s.state != DPLB_STATE_READY) continue;
@@ -141,7 +149,7 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
         double kv_term = p->w_kv * (1.0 - kv);
         double lat = s.ttft_ms < 0.0 ? 1.0 : 1.0 / (1.0 + s.ttft_ms / p->latency_scale_ms);
         double latency_term = p->w_latency * lat;
-        double length_term = p->w_length * dplb_length_compat(s.prompt_len_hist, b);
+        double length_term = p->w_length * s.length_compat[b];
         double aff = i < n_aff && affinity ? affinity[i] : 0.0;
         double score = s.weight * (((pending_term + kv_term) + latency_term) + length_term) + aff;
         scores[i] = score;

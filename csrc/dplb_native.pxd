@@ -51,6 +51,7 @@ cdef extern from "dplb_shm.h" nogil:
         int32_t max_num_seqs
         double kv_cache_usage
         double ttft_ms
+        double length_compat[32]
         uint32_t prompt_len_hist[32]
         int32_t pid
         int32_t num_gpus
@@ -81,6 +82,7 @@ cdef extern from "dplb_shm.h" nogil:
     int64_t dplb_realtime_ns()
     void dplb_seqlock_write(dplb_slot_t *dst, const dplb_slot_t *src)
     int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, size_t end, long max_spins)
+    int dplb_seqlock_read_hot(const dplb_slot_t *src, dplb_slot_t *dst, int b, long max_spins)
 
 
 cdef extern from "dplb_kernel.h" nogil:
@@ -107,6 +109,8 @@ cdef extern from "dplb_kernel.h" nogil:
         double weight
 
     int dplb_len_bin(int64_t n)
+    double dplb_length_compat(const uint32_t *hist, int b)
+    void dplb_refresh_compat(dplb_slot_t *s)
     int dplb_pick(const void *base, uint32_t num_slots, const dplb_params_t *p, int64_t prompt_len,
                   const double *affinity, uint32_t n_aff, int64_t now_ns, double rng_u,
                   double *scores, dplb_terms_t *terms, int *n_terms)

@@ -77,6 +77,18 @@ def len_bin(int64_t n):
     return dplb_len_bin(n)
 
 
+def length_compat(hist, int b):
+    """The kernel's length compatibility of a prompt in bin ``b`` with histogram ``hist`` (32 counts)."""
+    cdef uint32_t h[32]
+    cdef int k
+    vals = list(hist)
+    if len(vals) != DPLB_HIST_BINS or not 0 <= b < DPLB_HIST_BINS:
+        raise SlotFieldError("length_compat wants 32 counts and a bin in 0..31", field="prompt_len_hist")
+    for k in range(DPLB_HIST_BINS):
+        h[k] = <uint32_t>_i(vals[k], "prompt_len_hist", 0, 2**32 - 1)
+    return dplb_length_compat(h, b)
+
+
 cdef str _posix_name(name):
     if not isinstance(name, str) or not name:
         raise SegmentError(f"segment name must be a non-empty string, got {name!r}", name=None)
@@ -144,6 +156,7 @@ cdef void _empty_slot(dplb_slot_t *s, int32_t worker_id) noexcept nogil:
     s.ttft_p99_ms = -1.0
     s.tpot_p99_ms = -1.0
     s.e2e_p99_ms = -1.0
+    dplb_refresh_compat(s)
 
 
 cdef object _snapshot(const dplb_slot_t *s, int64_t rinfl, uint64_t disp, int32_t circuit, int64_t now):
@@ -583,7 +596,7 @@ cdef class Segment:
                        or s.tpot_n != <uint32_t>v or s.e2e_n != <uint32_t>v
                        or s.num_gpus != (v & 15) or s.state != (v & 3))
                 for k in range(DPLB_HIST_BINS):
-                    bad = bad or s.prompt_len_hist[k] != <uint32_t>v
+                    bad = bad or s.prompt_len_hist[k] != <uint32_t>v or s.length_compat[k] != <double>v
                 for k in range(DPLB_WINDOW):
                     bad = bad or s.ttft_ring[k] != <float>(v & 0xFFFFFF)
                     bad = bad or s.tpot_ring[k] != <float>(v & 0xFFFFFF)
@@ -702,7 +715,7 @@ cdef class SlotWriter:
         ``heartbeat_ns`` is among them).
 
         Fields: state, pid, endpoint, model, gpu_ids, weight, num_running, num_waiting, inflight,
-        queued_prompt_tokens, max_num_seqs, kv_cache_usage (0..1 or -1), gpu_mem_used_bytes,
+        queued_prompt_tokens, max_num_seqs, kv_cache_usage (0..1, above 1 stored as 1, or -1), gpu_mem_used_bytes,
         gpu_mem_total_bytes, ttft_ms, tpot_ms, e2e_ms, ttft_p99_ms, tpot_p99_ms, e2e_p99_ms
         (set the window summaries directly, e.g. a router mirroring a remote agent),
         prompt_len_hist (32 counts), completed, failed, heartbeat_ns. Unknown names raise
@@ -753,6 +766,7 @@ cdef class SlotWriter:
         self.st.queued_prompt_tokens = q if q > 0 else 0
         c = <int64_t>self.st.prompt_len_hist[b] + delta
         self.st.prompt_len_hist[b] = <uint32_t>(c if c > 0 else 0)
+        dplb_refresh_compat(&self.st)
         self._write_now()
         return self.st.queued_prompt_tokens
 
@@ -815,6 +829,7 @@ cdef class SlotWriter:
         self.st.state = <int32_t>(v & 3)
         for k in range(DPLB_HIST_BINS):
             self.st.prompt_len_hist[k] = <uint32_t>v
+            self.st.length_compat[k] = <double>v
         for k in range(DPLB_WINDOW):
             self.st.ttft_ring[k] = self.st.tpot_ring[k] = self.st.e2e_ring[k] = <float>(v & 0xFFFFFF)
         for k in range(DPLB_MAX_GPUS):
@@ -863,9 +878,9 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
             s.queued_prompt_tokens = _i(v, key, 0, 2**62)
         elif key == "kv_cache_usage":
             d = _f(v, key)
-            if d != -1.0 and not (0.0 <= d <= 1.0):
+            if d != -1.0 and d < 0.0:
                 raise SlotFieldError(f"kv_cache_usage must be in [0, 1] or -1, got {v!r}", field=key)
-            s.kv_cache_usage = d
+            s.kv_cache_usage = d if d <= 1.0 else 1.0   # engines may round a full cache above 1
         elif key == "gpu_mem_used_bytes":
             s.gpu_mem_used_bytes = _i(v, key, -1, 2**62)
         elif key == "gpu_mem_total_bytes":
@@ -892,6 +907,7 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
                 raise SlotFieldError(f"prompt_len_hist has at most {DPLB_HIST_BINS} bins", field=key)
             for k in range(DPLB_HIST_BINS):
                 s.prompt_len_hist[k] = <uint32_t>_i(h[k], key, 0, 2**32 - 1) if k < len(h) else 0
+            dplb_refresh_compat(s)
         elif key == "completed":
             s.completed = <uint64_t>_i(v, key, 0, 2**63 - 1)
         elif key == "failed":

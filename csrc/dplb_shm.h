@@ -11,12 +11,12 @@
  *   +----------+------------------+------------------+-- ... --------+
  *   | header   | slot 0           | slot 1           |               |
  *   +----------+------------------+------------------+-- ... --------+
- *                S = DPLB_SLOT_SIZE = 1152 bytes (18 cache lines), N = num_slots
+ *                S = DPLB_SLOT_SIZE = 1344 bytes (21 cache lines), N = num_slots
  *
  * Header (128 bytes, written once by the creator except `generation`):
  *
  *   off  size  field
- *     0     8  magic        "DPLBSHM\0" as little-endian u64 (DPLB_MAGIC)
+ *     0     8  magic        "DPLBSHM\0" as little-endian u64 (DPLB_MAGIC), stored last (release)
  *     8     4  version      DPLB_LAYOUT_VERSION
  *    12     4  num_slots
  *    16     4  slot_size    DPLB_SLOT_SIZE
@@ -27,12 +27,12 @@
  *    44    84  reserved (zero)
  *
  * Slot i (one writer: worker agent i, or a router keeping a mirror of a remote worker).
- * Bytes [0, 960) are guarded by the seqlock `seq`; the router line [1088, 1152) is NOT: it holds
+ * Bytes [0, 1280) are guarded by the seqlock `seq`; the router line [1280, 1344) is NOT: it holds
  * atomics that every router process updates with __atomic read-modify-write operations, kept on
- * their own cache line so router traffic never invalidates the agent's line or makes readers retry.
+ * their own cache line so router traffic never invalidates the agent's lines or makes readers retry.
  *
  *   off  size  field                     unit / meaning
- *  ---- hot lines 0..2: the only bytes the kernel copies (DPLB_HOT_END = 192) ----------------
+ *  ---- line 0: hot, copied by the kernel (DPLB_HOT_END = 64) ---------------------------------
  *     0     8  seq                       seqlock: odd while the writer is inside a write
  *     8     4  worker_id                 == slot index
  *    12     4  state                     DPLB_STATE_* (EMPTY, STARTING, READY, DRAINING, DEAD)
@@ -44,38 +44,41 @@
  *    44     4  max_num_seqs              engine batch limit (max_queue default)
  *    48     8  kv_cache_usage            0..1, -1 = unknown
  *    56     8  ttft_ms                   mean of the TTFT window, -1 = no sample
- *    64   128  prompt_len_hist[32]       u32 counts of queued prompts, bin b holds
+ *  ---- lines 1..4: the kernel reads the one entry for the prompt's bin ------------------------
+ *    64   256  length_compat[32]         f64: length compatibility of a prompt in bin b with the
+ *                                        queued histogram below; the writer recomputes the table
+ *                                        whenever the histogram changes (dplb_kernel.h formula)
+ *  ---- cold lines 5..19 ----------------------------------------------------------------------
+ *   320   128  prompt_len_hist[32]       u32 counts of queued prompts, bin b holds
  *                                        lengths in [2^b, 2^(b+1)) (bin 0 also holds 0)
- *  ---- cold lines 3..14 ----------------------------------------------------------------------
- *   192     4  pid
- *   196     4  num_gpus                  entries used in gpu_ids
- *   200     8  queued_prompt_tokens      sum of prompt tokens of queued requests
- *   208     8  gpu_mem_used_bytes        NVML, -1 = unknown
- *   216     8  gpu_mem_total_bytes       NVML, -1 = unknown
- *   224     8  tpot_ms                   mean of the TPOT window, -1 = no sample
- *   232     8  e2e_ms                    mean of the end-to-end window, -1 = no sample
- *   240     8  ttft_p99_ms               nearest-rank p99 of the window, -1 = no sample
- *   248     8  tpot_p99_ms
- *   256     8  e2e_p99_ms
- *   264     8  completed                 requests finished OK (u64)
- *   272     8  failed                    requests failed (u64)
- *   280     4  ttft_n                    samples ever pushed; ring index = n % DPLB_WINDOW
- *   284     4  tpot_n
- *   288     4  e2e_n
- *   292     4  reserved0
- *   296    32  gpu_ids[16]               i16
- *   328   128  ttft_ring[32]             f32 ms, the last DPLB_WINDOW samples
- *   456   128  tpot_ring[32]
- *   584   128  e2e_ring[32]
- *   712   128  endpoint                  NUL-terminated: Unix socket path (<= 107 bytes) or host:port
- *   840   120  model                     NUL-terminated served model name (<= 119 bytes)
- *  ---- reserved ------------------------------------------------------------------------------
- *   960   128  reserved (zero)           room for fields in later layout versions
- *  ---- router line (atomics, outside the seqlock) --------------------------------------------
- *  1088     8  router_inflight           i64: dispatched by any router, not yet finished
- *  1096     8  dispatched                u64: total dispatched by routers
- *  1104     4  circuit                   0 closed, 1 open, 2 half-open
- *  1108    44  reserved
+ *   448     4  pid
+ *   452     4  num_gpus                  entries used in gpu_ids
+ *   456     8  queued_prompt_tokens      sum of prompt tokens of queued requests
+ *   464     8  gpu_mem_used_bytes        NVML, -1 = unknown
+ *   472     8  gpu_mem_total_bytes       NVML, -1 = unknown
+ *   480     8  tpot_ms                   mean of the TPOT window, -1 = no sample
+ *   488     8  e2e_ms                    mean of the end-to-end window, -1 = no sample
+ *   496     8  ttft_p99_ms               nearest-rank p99 of the window, -1 = no sample
+ *   504     8  tpot_p99_ms
+ *   512     8  e2e_p99_ms
+ *   520     8  completed                 requests finished OK (u64)
+ *   528     8  failed                    requests failed (u64)
+ *   536     4  ttft_n                    samples ever pushed; ring index = n % DPLB_WINDOW
+ *   540     4  tpot_n
+ *   544     4  e2e_n
+ *   548     4  reserved0
+ *   552    32  gpu_ids[16]               i16
+ *   584   128  ttft_ring[32]             f32 ms, the last DPLB_WINDOW samples
+ *   712   128  tpot_ring[32]
+ *   840   128  e2e_ring[32]
+ *   968   128  endpoint                  NUL-terminated: Unix socket path (<= 107 bytes) or host:port
+ *  1096   120  model                     NUL-terminated served model name (<= 119 bytes)
+ *  1216    64  reserved (zero)           room for fields in later layout versions
+ *  ---- line 20: router line (atomics, outside the seqlock) -----------------------------------
+ *  1280     8  router_inflight           i64: dispatched by any router, not yet finished
+ *  1288     8  dispatched                u64: total dispatched by routers
+ *  1296     4  circuit                   0 closed, 1 open, 2 half-open
+ *  1300    44  reserved
  *
  * Seqlock (Boehm, "Can seqlocks get along with programming language memory models?", 2012):
  *   writer: s = seq; seq = s+1 (relaxed); release fence; copy data; seq = s+2 (release store)
@@ -93,10 +96,10 @@
 
 /* "DPLBSHM\0" read as a little-endian u64 */
 #define DPLB_MAGIC 0x004D4853424C5044ULL
-#define DPLB_LAYOUT_VERSION 1
+#define DPLB_LAYOUT_VERSION 2
 #define DPLB_CACHE_LINE 64
 #define DPLB_HEADER_SIZE 128
-#define DPLB_SLOT_SIZE 1152
+#define DPLB_SLOT_SIZE 1344
 #define DPLB_MAX_SLOTS 4096
 #define DPLB_WINDOW 32
 #define DPLB_HIST_BINS 32
@@ -104,8 +107,8 @@
 #define DPLB_ENDPOINT_LEN 128
 #define DPLB_UNIX_PATH_MAX 107
 #define DPLB_MODEL_LEN 120
-#define DPLB_HOT_END 192
-#define DPLB_DATA_END 1088
+#define DPLB_HOT_END 64
+#define DPLB_DATA_END 1280
 
 enum {
     DPLB_STATE_EMPTY = 0,
@@ -149,8 +152,10 @@ typedef struct dplb_slot {
     int32_t max_num_seqs;
     double kv_cache_usage;
     double ttft_ms;
-    uint32_t prompt_len_hist[DPLB_HIST_BINS];
+    /* length compatibility by prompt bin */
+    double length_compat[DPLB_HIST_BINS];
     /* cold */
+    uint32_t prompt_len_hist[DPLB_HIST_BINS];
     int32_t pid;
     int32_t num_gpus;
     int64_t queued_prompt_tokens;
@@ -173,7 +178,7 @@ typedef struct dplb_slot {
     float e2e_ring[DPLB_WINDOW];
     char endpoint[DPLB_ENDPOINT_LEN];
     char model[DPLB_MODEL_LEN];
-    uint8_t reserved1[DPLB_DATA_END - 960];
+    uint8_t reserved1[DPLB_DATA_END - 1216];
     /* router line: atomics, outside the seqlock */
     dplb_router_line_t router;
 } dplb_slot_t;
@@ -192,14 +197,15 @@ DPLB_ASSERT_OFF(dplb_slot_t, weight, 16);
 DPLB_ASSERT_OFF(dplb_slot_t, heartbeat_ns, 24);
 DPLB_ASSERT_OFF(dplb_slot_t, kv_cache_usage, 48);
 DPLB_ASSERT_OFF(dplb_slot_t, ttft_ms, 56);
-DPLB_ASSERT_OFF(dplb_slot_t, prompt_len_hist, 64);
-DPLB_ASSERT_OFF(dplb_slot_t, pid, DPLB_HOT_END);
-DPLB_ASSERT_OFF(dplb_slot_t, completed, 264);
-DPLB_ASSERT_OFF(dplb_slot_t, gpu_ids, 296);
-DPLB_ASSERT_OFF(dplb_slot_t, ttft_ring, 328);
-DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 712);
-DPLB_ASSERT_OFF(dplb_slot_t, model, 840);
-DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 960);
+DPLB_ASSERT_OFF(dplb_slot_t, length_compat, DPLB_HOT_END);
+DPLB_ASSERT_OFF(dplb_slot_t, prompt_len_hist, 320);
+DPLB_ASSERT_OFF(dplb_slot_t, pid, 448);
+DPLB_ASSERT_OFF(dplb_slot_t, completed, 520);
+DPLB_ASSERT_OFF(dplb_slot_t, gpu_ids, 552);
+DPLB_ASSERT_OFF(dplb_slot_t, ttft_ring, 584);
+DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 968);
+DPLB_ASSERT_OFF(dplb_slot_t, model, 1096);
+DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1216);
 DPLB_ASSERT_OFF(dplb_slot_t, router, DPLB_DATA_END);
 DPLB_ASSERT_OFF(dplb_slot_t, router.circuit, DPLB_DATA_END + 16);
 
@@ -263,6 +269,32 @@ static inline int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, si
     return -1;
 }
 
+/* Kernel reader: line 0 (bytes [8, DPLB_HOT_END)) plus length_compat[b], as one consistent
+ * version. Same protocol and return value as dplb_seqlock_read. */
+static inline int dplb_seqlock_read_hot(const dplb_slot_t *src, dplb_slot_t *dst, int b,
+                                        long max_spins) {
+    int retries = 0;
+    for (long spin = 0; spin < max_spins; spin++) {
+        uint64_t s1 = __atomic_load_n(&src->seq, __ATOMIC_ACQUIRE);
+        if (s1 & 1) {
+            dplb_cpu_relax();
+            retries++;
+            continue;
+        }
+        memcpy((char *)dst + 8, (const char *)src + 8, DPLB_HOT_END - 8);
+        memcpy(&dst->length_compat[b], &src->length_compat[b], sizeof(double));
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        uint64_t s2 = __atomic_load_n(&src->seq, __ATOMIC_RELAXED);
+        if (s1 == s2) {
+            dst->seq = s1;
+            return retries;
+        }
+        retries++;
+    }
+    dst->state = DPLB_STATE_EMPTY;
+    return -1;
+}
+
 /* ---- router line and header atomics (several router processes, no lock) ------------------ */
 
 static inline int64_t dplb_router_inflight_add(dplb_slot_t *s, int64_t delta) {
@@ -315,7 +347,7 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, weight), DPLB_F(dplb_slot_t, heartbeat_ns),
     DPLB_F(dplb_slot_t, num_running), DPLB_F(dplb_slot_t, num_waiting),
     DPLB_F(dplb_slot_t, inflight), DPLB_F(dplb_slot_t, max_num_seqs),
-    DPLB_F(dplb_slot_t, kv_cache_usage), DPLB_F(dplb_slot_t, ttft_ms),
+    DPLB_F(dplb_slot_t, kv_cache_usage), DPLB_F(dplb_slot_t, ttft_ms), DPLB_F(dplb_slot_t, length_compat),
     DPLB_F(dplb_slot_t, prompt_len_hist), DPLB_F(dplb_slot_t, pid), DPLB_F(dplb_slot_t, num_gpus),
     DPLB_F(dplb_slot_t, queued_prompt_tokens), DPLB_F(dplb_slot_t, gpu_mem_used_bytes),
     DPLB_F(dplb_slot_t, gpu_mem_total_bytes), DPLB_F(dplb_slot_t, tpot_ms),

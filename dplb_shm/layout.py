@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 HEADER_SIZE = 128
-SLOT_SIZE = 1152
+SLOT_SIZE = 1344
 WINDOW = 32
 HIST_BINS = 32
 MAX_GPUS = 16
@@ -45,7 +45,7 @@ class RouterLine(ctypes.Structure):
 
 
 class Slot(ctypes.Structure):
-    """One worker slot (1152 bytes): see the drawing in csrc/dplb_shm.h."""
+    """One worker slot (1344 bytes): see the drawing in csrc/dplb_shm.h."""
 
     _fields_ = [
         ("seq", ctypes.c_uint64),
@@ -59,6 +59,7 @@ class Slot(ctypes.Structure):
         ("max_num_seqs", ctypes.c_int32),
         ("kv_cache_usage", ctypes.c_double),
         ("ttft_ms", ctypes.c_double),
+        ("length_compat", ctypes.c_double * HIST_BINS),
         ("prompt_len_hist", ctypes.c_uint32 * HIST_BINS),
         ("pid", ctypes.c_int32),
         ("num_gpus", ctypes.c_int32),
@@ -82,7 +83,7 @@ class Slot(ctypes.Structure):
         ("e2e_ring", ctypes.c_float * WINDOW),
         ("endpoint", ctypes.c_char * 128),
         ("model", ctypes.c_char * 120),
-        ("reserved1", ctypes.c_uint8 * 128),
+        ("reserved1", ctypes.c_uint8 * 64),
         ("router", RouterLine),
     ]
 

@@ -13,7 +13,8 @@ DESIGN.md "Scoring")::
     pending_term = w_pending * (1 - clip(pending / max_queue, 0, 1))
     kv_term      = w_kv * (1 - max(kv, 0))
     latency_term = w_latency * (1 / (1 + ttft_ms / latency_scale_ms), or 1 without a sample)
-    length_term  = w_length * sum_k hist[k] * 2^-|k - bin(prompt_len)| / sum_k hist[k]   (1 if empty)
+    length_term  = w_length * sum_k h[k] * 2^-|k - bin(prompt_len)| / sum_k h[k]   (1 if empty),
+                   h[k] = min(hist[k], 2^26)
     score        = weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity[i]
 
 Ties (score >= best - 1e-9) break by ``ties[int(rng_u * len(ties))]`` in slot order.
@@ -34,17 +35,22 @@ def len_bin(n: int) -> int:
     return 0 if n <= 1 else min(HIST_BINS - 1, int(n).bit_length() - 1)
 
 
+HIST_SAT = 1 << 26  # counts saturate here for scoring (keeps the kernel's fixed-point sum in 63 bits)
+
+
 def length_compat(hist: Sequence[int], b: int) -> float:
-    """How well a prompt in bin ``b`` fits the queued prompt-length histogram ``hist`` (0..1]."""
-    num = 0.0
-    den = 0.0
+    """How well a prompt in bin ``b`` fits the queued prompt-length histogram ``hist`` (0..1].
+
+    ``sum_k h[k] * 2^-|k-b| / sum_k h[k]`` with ``h[k] = min(hist[k], 2^26)``, the numerator
+    summed exactly with 31 fractional bits, as the kernel does; 1.0 when nothing is queued.
+    """
+    num = 0
+    den = 0
     for k in range(HIST_BINS):
-        c = hist[k] if k < len(hist) else 0
-        if c == 0:
-            continue
-        num += float(c) * 2.0 ** -abs(k - b)
-        den += float(c)
-    return num / den if den > 0.0 else 1.0
+        c = min(hist[k] if k < len(hist) else 0, HIST_SAT)
+        num += c << (31 - abs(k - b))
+        den += c
+    return (float(num) * 2.0 ** -31) / float(den) if den else 1.0
 
 
 def score_terms(s: WorkerSnapshot, params: ScoringParams, prompt_len: int, affinity: float,

@@ -17,7 +17,7 @@ def test_create_mode_0600_and_unlink_leaves_nothing(shm_name):
         st = os.stat(f"/dev/shm/{shm_name}")
         assert stat.S_IMODE(st.st_mode) == 0o600
         assert seg.num_slots == 8 and seg.version == LAYOUT_VERSION and seg.generation == 0
-        assert st.st_size == 128 + 8 * 1152
+        assert st.st_size == 128 + 8 * 1344
     finally:
         seg.close()
         seg.unlink()
@@ -137,7 +137,7 @@ def test_router_atomics_shared_between_mappings(segment, shm_name):
 @pytest.mark.parametrize("fields,field", [
     ({"endpoint": "/" + "x" * 107}, "endpoint"),
     ({"endpoint": "not-an-endpoint"}, "endpoint"),
-    ({"kv_cache_usage": 1.5}, "kv_cache_usage"),
+    ({"kv_cache_usage": -0.5}, "kv_cache_usage"),
     ({"num_running": -1}, "num_running"),
     ({"gpu_ids": list(range(17))}, "gpu_ids"),
     ({"model": "m" * 120}, "model"),
@@ -154,6 +154,13 @@ def test_bad_fields_raise_and_leave_slot_unchanged(segment, fields, field):
     assert ei.value.field == field and isinstance(ei.value, ValueError)
     after = segment.read_slot(0)
     assert after.num_waiting == before.num_waiting == 0 and after.endpoint == "/tmp/a.sock"
+
+
+def test_kv_usage_above_one_is_clamped(segment):
+    w = segment.writer(0)
+    w.claim(0)
+    w.publish(kv_cache_usage=1.0004)
+    assert segment.read_slot(0).kv_cache_usage == 1.0
 
 
 def test_longest_unix_socket_path_fits(segment):
