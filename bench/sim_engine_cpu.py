@@ -17,6 +17,7 @@ Then a saturation run (high ``--time-scale``) measures the most tokens/s one cor
 
     .venv/bin/python -m bench.sim_engine_cpu [--levels 16,64,128,256] [--max-tokens 200] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,18 @@ import orjson
 import psutil
 
 
-
 def _start_engine(sock: str, time_scale: float, cpu: int | None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "sim_engine", "--uds", sock, "--time-scale", str(time_scale),
-            "--max-num-seqs", "1024"]
+    args = [
+        sys.executable,
+        "-m",
+        "sim_engine",
+        "--uds",
+        sock,
+        "--time-scale",
+        str(time_scale),
+        "--max-num-seqs",
+        "1024",
+    ]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     if cpu is not None:
         os.sched_setaffinity(p.pid, {cpu})
@@ -68,7 +77,9 @@ async def _level(sock: str, proc: psutil.Process, n: int, max_tokens: int) -> di
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         st0 = await _state(s)
         c0, t0 = proc.cpu_times(), time.monotonic()
-        await asyncio.gather(*[_stream(s, f"user {i} says hello to the engine", max_tokens) for i in range(n)])
+        await asyncio.gather(
+            *[_stream(s, f"user {i} says hello to the engine", max_tokens) for i in range(n)]
+        )
         wall = time.monotonic() - t0
         c1 = proc.cpu_times()
         st1 = await _state(s)
@@ -77,9 +88,16 @@ async def _level(sock: str, proc: psutil.Process, n: int, max_tokens: int) -> di
     steps = max(1, st1["steps"] - st0["steps"])
     busy = st1["busy_time_s"] - st0["busy_time_s"]
     active = st1["wall_active_s"] - st0["wall_active_s"]
-    return {"streams": n, "tokens": toks, "wall_s": round(wall, 3), "tok_per_s": round(toks / wall, 1),
-            "cpu_pct": round(100 * cpu / wall, 1), "us_per_tok": round(1e6 * cpu / max(1, toks), 1),
-            "pace": round(busy / st1["time_scale"] / max(1e-9, active), 3), "step_ms": round(1e3 * busy / steps, 2)}
+    return {
+        "streams": n,
+        "tokens": toks,
+        "wall_s": round(wall, 3),
+        "tok_per_s": round(toks / wall, 1),
+        "cpu_pct": round(100 * cpu / wall, 1),
+        "us_per_tok": round(1e6 * cpu / max(1, toks), 1),
+        "pace": round(busy / st1["time_scale"] / max(1e-9, active), 3),
+        "step_ms": round(1e3 * busy / steps, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
     results: dict = {"engine_cpu": eng_cpu, "levels": []}
     try:
-        for ts, levels, key in ((1.0, [int(x) for x in a.levels.split(",")], "levels"),
-                                (a.saturate_scale, [64], "saturated")):
+        for ts, levels, key in (
+            (1.0, [int(x) for x in a.levels.split(",")], "levels"),
+            (a.saturate_scale, [64], "saturated"),
+        ):
             sock = os.path.join(d, f"e{ts}.sock")
             p = _start_engine(sock, ts, eng_cpu)
             try:
@@ -123,15 +143,24 @@ def main(argv: list[str] | None = None) -> int:
         print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode())
         return 0
     print(f"engine pinned to CPU {eng_cpu}; time scale 1 (real time), {a.max_tokens} tokens per stream")
-    print(f"{'streams':>8} {'tok/s':>9} {'cpu%':>6} {'us/tok':>7} {'pace':>6} {'step_ms':>8} {'max_scale':>9}")
+    print(
+        f"{'streams':>8} {'tok/s':>9} {'cpu%':>6} {'us/tok':>7} {'pace':>6} {'step_ms':>8} {'max_scale':>9}"
+    )
     for r in results["levels"]:
-        print(f"{r['streams']:>8} {r['tok_per_s']:>9} {r['cpu_pct']:>6} {r['us_per_tok']:>7} {r['pace']:>6} "
-              f"{r['step_ms']:>8} {r['max_time_scale_per_core']:>9}")
+        print(
+            f"{r['streams']:>8} {r['tok_per_s']:>9} {r['cpu_pct']:>6} {r['us_per_tok']:>7} {r['pace']:>6} "
+            f"{r['step_ms']:>8} {r['max_time_scale_per_core']:>9}"
+        )
     s = results["saturated"]
-    print(f"saturation (time scale {s['time_scale']}, 64 streams): {s['tok_per_s']} tok/s at {s['cpu_pct']}% CPU, "
-          f"{s['us_per_tok']} us/token -> about {results['max_tok_per_s_per_core']} tokens/s per core")
-    print("max_scale: the --time-scale at which that load would saturate one core (engines per core at "
-          "time scale 1)")
+    print(
+        f"saturation (time scale {s['time_scale']}, 64 streams): {s['tok_per_s']} tok/s at "
+        f"{s['cpu_pct']}% CPU, {s['us_per_tok']} us/token "
+        f"-> about {results['max_tok_per_s_per_core']} tokens/s per core"
+    )
+    print(
+        "max_scale: the --time-scale at which that load would saturate one core (engines per core at "
+        "time scale 1)"
+    )
     return 0
 
 

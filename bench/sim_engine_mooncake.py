@@ -11,6 +11,7 @@ arrival (requests in flight at the engine), and the Spearman rank correlation of
 
     .venv/bin/python -m bench.sim_engine_mooncake [--requests 200] [--time-scale 10] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,9 +86,16 @@ async def _replay(sock: str, reqs, scale: float) -> tuple[list[dict], dict]:
                             ttft = time.monotonic() - sent
             finally:
                 inflight -= 1
-            rows.append({"i": i, "depth": depth, "ttft_s": (ttft or 0.0) * scale,
-                         "e2e_s": (time.monotonic() - sent) * scale, "input": r.input_length,
-                         "output": r.output_length})
+            rows.append(
+                {
+                    "i": i,
+                    "depth": depth,
+                    "ttft_s": (ttft or 0.0) * scale,
+                    "e2e_s": (time.monotonic() - sent) * scale,
+                    "input": r.input_length,
+                    "output": r.output_length,
+                }
+            )
 
         await asyncio.gather(*[one(i) for i in range(len(reqs))])
         async with s.get("http://sim/metrics") as m:
@@ -112,9 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     reqs = load_trace(a.trace, limit=a.requests)
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
     sock = os.path.join(d, "engine.sock")
-    p = subprocess.Popen([sys.executable, "-m", "sim_engine", "--uds", sock, "--time-scale", str(a.time_scale),
-                          *a.engine_args.split()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sim_engine",
+            "--uds",
+            sock,
+            "--time-scale",
+            str(a.time_scale),
+            *a.engine_args.split(),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not os.path.exists(sock):
@@ -137,20 +157,29 @@ def main(argv: list[str] | None = None) -> int:
     for lo, hi in zip(edges, edges[1:]):
         sel = [r["ttft_s"] for r in rows if lo <= r["depth"] < hi]
         if sel:
-            bands.append({"depth": f"{lo}-{hi - 1}", "n": len(sel), "mean_ttft_s": round(sum(sel) / len(sel), 3)})
+            bands.append(
+                {"depth": f"{lo}-{hi - 1}", "n": len(sel), "mean_ttft_s": round(sum(sel) / len(sel), 3)}
+            )
     out = {
-        "requests": len(rows), "time_scale": a.time_scale, "wall_s": round(wall, 1),
+        "requests": len(rows),
+        "time_scale": a.time_scale,
+        "wall_s": round(wall, 1),
         "prefix_hit_rate": round(m.get("vllm:prefix_cache_hits_total", 0.0) / qs, 4) if qs else 0.0,
         "preemptions": m.get("vllm:num_preemptions_total", 0.0),
-        "ttft_p50_s": round(_pct(ttft, 0.5), 3), "ttft_p90_s": round(_pct(ttft, 0.9), 3),
-        "ttft_p99_s": round(_pct(ttft, 0.99), 3), "max_depth": int(max(depth)),
-        "spearman_depth_ttft": round(spearman(depth, ttft), 3), "ttft_by_depth": bands,
+        "ttft_p50_s": round(_pct(ttft, 0.5), 3),
+        "ttft_p90_s": round(_pct(ttft, 0.9), 3),
+        "ttft_p99_s": round(_pct(ttft, 0.99), 3),
+        "max_depth": int(max(depth)),
+        "spearman_depth_ttft": round(spearman(depth, ttft), 3),
+        "ttft_by_depth": bands,
     }
     if a.json:
         print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
         return 0
-    print(f"{out['requests']} Mooncake requests through one engine, time scale {a.time_scale} "
-          f"({out['wall_s']} s wall)")
+    print(
+        f"{out['requests']} Mooncake requests through one engine, time scale {a.time_scale} "
+        f"({out['wall_s']} s wall)"
+    )
     print(f"prefix cache hit rate {out['prefix_hit_rate']:.1%}, preemptions {out['preemptions']:.0f}")
     print(f"TTFT (simulated s) p50 {out['ttft_p50_s']} p90 {out['ttft_p90_s']} p99 {out['ttft_p99_s']}")
     print(f"{'depth at arrival':>17} {'n':>4} {'mean TTFT s':>12}")

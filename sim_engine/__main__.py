@@ -1,4 +1,5 @@
 """``python -m sim_engine`` == ``dplb-sim-engine``."""
+
 from sim_engine.server import main
 
 if __name__ == "__main__":

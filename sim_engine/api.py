@@ -4,12 +4,13 @@ SGLang's ``/generate``; streaming as Server-Sent Events, one token per chunk, ``
 Route handlers only parse, submit to the :class:`~sim_engine.runner.EngineRunner` and format; a
 client that disconnects (stream or not) aborts its requests, which frees their KV blocks at once.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 from fastapi import APIRouter, Request
@@ -31,7 +32,7 @@ def json_response(obj: object, status: int = 200, headers: dict | None = None) -
 class Generation:
     """One HTTP generation request: its engine requests (choices) and output channel."""
 
-    def __init__(self, server: "SimServer", params: GenParams, rid: str) -> None:
+    def __init__(self, server: SimServer, params: GenParams, rid: str) -> None:
         self.server = server
         self.params = params
         self.rid = rid
@@ -62,7 +63,10 @@ class Generation:
         return full
 
     def delta(self, req: SimRequest, k: int) -> tuple[str, str | None]:
-        """Text of token ``k`` (1-based) and the finish reason when it is the last one."""
+        """Text of token ``k`` (1-based) and the finish reason when it is the last one
+        (``k == -1``: finished without a new token, empty text)."""
+        if k < 0:
+            return "", req.finish_reason
         if k == len(req.output) and req.finish_reason is not None:
             if req.finish_reason == "stop" and req.stop_matched:
                 full = self.final_text(req)
@@ -74,8 +78,12 @@ class Generation:
     def usage(self) -> dict:
         """OpenAI ``usage`` object."""
         comp = sum(len(r.output) for r in self.reqs)
-        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + comp,
-                "completion_tokens": comp, "prompt_tokens_details": None}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + comp,
+            "completion_tokens": comp,
+            "prompt_tokens_details": None,
+        }
 
     def abort(self) -> None:
         """Abort every unfinished choice (frees blocks now)."""
@@ -115,8 +123,12 @@ def _chunk(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(gen: Generation, make_chunk: Callable[[int, str, str | None], dict],
-               first: list[dict], usage_chunk: Callable[[], dict] | None) -> AsyncIterator[bytes]:
+async def _sse(
+    gen: Generation,
+    make_chunk: Callable[[int, str, str | None], dict],
+    first: list[dict],
+    usage_chunk: Callable[[], dict] | None,
+) -> AsyncIterator[bytes]:
     """SSE body: ``first`` chunks, then one chunk per token, then usage (if asked), then [DONE].
     Cancellation (client gone) aborts the unfinished choices in ``finally``."""
     try:
@@ -137,7 +149,7 @@ async def _sse(gen: Generation, make_chunk: Callable[[int, str, str | None], dic
         gen.abort()
 
 
-def build_router(server: "SimServer") -> APIRouter:
+def build_router(server: SimServer) -> APIRouter:
     """Routes for the generation endpoints of ``server``."""
     r = APIRouter()
     model = server.config.model
@@ -152,17 +164,38 @@ def build_router(server: "SimServer") -> APIRouter:
         gen = Generation(server, params, rid_for(request, "cmpl"))
         base = {"id": gen.rid, "object": "text_completion", "created": gen.created, "model": model}
         if params.stream:
+
             def mk(idx: int, text: str, fr: str | None) -> dict:
-                return {**base, "choices": [{"index": idx, "text": text, "logprobs": None, "finish_reason": fr,
-                                             "stop_reason": None}]}
+                return {
+                    **base,
+                    "choices": [
+                        {
+                            "index": idx,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": fr,
+                            "stop_reason": None,
+                        }
+                    ],
+                }
+
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
-            return StreamingResponse(server.track(_sse(gen, mk, [], uc)), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return StreamingResponse(
+                server.track(_sse(gen, mk, [], uc)), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
-        choices = [{"index": i, "text": gen.final_text(q), "logprobs": None, "finish_reason": q.finish_reason,
-                    "stop_reason": q.stop_matched} for i, q in enumerate(gen.reqs)]
+        choices = [
+            {
+                "index": i,
+                "text": gen.final_text(q),
+                "logprobs": None,
+                "finish_reason": q.finish_reason,
+                "stop_reason": q.stop_matched,
+            }
+            for i, q in enumerate(gen.reqs)
+        ]
         return json_response({**base, "choices": choices, "usage": gen.usage()})
 
     @r.post("/v1/chat/completions")
@@ -173,21 +206,54 @@ def build_router(server: "SimServer") -> APIRouter:
             base = {"id": gen.rid, "object": "chat.completion.chunk", "created": gen.created, "model": model}
 
             def mk(idx: int, text: str, fr: str | None) -> dict:
-                return {**base, "choices": [{"index": idx, "delta": {"content": text}, "logprobs": None,
-                                             "finish_reason": fr}]}
-            first = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]} for i in range(len(gen.reqs))]
+                return {
+                    **base,
+                    "choices": [
+                        {"index": idx, "delta": {"content": text}, "logprobs": None, "finish_reason": fr}
+                    ],
+                }
+
+            first = [
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                for i in range(len(gen.reqs))
+            ]
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
-            return StreamingResponse(server.track(_sse(gen, mk, first, uc)), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return StreamingResponse(
+                server.track(_sse(gen, mk, first, uc)), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
-        choices = [{"index": i, "message": {"role": "assistant", "content": gen.final_text(q), "tool_calls": []},
-                    "logprobs": None, "finish_reason": q.finish_reason, "stop_reason": q.stop_matched}
-                   for i, q in enumerate(gen.reqs)]
-        return json_response({"id": gen.rid, "object": "chat.completion", "created": gen.created, "model": model,
-                              "choices": choices, "usage": gen.usage()})
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": gen.final_text(q), "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": q.finish_reason,
+                "stop_reason": q.stop_matched,
+            }
+            for i, q in enumerate(gen.reqs)
+        ]
+        return json_response(
+            {
+                "id": gen.rid,
+                "object": "chat.completion",
+                "created": gen.created,
+                "model": model,
+                "choices": choices,
+                "usage": gen.usage(),
+            }
+        )
 
     @r.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
@@ -203,11 +269,17 @@ def build_router(server: "SimServer") -> APIRouter:
                 fr = {"type": "stop", "matched": q.stop_matched}
             elif q.finish_reason == "abort":
                 fr = {"type": "abort", "message": "aborted"}
-            return {"id": q.request_id, "finish_reason": fr, "prompt_tokens": q.num_prompt_tokens,
-                    "completion_tokens": len(q.output), "cached_tokens": q.num_cached_tokens,
-                    "e2e_latency": time.monotonic() - t0}
+            return {
+                "id": q.request_id,
+                "finish_reason": fr,
+                "prompt_tokens": q.num_prompt_tokens,
+                "completion_tokens": len(q.output),
+                "cached_tokens": q.num_cached_tokens,
+                "e2e_latency": time.monotonic() - t0,
+            }
 
         if params.stream:
+
             async def body() -> AsyncIterator[bytes]:
                 try:
                     ch = gen.channel
@@ -216,14 +288,17 @@ def build_router(server: "SimServer") -> APIRouter:
                         out = []
                         for idx, q, k in items:
                             text = "".join(" " + w for w in q.output[:k])
-                            if k == len(q.output) and q.finish_reason is not None:
+                            if (k < 0 or k == len(q.output)) and q.finish_reason is not None:
                                 text = gen.final_text(q)
                             out.append(_chunk({"text": text, "index": idx, "meta_info": meta(q)}))
                         yield b"".join(out)
                     yield b"data: [DONE]\n\n"
                 finally:
                     gen.abort()
-            return StreamingResponse(server.track(body()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+            return StreamingResponse(
+                server.track(body()), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
@@ -243,7 +318,7 @@ class SimServer:
         self.server_load = 0  # HTTP generation requests in progress (vLLM's /load)
         self.started = time.time()
 
-    def load(self) -> "_LoadGuard":
+    def load(self) -> _LoadGuard:
         """Context manager counting one in-progress request for ``/load``."""
         return _LoadGuard(self)
 

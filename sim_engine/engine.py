@@ -31,6 +31,7 @@ Step time (seconds, see :mod:`sim_engine.config` for every constant's source)::
                         + sum over prefill seqs (per_seq + n_new * prefill_per_token
                                                  + n_new * (n_computed + n_new / 2) * attention_pair) )
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -87,11 +88,15 @@ class EngineCore:
             raise ContextLengthError(
                 f"This model's maximum context length is {c.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). "
-                f"Please reduce the length of the messages or completion.", param="max_tokens")
+                f"Please reduce the length of the messages or completion.",
+                param="max_tokens",
+            )
         if self.kv.blocks_for(total) > c.num_gpu_blocks:
             raise EngineCapacityError(
                 f"the request needs {self.kv.blocks_for(total)} KV-cache blocks but the cache holds only "
-                f"{c.num_gpu_blocks}", param="max_tokens")
+                f"{c.num_gpu_blocks}",
+                param="max_tokens",
+            )
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """Output length for a request without max_tokens: the configured default, capped by context."""
@@ -102,7 +107,9 @@ class EngineCore:
         duplicate id."""
         self.validate(req.num_prompt_tokens, req.max_tokens)
         if req.request_id in self.requests:
-            raise InvalidRequestError(f"request id {req.request_id!r} is already in flight", param="request_id")
+            raise InvalidRequestError(
+                f"request id {req.request_id!r} is already in flight", param="request_id"
+            )
         req.arrival = now
         req.word_offset = self.words.start()
         req.status = Status.WAITING
@@ -256,7 +263,7 @@ class EngineCore:
     def _hit_stop(self, req: SimRequest, word: str) -> bool:
         req.text.append(" " + word)
         longest = max(len(s) for s in req.stop)
-        tail = "".join(req.text[-(longest + 1):])
+        tail = "".join(req.text[-(longest + 1) :])
         for s in req.stop:
             if s in tail:
                 req.stop_matched = s
@@ -284,15 +291,25 @@ class EngineCore:
         """JSON-ready snapshot for ``GET /sim/state`` and tests."""
         kv, s = self.kv, self.stats
         return {
-            "running": len(self.running), "waiting": len(self.waiting),
-            "total_blocks": kv.num_blocks, "free_blocks": kv.num_free, "used_blocks": kv.num_used,
-            "cached_blocks": kv.num_cached, "kv_cache_usage": kv.usage, "block_size": kv.block_size,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "total_blocks": kv.num_blocks,
+            "free_blocks": kv.num_free,
+            "used_blocks": kv.num_used,
+            "cached_blocks": kv.num_cached,
+            "kv_cache_usage": kv.usage,
+            "block_size": kv.block_size,
             "running_ids": [r.request_id for r in self.running],
             "waiting_ids": [r.request_id for r in self.waiting],
-            "in_flight": sorted(self.requests), "preemptions": s.num_preemptions,
-            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
-            "evictions": kv.evictions, "steps": s.steps, "busy_time_s": s.busy_time,
-            "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
+            "in_flight": sorted(self.requests),
+            "preemptions": s.num_preemptions,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "evictions": kv.evictions,
+            "steps": s.steps,
+            "busy_time_s": s.busy_time,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
             "request_success": dict(s.request_success),
         }
 

@@ -12,6 +12,7 @@ Errors carry fields (``message``, ``param``, ``code``); mapping them to an HTTP 
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` happens only at the edge
 (:func:`sim_engine.server.error_response`).
 """
+
 from __future__ import annotations
 
 

@@ -25,16 +25,22 @@ three states::
 Invariants (checked by :meth:`check`): ``0 <= used <= num_blocks``; ``free + used == num_blocks``;
 every hash in the map names a block carrying that hash.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
 
 
-def chain_hashes(tokens: Sequence[str], block_size: int, start: int = 0, parent: int = ROOT_HASH,
-                 out: list[int] | None = None) -> list[int]:
+def chain_hashes(
+    tokens: Sequence[str],
+    block_size: int,
+    start: int = 0,
+    parent: int = ROOT_HASH,
+    out: list[int] | None = None,
+) -> list[int]:
     """Append the chained hashes of the full blocks of ``tokens`` from block index ``start``.
 
     ``parent`` is the hash of block ``start - 1`` (``ROOT_HASH`` for the first block). Returns ``out``
@@ -44,7 +50,7 @@ def chain_hashes(tokens: Sequence[str], block_size: int, start: int = 0, parent:
     n_full = len(tokens) // block_size
     h = parent
     for i in range(start, n_full):
-        h = hash((h, *tokens[i * block_size:(i + 1) * block_size]))
+        h = hash((h, *tokens[i * block_size : (i + 1) * block_size]))
         out.append(h)
     return out
 

@@ -23,9 +23,10 @@ vllm:request_queue_time_seconds                histogram  arrival → first sche
 vllm:cache_config_info                         gauge      1, labels block_size and num_gpu_blocks
 =============================================  =========  ================================================
 """
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -63,35 +64,59 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield the metric families (called by ``generate_latest``)."""
         core, s = self.core, self.core.stats
-        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                          len(core.running))
-        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                          len(core.waiting))
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv.usage)
-        yield self._counter("vllm:prefix_cache_queries",
-                            "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries)
-        yield self._counter("vllm:prefix_cache_hits",
-                            "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits)
-        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                            s.num_preemptions)
+        yield self._gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", len(core.running)
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(core.waiting)
+        )
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv.usage
+        )
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        )
+        yield self._counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions
+        )
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
-        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                            s.generation_tokens)
-        rs = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                 labels=self.labels + ["finished_reason"])
+        yield self._counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
+        )
+        rs = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=self.labels + ["finished_reason"],
+        )
         for reason, v in sorted(s.request_success.items()):
             rs.add_metric(self.values + [reason], v)
         yield rs
-        yield self._hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         s.ttft)
-        yield self._hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                         s.itl)
-        yield self._hist("vllm:e2e_request_latency_seconds",
-                         "Histogram of e2e request latency in seconds.", s.e2e)
-        yield self._hist("vllm:request_queue_time_seconds",
-                         "Histogram of time spent in WAITING phase for request.", s.queue_time)
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        yield self._hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", s.ttft
+        )
+        yield self._hist(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", s.itl
+        )
+        yield self._hist(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", s.e2e
+        )
+        yield self._hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            s.queue_time,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
         c = core.config
         info.add_metric([str(c.block_size), str(c.num_gpu_blocks), str(c.enable_prefix_caching)], 1.0)
         yield info

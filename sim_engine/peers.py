@@ -11,6 +11,7 @@
   ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``.
 * Simulator: ``GET /sim/state`` (see :meth:`EngineCore.state`), ``POST /reset_prefix_cache``.
 """
+
 from __future__ import annotations
 
 import time
@@ -43,9 +44,22 @@ def build_peer_router(server: SimServer) -> APIRouter:
 
     @r.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [{
-            "id": cfg.model, "object": "model", "created": int(server.started), "owned_by": "dplb-sim",
-            "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len}]})
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.model,
+                        "object": "model",
+                        "created": int(server.started),
+                        "owned_by": "dplb-sim",
+                        "root": cfg.model,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @r.get("/metrics")
     async def metrics() -> Response:
@@ -54,9 +68,13 @@ def build_peer_router(server: SimServer) -> APIRouter:
     @r.get("/sim/state")
     async def sim_state() -> Response:
         st = core.state()
-        st.update(sim_time_s=server.runner.now(), time_scale=server.runner.time_scale,
-                  wall_busy_s=server.runner.wall_busy,
-                  wall_active_s=server.runner.wall_active, server_load=server.server_load)
+        st.update(
+            sim_time_s=server.runner.now(),
+            time_scale=server.runner.time_scale,
+            wall_busy_s=server.runner.wall_busy,
+            wall_active_s=server.runner.wall_active,
+            server_load=server.server_load,
+        )
         return json_response(st)
 
     @r.post("/reset_prefix_cache")
@@ -69,26 +87,52 @@ def build_peer_router(server: SimServer) -> APIRouter:
 
     @r.get("/get_load")
     async def get_load() -> Response:
-        return json_response([{"dp_rank": 0, "num_reqs": len(core.running) + len(core.waiting),
-                               "num_waiting_reqs": len(core.waiting), "num_tokens": core.queued_tokens(),
-                               "ts_tic": time.perf_counter()}])
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": len(core.running) + len(core.waiting),
+                    "num_waiting_reqs": len(core.waiting),
+                    "num_tokens": core.queued_tokens(),
+                    "ts_tic": time.perf_counter(),
+                }
+            ]
+        )
 
     def server_info() -> dict:
         return {
-            "served_model_name": cfg.model, "tp_size": 1, "dp_size": 1, "page_size": cfg.block_size,
-            "max_running_requests": cfg.max_num_seqs, "chunked_prefill_size": cfg.max_num_batched_tokens,
-            "context_length": cfg.max_model_len, "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
-            "enable_prefix_caching": cfg.enable_prefix_caching, "time_scale": cfg.time_scale,
-            "slowdown": cfg.slowdown, "seed": cfg.seed, "engine": "dplb-sim-engine",
-            "internal_states": [{"num_running_reqs": len(core.running), "num_queue_reqs": len(core.waiting),
-                                 "token_usage": core.kv.usage}],
+            "served_model_name": cfg.model,
+            "tp_size": 1,
+            "dp_size": 1,
+            "page_size": cfg.block_size,
+            "max_running_requests": cfg.max_num_seqs,
+            "chunked_prefill_size": cfg.max_num_batched_tokens,
+            "context_length": cfg.max_model_len,
+            "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "time_scale": cfg.time_scale,
+            "slowdown": cfg.slowdown,
+            "seed": cfg.seed,
+            "engine": "dplb-sim-engine",
+            "internal_states": [
+                {
+                    "num_running_reqs": len(core.running),
+                    "num_queue_reqs": len(core.waiting),
+                    "token_usage": core.kv.usage,
+                }
+            ],
             "version": f"sim-{__version__}",
         }
 
     def model_info() -> dict:
-        return {"served_model_name": cfg.model, "tokenizer_path": None, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": "default",
-                "max_model_len": cfg.max_model_len}
+        return {
+            "served_model_name": cfg.model,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "max_model_len": cfg.max_model_len,
+        }
 
     for path in ("/server_info", "/get_server_info"):
         r.add_api_route(path, lambda: json_response(server_info()), methods=["GET"])
@@ -99,15 +143,25 @@ def build_peer_router(server: SimServer) -> APIRouter:
     async def tokenize_ep(request: Request) -> Response:
         body = load_json(await request.body())
         words = parse_tokenize(body, cfg.model)
-        return json_response({"count": len(words), "max_model_len": cfg.max_model_len,
-                              "tokens": token_ids(words, cfg.vocab_size),
-                              "token_strs": words if body.get("return_token_strs") else None})
+        return json_response(
+            {
+                "count": len(words),
+                "max_model_len": cfg.max_model_len,
+                "tokens": token_ids(words, cfg.vocab_size),
+                "token_strs": words if body.get("return_token_strs") else None,
+            }
+        )
 
     def _render(words: list[str], max_tokens: int | None, prefix: str) -> dict:
-        return {"request_id": f"{prefix}-{uuid.uuid4().hex}", "model": cfg.model, "prompt": " ".join(words),
-                "token_ids": token_ids(words, cfg.vocab_size),
-                "sampling_params": {"max_tokens": max_tokens if max_tokens is not None
-                                    else core.default_max_tokens(len(words))}}
+        return {
+            "request_id": f"{prefix}-{uuid.uuid4().hex}",
+            "model": cfg.model,
+            "prompt": " ".join(words),
+            "token_ids": token_ids(words, cfg.vocab_size),
+            "sampling_params": {
+                "max_tokens": max_tokens if max_tokens is not None else core.default_max_tokens(len(words))
+            },
+        }
 
     @r.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:

@@ -4,6 +4,7 @@ Every check raises :class:`sim_engine.errors.InvalidRequestError` naming the off
 the server turns it into an OpenAI-shaped 400. Sampling knobs the simulator cannot honour
 (``temperature``, ``top_p``, ``seed``, ``logprobs``, ...) are type-checked and otherwise accepted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -80,8 +81,9 @@ def _stop(v: Any, param: str = "stop") -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v) or len(v) > MAX_STOP:
-        raise InvalidRequestError(f"'{param}' must be a string or a list of at most {MAX_STOP} strings",
-                                  param=param)
+        raise InvalidRequestError(
+            f"'{param}' must be a string or a list of at most {MAX_STOP} strings", param=param
+        )
     return [s for s in v if s]
 
 
@@ -99,8 +101,12 @@ def check_model(body: dict, served: str) -> None:
 def _common(body: dict, served: str) -> tuple[int, list[str], bool, bool]:
     check_model(body, served)
     n = _int(body, "n", 1, MAX_N) or 1
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
-                         ("frequency_penalty", -2.0, 2.0)):
+    for name, lo, hi in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+    ):
         _number(body, name, lo, hi)
     stream = _bool(body, "stream")
     so = body.get("stream_options")
@@ -109,8 +115,9 @@ def _common(body: dict, served: str) -> tuple[int, list[str], bool, bool]:
         if not isinstance(so, dict):
             raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
         if not stream:
-            raise InvalidRequestError("Stream options can only be defined when `stream=True`.",
-                                      param="stream_options")
+            raise InvalidRequestError(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
         include_usage = bool(so.get("include_usage", False))
     return n, _stop(body.get("stop")), stream, include_usage
 
@@ -129,8 +136,9 @@ def parse_completion(body: dict, served: str) -> GenParams:
     elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
         prompts = [ids_to_words(x) for x in p]
     else:
-        raise InvalidRequestError("'prompt' must be a string, a list of strings or a list of token ids",
-                                  param="prompt")
+        raise InvalidRequestError(
+            "'prompt' must be a string, a list of strings or a list of token ids", param="prompt"
+        )
     if _bool(body, "echo"):
         raise InvalidRequestError("'echo' is not supported by the simulated engine", param="echo")
     return GenParams(prompts, n, _int(body, "max_tokens", 1), stop, stream, usage)
@@ -157,8 +165,11 @@ def parse_generate(body: dict) -> GenParams:
     elif isinstance(text, list) and text and all(isinstance(x, str) for x in text):
         prompts = [tokenize(x) for x in text]
     elif text is None and isinstance(ids, list) and ids:
-        prompts = [ids_to_words(x, "input_ids") for x in ids] if isinstance(ids[0], list) \
+        prompts = (
+            [ids_to_words(x, "input_ids") for x in ids]
+            if isinstance(ids[0], list)
             else [ids_to_words(ids, "input_ids")]
+        )
     else:
         raise InvalidRequestError("give 'text' (string or list of strings) or 'input_ids'", param="text")
     sp = body.get("sampling_params") or {}
@@ -170,8 +181,15 @@ def parse_generate(body: dict) -> GenParams:
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequestError("'rid' must be a string", param="rid")
-    return GenParams(prompts, n, 128 if mt is None else mt, _stop(sp.get("stop"), "sampling_params.stop"),
-                     _bool(body, "stream"), False, rid)
+    return GenParams(
+        prompts,
+        n,
+        128 if mt is None else mt,
+        _stop(sp.get("stop"), "sampling_params.stop"),
+        _bool(body, "stream"),
+        False,
+        rid,
+    )
 
 
 def parse_tokenize(body: dict, served: str) -> list[str]:

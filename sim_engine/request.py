@@ -1,4 +1,5 @@
 """One sequence inside the engine: its tokens, KV blocks, progress and timestamps."""
+
 from __future__ import annotations
 
 import enum
@@ -23,14 +24,44 @@ class SimRequest:
     ``arrival``: simulated seconds. ``sink`` is an opaque slot for the server's output channel.
     """
 
-    __slots__ = ("request_id", "prompt", "num_prompt_tokens", "max_tokens", "stop", "arrival",
-                 "output", "text", "num_computed_tokens", "blocks", "hashes", "num_registered", "status",
-                 "finish_reason", "stop_matched", "first_scheduled", "first_token_time", "last_token_time",
-                 "finish_time", "num_cached_tokens", "num_preemptions", "word_offset", "sink", "_block_size",
-                 "counted_prompt")
+    __slots__ = (
+        "_block_size",
+        "arrival",
+        "blocks",
+        "counted_prompt",
+        "finish_reason",
+        "finish_time",
+        "first_scheduled",
+        "first_token_time",
+        "hashes",
+        "last_token_time",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "num_registered",
+        "output",
+        "prompt",
+        "request_id",
+        "sink",
+        "status",
+        "stop",
+        "stop_matched",
+        "text",
+        "word_offset",
+    )
 
-    def __init__(self, request_id: str, prompt: list[str], max_tokens: int, block_size: int,
-                 stop: list[str] | None = None, arrival: float = 0.0, sink: Any = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[str],
+        max_tokens: int,
+        block_size: int,
+        stop: list[str] | None = None,
+        arrival: float = 0.0,
+        sink: Any = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
@@ -38,12 +69,12 @@ class SimRequest:
         self.stop = stop or []
         self.arrival = arrival
         self.output: list[str] = []
-        self.text: list[str] = []          # only kept when stop strings must be checked
+        self.text: list[str] = []  # only kept when stop strings must be checked
         self.num_computed_tokens = 0
         self.blocks: list[int] = []
         self._block_size = block_size
         self.hashes: list[int] = chain_hashes(prompt, block_size)
-        self.num_registered = 0            # leading blocks already registered in the prefix cache
+        self.num_registered = 0  # leading blocks already registered in the prefix cache
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_matched: str | None = None
@@ -51,7 +82,7 @@ class SimRequest:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
-        self.num_cached_tokens = 0         # prefix-cache hit at first admission
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.word_offset = 0
         self.sink = sink
@@ -77,13 +108,15 @@ class SimRequest:
             start = i * bs
             p = self.num_prompt_tokens
             if start >= p:
-                toks = self.output[start - p:]
+                toks = self.output[start - p :]
             else:
                 toks = self.prompt[start:] + self.output
             parent = self.hashes[-1] if self.hashes else ROOT_HASH
             self.hashes.append(hash((parent, *toks)))
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return (f"SimRequest({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"out={len(self.output)}/{self.max_tokens}, computed={self.num_computed_tokens}, "
-                f"blocks={len(self.blocks)})")
+        return (
+            f"SimRequest({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output)}/{self.max_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.blocks)})"
+        )

@@ -5,10 +5,12 @@ One task, no threads. Each iteration: ``schedule`` → sleep until the step's en
 → ``complete`` → push every produced token to its request's :class:`OutputChannel` (one wake-up per
 request per step). Simulated time is ``(monotonic - t0) * time_scale``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
+
 from sim_engine.engine import EngineCore
 from sim_engine.request import SimRequest
 
@@ -16,10 +18,12 @@ from sim_engine.request import SimRequest
 class OutputChannel:
     """Tokens of one HTTP request (one or more choices), buffered between steps.
 
-    ``items``: list of ``(choice_index, request)`` events, one per emitted token; the consumer reads
-    ``request.output`` / ``finish_reason`` at that moment. Wake-ups are batched per step."""
+    ``items``: ``(choice_index, request, n_tokens)`` events, one per emitted token (``n_tokens`` =
+    the request's output length after it; -1 = finished without a token, i.e. aborted by the
+    engine). The consumer reads ``request.output[n_tokens - 1]`` and ``finish_reason``. Wake-ups are
+    batched per step."""
 
-    __slots__ = ("items", "event", "open_choices")
+    __slots__ = ("event", "items", "open_choices")
 
     def __init__(self, n_choices: int) -> None:
         self.items: list[tuple[int, SimRequest, int]] = []
@@ -31,6 +35,12 @@ class OutputChannel:
         self.items.append((index, req, len(req.output)))
         if req.finish_reason is not None:
             self.open_choices -= 1
+        self.event.set()
+
+    def push_finish(self, index: int, req: SimRequest) -> None:
+        """Record that ``req`` finished without a new token (aborted): ``n_tokens`` is -1."""
+        self.items.append((index, req, -1))
+        self.open_choices -= 1
         self.event.set()
 
     async def drain(self) -> list[tuple[int, SimRequest, int]]:
@@ -58,7 +68,7 @@ class EngineRunner:
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.wall_busy = 0.0    # wall seconds spent in schedule/complete (the core's own CPU cost)
+        self.wall_busy = 0.0  # wall seconds spent in schedule/complete (the core's own CPU cost)
         self.wall_active = 0.0  # wall seconds from each step's start to its completion (incl. sleep)
 
     def now(self) -> float:
@@ -103,6 +113,19 @@ class EngineRunner:
                 n += 1
         return n
 
+    def abort_all(self) -> int:
+        """Abort every in-flight request and tell its consumer (streams end with finish_reason
+        ``abort``); used at shutdown. Returns how many were aborted."""
+        now = self.now()
+        n = 0
+        for req in list(self.core.requests.values()):
+            if self.core.abort(req.request_id, now) is not None:
+                n += 1
+                if req.sink is not None:
+                    ch, idx = req.sink
+                    ch.push_finish(idx, req)
+        return n
+
     async def _loop(self) -> None:
         core, mono = self.core, time.monotonic
         deadline = 0.0  # wall time at which the previous step was due to end
@@ -118,7 +141,7 @@ class EngineRunner:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), 0.001)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             t_mid = mono()
@@ -127,7 +150,7 @@ class EngineRunner:
             base = deadline if abs(t_start - deadline) < self.CATCH_UP_S else t_start
             deadline = base + plan.duration / self.time_scale
             delay = deadline - t_mid
-            await asyncio.sleep(delay if delay > 0 else 0)  # sleep(0) lets handlers run when CPU-bound
+            await asyncio.sleep(max(0, delay))  # sleep(0) lets handlers run when CPU-bound
             t_c = mono()
             produced = core.complete(plan, self.now())
             for req in produced:

@@ -10,15 +10,18 @@ A Unix socket is created with mode 0600. Errors are OpenAI-shaped JSON
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad body, 404 for an unknown
 model or path; an unexpected exception is still answered in that shape (500) and logged.
 """
+
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,11 +39,21 @@ from sim_engine.runner import EngineRunner
 log = logging.getLogger("sim_engine")
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | int | None = None) -> Response:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> Response:
     """OpenAI-shaped error response."""
-    return json_response({"error": {"message": message, "type": type_, "param": param,
-                                    "code": status if code is None else code}}, status=status)
+    return json_response(
+        {
+            "error": {
+                "message": message,
+                "type": type_,
+                "param": param,
+                "code": status if code is None else code,
+            }
+        },
+        status=status,
+    )
 
 
 def create_app(config: EngineConfig) -> FastAPI:
@@ -53,6 +66,8 @@ def create_app(config: EngineConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runner = sim.runner
         runner.start()
+        if getattr(app.state, "uvicorn_server", None) is not None:
+            _install_shutdown(app)
         try:
             yield
         finally:
@@ -72,8 +87,13 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        t = "NotFoundError" if exc.status_code == 404 else "BadRequestError" if exc.status_code < 500 \
+        t = (
+            "NotFoundError"
+            if exc.status_code == 404
+            else "BadRequestError"
+            if exc.status_code < 500
             else "InternalServerError"
+        )
         return error_response(exc.status_code, str(exc.detail), t)
 
     @app.exception_handler(Exception)
@@ -86,15 +106,34 @@ def create_app(config: EngineConfig) -> FastAPI:
     return app
 
 
+def _install_shutdown(app: FastAPI) -> None:
+    """SIGTERM/SIGINT: abort every in-flight request (streams end with finish_reason ``abort`` and
+    ``data: [DONE]``) and ask uvicorn to exit, so shutdown never waits on a long generation."""
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        n = app.state.sim.runner.abort_all()
+        log.warning("shutting down: aborted %d in-flight request(s)", n)
+        app.state.uvicorn_server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser of ``dplb-sim-engine``."""
-    p = argparse.ArgumentParser(prog="dplb-sim-engine", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="dplb-sim-engine",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     lsn = p.add_argument_group("listening")
     lsn.add_argument("--uds", help="Serve on this Unix socket path (mode 0600) instead of TCP.")
     lsn.add_argument("--host", default="127.0.0.1", help="TCP host (loopback by default).")
     lsn.add_argument("--port", type=int, default=8000, help="TCP port.")
-    lsn.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    lsn.add_argument(
+        "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
+    )
     add_engine_args(p)
     return p
 
@@ -122,11 +161,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"dplb-sim-engine: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = create_app(config)
-    ucfg = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                          timeout_graceful_shutdown=2, lifespan="on")
+    ucfg = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+    )
     server = uvicorn.Server(ucfg)
+    app.state.uvicorn_server = server
     if args.uds:
         sock = _unix_socket(args.uds)
         try:

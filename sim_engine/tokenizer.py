@@ -10,6 +10,7 @@
   that grows turn by turn keeps its earlier turns as a token prefix (what prefix caching needs).
 * Generated text: one word per token, each token's text is ``" " + word``.
 """
+
 from __future__ import annotations
 
 import random
@@ -59,8 +60,9 @@ def _content_text(content: Any, idx: int) -> str:
                 parts.append(part)
             elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
                 if not isinstance(part.get("text"), str):
-                    raise InvalidRequestError("a text content part needs a string 'text'",
-                                              param=f"messages[{idx}].content")
+                    raise InvalidRequestError(
+                        "a text content part needs a string 'text'", param=f"messages[{idx}].content"
+                    )
                 parts.append(part["text"])
             elif isinstance(part, dict):
                 # images/audio: the simulator has no encoder; count the part as one placeholder token
@@ -68,7 +70,9 @@ def _content_text(content: Any, idx: int) -> str:
             else:
                 raise InvalidRequestError("content parts must be objects", param=f"messages[{idx}].content")
         return " ".join(parts)
-    raise InvalidRequestError("content must be a string, a list of parts or null", param=f"messages[{idx}].content")
+    raise InvalidRequestError(
+        "content must be a string, a list of parts or null", param=f"messages[{idx}].content"
+    )
 
 
 def render_chat(messages: Any, add_generation_prompt: bool = True) -> list[str]:

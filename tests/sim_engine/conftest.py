@@ -1,9 +1,10 @@
 """Fixtures for the simulated engine's tests: a real ``python -m sim_engine`` process on a Unix socket."""
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -16,7 +17,9 @@ def start_engine(procs, run_dir: str, *args: str, name: str = "engine") -> httpx
 
     The process is registered with ``procs`` (killed at teardown); its log is ``<run_dir>/<name>.log``."""
     sock = os.path.join(run_dir, f"{name}.sock")
-    procs.start([sys.executable, "-m", "sim_engine", "--uds", sock, *args], log=os.path.join(run_dir, f"{name}.log"))
+    procs.start(
+        [sys.executable, "-m", "sim_engine", "--uds", sock, *args], log=os.path.join(run_dir, f"{name}.log")
+    )
     wait_for_unix_socket(sock, timeout=30)
     return httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://sim", timeout=60)
 
@@ -65,6 +68,8 @@ def metrics(client: httpx.Client) -> dict[str, float]:
     for fam in text_string_to_metric_families(client.get("/metrics").text):
         for s in fam.samples:
             extra = {k: v for k, v in s.labels.items() if k not in ("engine", "model_name")}
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else "")
+            key = s.name + (
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else ""
+            )
             out[key] = s.value
     return out

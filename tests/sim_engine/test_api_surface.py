@@ -1,5 +1,6 @@
 """The HTTP surface: OpenAI-shaped errors, peer endpoints in the shapes other routers expect,
 SGLang's /generate, and the OpenAI SDK against ``--port``."""
+
 from __future__ import annotations
 
 import sys
@@ -22,33 +23,42 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     return err
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"max_tokens": 5}, "prompt"),
-    ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": "a", "stop": 5}, "stop"),
-    ("/v1/completions", {"prompt": "a", "temperature": 9}, "temperature"),
-    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"prompt": "", "max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "a b", "max_tokens": 200_000}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ("/generate", {"sampling_params": {"max_new_tokens": 3}}, "text"),
-    ("/tokenize", {"prompt": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": 5}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "a", "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": "a", "temperature": 9}, "temperature"),
+        ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "a b", "max_tokens": 200_000}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ("/generate", {"sampling_params": {"max_new_tokens": 3}}, "text"),
+        ("/tokenize", {"prompt": 3}, "prompt"),
+    ],
+)
 def test_bad_requests_get_openai_shaped_400(shared_engine, path, body, param):
     assert_openai_error(shared_engine.post(path, json=body), 400, param)
 
 
 def test_invalid_json_unknown_model_unknown_path(shared_engine):
     c = shared_engine
-    assert_openai_error(c.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}),
-                        400)
+    assert_openai_error(
+        c.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}), 400
+    )
     assert_openai_error(c.post("/v1/completions", content=b"[1, 2]"), 400)
-    err = assert_openai_error(c.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [
-        {"role": "user", "content": "x"}]}), 404, "model")
+    err = assert_openai_error(
+        c.post(
+            "/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
+        ),
+        404,
+        "model",
+    )
     assert "gpt-9" in err["message"]
     assert_openai_error(c.get("/v1/nothing-here"), 404)
     long_prompt = " ".join(["w"] * 131_000)
@@ -88,8 +98,10 @@ def test_tokens_ids_are_stable_across_engines(engine_factory):
     a = engine_factory("--seed", "1", name="a")
     b = engine_factory("--seed", "2", name="b")
     body = {"messages": [{"role": "system", "content": "you are kind"}, {"role": "user", "content": "hi"}]}
-    assert a.post("/v1/chat/completions/render", json=body).json()["token_ids"] == \
-        b.post("/v1/chat/completions/render", json=body).json()["token_ids"]
+    assert (
+        a.post("/v1/chat/completions/render", json=body).json()["token_ids"]
+        == b.post("/v1/chat/completions/render", json=body).json()["token_ids"]
+    )
 
 
 def test_generate_sglang_shape(shared_engine):
@@ -101,8 +113,9 @@ def test_generate_sglang_shape(shared_engine):
     mi = out["meta_info"]
     assert mi["prompt_tokens"] == 4 and mi["completion_tokens"] == 6
     assert mi["finish_reason"] == {"type": "length", "length": 6}
-    with c.stream("POST", "/generate", json={"text": "x y", "sampling_params": {"max_new_tokens": 4},
-                                            "stream": True}) as s:
+    with c.stream(
+        "POST", "/generate", json={"text": "x y", "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    ) as s:
         events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
     texts = [orjson.loads(e)["text"] for e in events[:-1]]
@@ -113,8 +126,11 @@ def test_generate_sglang_shape(shared_engine):
 
 def test_n_choices_stop_and_request_id(shared_engine):
     c = shared_engine
-    r = c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 4, "n": 3},
-               headers={"X-Request-Id": "my-req-1"}).json()
+    r = c.post(
+        "/v1/completions",
+        json={"prompt": "a b c", "max_tokens": 4, "n": 3},
+        headers={"X-Request-Id": "my-req-1"},
+    ).json()
     assert r["id"] == "my-req-1"
     assert sorted(ch["index"] for ch in r["choices"]) == [0, 1, 2]
     assert r["usage"]["completion_tokens"] == 12 and r["usage"]["prompt_tokens"] == 3
@@ -129,12 +145,12 @@ def test_stop_string_cuts_output_and_reports_stop(engine_factory):
     expect = [ws.word(start + k) for k in range(200)]  # the first request's words
     stop = next(w for k, w in enumerate(expect) if k >= 5 and w not in "".join(" " + x for x in expect[:k]))
     # stop strings match anywhere in the text: the token that first completes the match ends the request
-    k_end = next(k for k in range(200) if stop in "".join(" " + x for x in expect[:k + 1]))
-    full = "".join(" " + x for x in expect[:k_end + 1])
+    k_end = next(k for k in range(200) if stop in "".join(" " + x for x in expect[: k + 1]))
+    full = "".join(" " + x for x in expect[: k_end + 1])
     r = c.post("/v1/completions", json={"prompt": "stop test", "max_tokens": 200, "stop": [stop]}).json()
     ch = r["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
-    assert ch["text"] == full[:full.find(stop)] and stop not in ch["text"]
+    assert ch["text"] == full[: full.find(stop)] and stop not in ch["text"]
     assert r["usage"]["completion_tokens"] == k_end + 1 < 200
 
 
@@ -145,13 +161,18 @@ def test_openai_sdk_stream_and_not_over_tcp(procs):
     wait_for_port(port, timeout=30)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
     try:
-        resp = client.chat.completions.create(model="sim-llama-3.1-8b", max_tokens=5,
-                                              messages=[{"role": "user", "content": "hello"}])
+        resp = client.chat.completions.create(
+            model="sim-llama-3.1-8b", max_tokens=5, messages=[{"role": "user", "content": "hello"}]
+        )
         assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
         pieces = []
-        for chunk in client.chat.completions.create(model="sim-llama-3.1-8b", max_tokens=7, stream=True,
-                                                    stream_options={"include_usage": True},
-                                                    messages=[{"role": "user", "content": "hello"}]):
+        for chunk in client.chat.completions.create(
+            model="sim-llama-3.1-8b",
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "hello"}],
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
             if chunk.usage:
@@ -163,13 +184,25 @@ def test_openai_sdk_stream_and_not_over_tcp(procs):
             client.completions.create(model="sim-llama-3.1-8b", prompt="x", max_tokens=-3)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="x", max_tokens=3)
-        names = {ln.split("{")[0].split(" ")[0] for ln in
-                 httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines() if ln and ln[0] != "#"}
-        for n in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                  "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total",
-                  "vllm:generation_tokens_total", "vllm:request_success_total"):
+        names = {
+            ln.split("{")[0].split(" ")[0]
+            for ln in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+            if ln and ln[0] != "#"
+        }
+        for n in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total",
+            "vllm:num_preemptions_total",
+            "vllm:time_to_first_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_bucket",
+            "vllm:e2e_request_latency_seconds_bucket",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:request_success_total",
+        ):
             assert n in names, n
     finally:
         client.close()
@@ -177,10 +210,14 @@ def test_openai_sdk_stream_and_not_over_tcp(procs):
 
 def test_metrics_types_are_vllms(shared_engine):
     text = shared_engine.get("/metrics").text
-    for name, typ in (("vllm:num_requests_running", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
-                      ("vllm:prefix_cache_queries", "counter"), ("vllm:num_preemptions", "counter"),
-                      ("vllm:time_to_first_token_seconds", "histogram"),
-                      ("vllm:inter_token_latency_seconds", "histogram"),
-                      ("vllm:e2e_request_latency_seconds", "histogram")):
+    for name, typ in (
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:prefix_cache_queries", "counter"),
+        ("vllm:num_preemptions", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:inter_token_latency_seconds", "histogram"),
+        ("vllm:e2e_request_latency_seconds", "histogram"),
+    ):
         assert f"# TYPE {name} {typ}" in text or f"# TYPE {name}_total {typ}" in text, name
     assert metrics(shared_engine)["vllm:kv_cache_usage_perc"] >= 0

@@ -1,5 +1,6 @@
 """Engine behaviour seen from outside, through a real server process: prefix caching, KV pressure,
 streaming, client disconnects, metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,16 @@ from tests.sim_engine.conftest import metrics
 
 def words(prefix: str, n: int) -> str:
     return " ".join(f"{prefix}{i}" for i in range(n))
+
+
+def state_when(c: httpx.Client, pred, what: str) -> dict:
+    """Poll ``/sim/state`` until ``pred(state)``; return that state (TimeoutError after 20 s)."""
+
+    def probe() -> dict | None:
+        st = c.get("/sim/state").json()
+        return st if pred(st) else None
+
+    return wait_until(probe, timeout=20, what=what)
 
 
 def stream_ttft(c: httpx.Client, prompt: str) -> float:
@@ -62,6 +73,7 @@ async def test_filling_kv_makes_requests_wait_then_preempt(engine_factory, run_d
     sync = engine_factory("--time-scale", "4", "--num-gpu-blocks", "64", "--max-num-seqs", "16")
     transport = httpx.AsyncHTTPTransport(uds=f"{run_dir}/engine.sock")
     async with httpx.AsyncClient(transport=transport, base_url="http://sim", timeout=120) as ac:
+
         async def one(i: int) -> dict:
             r = await ac.post("/v1/completions", json={"prompt": words(f"r{i}x", 200), "max_tokens": 150})
             assert r.status_code == 200, r.text
@@ -95,8 +107,12 @@ def _sse_events(raw: bytes) -> list[str]:
 
 def test_streaming_is_well_formed_and_starts_before_the_last_token(engine_factory):
     c = engine_factory("--time-scale", "1")
-    body = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 60, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 60,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     raw = b""
     state_at_first = None
     with c.stream("POST", "/v1/chat/completions", json=body) as s:
@@ -124,8 +140,9 @@ def test_streaming_is_well_formed_and_starts_before_the_last_token(engine_factor
 
 def test_completion_stream_without_usage(engine_factory):
     c = engine_factory("--time-scale", "50")
-    with c.stream("POST", "/v1/completions", json={"prompt": "a b c", "max_tokens": 5, "stream": True,
-                                                  "n": 2}) as s:
+    with c.stream(
+        "POST", "/v1/completions", json={"prompt": "a b c", "max_tokens": 5, "stream": True, "n": 2}
+    ) as s:
         raw = s.read()
     events = _sse_events(raw)
     assert events[-1] == "[DONE]"
@@ -138,8 +155,9 @@ def test_completion_stream_without_usage(engine_factory):
 def test_client_disconnect_mid_stream_frees_blocks_within_one_step(engine_factory):
     # time-scale 0.02: every step lasts >= 0.25 s of wall time, so "within one step" is observable
     c = engine_factory("--time-scale", "0.02")
-    with c.stream("POST", "/v1/completions", json={"prompt": words("p", 40), "max_tokens": 500,
-                                                  "stream": True}) as s:
+    with c.stream(
+        "POST", "/v1/completions", json={"prompt": words("p", 40), "max_tokens": 500, "stream": True}
+    ) as s:
         lines = s.iter_lines()  # keep a reference: a collected iterator closes the connection
         got = 0
         for line in lines:
@@ -150,8 +168,7 @@ def test_client_disconnect_mid_stream_frees_blocks_within_one_step(engine_factor
         before = c.get("/sim/state").json()
         assert before["running"] == 1 and before["used_blocks"] == 3
     # leaving the block closes the connection
-    state = wait_until(lambda: (lambda st: st if st["used_blocks"] == 0 else None)(c.get("/sim/state").json()),
-                       timeout=20, what="blocks freed")
+    state = state_when(c, lambda st: st["used_blocks"] == 0, "blocks freed")
     assert state["running"] == 0 and state["in_flight"] == []
     assert state["steps"] <= before["steps"] + 1
     assert state["request_success"]["abort"] == 1
@@ -162,13 +179,14 @@ def test_non_streaming_client_disconnect_aborts(engine_factory, run_dir):
     body = orjson.dumps({"prompt": words("q", 20), "max_tokens": 1000})
     s = socket.socket(socket.AF_UNIX)
     s.connect(f"{run_dir}/engine.sock")
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     wait_until(lambda: c.get("/sim/state").json()["running"] == 1, timeout=20, what="request running")
     assert c.get("/load").json() == {"server_load": 1}
     s.close()
-    state = wait_until(lambda: (lambda st: st if st["running"] == 0 else None)(c.get("/sim/state").json()),
-                       timeout=20, what="request aborted")
+    state = state_when(c, lambda st: st["running"] == 0, "request aborted")
     assert state["used_blocks"] == 0 and state["request_success"]["abort"] == 1
     assert c.get("/load").json() == {"server_load": 0}
 
@@ -178,7 +196,9 @@ def test_metrics_agree_with_engine_state(engine_factory):
     sent = []
     shared = words("sys", 64)
     for i in range(6):
-        r = c.post("/v1/completions", json={"prompt": f"{shared} {words(f'u{i}x', 10 + i)}", "max_tokens": 3 + i})
+        r = c.post(
+            "/v1/completions", json={"prompt": f"{shared} {words(f'u{i}x', 10 + i)}", "max_tokens": 3 + i}
+        )
         assert r.status_code == 200
         sent.append(r.json()["usage"])
     m = metrics(c)
@@ -187,19 +207,28 @@ def test_metrics_agree_with_engine_state(engine_factory):
     assert m["vllm:num_requests_waiting"] == st["waiting"] == 0
     assert m["vllm:kv_cache_usage_perc"] == st["kv_cache_usage"] == 0
     assert m["vllm:prompt_tokens_total"] == sum(u["prompt_tokens"] for u in sent) == st["prompt_tokens"]
-    assert m["vllm:generation_tokens_total"] == sum(u["completion_tokens"] for u in sent) == st["generation_tokens"]
+    assert (
+        m["vllm:generation_tokens_total"]
+        == sum(u["completion_tokens"] for u in sent)
+        == st["generation_tokens"]
+    )
     assert m["vllm:request_success_total{finished_reason=length}"] == 6
-    assert m["vllm:prefix_cache_queries_total"] == st["prefix_cache_queries"] == sum(u["prompt_tokens"] for u in sent)
+    assert (
+        m["vllm:prefix_cache_queries_total"]
+        == st["prefix_cache_queries"]
+        == sum(u["prompt_tokens"] for u in sent)
+    )
     assert m["vllm:prefix_cache_hits_total"] == st["prefix_cache_hits"] == 5 * 64
     assert m["vllm:num_preemptions_total"] == st["preemptions"] == 0
     assert m["vllm:time_to_first_token_seconds_count"] == 6
     assert m["vllm:e2e_request_latency_seconds_count"] == 6
     assert m["vllm:inter_token_latency_seconds_count"] == sum(u["completion_tokens"] - 1 for u in sent)
-    assert m['vllm:time_to_first_token_seconds_bucket{le=+Inf}'] == 6
+    assert m["vllm:time_to_first_token_seconds_bucket{le=+Inf}"] == 6
     # under load: gauges equal the engine state whenever no step ended between the two reads
     slow = engine_factory("--time-scale", "0.05", name="slow")
-    with slow.stream("POST", "/v1/completions", json={"prompt": words("z", 100), "max_tokens": 400,
-                                                     "stream": True}) as s:
+    with slow.stream(
+        "POST", "/v1/completions", json={"prompt": words("z", 100), "max_tokens": 400, "stream": True}
+    ) as s:
         it = s.iter_lines()
         next(line for line in it if line.startswith("data: {"))
         for _ in range(10):

@@ -1,4 +1,5 @@
 """The pure engine core, driven step by step in simulated time (no server, no clock)."""
+
 from __future__ import annotations
 
 import pytest

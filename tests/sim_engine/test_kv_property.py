@@ -1,6 +1,7 @@
 """Property test: KV accounting never goes negative or over budget under random arrivals, aborts and
 preemptions, reference counts always match the running requests' block lists, and a drained engine
 holds no blocks."""
+
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings, target
@@ -27,17 +28,26 @@ def check(core: EngineCore) -> None:
     assert all(r.status == Status.RUNNING for r in core.running)
     assert len(core.running) <= core.config.max_num_seqs
     for r in core.running:
-        assert len(r.blocks) == kv.blocks_for(r.num_computed_tokens) or \
-            len(r.blocks) >= kv.blocks_for(r.num_computed_tokens)
+        assert len(r.blocks) == kv.blocks_for(r.num_computed_tokens) or len(r.blocks) >= kv.blocks_for(
+            r.num_computed_tokens
+        )
         assert len(r.blocks) * kv.block_size >= r.num_computed_tokens
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=60), blocks=st.integers(10, 40), block_size=st.sampled_from([4, 16]),
-       budget=st.sampled_from([32, 256, 8192]), max_seqs=st.integers(1, 16))
+@given(
+    ops=st.lists(op, min_size=1, max_size=60),
+    blocks=st.integers(10, 40),
+    block_size=st.sampled_from([4, 16]),
+    budget=st.sampled_from([32, 256, 8192]),
+    max_seqs=st.integers(1, 16),
+)
 def test_kv_accounting_invariants(ops, blocks, block_size, budget, max_seqs):
-    core = EngineCore(EngineConfig(num_gpu_blocks=blocks, block_size=block_size, max_num_batched_tokens=budget,
-                                   max_num_seqs=max_seqs))
+    core = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=blocks, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs
+        )
+    )
     prefixes = [[f"p{k}w{i}" for i in range(200)] for k in range(4)]
     all_reqs: list[SimRequest] = []
     now = 0.0
