@@ -13,6 +13,7 @@ install: $(STAMP)
 $(STAMP): setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q 'Cython>=3.0' 'setuptools>=68' wheel
 	$(PIP) install -q -e '.[test]'
 	$(MAKE) build
 	touch $(STAMP)
