@@ -37,6 +37,7 @@ from router.workers import Registry
 
 log = logging.getLogger("dplb.router")
 CONFIG_ENV = "DPLB_ROUTER_CONFIG_JSON"
+POST_ONLY = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
 
 def attach_segment(name: str, wait_s: float = 10.0) -> Any:
@@ -255,6 +256,14 @@ class DPLBApp:
                                         (b"x-dplb-worker-id", b"none")]})
                 await send({"type": "http.response.body", "body": e.body()})
                 return
+        elif scope["type"] == "http" and scope["path"] in POST_ONLY:
+            body = error_body(f"method {scope['method']} not allowed on {scope['path']}; use POST",
+                              "invalid_request_error", 405)
+            await send({"type": "http.response.start", "status": 405,
+                        "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
+                                    (b"content-length", str(len(body)).encode()), (b"x-dplb-worker-id", b"none")]})
+            await send({"type": "http.response.body", "body": body})
+            return
         await self.fastapi(scope, receive, send)
 
 

@@ -136,9 +136,9 @@ class Registry:
         return sorted({h.model for h in self.ready_handles() if h.model})
 
     def knows_model(self, model: str | None) -> bool:
-        """False only when ``model`` is named and no live worker serves it."""
-        if model is None:
-            return True
+        """False only when ``model`` is named, some worker is live, and none serves it."""
+        if model is None or not self.handles:
+            return True  # with no worker up the answer is 503, not "unknown model"
         for h in self.handles.values():
             if h.snap is not None and int(h.snap.state) in (READY, DRAINING) and h.serves(model):
                 return True

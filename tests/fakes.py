@@ -205,7 +205,7 @@ async def _serve(args: argparse.Namespace) -> None:
                      endpoint=args.uds or f"127.0.0.1:{args.port}", gpu_ids=[], weight=args.weight,
                      model=args.model, max_num_seqs=args.max_num_seqs)
     agent = FakeAgent(args.worker_id, args.model, args.mode, args.delay, args.chunks, writer, seg)
-    runner = web.AppRunner(build_app(agent), access_log=None, handle_signals=True)
+    runner = web.AppRunner(build_app(agent), access_log=None, handle_signals=True, handler_cancellation=True)
     await runner.setup()
     if args.uds:
         site: Any = web.UnixSite(runner, args.uds)

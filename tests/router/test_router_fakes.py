@@ -1,0 +1,310 @@
+"""The router against fake workers (tests/fakes.py): endpoints, pass-through, accounting, faults."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import wait_until
+
+MODEL = "fake-model"
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def client(base: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=kw.pop("api_key", "sk-test"), max_retries=0, timeout=30, **kw)
+
+
+def status(base: str) -> dict:
+    return httpx.get(base + "/dplb/status", timeout=10).json()
+
+
+def reset(c) -> None:
+    for f in c.fakes:
+        f.client().set_mode("ok", reset_stats=True)
+
+
+# ---------------------------------------------------------------------------------- endpoints
+
+
+def test_openai_client_every_endpoint(cluster4):
+    c = client(cluster4.base)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=MSG)
+    assert raw.headers["x-dplb-worker-id"] in {"0", "1", "2", "3"}
+    chat = raw.parse()
+    assert chat.choices[0].message.content.startswith("hello from fake worker")
+    assert f"worker {raw.headers['x-dplb-worker-id']}" in chat.choices[0].message.content
+
+    with c.chat.completions.with_streaming_response.create(model=MODEL, messages=MSG, stream=True) as resp:
+        assert resp.headers["x-dplb-worker-id"] in {"0", "1", "2", "3"}
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        parts = [ch.choices[0].delta.content for ch in resp.parse() if ch.choices]
+    assert parts == ["t0 ", "t1 ", "t2 "]
+
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt="once upon a time", max_tokens=5)
+    assert raw.headers["x-dplb-worker-id"] in {"0", "1", "2", "3"}
+    assert raw.parse().choices[0].text.startswith("hello")
+    texts = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt="x", stream=True)]
+    assert texts == ["t0 ", "t1 ", "t2 "]
+
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+    r = httpx.post(cluster4.base + "/generate", json={"text": "a b c", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["text"].startswith("hello") and "x-dplb-worker-id" in r.headers
+
+
+def test_headers_and_unknown_fields_reach_the_worker(cluster4):
+    body = {"model": MODEL, "messages": MSG, "vendor_extension": {"a": [1, 2]}, "top_k": 7}
+    r = httpx.post(cluster4.base + "/v1/chat/completions", json=body,
+                   headers={"Authorization": "Bearer user-token", "X-Request-Id": "req-123", "X-Custom": "yes"})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-123"
+    seen = r.json()["fake"]
+    assert seen["body"] == body
+    assert seen["headers"]["authorization"] == "Bearer user-token"
+    assert seen["headers"]["x-request-id"] == "req-123"
+    assert seen["headers"]["x-custom"] == "yes"
+    assert str(seen["worker_id"]) == r.headers["x-dplb-worker-id"]
+
+
+def test_request_id_minted_when_absent(cluster4):
+    r = httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    rid = r.headers["x-request-id"]
+    assert len(rid) >= 16 and r.json()["fake"]["headers"]["x-request-id"] == rid
+
+
+def test_status_health_and_metrics(cluster4):
+    st = status(cluster4.base)
+    assert st["policy"] == "dplb" and len(st["workers"]) == 4
+    for w in st["workers"]:
+        assert w["state"] == "ready" and w["eligible"] and w["circuit"] == "closed"
+        assert w["endpoint"].endswith(f"fake-{w['id']}.sock")
+        for k in ("inflight", "running", "waiting", "kv_cache_usage", "latency_ms"):
+            assert k in w
+    assert httpx.get(cluster4.base + "/health").status_code == 200
+    httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    text = httpx.get(cluster4.base + "/metrics").text
+    for fam in ("dplb_router_requests_total", "dplb_router_request_errors_total",
+                "dplb_router_request_duration_seconds_bucket", "dplb_router_time_to_first_token_seconds",
+                "dplb_router_worker_inflight", "dplb_router_worker_kv_cache_usage",
+                "dplb_router_routing_decisions_total", "dplb_router_retries_total", "dplb_router_circuit_state"):
+        assert fam in text, fam
+    assert 'dplb_router_routing_decisions_total{policy="dplb",reason="score"}' in text
+
+
+# --------------------------------------------------------------------------------- balancing
+
+
+def test_burst_of_100_spreads_over_4_idle_workers(cluster4):
+    reset(cluster4)
+    for f in cluster4.fakes:
+        f.client().set_mode("slow", delay=0.3)
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster4.base, timeout=60,
+                                     limits=httpx.Limits(max_connections=100)) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+                                        for _ in range(100)))
+        assert all(r.status_code == 200 for r in rs)
+        return [r.headers["x-dplb-worker-id"] for r in rs]
+
+    try:
+        share = Counter(asyncio.run(burst()))
+    finally:
+        reset(cluster4)
+    assert set(share) == {"0", "1", "2", "3"}, share
+    assert max(share.values()) <= 35, share
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="in-flight back to 0")
+
+
+def test_route_dry_run_agrees_with_serving_worker(make_cluster):
+    # different queue lengths make the kernel's choice unique: worker 2 is the least loaded
+    c = make_cluster(3, None, [["--waiting", "30"], ["--waiting", "20"], ["--waiting", "2"]])
+    for _ in range(3):
+        body = {"model": MODEL, "messages": MSG}
+        d = httpx.post(c.base + "/dplb/route", json=body).json()
+        assert d["policy"] == "dplb" and d["worker_id"] == 2
+        assert {s["worker_id"] for s in d["scores"]} == {0, 1, 2}
+        best = max(d["scores"], key=lambda s: s["score"])
+        assert best["worker_id"] == 2 and set(best) >= {"pending_term", "kv_term", "latency_term", "length_term"}
+        r = httpx.post(c.base + "/v1/chat/completions", json=body)
+        assert r.headers["x-dplb-worker-id"] == str(d["worker_id"])
+    assert sum(f.client().stats()["requests"] for f in c.fakes[:2]) == 0   # dry runs sent nothing
+
+
+# ------------------------------------------------------------------------------- accounting
+
+
+def _stream(base: str, headers: dict | None = None, n_read: int | None = None) -> tuple[str, list[bytes]]:
+    """Open a chat stream; read ``n_read`` chunks (all when None); return worker id and chunks."""
+    chunks = []
+    with httpx.Client(base_url=base, timeout=30) as hc:
+        with hc.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "stream": True},
+                       headers=headers or {}) as r:
+            wid = r.headers["x-dplb-worker-id"]
+            for ch in r.iter_raw():
+                chunks.append(ch)
+                if n_read is not None and len(chunks) >= n_read:
+                    break
+    return wid, chunks
+
+
+def test_stream_inflight_lasts_until_end_and_is_released_once(cluster4):
+    reset(cluster4)
+    seen: list[list[int]] = []
+    done = {}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=cluster4.base, timeout=30) as ac:
+            async with ac.stream("POST", "/v1/chat/completions",
+                                 json={"model": MODEL, "messages": MSG, "stream": True},
+                                 headers={"x-fake-mode": "stream", "x-fake-chunks": "5", "x-fake-delay": "0.3"}) as r:
+                done["wid"] = int(r.headers["x-dplb-worker-id"])
+                async for _ in r.aiter_raw():
+                    seen.append(cluster4.router_inflight())
+    asyncio.run(run())
+    wid = done["wid"]
+    assert len(seen) >= 5
+    # held while the stream runs: chunks 0..3 arrive 0.3 s before the stream's end
+    assert all(s[wid] == 1 for s in seen[:4]), seen
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release after the stream")
+    time.sleep(0.3)
+    assert cluster4.router_inflight() == [0, 0, 0, 0]          # released exactly once: never negative
+
+
+def test_broken_stream_ends_with_sse_error_and_releases(cluster4):
+    reset(cluster4)
+    wid, chunks = _stream(cluster4.base, {"x-fake-mode": "break"})
+    body = b"".join(chunks)
+    assert body.count(b"chat.completion.chunk") == 2
+    assert b'data: {"error":' in body and b'"type":"upstream_error"' in body
+    assert b"[DONE]" not in body
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release after a broken stream")
+
+
+def test_client_disconnect_closes_upstream_and_releases(cluster4):
+    reset(cluster4)
+    wid, chunks = _stream(cluster4.base, {"x-fake-mode": "stream", "x-fake-chunks": "50", "x-fake-delay": "0.1"},
+                          n_read=2)
+    assert len(chunks) == 2
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release after disconnect")
+    fake = cluster4.fakes[int(wid)].client()
+    wait_until(lambda: fake.stats()["active"] == 0, 10, what="upstream request closed")
+    assert fake.stats()["completed"] == 0      # the worker did not stream all 50 chunks
+
+
+def test_client_disconnect_while_waiting_for_head_closes_upstream(cluster4):
+    reset(cluster4)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                   headers={"x-fake-mode": "hang"}, timeout=1.0)
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release after disconnect")
+    wait_until(lambda: sum(f.client().stats()["active"] for f in cluster4.fakes) == 0, 10,
+               what="hanging upstream request closed")
+
+
+# ------------------------------------------------------------------------------------ faults
+
+
+def test_worker_failing_before_first_byte_is_retried_elsewhere(cluster4):
+    reset(cluster4)
+    bad = cluster4.fakes[1].client()
+    bad.set_mode("drop")
+    try:
+        served = Counter()
+        for _ in range(24):
+            r = httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+            assert r.status_code == 200
+            served[r.headers["x-dplb-worker-id"]] += 1
+        assert served["1"] == 0
+        assert bad.stats()["requests"] > 0          # it was tried, failed before the first byte, retried
+        assert "dplb_router_retries_total" in httpx.get(cluster4.base + "/metrics").text
+    finally:
+        reset(cluster4)
+
+
+def test_breaker_ignores_4xx_and_opens_on_5xx(make_cluster):
+    c = make_cluster(2, {"circuit_breaker": {"open_time_s": 30}, "retries": {"max_attempts": 1}})
+    for code in ("400", "429"):
+        for _ in range(25):
+            r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                           headers={"x-fake-mode": code})
+            assert r.status_code == int(code)
+            assert r.json()["error"]["message"] == f"fake {code}"
+    assert [w["circuit"] for w in status(c.base)["workers"]] == ["closed", "closed"]
+    for _ in range(60):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                       headers={"x-fake-mode": "500"})
+        assert r.status_code in (500, 503)
+    ws = status(c.base)["workers"]
+    assert [w["circuit"] for w in ws] == ["open", "open"]
+    assert [c.seg.read_slot(i).circuit for i in (0, 1)] == [1, 1]       # shared through the segment
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    assert r.status_code == 503 and "retry-after" in r.headers
+
+
+@pytest.mark.parametrize("method,path,body,code", [
+    ("POST", "/v1/chat/completions", b"{not json", 400),
+    ("POST", "/v1/chat/completions", b"[]", 400),
+    ("POST", "/v1/chat/completions", b"", 400),
+    ("POST", "/v1/chat/completions", b'{"model": "fake-model"}', 400),
+    ("POST", "/v1/chat/completions", b'{"model": 5, "messages": []}', 400),
+    ("POST", "/v1/chat/completions", b'{"model": "fake-model", "stream": 1, "messages": [{"role":"user","content":"x"}]}', 400),
+    ("POST", "/v1/chat/completions", b'{"model": "gpt-nonexistent", "messages": [{"role":"user","content":"x"}]}', 404),
+    ("POST", "/v1/completions", b'{"model": "fake-model"}', 400),
+    ("POST", "/v1/completions", b'\xff\xfe', 400),
+    ("POST", "/generate", b'{"nothing": 1}', 400),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role":"user","content":"' + b"x" * 70000 + b'"}]}', 413),
+    ("POST", "/dplb/route", b"{oops", 400),
+    ("GET", "/v1/nowhere", b"", 404),
+    ("GET", "/v1/chat/completions", b"", 405),
+    ("PUT", "/generate", b"{}", 405),
+    ("DELETE", "/dplb/workers/notanumber", b"", 400),
+    ("DELETE", "/dplb/workers/12", b"", 404),
+])
+def test_malformed_inputs_get_openai_shaped_4xx(cluster4, method, path, body, code):
+    r = httpx.request(method, cluster4.base + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == code, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == str(code) and err["message"]
+
+
+def test_no_worker_gives_503_with_retry_after(make_cluster):
+    c = make_cluster(0)
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(c.base + "/health").status_code == 503
+
+
+# ----------------------------------------------------------------------------------- health
+
+
+def test_failed_probes_take_a_worker_out_and_it_comes_back(make_cluster):
+    c = make_cluster(2)
+    bad = c.fakes[0].client()
+    bad.set_mode("unhealthy")
+    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [False, True], 10,
+               what="worker 0 out after 3 failed probes")
+    for _ in range(10):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+        assert r.headers["x-dplb-worker-id"] == "1"
+    bad.set_mode("ok")
+    wait_until(lambda: all(w["eligible"] for w in status(c.base)["workers"]), 10, what="worker 0 back")
+
+
+def test_stale_heartbeat_and_not_ready_workers_get_nothing(make_cluster):
+    c = make_cluster(3, None, [[], ["--no-heartbeat"], []], ready=2)
+    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [True, False, True], 10,
+               what="stale worker 1 out")
+    c.fakes[2].client().set_mode(state=1)   # STARTING
+    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [True, False, False], 10,
+               what="worker 2 not ready")
+    for _ in range(8):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+        assert r.headers["x-dplb-worker-id"] == "0"
