@@ -56,7 +56,8 @@ class Child:
 class ProcessSet:
     """A set of child processes that are always stopped together.
 
-    ``log_dir`` receives one ``<name>.log`` per child (stdout and stderr). Use as a context
+    ``log_dir`` receives one ``<name>.log`` per child (stdout and stderr) and ``pids.txt`` (one
+    ``<pid> <name>`` line per child started, for audits and tests). Use as a context
     manager: leaving the block stops every child (SIGTERM to the group, then SIGKILL after
     ``grace_s``).
     """
@@ -84,6 +85,8 @@ class ProcessSet:
                 raise StartupError(name, f"cannot start {args[0]!r}: {e}") from e
         child = Child(name, p, log)
         self.children.append(child)
+        with open(self.log_dir / "pids.txt", "a") as f:  # audit trail: every PID this set started
+            f.write(f"{p.pid} {name}\n")
         return child
 
     def stop(self, child: Child) -> None:

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
 import sys
 import time
 from dataclasses import asdict, fields, replace
@@ -244,6 +245,10 @@ def select(args: argparse.Namespace) -> tuple[list[SystemSpec], list[str]]:
     return systems, workloads
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def apply_overrides(profile: Profile, pairs: list[str]) -> Profile:
     """``profile`` with ``FIELD=VALUE`` overrides applied (value cast to the field's type).
 
@@ -266,12 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; write ``latest.json``, ``latest.md`` and plots under ``--out``; exit 0."""
     args = parse_args(argv)
     systems, workloads = select(args)
+    # SIGTERM unwinds like Ctrl-C, so every ProcessSet stops its children and segments are unlinked
+    signal.signal(signal.SIGTERM, _terminate)
     profile = apply_overrides(replace(QUICK if args.quick else FULL, time_scale=args.time_scale), args.set)
     flags = EngineFlags(time_scale=args.time_scale, seed=args.seed)
     run_id = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.out / "tmp" / run_id
     h = Harness(profile, flags, args.out, log_dir, verbose=not args.quiet)
     t0 = time.monotonic()
+    for w in workloads:  # build every request list first: a missing trace fails before anything starts
+        h.specs(w)
     cmdline = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     for spec in systems:
         mine = [w for w in workloads if spec.kind != "direct" or w == "f_overhead"]

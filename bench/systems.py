@@ -14,7 +14,9 @@ the DPLB segment is unlinked.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +65,7 @@ class Running:
     router_pids: list[int]
     children: list[Child] = field(default_factory=list)
     shm_name: str | None = None
+    sock_dir: str | None = None
 
 
 def _post_json(url: str, body: dict, timeout: float = 10.0) -> int:
@@ -85,6 +88,8 @@ def start_system(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_di
                  ready_timeout_s: float = 120.0) -> Running:
     """Start ``spec`` in front of ``engines`` and wait until a probe request succeeds.
 
+    ``run_dir`` is kept for the caller's logs; DPLB's agent sockets live in a short private
+    directory under ``/tmp`` (Unix socket paths must stay under 108 bytes), removed on stop.
     Raises :class:`StartupError` (process exited, not ready in time) or
     :class:`bench.errors.PeerInstallError` (peer could not be installed).
     """
@@ -108,7 +113,8 @@ def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout
 
 def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path, timeout: float) -> Running:
     shm = f"dplb-bench-{os.getpid()}-{free_port()}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Unix socket paths must stay under 108 bytes: sockets go in a short private dir under /tmp
+    run_dir = Path(tempfile.mkdtemp(prefix="dplb-b-", dir="/tmp"))
     os.chmod(run_dir, 0o700)
     seg = procs.start("dplb-shm-create", [sys.executable, "-m", "dplb_shm", "create", "--name", shm,
                                           "--slots", "64", "--replace"])
@@ -118,14 +124,15 @@ def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir
         procs.children.remove(seg)
     if rc != 0:
         raise StartupError("dplb segment", f"`python -m dplb_shm create` exited {rc}", seg.log)
-    running = Running(spec, "", [], [], shm_name=shm)
+    running = Running(spec, "", [], [], shm_name=shm, sock_dir=str(run_dir))
     try:
         agents = []
         for i, url in enumerate(engines.urls):
             sock = str(run_dir / f"agent-{i}.sock")
             agents.append(procs.start(f"dplb-agent-{i}", [
                 sys.executable, "-m", "worker_agent", "--worker-id", str(i), "--shm", shm, "--uds", sock,
-                "--engine", "openai", "--engine-url", url, "--model", MODEL, "--run-dir", str(run_dir)]))
+                "--engine", "openai", "--engine-url", url, "--model", MODEL, "--run-dir", str(run_dir),
+                "--log-level", "warning"]))
         port = free_port()
         router = procs.start(f"dplb-router-{spec.policy}", [
             sys.executable, "-m", "router", "--host", LOOPBACK, "--port", str(port), "--shm", shm,
@@ -141,7 +148,7 @@ def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir
             if status != 200:
                 return False
             ws = orjson.loads(body).get("workers", [])
-            ready = [w for w in ws if str(w.get("state", "")).lower() in ("ready", "2")]
+            ready = [w for w in ws if str(w.get("state", "")).lower() == "ready" and w.get("eligible", True)]
             return len(ready) >= engines.n
 
         wait_until(all_ready, timeout, f"{spec.label}: {engines.n} workers ready", interval=0.25,
@@ -161,3 +168,5 @@ def stop_system(running: Running, procs: ProcessSet) -> None:
         path = f"/dev/shm/{running.shm_name}"
         if os.path.exists(path):
             os.unlink(path)
+    if running.sock_dir:
+        shutil.rmtree(running.sock_dir, ignore_errors=True)
