@@ -49,7 +49,11 @@
 
 #define DPLB_TIE_EPS 1e-9
 #define DPLB_DEFAULT_MAX_QUEUE 256
+/* Full reads (snapshots) wait up to 10^6 spins (tens of ms) for a preempted writer; the kernel
+ * waits only DPLB_KERNEL_MAX_SPINS and skips the slot for this decision instead of stalling the
+ * router (a writer's critical section is a ~1 KB memcpy, well under a microsecond). */
 #define DPLB_READ_MAX_SPINS 1000000L
+#define DPLB_KERNEL_MAX_SPINS 256L
 
 typedef struct dplb_params {
     double w_pending;
@@ -125,7 +129,7 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
         const dplb_slot_t *src = dplb_slot_at((void *)base, i);
         scores[i] = -1.0 / 0.0;
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
-        if (dplb_seqlock_read_hot(src, &s, b, DPLB_READ_MAX_SPINS) < 0) continue;
+        if (dplb_seqlock_read_hot(src, &s, b, DPLB_KERNEL_MAX_SPINS) < 0) continue;
         int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
         int64_t rinfl = __atomic_load_n(&src->router.router_inflight, __ATOMIC_RELAXED);
         if (s.state != DPLB_STATE_READY) continue;

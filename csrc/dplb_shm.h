@@ -232,9 +232,11 @@ static inline void dplb_cpu_relax(void) {
 }
 
 /* Writer: publish bytes [8, DPLB_DATA_END) of `src` into `dst`. Only the slot's single writer
- * may call this. The sequence becomes odd for the duration of the copy. */
+ * may call this. The sequence becomes odd for the duration of the copy. A sequence left odd by a
+ * writer that was killed mid-write is repaired by the next write (its restarted agent's claim). */
 static inline void dplb_seqlock_write(dplb_slot_t *dst, const dplb_slot_t *src) {
     uint64_t s = __atomic_load_n(&dst->seq, __ATOMIC_RELAXED);
+    s += s & 1; /* a previous writer died inside a write: start from the next even value */
     __atomic_store_n(&dst->seq, s + 1, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     memcpy((char *)dst + 8, (const char *)src + 8, DPLB_DATA_END - 8);

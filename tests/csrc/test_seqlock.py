@@ -77,3 +77,32 @@ def test_router_atomics_do_not_disturb_seqlock(segment):
         segment.dispatched_add(1)
     s = segment.read_slot(1)
     assert s.seq == seq and s.router_inflight == 1000 and s.dispatched == 1000
+
+
+def test_writer_killed_mid_write_is_skipped_then_repaired(segment, shm_name):
+    """A writer SIGKILLed inside a write leaves the sequence odd: the kernel skips that slot (it
+    does not stall the router), snapshots show it EMPTY, and the restarted agent's claim repairs it."""
+    import mmap
+
+    from dplb_shm import ScoringParams, WorkerState, layout
+
+    for i in (0, 1):
+        w = segment.writer(i)
+        w.claim(i, endpoint=f"/tmp/dplb-k/{i}.sock")
+        w.set_state(WorkerState.READY)
+    off = layout.slot_offset(0) + layout.Slot.seq.offset
+    with open(f"/dev/shm/{shm_name}", "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0)
+        try:
+            seq = int.from_bytes(mm[off:off + 8], "little")
+            mm[off:off + 8] = (seq + 1).to_bytes(8, "little")  # odd: "inside a write" forever
+        finally:
+            mm.close()
+    assert {segment.pick(ScoringParams(), 10) for _ in range(50)} == {1}
+    assert segment.read_slot(0).state == WorkerState.EMPTY
+    w = segment.writer(0)          # the restarted agent
+    w.claim(0, endpoint="/tmp/dplb-k/0.sock")
+    w.set_state(WorkerState.READY)
+    s = segment.read_slot(0)
+    assert s.state == WorkerState.READY and s.seq % 2 == 0 and s.seq > seq
+    assert {segment.pick(ScoringParams(), 10) for _ in range(200)} == {0, 1}
