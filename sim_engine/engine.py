@@ -167,7 +167,9 @@ class EngineCore:
             if victim is req:
                 break
             if need > 0:
-                req.blocks += kv.allocate(need)  # type: ignore[operator]
+                got = kv.allocate(need)
+                assert got is not None  # need <= num_free was just ensured
+                req.blocks += got
             plan.scheduled.append((req, n))
             budget -= n
             i += 1

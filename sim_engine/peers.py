@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from sim_engine import __version__
 from sim_engine.api import SimServer, json_response
 from sim_engine.errors import InvalidRequestError
-from sim_engine.metrics import CONTENT_TYPE, make_registry, render
+from sim_engine.metrics import CONTENT_TYPE, MetricsRenderer
 from sim_engine.protocol import check_model, load_json, parse_chat, parse_completion, parse_tokenize
 from sim_engine.tokenizer import token_ids
 
@@ -32,7 +32,7 @@ def build_peer_router(server: SimServer) -> APIRouter:
     """Routes for the peer, health, metrics and simulator-state endpoints of ``server``."""
     r = APIRouter()
     core, cfg = server.core, server.config
-    registry = make_registry(core, cfg.model)
+    renderer = MetricsRenderer(core, cfg.model)
 
     @r.get("/health")
     async def health() -> Response:
@@ -63,7 +63,7 @@ def build_peer_router(server: SimServer) -> APIRouter:
 
     @r.get("/metrics")
     async def metrics() -> Response:
-        return Response(render(registry), media_type=CONTENT_TYPE)
+        return Response(renderer.render(), media_type=CONTENT_TYPE)
 
     @r.get("/sim/state")
     async def sim_state() -> Response:

@@ -1,0 +1,58 @@
+"""The hand-written /metrics text parses with prometheus_client's parser into vLLM's families."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sim_engine.config import EngineConfig
+from sim_engine.engine import EngineCore
+from sim_engine.metrics import MetricsRenderer
+from sim_engine.request import SimRequest
+
+
+def test_exposition_parses_and_matches_engine_stats():
+    core = EngineCore(EngineConfig(num_gpu_blocks=30, model='we"ird\\name'))
+    now = 0.0
+    for i in range(6):
+        core.add_request(SimRequest(f"r{i}", [f"w{j}" for j in range(100)], 40, 16), now)
+    core.abort("r5", now)
+    while core.has_work():
+        _, d = core.step(now)
+        now += d
+    fams = {
+        f.name: f
+        for f in text_string_to_metric_families(MetricsRenderer(core, 'we"ird\\name').render().decode())
+    }
+    types = {n: f.type for n, f in fams.items()}
+    assert types["vllm:num_requests_running"] == "gauge"
+    assert types["vllm:kv_cache_usage_perc"] == "gauge"
+    assert types["vllm:num_preemptions"] == "counter"
+    assert types["vllm:time_to_first_token_seconds"] == "histogram"
+    s = core.stats
+
+    def value(name: str, **labels: str) -> float:
+        got = [
+            x.value
+            for fam in fams.values()
+            for x in fam.samples
+            if x.name == name and all(x.labels.get(k) == v for k, v in labels.items())
+        ]
+        assert len(got) == 1, (name, labels)
+        return got[0]
+
+    assert value("vllm:num_preemptions_total") == s.num_preemptions > 0
+    assert value("vllm:generation_tokens_total") == s.generation_tokens == 5 * 40
+    assert value("vllm:request_success_total", finished_reason="abort") == 1
+    assert value("vllm:request_success_total", finished_reason="length") == 5
+    sample = fams["vllm:num_requests_running"].samples[0]
+    assert sample.labels == {"engine": "0", "model_name": 'we"ird\\name'}
+    for name, h in (
+        ("vllm:time_to_first_token_seconds", s.ttft),
+        ("vllm:inter_token_latency_seconds", s.itl),
+    ):
+        buckets = [x for x in fams[name].samples if x.name == name + "_bucket"]
+        values = [b.value for b in buckets]
+        assert values == sorted(values) and buckets[-1].labels["le"] == "+Inf"
+        assert values[-1] == h.count == value(name + "_count")
+        assert abs(value(name + "_sum") - h.sum) < 1e-9
+    assert value("vllm:time_to_first_token_seconds_count") == 5
