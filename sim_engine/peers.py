@@ -17,20 +17,20 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 
 from sim_engine import __version__
-from sim_engine.api import SimServer, json_response
+from sim_engine.api import Routes, SimServer, json_response
 from sim_engine.errors import InvalidRequestError
 from sim_engine.metrics import CONTENT_TYPE, MetricsRenderer
 from sim_engine.protocol import check_model, load_json, parse_chat, parse_completion, parse_tokenize
 from sim_engine.tokenizer import token_ids
 
 
-def build_peer_router(server: SimServer) -> APIRouter:
+def build_peer_router(server: SimServer) -> Routes:
     """Routes for the peer, health, metrics and simulator-state endpoints of ``server``."""
-    r = APIRouter()
+    r = Routes()
     core, cfg = server.core, server.config
     renderer = MetricsRenderer(core, cfg.model)
 
@@ -134,10 +134,16 @@ def build_peer_router(server: SimServer) -> APIRouter:
             "max_model_len": cfg.max_model_len,
         }
 
+    async def server_info_ep() -> Response:
+        return json_response(server_info())
+
+    async def model_info_ep() -> Response:
+        return json_response(model_info())
+
     for path in ("/server_info", "/get_server_info"):
-        r.add_api_route(path, lambda: json_response(server_info()), methods=["GET"])
+        r.get(path)(server_info_ep)
     for path in ("/model_info", "/get_model_info"):
-        r.add_api_route(path, lambda: json_response(model_info()), methods=["GET"])
+        r.get(path)(model_info_ep)
 
     @r.post("/tokenize")
     async def tokenize_ep(request: Request) -> Response:

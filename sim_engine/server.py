@@ -1,4 +1,4 @@
-"""``dplb-sim-engine``: the HTTP server around the simulated engine (FastAPI + uvicorn).
+"""``dplb-sim-engine``: the HTTP server around the simulated engine (Starlette + uvicorn).
 
 ::
 
@@ -24,10 +24,10 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 
 from sim_engine.api import SimServer, build_router, json_response
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
@@ -56,14 +56,15 @@ def error_response(
     )
 
 
-def create_app(config: EngineConfig) -> FastAPI:
-    """Build the FastAPI app for ``config``; the step loop runs for the app's lifespan.
+def create_app(config: EngineConfig) -> Starlette:
+    """Build the ASGI app (Starlette) for ``config``; the step loop runs for the app's lifespan.
 
     ``app.state.sim`` is the :class:`SimServer` (core, runner) — tests use it in-process."""
     core = EngineCore(config)
+    sim = SimServer(core, EngineRunner(core, config.time_scale))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runner = sim.runner
         runner.start()
         if getattr(app.state, "uvicorn_server", None) is not None:
@@ -73,40 +74,30 @@ def create_app(config: EngineConfig) -> FastAPI:
         finally:
             await runner.stop()
 
-    app = FastAPI(title="dplb-sim-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    sim = SimServer(core, EngineRunner(core, config.time_scale))
-    app.state.sim = sim
-
-    @app.exception_handler(SimEngineError)
-    async def _sim_error(request: Request, exc: SimEngineError) -> Response:
+    async def sim_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, SimEngineError)
         return json_response(exc.to_dict(), status=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(400, str(exc), "BadRequestError")
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = exc.status_code
+        t = "NotFoundError" if code == 404 else "BadRequestError" if code < 500 else "InternalServerError"
+        return error_response(code, str(exc.detail), t)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        t = (
-            "NotFoundError"
-            if exc.status_code == 404
-            else "BadRequestError"
-            if exc.status_code < 500
-            else "InternalServerError"
-        )
-        return error_response(exc.status_code, str(exc.detail), t)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:  # pragma: no cover - a bug
+    async def unexpected(request: Request, exc: Exception) -> Response:  # pragma: no cover - a bug
         log.exception("unexpected error on %s", request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}", "InternalServerError")
 
-    app.include_router(build_router(sim))
-    app.include_router(build_peer_router(sim))
+    app = Starlette(
+        routes=build_router(sim).routes + build_peer_router(sim).routes,
+        exception_handlers={SimEngineError: sim_error, HTTPException: http_error, Exception: unexpected},
+        lifespan=lifespan,
+    )
+    app.state.sim = sim
     return app
 
 
-def _install_shutdown(app: FastAPI) -> None:
+def _install_shutdown(app: Starlette) -> None:
     """SIGTERM/SIGINT: abort every in-flight request (streams end with finish_reason ``abort`` and
     ``data: [DONE]``) and ask uvicorn to exit, so shutdown never waits on a long generation."""
     loop = asyncio.get_running_loop()
