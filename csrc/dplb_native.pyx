@@ -436,15 +436,21 @@ cdef class Segment:
         self._check_open()
         return [self.read_slot(i) for i in range(self.num_slots)]
 
-    def writer(self, int slot):
+    def writer(self, int slot, double latency_window_s=10.0):
         """The :class:`SlotWriter` of ``slot``, starting from the slot's current content.
 
-        Exactly one writer per slot may exist across all processes (its agent, or the router
-        for a remote mirror); the seqlock does not protect writers from each other.
+        ``latency_window_s``: latency samples older than this leave the window summaries
+        (default 10 s: DESIGN.md ``routing_policy.latency_window_sec``); 0 keeps the last 32
+        samples whatever their age. Exactly one writer per slot may exist across all processes
+        (its agent, or the router for a remote mirror); the seqlock does not protect writers
+        from each other.
         """
         self._check(slot)
         self._check_writable()
-        return SlotWriter._new(self, slot)
+        if not latency_window_s >= 0 or not isfinite(latency_window_s):
+            raise SlotFieldError(f"latency_window_s must be >= 0, got {latency_window_s}",
+                                 field="latency_window_s", name=self.name)
+        return SlotWriter._new(self, slot, <int64_t>(latency_window_s * 1e9))
 
     # ---- router-side atomics (outside the seqlock) ----------------------------------------
 
@@ -628,18 +634,35 @@ cdef object _mismatch(str name, uint64_t magic, uint32_t version, detail):
                                expected_version=DPLB_LAYOUT_VERSION)
 
 
-cdef void _push(float *ring, uint32_t *n, double v, double *mean, double *p99) noexcept:
-    """Push one sample into a DPLB_WINDOW ring; recompute mean and nearest-rank p99."""
+cdef extern from "<stdint.h>" nogil:
+    const int64_t INT64_MAX_ "INT64_MAX"
+
+
+cdef int64_t _summarize(const float *ring, const int64_t *ts, uint32_t n, int64_t now, int64_t window_ns,
+                        double *mean, double *p99) noexcept:
+    """Mean and nearest-rank p99 of the samples of a DPLB_WINDOW ring that are at most
+    ``window_ns`` old (all of them when ``window_ns`` is 0); -1 for both when none is left.
+    Returns the CLOCK_MONOTONIC ns at which the oldest counted sample expires (INT64_MAX if never).
+    """
     cdef float buf[32]
-    cdef int cnt, i, j, rank
+    cdef int cnt = 0, total, i, j, rank
     cdef float x
     cdef double acc = 0.0
-    ring[n[0] % DPLB_WINDOW] = <float>v
-    n[0] += 1
-    cnt = n[0] if n[0] < <uint32_t>DPLB_WINDOW else DPLB_WINDOW
-    for i in range(cnt):
-        buf[i] = ring[i]
+    cdef int64_t expiry = INT64_MAX_
+    total = n if n < <uint32_t>DPLB_WINDOW else DPLB_WINDOW
+    for i in range(total):
+        if window_ns > 0:
+            if ts[i] <= 0 or now - ts[i] > window_ns:
+                continue
+            if ts[i] + window_ns < expiry:
+                expiry = ts[i] + window_ns
+        buf[cnt] = ring[i]
         acc += ring[i]
+        cnt += 1
+    if cnt == 0:
+        mean[0] = -1.0
+        p99[0] = -1.0
+        return INT64_MAX_
     mean[0] = acc / cnt
     for i in range(1, cnt):          # insertion sort: at most 32 samples
         x = buf[i]
@@ -650,6 +673,7 @@ cdef void _push(float *ring, uint32_t *n, double v, double *mean, double *p99) n
         buf[j + 1] = x
     rank = (99 * cnt + 99) // 100    # nearest rank: ceil(0.99 * cnt)
     p99[0] = buf[rank - 1]
+    return expiry
 
 
 cdef class SlotWriter:
@@ -664,12 +688,21 @@ cdef class SlotWriter:
     cdef dplb_slot_t *slot
     cdef dplb_slot_t st
     cdef readonly int slot_index
+    # private (not in the segment): when each ring sample was pushed, for the time window
+    cdef int64_t ts_ttft[32]
+    cdef int64_t ts_tpot[32]
+    cdef int64_t ts_e2e[32]
+    cdef bint fed[3]              # ring fed by record_latency (its summary is ours to expire)
+    cdef int64_t window_ns
+    cdef int64_t next_expiry
 
     @staticmethod
-    cdef SlotWriter _new(Segment seg, int slot):
+    cdef SlotWriter _new(Segment seg, int slot, int64_t window_ns):
         cdef SlotWriter w = SlotWriter.__new__(SlotWriter)
         w.seg = seg
         w.slot_index = slot
+        w.window_ns = window_ns
+        w._forget_samples()
         w.slot = dplb_slot_at(seg.base, slot)
         if dplb_seqlock_read(w.slot, &w.st, DPLB_DATA_END, DPLB_READ_MAX_SPINS) < 0:
             _empty_slot(&w.st, slot)
@@ -685,8 +718,40 @@ cdef class SlotWriter:
         dplb_seqlock_write(self.slot, &self.st)
 
     cdef inline void _write_now(self) noexcept:
-        self.st.heartbeat_ns = dplb_now_ns()
+        cdef int64_t now = dplb_now_ns()
+        self.st.heartbeat_ns = now
+        if now >= self.next_expiry:
+            self._resummarize(now)
         dplb_seqlock_write(self.slot, &self.st)
+
+    cdef void _forget_samples(self) noexcept:
+        memset(self.ts_ttft, 0, sizeof(self.ts_ttft))
+        memset(self.ts_tpot, 0, sizeof(self.ts_tpot))
+        memset(self.ts_e2e, 0, sizeof(self.ts_e2e))
+        self.fed[0] = self.fed[1] = self.fed[2] = False
+        self.next_expiry = INT64_MAX_
+
+    cdef void _resummarize(self, int64_t now) noexcept:
+        """Recompute the summaries of the rings this writer feeds, dropping expired samples."""
+        cdef int64_t e, nxt = INT64_MAX_
+        if self.fed[0]:
+            e = _summarize(self.st.ttft_ring, self.ts_ttft, self.st.ttft_n, now, self.window_ns,
+                           &self.st.ttft_ms, &self.st.ttft_p99_ms)
+            nxt = e if e < nxt else nxt
+        if self.fed[1]:
+            e = _summarize(self.st.tpot_ring, self.ts_tpot, self.st.tpot_n, now, self.window_ns,
+                           &self.st.tpot_ms, &self.st.tpot_p99_ms)
+            nxt = e if e < nxt else nxt
+        if self.fed[2]:
+            e = _summarize(self.st.e2e_ring, self.ts_e2e, self.st.e2e_n, now, self.window_ns,
+                           &self.st.e2e_ms, &self.st.e2e_p99_ms)
+            nxt = e if e < nxt else nxt
+        self.next_expiry = nxt
+
+    @property
+    def latency_window_s(self):
+        """Age (s) after which a latency sample leaves the window summaries; 0 = count-only."""
+        return self.window_ns / 1e9
 
     def claim(self, int worker_id, pid=None, endpoint="", gpu_ids=(), weight=1.0, model="",
               max_num_seqs=0):
@@ -707,6 +772,7 @@ cdef class SlotWriter:
                       "gpu_ids": gpu_ids, "weight": weight, "model": model,
                       "max_num_seqs": max_num_seqs, "state": WorkerState.STARTING})
         memcpy(&self.st, &tmp, sizeof(dplb_slot_t))
+        self._forget_samples()
         self._write_now()
         dplb_generation_bump(<dplb_header_t *>self.seg.base)
 
@@ -726,6 +792,13 @@ cdef class SlotWriter:
         memcpy(&tmp, &self.st, sizeof(dplb_slot_t))
         _apply(&tmp, fields)
         memcpy(&self.st, &tmp, sizeof(dplb_slot_t))
+        # summaries set directly (a mirror of a remote agent) are no longer ours to expire
+        if "ttft_ms" in fields or "ttft_p99_ms" in fields:
+            self.fed[0] = False
+        if "tpot_ms" in fields or "tpot_p99_ms" in fields:
+            self.fed[1] = False
+        if "e2e_ms" in fields or "e2e_p99_ms" in fields:
+            self.fed[2] = False
         if "heartbeat_ns" in fields:
             self._write()
         else:
@@ -771,10 +844,14 @@ cdef class SlotWriter:
         return self.st.queued_prompt_tokens
 
     def record_latency(self, ttft_ms=None, tpot_ms=None, e2e_ms=None):
-        """Push latency samples (ms, finite, >= 0) into the 32-sample windows; the writer
-        recomputes each window's mean and nearest-rank p99. One publish for all three.
+        """Push latency samples (ms, finite, >= 0) into the windows: the last 32 samples that
+        are at most ``latency_window_s`` old. The writer recomputes each window's mean and
+        nearest-rank p99 now and whenever a sample expires (on any later write, e.g. the
+        heartbeat); a window with no sample left reads -1 ("no sample": latency term 1.0), so
+        one slow request does not keep an idle worker penalised. One publish for all three.
         """
         cdef double a = -1.0, b = -1.0, c = -1.0
+        cdef int64_t now
         self._live()
         if ttft_ms is not None:
             a = _f(ttft_ms, "ttft_ms")
@@ -784,13 +861,25 @@ cdef class SlotWriter:
             c = _f(e2e_ms, "e2e_ms")
         if (ttft_ms is not None and a < 0) or (tpot_ms is not None and b < 0) or (e2e_ms is not None and c < 0):
             raise SlotFieldError("latency samples must be >= 0", field="latency", name=self.seg.name)
+        now = dplb_now_ns()
         if ttft_ms is not None:
-            _push(self.st.ttft_ring, &self.st.ttft_n, a, &self.st.ttft_ms, &self.st.ttft_p99_ms)
+            self.st.ttft_ring[self.st.ttft_n % DPLB_WINDOW] = <float>a
+            self.ts_ttft[self.st.ttft_n % DPLB_WINDOW] = now
+            self.st.ttft_n += 1
+            self.fed[0] = True
         if tpot_ms is not None:
-            _push(self.st.tpot_ring, &self.st.tpot_n, b, &self.st.tpot_ms, &self.st.tpot_p99_ms)
+            self.st.tpot_ring[self.st.tpot_n % DPLB_WINDOW] = <float>b
+            self.ts_tpot[self.st.tpot_n % DPLB_WINDOW] = now
+            self.st.tpot_n += 1
+            self.fed[1] = True
         if e2e_ms is not None:
-            _push(self.st.e2e_ring, &self.st.e2e_n, c, &self.st.e2e_ms, &self.st.e2e_p99_ms)
-        self._write_now()
+            self.st.e2e_ring[self.st.e2e_n % DPLB_WINDOW] = <float>c
+            self.ts_e2e[self.st.e2e_n % DPLB_WINDOW] = now
+            self.st.e2e_n += 1
+            self.fed[2] = True
+        self._resummarize(now)
+        self.st.heartbeat_ns = now
+        self._write()
 
     def count(self, int64_t completed=0, int64_t failed=0):
         """Add to the completed/failed counters (each >= 0) and publish."""
@@ -808,6 +897,7 @@ cdef class SlotWriter:
         seq = self.st.seq
         _empty_slot(&self.st, self.slot_index)
         self.st.seq = seq
+        self._forget_samples()
         self._write()
         dplb_generation_bump(<dplb_header_t *>self.seg.base)
 

@@ -221,3 +221,49 @@ def test_heartbeat_is_monotonic_clock(segment):
     w.heartbeat()
     s = segment.read_slot(0)
     assert t0 <= s.heartbeat_ns <= now_ns()
+
+
+def test_latency_samples_expire_after_the_window(segment):
+    """One slow request must not penalise an idle worker forever: samples leave the window.
+    (Gaps of 0.5 s against a 1 s window leave 0.4-0.5 s for scheduling delays on a busy machine.)"""
+    import time
+
+    w = segment.writer(0, latency_window_s=1.0)
+    w.claim(0)
+    t0 = time.monotonic()
+    w.record_latency(ttft_ms=5000.0, tpot_ms=50.0)
+    assert segment.read_slot(0).ttft_ms == 5000.0
+    time.sleep(0.5)
+    w.record_latency(ttft_ms=100.0)
+    t1 = time.monotonic()
+    if t1 - t0 >= 1.0:
+        pytest.skip("machine too busy for this test's margins (0.5 s sleep took >= 1 s)")
+    assert segment.read_slot(0).ttft_ms == 2550.0
+    time.sleep(max(0.0, t0 + 1.1 - time.monotonic()))   # the 5000 ms sample is older than 1 s now
+    w.heartbeat()
+    s = segment.read_slot(0)
+    if time.monotonic() - t1 < 1.0:
+        assert s.ttft_ms == 100.0 and s.ttft_p99_ms == 100.0
+    assert s.tpot_ms == -1.0
+    time.sleep(max(0.0, t1 + 1.1 - time.monotonic()))
+    w.heartbeat()
+    s = segment.read_slot(0)
+    assert s.ttft_ms == -1.0 and s.ttft_p99_ms == -1.0
+
+
+def test_count_only_window_and_mirrored_summaries_do_not_expire(segment):
+    import time
+
+    w = segment.writer(1, latency_window_s=0)
+    w.claim(1)
+    w.record_latency(ttft_ms=70.0)
+    m = segment.writer(2, latency_window_s=0.05)   # a router mirroring a remote agent
+    m.claim(2, endpoint="10.0.0.2:8000")
+    m.publish(ttft_ms=30.0, ttft_p99_ms=90.0)
+    time.sleep(0.1)
+    w.heartbeat()
+    m.heartbeat()
+    assert segment.read_slot(1).ttft_ms == 70.0
+    assert (segment.read_slot(2).ttft_ms, segment.read_slot(2).ttft_p99_ms) == (30.0, 90.0)
+    with pytest.raises(SlotFieldError):
+        segment.writer(3, latency_window_s=-1)
