@@ -199,6 +199,17 @@ class Agent:
             self.writer.publish(**fields)  # always: refreshes the heartbeat
             await asyncio.sleep(interval)
 
+    async def _guard(self, loop_fn) -> None:
+        """Run a periodic loop; an unexpected error is logged and the loop restarted a tick later."""
+        while True:
+            try:
+                await loop_fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a state loop must outlive any single bad tick
+                log.exception("worker %d: %s failed; restarting it", self.worker_id, loop_fn.__name__)
+                await asyncio.sleep(self.cfg.state_interval_s)
+
     async def _watch_engine(self) -> None:
         rc = await self.adapter.wait_exit()
         if self._stopping:
@@ -264,6 +275,8 @@ class Agent:
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT (or :meth:`request_stop`); return the process exit code (0)."""
         loop = asyncio.get_running_loop()
+        os.makedirs(os.path.dirname(self.cfg.uds), mode=0o700, exist_ok=True)
+        sock = bind_unix_socket(self.cfg.uds)  # OSError here: nothing claimed yet
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig)
@@ -271,14 +284,14 @@ class Agent:
                           gpu_ids=self.cfg.gpus, weight=self.cfg.weight, model=self.cfg.model or "",
                           max_num_seqs=self.cfg.max_num_seqs)
         self.state = WorkerState.STARTING
-        os.makedirs(os.path.dirname(self.cfg.uds), mode=0o700, exist_ok=True)
-        sock = bind_unix_socket(self.cfg.uds)
         app = RelayApp(self, self.get_upstream, self._control_app())
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http="httptools",
-                                loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30)
+                                loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30,
+                                server_header=False, date_header=False)  # the engine's own headers pass
         self._server = _Server(config)
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        self._tasks += [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._probe_loop())]
+        self._tasks += [asyncio.create_task(self._guard(self._heartbeat_loop)),
+                        asyncio.create_task(self._guard(self._probe_loop))]
         starter = asyncio.create_task(self._start_engine())
         try:
             await self._stop.wait()
@@ -314,4 +327,7 @@ class Agent:
                 self.segment.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.uds)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(sig)
         return 0

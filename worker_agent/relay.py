@@ -185,8 +185,13 @@ class RelayApp:
                 log.warning("%s %s: %s", method, path, e)
                 resp.close(abort=True)
                 resp = None
-                # headers are gone already: end the body; the client sees a truncated stream
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # headers are gone already: an SSE stream ends with an OpenAI-shaped error event (so
+                # clients and the router see a failure, not a silently truncated answer); other
+                # bodies just end
+                tail = b""
+                if meter.streaming:
+                    tail = b"data: " + error_body(e)[1] + b"\n\n"
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome = "ok" if resp.status < 500 else "failed"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Iterable
 
 import aiohttp
+from yarl import URL
 
 from .errors import UpstreamError
 
@@ -121,7 +122,8 @@ class Upstream:
         """
         hdrs = [(k, v) for k, v in headers if k.lower() not in REQUEST_DROP]
         try:
-            resp = await self._get_session().request(method, self.address.base + path, headers=hdrs,
+            # encoded=True: the path and query go out byte for byte, not re-quoted
+            resp = await self._get_session().request(method, URL(self.address.base + path, encoded=True), headers=hdrs,
                                                      data=body if body else None, allow_redirects=False)
         except (aiohttp.ClientError, ConnectionError, OSError) as e:
             raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e

@@ -82,3 +82,17 @@ def slot_wait(segment, worker_id: int, pred, timeout: float, what: str):
 
 def now() -> float:
     return time.monotonic()
+
+
+async def aslot_wait(segment, worker_id: int, pred, timeout: float, what: str):
+    """:func:`slot_wait` for async tests: yields to the event loop between polls."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    s = segment.read_slot(worker_id)
+    while not pred(s):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last slot: {s}")
+        await asyncio.sleep(0.01)
+        s = segment.read_slot(worker_id)
+    return s

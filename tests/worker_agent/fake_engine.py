@@ -3,7 +3,7 @@
 ``python -m tests.worker_agent.fake_engine --port P [--metrics] [--token-delay-ms 20]``
 
 Serves ``GET /v1/models``, ``POST /v1/completions`` (streaming or not, one word per token, one
-token every ``--token-delay-ms``), ``GET /fake/state`` (``{"active": n, "aborted": n,
+token every ``--token-delay-ms``), ``* /echo/...`` (echoes the request as JSON), ``GET /fake/state`` (``{"active": n, "aborted": n,
 "completed": n}``) and, with ``--metrics``, a ``/metrics`` page in vLLM's names whose running
 count is the number of active requests. Loopback only.
 """
@@ -35,6 +35,16 @@ async def metrics(_: web.Request) -> web.Response:
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="fake-model"}} {0.125 * STATE["active"]}\n')
     return web.Response(text=text, content_type="text/plain")
+
+
+async def echo(request: web.Request) -> web.Response:
+    """Echo method, path, query, headers and body (base64-free: body as latin-1 text)."""
+    body = await request.read()
+    raw_query = request.raw_path.partition("?")[2]
+    return web.json_response({"method": request.method, "path": request.path, "query": raw_query,
+                              "headers": [[k, v] for k, v in request.headers.items()],
+                              "body": body.decode("latin-1")},
+                             headers={"X-Engine-Header": "kept", "Cache-Control": "no-store"})
 
 
 def make_completions(delay_s: float):
@@ -79,6 +89,7 @@ def main() -> None:
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_get("/fake/state", fake_state)
+    app.router.add_route("*", "/echo/{tail:.*}", echo)
     app.router.add_post("/v1/completions", make_completions(a.token_delay_ms / 1000.0))
     if a.metrics:
         app.router.add_get("/metrics", metrics)

@@ -15,7 +15,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.worker_agent.conftest import slot_wait
+from tests.worker_agent.conftest import aslot_wait, slot_wait
 
 MODEL = "sim-llama-3.1-8b"
 #: every simulated step 30x slower: a few tokens per second, so streams stay open while we look
@@ -35,6 +35,7 @@ async def open_streams(client: httpx.AsyncClient, n: int, max_tokens: int, stack
         responses.append(r)
     iters = [r.aiter_raw() for r in responses]
     for it in iters:
+        stack.push_async_callback(it.aclose)   # keeps the iterator alive: a collected one closes its stream
         await asyncio.wait_for(it.__anext__(), 30)
     return responses, iters
 
@@ -52,12 +53,12 @@ async def test_five_open_streams_show_inflight_then_zero_after_end(start_agent, 
         for it in iters:
             async for _ in it:
                 pass
-    s = slot_wait(segment, 0, lambda s: s.inflight == 0, 10, "inflight back to 0")
+    s = await aslot_wait(segment, 0, lambda s: s.inflight == 0, 10, "inflight back to 0")
     assert s.queued_prompt_tokens == 0 and sum(s.prompt_len_hist) == 0
     assert s.completed == 5 and s.failed == 0
     assert s.ttft_ms > 0 and s.e2e_ms >= s.ttft_ms and s.tpot_ms > 0
     # the engine's own view arrives with the next probe: nothing running any more
-    slot_wait(segment, 0, lambda s: s.num_running == 0 and s.num_waiting == 0, 5, "engine idle")
+    await aslot_wait(segment, 0, lambda s: s.num_running == 0 and s.num_waiting == 0, 5, "engine idle")
 
 
 async def test_cancelled_streams_return_inflight_to_zero_and_abort_in_engine(start_agent, segment):
@@ -67,14 +68,14 @@ async def test_cancelled_streams_return_inflight_to_zero_and_abort_in_engine(sta
     stack = AsyncExitStack()
     await open_streams(client, 5, max_tokens=2000, stack=stack)
     assert segment.read_slot(1).inflight == 5
-    slot_wait(segment, 1, lambda s: s.num_running == 5, 5, "engine reports 5 running")
+    await aslot_wait(segment, 1, lambda s: s.num_running == 5, 5, "engine reports 5 running")
     await stack.aclose()          # the router goes away mid-stream
     await client.aclose()
-    s = slot_wait(segment, 1, lambda s: s.inflight == 0, 10, "inflight back to 0 after cancel")
+    s = await aslot_wait(segment, 1, lambda s: s.inflight == 0, 10, "inflight back to 0 after cancel")
     assert s.queued_prompt_tokens == 0
     assert s.completed == 0 and s.failed == 0          # aborted: neither
     # the disconnect reached the engine: it dropped the requests
-    slot_wait(segment, 1, lambda s: s.num_running == 0, 10, "engine aborted the requests")
+    await aslot_wait(segment, 1, lambda s: s.num_running == 0, 10, "engine aborted the requests")
     with httpx.Client(transport=httpx.HTTPTransport(uds=os.path.join(a.run_dir, "engine-1.sock"))) as eng:
         st = eng.get("http://engine/sim/state").json()
     assert st["in_flight"] == [] and st["running"] == 0
@@ -161,4 +162,21 @@ async def test_max_queue_refuses_with_429(start_agent, segment, limit):
         r = await client.post("/v1/completions", json=completion(2, stream=False))
         assert r.status_code == 429 and r.headers["retry-after"]
         assert r.json()["error"]["type"] == "rate_limit_exceeded"
-    slot_wait(segment, 5, lambda s: s.inflight == 0, 10, "inflight 0")
+    await aslot_wait(segment, 5, lambda s: s.inflight == 0, 10, "inflight 0")
+
+
+def test_engine_death_mid_stream_ends_with_error_event_and_counts_failed(start_agent, segment):
+    a = start_agent(6, engine_args=SLOW, interval_ms=100)
+    engine = psutil.Process(a.proc.pid).children()[0]
+    with a.client() as c, c.stream("POST", "/v1/completions", json=completion(2000)) as r:
+        it = r.iter_raw()
+        first = next(it)
+        assert first.startswith(b"data: ")
+        os.kill(engine.pid, signal.SIGKILL)
+        rest = b"".join(it)
+    last = [e for e in rest.split(b"\n\n") if e.strip()][-1]
+    assert last.startswith(b"data: ")
+    err = orjson.loads(last[6:])["error"]
+    assert err["code"] == 502 and "engine" in err["message"]
+    s = slot_wait(segment, 6, lambda s: s.state.name == "DEAD" and s.inflight == 0, 5, "DEAD, nothing in flight")
+    assert s.failed == 1 and s.completed == 0
