@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -218,9 +219,7 @@ def build_router(server: SimServer) -> Routes:
                 }
 
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
-            return StreamingResponse(
-                server.track(_sse(gen, mk, [], uc)), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return EngineStream(server, gen, _sse(gen, mk, [], uc))
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
@@ -266,9 +265,7 @@ def build_router(server: SimServer) -> Routes:
                 for i in range(len(gen.reqs))
             ]
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
-            return StreamingResponse(
-                server.track(_sse(gen, mk, first, uc)), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return EngineStream(server, gen, _sse(gen, mk, first, uc))
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
@@ -334,9 +331,7 @@ def build_router(server: SimServer) -> Routes:
                 finally:
                     gen.abort()
 
-            return StreamingResponse(
-                server.track(body()), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return EngineStream(server, gen, body())
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
@@ -360,15 +355,24 @@ class SimServer:
         """Context manager counting one in-progress request for ``/load``."""
         return _LoadGuard(self)
 
-    async def track(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """Wrap a streaming body so that it counts in ``/load`` while it runs."""
-        self.server_load += 1
+
+class EngineStream(StreamingResponse):
+    """An SSE response bound to a :class:`Generation`: counts in ``/load`` while it runs and aborts
+    the generation's unfinished choices however the response ends (client gone before or during
+    the body, server shutdown, error) — even when the body generator never started."""
+
+    def __init__(self, server: SimServer, gen: Generation, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.server = server
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.server.server_load += 1
         try:
-            async for b in it:
-                yield b
+            await super().__call__(scope, receive, send)
         finally:
-            self.server_load -= 1
-            await it.aclose()  # type: ignore[attr-defined]
+            self.server.server_load -= 1
+            self.gen.abort()
 
 
 class _LoadGuard:

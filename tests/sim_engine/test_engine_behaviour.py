@@ -167,11 +167,28 @@ def test_client_disconnect_mid_stream_frees_blocks_within_one_step(engine_factor
                     break
         before = c.get("/sim/state").json()
         assert before["running"] == 1 and before["used_blocks"] == 3
+        assert c.get("/load").json() == {"server_load": 1}
     # leaving the block closes the connection
     state = state_when(c, lambda st: st["used_blocks"] == 0, "blocks freed")
     assert state["running"] == 0 and state["in_flight"] == []
     assert state["steps"] <= before["steps"] + 1
     assert state["request_success"]["abort"] == 1
+    assert c.get("/load").json() == {"server_load": 0}
+
+
+def test_disconnect_while_queued_removes_the_waiting_request(engine_factory):
+    c = engine_factory("--time-scale", "0.05", "--max-num-seqs", "1")
+    body = {"prompt": words("p", 10), "max_tokens": 400, "stream": True}
+    with c.stream("POST", "/v1/completions", json=body) as first:
+        lines = first.iter_lines()
+        next(ln for ln in lines if ln.startswith("data: {"))
+        with c.stream("POST", "/v1/completions", json=body) as second:
+            st = state_when(c, lambda st: st["waiting"] == 1, "second request queued")
+            waiting_id = st["waiting_ids"][0]
+            assert second.status_code == 200
+        st = state_when(c, lambda st: st["waiting"] == 0, "queued request aborted")
+        assert waiting_id not in st["in_flight"] and st["running"] == 1
+        assert st["request_success"]["abort"] == 1
 
 
 def test_non_streaming_client_disconnect_aborts(engine_factory, run_dir):
