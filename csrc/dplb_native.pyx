@@ -13,6 +13,7 @@ from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAI
 
 from dplb_native cimport *
 
+import operator
 import os
 
 import posix_ipc
@@ -101,6 +102,8 @@ cdef str _posix_name(name):
 
 cdef inline double _f(v, str field) except? -1.0:
     cdef double d
+    if isinstance(v, (str, bytes, bool)):
+        raise SlotFieldError(f"{field} must be a number, got {v!r}", field=field)
     try:
         d = float(v)
     except (TypeError, ValueError):
@@ -111,14 +114,17 @@ cdef inline double _f(v, str field) except? -1.0:
 
 
 cdef inline int64_t _i(v, str field, int64_t lo, int64_t hi) except? -1:
-    if isinstance(v, bool) or not isinstance(v, int):
-        try:
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            else:
-                raise TypeError
-        except TypeError:
+    if isinstance(v, bool):
+        raise SlotFieldError(f"{field} must be an integer, got {v!r}", field=field)
+    if isinstance(v, float):
+        if not v.is_integer():
             raise SlotFieldError(f"{field} must be an integer, got {v!r}", field=field)
+        v = int(v)
+    else:
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise SlotFieldError(f"{field} must be an integer, got {v!r}", field=field) from None
     if v < lo or v > hi:
         raise SlotFieldError(f"{field} must be in [{lo}, {hi}], got {v}", field=field)
     return <int64_t>v

@@ -143,6 +143,10 @@ def test_router_atomics_shared_between_mappings(segment, shm_name):
     ({"model": "m" * 120}, "model"),
     ({"weight": float("nan")}, "weight"),
     ({"bogus": 1}, "bogus"),
+    ({"kv_cache_usage": "0.5"}, "kv_cache_usage"),
+    ({"num_running": 2.5}, "num_running"),
+    ({"num_running": "3"}, "num_running"),
+    ({"num_running": True}, "num_running"),
     ({"state": 9}, "state"),
 ])
 def test_bad_fields_raise_and_leave_slot_unchanged(segment, fields, field):
