@@ -127,7 +127,10 @@ def sse_error_event(message: str, type_: str = "upstream_error", status: int = 5
 class TransportError(Exception):
     """Forwarding to a worker failed. ``kind``: ``connect`` (refused, reset, closed before the
     response head), ``timeout`` (connect or read timeout) or ``stream_broken`` (after the head);
-    ``endpoint``: the worker's socket path or host:port."""
+    ``endpoint``: the worker's socket path or host:port; ``refused``: True when nothing accepted the
+    connection at all (refused, socket file missing) — the worker is down, not merely slow."""
+
+    refused = False
 
     def __init__(self, kind: str, endpoint: str, detail: str = "") -> None:
         super().__init__(f"{kind} error talking to {endpoint}: {detail}")

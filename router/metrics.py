@@ -58,6 +58,7 @@ class Metrics:
         self._dec_children: dict[tuple[str, str], object] = {}
         self._dur: dict[str, object] = {}
         self._ttft: dict[str, object] = {}
+        self._inflight: dict[int, object] = {}
 
     def observe_request(self, worker: str, status: int, route: str, seconds: float) -> None:
         """Count one answered request and its duration (children cached: ~1 µs per call)."""
@@ -77,6 +78,13 @@ class Metrics:
         if h is None:
             h = self._ttft[route] = self.ttft.labels(route)
         h.observe(seconds)  # type: ignore[attr-defined]
+
+    def set_inflight(self, worker_id: int, n: int) -> None:
+        """Set this process's in-flight gauge of ``worker_id``."""
+        g = self._inflight.get(worker_id)
+        if g is None:
+            g = self._inflight[worker_id] = self.inflight.labels(str(worker_id))
+        g.set(n)  # type: ignore[attr-defined]
 
     def decision(self, policy: str, reason: str) -> None:
         """Count one routing decision."""

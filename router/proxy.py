@@ -94,6 +94,9 @@ class Proxy:
         self.backoff_base = r.backoff_base_ms / 1000.0
         self.backoff_max = r.backoff_max_ms / 1000.0
         self.needs_text = bool(getattr(state.policy, "needs_text", True))
+        # minted request ids: a random per-process prefix + a counter (one urandom call per process)
+        self._prefix = uuid.uuid4().hex[:16].encode()
+        self._n = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
@@ -114,7 +117,8 @@ class Proxy:
             if k not in HOP_BY_HOP:
                 fwd.append((k.decode("latin-1"), v.decode("latin-1")))
         if rid is None:
-            rid = uuid.uuid4().hex.encode()
+            self._n += 1
+            rid = b"%s%08x" % (self._prefix, self._n)
             fwd.append(("x-request-id", rid.decode()))
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
@@ -188,6 +192,9 @@ class Proxy:
                     up = await st.transport.send(h.endpoint, method, target, headers, body)
                 except TransportError as e:
                     outcome = False
+                    if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
+                        h.probe_failures = max(h.probe_failures, st.monitor.max_failures)
+                        h.probe_ok = False
                     metrics.errors.labels(str(wid), e.kind).inc()
                     last, last_wid = e, wid
                     tried.add(wid)

@@ -38,7 +38,7 @@ class Lease:
         seg.dispatched_add(handle.worker_id, 1)
         handle.local_inflight += 1
         if metrics is not None:
-            metrics.inflight.labels(str(handle.worker_id)).set(handle.local_inflight)
+            metrics.set_inflight(handle.worker_id, handle.local_inflight)
 
     @property
     def released(self) -> bool:
@@ -56,7 +56,7 @@ class Lease:
         finally:
             h.local_inflight -= 1
             if self._metrics is not None:
-                self._metrics.inflight.labels(str(h.worker_id)).set(h.local_inflight)
+                self._metrics.set_inflight(h.worker_id, h.local_inflight)
         return True
 
 

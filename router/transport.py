@@ -153,7 +153,10 @@ class Transport:
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
             raise TransportError("timeout", endpoint, repr(e)) from None
         except (aiohttp.ClientError, ConnectionError, OSError) as e:
-            raise TransportError("connect", endpoint, repr(e)) from None
+            err = TransportError("connect", endpoint, repr(e))
+            # nothing listens (socket file gone, port closed): the worker is down, not slow
+            err.refused = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError))
+            raise err from None
         return Upstream(resp, endpoint)
 
     async def get(self, endpoint: str, path: str, timeout_s: float) -> tuple[int, bytes]:

@@ -13,8 +13,11 @@ slow     wait ``delay`` seconds, then answer
 500      answer 500 (OpenAI error body);  ``400`` and ``429`` likewise
 hang     never answer (until the client goes away)
 drop     close the connection before sending any byte
-stream   SSE: ``chunks`` chunks, ``delay`` seconds apart
+stream   SSE: ``chunks`` chunks, ``delay`` seconds apart (every streamed answer ends with a usage
+         chunk when ``stream_options.include_usage`` is set, then ``[DONE]``)
 break    SSE: two chunks, then close the connection mid-stream
+utf8     SSE: ``chunks`` chunks, then one event (text :data:`UTF8_TEXT`) written in two parts
+         ``delay`` seconds apart, split inside a 4-byte UTF-8 character
 ======== ===============================================================================
 
 Every non-stream JSON answer carries ``"fake": {"worker_id", "path", "headers", "body"}`` — the
@@ -39,6 +42,8 @@ from typing import Any
 import orjson
 
 MODEL = "fake-model"
+#: text of the ``utf8`` mode's last event (multi-byte characters of 2, 3 and 4 bytes)
+UTF8_TEXT = "héllo wörld 你好 😀 done"
 
 
 class FakeAgent:
@@ -124,7 +129,7 @@ def build_app(agent: FakeAgent):
                 code = int(mode)
                 err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": str(code)}}
                 return web.json_response(err, status=code)
-            if stream or mode in ("stream", "break"):
+            if stream or mode in ("stream", "break", "utf8"):
                 resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                                    "x-fake-worker": str(agent.worker_id)})
                 await resp.prepare(request)
@@ -137,6 +142,18 @@ def build_app(agent: FakeAgent):
                     await asyncio.sleep(0.05)
                     request.transport.close()
                     return resp
+                if mode == "utf8":  # one event whose bytes are split inside a 4-byte UTF-8 character
+                    ev = agent.chunk(path, n, True).replace(f"t{n} ".encode(), UTF8_TEXT.encode())
+                    cut = ev.index("😀".encode()) + 2
+                    await resp.write(ev[:cut])
+                    await asyncio.sleep(delay)
+                    await resp.write(ev[cut:])
+                so = body.get("stream_options") if isinstance(body, dict) else None
+                if isinstance(so, dict) and so.get("include_usage"):
+                    usage = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": agent.model,
+                             "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                                      "total_tokens": n + 1}}
+                    await resp.write(b"data: " + orjson.dumps(usage) + b"\n\n")
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 st["completed"] += 1

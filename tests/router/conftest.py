@@ -22,6 +22,9 @@ class Cluster:
         self.shm = unique_shm_name()
         self.dir = tempfile.mkdtemp(prefix="dplb-rt-", dir="/tmp")
         self.seg = Segment.create(self.shm, num_slots=16)
+        # generous probe and heartbeat limits: several test suites share 2 CPU cores
+        config = dict(config or {})
+        config["health_check"] = {"timeout_ms": 1000, "heartbeat_timeout_ms": 2000, **config.get("health_check", {})}
         try:
             self.fakes = [start_fake(self.procs, self.shm, i, self.dir, *((fake_args or [[]] * n)[i]))
                           for i in range(n)]

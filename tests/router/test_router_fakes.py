@@ -289,21 +289,22 @@ def test_failed_probes_take_a_worker_out_and_it_comes_back(make_cluster):
     c = make_cluster(2)
     bad = c.fakes[0].client()
     bad.set_mode("unhealthy")
-    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [False, True], 10,
+    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [False, True], 20,
                what="worker 0 out after 3 failed probes")
+    assert status(c.base)["workers"][0]["state"] == "unhealthy"
     for _ in range(10):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
         assert r.headers["x-dplb-worker-id"] == "1"
     bad.set_mode("ok")
-    wait_until(lambda: all(w["eligible"] for w in status(c.base)["workers"]), 10, what="worker 0 back")
+    wait_until(lambda: all(w["eligible"] for w in status(c.base)["workers"]), 20, what="worker 0 back")
 
 
 def test_stale_heartbeat_and_not_ready_workers_get_nothing(make_cluster):
     c = make_cluster(3, None, [[], ["--no-heartbeat"], []], ready=2)
-    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [True, False, True], 10,
+    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [True, False, True], 20,
                what="stale worker 1 out")
     c.fakes[2].client().set_mode(state=1)   # STARTING
-    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [True, False, False], 10,
+    wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [True, False, False], 20,
                what="worker 2 not ready")
     for _ in range(8):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})

@@ -1,0 +1,111 @@
+"""Admin API (drain, remove, add a remote worker), admin token, client API key, several router processes."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+
+from tests.fakes import start_fake
+from tests.helpers import free_port, wait_until
+
+MODEL = "fake-model"
+MSG = [{"role": "user", "content": "hi"}]
+TOKEN = "adm-secret"
+
+
+def served_by(base: str, n: int, **kw) -> Counter:
+    c = Counter()
+    for _ in range(n):
+        r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, **kw)
+        assert r.status_code == 200, r.text
+        c[r.headers["x-dplb-worker-id"]] += 1
+    return c
+
+
+def test_admin_requires_token(make_cluster):
+    c = make_cluster(2, {"router": {"admin_token": TOKEN}})
+    assert httpx.post(c.base + "/dplb/workers/0/drain").status_code == 401
+    r = httpx.post(c.base + "/dplb/workers/0/drain", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(c.base + "/dplb/workers", headers={"X-DPLB-Admin-Token": TOKEN}).status_code == 200
+
+
+def test_drain_and_undrain(make_cluster):
+    c = make_cluster(2, {"router": {"admin_token": TOKEN}})
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(c.base + "/dplb/workers/0/drain", headers=h)
+    assert r.status_code == 200 and r.json()["draining"] is True
+    rows = {w["id"]: w for w in httpx.get(c.base + "/dplb/status").json()["workers"]}
+    assert rows[0]["state"] == "draining" and not rows[0]["eligible"]
+    assert set(served_by(c.base, 10)) == {"1"}
+    assert httpx.post(c.base + "/dplb/workers/0/undrain", headers=h).status_code == 200
+    assert httpx.post(c.base + "/dplb/workers/9/drain", headers=h).status_code == 404
+    wait_until(lambda: set(served_by(c.base, 12)) == {"0", "1"}, 20, what="worker 0 back in rotation")
+
+
+def test_remove_local_worker_and_restore_it(make_cluster):
+    c = make_cluster(2)
+    r = httpx.delete(c.base + "/dplb/workers/1")
+    assert r.status_code == 200
+    assert [w["id"] for w in httpx.get(c.base + "/dplb/status").json()["workers"]] == [0]
+    assert set(served_by(c.base, 8)) == {"0"}
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": c.fakes[1].endpoint})
+    assert r.status_code == 200 and r.json()["worker_id"] == 1
+    wait_until(lambda: len(httpx.get(c.base + "/dplb/status").json()["workers"]) == 2, 10, what="worker 1 restored")
+
+
+def test_add_remote_worker_gets_a_mirror_slot(make_cluster):
+    c = make_cluster(1)
+    port = free_port()
+    remote = start_fake(c.procs, None, 5, c.dir, port=port)     # a "remote" agent on TCP, no slot of its own
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": f"127.0.0.1:{port}", "weight": 2.0})
+    assert r.status_code == 201, r.text
+    slot = r.json()["worker_id"]
+    assert slot == 15                                           # mirrors fill the segment from the top
+    s = c.seg.read_slot(slot)
+    assert s.endpoint == f"127.0.0.1:{port}" and s.weight == 2.0 and s.model == MODEL
+    wait_until(lambda: any(w["id"] == slot and w["eligible"] for w in httpx.get(c.base + "/dplb/status").json()["workers"]),
+               10, what="mirror eligible")
+    wait_until(lambda: str(slot) in served_by(c.base, 10), 20, what="requests reach the remote worker over TCP")
+    assert remote.client().stats()["requests"] > 0
+    r = httpx.delete(c.base + f"/dplb/workers/{slot}")
+    assert r.status_code == 200
+    assert int(c.seg.read_slot(slot).state) == 0               # slot released
+
+
+def test_bad_admin_bodies(make_cluster):
+    c = make_cluster(1)
+    for body, code in ((b"{", 400), (b"[]", 400), (b'{"endpoint": "nohost"}', 400), (b'{"weight": 1}', 400)):
+        r = httpx.post(c.base + "/dplb/workers", content=body)
+        assert r.status_code == code and r.json()["error"]["code"] == str(code)
+
+
+def test_api_key(make_cluster):
+    c = make_cluster(1, {"router": {"api_key": "sk-good"}})
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(c.base + "/v1/models").status_code == 401
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                   headers={"Authorization": "Bearer sk-good"})
+    assert r.status_code == 200
+    assert r.json()["fake"]["headers"]["authorization"] == "Bearer sk-good"   # passed through untouched
+
+
+def test_two_router_processes_share_in_flight_counts(make_cluster):
+    c = make_cluster(4, None, None, ("--workers", "2"))
+    for f in c.fakes:
+        f.client().set_mode("slow", delay=0.3)
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(base_url=c.base, timeout=60, limits=httpx.Limits(max_connections=40)) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+                                        for _ in range(40)))
+        assert all(r.status_code == 200 for r in rs)
+        return [r.headers["x-dplb-worker-id"] for r in rs]
+
+    share = Counter(asyncio.run(burst()))
+    assert set(share) == {"0", "1", "2", "3"} and max(share.values()) <= 16, share
+    pids = {httpx.get(c.base + "/dplb/status").json()["pid"] for _ in range(20)}
+    assert len(pids) == 2                                       # both processes answer
+    wait_until(lambda: c.router_inflight() == [0, 0, 0, 0], 10, what="shared in-flight back to 0")
