@@ -6,8 +6,9 @@ Starts an "instant engine" (a minimal aiohttp server on a Unix socket that answe
 immediately, or streams ``--stream-tokens`` SSE events back to back), a scratch segment and one
 agent attached to it (``--engine openai --engine-url unix:<socket>``), then times the same
 requests sent directly to the engine and through the agent. Prints p50/p99 latency and requests/s
-for each; the difference is the agent's hop (HTTP parse, slot updates, re-send). Numbers depend on
-the machine and its load; nothing here asserts.
+for each; the difference is the agent's hop (HTTP parse, slot updates, re-send), plus the agent's own
+CPU time per request (user + system, from psutil), which does not depend on how loaded the machine
+is. Latencies do; nothing here asserts.
 """
 from __future__ import annotations
 
@@ -123,13 +124,22 @@ def main(argv: list[str] | None = None) -> int:
                 print("agent did not become ready", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        print(f"{'path':<8} {'mode':<7} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+        import psutil
+
+        agent_proc = psutil.Process(procs[1].pid)
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (latency is inflated by CPU "
+              "contention; agent CPU per request is not)")
+        print(f"{'path':<8} {'mode':<7} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'agent CPU us/req':>17}")
         for stream in (False, True):
             for conc in [int(x) for x in a.concurrency.split(",")]:
                 for label, uds in (("direct", eng_uds), ("agent", agent_uds)):
+                    c0 = agent_proc.cpu_times()
                     lat, rps = asyncio.run(_run(uds, a.requests, conc, stream))
+                    c1 = agent_proc.cpu_times()
+                    cpu = ((c1.user + c1.system) - (c0.user + c0.system)) / (a.requests + 20) * 1e6
+                    cpu_s = f"{cpu:>17.0f}" if label == "agent" else f"{'-':>17}"
                     print(f"{label:<8} {'stream' if stream else 'json':<7} {conc:>4} {statistics.median(lat):>8.3f} "
-                          f"{_pct(lat, 0.99):>8.3f} {rps:>8.0f}", flush=True)
+                          f"{_pct(lat, 0.99):>8.3f} {rps:>8.0f} {cpu_s}", flush=True)
         s = seg.read_slot(0)
         print(f"slot after run: completed={s.completed} failed={s.failed} inflight={s.inflight}")
     finally:
