@@ -50,6 +50,23 @@ DATA_END = DPLB_DATA_END
 SOURCE_SHA256 = DPLB_SOURCE_SHA256.decode("ascii")
 
 
+cdef uint64_t _fork_gen = 0
+
+
+def _after_fork_in_child():
+    global _fork_gen
+    _fork_gen += 1
+
+
+# A router that attaches and then forks its workers must not hand every child the same
+# tie-breaking sequence (they would pile onto the same worker): reseed after a fork.
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+cdef uint64_t _urandom64():
+    return <uint64_t>int.from_bytes(os.urandom(8), "little")
+
+
 cdef dict _table(const dplb_field_t *t):
     cdef dict out = {}
     cdef int i = 0
@@ -204,6 +221,7 @@ cdef class Segment:
     cdef readonly str name
     cdef readonly bint readonly
     cdef uint64_t rng
+    cdef uint64_t rng_fork_gen
     cdef double *scores
     cdef double *aff
     cdef dplb_terms_t *terms
@@ -216,7 +234,8 @@ cdef class Segment:
         self.aff = NULL
         self.terms = NULL
         self.params_obj = None
-        self.rng = <uint64_t>int.from_bytes(os.urandom(8), "little")
+        self.rng = _urandom64()
+        self.rng_fork_gen = _fork_gen
 
     def __dealloc__(self):
         self._unmap()
@@ -420,8 +439,20 @@ cdef class Segment:
         return f"<dplb_shm.Segment {self.name!r} {state}>"
 
     def seed(self, uint64_t seed):
-        """Seed the kernel's tie-breaking generator (splitmix64); for reproducible tests."""
+        """Seed the kernel's tie-breaking generator (splitmix64); for reproducible tests.
+
+        Each mapping starts from ``os.urandom`` and a forked child reseeds itself from it.
+        """
         self.rng = seed
+        self.rng_fork_gen = _fork_gen
+
+    cdef inline double _draw(self, rng_u) except? -1.0:
+        if rng_u is not None:
+            return <double>rng_u
+        if self.rng_fork_gen != _fork_gen:
+            self.rng = _urandom64()
+            self.rng_fork_gen = _fork_gen
+        return dplb_rng_u(&self.rng)
 
     def read_slot(self, int slot):
         """One slot as a :class:`WorkerSnapshot`, consistent under the seqlock.
@@ -540,7 +571,7 @@ cdef class Segment:
         self._check_open()
         self._load(params, affinity, &n_aff)
         now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
-        u = dplb_rng_u(&self.rng) if rng_u is None else <double>rng_u
+        u = self._draw(rng_u)
         return dplb_pick(self.base, self.num_slots, &self.params, prompt_len,
                          self.aff if n_aff else NULL, n_aff, now, u, self.scores, NULL, NULL)
 
@@ -557,7 +588,7 @@ cdef class Segment:
         self._check_open()
         self._load(params, affinity, &n_aff)
         now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
-        u = dplb_rng_u(&self.rng) if rng_u is None else <double>rng_u
+        u = self._draw(rng_u)
         chosen = dplb_pick(self.base, self.num_slots, &self.params, prompt_len,
                            self.aff if n_aff else NULL, n_aff, now, u, self.scores, self.terms, &nt)
         out = []

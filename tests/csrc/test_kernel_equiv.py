@@ -79,7 +79,7 @@ def _both(seg, params, prompt_len, affinity, rng_u):
     return native, ref
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(slots=st.lists(slot_st, min_size=N, max_size=N), params=params_st,
        prompt_len=_small_or([0, 1, 2, 1000], st.integers(0, 2 ** 40)), affinity=affinity_st,
        rng_u=st.floats(0.0, 1.0, exclude_max=True))

@@ -64,3 +64,29 @@ def test_counting_own_dispatches_spreads_a_burst(segment):
         segment.router_inflight_add(c, 1)
         got[c] += 1
     assert dict(got) == {i: 2 for i in range(8)}
+
+
+def test_forked_child_does_not_repeat_the_parents_ties(segment):
+    """uvicorn/gunicorn-style: attach, then fork; each child must draw its own tie-breaks."""
+    import multiprocessing
+
+    _idle_workers(segment, range(8))
+    segment.seed(7)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        q.put([segment.pick(ScoringParams(), 1) for _ in range(64)])
+
+    p = ctx.Process(target=child)
+    p.start()
+    try:
+        theirs = q.get(timeout=60)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    ours = [segment.pick(ScoringParams(), 1) for _ in range(64)]
+    assert theirs != ours
+    segment.seed(7)
+    assert [segment.pick(ScoringParams(), 1) for _ in range(64)] == ours
