@@ -41,8 +41,9 @@ def stream_ttft(c: httpx.Client, prompt: str) -> float:
 
 
 def test_shared_prefix_lowers_ttft_and_counts_hits_until_evicted(engine_factory):
-    # 700 blocks x 16 = 11,200 tokens of KV; real time so TTFT is the modelled prefill (~0.15 s here)
-    c = engine_factory("--time-scale", "1", "--num-gpu-blocks", "700")
+    # 700 blocks x 16 = 11,200 tokens of KV; half real time: a 4,050-token prefill takes ~0.3 s of wall
+    # time, a cached one ~15 ms, so scheduling noise on a loaded machine cannot blur the difference
+    c = engine_factory("--time-scale", "0.5", "--num-gpu-blocks", "700")
     shared = words("s", 4000)
     m0 = metrics(c)
     ttft_a = stream_ttft(c, shared + " " + words("a", 50))
@@ -106,7 +107,7 @@ def _sse_events(raw: bytes) -> list[str]:
 
 
 def test_streaming_is_well_formed_and_starts_before_the_last_token(engine_factory):
-    c = engine_factory("--time-scale", "1")
+    c = engine_factory("--time-scale", "0.25")  # 60 tokens take >1 s: time to look at the engine mid-stream
     body = {
         "messages": [{"role": "user", "content": "tell me a story"}],
         "max_tokens": 60,
@@ -153,8 +154,8 @@ def test_completion_stream_without_usage(engine_factory):
 
 
 def test_client_disconnect_mid_stream_frees_blocks_within_one_step(engine_factory):
-    # time-scale 0.02: every step lasts >= 0.25 s of wall time, so "within one step" is observable
-    c = engine_factory("--time-scale", "0.02")
+    # time-scale 0.01: every step lasts >= 0.5 s of wall time, so "within one step" is observable
+    c = engine_factory("--time-scale", "0.01")
     with c.stream(
         "POST", "/v1/completions", json={"prompt": words("p", 40), "max_tokens": 500, "stream": True}
     ) as s:
