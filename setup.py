@@ -27,7 +27,8 @@ ext = Extension(
     "dplb_shm._native",
     sources=["csrc/dplb_native.pyx"],
     include_dirs=["csrc"],
-    depends=["csrc/dplb_shm.h", "csrc/dplb_kernel.h", "csrc/dplb_native.pxd"],
+    depends=["csrc/dplb_shm.h", "csrc/dplb_kernel.h", "csrc/dplb_native.pxd", "csrc/dplb_segment.pxi",
+             "csrc/dplb_writer.pxi"],
     define_macros=[("DPLB_SOURCE_SHA256", '"%s"' % _sources.source_hash(HERE / "csrc"))],
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", "-ffp-contract=off"],
 )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-SOURCES = ("dplb_shm.h", "dplb_kernel.h", "dplb_native.pxd", "dplb_native.pyx")
+SOURCES = ("dplb_shm.h", "dplb_kernel.h", "dplb_native.pxd", "dplb_native.pyx", "dplb_segment.pxi",
+           "dplb_writer.pxi")
 
 
 def source_hash(csrc: str | Path) -> str | None:

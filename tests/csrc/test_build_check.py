@@ -13,7 +13,9 @@ def _tree(tmp: Path, with_so: bool) -> Path:
     shutil.copytree(ROOT / "dplb_shm", tmp / "dplb_shm",
                     ignore=shutil.ignore_patterns("__pycache__", *([] if with_so else ["*.so"])))
     (tmp / "csrc").mkdir()
-    for f in ("dplb_shm.h", "dplb_kernel.h", "dplb_native.pxd", "dplb_native.pyx"):
+    from dplb_shm._sources import SOURCES
+
+    for f in SOURCES:
         shutil.copy(ROOT / "csrc" / f, tmp / "csrc" / f)
     return tmp
 
