@@ -349,6 +349,7 @@ class SimServer:
         self.config = core.config
         self.runner = runner
         self.server_load = 0  # HTTP generation requests in progress (vLLM's /load)
+        self.get_load_format = "sglang"  # or "vllm": shape of GET /get_load
         self.started = time.time()
 
     def load(self) -> _LoadGuard:

@@ -8,7 +8,8 @@
 * SGLang: ``GET /server_info`` and ``/get_server_info`` (server args + ``internal_states``),
   ``GET /model_info`` and ``/get_model_info`` (no ``model_path``: there is no hub model, and SGLang's
   router would try to download a tokenizer for one), ``GET /get_load`` → SGLang's list shape
-  ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``.
+  ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]`` (``--get-load-format vllm``:
+  ``{"load": N}``, what vllm-router's power_of_two policy reads instead).
 * Simulator: ``GET /sim/state`` (see :meth:`EngineCore.state`), ``POST /reset_prefix_cache``.
 """
 
@@ -87,6 +88,8 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.get("/get_load")
     async def get_load() -> Response:
+        if server.get_load_format == "vllm":  # vllm-router's power_of_two reads {"load": N}
+            return json_response({"load": len(core.running) + len(core.waiting)})
         return json_response(
             [
                 {
@@ -148,7 +151,7 @@ def build_peer_router(server: SimServer) -> Routes:
     @r.post("/tokenize")
     async def tokenize_ep(request: Request) -> Response:
         body = load_json(await request.body())
-        words = parse_tokenize(body, cfg.model)
+        words = parse_tokenize(body)
         return json_response(
             {
                 "count": len(words),
@@ -171,12 +174,12 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
-        p = parse_chat(load_json(await request.body()), cfg.model)
+        p = parse_chat(load_json(await request.body()), None)  # any model name
         return json_response(_render(p.prompts[0], p.max_tokens, "chatcmpl"))
 
     @r.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
-        p = parse_completion(load_json(await request.body()), cfg.model)
+        p = parse_completion(load_json(await request.body()), None)
         return json_response([_render(w, p.max_tokens, "cmpl") for w in p.prompts])
 
     @r.post("/detokenize")

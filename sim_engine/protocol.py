@@ -87,18 +87,19 @@ def _stop(v: Any, param: str = "stop") -> list[str]:
     return [s for s in v if s]
 
 
-def check_model(body: dict, served: str) -> None:
-    """Raise :class:`ModelNotFoundError` when ``model`` is given and is not the served model."""
+def check_model(body: dict, served: str | None) -> None:
+    """Raise :class:`ModelNotFoundError` when ``model`` is given and is not ``served``
+    (``served=None``: accept any name, as the tokenize/render helpers do for routers)."""
     m = body.get("model")
     if m is None:
         return
     if not isinstance(m, str):
         raise InvalidRequestError("'model' must be a string", param="model")
-    if m != served:
+    if served is not None and m != served:
         raise ModelNotFoundError(f"The model `{m}` does not exist.", param="model", code=404)
 
 
-def _common(body: dict, served: str) -> tuple[int, list[str], bool, bool]:
+def _common(body: dict, served: str | None) -> tuple[int, list[str], bool, bool]:
     check_model(body, served)
     n = _int(body, "n", 1, MAX_N) or 1
     for name, lo, hi in (
@@ -122,7 +123,7 @@ def _common(body: dict, served: str) -> tuple[int, list[str], bool, bool]:
     return n, _stop(body.get("stop")), stream, include_usage
 
 
-def parse_completion(body: dict, served: str) -> GenParams:
+def parse_completion(body: dict, served: str | None) -> GenParams:
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a token-id list or a list
     of token-id lists."""
     n, stop, stream, usage = _common(body, served)
@@ -144,7 +145,7 @@ def parse_completion(body: dict, served: str) -> GenParams:
     return GenParams(prompts, n, _int(body, "max_tokens", 1), stop, stream, usage)
 
 
-def parse_chat(body: dict, served: str) -> GenParams:
+def parse_chat(body: dict, served: str | None) -> GenParams:
     """``POST /v1/chat/completions``: ``max_completion_tokens`` wins over ``max_tokens``."""
     n, stop, stream, usage = _common(body, served)
     words = render_chat(body.get("messages"), bool(body.get("add_generation_prompt", True)))
@@ -192,12 +193,15 @@ def parse_generate(body: dict) -> GenParams:
     )
 
 
-def parse_tokenize(body: dict, served: str) -> list[str]:
-    """vLLM ``POST /tokenize``: ``prompt`` (string) or ``messages`` (chat, rendered)."""
-    check_model(body, served)
+def parse_tokenize(body: dict) -> list[str]:
+    """vLLM ``POST /tokenize``: ``prompt`` (string or list of strings, joined) or ``messages``
+    (chat, rendered). Any ``model`` name is accepted: routers call this on every worker."""
+    check_model(body, None)
     if "messages" in body:
         return render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
     p = body.get("prompt")
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        p = " ".join(p)
     if not isinstance(p, str):
         raise InvalidRequestError("'prompt' must be a string (or give 'messages')", param="prompt")
     return tokenize(p)

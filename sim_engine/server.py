@@ -56,12 +56,13 @@ def error_response(
     )
 
 
-def create_app(config: EngineConfig) -> Starlette:
+def create_app(config: EngineConfig, get_load_format: str = "sglang") -> Starlette:
     """Build the ASGI app (Starlette) for ``config``; the step loop runs for the app's lifespan.
 
     ``app.state.sim`` is the :class:`SimServer` (core, runner) — tests use it in-process."""
     core = EngineCore(config)
     sim = SimServer(core, EngineRunner(core, config.time_scale))
+    sim.get_load_format = get_load_format
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -125,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     lsn.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
+    lsn.add_argument(
+        "--get-load-format",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="Shape of GET /get_load: SGLang's list (its router's power_of_two sums num_tokens) or "
+        'vllm-router\'s {"load": N}; the two routers disagree, so pick the one in front.',
+    )
     add_engine_args(p)
     return p
 
@@ -155,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config)
+    app = create_app(config, args.get_load_format)
     ucfg = uvicorn.Config(
         app,
         host=args.host,

@@ -220,3 +220,17 @@ def test_metrics_types_are_vllms(shared_engine):
     ):
         assert f"# TYPE {name} {typ}" in text or f"# TYPE {name}_total {typ}" in text, name
     assert metrics(shared_engine)["vllm:kv_cache_usage_perc"] >= 0
+
+
+def test_get_load_vllm_format_and_lenient_render(engine_factory):
+    c = engine_factory("--get-load-format", "vllm", "--time-scale", "50")
+    assert c.get("/get_load").json() == {"load": 0}
+    # routers send their own model name to the tokenize/render helpers: accepted
+    r = c.post(
+        "/v1/chat/completions/render",
+        json={"model": "router-alias", "messages": [{"role": "user", "content": "a b"}]},
+    )
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == 5
+    assert c.post("/tokenize", json={"model": "x", "prompt": ["a b", "c"]}).json()["count"] == 3
+    # generation keeps vLLM's strictness
+    assert c.post("/v1/completions", json={"model": "router-alias", "prompt": "a"}).status_code == 404
