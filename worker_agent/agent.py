@@ -29,8 +29,8 @@ import signal
 import socket
 from typing import Any
 
-import uvicorn
 import orjson
+import uvicorn
 from fastapi import FastAPI
 from starlette.responses import Response
 
@@ -38,7 +38,13 @@ from dplb_shm import Segment, WorkerState
 
 from .adapters import EngineAdapter, build_adapter
 from .config import AgentConfig
-from .errors import AgentError, EngineExitedError, NotReadyError, QueueFullError, UpstreamError
+from .errors import (
+    AgentError,
+    EngineExitedError,
+    NotReadyError,
+    QueueFullError,
+    UpstreamError,
+)
 from .metrics import EngineMetrics
 from .nvml import GpuMemoryProbe
 from .relay import RelayApp
@@ -51,7 +57,7 @@ class _Server(uvicorn.Server):
     """uvicorn server that leaves SIGINT/SIGTERM to the agent (drain first, then shut down)."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self):  # uvicorn hook, replaced by a no-op
         yield
 
 
@@ -206,7 +212,7 @@ class Agent:
                 await loop_fn()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a state loop must outlive any single bad tick
+            except Exception:
                 log.exception("worker %d: %s failed; restarting it", self.worker_id, loop_fn.__name__)
                 await asyncio.sleep(self.cfg.state_interval_s)
 
@@ -304,7 +310,7 @@ class Agent:
                          self.inflight, self.cfg.drain_timeout_s)
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     log.warning("worker %d: drain deadline passed with %d request(s) in flight",
                                 self.worker_id, self.inflight)
         finally:

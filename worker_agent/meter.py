@@ -128,8 +128,16 @@ class RequestMeter:
         streaming: whether the response is an event stream (``text/event-stream``).
     """
 
-    __slots__ = ("start_ns", "streaming", "first_token_ns", "end_ns", "_head", "_events_after_first",
-                 "_tail", "_carry")
+    __slots__ = (
+        "_carry",
+        "_events_after_first",
+        "_head",
+        "_tail",
+        "end_ns",
+        "first_token_ns",
+        "start_ns",
+        "streaming",
+    )
 
     def __init__(self, start_ns: int, streaming: bool) -> None:
         self.start_ns = start_ns

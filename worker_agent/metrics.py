@@ -22,6 +22,7 @@ counts take the maximum across samples instead of the sum.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 class MetricNames:
     """Which gauge families of an engine give running, waiting and KV-cache usage.
 
-    ``kv_usage`` lists names in order of preference (the first present wins). ``sum_running``:
+    ``kv_usage`` lists names in order of preference (the first present wins). ``sum_counts``:
     whether samples of several label sets are summed (vLLM DP engines) or maxed (SGLang TP ranks).
     """
 
@@ -105,7 +106,7 @@ def parse_gauges(text: str, names: list[str] | tuple[str, ...]) -> dict[str, lis
 
 
 def _combine(samples: list[tuple[dict[str, str], float]], how: str) -> float:
-    values = [v for _, v in samples if v == v]  # drop NaN
+    values = [v for _, v in samples if not math.isnan(v)]
     if not values:
         return float("nan")
     return sum(values) if how == "sum" else max(values)
@@ -132,13 +133,13 @@ def parse_engine_metrics(text: str, names: MetricNames) -> EngineMetrics:
         if name not in fams:
             return None
         v = _combine(fams[name], how)
-        return None if v != v else int(round(v))
+        return None if math.isnan(v) else round(v)
 
     kv: float | None = None
     for kv_name in names.kv_usage:
         if kv_name in fams:
             v = _combine(fams[kv_name], "max")
-            if v == v:
+            if not math.isnan(v):
                 kv = min(1.0, max(0.0, v))
                 break
     return EngineMetrics(num_running=count(names.running), num_waiting=count(names.waiting), kv_cache_usage=kv)

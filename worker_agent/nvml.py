@@ -77,7 +77,7 @@ class GpuMemoryProbe:
         if self._nvml is not None and not self._failed:
             try:
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001 - shutting down a broken driver must not raise
-                pass
+            except Exception as e:  # noqa: BLE001 - shutting down a broken driver must not raise
+                log.debug("nvmlShutdown failed: %s", e)
         self._nvml = None
         self._handles = []

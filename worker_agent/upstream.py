@@ -10,8 +10,8 @@ abort the request (both watch ``request.is_disconnected()``).
 """
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable
 
 import aiohttp
 from yarl import URL

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.helpers import free_port, wait_for_port
-from tests.worker_agent.conftest import aslot_wait, slot_wait
+from tests.worker_agent.conftest import aslot_wait
 
 
 def fake_engine(procs, *args: str) -> str:

@@ -113,7 +113,7 @@ def test_heartbeat_advances_and_engine_death_marks_slot_dead(start_agent, segmen
 
 
 def test_sigterm_drains_in_flight_then_empties_slot(start_agent, segment):
-    a = start_agent(3, engine_args=SLOW, interval_ms=100, *["--drain-timeout", "60"])
+    a = start_agent(3, "--drain-timeout", "60", engine_args=SLOW, interval_ms=100)
     with a.client() as c, c.stream("POST", "/v1/completions", json=completion(8)) as r:
         it = r.iter_raw()
         first = next(it)

@@ -5,7 +5,13 @@ import sys
 
 import pytest
 
-from worker_agent.adapters import OpenAIAdapter, SglangAdapter, SimAdapter, VllmAdapter, build_adapter
+from worker_agent.adapters import (
+    OpenAIAdapter,
+    SglangAdapter,
+    SimAdapter,
+    VllmAdapter,
+    build_adapter,
+)
 from worker_agent.config import DEFAULT_MAX_NUM_SEQS, parse_args
 from worker_agent.errors import ConfigError
 
@@ -78,7 +84,7 @@ def test_sglang_command_and_environment():
     assert argv.count("--enable-metrics") == 1   # metrics are off by default in SGLang
     assert a.env_overrides() == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     assert a.metric_names is not None and a.metric_names.waiting == "sglang:num_queue_reqs"
-    a2 = build_adapter(cfg("--model", "m", engine="sglang", *["--", "--enable-metrics"]))
+    a2 = build_adapter(cfg("--model", "m", "--", "--enable-metrics", engine="sglang"))
     assert a2.command().count("--enable-metrics") == 1
 
 

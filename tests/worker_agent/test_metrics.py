@@ -4,7 +4,13 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import ROOT
-from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics, parse_gauges
+from worker_agent.metrics import (
+    SGLANG,
+    VLLM,
+    EngineMetrics,
+    parse_engine_metrics,
+    parse_gauges,
+)
 
 FIX = ROOT / "tests" / "fixtures"
 

@@ -254,7 +254,7 @@ class EngineAdapter(ABC):
                 self._signal_group(proc.pid, signal.SIGTERM)
                 try:
                     rc = await asyncio.wait_for(proc.wait(), timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     log.warning("engine %s ignored SIGTERM for %.0fs; killing it", self.name, timeout_s)
                     rc = None
             # whatever it left in its group (vLLM's EngineCore, SGLang's scheduler) goes too
