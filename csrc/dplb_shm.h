@@ -228,6 +228,8 @@ static inline int64_t dplb_realtime_ns(void) {
 static inline void dplb_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
 #endif
 }
 

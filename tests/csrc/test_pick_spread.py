@@ -5,6 +5,10 @@ import collections
 
 from dplb_shm import ScoringParams, Segment, WorkerState
 
+# heartbeats are not under test here: a generous timeout keeps a busy machine from making the
+# workers stale between set-up and picks
+PARAMS = ScoringParams(heartbeat_timeout_ms=600_000.0)
+
 
 def _idle_workers(seg: Segment, ids) -> None:
     for i in ids:
@@ -16,7 +20,7 @@ def _idle_workers(seg: Segment, ids) -> None:
 def test_identical_idle_workers_share_1000_picks(segment):
     ids = list(range(8))
     _idle_workers(segment, ids)
-    params = ScoringParams()
+    params = PARAMS
     counts = collections.Counter(segment.pick(params, 512) for _ in range(1000))
     assert set(counts) == set(ids), counts
     # Binomial(1000, 1/8): mean 125, sd 10.5; 125 +- 55 is beyond 5 sd
@@ -28,7 +32,7 @@ def test_identical_idle_workers_share_1000_picks(segment):
 def test_spread_includes_high_slots_with_gaps(segment):
     ids = [3, 9, 15]
     _idle_workers(segment, ids)
-    counts = collections.Counter(segment.pick(ScoringParams(), 0) for _ in range(1000))
+    counts = collections.Counter(segment.pick(PARAMS, 0) for _ in range(1000))
     assert set(counts) == set(ids)
     assert min(counts.values()) > 250, counts
 
@@ -38,8 +42,8 @@ def test_two_mappings_do_not_draw_the_same_ties(segment, shm_name):
     _idle_workers(segment, range(8))
     other = Segment.attach(shm_name)
     try:
-        a = [segment.pick(ScoringParams(), 1) for _ in range(64)]
-        b = [other.pick(ScoringParams(), 1) for _ in range(64)]
+        a = [segment.pick(PARAMS, 1) for _ in range(64)]
+        b = [other.pick(PARAMS, 1) for _ in range(64)]
     finally:
         other.close()
     assert a != b
@@ -48,9 +52,9 @@ def test_two_mappings_do_not_draw_the_same_ties(segment, shm_name):
 def test_seed_makes_picks_reproducible(segment):
     _idle_workers(segment, range(8))
     segment.seed(42)
-    a = [segment.pick(ScoringParams(), 1) for _ in range(50)]
+    a = [segment.pick(PARAMS, 1) for _ in range(50)]
     segment.seed(42)
-    b = [segment.pick(ScoringParams(), 1) for _ in range(50)]
+    b = [segment.pick(PARAMS, 1) for _ in range(50)]
     assert a == b and len(set(a)) > 1
 
 
@@ -60,7 +64,7 @@ def test_counting_own_dispatches_spreads_a_burst(segment):
     _idle_workers(segment, range(8))
     got = collections.Counter()
     for _ in range(16):
-        c = segment.pick(ScoringParams(), 100)
+        c = segment.pick(PARAMS, 100)
         segment.router_inflight_add(c, 1)
         got[c] += 1
     assert dict(got) == {i: 2 for i in range(8)}
@@ -76,7 +80,7 @@ def test_forked_child_does_not_repeat_the_parents_ties(segment):
     q = ctx.Queue()
 
     def child():
-        q.put([segment.pick(ScoringParams(), 1) for _ in range(64)])
+        q.put([segment.pick(PARAMS, 1) for _ in range(64)])
 
     p = ctx.Process(target=child)
     p.start()
@@ -86,7 +90,7 @@ def test_forked_child_does_not_repeat_the_parents_ties(segment):
         p.join(30)
         if p.is_alive():
             p.kill()
-    ours = [segment.pick(ScoringParams(), 1) for _ in range(64)]
+    ours = [segment.pick(PARAMS, 1) for _ in range(64)]
     assert theirs != ours
     segment.seed(7)
-    assert [segment.pick(ScoringParams(), 1) for _ in range(64)] == ours
+    assert [segment.pick(PARAMS, 1) for _ in range(64)] == ours

@@ -98,11 +98,11 @@ def test_writer_killed_mid_write_is_skipped_then_repaired(segment, shm_name):
             mm[off:off + 8] = (seq + 1).to_bytes(8, "little")  # odd: "inside a write" forever
         finally:
             mm.close()
-    assert {segment.pick(ScoringParams(), 10) for _ in range(50)} == {1}
+    assert {segment.pick(ScoringParams(heartbeat_timeout_ms=600_000.0), 10) for _ in range(50)} == {1}
     assert segment.read_slot(0).state == WorkerState.EMPTY
     w = segment.writer(0)          # the restarted agent
     w.claim(0, endpoint="/tmp/dplb-k/0.sock")
     w.set_state(WorkerState.READY)
     s = segment.read_slot(0)
     assert s.state == WorkerState.READY and s.seq % 2 == 0 and s.seq > seq
-    assert {segment.pick(ScoringParams(), 10) for _ in range(200)} == {0, 1}
+    assert {segment.pick(ScoringParams(heartbeat_timeout_ms=600_000.0), 10) for _ in range(200)} == {0, 1}
