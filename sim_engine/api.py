@@ -199,6 +199,7 @@ def build_router(server: SimServer) -> Routes:
 
     @r.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        """POST /v1/completions (vLLM/OpenAI shape); SSE when ``stream``."""
         params = parse_completion(load_json(await request.body()), model)
         gen = Generation(server, params, rid_for(request, "cmpl"))
         base = {"id": gen.rid, "object": "text_completion", "created": gen.created, "model": model}
@@ -237,6 +238,7 @@ def build_router(server: SimServer) -> Routes:
 
     @r.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        """POST /v1/chat/completions (vLLM/OpenAI shape); SSE when ``stream``."""
         params = parse_chat(load_json(await request.body()), model)
         gen = Generation(server, params, rid_for(request, "chatcmpl"))
         if params.stream:
@@ -292,6 +294,7 @@ def build_router(server: SimServer) -> Routes:
 
     @r.route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
+        """POST /generate (SGLang shape: ``text``/``input_ids``, ``sampling_params``, ``stream``)."""
         params = parse_generate(load_json(await request.body()))
         gen = Generation(server, params, params.request_id or uuid.uuid4().hex)
         t0 = time.monotonic()

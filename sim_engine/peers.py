@@ -37,14 +37,17 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.get("/health")
     async def health() -> Response:
+        """200 with an empty body once the app has started (vLLM)."""
         return Response(status_code=200)
 
     @r.get("/version")
     async def version() -> Response:
+        """``{"version"}``."""
         return json_response({"version": f"sim-{__version__}"})
 
     @r.get("/v1/models")
     async def models() -> Response:
+        """OpenAI model list with the one served model and its ``max_model_len``."""
         return json_response(
             {
                 "object": "list",
@@ -64,10 +67,12 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus text, vLLM names (see :mod:`sim_engine.metrics`)."""
         return Response(renderer.render(), media_type=CONTENT_TYPE)
 
     @r.get("/sim/state")
     async def sim_state() -> Response:
+        """:meth:`EngineCore.state` plus simulated time, wall busy/active seconds and /load."""
         st = core.state()
         st.update(
             sim_time_s=server.runner.now(),
@@ -80,14 +85,17 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
+        """Forget unreferenced cached blocks; ``{"reset_blocks": n}``."""
         return json_response({"reset_blocks": core.kv.reset_prefix_cache()})
 
     @r.get("/load")
     async def load() -> Response:
+        """vLLM ``{"server_load": N}``: generation requests in progress."""
         return json_response({"server_load": server.server_load})
 
     @r.get("/get_load")
     async def get_load() -> Response:
+        """SGLang list shape (or ``{"load": N}`` with ``--get-load-format vllm``)."""
         if server.get_load_format == "vllm":  # vllm-router's power_of_two reads {"load": N}
             return json_response({"load": len(core.running) + len(core.waiting)})
         return json_response(
@@ -150,6 +158,7 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.post("/tokenize")
     async def tokenize_ep(request: Request) -> Response:
+        """vLLM ``{"count", "max_model_len", "tokens", "token_strs"}``."""
         body = load_json(await request.body())
         words = parse_tokenize(body)
         return json_response(
@@ -174,16 +183,19 @@ def build_peer_router(server: SimServer) -> Routes:
 
     @r.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
+        """vLLM chat render: the rendered prompt's ``token_ids`` (nothing is run)."""
         p = parse_chat(load_json(await request.body()), None)  # any model name
         return json_response(_render(p.prompts[0], p.max_tokens, "chatcmpl"))
 
     @r.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
+        """vLLM completions render: one ``{"token_ids", ...}`` per prompt."""
         p = parse_completion(load_json(await request.body()), None)
         return json_response([_render(w, p.max_tokens, "cmpl") for w in p.prompts])
 
     @r.post("/detokenize")
     async def detokenize(request: Request) -> Response:
+        """Ids cannot be inverted (crc32 of words): ``<id>`` placeholders."""
         body = load_json(await request.body())
         check_model(body, cfg.model)
         toks = body.get("tokens")
