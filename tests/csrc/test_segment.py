@@ -271,3 +271,20 @@ def test_count_only_window_and_mirrored_summaries_do_not_expire(segment):
     assert (segment.read_slot(2).ttft_ms, segment.read_slot(2).ttft_p99_ms) == (30.0, 90.0)
     with pytest.raises(SlotFieldError):
         segment.writer(3, latency_window_s=-1)
+
+
+def test_snapshot_dict_round_trip(segment):
+    from dplb_shm import WorkerSnapshot
+
+    w = segment.writer(4)
+    w.claim(4, endpoint="[::1]:8004", gpu_ids=[2, 3], model="m")
+    w.publish(state=WorkerState.DRAINING, num_waiting=2)
+    w.record_request(700)
+    s = segment.read_slot(4)
+    d = s.to_dict()
+    assert d["state"] == "draining" and d["endpoint"] == "[::1]:8004" and d["gpu_ids"] == [2, 3]
+    assert WorkerSnapshot.from_dict(d) == s
+    with pytest.raises(SlotFieldError):
+        WorkerSnapshot.from_dict(dict(d, state="sleepy"))
+    with pytest.raises(SlotFieldError):
+        WorkerSnapshot.from_dict({"state": "ready"})
