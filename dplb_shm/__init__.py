@@ -13,9 +13,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from dplb_shm._sources import source_hash
-from dplb_shm.errors import (LayoutMismatchError, NativeBuildError, SegmentClosedError, SegmentError,
-                             SegmentExistsError, SegmentNotFoundError, SlotFieldError, SlotIndexError)
-from dplb_shm.types import Circuit, ScoreTerms, ScoringParams, WorkerSnapshot, WorkerState
+from dplb_shm.errors import (
+    LayoutMismatchError,
+    NativeBuildError,
+    SegmentClosedError,
+    SegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SlotFieldError,
+    SlotIndexError,
+)
+from dplb_shm.types import (
+    Circuit,
+    ScoreTerms,
+    ScoringParams,
+    WorkerSnapshot,
+    WorkerState,
+)
 
 try:
     from dplb_shm import _native
@@ -67,8 +81,25 @@ def unlink(name: str, missing_ok: bool = False) -> bool:
 
 
 __all__ = [
-    "Segment", "SlotWriter", "WorkerSnapshot", "WorkerState", "Circuit", "ScoringParams", "ScoreTerms",
-    "LAYOUT_VERSION", "MAGIC", "DEFAULT_NUM_SLOTS", "SegmentError", "SegmentExistsError",
-    "SegmentNotFoundError", "LayoutMismatchError", "SegmentClosedError", "SlotIndexError",
-    "SlotFieldError", "NativeBuildError", "default_name", "unlink", "now_ns",
+    "DEFAULT_NUM_SLOTS",
+    "LAYOUT_VERSION",
+    "MAGIC",
+    "Circuit",
+    "LayoutMismatchError",
+    "NativeBuildError",
+    "ScoreTerms",
+    "ScoringParams",
+    "Segment",
+    "SegmentClosedError",
+    "SegmentError",
+    "SegmentExistsError",
+    "SegmentNotFoundError",
+    "SlotFieldError",
+    "SlotIndexError",
+    "SlotWriter",
+    "WorkerSnapshot",
+    "WorkerState",
+    "default_name",
+    "now_ns",
+    "unlink",
 ]

@@ -13,8 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dplb_shm import (DEFAULT_NUM_SLOTS, LAYOUT_VERSION, LayoutMismatchError, Segment, SegmentError,
-                      WorkerState, default_name, unlink)
+from dplb_shm import (
+    DEFAULT_NUM_SLOTS,
+    LAYOUT_VERSION,
+    LayoutMismatchError,
+    Segment,
+    SegmentError,
+    WorkerState,
+    default_name,
+    unlink,
+)
 from dplb_shm.discover import list_segments
 
 

@@ -20,7 +20,13 @@ import time
 
 import orjson
 
-from dplb_shm import LAYOUT_VERSION, LayoutMismatchError, Segment, SegmentError, WorkerSnapshot, WorkerState
+from dplb_shm import (
+    LayoutMismatchError,
+    Segment,
+    SegmentError,
+    WorkerSnapshot,
+    WorkerState,
+)
 from dplb_shm.discover import list_segments
 
 COLUMNS = ("id", "state", "pid", "hb_age_ms", "run", "wait", "infl", "r_infl", "kv%", "mem_gb",

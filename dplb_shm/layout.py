@@ -90,7 +90,7 @@ class Slot(ctypes.Structure):
 
 def field_table(struct: type[ctypes.Structure]) -> dict[str, tuple[int, int]]:
     """``{field: (offset, size)}`` in bytes, as ctypes lays ``struct`` out."""
-    return {name: (getattr(struct, name).offset, getattr(struct, name).size) for name, _ in struct._fields_}
+    return {f[0]: (getattr(struct, f[0]).offset, getattr(struct, f[0]).size) for f in struct._fields_}
 
 
 def slot_offset(i: int) -> int:

@@ -21,9 +21,15 @@ Ties (score >= best - 1e-9) break by ``ties[int(rng_u * len(ties))]`` in slot or
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from dplb_shm.types import Circuit, ScoreTerms, ScoringParams, WorkerSnapshot, WorkerState
+from dplb_shm.types import (
+    Circuit,
+    ScoreTerms,
+    ScoringParams,
+    WorkerSnapshot,
+    WorkerState,
+)
 
 TIE_EPS = 1e-9
 DEFAULT_MAX_QUEUE = 256  # vLLM EngineArgs default max_num_seqs
@@ -75,7 +81,7 @@ def score_terms(s: WorkerSnapshot, params: ScoringParams, prompt_len: int, affin
         mq = float(s.max_num_seqs) if s.max_num_seqs > 0 else float(DEFAULT_MAX_QUEUE)
     x = min(1.0, max(0.0, pending / mq))
     pending_term = params.w_pending * (1.0 - x)
-    kv = 0.0 if s.kv_cache_usage < 0.0 else s.kv_cache_usage
+    kv = max(s.kv_cache_usage, 0.0)
     kv_term = params.w_kv * (1.0 - kv)
     lat = 1.0 if s.ttft_ms < 0.0 else 1.0 / (1.0 + s.ttft_ms / params.latency_scale_ms)
     latency_term = params.w_latency * lat

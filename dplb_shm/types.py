@@ -83,7 +83,7 @@ class WorkerSnapshot:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WorkerSnapshot":
+    def from_dict(cls, d: dict[str, Any]) -> WorkerSnapshot:
         """Inverse of :meth:`to_dict` (e.g. a remote agent's ``/dplb/state``).
 
         Raises :class:`SlotFieldError` on an unknown state or a missing field.
@@ -91,7 +91,7 @@ class WorkerSnapshot:
         kw = dict(d)
         st = kw.get("state")
         try:
-            kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))
+            kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as e:
             raise SlotFieldError(f"unknown worker state {st!r}", field="state") from e
         names = {f for f in cls.__dataclass_fields__}
@@ -168,4 +168,4 @@ class ScoreTerms:
         return asdict(self)
 
 
-__all__ = ["WorkerState", "Circuit", "WorkerSnapshot", "ScoringParams", "ScoreTerms"]
+__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "WorkerSnapshot", "WorkerState"]

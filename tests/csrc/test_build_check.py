@@ -24,7 +24,8 @@ def _import(tmp: Path) -> subprocess.CompletedProcess:
     # drop the editable-install finder, which would map dplb_shm._native back to the source tree
     code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
             "import dplb_shm; print(dplb_shm.__file__)")
-    return subprocess.run([sys.executable, "-c", code], cwd=str(tmp), capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", code], cwd=str(tmp), capture_output=True, text=True, timeout=60,
+                          check=False)
 
 
 def test_fresh_build_imports(tmp_path):

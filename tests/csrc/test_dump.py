@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 
 def _run(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", *args], cwd=str(ROOT), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def _fill(seg):
@@ -102,7 +102,8 @@ def test_missing_segment_exit_1(shm_name):
 
 
 def test_discovery_finds_segments_by_magic(tmp_path, segment, shm_name):
-    seg_bytes = open(f"/dev/shm/{shm_name}", "rb").read(64)
+    with open(f"/dev/shm/{shm_name}", "rb") as f:
+        seg_bytes = f.read(64)
     (tmp_path / "dplb-a").write_bytes(seg_bytes)
     (tmp_path / "other").write_bytes(b"\0" * 64)
     (tmp_path / "tiny").write_bytes(b"DP")

@@ -6,9 +6,19 @@ import stat
 
 import pytest
 
-from dplb_shm import (LAYOUT_VERSION, LayoutMismatchError, ScoringParams, Segment, SegmentClosedError,
-                      SegmentExistsError, SegmentNotFoundError, SlotFieldError, SlotIndexError,
-                      WorkerState, now_ns)
+from dplb_shm import (
+    LAYOUT_VERSION,
+    LayoutMismatchError,
+    ScoringParams,
+    Segment,
+    SegmentClosedError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SlotFieldError,
+    SlotIndexError,
+    WorkerState,
+    now_ns,
+)
 
 
 def test_create_mode_0600_and_unlink_leaves_nothing(shm_name):
