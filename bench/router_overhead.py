@@ -158,7 +158,7 @@ def closed_loop(port: int, conns: int, seconds: float) -> int:
 def pct(xs: list[float], p: float) -> float:
     """Nearest-rank percentile (p in 0..100)."""
     ys = sorted(xs)
-    return ys[min(len(ys) - 1, max(0, int(round(p / 100.0 * len(ys) + 0.5)) - 1))]
+    return ys[min(len(ys) - 1, max(0, round(p / 100.0 * len(ys) + 0.5) - 1))]
 
 
 # ---------------------------------------------------------------------------------------- main

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from router.config import POLICIES, load_config
 from router.errors import ConfigError
@@ -48,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    common = dict(host=cfg.router.host, port=cfg.router.port, loop="uvloop", http="httptools",
-                  log_level=cfg.router.log_level, access_log=False, server_header=False,
-                  timeout_keep_alive=30, backlog=4096, date_header=False)
+    common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",
+                              "http": "httptools", "log_level": cfg.router.log_level, "access_log": False,
+                              "server_header": False, "date_header": False, "timeout_keep_alive": 30,
+                              "backlog": 4096, "timeout_graceful_shutdown": 10}
     if cfg.router.workers > 1:
         from router.app import CONFIG_ENV
 

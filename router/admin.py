@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from router.config import BackendServer
 from router.errors import BadRequest, Forbidden, NotFound, Unauthorized
@@ -107,7 +108,7 @@ def admin_router(state: Any) -> APIRouter:
             raise BadRequest("body must be a JSON object")
         try:
             spec = BackendServer.model_validate(d)
-        except Exception as e:  # pydantic ValidationError
+        except ValidationError as e:
             raise BadRequest(f"invalid worker: {e}", param="endpoint") from None
         if not spec.endpoint:
             raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import time
@@ -24,7 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import AdminStore, admin_router
 from router.config import Config, config_from_json
-from router.errors import BadRequest, NoEligibleWorker, RouterError, Unauthorized, error_body
+from router.errors import (
+    BadRequest,
+    NoEligibleWorker,
+    RouterError,
+    Unauthorized,
+    error_body,
+)
 from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.mirror import MirrorManager
@@ -64,6 +71,7 @@ class RouterState:
         self.cfg = cfg
         self.seg = seg
         self._own_seg = seg is None
+        self._router_lock: int | None = None
         self.metrics = Metrics()
         self.started = int(time.time())
         self.proxy: Proxy | None = None
@@ -75,6 +83,7 @@ class RouterState:
         cfg = self.cfg
         if self.seg is None:
             self.seg = await asyncio.get_running_loop().run_in_executor(None, attach_segment, cfg.shm_name)
+            self._hold_router_lock()
         rp = cfg.routing_policy
         self.params = ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
                                     w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
@@ -98,11 +107,33 @@ class RouterState:
         self.monitor.start()
         self.proxy = Proxy(self)
 
+    def _hold_router_lock(self) -> None:
+        """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life. The first
+        router process of a deployment (no other one holds the lock) first zeroes every slot's
+        router in-flight count: a router killed with requests in flight never released their
+        leases, and the counts it left would make those workers look busy forever (issue 8,
+        scenario 9). Later processes (``--workers k``) only take the shared lock."""
+        os.makedirs(self.cfg.state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(self.cfg.state_dir, "routers.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # another router process is alive: its counts are real
+        else:
+            for snap in self.seg.snapshot():
+                if snap.router_inflight:
+                    self.seg.router_inflight_add(snap.worker_id, -int(snap.router_inflight))
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._router_lock = fd
+
     async def stop(self) -> None:
         """Stop background work, close pools, release mirror slots, detach."""
         await self.monitor.stop()
         self.mirrors.close()
         await self.transport.close()
+        if self._router_lock is not None:
+            os.close(self._router_lock)
+            self._router_lock = None
         if self._own_seg and self.seg is not None:
             self.seg.close()
 
@@ -216,11 +247,11 @@ def build_fastapi(state: RouterState) -> FastAPI:
         path = request.query_params.get("path", "/v1/chat/completions")
         try:
             info = parse_request(path, body, True)
-        except BadRequest as e:
+        except BadRequest:
             if path == "/v1/chat/completions" and b'"prompt"' in body:
                 info = parse_request("/v1/completions", body, True)
             else:
-                raise e
+                raise
         state.monitor.sync_if_changed()
         h, d = state.scheduler.decide(info, explain=True)
         return _json({"worker_id": d.worker_id, "policy": state.policy.name, "reason": d.reason,

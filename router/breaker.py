@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 STATE_NAMES = {CLOSED: "closed", OPEN: "open", HALF_OPEN: "half_open"}
@@ -29,8 +29,18 @@ class CircuitBreaker:
     ``clock`` returns seconds (monotonic); injectable for tests. ``on_change(state)`` is called on
     every transition."""
 
-    __slots__ = ("threshold", "minimum", "open_time_s", "clock", "on_change", "state", "_window",
-                 "_failures", "_opened_at", "_probe_out")
+    __slots__ = (
+        "_failures",
+        "_opened_at",
+        "_probe_out",
+        "_window",
+        "clock",
+        "minimum",
+        "on_change",
+        "open_time_s",
+        "state",
+        "threshold",
+    )
 
     def __init__(self, failure_rate_threshold: float = 0.15, minimum_requests: int = 20, window_size: int = 100,
                  open_time_s: float = 5.0, clock: Callable[[], float] = time.monotonic,

@@ -14,6 +14,7 @@ Example (see ``dplb.example.yaml`` at the repository root for every field)::
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from router.errors import ConfigError
 
+#: a host name, an IPv4 literal or an IPv6 literal (bare or in brackets)
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*")
 POLICIES = ("dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware")
 
 
@@ -33,17 +36,17 @@ class RouterSection(_Strict):
     """Process-level settings of the router (network, auth, limits)."""
 
     host: str = "0.0.0.0"
-    port: int = Field(30000, ge=1, le=65535)
+    port: int = Field(default=30000, ge=1, le=65535)
     shm: str | None = None  # default: "dplb-<port>" (docs/INTERFACES.md)
-    workers: int = Field(1, ge=1, le=64, description="router processes sharing the segment")
+    workers: int = Field(default=1, ge=1, le=64, description="router processes sharing the segment")
     admin_token: str | None = None
     admin_loopback_only: bool = True
     api_key: str | None = None
     # 64 MiB: a 128k-token prompt is ~0.5 MB of text; chat bodies with images can be tens of MB.
-    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    connect_timeout_s: float = Field(2.0, gt=0)
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
     # time until the worker sends its response headers (non-streamed completions arrive whole)
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     state_dir: str | None = None  # admin state shared by router processes; default /tmp/dplb-router-<port>
 
@@ -61,7 +64,7 @@ class BackendServer(_Strict):
 
     endpoint: str | None = None
     gpu_ids: list[int] = Field(default_factory=list)
-    weight: float = Field(1.0, gt=0, le=100)
+    weight: float = Field(default=1.0, gt=0, le=100)
     model: str | None = None
 
     @field_validator("endpoint")
@@ -76,18 +79,20 @@ class BackendServer(_Strict):
         if v.startswith("/"):
             return v
         host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("expected host:port or an absolute Unix socket path")
+        # the host must be a name or an IP literal: this refuses other schemes (ftp://, gopher://,
+        # file:...), credentials (user@host) and paths, so the admin API cannot aim the router elsewhere
+        if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("expected host:port (http:// optional) or an absolute Unix socket path")
         return v
 
 
 class HealthCheck(_Strict):
     """Active probes of ``GET /health`` on every worker (DESIGN.md: 200 ms / 50 ms / 3 failures)."""
 
-    interval_ms: int = Field(200, ge=10)
-    timeout_ms: int = Field(50, ge=1)
-    max_failures: int = Field(3, ge=1)
-    heartbeat_timeout_ms: int = Field(1000, ge=50)
+    interval_ms: int = Field(default=200, ge=10)
+    timeout_ms: int = Field(default=50, ge=1)
+    max_failures: int = Field(default=3, ge=1)
+    heartbeat_timeout_ms: int = Field(default=1000, ge=50)
     enabled: bool = True
 
 
@@ -95,59 +100,59 @@ class RoutingPolicy(_Strict):
     """Policy choice and its parameters. Weights are those of DESIGN.md's score formula."""
 
     policy: Literal["dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"] = "dplb"
-    w_pending: float = Field(0.4, ge=0)
-    w_kv: float = Field(0.3, ge=0)
-    w_latency: float = Field(0.2, ge=0)
-    w_length: float = Field(0.1, ge=0)
+    w_pending: float = Field(default=0.4, ge=0)
+    w_kv: float = Field(default=0.3, ge=0)
+    w_latency: float = Field(default=0.2, ge=0)
+    w_length: float = Field(default=0.1, ge=0)
     enable_length_compatibility: bool = True
-    latency_window_sec: float = Field(10.0, gt=0)
-    latency_scale_ms: float = Field(100.0, gt=0)
-    kv_cache_threshold: float = Field(0.8, gt=0, le=1)
-    max_queue: int = Field(0, ge=0, description="0: each slot's max_num_seqs")
+    latency_window_sec: float = Field(default=10.0, gt=0)
+    latency_scale_ms: float = Field(default=100.0, gt=0)
+    kv_cache_threshold: float = Field(default=0.8, gt=0, le=1)
+    max_queue: int = Field(default=0, ge=0, description="0: each slot's max_num_seqs")
     # prefix affinity (dplb): bonus = w_affinity * matched fraction of the prompt
-    w_affinity: float = Field(0.3, ge=0)
+    w_affinity: float = Field(default=0.3, ge=0)
     # the bonus fades to 0 once the affine worker has this many more pending requests than the least loaded
-    affinity_max_imbalance: float = Field(16.0, gt=0)
+    affinity_max_imbalance: float = Field(default=16.0, gt=0)
     # cache_aware: SGLang router's published defaults (sglang-router 0.3.x launch_router:
     # cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5)
-    cache_threshold: float = Field(0.3, ge=0, le=1)
-    balance_abs_threshold: int = Field(64, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1)
+    cache_threshold: float = Field(default=0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(default=64, ge=0)
+    balance_rel_threshold: float = Field(default=1.5, ge=1)
     # approximate prefix index: prompt text cut in chunks of this many characters (~16 tokens)
-    prefix_chunk_chars: int = Field(64, ge=4)
-    prefix_max_chunks: int = Field(2048, ge=1)
-    prefix_index_max_entries: int = Field(500_000, ge=16)
+    prefix_chunk_chars: int = Field(default=64, ge=4)
+    prefix_max_chunks: int = Field(default=2048, ge=1)
+    prefix_index_max_entries: int = Field(default=200_000, ge=16)  # ~50 MB; 12.8M chars of prompt history
 
 
 class CircuitBreaker(_Strict):
     """Per-worker breaker over a sliding window of the last requests (only connect errors,
     timeouts and 5xx count as failures)."""
 
-    failure_rate_threshold: float = Field(0.15, gt=0, le=1)
-    minimum_requests: int = Field(20, ge=1)
-    window_size: int = Field(100, ge=1)
-    open_time_s: float = Field(5.0, gt=0)
+    failure_rate_threshold: float = Field(default=0.15, gt=0, le=1)
+    minimum_requests: int = Field(default=20, ge=1)
+    window_size: int = Field(default=100, ge=1)
+    open_time_s: float = Field(default=5.0, gt=0)
     enabled: bool = True
 
 
 class Retries(_Strict):
     """Retries before the first response byte, with jittered exponential backoff."""
 
-    max_attempts: int = Field(3, ge=1, le=16)
-    backoff_base_ms: float = Field(5.0, ge=0)
-    backoff_max_ms: float = Field(200.0, ge=0)
+    max_attempts: int = Field(default=3, ge=1, le=16)
+    backoff_base_ms: float = Field(default=5.0, ge=0)
+    backoff_max_ms: float = Field(default=200.0, ge=0)
     retry_on_status: list[int] = Field(default_factory=lambda: [429, 500, 502, 503, 504])
 
 
 class Config(_Strict):
     """Whole router configuration (the ``dplb.yaml`` file)."""
 
-    router: RouterSection = Field(default_factory=RouterSection)
+    router: RouterSection = Field(default_factory=lambda: RouterSection())
     backend_servers: list[BackendServer] = Field(default_factory=list)
-    health_check: HealthCheck = Field(default_factory=HealthCheck)
-    routing_policy: RoutingPolicy = Field(default_factory=RoutingPolicy)
-    circuit_breaker: CircuitBreaker = Field(default_factory=CircuitBreaker)
-    retries: Retries = Field(default_factory=Retries)
+    health_check: HealthCheck = Field(default_factory=lambda: HealthCheck())
+    routing_policy: RoutingPolicy = Field(default_factory=lambda: RoutingPolicy())
+    circuit_breaker: CircuitBreaker = Field(default_factory=lambda: CircuitBreaker())
+    retries: Retries = Field(default_factory=lambda: Retries())
 
     @property
     def shm_name(self) -> str:

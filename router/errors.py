@@ -8,6 +8,7 @@ Tree (HTTP status in brackets; the mapping happens only at the edge, in :func:`e
     ├── Forbidden           [403]       admin call from a non-loopback client
     ├── NotFound            [404]       unknown model, unknown worker id, unknown path
     ├── BodyTooLarge        [413]       request body above ``max_body_bytes``
+    ├── UnsupportedMediaType [415]      a Content-Type other than application/json
     ├── NoEligibleWorker    [503]       no ready worker can take the request (Retry-After)
     ├── UpstreamError       [502]       every attempt failed before the first byte
     └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
@@ -74,6 +75,14 @@ class BodyTooLarge(RouterError):
     """Body larger than the configured ``max_body_bytes`` (413)."""
 
     status = 413
+    type = "invalid_request_error"
+
+
+class UnsupportedMediaType(RouterError):
+    """The request names a Content-Type other than ``application/json`` (415), as vLLM's OpenAI
+    server answers (``vllm/entrypoints/utils.py``: ``validate_json_request``)."""
+
+    status = 415
     type = "invalid_request_error"
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from router.errors import TransportError
 from router.transport import Transport
@@ -59,7 +60,7 @@ class HealthMonitor:
             ok = status == 200
         except TransportError:
             ok = False
-        except Exception:  # noqa: BLE001 - a probe must never kill the loop
+        except Exception:
             log.exception("probe of worker %d failed unexpectedly", h.worker_id)
             ok = False
         if ok:
@@ -80,7 +81,7 @@ class HealthMonitor:
         for fn in self.extra:
             try:
                 await fn()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("health tick extra failed")
         handles = list(self.registry.handles.values())
         if self.probes and handles:
@@ -103,7 +104,7 @@ class HealthMonitor:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("health tick failed")
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - t0)))
 
@@ -118,6 +119,6 @@ class HealthMonitor:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001, S110 - we are stopping it
                 pass
             self._task = None

@@ -125,8 +125,8 @@ class MirrorManager:
         for w in self.writers.values():
             try:
                 w.release()
-            except Exception:  # noqa: BLE001 - segment may already be closed
-                pass
+            except Exception as e:  # noqa: BLE001 - segment may already be closed
+                log.debug("releasing a mirror slot failed: %s", e)
         self.writers.clear()
         if self._lock_fd is not None:
             os.close(self._lock_fd)

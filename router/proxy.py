@@ -24,8 +24,17 @@ import time
 import uuid
 from typing import Any
 
-from router.errors import (BodyTooLarge, NoEligibleWorker, NotFound, RouterError, TransportError,
-                           Unauthorized, UpstreamError, error_body, sse_error_event)
+from router.errors import (
+    BodyTooLarge,
+    NoEligibleWorker,
+    NotFound,
+    RouterError,
+    TransportError,
+    Unauthorized,
+    UnsupportedMediaType,
+    UpstreamError,
+    sse_error_event,
+)
 from router.parsing import parse_request
 from router.transport import HOP_BY_HOP
 
@@ -103,8 +112,11 @@ class Proxy:
         rid: bytes | None = None
         declared = None
         auth = None
+        ctype = None
         fwd: list[tuple[str, str]] = []
         for k, v in scope["headers"]:
+            if k == b"content-type":
+                ctype = v
             if k == b"content-length":
                 try:
                     declared = int(v)
@@ -125,6 +137,10 @@ class Proxy:
         try:
             if self.api_key is not None and auth != self.api_key:
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+            if ctype is not None and ctype.split(b";", 1)[0].strip().lower() != b"application/json":
+                # a body sent as a form or text (curl -d, a misconfigured client); no header at all is accepted
+                raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
+                                           "as JSON with 'Content-Type: application/json'")
             body = await read_body(receive, self.limit, declared)
             info = parse_request(path, body, self.needs_text)
             st = self.state
@@ -176,7 +192,7 @@ class Proxy:
                 if delay > 0:
                     await asyncio.sleep(delay)
             try:
-                lease, dec = st.scheduler.select(info, tried)
+                lease, _ = st.scheduler.select(info, tried)
             except NoEligibleWorker as e:
                 if last is None:
                     await send_error(send, e, rid)

@@ -27,7 +27,7 @@ from router.workers import Registry, WorkerHandle
 class Lease:
     """In-flight accounting for one dispatched request on ``handle``; release exactly once."""
 
-    __slots__ = ("handle", "_seg", "_metrics", "_released")
+    __slots__ = ("_metrics", "_released", "_seg", "handle")
 
     def __init__(self, handle: WorkerHandle, seg: Any, metrics: Metrics | None) -> None:
         self.handle = handle

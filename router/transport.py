@@ -18,7 +18,8 @@ aiohttp objects.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import aiohttp
 
@@ -43,12 +44,14 @@ def endpoint_url(endpoint: str) -> str:
 class Upstream:
     """A worker's response after its head arrived. ``status`` int; ``headers``: list of
     (name, value) bytes pairs without hop-by-hop ones (names lower-case); ``is_stream``: SSE or
-    chunked without length. Call :meth:`release` exactly once (``read`` does it for you)."""
+    chunked without length. Call :meth:`release` exactly once (``read`` does it for you).
+    ``on_done`` is called once, when the response is released (the transport's in-use count)."""
 
-    __slots__ = ("_resp", "status", "headers", "is_stream", "endpoint")
+    __slots__ = ("_on_done", "_resp", "endpoint", "headers", "is_stream", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, endpoint: str) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, endpoint: str, on_done: Callable[[], None] | None = None) -> None:
         self._resp = resp
+        self._on_done = on_done
         self.endpoint = endpoint
         self.status = resp.status
         hs = []
@@ -70,7 +73,7 @@ class Upstream:
         """The whole body; raises TransportError(stream_broken / timeout); releases the connection."""
         try:
             return await self._resp.read()
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
             self._resp.close()
             raise TransportError("timeout", self.endpoint, repr(e)) from None
         except (aiohttp.ClientError, ConnectionError) as e:
@@ -78,6 +81,12 @@ class Upstream:
             raise TransportError("stream_broken", self.endpoint, repr(e)) from None
         finally:
             self._resp.release()
+            self._done()
+
+    def _done(self) -> None:
+        cb, self._on_done = self._on_done, None
+        if cb is not None:
+            cb()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (no re-framing); raises TransportError on a broken stream."""
@@ -90,7 +99,7 @@ class Upstream:
                         continue
                     return
                 yield chunk
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
             self._resp.close()
             raise TransportError("timeout", self.endpoint, repr(e)) from None
         except (aiohttp.ClientError, ConnectionError) as e:
@@ -108,6 +117,7 @@ class Upstream:
             self._resp.close()
         else:
             self._resp.release()
+        self._done()
 
 
 class Transport:
@@ -123,6 +133,10 @@ class Transport:
                                              sock_read=read_timeout_s)
         self.limit = limit_per_endpoint
         self._sessions: dict[str, tuple[aiohttp.ClientSession, str]] = {}
+        # responses not yet released, per session; sessions of departed workers close when theirs hit 0
+        self._active: dict[int, int] = {}
+        self._retired: dict[int, aiohttp.ClientSession] = {}
+        self._closing: set[asyncio.Task] = set()
 
     def _session(self, endpoint: str) -> tuple[aiohttp.ClientSession, str]:
         s = self._sessions.get(endpoint)
@@ -144,20 +158,34 @@ class Transport:
         ``timeout_s`` overrides the read timeout (health probes). Raises TransportError
         (``connect`` or ``timeout``)."""
         sess, base = self._session(endpoint)
-        kw = {}
+        kw: dict[str, Any] = {}
         if timeout_s is not None:
             kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s)
         try:
             resp = await sess.request(method, base + path, data=body, headers=list(headers),
                                       allow_redirects=False, compress=None, **kw)
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
             raise TransportError("timeout", endpoint, repr(e)) from None
         except (aiohttp.ClientError, ConnectionError, OSError) as e:
             err = TransportError("connect", endpoint, repr(e))
             # nothing listens (socket file gone, port closed): the worker is down, not slow
             err.refused = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError))
             raise err from None
-        return Upstream(resp, endpoint)
+        key = id(sess)
+        self._active[key] = self._active.get(key, 0) + 1
+        return Upstream(resp, endpoint, lambda: self._finished(key))
+
+    def _finished(self, key: int) -> None:
+        n = self._active.get(key, 1) - 1
+        if n > 0:
+            self._active[key] = n
+            return
+        self._active.pop(key, None)
+        sess = self._retired.pop(key, None)
+        if sess is not None:
+            t = asyncio.get_running_loop().create_task(sess.close())
+            self._closing.add(t)
+            t.add_done_callback(self._closing.discard)
 
     async def get(self, endpoint: str, path: str, timeout_s: float) -> tuple[int, bytes]:
         """Small GET for probes and state mirroring: (status, body). Raises TransportError."""
@@ -171,13 +199,20 @@ class Transport:
         return up.status, body
 
     async def forget(self, endpoint: str) -> None:
-        """Close the pool of a worker that left."""
+        """Close the pool of a worker that left (removed, restarted, gone). Requests still in flight
+        on it keep their connections: the pool closes when the last of them is released (closing it
+        under a live stream would cut — or hang — a request the worker is still answering)."""
         s = self._sessions.pop(endpoint, None)
-        if s is not None:
+        if s is None:
+            return
+        if self._active.get(id(s[0])):
+            self._retired[id(s[0])] = s[0]
+        else:
             await s[0].close()
 
     async def close(self) -> None:
         """Close every pooled connection."""
         sessions, self._sessions = list(self._sessions.values()), {}
-        for s, _ in sessions:
+        retired, self._retired = list(self._retired.values()), {}
+        for s in [x for x, _ in sessions] + retired:
             await s.close()

@@ -12,7 +12,8 @@ drained or removed by an admin, its breaker lets requests through, it serves the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from router.breaker import CLOSED, CircuitBreaker
 from router.config import Config
@@ -24,8 +25,19 @@ DRAINING = 3
 class WorkerHandle:
     """Router-local state of one worker (slot ``worker_id``)."""
 
-    __slots__ = ("worker_id", "endpoint", "model", "breaker", "probe_failures", "probe_ok", "drained",
-                 "local_inflight", "snap", "mirror", "pid")
+    __slots__ = (
+        "breaker",
+        "drained",
+        "endpoint",
+        "local_inflight",
+        "mirror",
+        "model",
+        "pid",
+        "probe_failures",
+        "probe_ok",
+        "snap",
+        "worker_id",
+    )
 
     def __init__(self, worker_id: int, endpoint: str, model: str, breaker: CircuitBreaker, pid: int = 0) -> None:
         self.worker_id = worker_id

@@ -289,7 +289,7 @@ class FakeHandle:
     worker_id: int
     endpoint: str
 
-    def client(self) -> "FakeClient":
+    def client(self) -> FakeClient:
         return FakeClient(self.endpoint)
 
 
@@ -343,7 +343,7 @@ def start_fake(procs: Any, shm: str | None, worker_id: int, run_dir: str, *args:
 
 
 def start_router(procs: Any, shm: str, run_dir: str, config: dict[str, Any] | None = None, *args: str,
-                 ready_workers: int = 1, timeout: float = 30.0) -> str:
+                 ready_workers: int = 1, timeout: float = 60.0) -> str:
     """Start ``python -m router`` on a free loopback port with ``config`` (a dplb.yaml as a dict)
     and wait until ``/dplb/status`` lists ``ready_workers`` eligible workers; returns the base URL."""
     import httpx

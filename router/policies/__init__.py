@@ -22,8 +22,20 @@ from router.policies.random import RandomPolicy
 from router.policies.round_robin import RoundRobinPolicy
 from router.policies.shortest_queue import ShortestQueuePolicy
 
-__all__ = ["Decision", "Policy", "RequestInfo", "pending", "build_policy", "PrefixIndex", "CacheAwarePolicy",
-           "DplbPolicy", "PowerOfTwoPolicy", "RandomPolicy", "RoundRobinPolicy", "ShortestQueuePolicy"]
+__all__ = [
+    "CacheAwarePolicy",
+    "Decision",
+    "DplbPolicy",
+    "Policy",
+    "PowerOfTwoPolicy",
+    "PrefixIndex",
+    "RandomPolicy",
+    "RequestInfo",
+    "RoundRobinPolicy",
+    "ShortestQueuePolicy",
+    "build_policy",
+    "pending",
+]
 
 
 def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng=None) -> Policy:
@@ -45,8 +57,9 @@ def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng
     if name == "cache_aware":
         return CacheAwarePolicy(rp.cache_threshold, rp.balance_abs_threshold, rp.balance_rel_threshold,
                                 index(), rng=rng)
-    simple = {"round_robin": RoundRobinPolicy, "random": RandomPolicy, "shortest_queue": ShortestQueuePolicy,
+    simple: dict[str, Any] = {"round_robin": RoundRobinPolicy, "random": RandomPolicy, "shortest_queue": ShortestQueuePolicy,
               "power_of_two": PowerOfTwoPolicy}
     if name not in simple:
         raise ValueError(f"unknown routing policy {name!r}; one of dplb, cache_aware, {', '.join(simple)}")
-    return simple[name](rng=rng)
+    policy: Policy = simple[name](rng=rng)
+    return policy

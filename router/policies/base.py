@@ -9,8 +9,9 @@ network and never raise for an empty list (the pipeline guarantees at least one 
 from __future__ import annotations
 
 import random as _random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)

@@ -34,9 +34,16 @@ Config::
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from router.policies.base import BasePolicy, Decision, RequestInfo, least_loaded, pending
+from router.policies.base import (
+    BasePolicy,
+    Decision,
+    RequestInfo,
+    least_loaded,
+    pending,
+)
 from router.policies.prefix_index import PrefixIndex
 
 EXCLUDED = -1.0e9

@@ -6,9 +6,16 @@ Config: ``routing_policy: {policy: power_of_two}``
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from router.policies.base import BasePolicy, Decision, RequestInfo, least_loaded, load_scores
+from router.policies.base import (
+    BasePolicy,
+    Decision,
+    RequestInfo,
+    least_loaded,
+    load_scores,
+)
 
 
 class PowerOfTwoPolicy(BasePolicy):

@@ -5,7 +5,7 @@ character radix tree, it works on text: the prompt is cut into chunks of ``chunk
 characters (64 characters ≈ 16 tokens, one vLLM KV block) and each full chunk gets a rolling hash
 chained on its predecessor (vLLM's block hash scheme: hash(parent, block)), so equal hashes mean
 equal prefixes. The index maps hash → set of worker ids, with one global LRU bound of
-``max_entries`` hashes; memory is about ``max_entries`` × ~150 bytes.
+``max_entries`` hashes; memory is about ``max_entries`` × ~250 bytes (a set per entry).
 
     match(hashes)  -> {worker_id: number of leading chunks it holds}
     insert(hashes, worker_id)
@@ -22,7 +22,7 @@ class PrefixIndex:
     chunks of a prompt are hashed (bounds the cost per request); ``max_entries``: LRU bound.
     """
 
-    def __init__(self, chunk_chars: int = 64, max_chunks: int = 2048, max_entries: int = 500_000) -> None:
+    def __init__(self, chunk_chars: int = 64, max_chunks: int = 2048, max_entries: int = 200_000) -> None:
         if chunk_chars < 1 or max_chunks < 1 or max_entries < 1:
             raise ValueError("chunk_chars, max_chunks and max_entries must be >= 1")
         self.chunk_chars = chunk_chars

@@ -4,7 +4,8 @@ Reads: ``weight``. Formula: P(worker i) = weight_i / Σ weight. Config: ``routin
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
 

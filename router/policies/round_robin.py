@@ -7,7 +7,8 @@ Config: ``routing_policy: {policy: round_robin}``
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
 

@@ -6,9 +6,16 @@ ties at random. Config: ``routing_policy: {policy: shortest_queue}``
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from router.policies.base import BasePolicy, Decision, RequestInfo, least_loaded, load_scores
+from router.policies.base import (
+    BasePolicy,
+    Decision,
+    RequestInfo,
+    least_loaded,
+    load_scores,
+)
 
 
 class ShortestQueuePolicy(BasePolicy):

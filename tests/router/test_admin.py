@@ -41,7 +41,7 @@ def test_drain_and_undrain(make_cluster):
     assert set(served_by(c.base, 10)) == {"1"}
     assert httpx.post(c.base + "/dplb/workers/0/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/9/drain", headers=h).status_code == 404
-    wait_until(lambda: set(served_by(c.base, 12)) == {"0", "1"}, 20, what="worker 0 back in rotation")
+    wait_until(lambda: set(served_by(c.base, 12)) == {"0", "1"}, 40, what="worker 0 back in rotation")
 
 
 def test_remove_local_worker_and_restore_it(make_cluster):

@@ -8,8 +8,18 @@ from dataclasses import dataclass
 import pytest
 
 from router.config import RoutingPolicy
-from router.policies import (CacheAwarePolicy, DplbPolicy, PowerOfTwoPolicy, PrefixIndex, RandomPolicy,
-                             RequestInfo, RoundRobinPolicy, ShortestQueuePolicy, build_policy, pending)
+from router.policies import (
+    CacheAwarePolicy,
+    DplbPolicy,
+    PowerOfTwoPolicy,
+    PrefixIndex,
+    RandomPolicy,
+    RequestInfo,
+    RoundRobinPolicy,
+    ShortestQueuePolicy,
+    build_policy,
+    pending,
+)
 from router.policies.dplb import EXCLUDED
 
 

@@ -179,7 +179,7 @@ def test_stream_inflight_lasts_until_end_and_is_released_once(cluster4):
 
 def test_broken_stream_ends_with_sse_error_and_releases(cluster4):
     reset(cluster4)
-    wid, chunks = _stream(cluster4.base, {"x-fake-mode": "break"})
+    _, chunks = _stream(cluster4.base, {"x-fake-mode": "break"})
     body = b"".join(chunks)
     assert body.count(b"chat.completion.chunk") == 2
     assert b'data: {"error":' in body and b'"type":"upstream_error"' in body
