@@ -207,7 +207,7 @@ class Supervisor:
         """Step 5: poll slots and the router until all are ready; progress on ``out``."""
         cfg = self.cfg
         t0 = time.monotonic()
-        last = ""
+        last, last_print = "", 0.0
         while True:
             self._check_stop()
             self._check_children(starting=True)
@@ -220,8 +220,11 @@ class Supervisor:
             if ready == cfg.num_workers and router_ok:
                 self._progress(line, final=True)
                 return
-            if line.split("] ", 1)[1] != last.split("] ", 1)[-1] or self._tty:
+            now = time.monotonic()
+            # print on every change; on a log (not a TTY) also every 15 s so a long model load shows life
+            if line.split("] ", 1)[1] != last.split("] ", 1)[-1] or self._tty or now - last_print >= 15:
                 self._progress(line)
+                last_print = now
             last = line
             if time.monotonic() - t0 > cfg.start_timeout_s:
                 pending = [f"worker {k} ({s})" for k, s in enumerate(states) if s != "READY"]
