@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import aiohttp
 import orjson
@@ -126,7 +126,7 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
                 ttft = end - sent
             return Result(True, status, sent - t0, ttft, end - sent,
                           usage_tokens if usage_tokens is not None else chunks, worker, spec.tag)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return Result(False, status, sent - t0, None, None, 0, worker, spec.tag, f"{type(e).__name__}: {e}")
 
 

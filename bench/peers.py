@@ -57,7 +57,7 @@ def _importable(py: Path, module: str) -> bool:
     if not py.exists():
         return False
     r = subprocess.run([str(py), "-c", f"import importlib.util,sys; sys.exit(importlib.util.find_spec('{module}') is None)"],
-                       capture_output=True, timeout=120)
+                       check=False, capture_output=True, timeout=120)
     return r.returncode == 0
 
 
@@ -99,7 +99,7 @@ def peer_version(name: str, root: Path = PEERS_DIR) -> str:
     if not py.exists():
         return "not installed"
     r = subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version('{PEERS[name].package}'))"],
-                       capture_output=True, text=True, timeout=60)
+                       check=False, capture_output=True, text=True, timeout=60)
     return r.stdout.strip() or "unknown"
 
 

@@ -16,9 +16,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Self
 
 import psutil
 
@@ -106,7 +107,12 @@ class ProcessSet:
 
     def stop_all(self) -> None:
         """Stop every child (newest first, all SIGTERMed before any is waited for)."""
-        kids = list(reversed(self.children))
+        self.stop_many(list(self.children))
+
+    def stop_many(self, kids: Sequence[Child]) -> None:
+        """Stop ``kids`` together: SIGTERM every group (newest first), wait up to ``grace_s`` for
+        all of them at once, then SIGKILL what is left of each group."""
+        kids = list(reversed(kids))
         for c in kids:
             _signal_group(c.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
@@ -121,9 +127,10 @@ class ProcessSet:
                 c.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        self.children.clear()
+            if c in self.children:
+                self.children.remove(c)
 
-    def __enter__(self) -> "ProcessSet":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

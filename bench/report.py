@@ -15,9 +15,10 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from bench.peers import peer_version
 from bench.stats import ROW_KEYS
@@ -66,8 +67,8 @@ def _verdict(ok: bool | None) -> str:
 
 def goals(rows: list[Row]) -> list[str]:
     """Markdown lines checking every goal of issue 7 against ``rows``."""
-    out = ["| workload | DPLB best | best peer | TTFT p99 ratio (≤ 0.8) | output tok/s ratio (≥ 1.1) "
-           "| prefix hit DPLB / peer (≥) | verdict |", "|---|---|---|---|---|---|---|"]
+    out = [("| workload | DPLB best | best peer | TTFT p99 ratio (≤ 0.8) | output tok/s ratio (≥ 1.1) "
+           "| prefix hit DPLB / peer (≥) | verdict |"), "|---|---|---|---|---|---|---|"]
     for w in GOAL_WORKLOADS:
         d, p = best(rows, w, True), best(rows, w, False)
         if not d or not p:
@@ -98,8 +99,8 @@ def goals(rows: list[Row]) -> list[str]:
     f_rows = [r for r in rows if r["workload"] == "f_overhead" and r["system"] != "direct" and _valid(r)]
     if direct and f_rows:
         base = direct["e2e_p50_ms"]
-        out += [f"(f) router overhead, tiny non-streaming requests; direct e2e p50 = {_fmt(base, 3)} ms "
-                "(goal: DPLB's added p50 no worse than sglang-router's):", "",
+        out += [(f"(f) router overhead, tiny non-streaming requests; direct e2e p50 = {_fmt(base, 3)} ms "
+                "(goal: DPLB's added p50 no worse than sglang-router's):"), "",
                 "| system | e2e p50 ms | added p50 ms | e2e p99 ms | req/s | routing CPU s / 1k req |",
                 "|---|---|---|---|---|---|"]
         for r in f_rows:
@@ -108,8 +109,8 @@ def goals(rows: list[Row]) -> list[str]:
         dp = [r["e2e_p50_ms"] for r in f_rows if r["system"] == "dplb"]
         sp = [r["e2e_p50_ms"] for r in f_rows if r["system"] == "sglang"]
         if dp and sp:
-            out += ["", f"Best DPLB added p50 {min(dp) - base:.3f} ms vs best sglang-router {min(sp) - base:.3f} ms: "
-                    f"{_verdict(min(dp) <= min(sp))}."]
+            out += ["", (f"Best DPLB added p50 {min(dp) - base:.3f} ms vs best sglang-router {min(sp) - base:.3f} ms: "
+                    f"{_verdict(min(dp) <= min(sp))}.")]
         out.append("")
     # scaling
     eff = scaling_efficiency(rows)
@@ -141,9 +142,9 @@ def _versions() -> list[str]:
     out.append(f"sglang-router {peer_version('sglang')}")
     out.append(f"vllm-router {peer_version('vllm')}")
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, capture_output=True,
                                text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
         out.append(f"dplb git {rev}{' (with uncommitted changes)' if dirty else ''}")
     except (OSError, subprocess.SubprocessError):
@@ -172,31 +173,31 @@ def _machine() -> list[str]:
 def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_only: dict[tuple[str, str], float]) -> str:
     """The whole ``latest.md`` text."""
     lines = ["# DPLB benchmark: latest run", "",
-             f"Run {meta.get('run_id')} ({meta.get('profile')} profile), finished "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, took {meta.get('elapsed_s')} s.", "",
+             (f"Run {meta.get('run_id')} ({meta.get('profile')} profile), finished "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, took {meta.get('elapsed_s')} s."), "",
              f"Command line: `{meta.get('command')}` (from the repository root, in `.venv`).", "",
              "## Goals of issue 7", "", *goals(rows), "## All rows", "",
              "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r[k], 3 if isinstance(r[k], float) and abs(r[k]) < 10 else 1)
                                          for k in ROW_KEYS) + " |")
-    lines += ["", "`router_cpu_s_per_1k` for DPLB counts the router and its worker agents (both relay every "
-              "request); the router process alone:", ""]
+    lines += ["", ("`router_cpu_s_per_1k` for DPLB counts the router and its worker agents (both relay every "
+              "request); the router process alone:"), ""]
     dplb_only = {k: v for k, v in router_only.items() if k[0].startswith("dplb/")}
     if dplb_only:
         lines += ["| system | workload | router-only CPU s / 1k req |", "|---|---|---|"]
         lines += [f"| {s} | {w} | {v:.3f} |" for (s, w), v in sorted(dplb_only.items())]
     lines += ["", "## Settings", "",
-              f"- engines per system: {meta.get('num_engines')} fresh `python -m sim_engine` processes per system "
+              (f"- engines per system: {meta.get('num_engines')} fresh `python -m sim_engine` processes per system "
               f"(same flags for all: `{meta.get('engine_flags')}`); (d) runs on a separate set with one engine at "
               f"`--slowdown {meta.get('hetero_slowdown')}`; (f) on a set at `--time-scale "
-              f"{meta.get('fast_time_scale')}` so that engine time is negligible",
+              f"{meta.get('fast_time_scale')}` so that engine time is negligible"),
               f"- workload sizes: `{meta.get('profile_values')}`",
-              "- DPLB: one router + one worker agent per engine (`--engine openai --engine-url ...`), fresh segment; "
+              ("- DPLB: one router + one worker agent per engine (`--engine openai --engine-url ...`), fresh segment; "
               "peers: pointed at the engines directly, `--host 127.0.0.1 --prometheus-host 127.0.0.1`, warn-level "
-              "logs; direct: the client talks to engine 0",
-              "- prefix hit rate and per-worker share come from the engines' own `/metrics` counters "
-              "(`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, `vllm:request_success_total`)",
+              "logs; direct: the client talks to engine 0"),
+              ("- prefix hit rate and per-worker share come from the engines' own `/metrics` counters "
+              "(`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, `vllm:request_success_total`)"),
               f"- process logs: `{meta.get('log_dir')}`", "",
               "## Machine", "", *[f"- {m}" for m in _machine()], "", "## Versions", "",
               *[f"- {v}" for v in _versions()], "", "## Plots", "",

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import random
 import shlex
 import signal
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from bench import report
@@ -34,7 +34,14 @@ from bench.errors import BenchError
 from bench.loadgen import RequestSpec, Result, run_closed, run_open
 from bench.procs import ProcessSet, cpu_seconds
 from bench.stats import make_row
-from bench.systems import MODEL, SystemSpec, all_systems, probe, start_system, stop_system
+from bench.systems import (
+    MODEL,
+    SystemSpec,
+    all_systems,
+    probe,
+    start_system,
+    stop_system,
+)
 from bench.workloads import FULL, QUICK, WORKLOADS, Profile, scaling
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,6 +63,9 @@ def engine_sets(time_scale: float, seed: int, n: int = NUM_ENGINES) -> dict[str,
             "hetero": (flags, tuple([1.0] * (n - 1) + [HETERO_SLOWDOWN])),
             "fast": (EngineFlags(time_scale=FAST_TIME_SCALE, seed=seed), tuple([1.0] * n))}
 SCALING_SIZES = (1, 2, 4, 8)
+#: ``--quick`` runs DPLB's main policy and one baseline, each peer's cache-aware policy and the
+#: direct run (every workload, plot and the scaling run; the full run has all ten systems)
+QUICK_SYSTEMS = ("dplb/dplb", "dplb/round_robin", "sglang/cache_aware", "vllm/cache_aware", "direct")
 
 
 def _run_async(coro):  # type: ignore[no-untyped-def]
@@ -72,6 +82,44 @@ def send(base_url: str, specs: list[RequestSpec], closed_concurrency: int | None
     if closed_concurrency:
         return _run_async(run_closed(base_url, specs, closed_concurrency))
     return _run_async(run_open(base_url, specs))
+
+
+@dataclass
+class Measured:
+    """Raw figures of one workload on one system: client results, wall seconds, per-engine
+    counter deltas, routing CPU seconds (router + agents; ``None`` without a router) and the
+    router processes' own CPU seconds."""
+
+    results: list[Result]
+    wall: float
+    deltas: list[dict[str, float]]
+    cpu: float | None
+    router_cpu: float | None
+
+    def add(self, other: Measured) -> None:
+        """Accumulate another batch of the same workload (interleaved runs)."""
+        self.results += other.results
+        self.wall += other.wall
+        self.deltas = other.deltas if not self.deltas else [
+            {k: a[k] + b[k] for k in a} for a, b in zip(self.deltas, other.deltas)]
+        if self.cpu is not None and other.cpu is not None:
+            self.cpu += other.cpu
+        if self.router_cpu is not None and other.router_cpu is not None:
+            self.router_cpu += other.router_cpu
+
+
+def measure(running, engine_urls: list[str], specs: list[RequestSpec],  # type: ignore[no-untyped-def]
+            closed_concurrency: int | None) -> Measured:
+    """Send ``specs`` through ``running``; engine counters and routing CPU read around it."""
+    before = scrape(engine_urls)
+    cpu0, rcpu0 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
+    results, wall = send(running.base_url, specs, closed_concurrency)
+    wait_idle(engine_urls, 60)
+    cpu1, rcpu1 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
+    after = scrape(engine_urls)
+    has_router = bool(running.route_pids)
+    return Measured(results, wall, counter_delta(before, after), (cpu1 - cpu0) if has_router else None,
+                    (rcpu1 - rcpu0) if has_router else None)
 
 
 class Harness:
@@ -141,38 +189,83 @@ class Harness:
                      procs: ProcessSet) -> dict[str, object]:
         """Run one workload on a started system and append its row."""
         specs = self.specs(workload)
-        wl = WORKLOADS[workload]
         if not wait_idle(engine_urls, 180):
             self.notes.append(f"{spec.label}/{workload}: engines still busy before the start")
-        before = scrape(engine_urls)
-        cpu0, rcpu0 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
-        conc = self.profile.overhead_concurrency if wl.closed else None
+        conc = self.profile.overhead_concurrency if WORKLOADS[workload].closed else None
         self.log(f"{spec.label}: {workload} ({len(specs)} requests)")
-        results, wall = send(running.base_url, specs, conc)
-        wait_idle(engine_urls, 60)
-        after = scrape(engine_urls)
-        cpu1, rcpu1 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
-        has_router = bool(running.route_pids)
-        deltas = counter_delta(before, after)
+        m = measure(running, engine_urls, specs, conc)
+        return self.record(spec, workload, m)
+
+    def record(self, spec: SystemSpec, workload: str, m: Measured) -> dict[str, object]:
+        """Turn a :class:`Measured` into a row (appended) and keep what the plots need."""
+        deltas = m.deltas
         if spec.kind == "direct":  # one engine took everything; share over the others is meaningless
             deltas = deltas[:1]
-        row = make_row(spec.kind, spec.policy, workload, len(deltas), results, wall, deltas,
-                       (cpu1 - cpu0) if has_router else None)
+        row = make_row(spec.kind, spec.policy, workload, len(deltas), m.results, m.wall, deltas, m.cpu)
         self.rows.append(row)
-        if has_router:
-            self.router_only_cpu[(spec.label, workload)] = (rcpu1 - rcpu0) * 1000.0 / max(1, len(results))
+        if m.router_cpu is not None:
+            self.router_only_cpu[(spec.label, workload)] = m.router_cpu * 1000.0 / max(1, len(m.results))
         if workload == "a_mooncake":
-            self.ttft_a[spec.label] = [r.ttft for r in results if r.ok and r.ttft is not None]
+            self.ttft_a[spec.label] = [r.ttft for r in m.results if r.ok and r.ttft is not None]
         if workload == "e_burst":
             done = [d["vllm:request_success_total"] for d in deltas]
             tot = sum(done) or 1.0
             self.share_e[spec.label] = [x / tot for x in done]
-        errs = [r.error for r in results if not r.ok]
+        errs = [r.error for r in m.results if not r.ok]
         if errs:
             self.notes.append(f"{spec.label}/{workload}: {len(errs)} errors, first: {errs[0][:200]}")
-        self.log(f"  -> ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, {row['output_tok_s']} tok/s, "
-                 f"hit {row['prefix_hit_rate']}, share {row['max_share']}/{row['min_share']}, errors {row['errors']}")
+        self.log(f"  -> {spec.label}/{workload}: ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, "
+                 f"e2e p50 {row['e2e_p50_ms']} ms, {row['output_tok_s']} tok/s, hit {row['prefix_hit_rate']}, "
+                 f"share {row['max_share']}/{row['min_share']}, errors {row['errors']}")
         return row
+
+    def run_overhead(self, systems: list[SystemSpec], workload: str = "f_overhead") -> None:
+        """(f) for every system at once, interleaved, on one ``fast`` engine set.
+
+        All systems are started side by side in front of the same fast engines (they add next to
+        no time and tiny prompts leave no prefix state), then the requests go out in rounds: each
+        round gives every system, in a shuffled order, the next batch of ``overhead_batch``
+        requests at ``overhead_concurrency``. So a burst of background load on this shared
+        machine hits every system alike instead of whichever ran at that moment. Routing CPU is
+        summed over the system's own batches only.
+        """
+        flags, slow = self.sets["fast"]
+        specs = self.specs(workload)
+        batch = max(1, min(self.profile.overhead_batch, len(specs)))
+        chunks = [specs[i:i + batch] for i in range(0, len(specs), batch)]
+        rng = random.Random(self.flags.seed)
+        with ProcessSet(self.log_dir / workload) as procs:
+            runnings = []
+            try:
+                self.log(f"{workload}: starting {len(slow)} fast engines and {len(systems)} systems side by side")
+                engines = start_engines(procs, len(slow), flags, slow, tag="engine")
+                for spec in systems:
+                    try:
+                        r = start_system(spec, procs, engines, self.log_dir / workload / "run")
+                    except BenchError as e:
+                        self.log(f"{spec.label}: FAILED: {e}")
+                        self.notes.append(f"{spec.label} ({workload}): {str(e).splitlines()[0]}")
+                        self.rows.append(self._failed_row(spec, workload, engines.n, len(specs)))
+                        continue
+                    runnings.append(r)
+                    for _ in range(2 * engines.n):
+                        probe(r.base_url)
+                acc = {r.spec.label: Measured([], 0.0, [], 0.0 if r.route_pids else None,
+                                              0.0 if r.router_pids else None) for r in runnings}
+                for k, chunk in enumerate(chunks):
+                    order = list(runnings)
+                    rng.shuffle(order)
+                    self.log(f"{workload}: round {k + 1}/{len(chunks)} ({len(chunk)} requests per system)")
+                    for r in order:
+                        acc[r.spec.label].add(measure(r, engines.urls, chunk, self.profile.overhead_concurrency))
+                for r in runnings:
+                    self.record(r.spec, workload, acc[r.spec.label])
+            except BenchError as e:
+                self.log(f"{workload}: FAILED: {e}")
+                self.notes.append(f"{workload}: {str(e).splitlines()[0]}")
+            finally:
+                for r in runnings:
+                    stop_system(r, procs)
 
     def run_scaling(self, policy: str) -> None:
         """DPLB ``policy`` on 1, 2, 4, 8 engines, closed loop with concurrency ∝ engines."""
@@ -211,8 +304,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags of ``python -m bench.run``."""
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small request counts (make bench-quick, < 10 min)")
-    ap.add_argument("--systems", default="all",
-                    help="comma list of systems (dplb/dplb, sglang/cache_aware, vllm/power_of_two, direct, ...)")
+    ap.add_argument("--systems", default=None,
+                    help="comma list of systems (dplb/dplb, sglang/cache_aware, vllm/power_of_two, direct, ...) or "
+                         "'all'; default: all, or with --quick: " + ",".join(QUICK_SYSTEMS))
     ap.add_argument("--workloads", default="all", help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 1/2/4/8-engine scaling run")
     ap.add_argument("--scaling-policy", default="dplb", help="DPLB policy used for the scaling run")
@@ -229,8 +323,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def select(args: argparse.Namespace) -> tuple[list[SystemSpec], list[str]]:
     """The systems and workloads the flags ask for; ``SystemExit`` (code 2) naming unknown ones."""
     systems = all_systems()
-    if args.systems != "all":
-        want = [s.strip() for s in args.systems.split(",") if s.strip()]
+    chosen = args.systems or (",".join(QUICK_SYSTEMS) if args.quick else "all")
+    if chosen != "all":
+        want = [s.strip() for s in chosen.split(",") if s.strip()]
         by = {s.label: s for s in systems}
         bad = [w for w in want if w not in by]
         if bad:
@@ -282,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:  # build every request list first: a missing trace fails before anything starts
         h.specs(w)
     cmdline = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    for spec in systems:
-        mine = [w for w in workloads if spec.kind != "direct" or w == "f_overhead"]
-        for name in h.sets:
+    for spec in systems:  # each system alone on fresh engines; the direct run only takes part in (f)
+        mine = [w for w in workloads if spec.kind != "direct" and WORKLOADS[w].engines != "fast"]
+        for name in ("main", "hetero"):
             h.run_group(spec, [w for w in mine if WORKLOADS[w].engines == name], name)
+    for w in (w for w in workloads if WORKLOADS[w].engines == "fast"):
+        h.run_overhead(systems, w)
     if not args.no_scaling:
         h.run_scaling(args.scaling_policy)
     elapsed = time.monotonic() - t0

@@ -20,7 +20,7 @@ Definitions:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from bench.loadgen import Result
 

@@ -22,15 +22,16 @@ prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
 (e) ``e_burst``: ``burst_requests`` (200) unique 512-word prompts all sent at t=0 on idle engines.
     Streamed. Judged on per-worker share.
 (f) ``f_overhead``: tiny non-streaming requests (8 words, ``max_tokens`` 1) at fixed concurrency,
-    closed loop; the same run straight to one engine gives the baseline for added latency.
+    closed loop, in batches of ``overhead_batch`` interleaved across systems (``bench.run``); the
+    same requests straight to one engine give the baseline for added latency.
 ``scaling``: closed loop with ``scaling_concurrency_per_engine`` × N clients, unique 256-word
     prompts, 64 output tokens, N = 1, 2, 4, 8 engines; efficiency(N) = tok/s(N) / (N × tok/s(1)).
 """
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from bench.errors import WorkloadError
 from bench.loadgen import RequestSpec, chat_body
@@ -65,6 +66,7 @@ class Profile:
     burst_output_len: int
     overhead_requests: int
     overhead_concurrency: int
+    overhead_batch: int
     scaling_requests_per_engine: int
     scaling_concurrency_per_engine: int
     scaling_prompt_len: int
@@ -80,14 +82,14 @@ FULL = Profile(
     mixed_requests=240, mixed_output_len=64, mixed_rate=12.0,
     hetero_requests=160, hetero_output_len=128, hetero_rate=8.0,
     burst_requests=200, burst_prompt_len=512, burst_output_len=64,
-    overhead_requests=2000, overhead_concurrency=4,
+    overhead_requests=2000, overhead_concurrency=4, overhead_batch=100,
     scaling_requests_per_engine=32, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
     scaling_output_len=64,
 )
 
 QUICK = replace(
     FULL, mooncake_requests=30, gsp_num_groups=4, gsp_prompts_per_group=10, mixed_requests=48,
-    hetero_requests=32, overhead_requests=300, scaling_requests_per_engine=8,
+    hetero_requests=32, overhead_requests=400, scaling_requests_per_engine=8,
 )
 
 _VOCAB: tuple[str, ...] | None = None

@@ -91,7 +91,7 @@ async def test_open_loop_respects_offsets(server):
 
 async def test_closed_loop_bounds_concurrency(server):
     specs = [_spec(f"q{i}", 1, False) for i in range(8)]
-    results, wall = await run_closed(server, specs, concurrency=2)
+    results, _wall = await run_closed(server, specs, concurrency=2)
     assert len(results) == 8 and all(r.ok for r in results)
     # with 2 clients, never more than 2 requests overlap
     spans = sorted((r.sent_at, r.sent_at + r.e2e) for r in results)

@@ -93,6 +93,9 @@ def test_selection_flags():
         select(parse_args(["--systems", "nginx/round_robin"]))
     with pytest.raises(SystemExit):
         select(parse_args(["--workloads", "z_unknown"]))
+    quick = [s.label for s in select(parse_args(["--quick"]))[0]]
+    assert quick == ["dplb/dplb", "dplb/round_robin", "sglang/cache_aware", "vllm/cache_aware", "direct"]
+    assert len(select(parse_args(["--quick", "--systems", "all"]))[0]) == 10
     labels = [s.label for s in select(parse_args([]))[0]]
     assert labels == ["dplb/dplb", "dplb/cache_aware", "dplb/round_robin", "dplb/shortest_queue",
                       "dplb/power_of_two", "sglang/cache_aware", "sglang/round_robin", "vllm/cache_aware",

@@ -1,14 +1,25 @@
 """Workloads are deterministic and have the shapes issue 7 asks for."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import orjson
 import pytest
 
 from bench.errors import WorkloadError
-from bench.workloads import FULL, QUICK, WORKLOADS, burst, heterogeneous, mixed_lengths, mooncake, overhead, scaling, \
-    shared_prefix
+from bench.workloads import (
+    FULL,
+    QUICK,
+    WORKLOADS,
+    burst,
+    heterogeneous,
+    mixed_lengths,
+    mooncake,
+    overhead,
+    scaling,
+    shared_prefix,
+)
 
 SMALL = replace(QUICK, mooncake_requests=30, gsp_num_groups=3, gsp_prompts_per_group=4, gsp_system_prompt_len=64,
                 gsp_question_len=8, mixed_requests=10, hetero_requests=10, burst_requests=20, overhead_requests=15,
@@ -48,7 +59,7 @@ def test_shared_prefix_groups():
     assert len(set(questions)) == 12
     tags = [s.tag for s in specs]
     assert tags != sorted(tags)  # shuffled across groups, not group after group
-    assert all(b.at >= a.at for a, b in zip(specs, specs[1:]))
+    assert all(b.at >= a.at for a, b in itertools.pairwise(specs))
 
 
 def test_mixed_lengths_interleave_short_and_long():
