@@ -123,6 +123,8 @@ class RouterState:
             for snap in self.seg.snapshot():
                 if snap.router_inflight:
                     self.seg.router_inflight_add(snap.worker_id, -int(snap.router_inflight))
+                if snap.circuit:  # a dead router's open circuit would exclude the worker forever
+                    self.seg.circuit_set(snap.worker_id, 0)
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._router_lock = fd
 
@@ -295,7 +297,20 @@ class DPLBApp:
                                     (b"content-length", str(len(body)).encode()), (b"x-dplb-worker-id", b"none")]})
             await send({"type": "http.response.body", "body": body})
             return
-        await self.fastapi(scope, receive, send)
+        if scope["type"] != "http":
+            await self.fastapi(scope, receive, send)
+            return
+
+        async def send_named(msg: dict) -> None:
+            # control answers are the router's own: X-DPLB-Worker-ID: none (every response carries it)
+            if msg["type"] == "http.response.start":
+                hs = list(msg.get("headers", []))
+                if not any(k.lower() == b"x-dplb-worker-id" for k, _ in hs):
+                    hs.append((b"x-dplb-worker-id", b"none"))
+                msg = {**msg, "headers": hs}
+            await send(msg)
+
+        await self.fastapi(scope, receive, send_named)
 
 
 def create_app(cfg: Config | None = None, seg: Any = None) -> DPLBApp:

@@ -131,7 +131,8 @@ class Registry:
                 continue
             if fresh:
                 s = self.seg.read_slot(wid)
-                if not self.live(s) or s.endpoint != h.endpoint:
+                # circuit 1: another router process opened it (the kernel skips it too)
+                if not self.live(s) or s.endpoint != h.endpoint or int(s.circuit) == 1:
                     continue
                 h.snap = s
                 out.append(s)

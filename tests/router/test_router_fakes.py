@@ -309,3 +309,27 @@ def test_stale_heartbeat_and_not_ready_workers_get_nothing(make_cluster):
     for _ in range(8):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
         assert r.headers["x-dplb-worker-id"] == "0"
+
+
+def test_control_answers_carry_worker_header(cluster4):
+    for path in ("/health", "/metrics", "/dplb/status", "/v1/models"):
+        r = httpx.get(cluster4.base + path)
+        assert r.status_code == 200 and r.headers["x-dplb-worker-id"] == "none", path
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"])
+def test_every_baseline_policy_serves_through_the_router(make_cluster, policy):
+    c = make_cluster(2, None, None, ("--policy", policy))
+    assert status(c.base)["policy"] == policy
+    served = Counter()
+    for i in range(10):
+        r = httpx.post(c.base + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": [{"role": "user", "content": f"question {i}"}]})
+        assert r.status_code == 200
+        served[r.headers["x-dplb-worker-id"]] += 1
+    d = httpx.post(c.base + "/dplb/route", json={"model": MODEL, "messages": MSG}).json()
+    assert d["policy"] == policy and {s["worker_id"] for s in d["scores"]} == {0, 1}
+    if policy == "round_robin":
+        assert served == Counter({"0": 5, "1": 5})
+    text = httpx.get(c.base + "/metrics").text
+    assert f'dplb_router_routing_decisions_total{{policy="{policy}"' in text
