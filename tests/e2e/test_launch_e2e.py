@@ -166,7 +166,7 @@ def test_shm_dump_shows_ready_workers_with_advancing_heartbeats(dplb):
 def test_replay_300_trace_requests_without_error_on_every_worker(dplb, tmp_path):
     out = tmp_path / "replay.json"
     cp = subprocess.run([sys.executable, "-m", "bench.replay", str(TRACE), "--url", dplb.url, "--limit", "300",
-                         "--time-scale", "0.1", "--max-tokens-cap", "32", "--json-out", str(out), "--quiet"],
+                         "--time-scale", "0.2", "--max-tokens-cap", "32", "--json-out", str(out), "--quiet"],
                         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.exists(), cp.stdout + cp.stderr
     rep = json.loads(out.read_text())
