@@ -67,6 +67,7 @@ class EngineCore:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.stats = EngineStats()
+        self.last_arrival = 0.0  # latest add_request time (simulated s)
         self.words = WordSource(c.seed)
         # step-time constants in seconds
         self._base = c.base_step_ms / 1e3
@@ -111,6 +112,7 @@ class EngineCore:
                 f"request id {req.request_id!r} is already in flight", param="request_id"
             )
         req.arrival = now
+        self.last_arrival = max(self.last_arrival, now)
         req.word_offset = self.words.start()
         req.status = Status.WAITING
         self.requests[req.request_id] = req

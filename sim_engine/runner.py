@@ -1,9 +1,12 @@
 """The asyncio step loop that drives :class:`sim_engine.engine.EngineCore` in (scaled) real time.
 
-One task, no threads. Each iteration: ``schedule`` → sleep until the step's end
-(``duration / time_scale`` wall seconds after it started, so the loop's own CPU time is absorbed)
-→ ``complete`` → push every produced token to its request's :class:`OutputChannel` (one wake-up per
-request per step). Simulated time is ``(monotonic - t0) * time_scale``.
+One task, no threads. Each iteration runs one *burst*: ``schedule`` + ``complete`` of one step — or
+of several back to back when ``--time-scale`` makes a step shorter than ``MIN_SLICE_S`` (1 ms, the
+resolution of uvloop's timers), each step at its own simulated time — then sleeps until the burst's
+modelled end (``sum(duration) / time_scale`` wall seconds after it started, so the loop's own CPU
+time is absorbed), then hands the burst's tokens to their requests' :class:`OutputChannel` (one
+wake-up per request per burst). Simulated time follows the model while busy and the wall clock
+(times ``time_scale``) while idle: see :meth:`EngineRunner.now`.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ class OutputChannel:
         self.event = asyncio.Event()
         self.open_choices = n_choices
 
-    def push(self, index: int, req: SimRequest) -> None:
-        """Record that ``req`` (choice ``index``) emitted its newest token."""
-        self.items.append((index, req, len(req.output)))
-        if req.finish_reason is not None:
+    def push(self, index: int, req: SimRequest, k: int) -> None:
+        """Record that ``req`` (choice ``index``) emitted its ``k``-th token (1-based)."""
+        self.items.append((index, req, k))
+        if k == len(req.output) and req.finish_reason is not None:
             self.open_choices -= 1
         self.event.set()
 
@@ -61,19 +64,28 @@ class EngineRunner:
     """Owns the core and its step loop. ``time_scale`` > 1 runs faster than real time."""
 
     CATCH_UP_S = 0.005
+    MIN_SLICE_S = 0.001
 
     def __init__(self, core: EngineCore, time_scale: float = 1.0) -> None:
         self.core = core
         self.time_scale = time_scale
         self._t0 = time.monotonic()
+        self._sim_last = 0.0  # simulated end of the last burst
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.wall_busy = 0.0  # wall seconds spent in schedule/complete (the core's own CPU cost)
         self.wall_active = 0.0  # wall seconds from each step's start to its completion (incl. sleep)
 
     def now(self) -> float:
-        """Current simulated time, seconds."""
-        return (time.monotonic() - self._t0) * self.time_scale
+        """Current simulated time, seconds.
+
+        While the engine is busy, simulated time advances only by modelled step durations: it is
+        the end of the last computed burst (a request arriving now is first scheduled there). When
+        idle it follows the wall clock, ``(monotonic - t0) * time_scale``. So CPU stalls of this
+        process (multiplied by the time scale) never show up as simulated latency."""
+        if self.core.has_work():
+            return max(self._sim_last, self.core.last_arrival)
+        return max(self._sim_last, (time.monotonic() - self._t0) * self.time_scale)
 
     def start(self) -> None:
         """Start the step loop on the running event loop."""
@@ -127,16 +139,43 @@ class EngineRunner:
         return n
 
     async def _loop(self) -> None:
-        core, mono = self.core, time.monotonic
-        deadline = 0.0  # wall time at which the previous step was due to end
+        core, mono, scale = self.core, time.monotonic, self.time_scale
+        deadline = 0.0  # wall time at which the previous burst was due to end
+        idle = True
+        events: list[tuple[OutputChannel, int, SimRequest, int]] = []
         while True:
             if not core.has_work():
                 self._wake.clear()
                 await self._wake.wait()
+                idle = True
                 continue
             t_start = mono()
-            plan = core.schedule(self.now())
-            if not plan.scheduled:
+            # Pace bursts against a running deadline so that coarse event-loop timers (uvloop: 1 ms)
+            # average out; after a stall longer than CATCH_UP_S the schedule restarts from now.
+            base = deadline if abs(t_start - deadline) < self.CATCH_UP_S else t_start
+            # Simulated time (see now()): after idling it catches up with the wall clock; while
+            # busy a burst starts where the previous one ended.
+            if idle:
+                sim_t = max(self._sim_last, (t_start - self._t0) * scale)
+                idle = False
+            else:
+                sim_t = max(self._sim_last, core.last_arrival)
+            # One burst: steps back to back until they add up to MIN_SLICE_S of wall time (one step
+            # unless --time-scale makes steps shorter than the event loop's timer resolution).
+            wall = 0.0
+            while True:
+                plan = core.schedule(sim_t)
+                if not plan.scheduled:
+                    break
+                sim_t += plan.duration
+                wall += plan.duration / scale
+                for req in core.complete(plan, sim_t):
+                    ch, idx = req.sink
+                    events.append((ch, idx, req, len(req.output)))
+                if wall >= self.MIN_SLICE_S or not core.has_work():
+                    break
+            self._sim_last = sim_t
+            if wall == 0.0:
                 # nothing fits this instant (cannot persist: see EngineCore.validate); yield a moment
                 self._wake.clear()
                 try:
@@ -145,17 +184,13 @@ class EngineRunner:
                     pass
                 continue
             t_mid = mono()
-            # Pace steps against a running deadline so that coarse event-loop timers (uvloop: 1 ms)
-            # average out; after a stall longer than CATCH_UP_S the schedule restarts from now.
-            base = deadline if abs(t_start - deadline) < self.CATCH_UP_S else t_start
-            deadline = base + plan.duration / self.time_scale
-            delay = deadline - t_mid
-            await asyncio.sleep(max(0, delay))  # sleep(0) lets handlers run when CPU-bound
+            deadline = base + wall
+            await asyncio.sleep(max(0.0, deadline - t_mid))  # sleep(0) lets handlers run when CPU-bound
+            # the burst's tokens leave when its modelled time has passed
             t_c = mono()
-            produced = core.complete(plan, self.now())
-            for req in produced:
-                ch, idx = req.sink
-                ch.push(idx, req)
+            for ch, idx, req, k in events:
+                ch.push(idx, req, k)
+            events.clear()
             t_end = mono()
             self.wall_busy += (t_mid - t_start) + (t_end - t_c)
             self.wall_active += t_end - t_start

@@ -259,3 +259,22 @@ def test_metrics_agree_with_engine_state(engine_factory):
         assert m["vllm:num_requests_running"] == a["running"] == 1
         assert m["vllm:kv_cache_usage_perc"] == a["kv_cache_usage"] > 0
         assert m["vllm:generation_tokens_total"] == a["generation_tokens"] >= 1
+
+
+def test_fast_time_scale_bursts_still_stream_one_token_per_chunk(engine_factory):
+    # at --time-scale 1000 a 5 ms step lasts 5 us: the runner computes ~200 steps per 1 ms burst
+    c = engine_factory("--time-scale", "1000")
+    with c.stream(
+        "POST", "/v1/completions", json={"prompt": "go", "max_tokens": 300, "stream": True, "n": 2}
+    ) as s:
+        events = _sse_events(s.read())
+    assert events[-1] == "[DONE]"
+    objs = [orjson.loads(e) for e in events[:-1]]
+    for idx in (0, 1):
+        mine = [o["choices"][0] for o in objs if o["choices"][0]["index"] == idx]
+        assert len(mine) == 300 and all(len(ch["text"].split()) == 1 for ch in mine)
+        assert [ch["finish_reason"] for ch in mine[-2:]] == [None, "length"]
+    m = metrics(c)
+    assert m["vllm:inter_token_latency_seconds_count"] == 2 * 299
+    # simulated inter-token latency is the modelled step (~5 ms), not the burst's wall pace
+    assert 0.004 < m["vllm:inter_token_latency_seconds_sum"] / (2 * 299) < 0.02
