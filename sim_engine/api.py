@@ -125,9 +125,31 @@ def _chunk(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def chunk_writer(base: dict, kind: str) -> Callable[[int, str, str | None], bytes]:
+    """SSE token-chunk encoder for one response: the constant JSON around a token (id, object,
+    created, model) is encoded once; per token only the index, text and finish reason are.
+
+    ``kind``: ``"text"`` (``text_completion``: ``choices[0].text``) or ``"chat"``
+    (``chat.completion.chunk``: ``choices[0].delta.content``). Returns ``write(index, text,
+    finish_reason) -> b"data: {...}\\n\\n"`` — the same JSON ``orjson.dumps`` gives for the dict."""
+    head = b"data: " + orjson.dumps({**base, "choices": []})[:-3] + b'[{"index":'
+    if kind == "text":
+        pre, post, end = b',"text":', b',"logprobs":null,"finish_reason":', b',"stop_reason":null}]}\n\n'
+    else:
+        pre, post, end = b',"delta":{"content":', b'},"logprobs":null,"finish_reason":', b"}]}\n\n"
+    dumps = orjson.dumps
+
+    def write(idx: int, text: str, fr: str | None) -> bytes:
+        return b"".join(
+            (head, str(idx).encode(), pre, dumps(text), post, b"null" if fr is None else dumps(fr), end)
+        )
+
+    return write
+
+
 async def _sse(
     gen: Generation,
-    make_chunk: Callable[[int, str, str | None], dict],
+    make_chunk: Callable[[int, str, str | None], bytes],
     first: list[dict],
     usage_chunk: Callable[[], dict] | None,
 ) -> AsyncIterator[bytes]:
@@ -142,7 +164,7 @@ async def _sse(
             out = []
             for idx, req, k in items:
                 text, fr = gen.delta(req, k)
-                out.append(_chunk(make_chunk(idx, text, fr)))
+                out.append(make_chunk(idx, text, fr))
             yield b"".join(out)
         if usage_chunk is not None:
             yield _chunk(usage_chunk())
@@ -204,21 +226,7 @@ def build_router(server: SimServer) -> Routes:
         gen = Generation(server, params, rid_for(request, "cmpl"))
         base = {"id": gen.rid, "object": "text_completion", "created": gen.created, "model": model}
         if params.stream:
-
-            def mk(idx: int, text: str, fr: str | None) -> dict:
-                return {
-                    **base,
-                    "choices": [
-                        {
-                            "index": idx,
-                            "text": text,
-                            "logprobs": None,
-                            "finish_reason": fr,
-                            "stop_reason": None,
-                        }
-                    ],
-                }
-
+            mk = chunk_writer(base, "text")
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
             return EngineStream(server, gen, _sse(gen, mk, [], uc))
         async with server.load():
@@ -243,15 +251,7 @@ def build_router(server: SimServer) -> Routes:
         gen = Generation(server, params, rid_for(request, "chatcmpl"))
         if params.stream:
             base = {"id": gen.rid, "object": "chat.completion.chunk", "created": gen.created, "model": model}
-
-            def mk(idx: int, text: str, fr: str | None) -> dict:
-                return {
-                    **base,
-                    "choices": [
-                        {"index": idx, "delta": {"content": text}, "logprobs": None, "finish_reason": fr}
-                    ],
-                }
-
+            mk = chunk_writer(base, "chat")
             first = [
                 {
                     **base,

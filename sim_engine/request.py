@@ -41,6 +41,7 @@ class SimRequest:
         "num_preemptions",
         "num_prompt_tokens",
         "num_registered",
+        "num_tokens",
         "output",
         "prompt",
         "request_id",
@@ -65,6 +66,7 @@ class SimRequest:
         self.request_id = request_id
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
+        self.num_tokens = self.num_prompt_tokens  # prompt plus generated tokens (kept by append_output)
         self.max_tokens = max_tokens
         self.stop = stop or []
         self.arrival = arrival
@@ -89,11 +91,6 @@ class SimRequest:
         self.counted_prompt = False
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return self.num_prompt_tokens + len(self.output)
-
-    @property
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
         return len(self.output)
@@ -101,6 +98,7 @@ class SimRequest:
     def append_output(self, word: str) -> None:
         """Add a generated token and hash the block it completes, if any (O(block_size))."""
         self.output.append(word)
+        self.num_tokens += 1
         bs = self._block_size
         n = self.num_tokens
         if n % bs == 0:

@@ -56,3 +56,27 @@ def test_exposition_parses_and_matches_engine_stats():
         assert values[-1] == h.count == value(name + "_count")
         assert abs(value(name + "_sum") - h.sum) < 1e-9
     assert value("vllm:time_to_first_token_seconds_count") == 5
+
+
+def test_chunk_writer_equals_orjson_of_the_dict():
+    import orjson
+
+    from sim_engine.api import chunk_writer
+
+    base = {"id": 'id"\\x', "object": "text_completion", "created": 7, "model": "m\u00e9"}
+    w = chunk_writer(base, "text")
+    for idx, text, fr in ((0, " a", None), (12, ' q"uote\\', "stop"), (1, "", "abort")):
+        want = {
+            **base,
+            "choices": [
+                {"index": idx, "text": text, "logprobs": None, "finish_reason": fr, "stop_reason": None}
+            ],
+        }
+        assert w(idx, text, fr) == b"data: " + orjson.dumps(want) + b"\n\n"
+    chat = {**base, "object": "chat.completion.chunk"}
+    w = chunk_writer(chat, "chat")
+    want = {
+        **chat,
+        "choices": [{"index": 2, "delta": {"content": " z"}, "logprobs": None, "finish_reason": None}],
+    }
+    assert w(2, " z", None) == b"data: " + orjson.dumps(want) + b"\n\n"
