@@ -31,9 +31,10 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import openai
@@ -204,7 +205,7 @@ async def send_one(client: openai.AsyncOpenAI, model: str, req: TraceRequest, pr
                 res.output_tokens = len((text or "").split())
         res.e2e_s = time.perf_counter() - t0
         res.ok = True
-    except (openai.OpenAIError, OSError, asyncio.TimeoutError, StreamError) as e:
+    except (TimeoutError, openai.OpenAIError, OSError, StreamError) as e:
         res.e2e_s = time.perf_counter() - t0
         res.error = _error_text(e)
     return res
@@ -330,9 +331,9 @@ def format_table(s: dict[str, Any]) -> str:
     def f(v: Any) -> str:
         return "-" if v is None else (f"{v:,.1f}" if isinstance(v, float) else str(v))
 
-    lines = [f"requests {s['requests']}  completed {s['completed']}  errors {s['errors']}"
-             f"  wall {s['wall_s']:.1f} s  {f(s['request_throughput_rps'])} req/s"
-             f"  output {s['output_tokens_total']:,} tok  {f(s['output_tokens_per_s'])} tok/s",
+    lines = [(f"requests {s['requests']}  completed {s['completed']}  errors {s['errors']}"
+              f"  wall {s['wall_s']:.1f} s  {f(s['request_throughput_rps'])} req/s"
+              f"  output {s['output_tokens_total']:,} tok  {f(s['output_tokens_per_s'])} tok/s"),
              f"{'metric':<14}{'p50':>12}{'p90':>12}{'p99':>12}{'mean':>12}{'max':>12}"]
     for key, label in (("ttft_ms", "TTFT ms"), ("e2e_ms", "e2e ms"), ("tpot_ms", "TPOT ms"),
                        ("send_lag_ms", "send lag ms")):

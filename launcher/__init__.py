@@ -4,8 +4,20 @@
 segment, starts the router and N worker agents and supervises them
 (:mod:`launcher.supervisor`); :mod:`launcher.cli` holds the command line.
 """
-from launcher.errors import ChildStartError, GpuPlanError, LaunchError, StartTimeoutError, UsageError
-from launcher.gpus import GpuPlan, choose_engine, discover_gpus, parse_gpu_list, plan_gpus
+from launcher.errors import (
+           ChildStartError,
+           GpuPlanError,
+           LaunchError,
+           StartTimeoutError,
+           UsageError,
+)
+from launcher.gpus import (
+           GpuPlan,
+           choose_engine,
+           discover_gpus,
+           parse_gpu_list,
+           plan_gpus,
+)
 
 __all__ = ["ChildStartError", "GpuPlan", "GpuPlanError", "LaunchError", "StartTimeoutError", "UsageError",
            "choose_engine", "discover_gpus", "parse_gpu_list", "plan_gpus"]

@@ -18,9 +18,9 @@ import os
 import signal
 import subprocess
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import psutil
 
@@ -79,7 +79,8 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
         log.write(f"=== {name}: {' '.join(argv)}\n".encode())
         log.flush()
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                             cwd=cwd, start_new_session=True, preexec_fn=_term_with_parent)
+                             cwd=cwd, start_new_session=True,
+                             preexec_fn=_term_with_parent)  # noqa: PLW1509 - the launcher is single-threaded
     return Child(name=name, popen=p, log_path=log_path, argv=list(argv))
 
 

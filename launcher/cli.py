@@ -13,13 +13,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import orjson
 
 from launcher.errors import LaunchError, UsageError
-from launcher.gpus import ENGINES, choose_engine, discover_gpus, parse_gpu_list, plan_gpus
+from launcher.gpus import (
+    ENGINES,
+    choose_engine,
+    discover_gpus,
+    parse_gpu_list,
+    plan_gpus,
+)
 from launcher.supervisor import LaunchConfig, Supervisor
 
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.

@@ -36,11 +36,9 @@ def discover_gpus() -> list[int]:
             count = int(pynvml.nvmlDeviceGetCount())
         finally:
             pynvml.nvmlShutdown()
-        if count > 0:
-            return list(range(count))
-    except Exception:  # noqa: BLE001 - no library / no driver / no device: fall through
-        pass
-    return gpus_from_nvidia_smi()
+    except Exception:  # noqa: BLE001 - no library / no driver / no device: ask nvidia-smi
+        count = 0
+    return list(range(count)) if count > 0 else gpus_from_nvidia_smi()
 
 
 def gpus_from_nvidia_smi(binary: str = "nvidia-smi", timeout_s: float = 10.0) -> list[int]:

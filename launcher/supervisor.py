@@ -35,7 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from launcher.children import Child, become_subreaper, log_tail, reap_orphans, start_child, stop_tree
+import orjson
+
+from launcher.children import (
+    Child,
+    become_subreaper,
+    log_tail,
+    reap_orphans,
+    start_child,
+    stop_tree,
+)
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
 from launcher.gpus import GpuPlan
 
@@ -281,23 +290,21 @@ class Supervisor:
         """Model name the workers serve (from slot 0), else ``--model``, else the sim default."""
         try:
             m = self.segment.read_slot(0).model
-            if m:
-                return str(m)
-        except Exception:  # noqa: BLE001
-            pass
-        return self.cfg.model or DEFAULT_SIM_MODEL
+        except Exception:  # noqa: BLE001 - the banner must not fail over a torn read
+            m = ""
+        return str(m) if m else (self.cfg.model or DEFAULT_SIM_MODEL)
 
     def print_banner(self) -> None:
         """The ready banner: URL, a curl line, the segment dump command, logs, how to stop."""
         cfg = self.cfg
-        body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
-                % self.served_model())
+        body = orjson.dumps({"model": self.served_model(), "messages": [{"role": "user", "content": "Hello!"}],
+                             "max_tokens": 32}).decode()
         lines = [
             "",
             f"DPLB ready: {cfg.num_workers} worker(s) ({cfg.engine}), router on {cfg.url}",
             f"  OpenAI base URL  {cfg.url}/v1",
-            f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(body)}",
+            (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
+             f"-d {shlex.quote(body)}"),
             f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
             f"  router status    curl -s {cfg.url}/dplb/status",
             f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",

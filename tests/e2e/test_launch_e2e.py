@@ -146,7 +146,7 @@ def test_openai_client_chat_and_completions(dplb, stream):
 
 
 def _dump(launch: Launch) -> dict:
-    cp = subprocess.run([sys.executable, "-m", "dplb_shm.dump", "--shm", launch.shm, "--json"], capture_output=True,
+    cp = subprocess.run([sys.executable, "-m", "dplb_shm.dump", "--shm", launch.shm, "--json"], capture_output=True, check=False,
                         text=True, cwd=ROOT, timeout=60)
     assert cp.returncode == 0, cp.stderr
     return json.loads(cp.stdout)
@@ -167,7 +167,7 @@ def test_replay_300_trace_requests_without_error_on_every_worker(dplb, tmp_path)
     out = tmp_path / "replay.json"
     cp = subprocess.run([sys.executable, "-m", "bench.replay", str(TRACE), "--url", dplb.url, "--limit", "300",
                          "--time-scale", "0.2", "--max-tokens-cap", "32", "--json-out", str(out), "--quiet"],
-                        capture_output=True, text=True, cwd=ROOT, timeout=600)
+                        capture_output=True, check=False, text=True, cwd=ROOT, timeout=600)
     assert out.exists(), cp.stdout + cp.stderr
     rep = json.loads(out.read_text())
     assert rep["errors"] == 0, rep["first_errors"]

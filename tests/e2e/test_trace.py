@@ -7,7 +7,14 @@ import sys
 import pytest
 
 from bench.errors import TraceFormatError
-from bench.trace import BLOCK_TOKENS, TraceRequest, block_text, load_trace, prompt_for, shared_prefix_blocks
+from bench.trace import (
+    BLOCK_TOKENS,
+    TraceRequest,
+    block_text,
+    load_trace,
+    prompt_for,
+    shared_prefix_blocks,
+)
 from tests.helpers import ROOT, TRACE
 
 
@@ -31,7 +38,7 @@ def test_prompt_has_exact_length_and_is_deterministic_across_processes():
     text = prompt_for(req)
     assert len(text.split()) == req.input_length
     code = ("from bench.trace import load_trace, prompt_for; import hashlib, sys;"
-            f"r = load_trace(sys.argv[1], limit=1)[0]; print(hashlib.sha256(prompt_for(r).encode()).hexdigest())")
+            "r = load_trace(sys.argv[1], limit=1)[0]; print(hashlib.sha256(prompt_for(r).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code, str(TRACE)], capture_output=True, text=True, cwd=ROOT,
                          check=True, timeout=120).stdout.strip()
     import hashlib

@@ -24,7 +24,7 @@ def main() -> int:
     ap.add_argument("--engine", required=True)
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--model", default="fake-model")
-    args, extra = ap.parse_known_args()
+    args, _ = ap.parse_known_args()
     k = args.worker_id
     print(f"fake agent {k} argv={sys.argv[1:]} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}",
           flush=True)

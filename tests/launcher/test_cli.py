@@ -17,7 +17,7 @@ SCRIPT = ROOT / "scripts" / "launch_dplb.sh"
 def launch(*args: str, script: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     argv = (["bash", str(SCRIPT)] if script else [sys.executable, "-m", "launcher"]) + list(args)
     full_env = {**os.environ, "DPLB_PYTHON": sys.executable, **(env or {})}
-    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=120)
+    return subprocess.run(argv, capture_output=True, check=False, text=True, cwd=ROOT, env=full_env, timeout=120)
 
 
 def plan(*args: str, **kw) -> dict:

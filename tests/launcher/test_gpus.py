@@ -7,7 +7,13 @@ import stat
 import pytest
 
 from launcher.errors import GpuPlanError, UsageError
-from launcher.gpus import choose_engine, discover_gpus, gpus_from_nvidia_smi, parse_gpu_list, plan_gpus
+from launcher.gpus import (
+    choose_engine,
+    discover_gpus,
+    gpus_from_nvidia_smi,
+    parse_gpu_list,
+    plan_gpus,
+)
 
 
 @pytest.mark.parametrize("gpus,n,groups,tp", [
