@@ -45,11 +45,11 @@ bench-quick: install build
 
 lint: install
 	$(PIP) install -q ruff
-	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench tests
+	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher tests
 
 typecheck: install
 	$(PIP) install -q mypy
-	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine
+	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine launcher
 
 clean:
 	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so .pytest_cache .hypothesis .mypy_cache
