@@ -410,12 +410,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(results, wall, endpoint=opts.base_url, model=model, api=opts.api, stream=opts.stream,
                         time_scale=opts.time_scale, trace=str(Path(args.trace)), limit=args.limit,
                         max_tokens_cap=opts.max_tokens_cap)
-    print(format_table(summary))
     if args.json_out:
         doc = dict(summary)
         if args.per_request:
             doc["results"] = [asdict(r) for r in results]
         Path(args.json_out).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    try:
+        print(format_table(summary), flush=True)
+    except BrokenPipeError:  # `dplb-replay ... | head`: the report was still written to --json-out
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's exit flush quiet
     return 0 if summary["errors"] == 0 else 1
 
 
