@@ -110,3 +110,16 @@ def test_script_help_lists_flags():
     for flag in ("--num-workers", "--gpus", "--engine", "--model", "--port", "--config", "--state-interval-ms",
                  "--policy", "--time-scale"):
         assert flag in cp.stdout
+
+
+def test_router_flags_passed_through(tmp_path):
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text("routing_policy: {policy: dplb}\n")
+    doc = plan("-n", "2", "--config", str(cfg), "--router-workers", "2", "--log-level", "info", "--host", "0.0.0.0",
+               "--state-interval-ms", "100")
+    r = doc["router"]["argv"]
+    assert r[r.index("--config") + 1] == str(cfg) and r[r.index("--workers") + 1] == "2"
+    assert r[r.index("--host") + 1] == "0.0.0.0" and r[r.index("--log-level") + 1] == "info"
+    assert doc["url"] == "http://127.0.0.1:30000"  # what a client on this machine uses
+    a = doc["workers"][1]["argv"]
+    assert a[a.index("--state-interval-ms") + 1] == "100"
