@@ -12,9 +12,11 @@ from sim_engine.engine import EngineCore
 from sim_engine.request import SimRequest, Status
 
 # operations: ("add", prefix id, prompt length, max tokens) | ("abort", index) | ("step", count)
+#             | ("abort_mid_step", index): abort a request between schedule() and complete()
 op = st.one_of(
     st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 120), st.integers(1, 120)),
     st.tuples(st.just("abort"), st.integers(0, 1000)),
+    st.tuples(st.just("abort_mid_step"), st.integers(0, 1000)),
     st.tuples(st.just("step"), st.integers(1, 30)),
 )
 
@@ -63,6 +65,15 @@ def test_kv_accounting_invariants(ops, blocks, block_size, budget, max_seqs):
         elif o[0] == "abort":
             if all_reqs:
                 core.abort(all_reqs[o[1] % len(all_reqs)].request_id, now)
+        elif o[0] == "abort_mid_step":  # the request is in the batch being computed
+            plan = core.schedule(now)
+            victim = plan.scheduled[o[1] % len(plan.scheduled)][0] if plan.scheduled else None
+            if victim is not None:
+                core.abort(victim.request_id, now)
+                check(core)
+                assert not victim.blocks
+            now += plan.duration
+            assert victim not in core.complete(plan, now)
         else:
             for _ in range(o[1]):
                 plan = core.schedule(now)
