@@ -107,7 +107,7 @@ class Agent:
         self.adapter = adapter or build_adapter(cfg)
         self._own_segment = segment is None
         self.segment = segment or Segment.attach(cfg.shm)
-        self.writer = self.segment.writer(cfg.worker_id)
+        self.writer = self.segment.writer(cfg.worker_id, latency_window_s=cfg.latency_window_s)
         self.nvml = nvml or GpuMemoryProbe(cfg.gpus)
         self.state = WorkerState.EMPTY
         self.inflight = 0

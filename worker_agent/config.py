@@ -35,7 +35,8 @@ class AgentConfig:
     ``max_num_seqs`` engine batch cap published in the slot; ``run_dir`` for engine sockets and
     logs; ``engine_python`` interpreter that runs the engine; ``engine_start_timeout_s``,
     ``drain_timeout_s`` bounds of start-up and drain; ``weight`` static slot weight;
-    ``engine_args`` passed through verbatim.
+    ``latency_window_s`` age beyond which latency samples leave the slot's windows (DESIGN.md
+    ``routing_policy.latency_window_sec``, 10); ``engine_args`` passed through verbatim.
     """
 
     worker_id: int
@@ -54,6 +55,7 @@ class AgentConfig:
     engine_start_timeout_s: float = 900.0
     drain_timeout_s: float = 30.0
     weight: float = 1.0
+    latency_window_s: float = 10.0
     log_level: str = "info"
     engine_args: list[str] = field(default_factory=list)
 
@@ -108,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
     p.add_argument("--weight", type=float, default=1.0, help="static weight written into the slot (default: 1.0)")
+    p.add_argument("--latency-window-s", type=float, default=10.0,
+                   help="latency samples older than this leave the slot's TTFT/TPOT/e2e windows "
+                        "(default: 10; 0 = the last 32 samples whatever their age)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -142,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         raise ConfigError("--worker-id", ns.worker_id, "must be >= 0")
     if ns.state_interval_ms < 10:
         raise ConfigError("--state-interval-ms", ns.state_interval_ms, "must be >= 10")
+    if ns.latency_window_s < 0:
+        raise ConfigError("--latency-window-s", ns.latency_window_s, "must be >= 0")
     if ns.max_queue < 0:
         raise ConfigError("--max-queue", ns.max_queue, "must be >= 0")
     tp = ns.tp_size or max(1, len(gpus))
@@ -168,5 +175,6 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         model=ns.model, gpus=gpus, tp_size=tp, engine_url=ns.engine_url,
         state_interval_ms=ns.state_interval_ms, max_queue=ns.max_queue, max_num_seqs=max_num_seqs,
         run_dir=run_dir, engine_python=ns.engine_python, engine_start_timeout_s=ns.engine_start_timeout,
-        drain_timeout_s=ns.drain_timeout, weight=ns.weight, log_level=ns.log_level, engine_args=extra,
+        drain_timeout_s=ns.drain_timeout, weight=ns.weight, latency_window_s=ns.latency_window_s,
+        log_level=ns.log_level, engine_args=extra,
     )

@@ -12,6 +12,7 @@ status and an OpenAI-shaped body happens once, at the edge (:func:`worker_agent.
     ├── NotReadyError               the agent is starting, draining or dead; .state (answered 503)
     ├── QueueFullError              --max-queue reached (answered 429 with Retry-After)
     └── BadRequestError             the request body cannot be read (answered 400)
+        └── PayloadTooLargeError    the request body exceeds the relay's limit (answered 413)
 """
 from __future__ import annotations
 
@@ -106,3 +107,13 @@ class BadRequestError(AgentError):
 
     http_status = 400
     error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(BadRequestError):
+    """The request body is larger than ``limit`` bytes."""
+
+    http_status = 413
+
+    def __init__(self, limit: int, *, worker_id: int | None = None) -> None:
+        super().__init__(f"request body larger than {limit} bytes", worker_id=worker_id)
+        self.limit = limit

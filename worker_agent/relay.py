@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from .errors import AgentError, BadRequestError, UpstreamError
+from .errors import AgentError, BadRequestError, PayloadTooLargeError, UpstreamError
 from .meter import RequestMeter, estimate_prompt_tokens
 from .upstream import Upstream
 
@@ -90,12 +90,15 @@ class RelayApp:
         sink: the agent (admission, slot updates).
         get_upstream: returns the engine's current :class:`Upstream` (None while there is none).
         control_app: ASGI app for ``/health`` and ``/dplb/*``.
+        max_body_bytes: larger request bodies are answered 413.
     """
 
-    def __init__(self, sink: RequestSink, get_upstream: Callable[[], Upstream | None], control_app: Any) -> None:
+    def __init__(self, sink: RequestSink, get_upstream: Callable[[], Upstream | None], control_app: Any,
+                 *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.sink = sink
         self.get_upstream = get_upstream
         self.control_app = control_app
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -104,7 +107,19 @@ class RelayApp:
         if path == "/health" or path.startswith("/dplb/"):
             await self.control_app(scope, receive, send)
             return
-        await self.relay(scope, receive, send)
+        started = False
+
+        async def tracking_send(msg: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.relay(scope, receive, tracking_send)
+        except Exception:  # a bug here must still answer OpenAI-shaped, and be logged
+            log.exception("relay of %s %s failed", scope.get("method"), path)
+            if not started:
+                await error_response(send, message="internal error in the worker agent", status=500)
 
     async def _read_body(self, receive: Receive) -> bytes:
         parts: list[bytes] = []
@@ -116,8 +131,8 @@ class RelayApp:
             chunk = msg.get("body", b"")
             if chunk:
                 size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise BadRequestError(f"request body larger than {MAX_BODY_BYTES} bytes")
+                if size > self.max_body_bytes:
+                    raise PayloadTooLargeError(self.max_body_bytes)
                 parts.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(parts)

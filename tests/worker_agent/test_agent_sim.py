@@ -180,3 +180,17 @@ def test_engine_death_mid_stream_ends_with_error_event_and_counts_failed(start_a
     assert err["code"] == 502 and "engine" in err["message"]
     s = slot_wait(segment, 6, lambda s: s.state.name == "DEAD" and s.inflight == 0, 5, "DEAD, nothing in flight")
     assert s.failed == 1 and s.completed == 0
+
+
+def test_engine_that_fails_to_start_marks_slot_dead(start_agent, segment):
+    a = start_agent(7, engine_args=["--no-such-flag"], wait_ready=False, interval_ms=100)
+    s = slot_wait(segment, 7, lambda s: s.state.name == "DEAD", 30, "slot DEAD after a failed start")
+    assert s.pid == a.proc.pid and a.proc.poll() is None
+    assert oct(os.stat(a.uds).st_mode & 0o777) == oct(0o660)    # agent socket: owner and group only
+    with a.client() as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "dead"
+    assert "exited unexpectedly with code 2" in a.log_text()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(30) == 0
+    assert segment.read_slot(7).state.name == "EMPTY"

@@ -38,6 +38,7 @@ def test_defaults_and_pass_through():
     (["--gpus", "0", "--tp-size", "2"], "--tp-size"),
     (["--state-interval-ms", "1"], "--state-interval-ms"),
     (["--max-queue", "-1"], "--max-queue"),
+    (["--latency-window-s", "-1"], "--latency-window-s"),
 ])
 def test_bad_values_name_the_flag(argv, field):
     with pytest.raises(ConfigError) as e:

@@ -46,28 +46,28 @@ def test_vllm_v0_falls_back_to_gpu_cache_usage():
 
 def test_vllm_data_parallel_engines_sum_counts_and_max_usage():
     # one API server in front of two DP engines labels each sample with its engine rank
-    text = "\n".join([
-        "# TYPE vllm:num_requests_running gauge",
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
-        'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
-        "# TYPE vllm:num_requests_waiting gauge",
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
-        'vllm:num_requests_waiting{engine="1",model_name="m"} 5.0',
-        "# TYPE vllm:kv_cache_usage_perc gauge",
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
-        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75',
-    ]) + "\n"
+    text = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+"""
     m = parse_engine_metrics(text, VLLM)
     assert (m.num_running, m.num_waiting) == (7, 7)
     assert m.kv_cache_usage == pytest.approx(0.75)
 
 
 def test_sglang_tp_ranks_take_max_not_sum():
-    text = "\n".join([
-        "# TYPE sglang:num_running_reqs gauge",
-        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 8.0',
-        'sglang:num_running_reqs{model_name="m",tp_rank="1"} 8.0',
-    ]) + "\n"
+    text = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 8.0
+sglang:num_running_reqs{model_name="m",tp_rank="1"} 8.0
+"""
     assert parse_engine_metrics(text, SGLANG).num_running == 8
 
 
