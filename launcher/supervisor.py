@@ -11,8 +11,8 @@ why, after undoing the steps before it):
    group) and the router (``python -m router``), each in its own process group, logs in the run
    dir;
 5. wait until every agent's slot is READY and the router answers ``GET /health`` with 200,
-   printing progress from the slot states; a child that exits stops the launch with its log's
-   last lines;
+   printing progress from the slot states; a child that exits, or a slot that turns DEAD,
+   stops the launch with that child's log's last lines;
 6. print the ready banner and stay in the foreground.
 
 Ctrl-C, SIGTERM or SIGHUP stop every child and its descendants (engines included, see
@@ -149,8 +149,8 @@ class _Stop(Exception):
 class Supervisor:
     """Runs one launch (:meth:`run`); the children's commands come from ``cfg``.
 
-    ``out`` receives progress and the banner (default stdout). ``segment_api`` is the
-    ``dplb_shm.Segment`` class (injected so tests can run without the native extension).
+    ``out`` receives progress and the banner (default stdout). ``segment_api``: the class whose
+    ``create(name, num_slots=, replace=)`` makes the segment (default ``dplb_shm.Segment``).
     """
 
     def __init__(self, cfg: LaunchConfig, out: TextIO | None = None, segment_api: Any = None) -> None:
@@ -223,6 +223,11 @@ class Supervisor:
             states = self.slot_states()
             router_ok = http_ok(cfg.url + "/health")
             ready = sum(1 for s in states if s == "READY")
+            for k, s in enumerate(states):
+                if s == "DEAD":  # the agent lives on but its engine died: no point waiting
+                    a = self.agents[k]
+                    raise ChildStartError(a.name, None, str(a.log_path), log_tail(a.log_path, 20),
+                                          reason="marked its slot DEAD (its engine failed)")
             line = (f"[{time.monotonic() - t0:5.1f}s] workers ready {ready}/{cfg.num_workers}: "
                     + " ".join(f"{k}:{s}" for k, s in enumerate(states))
                     + f" | router: {'up' if router_ok else 'starting'}")

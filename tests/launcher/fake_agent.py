@@ -3,7 +3,7 @@
 Claims its slot, starts an "engine" (a sleeping grandchild in a session of its own, pid written to
 ``<run-dir>/engine-K.pid``) and turns READY after a short delay, then heartbeats. Behaviour per
 worker id from the environment: ``FAKE_FAIL=K`` makes worker K print an error and exit 3;
-``FAKE_NEVER=K`` keeps worker K in STARTING; ``FAKE_DIE_AFTER_READY=K`` exits 4 after 1 s of READY.
+``FAKE_NEVER=K`` keeps worker K in STARTING; ``FAKE_DEAD=K`` marks worker K DEAD and lives on; ``FAKE_DIE_AFTER_READY=K`` exits 4 after 1 s of READY.
 """
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def main() -> int:
     w.claim(worker_id=k, pid=os.getpid(), endpoint=args.uds, gpu_ids=[], weight=1.0, model=args.model,
             max_num_seqs=256)
     time.sleep(0.3)
-    if os.environ.get("FAKE_NEVER") != str(k):
+    if os.environ.get("FAKE_DEAD") == str(k):
+        print(f"fake agent {k}: engine exited with status 1 (simulated)", flush=True)
+        w.set_state(WorkerState.DEAD)
+    elif os.environ.get("FAKE_NEVER") != str(k):
         w.set_state(WorkerState.READY)
     ready_at = time.monotonic()
     while True:

@@ -76,6 +76,14 @@ def test_failing_worker_stops_launch_with_its_log(procs, run_dir, port):
     wait_until(lambda: gone(engine_pids(run_dir, 1)), timeout=20, what="worker 0's engine gone")
 
 
+def test_worker_marked_dead_stops_launch_without_waiting_for_the_timeout(procs, run_dir, port):
+    p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_DEAD": "0"})
+    assert p.wait(timeout=50) == 1  # well before the 60 s start timeout
+    out = log.read_text()
+    assert "worker 0 marked its slot DEAD" in out and "engine exited with status 1 (simulated)" in out
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
 def test_start_timeout_names_the_pending_worker(procs, run_dir, port):
     p, log = start(procs, run_dir, port, "--num-workers", "2", "--start-timeout", "3", env={"FAKE_NEVER": "0"})
     assert p.wait(timeout=90) == 1
