@@ -111,3 +111,13 @@ def test_sim_and_openai():
 def test_openai_over_unix_socket():
     o = build_adapter(cfg("--engine-url", "unix:/tmp/x/engine.sock", engine="openai"))
     assert o.address.uds == "/tmp/x/engine.sock" and o.address.base == "http://localhost"
+
+
+def test_main_exit_codes(tmp_path, capsys):
+    from worker_agent.__main__ import main
+
+    uds = str(tmp_path / "a.sock")
+    assert main(["--worker-id", "0", "--uds", uds, "--gpus", "x"]) == 2            # bad flag value
+    assert "--gpus" in capsys.readouterr().err
+    assert main(["--worker-id", "0", "--uds", uds, "--engine", "vllm", "--shm", "dplb-test-absent-wa"]) == 2
+    assert main(["--worker-id", "0", "--uds", uds, "--shm", "dplb-test-absent-wa"]) == 1  # no segment
