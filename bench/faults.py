@@ -1,0 +1,127 @@
+"""Fault-injection report: run the scenarios of issue 8 with counting and write a Markdown table.
+
+Usage: ``python -m bench.faults [--only 1,5,10] [--out bench/results/faults.md]``
+
+Each scenario (the same functions the ``tests/faults`` suite asserts on, in
+:mod:`tests.faults.scenarios`) starts real processes on loopback — router, worker agents with sim
+engines or fake workers — injects one fault under bounded traffic, and counts every request as
+``ok``, ``honest`` (failed with an OpenAI-shaped error status or SSE error event) or ``lost``
+(hang, reset, truncated stream, non-OpenAI error). The table has one row per scenario:
+
+    | # | scenario | injected | sent | ok | failed honestly | lost | detection | recovery | notes |
+
+*detection*: fault → the router stops sending to the worker (scenarios 1-3), → ``/health`` 503
+(4), disconnect → the engine drops the request (6); *recovery*: worker back → eligible or serving
+again (2-4), kill → new router ready (9), disconnect → slot in-flight back to 0 (6). Times are
+wall-clock seconds on the machine that ran it; the file says which machine (CPU count) and when.
+Exit status 1 when any scenario lost a request.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
+    """(id, runner, notes-from-result) for every scenario, in issue order."""
+    from tests.faults import scenarios as sc
+
+    def kv(*keys: str) -> Callable[[Any], str]:
+        return lambda r: "; ".join(f"{k}={r.extra.get(k)}" for k in keys if k in r.extra)
+
+    return [
+        ("1a", lambda: sc.run_kill_engine("engine"), kv("by_worker", "slot0_state")),
+        ("1b", lambda: sc.run_kill_engine("worker"), kv("by_worker")),
+        ("2a", sc.run_hung_worker, kv("slowest_s", "timed_out_then_retried", "eligible_while_hung")),
+        ("2b", sc.run_engine_hang, kv("tried_on_hung", "circuit0")),
+        ("2c", sc.run_long_prefill_default, kv("min_latency_s")),
+        ("3", sc.run_breaker, kv("requests_to_0_500", "circuit_after_500s", "circuit_after_recovery",
+                                 "circuit_after_400", "circuit_after_429")),
+        ("4", sc.run_all_dead, kv("statuses_while_dead", "retry_after", "served_after")),
+        ("5", sc.run_drain_remove_cycles, kv("active_at_calls", "router_inflight", "local_inflight")),
+        ("6", sc.run_client_disconnect, kv("aborts", "router_inflight")),
+        ("7", sc.run_stream_fidelity, kv("first_chunk_s", "total_s", "utf8_intact", "usage_before_done")),
+        ("8", sc.run_ties_and_bursts, kv("sequential", "burst")),
+        ("9", sc.run_router_restart, kv("cut_or_refused_during_restart", "workers_seen_by_new_router",
+                                        "router_inflight_after")),
+        ("10", sc.run_bad_input, kv("mismatches", "worker")),
+        ("11", sc.run_security, kv("segment_mode", "agent_socket_mode", "engine_socket_mode", "claimed_slots")),
+    ]
+
+
+def _secs(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3f} s"
+
+
+def _cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """The Markdown report for ``rows`` (dicts with the table's columns)."""
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [
+        "# DPLB fault-injection report (issue 8)",
+        "",
+        f"Generated {now} by `python -m bench.faults` on a {os.cpu_count()}-CPU machine (loopback only).",
+        "Counts: *ok* = complete answer; *failed honestly* = OpenAI-shaped error status or SSE error event;",
+        "*lost* = hang, reset, truncated stream or non-OpenAI error. Detection/recovery: see `bench/faults.py`.",
+        "",
+        "| # | scenario | injected | sent | ok | failed honestly | lost | detection | recovery | notes |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        out.append(f"| {r['id']} | {_cell(r['scenario'])} | {_cell(r['injected'])} | {r['sent']} | {r['ok']} | "
+                   f"{r['honest']} | {r['lost']} | {r['detection']} | {r['recovery']} | {_cell(r['notes'])} |")
+    out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen scenarios, print one line each, write the report; 1 if anything was lost."""
+    p = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="", help="comma-separated scenario ids (1a,1b,2a,...,11); default all")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.md"))
+    args = p.parse_args(argv)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    want = {x.strip() for x in args.only.split(",") if x.strip()}
+    rows = []
+    lost = 0
+    for sid, run, notes in _scenarios():
+        if want and sid not in want and sid.rstrip("abc") not in want:
+            continue
+        t0 = time.monotonic()
+        try:
+            r = run()
+        except Exception as e:  # noqa: BLE001 - a broken scenario is a row, not the end of the report
+            traceback.print_exc()
+            rows.append({"id": sid, "scenario": f"scenario {sid}", "injected": "—", "sent": 0, "ok": 0, "honest": 0,
+                         "lost": 0, "detection": "—", "recovery": "—", "notes": f"scenario failed: {e!r}"[:300]})
+            lost += 1
+            continue
+        row = {"id": sid, "scenario": r.scenario.split(" ", 1)[1], "injected": r.injected, "sent": r.sent,
+               "ok": r.ok, "honest": r.honest, "lost": r.lost, "detection": _secs(r.detection_s),
+               "recovery": _secs(r.recovery_s), "notes": notes(r)}
+        rows.append(row)
+        lost += r.lost
+        print(f"faults {sid:>3} sent={r.sent} ok={r.ok} honest={r.honest} lost={r.lost} "
+              f"detection={row['detection']} recovery={row['recovery']} ({time.monotonic() - t0:.0f}s wall)",
+              flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(render(rows))
+    print(f"wrote {args.out}")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Scenarios 1-5 of issue 8 (workers die, hang, fail, all go away, are drained and removed);
+see :mod:`tests.faults.scenarios`."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from tests.faults.cluster import MODEL_SIM, Stack
+from tests.faults.common import (
+    DispatchWatch,
+    Result,
+    admin_call,
+    circuit_of,
+    eligible,
+    wait_time,
+)
+from tests.faults.load import Outcome, chat, steady
+
+# ------------------------------------------------------------------------------------ scenario 1
+
+
+def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 30.0, duration: float = 3.0,
+                    kill_at: float = 1.2, max_tokens: int = 48) -> Result:
+    """Scenario 1: ``kill -9`` worker 0's engine (``target="engine"``: the sim engine under the
+    agent) or the whole worker (``target="worker"``: agent and engine) under steady load of
+    alternating streamed / non-streamed chats through real agents and sim engines (time scale 1)."""
+    res = Result(f"1 kill -9 {target}", f"SIGKILL of worker 0's {'sim engine' if target == 'engine' else 'agent + engine'}"
+                 f" at t={kill_at}s under {rate:.0f} req/s")
+    box: dict[str, float] = {}
+    with Stack() as st:
+        st.agents_up(workers, "--max-num-seqs", "64")
+        base = st.router({}, ready=workers)
+        a0 = st.agents[0]
+        engine_pid = a0.engine_pid()
+
+        def kill() -> None:
+            import os
+            import signal
+
+            box["t"] = time.monotonic()
+            if target == "engine":
+                os.kill(engine_pid, signal.SIGKILL)
+            else:
+                st.kill(a0.proc)
+
+        with DispatchWatch(st.seg, 0) as watch:
+            outs = asyncio.run(steady(base, rate, duration,
+                                      lambda i: chat(stream=i % 2 == 0, max_tokens=max_tokens, model=MODEL_SIM, tag=i),
+                                      events={kill_at: kill}, timeout=30))
+            time.sleep(0.3)
+        res.add(outs)
+        t_kill = box["t"]
+        res.detection_s = watch.detection_after(t_kill)
+        res.extra["after_kill_served_by_0"] = sum(1 for o in outs if o.t_start > t_kill + 0.6 and o.worker == "0")
+        res.extra["failed_not_flowing"] = [o.detail for o in outs if o.kind != "ok" and
+                                           not (o.stream and o.worker == "0" and o.t_start < t_kill)]
+        res.extra["by_worker"] = dict(sorted(Counter(o.worker for o in outs).items(), key=str))
+        res.extra["row0"] = st.row(base, 0)
+        res.extra["slot0_state"] = st.seg.read_slot(0).state.name
+    return res
+
+
+# ------------------------------------------------------------------------------------ scenario 2
+
+
+def run_hung_worker(rate: float = 20.0, duration: float = 3.0, stop_at: float = 0.8,
+                    request_timeout_s: float = 1.0) -> Result:
+    """Scenario 2a: worker 0 is frozen with SIGSTOP (its socket still accepts, nothing answers)
+    under steady load; the router's ``request_timeout_s`` is set to ``request_timeout_s``.
+    Detection: until the router stops dispatching to it; recovery: SIGCONT until it is eligible."""
+    res = Result("2a hung worker (SIGSTOP)", f"SIGSTOP of worker 0 at t={stop_at}s, request_timeout_s={request_timeout_s}")
+    import signal
+
+    box: dict[str, float] = {}
+    with Stack() as st:
+        for i in range(3):
+            st.fake(i)
+        base = st.router({"router": {"request_timeout_s": request_timeout_s}}, ready=3)
+        p0 = st.fakes[0].proc
+
+        def freeze() -> None:
+            box["t"] = st.kill(p0, signal.SIGSTOP)
+
+        try:
+            with DispatchWatch(st.seg, 0) as watch:
+                outs = asyncio.run(steady(base, rate, duration, lambda i: chat(tag=i), events={stop_at: freeze},
+                                          timeout=request_timeout_s * 4 + 10))
+            res.add(outs)
+            res.detection_s = watch.detection_after(box["t"])
+            res.extra["eligible_while_hung"] = eligible(st, base, 0)
+            res.extra["slowest_s"] = round(max(o.t_end - o.t_start for o in outs), 3)
+            res.extra["timed_out_then_retried"] = sum(1 for o in outs if o.t_end - o.t_start >= request_timeout_s)
+        finally:
+            t_cont = st.kill(p0, signal.SIGCONT)
+        res.recovery_s = wait_time(lambda: eligible(st, base, 0), t_cont, 20, "worker 0 back after SIGCONT")
+    return res
+
+
+def run_engine_hang(n: int = 16, request_timeout_s: float = 0.5) -> Result:
+    """Scenario 2b: worker 0's agent answers probes but its requests hang (a hung engine). Requests
+    time out after ``request_timeout_s`` and are retried on worker 1; worker 0's breaker opens."""
+    res = Result("2b hung engine (probes pass)", f"worker 0 never answers requests, request_timeout_s={request_timeout_s}")
+    with Stack() as st:
+        st.fake(0, "--mode", "hang")
+        st.fake(1)
+        base = st.router({"router": {"request_timeout_s": request_timeout_s},
+                          "routing_policy": {"policy": "round_robin"},
+                          "circuit_breaker": {"minimum_requests": 4, "open_time_s": 60}}, ready=2)
+        t0 = time.monotonic()
+        outs = asyncio.run(steady(base, 8.0, n / 8.0, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
+        res.extra["circuit0"] = circuit_of(st, base, 0)
+        res.extra["served"] = dict(Counter(o.worker for o in outs))
+        res.extra["tried_on_hung"] = st.fakes[0].client().stats()["requests"]
+        res.detection_s = None if res.extra["circuit0"] != "open" else round(time.monotonic() - t0, 3)
+    return res
+
+
+def run_long_prefill_default(delay: float = 3.0) -> Result:
+    """Scenario 2c: with the default config, a worker that takes ``delay`` s before its first byte
+    (a long prefill) is not cut off by the router."""
+    res = Result("2c long prefill, default timeout", f"worker answers after {delay}s (default config)")
+    with Stack() as st:
+        st.fake(0, "--mode", "slow", "--delay", str(delay))
+        base = st.router({}, ready=1)
+        outs = asyncio.run(steady(base, 4.0, 1.0, lambda i: chat(tag=i, stream=i % 2 == 1), timeout=delay + 20))
+        res.add(outs)
+        res.extra["min_latency_s"] = round(min(o.t_end - o.t_start for o in outs), 3)
+    return res
+
+
+# ------------------------------------------------------------------------------------ scenario 3
+
+
+def run_breaker(n_fail: int = 30, open_time_s: float = 2.5) -> Result:
+    """Scenario 3: worker 0 answers 500 → its breaker opens (requests are retried on worker 1);
+    it recovers → a half-open probe closes the breaker. Then worker 0 answers 400 and 429 for a
+    while: its breaker stays closed with a failure rate of 0."""
+    res = Result("3 breaker (500, then 400/429)", "worker 0 answers 500, then recovers; then 400 and 429")
+    with Stack() as st:
+        f0 = st.fake(0, "--mode", "500")
+        st.fake(1)
+        base = st.router({"circuit_breaker": {"minimum_requests": 6, "open_time_s": open_time_s}}, ready=2)
+        t0 = time.monotonic()
+        with DispatchWatch(st.seg, 0) as watch:
+            outs = asyncio.run(steady(base, 20.0, n_fail / 20.0, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
+        res.extra["circuit_after_500s"] = circuit_of(st, base, 0)
+        res.extra["segment_circuit"] = st.seg.read_slot(0).circuit
+        res.extra["requests_to_0_500"] = f0.client().stats()["requests"]
+        res.detection_s = round(watch.detection_after(t0), 3)
+        f0.client().set_mode("ok")
+        t1 = time.monotonic()
+
+        async def until_closed() -> list[Outcome]:
+            from tests.faults.load import send
+            got: list[Outcome] = []
+            async with httpx.AsyncClient(base_url=base, timeout=15) as c:
+                while circuit_of(st, base, 0) != "closed" and time.monotonic() - t1 < open_time_s + 15:
+                    got.append(await send(c, chat(tag=len(got))))
+                    await asyncio.sleep(0.05)
+            return got
+
+        outs = asyncio.run(until_closed())
+        res.add(outs)
+        res.recovery_s = round(time.monotonic() - t1, 3)
+        res.extra["circuit_after_recovery"] = circuit_of(st, base, 0)
+        res.extra["served_by_0_after"] = sum(1 for o in outs if o.worker == "0")
+        # 4xx / 429: the client's or backpressure's doing, never the worker's fault
+        for code in ("400", "429"):
+            f0.client().set_mode(code, reset_stats=True)
+            outs = asyncio.run(steady(base, 20.0, 1.0, lambda i: chat(tag=i), timeout=15))
+            res.add(outs)
+            res.extra[f"requests_to_0_{code}"] = f0.client().stats()["requests"]
+            row = st.row(base, 0)
+            res.extra[f"circuit_after_{code}"] = row["circuit"] if row else None
+            res.extra[f"failure_rate_after_{code}"] = row["failure_rate"] if row else None
+    return res
+
+
+# ------------------------------------------------------------------------------------ scenario 4
+
+
+def run_all_dead() -> Result:
+    """Scenario 4: both workers are killed (``kill -9``). The router stays up, ``/health`` is 503,
+    requests get 503 + Retry-After (OpenAI-shaped); worker 0 is restarted on the same socket and
+    rejoins without a router restart. Detection: kill → /health 503; recovery: restart → a 200."""
+    res = Result("4 all workers dead", "kill -9 of both workers, then worker 0 restarted on the same socket")
+    with Stack() as st:
+        st.fake(0)
+        st.fake(1)
+        base = st.router({}, ready=2)
+        router_proc = st.routers[-1][0]
+        t_kill = time.monotonic()
+        for h in list(st.fakes.values()):
+            st.kill(h.proc)
+        res.detection_s = round(wait_time(lambda: httpx.get(base + "/health", timeout=5).status_code == 503,
+                                           t_kill, 10, "/health 503"), 3)
+        hr = httpx.get(base + "/health", timeout=5)
+        res.extra["health"] = (hr.status_code, hr.headers.get("retry-after"))
+        outs = asyncio.run(steady(base, 10.0, 1.0, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
+        res.extra["statuses_while_dead"] = dict(Counter(o.status for o in outs))
+        res.extra["retry_after"] = sorted({_retry_after(base)})
+        t_back = time.monotonic()
+        st.fake(0)
+        res.recovery_s = round(wait_time(lambda: httpx.post(base + "/v1/chat/completions", json=chat(),
+                                                             timeout=5).status_code == 200,
+                                          t_back, 20, "worker 0 serving again"), 3)
+        outs = asyncio.run(steady(base, 10.0, 1.0, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
+        res.extra["served_after"] = dict(Counter(o.worker for o in outs))
+        res.extra["router_alive"] = router_proc.poll() is None
+        res.extra["health_after"] = httpx.get(base + "/health", timeout=5).status_code
+    return res
+
+
+def _retry_after(base: str) -> str | None:
+    return httpx.post(base + "/v1/chat/completions", json=chat(), timeout=5).headers.get("retry-after")
+
+
+# ------------------------------------------------------------------------------------ scenario 5
+
+def run_drain_remove_cycles(rate: float = 20.0, duration: float = 3.2) -> Result:
+    """Scenario 5: under steady load of 1 s streams and short chats on two workers, worker 0 is
+    drained, undrained, removed and re-added, then worker 1 is removed and re-added. Every request
+    must finish; afterwards every in-flight count (segment router atomics, router-local handles,
+    agents' own counters) must be exactly zero — never negative, never leaked."""
+    res = Result("5 drain/remove/re-add cycles", "drain, undrain, remove, re-add of workers with requests in flight")
+    with Stack() as st:
+        f0, f1 = st.fake(0), st.fake(1)
+        base = st.router({}, ready=2)
+        calls: list[tuple[float, float, str, int, list[int]]] = []
+
+        def act(method: str, path: str, **kw: Any) -> Callable[[], None]:
+            def run() -> None:
+                active = [f.client().stats()["active"] for f in (f0, f1)]
+                t = time.monotonic()
+                code = admin_call(base, method, path, **kw)
+                calls.append((t, time.monotonic(), path, code, active))
+            return run
+
+        events = {0.5: act("POST", "/dplb/workers/0/drain"), 1.1: act("POST", "/dplb/workers/0/undrain"),
+                  1.6: act("DELETE", "/dplb/workers/0"), 2.1: act("POST", "/dplb/workers", json={"endpoint": f0.endpoint}),
+                  2.5: act("DELETE", "/dplb/workers/1"), 2.9: act("POST", "/dplb/workers", json={"endpoint": f1.endpoint})}
+        def hdr(i: int) -> dict[str, str]:  # streams of 10 chunks 0.1 s apart; chats answered after 0.3 s
+            if i % 2 == 0:
+                return {"x-fake-mode": "stream", "x-fake-chunks": "10", "x-fake-delay": "0.1"}
+            return {"x-fake-mode": "slow", "x-fake-delay": "0.3"}
+
+        def body(i: int) -> dict[str, Any]:
+            return chat(tag=i, stream=i % 2 == 0)
+
+        outs = asyncio.run(steady(base, rate, duration, body, headers=hdr, timeout=20, events=events))
+        res.add(outs)
+        res.extra["admin_calls"] = [(p, c) for _, _, p, c, _ in calls]
+        # requests in flight on (worker 0, worker 1) when each admin call was made
+        res.extra["active_at_calls"] = [a for *_, a in calls]
+        t_drain = calls[0][1]
+        t_undrain = calls[1][0]
+        res.extra["sent_to_0_while_drained"] = sum(1 for o in outs if t_drain + 0.05 < o.t_start < t_undrain
+                                                   and o.worker == "0")
+        res.extra["served"] = dict(Counter(o.worker for o in outs))
+        time.sleep(0.5)
+        res.extra["router_inflight"] = [st.seg.read_slot(i).router_inflight for i in (0, 1)]
+        res.extra["agent_inflight"] = [st.seg.read_slot(i).inflight for i in (0, 1)]
+        res.extra["fake_active"] = [f.client().stats()["active"] for f in (f0, f1)]
+        res.extra["local_inflight"] = {w["id"]: w["local_inflight"] for w in st.status(base)}
+        res.extra["eligible_end"] = {w["id"]: w["eligible"] for w in st.status(base)}
+    return res

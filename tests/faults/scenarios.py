@@ -1,0 +1,35 @@
+"""Fault scenarios of issue 8 as plain functions that run real processes and return counted results.
+
+Each ``run_*`` function builds its own :class:`tests.faults.cluster.Stack`, injects one fault,
+drives bounded traffic through the router, tears everything down and returns a :class:`Result`
+(what was injected, requests sent / ok / failed honestly / lost, detection and recovery times,
+plus scenario-specific figures in ``extra``). The pytest files in ``tests/faults`` assert on these
+results; ``bench/faults.py`` runs the same functions and writes ``bench/results/faults.md``.
+"""
+from __future__ import annotations
+
+from tests.faults.common import DispatchWatch, Result
+from tests.faults.scen_clients import (
+                                       BAD_ENDPOINTS,
+                                       BAD_INPUTS,
+                                       run_bad_input,
+                                       run_client_disconnect,
+                                       run_router_restart,
+                                       run_security,
+                                       run_stream_fidelity,
+                                       run_ties_and_bursts,
+)
+from tests.faults.scen_workers import (
+                                       run_all_dead,
+                                       run_breaker,
+                                       run_drain_remove_cycles,
+                                       run_engine_hang,
+                                       run_hung_worker,
+                                       run_kill_engine,
+                                       run_long_prefill_default,
+)
+
+__all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "run_all_dead", "run_bad_input", "run_breaker",
+           "run_client_disconnect", "run_drain_remove_cycles", "run_engine_hang", "run_hung_worker",
+           "run_kill_engine", "run_long_prefill_default", "run_router_restart", "run_security",
+           "run_stream_fidelity", "run_ties_and_bursts"]
