@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     lsn.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
+    lsn.add_argument("--access-log", action="store_true", help="Log every HTTP request (uvicorn's).")
     lsn.add_argument(
         "--get-load-format",
         default="sglang",
@@ -169,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        access_log=False,
+        access_log=args.access_log,
         timeout_graceful_shutdown=2,
         lifespan="on",
     )
