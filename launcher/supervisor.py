@@ -226,7 +226,7 @@ class Supervisor:
             for k, s in enumerate(states):
                 if s == "DEAD":  # the agent lives on but its engine died: no point waiting
                     a = self.agents[k]
-                    raise ChildStartError(a.name, None, str(a.log_path), log_tail(a.log_path, 20),
+                    raise ChildStartError(a.name, None, str(a.log_path), self._tail_with_engine(a),
                                           reason="marked its slot DEAD (its engine failed)")
             line = (f"[{time.monotonic() - t0:5.1f}s] workers ready {ready}/{cfg.num_workers}: "
                     + " ".join(f"{k}:{s}" for k, s in enumerate(states))
@@ -324,6 +324,16 @@ class Supervisor:
         except OSError as e:
             raise ChildStartError(name, None, str(log), "", reason=f"could not be started ({e})") from None
 
+    def _tail_with_engine(self, c: Child) -> str:
+        """Last lines of ``c``'s log, plus its engine's log (``engine-K.log``) for a worker."""
+        text = log_tail(c.log_path, 20)
+        if c in self.agents:
+            eng = self.cfg.run_dir / f"engine-{self.agents.index(c)}.log"
+            tail = log_tail(eng, 15)
+            if tail:
+                text += f"\n--- last lines of {eng} ---\n{tail}"
+        return text
+
     def _children(self) -> list[Child]:
         return [*([self.router] if self.router else []), *self.agents]
 
@@ -334,7 +344,7 @@ class Supervisor:
             if rc is None:
                 continue
             if starting:
-                raise ChildStartError(c.name, rc, str(c.log_path), log_tail(c.log_path, 20))
+                raise ChildStartError(c.name, rc, str(c.log_path), self._tail_with_engine(c))
             if c.name not in self._reported_dead:
                 self._reported_dead.add(c.name)
                 self._say(f"dplb: {c.name} exited with status {rc}; last lines of {c.log_path}:\n"

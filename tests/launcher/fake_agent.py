@@ -41,6 +41,8 @@ def main() -> int:
     time.sleep(0.3)
     if os.environ.get("FAKE_DEAD") == str(k):
         print(f"fake agent {k}: engine exited with status 1 (simulated)", flush=True)
+        with open(os.path.join(args.run_dir, f"engine-{k}.log"), "w") as f:
+            f.write("ModuleNotFoundError: No module named 'vllm' (simulated)\n")
         w.set_state(WorkerState.DEAD)
     elif os.environ.get("FAKE_NEVER") != str(k):
         w.set_state(WorkerState.READY)

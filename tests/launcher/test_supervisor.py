@@ -81,6 +81,7 @@ def test_worker_marked_dead_stops_launch_without_waiting_for_the_timeout(procs, 
     assert p.wait(timeout=50) == 1  # well before the 60 s start timeout
     out = log.read_text()
     assert "worker 0 marked its slot DEAD" in out and "engine exited with status 1 (simulated)" in out
+    assert "engine-0.log ---" in out and "No module named 'vllm' (simulated)" in out  # the engine's log too
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
 
 
