@@ -194,3 +194,25 @@ def test_engine_that_fails_to_start_marks_slot_dead(start_agent, segment):
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(30) == 0
     assert segment.read_slot(7).state.name == "EMPTY"
+
+
+def test_chat_stream_is_measured_and_tokenize_is_not_counted(start_agent, segment):
+    a = start_agent(8, engine_args=SLOW, interval_ms=100)
+    chat = {"model": MODEL, "stream": True, "max_tokens": 6, "ignore_eos": True,
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two three"}]}
+    with a.client() as c:
+        with c.stream("POST", "/v1/chat/completions", json=chat) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            it = r.iter_raw()
+            first = next(it)
+            s = segment.read_slot(8)
+            assert s.inflight == 1 and s.queued_prompt_tokens == 5        # 2 + 3 words of content
+            body = first + b"".join(it)
+        events = [e for e in body.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        s = slot_wait(segment, 8, lambda s: s.completed == 1 and s.inflight == 0, 5, "chat counted")
+        assert 0 < s.ttft_ms <= s.e2e_ms and s.tpot_ms > 0
+        r = c.post("/tokenize", json={"model": MODEL, "prompt": "a b c"})
+        assert r.status_code == 200
+    s = segment.read_slot(8)
+    assert s.completed == 1 and s.inflight == 0        # /tokenize is relayed but is not inference
