@@ -82,7 +82,7 @@ FULL = Profile(
     mixed_requests=240, mixed_output_len=64, mixed_rate=12.0,
     hetero_requests=160, hetero_output_len=128, hetero_rate=8.0,
     burst_requests=200, burst_prompt_len=512, burst_output_len=64,
-    overhead_requests=2000, overhead_concurrency=4, overhead_batch=100,
+    overhead_requests=2000, overhead_concurrency=1, overhead_batch=100,
     scaling_requests_per_engine=32, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
     scaling_output_len=64,
 )

@@ -100,3 +100,22 @@ def test_selection_flags():
     assert labels == ["dplb/dplb", "dplb/cache_aware", "dplb/round_robin", "dplb/shortest_queue",
                       "dplb/power_of_two", "sglang/cache_aware", "sglang/round_robin", "vllm/cache_aware",
                       "vllm/power_of_two", "direct"]
+
+
+def test_measured_add_accumulates_batches():
+    from bench.loadgen import Result
+    from bench.run import Measured
+
+    def res(n):
+        return [Result(True, 200, 0.0, 0.01, 0.01, 1, None, "")] * n
+
+    keys = ("vllm:request_success_total", "vllm:prefix_cache_hits_total")
+    m = Measured(res(2), 1.0, [], 0.0, 0.0)
+    m.add(Measured(res(3), 2.0, [dict.fromkeys(keys, 1.0), dict.fromkeys(keys, 2.0)], 0.5, 0.2))
+    m.add(Measured(res(1), 0.5, [dict.fromkeys(keys, 1.0), dict.fromkeys(keys, 0.0)], 0.25, None))
+    assert len(m.results) == 6 and m.wall == 3.5
+    assert m.deltas == [dict.fromkeys(keys, 2.0), dict.fromkeys(keys, 2.0)]
+    assert m.cpu == 0.75 and m.router_cpu == 0.2
+    nothing = Measured([], 0.0, [], None, None)
+    nothing.add(Measured(res(1), 1.0, [], 0.3, 0.3))
+    assert nothing.cpu is None  # a system without a router never gets a routing CPU figure
