@@ -20,9 +20,14 @@ Scheduling, one step (after ``vllm/v1/core/sched/scheduler.py``):
    cache is consulted: the longest run of the prompt's leading full blocks whose chained hash is
    cached is reused and not recomputed (at least one token is always computed).
 
-Completing a step advances each scheduled request, registers blocks that became full in the prefix
-cache, samples one token for every request whose prompt is fully computed, and finishes requests
-that reach ``max_tokens`` or a stop string (their blocks return to the free queue as cached blocks).
+Blocks that will be full once a step's tokens are computed are published in the prefix cache when
+the step is scheduled (as vLLM V1's ``allocate_slots`` does), so requests admitted in the same step
+— simultaneous arrivals with a shared system prompt, the ``n`` choices of one request — share one
+prefill. An abort during the step withdraws the blocks it published for uncomputed tokens.
+
+Completing a step advances each scheduled request, samples one token for every request whose
+prompt is fully computed, and finishes requests that reach ``max_tokens`` or a stop string (their
+blocks return to the free queue as cached blocks).
 
 Step time (seconds, see :mod:`sim_engine.config` for every constant's source)::
 
@@ -130,6 +135,11 @@ class EngineCore:
                 pass
         else:
             self.running.remove(req)
+            # blocks published for this step's tokens were never computed: withdraw them
+            done = req.num_computed_tokens // self.config.block_size
+            for j in range(done, req.num_registered):
+                self.kv.uncache_block(req.blocks[j])
+            req.num_registered = min(req.num_registered, done)
         self._finish(req, "abort", now)
         return req
 
@@ -147,6 +157,17 @@ class EngineCore:
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _register(self, req: SimRequest, upto_tokens: int) -> None:
+        """Publish in the prefix cache the request's blocks that are full once its first
+        ``upto_tokens`` tokens are computed (vLLM V1 caches them when it allocates the step, so a
+        request scheduled in the same step already hits them)."""
+        full = min(upto_tokens // self.config.block_size, len(req.hashes))
+        if full > req.num_registered:
+            kv, blocks, hashes = self.kv, req.blocks, req.hashes
+            for j in range(req.num_registered, full):
+                kv.cache_block(blocks[j], hashes[j])
+            req.num_registered = full
 
     def schedule(self, now: float) -> StepPlan:
         """Choose this step's batch (see the module docstring). Allocates blocks; O(batch)."""
@@ -172,6 +193,7 @@ class EngineCore:
                 got = kv.allocate(need)
                 assert got is not None  # need <= num_free was just ensured
                 req.blocks += got
+            self._register(req, req.num_computed_tokens + n)
             plan.scheduled.append((req, n))
             budget -= n
             i += 1
@@ -195,6 +217,7 @@ class EngineCore:
             req.blocks = hits + (kv.allocate(need) or [])
             req.num_computed_tokens = cached
             req.num_registered = len(hits)
+            self._register(req, cached + n)
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.num_cached_tokens = cached
@@ -226,7 +249,7 @@ class EngineCore:
     def complete(self, plan: StepPlan, now: float) -> list[SimRequest]:
         """Apply a scheduled step that ended at ``now``. Returns the requests that emitted a token
         this step (each exactly one: ``req.output[-1]``); finished ones have ``finish_reason`` set."""
-        kv, bs, stats, words = self.kv, self.config.block_size, self.stats, self.words
+        stats, words = self.stats, self.words
         stats.steps += 1
         stats.busy_time += plan.duration
         produced: list[SimRequest] = []
@@ -235,10 +258,6 @@ class EngineCore:
             if req.status != Status.RUNNING:
                 continue  # aborted during the step
             req.num_computed_tokens += n
-            full = min(req.num_computed_tokens // bs, len(req.hashes))
-            for j in range(req.num_registered, full):
-                kv.cache_block(req.blocks[j], req.hashes[j])
-            req.num_registered = max(req.num_registered, full)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that does not finish the prompt
             word = words.word(req.word_offset + len(req.output))

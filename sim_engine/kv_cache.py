@@ -131,6 +131,16 @@ class KVCacheManager:
             self.cached[h] = block
             self.block_hash[block] = h
 
+    def uncache_block(self, block: int) -> None:
+        """Withdraw ``block``'s hash from the prefix cache (its KV was never computed)."""
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            if self.ref_cnt[block] == 0:  # pragma: no cover - callers withdraw before freeing
+                self.free_queue.move_to_end(block, last=False)
+
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` blocks (ref_cnt 1 each) from the left of the free queue, evicting their hashes.

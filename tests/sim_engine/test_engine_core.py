@@ -200,3 +200,32 @@ def test_validation_errors():
     add(core, "a", ["x"], 1)
     with pytest.raises(InvalidRequestError):
         add(core, "a", ["y"], 1)
+
+
+def test_requests_admitted_in_the_same_step_share_one_prefill():
+    core = make()
+    shared = words("sys", 320)  # 20 full blocks
+    a = add(core, "a", shared + words("a", 5), 2)
+    b = add(core, "b", shared + words("b", 5), 2)
+    plan = core.schedule(0.0)
+    assert [(r.request_id, n) for r, n in plan.scheduled] == [("a", 325), ("b", 5)]
+    assert b.num_cached_tokens == 320 and core.stats.prefix_cache_hits == 320
+    assert a.blocks[:20] == b.blocks[:20]  # the same physical blocks, referenced twice
+    assert plan.num_prefill_tokens == 330
+    core.complete(plan, plan.duration)
+    run_until_idle(core, plan.duration)
+    assert core.kv.num_used == 0
+
+
+def test_abort_during_the_step_withdraws_blocks_it_published():
+    core = make()
+    p = words("p", 100)  # 6 full blocks published when scheduled, computed only at complete()
+    add(core, "a", p, 3)
+    plan = core.schedule(0.0)
+    assert core.kv.num_cached == 6
+    core.abort("a", 0.0)
+    assert core.kv.num_cached == 0 and core.kv.num_used == 0
+    core.complete(plan, plan.duration)
+    b = add(core, "b", p, 1, now=1.0)
+    run_until_idle(core, 1.0)
+    assert b.num_cached_tokens == 0  # nothing was computed for "a", so nothing to reuse

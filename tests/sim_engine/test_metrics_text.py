@@ -14,7 +14,7 @@ def test_exposition_parses_and_matches_engine_stats():
     core = EngineCore(EngineConfig(num_gpu_blocks=30, model='we"ird\\name'))
     now = 0.0
     for i in range(6):
-        core.add_request(SimRequest(f"r{i}", [f"w{j}" for j in range(100)], 40, 16), now)
+        core.add_request(SimRequest(f"r{i}", [f"r{i}w{j}" for j in range(100)], 40, 16), now)
     core.abort("r5", now)
     while core.has_work():
         _, d = core.step(now)
