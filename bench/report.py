@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from importlib import metadata
@@ -207,8 +208,20 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
     return "\n".join(lines) + "\n"
 
 
+def ensure_matplotlib() -> None:
+    """Import matplotlib, installing the ``bench`` extra's pin (``matplotlib>=3.7``) into the running
+    interpreter's environment with pip when it is missing. Raises ``ImportError`` if that fails."""
+    try:
+        import matplotlib
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib>=3.7"], check=False, timeout=900)
+        import matplotlib  # noqa: F401
+
+
 def plots(out: Path, rows: list[Row], ttft_a: dict[str, list[float]], share_e: dict[str, list[float]]) -> list[str]:
-    """Write the PNG plots that have data; return their file names. Needs matplotlib (``.[bench]``)."""
+    """Write the PNG plots that have data; return their file names. Needs matplotlib (``.[bench]``,
+    installed on first use by :func:`ensure_matplotlib`)."""
+    ensure_matplotlib()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

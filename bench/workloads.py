@@ -76,13 +76,13 @@ class Profile:
 
 
 FULL = Profile(
-    mooncake_requests=200, mooncake_load=1.0,
-    gsp_num_groups=16, gsp_prompts_per_group=16, gsp_system_prompt_len=2048, gsp_question_len=128,
+    mooncake_requests=120, mooncake_load=1.0,
+    gsp_num_groups=12, gsp_prompts_per_group=16, gsp_system_prompt_len=2048, gsp_question_len=128,
     gsp_output_len=128, gsp_rate=8.0,
-    mixed_requests=240, mixed_output_len=64, mixed_rate=12.0,
-    hetero_requests=160, hetero_output_len=128, hetero_rate=8.0,
+    mixed_requests=160, mixed_output_len=64, mixed_rate=12.0,
+    hetero_requests=120, hetero_output_len=128, hetero_rate=8.0,
     burst_requests=200, burst_prompt_len=512, burst_output_len=64,
-    overhead_requests=2000, overhead_concurrency=1, overhead_batch=100,
+    overhead_requests=1000, overhead_concurrency=1, overhead_batch=100,
     scaling_requests_per_engine=32, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
     scaling_output_len=64,
 )
