@@ -51,6 +51,7 @@ class Generation:
                     sub = f"{sub}-{uuid.uuid4().hex[:8]}"
                 self.reqs.append(SimRequest(sub, prompt, mt, bs, params.stop))
         self.prompt_tokens = sum(len(p) for p in params.prompts)
+        self.headers = {"X-Request-Id": rid}  # echoed, as vLLM does with --enable-request-id-headers
         self.channel: OutputChannel = server.runner.submit(self.reqs)
 
     # ---- text helpers --------------------------------------------------------------------
@@ -242,7 +243,7 @@ def build_router(server: SimServer) -> Routes:
             }
             for i, q in enumerate(gen.reqs)
         ]
-        return json_response({**base, "choices": choices, "usage": gen.usage()})
+        return json_response({**base, "choices": choices, "usage": gen.usage()}, headers=gen.headers)
 
     @r.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -289,7 +290,8 @@ def build_router(server: SimServer) -> Routes:
                 "model": model,
                 "choices": choices,
                 "usage": gen.usage(),
-            }
+            },
+            headers=gen.headers,
         )
 
     @r.route("/generate", methods=["POST", "PUT"])
@@ -339,7 +341,7 @@ def build_router(server: SimServer) -> Routes:
             if not await gen.wait_all(request):
                 return Response(status_code=499)
         outs = [{"text": gen.final_text(q), "meta_info": meta(q), "index": i} for i, q in enumerate(gen.reqs)]
-        return json_response(outs[0] if len(outs) == 1 else outs)
+        return json_response(outs[0] if len(outs) == 1 else outs, headers=gen.headers)
 
     return r
 
@@ -366,7 +368,7 @@ class EngineStream(StreamingResponse):
     the body, server shutdown, error) — even when the body generator never started."""
 
     def __init__(self, server: SimServer, gen: Generation, body: AsyncIterator[bytes]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **gen.headers})
         self.server = server
         self.gen = gen
 

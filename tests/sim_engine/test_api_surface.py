@@ -131,6 +131,8 @@ def test_n_choices_stop_and_request_id(shared_engine):
         headers={"X-Request-Id": "my-req-1"},
     ).json()
     assert r["id"] == "my-req-1"
+    echoed = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"X-Request-Id": "abc"})
+    assert echoed.headers["x-request-id"] == "abc"
     assert sorted(ch["index"] for ch in r["choices"]) == [0, 1, 2]
     assert r["usage"]["completion_tokens"] == 12 and r["usage"]["prompt_tokens"] == 3
 
