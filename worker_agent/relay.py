@@ -185,6 +185,7 @@ class RelayApp:
 
         watcher = asyncio.ensure_future(watch())
         resp = None
+        body_done = False
         try:
             try:
                 resp = await upstream.open(method, target, headers, body)
@@ -209,7 +210,9 @@ class RelayApp:
                     tail = b"data: " + error_body(e)[1] + b"\n\n"
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
                 return
+            body_done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # 4xx: the engine answered (the request was bad), so not an engine failure
             outcome = "ok" if resp.status < 500 else "failed"
         except asyncio.CancelledError:
             if not disconnected:
@@ -222,9 +225,10 @@ class RelayApp:
         finally:
             watcher.cancel()
             if resp is not None:
-                resp.close(abort=outcome != "ok")
+                resp.close(abort=not body_done)   # a fully read response returns its connection to the pool
             if counted:
                 ttft = tpot = e2e = None
-                if meter is not None and outcome == "ok":
+                # latency windows hold successful answers only (fast 4xx errors would flatter them)
+                if meter is not None and outcome == "ok" and resp is not None and resp.status < 400:
                     ttft, tpot, e2e = meter.finish()
                 self.sink.on_finish(prompt, ttft, tpot, e2e, outcome)
