@@ -84,6 +84,19 @@ def send(base_url: str, specs: list[RequestSpec], closed_concurrency: int | None
     return _run_async(run_open(base_url, specs))
 
 
+def with_load_format(flags: EngineFlags, systems: list[SystemSpec]) -> EngineFlags:
+    """``flags`` plus ``--get-load-format vllm`` when a vllm-router system is among ``systems``.
+
+    The flag changes only the JSON shape of the engines' ``GET /get_load`` (vllm-router's
+    power_of_two reads ``{"load": N}``, SGLang's router a list); no other system here reads that
+    endpoint (SGLang's router polls it only for its power_of_two, which is not benchmarked; DPLB's
+    agents read ``/metrics``), so engine behaviour stays identical for everyone.
+    """
+    if any(s.kind == "vllm" for s in systems):
+        return replace(flags, extra=(*flags.extra, "--get-load-format", "vllm"))
+    return flags
+
+
 @dataclass
 class Measured:
     """Raw figures of one workload on one system: client results, wall seconds, per-engine
@@ -161,6 +174,7 @@ class Harness:
         if not workloads:
             return
         flags, slow = self.sets[engine_set]
+        flags = with_load_format(flags, [spec])
         n = len(slow)
         tag = spec.label.replace("/", "-") + "-" + engine_set
         with ProcessSet(self.log_dir / tag) as procs:
@@ -230,6 +244,7 @@ class Harness:
         summed over the system's own batches only.
         """
         flags, slow = self.sets["fast"]
+        flags = with_load_format(flags, systems)
         specs = self.specs(workload)
         batch = max(1, min(self.profile.overhead_batch, len(specs)))
         chunks = [specs[i:i + batch] for i in range(0, len(specs), batch)]

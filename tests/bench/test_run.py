@@ -119,3 +119,12 @@ def test_measured_add_accumulates_batches():
     nothing = Measured([], 0.0, [], None, None)
     nothing.add(Measured(res(1), 1.0, [], 0.3, 0.3))
     assert nothing.cpu is None  # a system without a router never gets a routing CPU figure
+
+
+def test_vllm_router_gets_its_load_shape_and_nobody_else_does():
+    from bench.run import with_load_format
+    flags = engine_sets(0.5, 1)["main"][0]
+    assert "--get-load-format" not in with_load_format(flags, [SystemSpec("sglang", "cache_aware")]).argv(0)
+    argv = with_load_format(flags, [SystemSpec("dplb", "dplb"), SystemSpec("vllm", "power_of_two")]).argv(0)
+    assert argv[argv.index("--get-load-format") + 1] == "vllm"
+    assert argv[:2] == ["--time-scale", "0.5"]
