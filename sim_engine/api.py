@@ -70,7 +70,7 @@ class Generation:
         (``k == -1``: finished without a new token, empty text)."""
         if k < 0:
             return "", req.finish_reason
-        if k == len(req.output) and req.finish_reason is not None:
+        if k == len(req.output) and req.finish_reason not in (None, "abort"):
             if req.finish_reason == "stop" and req.stop_matched:
                 full = self.final_text(req)
                 sent = sum(len(w) + 1 for w in req.output[:-1])

@@ -36,7 +36,7 @@ class OutputChannel:
     def push(self, index: int, req: SimRequest, k: int) -> None:
         """Record that ``req`` (choice ``index``) emitted its ``k``-th token (1-based)."""
         self.items.append((index, req, k))
-        if k == len(req.output) and req.finish_reason is not None:
+        if k == len(req.output) and req.finish_reason not in (None, "abort"):  # aborts: push_finish
             self.open_choices -= 1
         self.event.set()
 
