@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -205,7 +206,7 @@ class Agent:
             self.writer.publish(**fields)  # always: refreshes the heartbeat
             await asyncio.sleep(interval)
 
-    async def _guard(self, loop_fn) -> None:
+    async def _guard(self, loop_fn: Callable[[], Awaitable[None]]) -> None:
         """Run a periodic loop; an unexpected error is logged and the loop restarted a tick later."""
         while True:
             try:

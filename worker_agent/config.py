@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default="", help="physical GPU indices, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--tp-size", type=int, default=0, help="tensor-parallel size (default: number of GPUs)")
     p.add_argument("--engine-url", default=None,
-                   help="attach to a running OpenAI-compatible server (openai): http(s)://host:port or unix:/path")
+                   help="attach to a running OpenAI-compatible server (openai): its root, "
+                        "http(s)://host:port or unix:/path (requests keep their /v1/... paths)")
     p.add_argument("--state-interval-ms", type=int, default=200,
                    help="period of engine metrics, NVML and heartbeat refresh (default: 200)")
     p.add_argument("--max-queue", type=int, default=0,
