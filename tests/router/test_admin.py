@@ -109,3 +109,48 @@ def test_two_router_processes_share_in_flight_counts(make_cluster):
     pids = {httpx.get(c.base + "/dplb/status").json()["pid"] for _ in range(20)}
     assert len(pids) == 2                                       # both processes answer
     wait_until(lambda: c.router_inflight() == [0, 0, 0, 0], 10, what="shared in-flight back to 0")
+
+
+def test_remote_backend_from_config_is_mirrored_with_its_weight(make_cluster, procs, run_dir):
+    port = free_port()
+    remote = start_fake(procs, None, 7, run_dir, port=port)
+    c = make_cluster(1, {"backend_servers": [{"endpoint": f"127.0.0.1:{port}", "weight": 3.0}]}, ready=2)
+    rows = {w["id"]: w for w in httpx.get(c.base + "/dplb/status").json()["workers"]}
+    assert rows[15]["endpoint"] == f"127.0.0.1:{port}" and rows[15]["weight"] == 3.0 and rows[15]["eligible"]
+    wait_until(lambda: "15" in served_by(c.base, 10), 20, what="traffic to the configured remote worker")
+    assert remote.client().stats()["requests"] > 0
+
+
+def test_admin_is_loopback_only_by_default():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from router.admin import check_admin
+    from router.config import Config
+    from router.errors import Forbidden, Unauthorized
+
+    def req(host: str, headers: dict | None = None):
+        return SimpleNamespace(client=SimpleNamespace(host=host), headers=headers or {})
+
+    cfg = Config.model_validate({"router": {"admin_token": TOKEN}})
+    with pytest.raises(Forbidden):
+        check_admin(req("10.1.2.3", {"authorization": f"Bearer {TOKEN}"}), cfg)
+    with pytest.raises(Unauthorized):
+        check_admin(req("127.0.0.1"), cfg)
+    check_admin(req("::1", {"x-dplb-admin-token": TOKEN}), cfg)
+    open_cfg = Config.model_validate({"router": {"admin_token": TOKEN, "admin_loopback_only": False}})
+    check_admin(req("10.1.2.3", {"authorization": f"Bearer {TOKEN}"}), open_cfg)
+
+
+def test_invalid_config_exits_2_naming_the_field(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("circuit_breaker: {minimum_requests: 0}\n")
+    r = subprocess.run([sys.executable, "-m", "router", "--config", str(p)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "circuit_breaker.minimum_requests" in r.stderr
