@@ -8,6 +8,7 @@ client that disconnects (stream or not) aborts its requests, which frees their K
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -355,6 +356,8 @@ class SimServer:
         self.runner = runner
         self.server_load = 0  # HTTP generation requests in progress (vLLM's /load)
         self.get_load_format = "sglang"  # or "vllm": shape of GET /get_load
+        # how often routers called the peer endpoints (shown in /sim/state; tests check them)
+        self.peer_calls: collections.Counter[str] = collections.Counter()
         self.started = time.time()
 
     def load(self) -> _LoadGuard:

@@ -75,6 +75,7 @@ def build_peer_router(server: SimServer) -> Routes:
         """:meth:`EngineCore.state` plus simulated time, wall busy/active seconds and /load."""
         st = core.state()
         st.update(
+            peer_calls=dict(server.peer_calls),
             sim_time_s=server.runner.now(),
             time_scale=server.runner.time_scale,
             wall_busy_s=server.runner.wall_busy,
@@ -91,11 +92,13 @@ def build_peer_router(server: SimServer) -> Routes:
     @r.get("/load")
     async def load() -> Response:
         """vLLM ``{"server_load": N}``: generation requests in progress."""
+        server.peer_calls["load"] += 1
         return json_response({"server_load": server.server_load})
 
     @r.get("/get_load")
     async def get_load() -> Response:
         """SGLang list shape (or ``{"load": N}`` with ``--get-load-format vllm``)."""
+        server.peer_calls["get_load"] += 1
         if server.get_load_format == "vllm":  # vllm-router's power_of_two reads {"load": N}
             return json_response({"load": len(core.running) + len(core.waiting)})
         return json_response(
@@ -146,9 +149,13 @@ def build_peer_router(server: SimServer) -> Routes:
         }
 
     async def server_info_ep() -> Response:
+
+        server.peer_calls["server_info"] += 1
         return json_response(server_info())
 
     async def model_info_ep() -> Response:
+
+        server.peer_calls["model_info"] += 1
         return json_response(model_info())
 
     for path in ("/server_info", "/get_server_info"):
@@ -159,6 +166,7 @@ def build_peer_router(server: SimServer) -> Routes:
     @r.post("/tokenize")
     async def tokenize_ep(request: Request) -> Response:
         """vLLM ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+        server.peer_calls["tokenize"] += 1
         body = load_json(await request.body())
         words = parse_tokenize(body)
         return json_response(
@@ -184,12 +192,14 @@ def build_peer_router(server: SimServer) -> Routes:
     @r.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> Response:
         """vLLM chat render: the rendered prompt's ``token_ids`` (nothing is run)."""
+        server.peer_calls["chat_render"] += 1
         p = parse_chat(load_json(await request.body()), None)  # any model name
         return json_response(_render(p.prompts[0], p.max_tokens, "chatcmpl"))
 
     @r.post("/v1/completions/render")
     async def completions_render(request: Request) -> Response:
         """vLLM completions render: one ``{"token_ids", ...}`` per prompt."""
+        server.peer_calls["completions_render"] += 1
         p = parse_completion(load_json(await request.body()), None)
         return json_response([_render(w, p.max_tokens, "cmpl") for w in p.prompts])
 
