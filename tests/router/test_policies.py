@@ -121,12 +121,12 @@ LONG = "system: you are a careful assistant. " * 20  # 760 characters, 11 chunks
 
 @pytest.mark.parametrize("case", [
     # (loads, indexed {worker: text}, request text, expected worker(s), expected reason)
-    dict(loads=[0, 0], index={1: LONG}, text=LONG + "question one", want={1}, reason="cache_hit"),
-    dict(loads=[0, 0], index={1: LONG[:128]}, text=LONG, want={0}, reason="cache_miss"),   # match 17% < 30%
-    dict(loads=[0, 100], index={1: LONG}, text=LONG, want={0}, reason="imbalanced"),      # 100 > 64 and > 1.5·0
-    dict(loads=[40, 100], index={1: LONG}, text=LONG, want={1}, reason="cache_hit"),     # 60 ≤ 64: balanced
-    dict(loads=[70, 100], index={1: LONG}, text=LONG, want={1}, reason="cache_hit"),     # 100 < 1.5·70
-    dict(loads=[0, 0, 0], index={}, text="short", want={0, 1, 2}, reason="cache_miss"),
+    {"loads": [0, 0], "index": {1: LONG}, "text": LONG + "question one", "want": {1}, "reason": "cache_hit"},
+    {"loads": [0, 0], "index": {1: LONG[:128]}, "text": LONG, "want": {0}, "reason": "cache_miss"},   # match 17% < 30%
+    {"loads": [0, 100], "index": {1: LONG}, "text": LONG, "want": {0}, "reason": "imbalanced"},      # 100 > 64 and > 1.5·0
+    {"loads": [40, 100], "index": {1: LONG}, "text": LONG, "want": {1}, "reason": "cache_hit"},     # 60 ≤ 64: balanced
+    {"loads": [70, 100], "index": {1: LONG}, "text": LONG, "want": {1}, "reason": "cache_hit"},     # 100 < 1.5·70
+    {"loads": [0, 0, 0], "index": {}, "text": "short", "want": {0, 1, 2}, "reason": "cache_miss"},
 ])
 def test_cache_aware_follows_sglang_rule(case):
     ws = [S(i, num_running=n) for i, n in enumerate(case["loads"])]
@@ -186,15 +186,15 @@ class FakeKernel:
 
 @pytest.mark.parametrize("case", [
     # kernel scores alone decide when nothing matches
-    dict(base={0: 0.9, 1: 0.8}, pend={}, index={}, want=0, reason="score"),
+    {"base": {0: 0.9, 1: 0.8}, "pend": {}, "index": {}, "want": 0, "reason": "score"},
     # the affine worker wins a close race thanks to the bonus
-    dict(base={0: 0.9, 1: 0.8}, pend={}, index={1: LONG}, want=1, reason="affinity"),
+    {"base": {0: 0.9, 1: 0.8}, "pend": {}, "index": {1: LONG}, "want": 1, "reason": "affinity"},
     # affine worker 16 requests busier than the least loaded: the bonus has faded (escape)
-    dict(base={0: 0.9, 1: 0.8}, pend={0: 0, 1: 16}, index={1: LONG}, want=0, reason="escape"),
+    {"base": {0: 0.9, 1: 0.8}, "pend": {0: 0, 1: 16}, "index": {1: LONG}, "want": 0, "reason": "escape"},
     # affine worker at its queue capacity: escape
-    dict(base={0: 0.9, 1: 0.8}, pend={0: 250, 1: 256}, index={1: LONG}, want=0, reason="escape"),
+    {"base": {0: 0.9, 1: 0.8}, "pend": {0: 250, 1: 256}, "index": {1: LONG}, "want": 0, "reason": "escape"},
     # kernel finds nobody eligible (e.g. all KV above threshold): least-loaded fallback
-    dict(base={}, pend={}, index={}, want=1, reason="fallback", loads=[5, 1]),
+    {"base": {}, "pend": {}, "index": {}, "want": 1, "reason": "fallback", "loads": [5, 1]},
 ])
 def test_dplb_affinity_and_escape(case):
     kern = FakeKernel(case["base"], case["pend"])

@@ -143,14 +143,14 @@ def test_route_dry_run_agrees_with_serving_worker(make_cluster):
 def _stream(base: str, headers: dict | None = None, n_read: int | None = None) -> tuple[str, list[bytes]]:
     """Open a chat stream; read ``n_read`` chunks (all when None); return worker id and chunks."""
     chunks = []
-    with httpx.Client(base_url=base, timeout=30) as hc:
-        with hc.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "stream": True},
-                       headers=headers or {}) as r:
-            wid = r.headers["x-dplb-worker-id"]
-            for ch in r.iter_raw():
-                chunks.append(ch)
-                if n_read is not None and len(chunks) >= n_read:
-                    break
+    with httpx.Client(base_url=base, timeout=30) as hc, \
+            hc.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "stream": True},
+                      headers=headers or {}) as r:
+        wid = r.headers["x-dplb-worker-id"]
+        for ch in r.iter_raw():
+            chunks.append(ch)
+            if n_read is not None and len(chunks) >= n_read:
+                break
     return wid, chunks
 
 
@@ -160,13 +160,12 @@ def test_stream_inflight_lasts_until_end_and_is_released_once(cluster4):
     done = {}
 
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=cluster4.base, timeout=30) as ac:
-            async with ac.stream("POST", "/v1/chat/completions",
-                                 json={"model": MODEL, "messages": MSG, "stream": True},
-                                 headers={"x-fake-mode": "stream", "x-fake-chunks": "5", "x-fake-delay": "0.3"}) as r:
-                done["wid"] = int(r.headers["x-dplb-worker-id"])
-                async for _ in r.aiter_raw():
-                    seen.append(cluster4.router_inflight())
+        async with httpx.AsyncClient(base_url=cluster4.base, timeout=30) as ac, \
+                ac.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "stream": True},
+                          headers={"x-fake-mode": "stream", "x-fake-chunks": "5", "x-fake-delay": "0.3"}) as r:
+            done["wid"] = int(r.headers["x-dplb-worker-id"])
+            async for _ in r.aiter_raw():
+                seen.append(cluster4.router_inflight())
     asyncio.run(run())
     wid = done["wid"]
     assert len(seen) >= 5
