@@ -47,8 +47,16 @@ def test_goals_report_met_and_unmet():
     assert "| 0.70 |" in a_line and "| 1.20 |" in a_line and a_line.endswith("| met |")
     b_line = next(line for line in text.splitlines() if line.startswith("| b_shared_prefix"))
     assert "not met: TTFT, tok/s" in b_line
+    # second table: DPLB's own policy; on (a) that is the same row as its best
+    assert text.count("| a_mooncake | dplb/dplb | sglang/cache_aware |") == 2
     assert "Best DPLB added p50 0.400 ms vs best sglang-router 0.300 ms: **not met**" in text
     assert "Efficiency at 8 engines: 0.975: met" in text
+
+
+def test_a_worker_left_idle_in_the_burst_is_shown_not_hidden():
+    rows = [row("dplb", "dplb", "e_burst", 1.0, 1.0, mx=0.5, mn=0.0)]
+    text = "\n".join(goals(rows))
+    assert "| dplb/dplb | 0.500 | 0.000 | inf | **not met** |" in text
 
 
 def test_scaling_efficiency():
