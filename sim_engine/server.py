@@ -105,7 +105,8 @@ def _install_shutdown(app: Starlette) -> None:
 
     def stop() -> None:
         n = app.state.sim.runner.abort_all()
-        log.warning("shutting down: aborted %d in-flight request(s)", n)
+        if n:
+            log.warning("shutting down: aborted %d in-flight request(s)", n)
         app.state.uvicorn_server.should_exit = True
 
     for sig in (signal.SIGTERM, signal.SIGINT):
