@@ -13,7 +13,7 @@ name                                           type       meaning
 vllm:num_requests_running                      gauge      requests in the running batch
 vllm:num_requests_waiting                      gauge      requests queued (incl. preempted)
 vllm:kv_cache_usage_perc                       gauge      used blocks / total blocks, 0..1
-vllm:prefix_cache_queries_total                counter    prompt tokens looked up in the prefix cache
+vllm:prefix_cache_queries_total                counter    prompt tokens looked up at first admission
 vllm:prefix_cache_hits_total                   counter    of which found cached
 vllm:num_preemptions_total                     counter    preemptions (by recompute)
 vllm:prompt_tokens_total                       counter    prompt tokens of requests that started decoding
