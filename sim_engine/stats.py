@@ -115,7 +115,7 @@ class EngineStats:
 
     prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
     generation_tokens: int = 0  # tokens generated
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission (not re-admissions)
     prefix_cache_hits: int = 0  # of which found cached
     num_preemptions: int = 0
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
