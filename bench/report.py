@@ -122,22 +122,39 @@ def goals(rows: list[Row]) -> list[str]:
             out += ["", (f"Best DPLB added p50 {min(dp) - base:.3f} ms vs best sglang-router {min(sp) - base:.3f} ms: "
                     f"{_verdict(min(dp) <= min(sp))}.")]
         out.append("")
-    # scaling
-    eff = scaling_efficiency(rows)
-    if eff:
-        out += ["Scaling (DPLB, closed loop, concurrency ∝ engines; goal: efficiency at 8 ≥ 0.97):", "",
-                "| engines | output tok/s | efficiency |", "|---|---|---|"]
+    # scaling, per DPLB policy that ran it (the goal is judged on the first one, DPLB's own by default)
+    pols = scaling_policies(rows)
+    for k, pol in enumerate(pols):
+        eff = scaling_efficiency(rows, pol)
+        goal = "; goal: efficiency at 8 ≥ 0.97" if k == 0 else "; for comparison"
+        out += [f"Scaling of dplb/{pol} (closed loop, concurrency ∝ engines{goal}):", "",
+                "| engines | output tok/s | efficiency | max share | min share |", "|---|---|---|---|---|"]
+        shares_by_n = {int(r["workers"]): r for r in rows if r["workload"] == "scaling" and r["policy"] == pol}
         for n, (tps, e) in sorted(eff.items()):
-            out.append(f"| {n} | {_fmt(tps, 1)} | {_fmt(e, 3)} |")
-        if 8 in eff and eff[8][1] is not None:
-            out += ["", f"Efficiency at 8 engines: {eff[8][1]:.3f}: {_verdict(eff[8][1] >= 0.97)}."]
+            r = shares_by_n[n]
+            out.append(f"| {n} | {_fmt(tps, 1)} | {_fmt(e, 3)} | {_fmt(r['max_share'], 3)} | {_fmt(r['min_share'], 3)} |")
+        if k == 0 and 8 in eff and eff[8][1] is not None:
+            out += ["", f"Efficiency of dplb/{pol} at 8 engines: {eff[8][1]:.3f}: {_verdict(eff[8][1] >= 0.97)}."]
         out.append("")
     return out
 
 
-def scaling_efficiency(rows: list[Row]) -> dict[int, tuple[float | None, float | None]]:
-    """``{engines: (output tok/s, efficiency)}`` from the ``scaling`` rows (efficiency vs 1 engine)."""
-    sc = {int(r["workers"]): r["output_tok_s"] for r in rows if r["workload"] == "scaling"}
+def scaling_policies(rows: list[Row]) -> list[str]:
+    """DPLB policies with ``scaling`` rows, in the order they ran."""
+    seen: list[str] = []
+    for r in rows:
+        if r["workload"] == "scaling" and r["policy"] not in seen:
+            seen.append(str(r["policy"]))
+    return seen
+
+
+def scaling_efficiency(rows: list[Row], policy: str | None = None) -> dict[int, tuple[float | None, float | None]]:
+    """``{engines: (output tok/s, efficiency)}`` from the ``scaling`` rows of ``policy`` (default:
+    the first policy that ran the scaling workload); efficiency = tok/s(N) / (N × tok/s(1))."""
+    if policy is None:
+        pols = scaling_policies(rows)
+        policy = pols[0] if pols else None
+    sc = {int(r["workers"]): r["output_tok_s"] for r in rows if r["workload"] == "scaling" and r["policy"] == policy}
     one = sc.get(1)
     return {n: (t, (t / (n * one)) if (t is not None and one) else None) for n, t in sc.items()}
 
@@ -272,21 +289,24 @@ def plots(out: Path, rows: list[Row], ttft_a: dict[str, list[float]], share_e: d
         fig.savefig(out / "share_e.png", dpi=110)
         plt.close(fig)
         written.append("share_e.png")
-    eff = scaling_efficiency(rows)
-    if eff:
-        ns = sorted(eff)
+    pols = scaling_policies(rows)
+    if pols:
         fig, ax = plt.subplots(figsize=(7, 5))
-        ax.plot(ns, [eff[n][0] or 0 for n in ns], marker="o", label="measured output tok/s")
-        one = eff.get(1, (None, None))[0]
-        if one:
-            ax.plot(ns, [one * n for n in ns], linestyle=":", color="gray", label="linear (N × 1 engine)")
+        ax2 = ax.twinx()
+        for k, pol in enumerate(pols):
+            eff = scaling_efficiency(rows, pol)
+            ns = sorted(eff)
+            ax.plot(ns, [eff[n][0] or 0 for n in ns], marker="o", color=f"C{k}", label=f"dplb/{pol} output tok/s")
+            ax2.plot(ns, [eff[n][1] or 0 for n in ns], marker="s", linestyle="--", color=f"C{k}",
+                     label=f"dplb/{pol} efficiency")
+            one = eff.get(1, (None, None))[0]
+            if k == 0 and one:
+                ax.plot(ns, [one * n for n in ns], linestyle=":", color="gray", label="linear (N × 1 engine)")
+            ax.set_xticks(ns)
         ax.set_xlabel("engines")
         ax.set_ylabel("output tokens/s")
-        ax.set_xticks(ns)
-        ax2 = ax.twinx()
-        ax2.plot(ns, [eff[n][1] or 0 for n in ns], marker="s", color="tab:red", label="efficiency")
         ax2.set_ylim(0, 1.2)
-        ax2.set_ylabel("efficiency")
+        ax2.set_ylabel("efficiency (dashed)")
         ax.set_title("DPLB scaling")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()

@@ -33,6 +33,8 @@ ROWS = [
     row("sglang", "round_robin", "f_overhead", 1.0, 1.0, e2e_p50=5.3),
     row("dplb", "dplb", "scaling", 1.0, 100.0, workers=1),
     row("dplb", "dplb", "scaling", 1.0, 780.0, workers=8),
+    row("dplb", "round_robin", "scaling", 1.0, 100.0, workers=1),
+    row("dplb", "round_robin", "scaling", 1.0, 700.0, workers=8),
 ]
 
 
@@ -50,7 +52,8 @@ def test_goals_report_met_and_unmet():
     # second table: DPLB's own policy; on (a) that is the same row as its best
     assert text.count("| a_mooncake | dplb/dplb | sglang/cache_aware |") == 2
     assert "Best DPLB added p50 0.400 ms vs best sglang-router 0.300 ms: **not met**" in text
-    assert "Efficiency at 8 engines: 0.975: met" in text
+    assert "Efficiency of dplb/dplb at 8 engines: 0.975: met" in text
+    assert "Scaling of dplb/round_robin" in text and "Efficiency of dplb/round_robin" not in text
 
 
 def test_a_worker_left_idle_in_the_burst_is_shown_not_hidden():
@@ -63,6 +66,7 @@ def test_scaling_efficiency():
     eff = scaling_efficiency(ROWS)
     assert eff[1] == (100.0, 1.0)
     assert eff[8][1] == pytest.approx(0.975)
+    assert scaling_efficiency(ROWS, "round_robin")[8][1] == pytest.approx(0.875)
 
 
 def test_write_all_files(tmp_path):
