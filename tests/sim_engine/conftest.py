@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.helpers import wait_for_unix_socket
-
-
-def start_engine(procs, run_dir: str, *args: str, name: str = "engine") -> httpx.Client:
-    """Start an engine on ``<run_dir>/<name>.sock`` with extra ``args``; return a client bound to it.
-
-    The process is registered with ``procs`` (killed at teardown); its log is ``<run_dir>/<name>.log``."""
-    sock = os.path.join(run_dir, f"{name}.sock")
-    procs.start(
-        [sys.executable, "-m", "sim_engine", "--uds", sock, *args], log=os.path.join(run_dir, f"{name}.log")
-    )
-    wait_for_unix_socket(sock, timeout=30)
-    return httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://sim", timeout=60)
+from tests.sim_engine.simhelpers import start_engine
 
 
 @pytest.fixture
@@ -57,19 +43,3 @@ def shared_engine():
         finally:
             c.close()
     shutil.rmtree(d, ignore_errors=True)
-
-
-def metrics(client: httpx.Client) -> dict[str, float]:
-    """Scrape ``/metrics`` into ``{"name{label=value,...}": value}`` (label ``engine``/``model_name``
-    dropped; other labels kept in order), plus bare ``name`` keys for unlabelled-by-extra samples."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(client.get("/metrics").text):
-        for s in fam.samples:
-            extra = {k: v for k, v in s.labels.items() if k not in ("engine", "model_name")}
-            key = s.name + (
-                "{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}" if extra else ""
-            )
-            out[key] = s.value
-    return out

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.helpers import free_port, wait_for_port
-from tests.sim_engine.conftest import metrics
+from tests.sim_engine.simhelpers import metrics
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:

@@ -11,7 +11,7 @@ import httpx
 import orjson
 
 from tests.helpers import wait_until
-from tests.sim_engine.conftest import metrics
+from tests.sim_engine.simhelpers import metrics
 
 
 def words(prefix: str, n: int) -> str:
