@@ -67,11 +67,18 @@ async def _state(s: aiohttp.ClientSession) -> dict:
 
 async def _stream(s: aiohttp.ClientSession, prompt: str, max_tokens: int) -> int:
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    n = 0
-    async with s.post("http://sim/v1/completions", json=body) as r:
-        async for chunk in r.content.iter_any():
-            n += chunk.count(b"data: ")
-    return n
+    for attempt in range(5):  # a burst of connects can overflow the socket's accept queue
+        try:
+            n = 0
+            async with s.post("http://sim/v1/completions", json=body) as r:
+                async for chunk in r.content.iter_any():
+                    n += chunk.count(b"data: ")
+            return n
+        except aiohttp.ClientConnectorError:
+            if attempt == 4:
+                raise
+            await asyncio.sleep(0.05 * (attempt + 1))
+    return 0
 
 
 async def _level(sock: str, proc: psutil.Process, n: int, max_tokens: int) -> dict:
