@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     qs = m.get("vllm:prefix_cache_queries_total", 0.0)
     bands = []
     edges = sorted({0, 1, 2, 4, 8, 16, 32, 64, 128, int(max(depth)) + 1})
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         sel = [r["ttft_s"] for r in rows if lo <= r["depth"] < hi]
         if sel:
             bands.append(

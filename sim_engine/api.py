@@ -20,7 +20,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from sim_engine.engine import EngineCore
-from sim_engine.protocol import GenParams, load_json, parse_chat, parse_completion, parse_generate
+from sim_engine.protocol import (
+    GenParams,
+    load_json,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
 from sim_engine.request import SimRequest
 from sim_engine.runner import EngineRunner, OutputChannel
 

@@ -43,7 +43,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sim_engine.config import EngineConfig
-from sim_engine.errors import ContextLengthError, EngineCapacityError, InvalidRequestError
+from sim_engine.errors import (
+    ContextLengthError,
+    EngineCapacityError,
+    InvalidRequestError,
+)
 from sim_engine.kv_cache import KVCacheManager
 from sim_engine.request import SimRequest, Status
 from sim_engine.stats import EngineStats

@@ -25,7 +25,13 @@ from sim_engine import __version__
 from sim_engine.api import Routes, SimServer, json_response
 from sim_engine.errors import InvalidRequestError
 from sim_engine.metrics import CONTENT_TYPE, MetricsRenderer
-from sim_engine.protocol import check_model, load_json, parse_chat, parse_completion, parse_tokenize
+from sim_engine.protocol import (
+    check_model,
+    load_json,
+    parse_chat,
+    parse_completion,
+    parse_tokenize,
+)
 from sim_engine.tokenizer import token_ids
 
 

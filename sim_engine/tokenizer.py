@@ -21,10 +21,12 @@ from sim_engine.errors import InvalidRequestError
 
 # Words the engine "generates": common English words, so outputs look like text in logs.
 OUTPUT_VOCAB: tuple[str, ...] = tuple(
-    "the of and to in is that it for as with was on be by this are from at or an have not "
-    "which but all they can more one has their will there other also been when would new into "
-    "these its time some only about model cache token batch block prefix decode prefill queue "
-    "router worker engine request stream latency memory kernel layer weight value key".split()
+    (  # noqa: SIM905 - a word list reads best as text
+        "the of and to in is that it for as with was on be by this are from at or an have not "
+        "which but all they can more one has their will there other also been when would new into "
+        "these its time some only about model cache token batch block prefix decode prefill queue "
+        "router worker engine request stream latency memory kernel layer weight value key"
+    ).split()
 )
 
 

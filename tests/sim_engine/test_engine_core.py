@@ -6,7 +6,11 @@ import pytest
 
 from sim_engine.config import EngineConfig
 from sim_engine.engine import EngineCore
-from sim_engine.errors import ContextLengthError, EngineCapacityError, InvalidRequestError
+from sim_engine.errors import (
+    ContextLengthError,
+    EngineCapacityError,
+    InvalidRequestError,
+)
 from sim_engine.request import SimRequest, Status
 
 
