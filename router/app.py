@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 import orjson
@@ -301,7 +302,7 @@ class DPLBApp:
             await self.fastapi(scope, receive, send)
             return
 
-        async def send_named(msg: dict) -> None:
+        async def send_named(msg: MutableMapping[str, Any]) -> None:
             # control answers are the router's own: X-DPLB-Worker-ID: none (every response carries it)
             if msg["type"] == "http.response.start":
                 hs = list(msg.get("headers", []))

@@ -95,6 +95,7 @@ class HealthMonitor:
                     m.kv.labels(w).set(float(s.kv_cache_usage))
                 m.ready.labels(w).set(1.0 if s is not None and self.registry.live(s) and h.router_eligible() else 0.0)
                 m.circuit.labels(w).set(h.breaker.state)
+                m.set_inflight(h.worker_id, h.local_inflight)  # sampled per tick, not per request
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -12,7 +12,8 @@ without it.
 
 A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): taking it bumps the
 shared ``router_inflight`` atomic in the segment (so every router process and the kernel see the
-dispatch at once) and this process's count; :meth:`Lease.release` undoes both exactly once.
+dispatch at once) and this process's count; :meth:`Lease.release` undoes both exactly once. (The
+per-worker in-flight gauge is sampled from that count by the health tick, not per request.)
 """
 from __future__ import annotations
 
@@ -27,18 +28,15 @@ from router.workers import Registry, WorkerHandle
 class Lease:
     """In-flight accounting for one dispatched request on ``handle``; release exactly once."""
 
-    __slots__ = ("_metrics", "_released", "_seg", "handle")
+    __slots__ = ("_released", "_seg", "handle")
 
-    def __init__(self, handle: WorkerHandle, seg: Any, metrics: Metrics | None) -> None:
+    def __init__(self, handle: WorkerHandle, seg: Any) -> None:
         self.handle = handle
         self._seg = seg
-        self._metrics = metrics
         self._released = False
         seg.router_inflight_add(handle.worker_id, 1)
         seg.dispatched_add(handle.worker_id, 1)
         handle.local_inflight += 1
-        if metrics is not None:
-            metrics.set_inflight(handle.worker_id, handle.local_inflight)
 
     @property
     def released(self) -> bool:
@@ -55,8 +53,6 @@ class Lease:
             self._seg.router_inflight_add(h.worker_id, -1)
         finally:
             h.local_inflight -= 1
-            if self._metrics is not None:
-                self._metrics.set_inflight(h.worker_id, h.local_inflight)
         return True
 
 
@@ -68,7 +64,10 @@ class Scheduler:
         self.policy = policy
         self.seg = seg
         self.metrics = metrics
-        self.fresh = not getattr(policy, "uses_kernel", False)
+        # what eligibility reads: the kernel re-reads live slots itself; load-blind baselines use
+        # the last tick's snapshots; load-aware ones re-read every slot
+        self.fresh: str = ("kernel" if getattr(policy, "uses_kernel", False) else
+                           "fresh" if getattr(policy, "reads_load", True) else "cached")
 
     def decide(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset(),
                explain: bool = False) -> tuple[WorkerHandle, Decision]:
@@ -100,7 +99,7 @@ class Scheduler:
             if not h.breaker.allow():
                 excl.add(h.worker_id)
                 continue
-            lease = Lease(h, self.seg, self.metrics)
+            lease = Lease(h, self.seg)
             self.policy.on_dispatch(h.worker_id, req)
             if self.metrics is not None:
                 self.metrics.decision(self.policy.name, d.reason)

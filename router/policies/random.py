@@ -14,6 +14,7 @@ class RandomPolicy(BasePolicy):
     """Weighted random choice (uniform when all weights are equal)."""
 
     name = "random"
+    reads_load = False  # eligibility from the last tick's snapshots (no per-request slot reads)
 
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
         weights = [max(float(w.weight), 0.0) for w in workers]

@@ -18,6 +18,7 @@ class RoundRobinPolicy(BasePolicy):
     several router processes do not all start at worker 0."""
 
     name = "round_robin"
+    reads_load = False  # eligibility from the last tick's snapshots (no per-request slot reads)
 
     def __init__(self, rng=None) -> None:
         super().__init__(rng)
