@@ -111,8 +111,10 @@ class RoutingPolicy(_Strict):
     max_queue: int = Field(default=0, ge=0, description="0: each slot's max_num_seqs")
     # prefix affinity (dplb): bonus = w_affinity * matched fraction of the prompt
     w_affinity: float = Field(default=0.3, ge=0)
-    # the bonus fades to 0 once the affine worker has this many more pending requests than the least loaded
-    affinity_max_imbalance: float = Field(default=16.0, gt=0)
+    # the bonus fades to 0 once the affine worker has this many more pending requests than the least
+    # loaded: with w_affinity 0.3 and max_queue 256, a burst sharing one prefix leaves the affine
+    # worker at most ~8 requests ahead of the others (bonus = pending-term cost at x ≈ 7.8)
+    affinity_max_imbalance: float = Field(default=8.0, gt=0)
     # cache_aware: SGLang router's published defaults (sglang-router 0.3.x launch_router:
     # cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5)
     cache_threshold: float = Field(default=0.3, ge=0, le=1)

@@ -73,7 +73,7 @@ class DplbPolicy(BasePolicy):
     uses_kernel = True
 
     def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, w_affinity: float = 0.3,
-                 affinity_max_imbalance: float = 16.0, balance_abs_threshold: int = 64,
+                 affinity_max_imbalance: float = 8.0, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, rng=None) -> None:
         super().__init__(rng)
         self.kernel = kernel

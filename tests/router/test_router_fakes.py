@@ -332,3 +332,31 @@ def test_every_baseline_policy_serves_through_the_router(make_cluster, policy):
         assert served == Counter({"0": 5, "1": 5})
     text = httpx.get(c.base + "/metrics").text
     assert f'dplb_router_routing_decisions_total{{policy="{policy}"' in text
+
+
+def test_burst_sharing_a_long_system_prompt_does_not_pile_onto_its_worker(cluster4):
+    reset(cluster4)
+    system = "You are the support assistant of a large online shop; follow the policy below. " * 25
+    for f in cluster4.fakes:
+        f.client().set_mode("slow", delay=0.3)
+
+    def body(i: int) -> dict:
+        return {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                             {"role": "user", "content": f"customer question {i}"}]}
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster4.base, timeout=60,
+                                     limits=httpx.Limits(max_connections=100)) as ac:
+            first = await ac.post("/v1/chat/completions", json=body(-1))   # the prefix now lives on one worker
+            assert first.status_code == 200
+            rs = await asyncio.gather(*(ac.post("/v1/chat/completions", json=body(i)) for i in range(100)))
+        assert all(r.status_code == 200 for r in rs)
+        return [r.headers["x-dplb-worker-id"] for r in rs]
+
+    try:
+        share = Counter(asyncio.run(burst()))
+    finally:
+        reset(cluster4)
+    assert set(share) == {"0", "1", "2", "3"} and max(share.values()) <= 35, share
+    text = httpx.get(cluster4.base + "/metrics").text
+    assert 'reason="affinity"' in text
