@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.dplb-installed
 
-.PHONY: install build test test-fast test-faults test-vllm bench-kernel bench bench-quick lint typecheck clean
+.PHONY: install build test test-fast test-faults test-vllm bench-kernel bench bench-quick bench-faults soak lint typecheck clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q 'Cython>=3.0' 'setuptools>=68' wheel
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,bench]'
 	$(MAKE) build
 	touch $(STAMP)
 
@@ -36,6 +36,12 @@ test-vllm: install build
 
 bench-kernel: install build
 	$(PY) -m bench.kernel
+
+bench-faults: install build
+	$(PY) -m bench.faults
+
+soak: install build
+	$(PY) -m bench.soak
 
 bench: install build
 	$(PY) -m bench.run
