@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 from router.config import POLICIES, load_config
@@ -57,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         from router.app import CONFIG_ENV
 
         os.environ[CONFIG_ENV] = cfg.model_dump_json()
-        uvicorn.run("router.app:create_app_from_env", factory=True, workers=cfg.router.workers, **common)
+        # one /metrics truth across the processes: prometheus_client's multiprocess mode (each
+        # process writes its values to files in this directory; /metrics aggregates them)
+        prom_dir = tempfile.mkdtemp(prefix="dplb-router-prom-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
+        try:
+            uvicorn.run("router.app:create_app_from_env", factory=True, workers=cfg.router.workers, **common)
+        finally:
+            shutil.rmtree(prom_dir, ignore_errors=True)
     else:
         from router.app import create_app
 

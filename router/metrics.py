@@ -15,10 +15,14 @@
 
 ``kind`` is one of connect, timeout, status_5xx, stream_broken, client_disconnect. Histogram
 buckets follow vLLM's TTFT/e2e buckets (``vllm/v1/metrics/loggers.py``), trimmed at the low end
-for sub-millisecond proxying. Each router process serves its own numbers (sum them across
-processes in PromQL when ``--workers`` > 1).
+for sub-millisecond proxying. With ``--workers`` > 1 the router runs prometheus_client's
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by ``router.__main__``): counters and
+histograms are summed over the processes, the in-flight gauge too (``livesum``), the other gauges
+report the latest value (``livemostrecent``).
 """
 from __future__ import annotations
+
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -49,17 +53,17 @@ class Metrics:
                               "Time from request received to first response body byte (streams)", ["route"],
                               buckets=BUCKETS, registry=r)
         self.inflight = Gauge("dplb_router_worker_inflight", "Requests in flight per worker (this router)",
-                              ["worker"], registry=r)
+                              ["worker"], registry=r, multiprocess_mode="livesum")
         self.kv = Gauge("dplb_router_worker_kv_cache_usage", "KV-cache usage 0..1 as last read from the segment",
-                        ["worker"], registry=r)
+                        ["worker"], registry=r, multiprocess_mode="livemostrecent")
         self.ready = Gauge("dplb_router_worker_ready", "1 when the worker is eligible for routing", ["worker"],
-                           registry=r)
+                           registry=r, multiprocess_mode="livemostrecent")
         self.decisions = Counter("dplb_router_routing_decisions", "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
         self.retries = Counter("dplb_router_retries", "Requests retried on another worker before the first byte",
                                ["reason"], registry=r)
         self.circuit = Gauge("dplb_router_circuit_state", "Circuit state (0 closed, 1 open, 2 half-open)",
-                             ["worker"], registry=r)
+                             ["worker"], registry=r, multiprocess_mode="livemostrecent")
         self._req_children: dict[tuple[str, int], object] = {}
         self._dec_children: dict[tuple[str, str], object] = {}
         self._dur: dict[str, object] = {}
@@ -102,4 +106,10 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """Exposition text and its content type."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            reg = CollectorRegistry()
+            multiprocess.MultiProcessCollector(reg)
+            return generate_latest(reg), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -108,6 +108,11 @@ def test_two_router_processes_share_in_flight_counts(make_cluster):
     assert set(share) == {"0", "1", "2", "3"} and max(share.values()) <= 16, share
     pids = {httpx.get(c.base + "/dplb/status").json()["pid"] for _ in range(20)}
     assert len(pids) == 2                                       # both processes answer
+    for _ in range(3):                                          # whichever process answers /metrics,
+        text = httpx.get(c.base + "/metrics").text              # it counts the requests of both
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("dplb_router_requests_total{") and 'status="200"' in line)
+        assert total == 40, text
     wait_until(lambda: c.router_inflight() == [0, 0, 0, 0], 10, what="shared in-flight back to 0")
 
 
