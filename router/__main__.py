@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",
                               "http": "httptools", "log_level": cfg.router.log_level, "access_log": False,
                               "server_header": False, "date_header": False, "timeout_keep_alive": 30,
-                              "backlog": 4096, "timeout_graceful_shutdown": 10}
+                              "backlog": 4096, "timeout_graceful_shutdown": 10,
+                              # the router is the edge: no X-Forwarded-* rewriting middleware per request
+                              "proxy_headers": False}
     if cfg.router.workers > 1:
         from router.app import CONFIG_ENV
 
