@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pin", type=int, default=0, help="pin the router to this CPU (-1: no pinning)")
+    ap.add_argument("--shm", help="segment name to create (default: a fresh dplb-bench-<hex>)")
     ap.add_argument("--serve-worker", nargs=2, metavar=("SHM", "SOCK"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_worker:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dplb_shm import Segment
 
-    shm = f"dplb-bench-{uuid.uuid4().hex[:8]}"
+    shm = a.shm or f"dplb-bench-{uuid.uuid4().hex[:8]}"
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
     sock = os.path.join(d, "w0.sock")
     seg = Segment.create(shm, num_slots=8)
