@@ -174,6 +174,10 @@ class Proxy:
         except asyncio.CancelledError:
             if not gone:
                 raise
+        except OSError:
+            # uvicorn's send raises once the client socket is gone (upstream errors arrive wrapped as
+            # TransportError); the lease and the upstream connection were released on the way out
+            pass
         finally:
             watch.remove_done_callback(on_message)
             watch.cancel()
