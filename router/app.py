@@ -83,7 +83,12 @@ class RouterState:
 
         cfg = self.cfg
         if self.seg is None:
-            self.seg = await asyncio.get_running_loop().run_in_executor(None, attach_segment, cfg.shm_name)
+            try:
+                self.seg = await asyncio.get_running_loop().run_in_executor(None, attach_segment, cfg.shm_name)
+            except Exception as e:
+                log.error("cannot attach segment %s: %s (create it first: dplb-shm create --name %s)",
+                          cfg.shm_name, e, cfg.shm_name)
+                raise
             self._hold_router_lock()
         rp = cfg.routing_policy
         self.params = ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
