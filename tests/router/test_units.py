@@ -175,3 +175,31 @@ def test_example_config_is_valid_and_matches_defaults():
 
     cfg = load_config(ROOT / "dplb.example.yaml")
     assert cfg == Config()
+
+
+def test_parse_never_fails_with_anything_but_bad_request():
+    """Property: whatever the body, parsing either succeeds or raises BadRequest (→ 400, never 500)."""
+    import orjson
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False)
+        | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+            st.sampled_from(["model", "messages", "prompt", "text", "input_ids", "stream", "role", "content",
+                             "type", "x"]), inner, max_size=5),
+        max_leaves=25)
+
+    @settings(max_examples=400, deadline=None)
+    @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"]),
+           body=st.one_of(st.binary(max_size=64), json_values.map(orjson.dumps)))
+    def check(path, body):
+        try:
+            r = parse_request(path, body)
+        except BadRequest as e:
+            assert e.status == 400 and e.message
+        else:
+            assert r.prompt_len >= 0 and isinstance(r.text, str)
+
+    check()
