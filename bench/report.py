@@ -226,7 +226,9 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
               ("- prefix hit rate and per-worker share come from the engines' own `/metrics` counters "
               "(`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, `vllm:request_success_total`)"),
               f"- process logs: `{meta.get('log_dir')}`", "",
-              "## Machine", "", *[f"- {m}" for m in _machine()], "", "## Versions", "",
+              "## Machine", "", *[f"- {m}" for m in _machine()],
+              (f"- load average at the start: {meta.get('load_start', '?')} (other work on this machine shares "
+              "the cores; compare figures within one run)"), "", "## Versions", "",
               *[f"- {v}" for v in _versions()], "", "## Plots", "",
               "- `ttft_cdf_a.png`: TTFT CDF per system on (a)", "- `share_e.png`: per-worker share on (e)",
               "- `scaling.png`: DPLB output tokens/s and efficiency at 1, 2, 4, 8 engines", "", "## Notes", ""]

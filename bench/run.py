@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shlex
 import signal
@@ -390,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.out / "tmp" / run_id
     h = Harness(profile, flags, args.out, log_dir, verbose=not args.quiet)
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     t0 = time.monotonic()
     for w in workloads:  # build every request list first: a missing trace fails before anything starts
         h.specs(w)
@@ -407,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": cmdline, "elapsed_s": round(elapsed, 1), "profile": "quick" if args.quick else "full",
             "engine_flags": asdict(flags), "fast_time_scale": FAST_TIME_SCALE, "num_engines": NUM_ENGINES,
             "hetero_slowdown": HETERO_SLOWDOWN,
-            "profile_values": asdict(profile), "run_id": run_id, "log_dir": str(log_dir)}
+            "profile_values": asdict(profile), "run_id": run_id, "log_dir": str(log_dir),
+            "load_start": load_start}
     report.write_all(args.out, h.rows, meta, h.notes, h.ttft_a, h.share_e, h.router_only_cpu)
     h.log(f"done in {elapsed:.0f} s; wrote {args.out}/latest.json, latest.md and plots")
     return 0
