@@ -190,7 +190,7 @@ def run_all_dead() -> Result:
     """Scenario 4: both workers are killed (``kill -9``). The router stays up, ``/health`` is 503,
     requests get 503 + Retry-After (OpenAI-shaped); worker 0 is restarted on the same socket and
     rejoins without a router restart. Detection: kill → /health 503; recovery: restart → a 200."""
-    res = Result("4 all workers dead", "kill -9 of both workers, then worker 0 restarted on the same socket")
+    res = Result("4a all workers dead", "kill -9 of both workers, then worker 0 restarted on the same socket")
     with Stack() as st:
         st.fake(0)
         st.fake(1)
@@ -272,4 +272,34 @@ def run_drain_remove_cycles(rate: float = 20.0, duration: float = 3.2) -> Result
         res.extra["fake_active"] = [f.client().stats()["active"] for f in (f0, f1)]
         res.extra["local_inflight"] = {w["id"]: w["local_inflight"] for w in st.status(base)}
         res.extra["eligible_end"] = {w["id"]: w["eligible"] for w in st.status(base)}
+    return res
+
+
+def run_remote_rejoin() -> Result:
+    """Scenario 4 for a remote worker (``host:port`` in ``backend_servers``, mirrored into a slot):
+    it is killed, the router answers 503 + Retry-After, it is restarted on the same address and
+    rejoins without a router restart. Detection: kill → ``/health`` 503; recovery: restart → a 200."""
+    from tests.fakes import start_fake
+    from tests.helpers import free_port
+
+    res = Result("4b remote worker dead, back on the same address", "kill -9 of the only (TCP, mirrored) worker, "
+                 "restarted on the same port")
+    with Stack() as st:
+        port = free_port()
+        f = start_fake(st.procs, None, 0, st.dir, port=port)
+        base = st.router({"backend_servers": [{"endpoint": f"127.0.0.1:{port}"}]}, ready=1)
+        t_kill = st.kill(f.proc)
+        res.detection_s = round(wait_time(lambda: httpx.get(base + "/health", timeout=5).status_code == 503,
+                                          t_kill, 10, "/health 503"), 3)
+        outs = asyncio.run(steady(base, 10.0, 0.5, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
+        res.extra["statuses_while_dead"] = dict(Counter(o.status for o in outs))
+        t_back = time.monotonic()
+        start_fake(st.procs, None, 0, st.dir, port=port)
+        res.recovery_s = round(wait_time(lambda: httpx.post(base + "/v1/chat/completions", json=chat(),
+                                                            timeout=5).status_code == 200,
+                                         t_back, 20, "remote worker serving again"), 3)
+        outs = asyncio.run(steady(base, 10.0, 0.5, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
+        res.extra["served_after"] = dict(Counter(o.worker for o in outs))
     return res

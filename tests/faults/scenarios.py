@@ -10,26 +10,27 @@ from __future__ import annotations
 
 from tests.faults.common import DispatchWatch, Result
 from tests.faults.scen_clients import (
-                                       BAD_ENDPOINTS,
-                                       BAD_INPUTS,
-                                       run_bad_input,
-                                       run_client_disconnect,
-                                       run_router_restart,
-                                       run_security,
-                                       run_stream_fidelity,
-                                       run_ties_and_bursts,
+    BAD_ENDPOINTS,
+    BAD_INPUTS,
+    run_bad_input,
+    run_client_disconnect,
+    run_router_restart,
+    run_security,
+    run_stream_fidelity,
+    run_ties_and_bursts,
 )
 from tests.faults.scen_workers import (
-                                       run_all_dead,
-                                       run_breaker,
-                                       run_drain_remove_cycles,
-                                       run_engine_hang,
-                                       run_hung_worker,
-                                       run_kill_engine,
-                                       run_long_prefill_default,
+    run_all_dead,
+    run_breaker,
+    run_drain_remove_cycles,
+    run_engine_hang,
+    run_hung_worker,
+    run_kill_engine,
+    run_long_prefill_default,
+    run_remote_rejoin,
 )
 
 __all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "run_all_dead", "run_bad_input", "run_breaker",
            "run_client_disconnect", "run_drain_remove_cycles", "run_engine_hang", "run_hung_worker",
-           "run_kill_engine", "run_long_prefill_default", "run_router_restart", "run_security",
+           "run_kill_engine", "run_long_prefill_default", "run_remote_rejoin", "run_router_restart", "run_security",
            "run_stream_fidelity", "run_ties_and_bursts"]

@@ -70,3 +70,11 @@ def test_all_workers_dead_503_with_retry_after_then_rejoin_without_restart():
     assert r.lost == 0 and r.honest == 10 and r.ok == 10
     assert r.extra["served_after"] == {"0": 10}
     assert r.extra["router_alive"] and r.extra["health_after"] == 200
+
+
+def test_remote_worker_dead_then_back_on_the_same_address_rejoins():
+    r = sc.run_remote_rejoin()
+    assert set(r.extra["statuses_while_dead"]) == {503}
+    assert r.lost == 0 and r.honest == 5 and r.ok == 5
+    assert r.recovery_s is not None
+    assert len(r.extra["served_after"]) == 1
