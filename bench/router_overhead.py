@@ -39,6 +39,17 @@ RESP = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
         + b"\r\n\r\n" + RESP_BODY)
 
 
+def _fixed(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+
+
+# GET answers an attached agent's engine adapter may ask for (readiness, model list, metrics)
+GET_ANSWERS = {b"/v1/models": _fixed(b'{"object":"list","data":[{"id":"bench","object":"model"}]}'),
+               b"/metrics": _fixed(b"", b"text/plain; version=0.0.4"),
+               b"/health": _fixed(b"")}
+
+
 # ------------------------------------------------------------------------------ instant worker
 
 
@@ -63,26 +74,35 @@ class _Instant(asyncio.Protocol):
             if len(self.buf) < end + 4 + n:
                 return
             self.buf = self.buf[end + 4 + n:]
-            self.t.write(RESP)
+            if head.startswith(b"get "):
+                path = head[4:head.find(b" ", 4)].split(b"?", 1)[0]
+                self.t.write(GET_ANSWERS.get(path, GET_ANSWERS[b"/health"]))
+            else:
+                self.t.write(RESP)
 
 
 def serve_worker(shm: str, sock: str) -> None:
-    """Run the instant worker in this process (``--serve-worker``) until killed."""
+    """Run the instant worker in this process (``--serve-worker``) until killed. ``shm`` "-": a
+    bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent."""
     import uvloop
 
     from dplb_shm import Segment, WorkerState
 
-    seg = Segment.attach(shm)
-    w = seg.writer(0)
-    w.claim(worker_id=0, pid=os.getpid(), endpoint=sock, model="bench", max_num_seqs=256)
+    w = None
+    if shm != "-":
+        seg = Segment.attach(shm)
+        w = seg.writer(0)
+        w.claim(worker_id=0, pid=os.getpid(), endpoint=sock, model="bench", max_num_seqs=256)
 
     async def main() -> None:
         srv = await asyncio.get_running_loop().create_unix_server(_Instant, sock)
-        w.set_state(WorkerState.READY)
+        if w is not None:
+            w.set_state(WorkerState.READY)
         async with srv:
             while True:
                 await asyncio.sleep(0.1)
-                w.heartbeat()
+                if w is not None:
+                    w.heartbeat()
 
     uvloop.run(main())
 
@@ -174,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pin", type=int, default=0, help="pin the router to this CPU (-1: no pinning)")
     ap.add_argument("--shm", help="segment name to create (default: a fresh dplb-bench-<hex>)")
+    ap.add_argument("--through-agent", action="store_true",
+                    help="put a real worker agent (--engine openai) between router and instant engine: "
+                         "measures router + agent hop together against the engine alone")
     ap.add_argument("--serve-worker", nargs=2, metavar=("SHM", "SOCK"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_worker:
@@ -191,8 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     children: list[subprocess.Popen] = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        children.append(subprocess.Popen([sys.executable, "-m", "bench.router_overhead", "--serve-worker", shm, sock],
-                                         cwd=root, start_new_session=True))
+        children.append(subprocess.Popen([sys.executable, "-m", "bench.router_overhead", "--serve-worker",
+                                          "-" if a.through_agent else shm, sock], cwd=root, start_new_session=True))
+        if a.through_agent:
+            t_end = time.monotonic() + 20
+            while not os.path.exists(sock) and time.monotonic() < t_end:
+                time.sleep(0.05)
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "worker_agent", "--worker-id", "0", "--shm", shm, "--uds",
+                 os.path.join(d, "agent-0.sock"), "--engine", "openai", "--engine-url", f"unix:{sock}",
+                 "--model", "bench", "--run-dir", d], cwd=root, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         with socket.socket(socket.AF_INET) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -214,15 +246,20 @@ def main(argv: list[str] | None = None) -> int:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return s
 
-        deadline = time.monotonic() + 30
-        while True:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + 60
+        while True:  # until the router has a ready worker (GET /health → 200)
             try:
-                sequential(routed, 5)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("router did not come up")
-                time.sleep(0.2)
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("router or worker did not come up")
+            time.sleep(0.2)
         sequential(direct, 500)
         sequential(routed, 500)   # warm-up: pools, caches, JIT-free but allocator warm
         dl: list[float] = []
@@ -236,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         n = closed_loop(port, a.conns, a.seconds)
         wall = time.perf_counter() - t0
         cpu = sum(proc.cpu_times()[:2]) - c0
+        hop = "router + agent" if a.through_agent else "router"
         print(f"policy={a.policy}  router pinned to CPU {a.pin if a.pin >= 0 else 'none'}  "
               f"{len(dl)} sequential requests per path")
-        print(f"direct to worker : p50 {pct(dl, 50):.3f} ms   p99 {pct(dl, 99):.3f} ms")
-        print(f"through router   : p50 {pct(rl, 50):.3f} ms   p99 {pct(rl, 99):.3f} ms")
-        print(f"added by router  : p50 {pct(rl, 50) - pct(dl, 50):.3f} ms   p99 {pct(rl, 99) - pct(dl, 99):.3f} ms")
+        print(f"direct to {'engine' if a.through_agent else 'worker'} : p50 {pct(dl, 50):.3f} ms   "
+              f"p99 {pct(dl, 99):.3f} ms")
+        print(f"through {hop:14s}: p50 {pct(rl, 50):.3f} ms   p99 {pct(rl, 99):.3f} ms")
+        print(f"added by {hop:13s}: p50 {pct(rl, 50) - pct(dl, 50):.3f} ms   p99 {pct(rl, 99) - pct(dl, 99):.3f} ms")
         print(f"closed loop, {a.conns} connections, {a.seconds:.0f} s: {n / wall:,.0f} req/s measured; "
               f"router CPU {cpu * 1e6 / max(n, 1):.0f} µs/request → {n / max(cpu, 1e-9):,.0f} req/s per router core")
         return 0

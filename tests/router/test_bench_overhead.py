@@ -17,6 +17,6 @@ def test_router_overhead_bench_prints_figures_and_cleans_up(shm_name):
                         "--seconds", "0.5", "--conns", "2", "--pin", "-1", "--shm", shm_name], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
-    assert re.search(r"added by router  : p50 -?\d+\.\d{3} ms   p99 -?\d+\.\d{3} ms", r.stdout), r.stdout
+    assert re.search(r"added by router\s*: p50 -?\d+\.\d{3} ms   p99 -?\d+\.\d{3} ms", r.stdout), r.stdout
     assert re.search(r"[\d,]+ req/s per router core", r.stdout), r.stdout
     assert shm_leftovers(shm_name) == []
