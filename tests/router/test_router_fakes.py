@@ -360,3 +360,20 @@ def test_burst_sharing_a_long_system_prompt_does_not_pile_onto_its_worker(cluste
     assert set(share) == {"0", "1", "2", "3"} and max(share.values()) <= 35, share
     text = httpx.get(cluster4.base + "/metrics").text
     assert 'reason="affinity"' in text
+
+
+def test_open_circuit_half_opens_and_closes_on_a_successful_probe(make_cluster):
+    c = make_cluster(1, {"circuit_breaker": {"open_time_s": 1.0}, "retries": {"max_attempts": 1}})
+    for _ in range(20):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                       headers={"x-fake-mode": "500"})
+        assert r.status_code == 500
+    assert status(c.base)["workers"][0]["circuit"] == "open"
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    assert r.status_code == 503 and r.headers["retry-after"]
+    time.sleep(1.2)
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    assert r.status_code == 200                     # the half-open probe
+    w = status(c.base)["workers"][0]
+    assert w["circuit"] == "closed" and w["failure_rate"] == 0.0
+    assert c.seg.read_slot(0).circuit == 0
