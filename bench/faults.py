@@ -14,7 +14,8 @@ engines or fake workers — injects one fault under bounded traffic, and counts 
 (4), disconnect → the engine drops the request (6); *recovery*: worker back → eligible or serving
 again (2-4), kill → new router ready (9), disconnect → slot in-flight back to 0 (6). Times are
 wall-clock seconds on the machine that ran it; the file says which machine (CPU count) and when.
-Exit status 1 when any scenario lost a request.
+Exit status 1 when a scenario lost a request it should not have: every scenario but 9, where the
+requests a ``kill -9``-ed lone router held or missed while down are lost by construction (counted).
 """
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("6", sc.run_client_disconnect, kv("aborts", "router_inflight")),
         ("7", sc.run_stream_fidelity, kv("first_chunk_s", "total_s", "utf8_intact", "usage_before_done")),
         ("8", sc.run_ties_and_bursts, kv("sequential", "burst")),
-        ("9", sc.run_router_restart, kv("cut_or_refused_during_restart", "workers_seen_by_new_router",
-                                        "router_inflight_after")),
+        ("9", sc.run_router_restart, kv("cut_in_flight_at_kill", "cut_or_refused_during_restart",
+                                        "not_ok_after_restart", "workers_seen_by_new_router", "router_inflight_after")),
         ("10", sc.run_bad_input, kv("mismatches", "worker")),
         ("11", sc.run_security, kv("segment_mode", "agent_socket_mode", "engine_socket_mode", "claimed_slots")),
     ]
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                "ok": r.ok, "honest": r.honest, "lost": r.lost, "detection": _secs(r.detection_s),
                "recovery": _secs(r.recovery_s), "notes": notes(r)}
         rows.append(row)
-        lost += r.lost
+        lost += r.lost if sid != "9" else r.extra.get("not_ok_after_restart", 0)
         print(f"faults {sid:>3} sent={r.sent} ok={r.ok} honest={r.honest} lost={r.lost} "
               f"detection={row['detection']} recovery={row['recovery']} ({time.monotonic() - t0:.0f}s wall)",
               flush=True)

@@ -162,8 +162,8 @@ def run_router_restart(rate: float = 10.0, duration: float = 5.0, kill_at: float
     """Scenario 9: the router is killed (``kill -9``) under load of streams and chats and a new one
     is started on the same port and segment. The new router must list every worker at once (the
     state lives in the segment) and serve every request sent after it is up. Requests cut or
-    refused while no router listened are counted apart (``extra['cut_or_refused_during_restart']``:
-    a crashed single router cannot save them); ``extra['router_inflight_after']`` shows whether the
+    refused while no router listened count as lost (also in ``extra['cut_or_refused_during_restart']``:
+    a crashed lone router cannot save them); ``extra['router_inflight_after']`` shows whether the
     killed router's in-flight counts stayed behind in the segment. Recovery: kill → new router ready."""
     res = Result("9 router restart under load", f"kill -9 of the router at t={kill_at}s, new router on the same port")
     box: dict[str, Any] = {}
@@ -190,7 +190,8 @@ def run_router_restart(rate: float = 10.0, duration: float = 5.0, kill_at: float
         t_kill, t_ready = box["t_kill"], box["t_ready"]
         during = [o for o in outs if o.t_start <= t_ready and o.kind != "ok"]
         after = [o for o in outs if o.t_start > t_ready]
-        res.add(after)
+        res.add(outs)  # the cut / refused ones count as lost: a crashed lone router cannot save them
+        res.extra["not_ok_after_restart"] = sum(1 for o in after if o.kind != "ok")
         res.extra["cut_or_refused_during_restart"] = len(during)
         res.extra["cut_in_flight_at_kill"] = sum(1 for o in during if o.t_start < t_kill)
         res.extra["after_restart"] = len(after)

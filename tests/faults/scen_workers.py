@@ -112,12 +112,14 @@ def run_engine_hang(n: int = 16, request_timeout_s: float = 0.5) -> Result:
                           "routing_policy": {"policy": "round_robin"},
                           "circuit_breaker": {"minimum_requests": 4, "open_time_s": 60}}, ready=2)
         t0 = time.monotonic()
-        outs = asyncio.run(steady(base, 8.0, n / 8.0, lambda i: chat(tag=i), timeout=15))
+        with DispatchWatch(st.seg, 0) as watch:
+            outs = asyncio.run(steady(base, 8.0, n / 8.0, lambda i: chat(tag=i), timeout=15))
         res.add(outs)
         res.extra["circuit0"] = circuit_of(st, base, 0)
         res.extra["served"] = dict(Counter(o.worker for o in outs))
         res.extra["tried_on_hung"] = st.fakes[0].client().stats()["requests"]
-        res.detection_s = None if res.extra["circuit0"] != "open" else round(time.monotonic() - t0, 3)
+        # load start → last request sent to the hung worker (its breaker opened after that one)
+        res.detection_s = None if res.extra["circuit0"] != "open" else round(watch.detection_after(t0), 3)
     return res
 
 

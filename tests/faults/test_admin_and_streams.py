@@ -56,7 +56,8 @@ def test_ties_never_favour_worker_0_and_bursts_spread():
 def test_router_restart_keeps_workers_and_serves_after():
     r = sc.run_router_restart()
     assert r.extra["workers_seen_by_new_router"] == [0, 1, 2]
-    assert r.extra["after_restart"] >= 10 and r.lost == 0 and r.ok == r.sent, lost_details(r.outcomes)
+    assert r.extra["after_restart"] >= 10 and r.extra["not_ok_after_restart"] == 0, lost_details(r.outcomes)
+    assert r.lost == r.extra["cut_or_refused_during_restart"]      # only what the dead router held or missed
     assert r.extra["agent_inflight_after"] == [0, 0, 0]
 
 
