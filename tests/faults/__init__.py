@@ -1,0 +1,20 @@
+"""Fault-injection suite of issue 8 (``make test-faults`` = ``pytest -m faults tests``).
+
+Every scenario runs real processes on loopback (router, worker agents with sim engines or the fake
+workers of ``tests/fakes.py``), injects one fault under bounded traffic and counts each request as
+ok / failed honestly / lost (:mod:`tests.faults.load`). Scenario code lives in
+:mod:`tests.faults.scen_workers` (1-5) and :mod:`tests.faults.scen_clients` (6-11), re-exported by
+:mod:`tests.faults.scenarios`; ``bench/faults.py`` runs the same functions for the report
+``bench/results/faults.md``; ``bench/soak.py`` is scenario 12 (not part of ``make test``).
+
+===========================  =====================================================================
+test file                    scenarios
+===========================  =====================================================================
+test_workers_fail.py         1 kill -9 engine / worker, 2 hung worker / engine / long prefill,
+                             3 breaker on 500 (not 400/429), 4 all dead + rejoin (socket, TCP)
+test_admin_and_streams.py    5 drain/remove/re-add, 6 client disconnect, 7 stream fidelity,
+                             8 ties and bursts, 9 router restart
+test_input_and_security.py   10 bad input (+ fuzzing), 11 modes, tokens, admin endpoint schemes
+test_regressions.py          one test per bug the suite found (named after it)
+===========================  =====================================================================
+"""
