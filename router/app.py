@@ -64,6 +64,16 @@ def attach_segment(name: str, wait_s: float = 10.0) -> Any:
             time.sleep(0.1)
 
 
+def remove_state_dir(path: str) -> None:
+    """Remove the router's state files (admin.json, locks) and the directory if it is then empty.
+    Admin changes (drain, remove, add) are run-time state: a restarted router starts from config."""
+    for name in ("admin.json", "mirror.lock", "routers.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 class RouterState:
     """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
     from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
@@ -140,8 +150,15 @@ class RouterState:
         self.mirrors.close()
         await self.transport.close()
         if self._router_lock is not None:
-            os.close(self._router_lock)
-            self._router_lock = None
+            fd, self._router_lock = self._router_lock, None
+            try:  # the last router process of the deployment removes the shared state directory
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                pass  # another router process still runs
+            else:
+                remove_state_dir(self.cfg.state_dir)
+            finally:
+                os.close(fd)
         if self._own_seg and self.seg is not None:
             self.seg.close()
 
