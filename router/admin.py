@@ -11,7 +11,8 @@ Protection: by default only loopback clients may call these (403 otherwise;
 ``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise).
 
 Several router processes share the admin state through ``<state_dir>/admin.json`` (written
-atomically, re-read by every process's health tick when its mtime changes).
+atomically, re-read by every process's health tick when its mtime changes). It is run-time state:
+the last router process to exit removes it, and a restarted router starts from its config.
 """
 from __future__ import annotations
 
