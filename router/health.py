@@ -4,7 +4,12 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
 
 1. re-reads the segment and reconciles the registry (new workers appear, gone ones leave);
 2. probes ``GET /health`` on every worker with ``timeout_ms`` (50 ms); ``max_failures`` (3)
-   failures in a row take the worker out, one success brings it back;
+   failures in a row take the worker out, one success brings it back. A probe that merely timed
+   out is not held against a worker that sent a response head to a real request within the last
+   tick (it is busy, not hung), nor counted at all when this router's own event loop woke up
+   late by more than the probe timeout (the timer cannot tell a slow worker from a starved
+   router; on a saturated 2-core machine 50 ms timeouts otherwise flap healthy workers out).
+   Refused connections, error statuses and hung workers (no response heads either) still count;
 3. reloads the admin state file when it changed (drain/remove made through another process);
 4. refreshes remote mirror slots (only in the process holding the mirror lock, see
    :mod:`router.mirror`);
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,6 +47,7 @@ class HealthMonitor:
         self.extra: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task | None = None
         self._generation = -1
+        self.loop_lag = 0.0  # seconds the last tick started late (event-loop starvation)
 
     def sync(self) -> None:
         """Reconcile the registry with the segment now (cheap enough to call on demand)."""
@@ -55,11 +62,17 @@ class HealthMonitor:
 
     async def probe(self, h: WorkerHandle) -> bool:
         """One ``GET /health`` probe; updates ``probe_failures``/``probe_ok``; returns success."""
+        t0 = time.monotonic()
         try:
             status, _ = await self.transport.get(h.endpoint, "/health", self.timeout)
             ok = status == 200
-        except TransportError:
+        except TransportError as e:
             ok = False
+            if e.kind == "timeout":
+                now = time.monotonic()
+                late = max(self.loop_lag, now - t0 - self.timeout)  # our timers fired this late
+                if late > self.timeout or now - h.last_head_at <= self.interval + self.timeout:
+                    return False  # no verdict: a starved router or a busy-but-answering worker
         except Exception:
             log.exception("probe of worker %d failed unexpectedly", h.worker_id)
             ok = False
@@ -107,7 +120,10 @@ class HealthMonitor:
                 raise
             except Exception:
                 log.exception("health tick failed")
-            await asyncio.sleep(max(0.0, self.interval - (loop.time() - t0)))
+            want = max(0.0, self.interval - (loop.time() - t0))
+            t1 = loop.time()
+            await asyncio.sleep(want)
+            self.loop_lag = max(0.0, loop.time() - t1 - want)
 
     def start(self) -> None:
         """Sync once synchronously, then run ticks in the background."""

@@ -221,6 +221,8 @@ class Proxy:
                     metrics.retries.labels(e.kind).inc()
                     continue
                 status = up.status
+                if status < 500:
+                    h.last_head_at = time.monotonic()  # liveness evidence for the health monitor
                 if status in self.retry_status and attempt + 1 < self.max_attempts and \
                         st.registry.candidates(info.model, tried | {wid}, False):
                     outcome = status < 500

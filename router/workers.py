@@ -29,6 +29,7 @@ class WorkerHandle:
         "breaker",
         "drained",
         "endpoint",
+        "last_head_at",
         "local_inflight",
         "mirror",
         "model",
@@ -46,6 +47,7 @@ class WorkerHandle:
         self.breaker = breaker
         self.probe_failures = 0
         self.probe_ok = True
+        self.last_head_at = 0.0  # time.monotonic() of the last response head this worker sent us
         self.drained = False
         self.local_inflight = 0
         self.snap: Any = None
