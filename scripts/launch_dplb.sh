@@ -19,12 +19,12 @@ if [[ -n "${DPLB_PYTHON:-}" ]]; then
     PY="$DPLB_PYTHON"
 else
     PY="$ROOT/.venv/bin/python"
-    if [[ ! -x "$PY" ]] || ! "$PY" -c 'import launcher, router, worker_agent, dplb_shm._native' >/dev/null 2>&1; then
+    if [[ ! -x "$PY" ]] || ! "$PY" -c 'import launcher, router, worker_agent, dplb_shm' >/dev/null 2>&1; then
         if ! command -v make >/dev/null 2>&1; then
             echo "launch_dplb: 'make' is needed for the first-run install (apt-get install make)" >&2
             exit 1
         fi
-        echo "launch_dplb: first run: installing DPLB into $ROOT/.venv (make install) ..." >&2
+        echo "launch_dplb: installing or rebuilding DPLB in $ROOT/.venv (make install build) ..." >&2
         if ! make -C "$ROOT" install build >&2; then
             echo "launch_dplb: 'make install' failed; see the output above" >&2
             exit 1
