@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for w in workloads:  # build every request list first: a missing trace fails before anything starts
         h.specs(w)
-    cmdline = "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cmdline = " ".join(["python -m bench.run", *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
     for spec in systems:  # each system alone on fresh engines; the direct run only takes part in (f)
         mine = [w for w in workloads if spec.kind != "direct" and WORKLOADS[w].engines != "fast"]
         for name in ("main", "hetero"):
