@@ -130,7 +130,7 @@ class DplbPolicy(BasePolicy):
             n = matches.get(wid, 0)
             if n:
                 w = eligible[wid]
-                mq = int(getattr(self.params, "max_queue", 0) or 0) or int(getattr(w, "max_num_seqs", 0) or 0)
+                mq = int(getattr(w, "max_num_seqs", 0) or 0)  # the engine's batch capacity
                 b = self.bonus(min(1.0, n * cc / n_chars), int(t.pending), min_p, mq)
                 escaped = escaped or b == 0.0
                 bonuses[wid] = b
