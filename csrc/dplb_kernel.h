@@ -21,13 +21,15 @@
  *               two state refreshes.
  *   max_queue = params.max_queue if > 0, else the slot's max_num_seqs, else 256
  *               (256: vLLM's EngineArgs default max_num_seqs). It is the queue *scale*: the
- *               pending count at which the queue term halves (the router passes 16 by default).
- *   pending_term = w_pending * (max_queue / (max_queue + pending))
- *               Hyperbolic, not the seeds' linear 1 - pending/max_queue: the linear form clipped
- *               at max_queue (every worker past it looks equally full) and, with vLLM's 256, made
- *               one request worth 0.0016 of score, far below the noise of the latency term, so
- *               requests herded (bench/results/NOTES.md). This form is 1 when idle, 0.5 at
- *               max_queue, and still orders workers at any depth.
+ *               pending count at which the queue term reaches 0 (the router passes 16).
+ *   pending_term = w_pending * (1 - pending / max_queue)            NOT clipped at 0
+ *               Unlike the seeds' clip(pending/max_queue, 0, 1): clipping made every worker past
+ *               max_queue look equally full, and with vLLM's 256 one request was worth 0.0016 of
+ *               score, far below the spread of the TTFT term (~0.13 between idle workers), so
+ *               bursts herded onto one worker (bench/results/NOTES.md). Unclipped and linear, one
+ *               request is always worth w_pending/max_queue (0.025 at 16): the other terms are
+ *               bounded (latency <= 0.2, KV <= 0.3, length <= 0.1), so none of them can outweigh
+ *               more than a fixed number of queued requests, at any depth.
  *   kv_term      = w_kv * (1 - kv)               kv = 0 when unknown (-1)
  *   latency_term = w_latency * 1 / (1 + ttft_ms / latency_scale_ms)    1.0 when no sample (-1)
  *   length_term  = w_length * compat, where b = bin(prompt_len), bin(x) = floor(log2 x) clipped
@@ -151,7 +153,7 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
         double pending = (double)(known + unseen);
         double mq = p->max_queue > 0 ? (double)p->max_queue
                   : (s.max_num_seqs > 0 ? (double)s.max_num_seqs : (double)DPLB_DEFAULT_MAX_QUEUE);
-        double pending_term = p->w_pending * (mq / (mq + pending));
+        double pending_term = p->w_pending * (1.0 - pending / mq);
         double kv = s.kv_cache_usage < 0.0 ? 0.0 : s.kv_cache_usage;
         double kv_term = p->w_kv * (1.0 - kv);
         double lat = s.ttft_ms < 0.0 ? 1.0 : 1.0 / (1.0 + s.ttft_ms / p->latency_scale_ms);

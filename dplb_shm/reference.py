@@ -10,8 +10,8 @@ DESIGN.md "Scoring")::
                    and kv_cache_usage <= kv_cache_threshold (unknown -1 passes) and weight > 0
     pending      = max(running + waiting, inflight) + max(0, router_inflight - inflight)
     max_queue    = params.max_queue or slot.max_num_seqs or 256 (vLLM's default max_num_seqs):
-                   the queue scale, the pending count at which the queue term halves
-    pending_term = w_pending * (max_queue / (max_queue + pending))   (see csrc/dplb_kernel.h)
+                   the queue scale, the pending count at which the queue term reaches 0
+    pending_term = w_pending * (1 - pending / max_queue)   not clipped (see csrc/dplb_kernel.h)
     kv_term      = w_kv * (1 - max(kv, 0))
     latency_term = w_latency * (1 / (1 + ttft_ms / latency_scale_ms), or 1 without a sample)
     length_term  = w_length * sum_k h[k] * 2^-|k - bin(prompt_len)| / sum_k h[k]   (1 if empty),
@@ -80,7 +80,7 @@ def score_terms(s: WorkerSnapshot, params: ScoringParams, prompt_len: int, affin
         mq = float(params.max_queue)
     else:
         mq = float(s.max_num_seqs) if s.max_num_seqs > 0 else float(DEFAULT_MAX_QUEUE)
-    pending_term = params.w_pending * (mq / (mq + pending))
+    pending_term = params.w_pending * (1.0 - pending / mq)
     kv = max(s.kv_cache_usage, 0.0)
     kv_term = params.w_kv * (1.0 - kv)
     lat = 1.0 if s.ttft_ms < 0.0 else 1.0 / (1.0 + s.ttft_ms / params.latency_scale_ms)

@@ -108,9 +108,9 @@ class RoutingPolicy(_Strict):
     latency_window_sec: float = Field(default=10.0, gt=0)
     latency_scale_ms: float = Field(default=100.0, gt=0)
     kv_cache_threshold: float = Field(default=0.8, gt=0, le=1)
-    # queue scale of the kernel's queue term w_pending·max_queue/(max_queue + pending): the pending
-    # count at which it halves (csrc/dplb_kernel.h); 0: each slot's max_num_seqs
-    max_queue: int = Field(default=16, ge=0, description="queue scale: pending count that halves the queue term")
+    # queue scale of the kernel's queue term w_pending·(1 − pending/max_queue), not clipped: one
+    # request is worth w_pending/max_queue of score at any depth (csrc/dplb_kernel.h); 0: max_num_seqs
+    max_queue: int = Field(default=16, ge=0, description="queue scale: one request costs w_pending/max_queue")
     # prefix affinity (dplb): bonus = w_affinity * matched fraction of the prompt
     w_affinity: float = Field(default=0.3, ge=0)
     # the bonus fades to 0 once the affine worker has this many more pending requests than the least

@@ -154,7 +154,7 @@ def test_terms_follow_documented_formula(seg):
     chosen, (t,) = seg.pick_explain(ScoringParams(), 1500, [0.0] * 7 + [0.25], now_ns=NOW)
     assert chosen == 7
     assert t.pending == 15 + 8                      # max(10+5, 12) + max(0, 20-12)
-    assert t.pending_term == pytest.approx(0.4 * 100 / (100 + 23))   # queue scale 100 (max_num_seqs)
+    assert t.pending_term == pytest.approx(0.4 * (1 - 23 / 100))    # queue scale 100 (max_num_seqs)
     assert t.kv_term == pytest.approx(0.3 * 0.5)
     assert t.latency_term == pytest.approx(0.2 * 0.5)
     assert t.length_term == pytest.approx(0.1 * (3 * 1 + 1 * 0.25) / 4)   # bin(1500)=10
@@ -177,8 +177,8 @@ def test_bad_kernel_arguments(seg):
 
 
 def test_queue_term_still_orders_workers_past_the_queue_scale(seg):
-    """Regression (herding): the seed's linear term clipped every worker past max_queue to 0 and
-    was nearly flat below it; the hyperbolic term separates 40 from 41 pending at scale 16."""
+    """Regression (herding): the seed's term clipped every worker past max_queue to 0; unclipped,
+    40 and 41 pending still differ by one request's worth (0.4/16) at scale 16."""
     for i in range(N):
         seg.writer(i).release()
     for wid, running in ((2, 40), (5, 41)):
@@ -192,5 +192,5 @@ def test_queue_term_still_orders_workers_past_the_queue_scale(seg):
         chosen, terms = seg.pick_explain(params, 100, None, now_ns=NOW, rng_u=u)
         assert chosen == 2
     by = {t.worker_id: t for t in terms}
-    assert by[2].pending_term == pytest.approx(0.4 * 16 / 56)
-    assert by[2].pending_term - by[5].pending_term > 1e-4
+    assert by[2].pending_term == pytest.approx(0.4 * (1 - 40 / 16))
+    assert by[2].pending_term - by[5].pending_term == pytest.approx(0.4 / 16)
