@@ -89,7 +89,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen scenarios, print one line each, write the report; 1 if anything was lost."""
-    p = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="", help="comma-separated scenario ids (1a,1b,2a,...,11); default all")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.md"))
     args = p.parse_args(argv)

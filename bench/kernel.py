@@ -75,7 +75,7 @@ def bench_size(n: int, repeats: int, min_time: float, with_affinity: bool, cpu_t
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; prints one ``kernel workers=<N> ns_per_pick=<float>`` line per size."""
-    p = argparse.ArgumentParser(prog="bench.kernel", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="bench.kernel", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1,4,8,64,256", help="comma-separated worker counts")
     p.add_argument("--repeats", type=int, default=31, help="batches per size (median is printed)")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per batch")

@@ -347,11 +347,21 @@ def format_table(s: dict[str, Any]) -> str:
         lines.extend("  " + e for e in s["first_errors"])
     return "\n".join(lines)
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where the help text does not already say it and X is a value
+    (not None, and not the implicit default of a store_true/store_false flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or isinstance(action.default, bool):
+            return text
+        return super()._get_help_string(action) or text
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dplb-replay`` command line."""
-    p = argparse.ArgumentParser(prog="dplb-replay", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-replay", description=__doc__.split("\n\n")[0],
+                                formatter_class=_DefaultsFormatter)
     p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--url", default="http://127.0.0.1:30000/v1", help="OpenAI base URL of the endpoint")
     p.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")

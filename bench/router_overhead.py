@@ -186,7 +186,7 @@ def pct(xs: list[float], p: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the measurement and print the figures (see module docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.router_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="dplb")
     ap.add_argument("--requests", type=int, default=3000, help="sequential requests per path (latency)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -318,7 +318,7 @@ class Harness:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags of ``python -m bench.run``."""
-    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small request counts (make bench-quick, < 10 min)")
     ap.add_argument("--systems", default=None,
                     help="comma list of systems (dplb/dplb, sglang/cache_aware, vllm/power_of_two, direct, ...) or "

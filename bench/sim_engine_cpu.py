@@ -111,7 +111,7 @@ async def _level(sock: str, proc: psutil.Process, n: int, max_tokens: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; print a table (or JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", default="16,64,128,256", help="comma-separated concurrent stream counts")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--time-scale", type=float, default=1.0)

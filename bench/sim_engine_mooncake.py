@@ -111,7 +111,7 @@ async def _replay(sock: str, reqs, scale: float) -> tuple[list[dict], dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the replay and print the summary (or JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--time-scale", type=float, default=10.0)

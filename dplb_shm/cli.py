@@ -27,7 +27,7 @@ from dplb_shm.discover import list_segments
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dplb-shm", description="Manage DPLB shared-memory segments.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-shm", description="Manage DPLB shared-memory segments.")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("create", help="create a segment (mode 0600)")
     c.add_argument("--name", default=default_name(), help="segment name (default %(default)s)")

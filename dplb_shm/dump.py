@@ -81,7 +81,7 @@ def _pick_name(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dplb-shm-dump``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="dplb-shm-dump", description="Print the live DPLB worker table.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-shm-dump", description="Print the live DPLB worker table.")
     p.add_argument("--shm", help="segment name (default: the only DPLB segment in /dev/shm)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -31,14 +31,25 @@ from launcher.supervisor import LaunchConfig, Supervisor
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.
 START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where the help text does not already say it and X is a value
+    (not None, and not the implicit default of a store_true/store_false flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or isinstance(action.default, bool):
+            return text
+        return super()._get_help_string(action) or text
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argparse parser."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="launch_dplb.sh",
         description="Start a DPLB endpoint: one router in front of N engines (one per GPU group).",
         epilog="Arguments after -- are passed to every engine. Example: launch_dplb.sh --num-workers 4",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     p.add_argument("--num-workers", "-n", type=int, required=True, help="number of workers (engines)")
     p.add_argument("--gpus", default=None,
                    help="GPU ids to use, e.g. 0,1,2,3 or 0-7 (default: every GPU NVML or nvidia-smi sees)")
@@ -52,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="dplb.yaml passed to the router")
     p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
     p.add_argument("--policy", default=None, help="routing policy (router default: dplb)")
-    p.add_argument("--time-scale", type=float, default=None, help="sim engines: time scale factor")
+    p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
     p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
     p.add_argument("--log-level", default=None, help="router log level")
     p.add_argument("--shm", default=None, help="segment name (default: dplb-<port>)")

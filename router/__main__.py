@@ -23,7 +23,7 @@ from router.errors import ConfigError
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (every flag defaults to None = "not given, keep the file's value")."""
-    p = argparse.ArgumentParser(prog="dplb-router", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-router", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="dplb.yaml (see dplb.example.yaml)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)

@@ -116,6 +116,7 @@ def _install_shutdown(app: Starlette) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser of ``dplb-sim-engine``."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="dplb-sim-engine",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

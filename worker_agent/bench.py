@@ -95,7 +95,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table; returns 0."""
-    p = argparse.ArgumentParser(prog="python -m worker_agent.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m worker_agent.bench", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--stream-tokens", type=int, default=16)

@@ -81,6 +81,7 @@ def _gpu_list(s: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (without the pass-through part after ``--``)."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="dplb-worker-agent",
         description="DPLB worker agent: wraps one inference engine on one GPU (group), relays the "
                     "router's requests to it and publishes its live state in the shared segment. "
