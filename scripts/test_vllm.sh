@@ -27,6 +27,8 @@ MODEL_DIR="$VENV/dplb-tiny-llama"
 WORK=$(mktemp -d /tmp/dplb-vllm-XXXXXX)
 SHM="dplb-vllm-test-$$"
 AGENT_PIDS=()
+# vLLM's CPU backend keeps its own buffers in /dev/shm (psm_*, sem.mp-*); remember what was there
+SHM_BEFORE=$(ls /dev/shm 2>/dev/null || true)
 
 log() { printf '[test-vllm %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -38,6 +40,12 @@ cleanup() {
         kill -KILL "$pid" 2>/dev/null || true
     done
     "$PY" -m dplb_shm unlink --name "$SHM" --missing-ok >/dev/null 2>&1 || true
+    # buffers the engines created and left behind when stopped (none of them is open any more)
+    for f in $(ls /dev/shm 2>/dev/null | grep -E '^(psm_|sem\.mp-)' || true); do
+        command -v fuser >/dev/null 2>&1 || break
+        grep -qxF "$f" <<<"$SHM_BEFORE" && continue
+        fuser -s "/dev/shm/$f" 2>/dev/null || rm -f "/dev/shm/$f"
+    done
     if [[ $rc -ne 0 ]]; then
         for f in "$WORK"/*.log; do [[ -f $f ]] && { echo "---- $f (tail)"; tail -n 25 "$f"; }; done
     fi
