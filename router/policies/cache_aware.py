@@ -27,10 +27,10 @@ from router.policies.base import (
     least_loaded,
     pending,
 )
-from router.policies.prefix_index import PrefixIndex
+from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy
 
 
-class CacheAwarePolicy(BasePolicy):
+class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
     """SGLang's cache-aware rule over a :class:`PrefixIndex` (one index for all models)."""
 
     name = "cache_aware"
@@ -72,14 +72,3 @@ class CacheAwarePolicy(BasePolicy):
         smallest = min(self.index.size(w.worker_id) for w in workers)
         tied = [w.worker_id for w in workers if self.index.size(w.worker_id) == smallest]
         return Decision(tied[0] if len(tied) == 1 else self.rng.choice(tied), "cache_miss", rows)
-
-    def on_dispatch(self, worker_id: int, req: RequestInfo) -> None:
-        """Index the request's prefix under ``worker_id`` (reuses the hashes computed in choose)."""
-        ph = self._pending_hashes
-        hashes = ph[1] if ph is not None and ph[0] == id(req) else self.index.hashes(req.text)
-        self._pending_hashes = None
-        if hashes:
-            self.index.insert(hashes, worker_id)
-
-    def forget(self, worker_id: int) -> None:
-        self.index.remove_worker(worker_id)

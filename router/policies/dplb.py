@@ -44,7 +44,7 @@ from router.policies.base import (
     least_loaded,
     pending,
 )
-from router.policies.prefix_index import PrefixIndex
+from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy
 
 EXCLUDED = -1.0e9
 TERM_FIELDS = ("score", "pending", "pending_term", "kv_term", "latency_term", "length_term", "affinity", "weight")
@@ -60,7 +60,7 @@ def terms_row(t: Any, bonus: float = 0.0) -> dict[str, Any]:
     return row
 
 
-class DplbPolicy(BasePolicy):
+class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
     """Kernel score + prefix affinity with escape.
 
     ``kernel``: object with ``num_slots``, ``pick(params, prompt_len, affinity) -> int`` and
@@ -151,14 +151,3 @@ class DplbPolicy(BasePolicy):
             reason = "score"
         rows = [terms_row(t, bonuses.get(int(t.worker_id), 0.0)) for t in terms] if explain else []
         return Decision(wid, reason, rows)
-
-    def on_dispatch(self, worker_id: int, req: RequestInfo) -> None:
-        """Index the request's prefix under ``worker_id`` (reuses the hashes computed in choose)."""
-        ph = self._pending_hashes
-        hashes = ph[1] if ph is not None and ph[0] == id(req) else self.index.hashes(req.text)
-        self._pending_hashes = None
-        if hashes:
-            self.index.insert(hashes, worker_id)
-
-    def forget(self, worker_id: int) -> None:
-        self.index.remove_worker(worker_id)

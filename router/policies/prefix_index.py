@@ -105,3 +105,26 @@ class PrefixIndex:
                 dead.append(h)
         for h in dead:
             del self._entries[h]
+
+
+class PrefixIndexedPolicy:
+    """Mixin for policies that keep a :class:`PrefixIndex` in ``self.index``: indexes each
+    dispatched request's prefix under its worker and forgets workers that leave.
+
+    ``choose`` stores ``(id(req), hashes)`` in ``self._pending_hashes`` so the hashes of the prompt
+    are computed once per request, not again at dispatch."""
+
+    index: PrefixIndex
+    _pending_hashes: tuple[int, list[int]] | None
+
+    def on_dispatch(self, worker_id: int, req) -> None:
+        """Index the request's prefix under ``worker_id`` (reuses the hashes computed in choose)."""
+        ph = self._pending_hashes
+        hashes = ph[1] if ph is not None and ph[0] == id(req) else self.index.hashes(req.text)
+        self._pending_hashes = None
+        if hashes:
+            self.index.insert(hashes, worker_id)
+
+    def forget(self, worker_id: int) -> None:
+        """Drop every prefix indexed under ``worker_id`` (it left the pool)."""
+        self.index.remove_worker(worker_id)
