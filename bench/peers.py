@@ -1,6 +1,6 @@
 """The field's routers, each installed in its own virtualenv under ``bench/.peers/`` (git-ignored).
 
-Peers (facts from ``../shared/notes/peers-and-engines.md``, checked on this kind of machine):
+Peers (facts from ``docs/peers-and-engines.md``, checked on this kind of machine):
 
 - ``sglang``: ``pip install sglang-router`` (Rust, about 150 MB), started with
   ``python -m sglang_router.launch_router``; log levels ``debug|info|warn|error``.

@@ -362,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dplb-replay`` command line."""
     p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-replay", description=__doc__.split("\n\n")[0],
                                 formatter_class=_DefaultsFormatter)
-    p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE),
+                   help="Mooncake-format JSONL trace (default: the conversation trace shipped in "
+                        "bench/data/mooncake/, see its README)")
     p.add_argument("--url", default="http://127.0.0.1:30000/v1", help="OpenAI base URL of the endpoint")
     p.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")

@@ -6,7 +6,7 @@ Setup (everything on loopback, cleaned up on exit):
 * an *instant worker*: a minimal asyncio HTTP/1.1 server on a Unix socket that claims slot 0 of a
   fresh segment, publishes READY with its socket as endpoint, heartbeats, and answers every POST
   with a fixed ~300-byte chat completion (the role nginx plays in the field's measurements, see
-  ``../shared/notes/peers-and-engines.md``);
+  ``docs/peers-and-engines.md``);
 * one router process (``python -m router``) in front of it, optionally pinned to one core.
 
 Latency: ``--requests`` sequential requests over one keep-alive connection, with the same raw

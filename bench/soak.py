@@ -8,7 +8,7 @@ Usage::
 It starts a segment, ``--workers`` worker agents with sim engines running ``--time-scale`` times
 faster than real time, and a router with the default config (``dplb`` policy, prefix affinity,
 bounded prefix index), then replays the Mooncake conversation trace
-(``../shared/data/mooncake/conversation_trace.jsonl``) from its start for ``--sim-minutes``
+(``bench/data/mooncake/conversation_trace.jsonl``) from its start for ``--sim-minutes``
 simulated minutes: request *i* is sent at ``timestamp_i / time_scale`` wall seconds, with its real
 prompt length (deterministic text per 512-token block, so prefix sharing survives; see
 :mod:`bench.trace`) and ``max_tokens = output_length``; every ``--stream-every``-th request
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=2.0)
     p.add_argument("--warmup-frac", type=float, default=0.25)
     p.add_argument("--max-growth-mb", type=float, default=48.0)
-    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the shared one)")
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the in-repository conversation trace)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "soak.md"))
     args = p.parse_args(argv)
     if ROOT not in sys.path:

@@ -1,6 +1,6 @@
 """Mooncake trace loading and deterministic prompt text that keeps prefix sharing.
 
-Format (``../shared/data/mooncake/README.md``, from the Mooncake FAST'25 release,
+Format (``bench/data/mooncake/README.md``, from the Mooncake FAST'25 release,
 kvcache-ai/Mooncake ``FAST25-release/traces``): one JSON object per line with ``timestamp`` (ms
 from the start of the trace), ``input_length`` and ``output_length`` (tokens) and ``hash_ids``
 (ids of the prompt's 512-token blocks; equal leading ids = shared prefix).
@@ -32,8 +32,9 @@ from bench.errors import TraceFormatError
 #: tokens per hash block in the Mooncake traces (README of the trace; Mooncake FAST'25 §3).
 BLOCK_TOKENS = 512
 
-#: default location of the conversation trace, relative to the repository checkout.
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+#: the Mooncake conversation trace shipped with DPLB (``bench/data/mooncake/``, Apache-2.0; its README
+#: gives the source and the fields). Installed as package data, so it is there in a wheel as well.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
 def _make_vocab() -> tuple[str, ...]:

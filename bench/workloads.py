@@ -5,7 +5,7 @@ same offsets. Tokens are whitespace-separated words (the simulated engine's toke
 prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
 
 (a) ``a_mooncake``: replay of the first ``mooncake_requests`` lines of the Mooncake conversation
-    trace (``../shared/data/mooncake/``, via :mod:`bench.trace`) at ``mooncake_load`` × the trace's
+    trace (``bench/data/mooncake/``, via :mod:`bench.trace`) at ``mooncake_load`` × the trace's
     own rate *in simulated time*: wall offset = timestamp / (``mooncake_load`` × ``time_scale``).
     At load 1.0, four simulated H100s get the production trace's request rate; by the engines'
     cost model that keeps them about 70-80 % busy (prefill ≈ 0.53 of capacity before prefix

@@ -17,8 +17,7 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-SHARED = ROOT.parent / "shared"
-TRACE = SHARED / "data" / "mooncake" / "conversation_trace.jsonl"
+from bench.trace import DEFAULT_TRACE as TRACE  # noqa: E402  (the in-repository Mooncake trace)
 
 
 def free_port() -> int:

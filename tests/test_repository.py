@@ -1,0 +1,48 @@
+"""The repository stands on its own: nothing it ships reads from beside the checkout (issue 11)."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from bench.trace import DEFAULT_TRACE, load_trace
+from tests.helpers import ROOT
+
+# built from parts so that this file does not match itself
+NEEDLE = ".." + "/" + "shared"
+
+
+def _tracked_files() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout (an sdist or installed tree): nothing to scan")
+    return [p for p in out.stdout.decode().split("\0") if p]
+
+
+def test_no_tracked_file_points_outside_the_repository():
+    offenders = []
+    for rel in _tracked_files():
+        path = ROOT / rel
+        if not path.is_file() or path.suffix in {".png", ".jsonl", ".so"}:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if NEEDLE in line:
+                offenders.append(f"{rel}:{lineno}: {line.strip()[:100]}")
+    assert not offenders, "files that read from outside the repository:\n" + "\n".join(offenders)
+
+
+def test_default_trace_lives_in_the_repository_and_is_whole():
+    assert DEFAULT_TRACE.is_file()
+    assert ROOT in DEFAULT_TRACE.resolve().parents
+    assert (DEFAULT_TRACE.parent / "README.md").is_file()
+    reqs = load_trace()
+    # the published trace: 12,031 requests over 3,537 s, block 0 opening every prompt
+    assert len(reqs) == 12031
+    assert round(reqs[-1].timestamp_ms / 1000) == 3537
+    assert all(r.hash_ids[0] == 0 for r in reqs)
+
+
+def test_trace_is_tracked_by_git():
+    assert "bench/data/mooncake/conversation_trace.jsonl" in _tracked_files()
