@@ -58,7 +58,8 @@ class LaunchConfig:
     """Everything one launch needs; built by :func:`launcher.cli.config_from_args`.
 
     ``time_scale``: passed to sim engines as ``--time-scale`` (None: the engine's default);
-    ``engine_args``: extra engine flags given after ``--``; ``engine_urls``: one per worker for
+    ``engine_args``: extra engine flags given after ``--``; ``latency_window_s``: the config's
+    ``routing_policy.latency_window_sec``, passed to every agent; ``engine_urls``: one per worker for
     ``--engine openai``; ``start_timeout_s``: how long every worker has to become ready;
     ``agent_module``/``router_module``: what ``python -m`` runs (the launcher's own tests run
     stand-ins that speak the same CLIs).
@@ -81,6 +82,7 @@ class LaunchConfig:
     run_dir: Path = Path("/tmp/dplb-30000")
     shm_name: str = "dplb-30000"
     num_slots: int = 64
+    latency_window_s: float | None = None
     start_timeout_s: float = 120.0
     python: str = sys.executable
     agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
@@ -97,6 +99,8 @@ class LaunchConfig:
                 "--state-interval-ms", str(self.state_interval_ms), "--run-dir", str(self.run_dir)]
         if self.model:
             argv += ["--model", self.model]
+        if self.latency_window_s is not None:
+            argv += ["--latency-window-s", f"{self.latency_window_s:g}"]
         gpus = self.plan.groups[k]
         if gpus:
             argv += ["--gpus", ",".join(map(str, gpus)), "--tp-size", str(self.plan.tp_size)]
