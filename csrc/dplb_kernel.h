@@ -41,7 +41,7 @@
  *                  halving per bucket of distance (prompts of similar length batch well together:
  *                  similar prefill cost, similar padding in chunked prefill).
  *   score = weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity[i]
- *   (weights default to the seeds' 0.4/0.3/0.2/0.1, DESIGN.md "Scoring").
+ *   (weights default to the seeds' 0.4/0.3/0.2/0.1, docs/DESIGN.md "Scoring").
  *
  * Pick: best = max score over eligible slots; ties = eligible slots with score >= best - 1e-9;
  * the winner is ties[floor(rng_u * len(ties))] in slot order, so ties break uniformly at random

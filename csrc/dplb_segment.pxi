@@ -269,7 +269,7 @@ cdef class Segment:
         """The :class:`SlotWriter` of ``slot``, starting from the slot's current content.
 
         ``latency_window_s``: latency samples older than this leave the window summaries
-        (default 10 s: DESIGN.md ``routing_policy.latency_window_sec``); 0 keeps the last 32
+        (default 10 s: docs/DESIGN.md ``routing_policy.latency_window_sec``); 0 keeps the last 32
         samples whatever their age. Exactly one writer per slot may exist across all processes
         (its agent, or the router for a remote mirror); the seqlock does not protect writers
         from each other.

@@ -4,7 +4,7 @@ Used by tests to check the native kernel on the same inputs; never used for rout
 of floating-point operations follows the C code exactly, so scores agree bit for bit.
 
 Formula (weights from :class:`~dplb_shm.ScoringParams`, defaults are the seeds' 0.4/0.3/0.2/0.1,
-DESIGN.md "Scoring")::
+docs/DESIGN.md "Scoring")::
 
     eligible     = state READY and now - heartbeat <= heartbeat_timeout and circuit != OPEN
                    and kv_cache_usage <= kv_cache_threshold (unknown -1 passes) and weight > 0

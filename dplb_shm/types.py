@@ -111,7 +111,7 @@ class WorkerSnapshot:
 class ScoringParams:
     """Parameters of the scoring kernel (see ``csrc/dplb_kernel.h`` for the formula).
 
-    Defaults are the seeds' weights and thresholds from DESIGN.md "Scoring":
+    Defaults are the seeds' weights and thresholds from docs/DESIGN.md "Scoring":
     ``w_pending=0.4, w_kv=0.3, w_latency=0.2, w_length=0.1``; ``max_queue=0`` means "use each
     slot's ``max_num_seqs``" (256 when the slot has none); ``kv_cache_threshold=0.8``: a worker
     above it is not eligible; ``heartbeat_timeout_ms``: older heartbeats make a worker ineligible;

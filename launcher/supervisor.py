@@ -47,6 +47,7 @@ from launcher.children import (
 )
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
 from launcher.gpus import GpuPlan
+from launcher.stack import agent_argv, router_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
@@ -93,38 +94,23 @@ class LaunchConfig:
         return self.run_dir / f"agent-{k}.sock"
 
     def agent_argv(self, k: int) -> list[str]:
-        """Command line of worker ``k``'s agent (``docs/INTERFACES.md``, worker agent)."""
-        argv = [self.python, "-m", self.agent_module, "--worker-id", str(k), "--shm", self.shm_name,
-                "--uds", str(self.agent_socket(k)), "--engine", self.engine,
-                "--state-interval-ms", str(self.state_interval_ms), "--run-dir", str(self.run_dir)]
-        if self.model:
-            argv += ["--model", self.model]
-        if self.latency_window_s is not None:
-            argv += ["--latency-window-s", f"{self.latency_window_s:g}"]
-        gpus = self.plan.groups[k]
-        if gpus:
-            argv += ["--gpus", ",".join(map(str, gpus)), "--tp-size", str(self.plan.tp_size)]
-        if self.engine == "openai":
-            argv += ["--engine-url", self.engine_urls[k]]
+        """Command line of worker ``k``'s agent (:func:`launcher.stack.agent_argv`)."""
         extra = list(self.engine_args)
         if self.engine == "sim" and self.time_scale is not None:
             extra = ["--time-scale", f"{self.time_scale:g}", *extra]
-        if extra:
-            argv += ["--", *extra]
-        return argv
+        gpus = self.plan.groups[k]
+        return agent_argv(k, self.shm_name, self.agent_socket(k), engine=self.engine, model=self.model,
+                          gpus=gpus, tp_size=self.plan.tp_size if gpus else None,
+                          engine_url=self.engine_urls[k] if self.engine == "openai" else None,
+                          state_interval_ms=self.state_interval_ms, run_dir=self.run_dir,
+                          latency_window_s=self.latency_window_s, engine_args=extra, python=self.python,
+                          module=self.agent_module)
 
     def router_argv(self) -> list[str]:
-        """Command line of the router (``docs/INTERFACES.md``, router)."""
-        argv = [self.python, "-m", self.router_module, "--host", self.host, "--port", str(self.port), "--shm", self.shm_name]
-        if self.config:
-            argv += ["--config", self.config]
-        if self.policy:
-            argv += ["--policy", self.policy]
-        if self.router_workers:
-            argv += ["--workers", str(self.router_workers)]
-        if self.log_level:
-            argv += ["--log-level", self.log_level]
-        return argv
+        """Command line of the router (:func:`launcher.stack.router_argv`)."""
+        return router_argv(port=self.port, shm=self.shm_name, host=self.host, config=self.config,
+                           policy=self.policy, workers=self.router_workers, log_level=self.log_level,
+                           python=self.python, module=self.router_module)
 
     def child_env(self, k: int | None) -> dict[str, str]:
         """Environment of worker ``k`` (``None``: the router): ours + PYTHONPATH + its GPU group."""

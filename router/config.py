@@ -1,6 +1,6 @@
 """Router configuration: ``dplb.yaml`` validated with pydantic v2; command-line flags override it.
 
-Every field has a default (DESIGN.md "Config"), so an empty file or no file is valid. Unknown keys
+Every field has a default (docs/DESIGN.md "Processes", dplb.example.yaml), so an empty file or no file is valid. Unknown keys
 are rejected so that a typo does not silently fall back to a default. :func:`load_config` raises
 :class:`router.errors.ConfigError` whose message names the dotted field, the value and the reason.
 
@@ -87,7 +87,7 @@ class BackendServer(_Strict):
 
 
 class HealthCheck(_Strict):
-    """Active probes of ``GET /health`` on every worker (DESIGN.md: 200 ms / 50 ms / 3 failures)."""
+    """Active probes of ``GET /health`` on every worker (docs/DESIGN.md "Router": 200 ms / 50 ms / 3 failures)."""
 
     interval_ms: int = Field(default=200, ge=10)
     timeout_ms: int = Field(default=50, ge=1)
@@ -97,7 +97,7 @@ class HealthCheck(_Strict):
 
 
 class RoutingPolicy(_Strict):
-    """Policy choice and its parameters. Weights are those of DESIGN.md's score formula."""
+    """Policy choice and its parameters. Weights are those of docs/DESIGN.md "Scoring"."""
 
     policy: Literal["dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"] = "dplb"
     w_pending: float = Field(default=0.4, ge=0)
