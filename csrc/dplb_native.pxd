@@ -128,11 +128,13 @@ cdef extern from "dplb_kernel.h" nogil:
                   double *scores, dplb_terms_t *terms, int *n_terms)
     ctypedef struct dplb_ttft_params_t:
         double prefill_rate
+        double waiting_tokens
         double step_tokens
         double step_base_s
         double decode_seq_s
         double decode_ctx_s
         double kv_barrier_s
+        double w_decode
         double kv_cache_threshold
         double heartbeat_timeout_ms
 
@@ -146,11 +148,13 @@ cdef extern from "dplb_kernel.h" nogil:
         double prefill_s
         double decode_s
         double kv_s
+        double batch_s
         double decode_reqs
+        double batch
         double weight
 
     int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p, int64_t prompt_len,
-                       const double *uncached, uint32_t n_unc, int64_t now_ns, double rng_u,
+                       double out_tokens, const double *uncached, uint32_t n_unc, int64_t now_ns, double rng_u,
                        double *ests, dplb_ttft_terms_t *terms, int *n_terms)
     uint64_t dplb_splitmix64(uint64_t *state)
     double dplb_rng_u(uint64_t *state)

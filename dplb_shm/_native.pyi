@@ -4,14 +4,33 @@ from typing import Any, Self
 
 from dplb_shm.errors import (
     LayoutMismatchError as LayoutMismatchError,
+)
+from dplb_shm.errors import (
     SegmentClosedError as SegmentClosedError,
+)
+from dplb_shm.errors import (
     SegmentError as SegmentError,
+)
+from dplb_shm.errors import (
     SegmentExistsError as SegmentExistsError,
+)
+from dplb_shm.errors import (
     SegmentNotFoundError as SegmentNotFoundError,
+)
+from dplb_shm.errors import (
     SlotFieldError as SlotFieldError,
+)
+from dplb_shm.errors import (
     SlotIndexError as SlotIndexError,
 )
-from dplb_shm.types import ScoreTerms, ScoringParams, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
+from dplb_shm.types import (
+    ScoreTerms,
+    ScoringParams,
+    TtftParams,
+    TtftTerms,
+    WorkerSnapshot,
+    WorkerState,
+)
 
 MAGIC: int
 LAYOUT_VERSION: int
@@ -76,9 +95,11 @@ class Segment:
     def router_reset(self, slot: int) -> None: ...
     def router_line(self, slot: int) -> dict[str, Any]: ...
     def pick_ttft(self, params: TtftParams, prompt_len: int = 0, uncached: Sequence[float] | None = None,
-                  now_ns: int | None = None, rng_u: float | None = None) -> int: ...
+                  now_ns: int | None = None, rng_u: float | None = None,
+                  out_tokens: float = 0.0) -> tuple[int, float]: ...
     def pick_ttft_explain(self, params: TtftParams, prompt_len: int = 0, uncached: Sequence[float] | None = None,
-                          now_ns: int | None = None, rng_u: float | None = None) -> tuple[int, list[TtftTerms]]: ...
+                          now_ns: int | None = None, rng_u: float | None = None,
+                          out_tokens: float = 0.0) -> tuple[int, list[TtftTerms]]: ...
     def check_reads(self, slot: int, n_reads: int, locked: bool = True) -> tuple[int, int, int]: ...
 
 class SlotWriter:

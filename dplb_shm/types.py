@@ -185,21 +185,26 @@ class TtftParams:
 
     ``prefill_rate``: prompt tokens/s a worker is assumed to prefill until it has learned its own
     (default 30,769 = 1 / 0.0325 ms per token, the sim engine's Llama-3.1-8B-on-H100 model,
-    sim_engine/config.py); ``step_tokens``: prompt tokens per engine step (vLLM's
+    sim_engine/config.py); ``waiting_tokens``: prompt tokens assumed for each request waiting in
+    the engine that the routers did not dispatch themselves (1024); ``step_tokens``: prompt tokens
+    per engine step (vLLM's
     ``max_num_batched_tokens``, 8192); ``step_base_s`` (5 ms), ``decode_seq_s`` (50 µs per
     decoding request) and ``decode_ctx_s`` (39 ns per context token) price what every step costs
     besides our prefill (the same sim engine constants); ``kv_barrier_s``: scale of the convex KV
-    barrier ``kv_barrier_s·k/(1−k)`` (0.15 s, SGLang gateway's ``least_load``);
+    barrier ``kv_barrier_s·k/(1−k)`` (0.15 s, SGLang gateway's ``least_load``); ``w_decode``: weight
+    of the batch term (what the batch already on a worker adds to this request's own decode);
     ``kv_cache_threshold`` and ``heartbeat_timeout_ms`` as in :class:`ScoringParams`.
     Raises :class:`SlotFieldError` on a non-finite value or a non-positive rate, step size or timeout.
     """
 
     prefill_rate: float = 30_769.0
+    waiting_tokens: float = 1024.0
     step_tokens: float = 8192.0
     step_base_s: float = 0.005
     decode_seq_s: float = 0.00005
     decode_ctx_s: float = 3.9e-8
     kv_barrier_s: float = 0.15
+    w_decode: float = 1.0
     kv_cache_threshold: float = 0.8
     heartbeat_timeout_ms: float = 1000.0
 
@@ -211,7 +216,7 @@ class TtftParams:
         for name in ("prefill_rate", "step_tokens", "heartbeat_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise SlotFieldError(f"TtftParams.{name} must be > 0", field=name)
-        for name in ("step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s"):
+        for name in ("waiting_tokens", "step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s", "w_decode"):
             if getattr(self, name) < 0:
                 raise SlotFieldError(f"TtftParams.{name} must be >= 0", field=name)
 
@@ -220,7 +225,8 @@ class TtftParams:
 class TtftTerms:
     """Every term of one eligible worker's estimated TTFT (seconds unless named otherwise).
 
-    ``est_s = ((prefill_s + decode_s) + kv_s) / weight``; ``queue_tokens``: outstanding prefill
+    ``est_s = (((prefill_s + decode_s) + kv_s) + batch_s) / weight``; ``batch``: requests sharing the
+    worker's steps; ``queue_tokens``: outstanding prefill
     tokens ahead; ``uncached_tokens``: this request's prompt tokens not cached there; ``rate``:
     the prefill rate used (tokens/s); ``steps``: engine steps until its last prompt chunk;
     ``decode_reqs``: decoding requests sharing those steps; ``weight``: the slot's static weight.
@@ -235,7 +241,9 @@ class TtftTerms:
     prefill_s: float
     decode_s: float
     kv_s: float
+    batch_s: float
     decode_reqs: float
+    batch: float
     weight: float
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.accounting import LearnSettings
 from router.admin import AdminStore, admin_router
 from router.config import Config, config_from_json
 from router.errors import (
@@ -74,6 +75,27 @@ def remove_state_dir(path: str) -> None:
         os.rmdir(path)
 
 
+def ttft_params(cfg: Config) -> Any:
+    """The estimated-TTFT kernel's parameters (``dplb_shm.TtftParams``) from the config."""
+    from dplb_shm import TtftParams
+
+    rp = cfg.routing_policy
+    return TtftParams(prefill_rate=rp.prefill_tokens_per_s, waiting_tokens=float(rp.waiting_tokens),
+                      step_tokens=float(rp.step_tokens),
+                      step_base_s=rp.step_base_ms / 1e3, decode_seq_s=rp.decode_seq_ms / 1e3,
+                      decode_ctx_s=rp.decode_ctx_ns / 1e9, kv_barrier_s=rp.kv_barrier_s, w_decode=rp.w_decode,
+                      kv_cache_threshold=rp.kv_cache_threshold,
+                      heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms))
+
+
+def learn_settings(cfg: Config) -> LearnSettings:
+    """How observed TTFTs teach each worker's prefill rate (:class:`router.accounting.LearnSettings`)."""
+    rp = cfg.routing_policy
+    return LearnSettings(alpha=rp.rate_alpha, clip=rp.rate_clip, min_tokens=rp.rate_min_tokens,
+                         step_tokens=float(rp.step_tokens), step_base_s=rp.step_base_ms / 1e3,
+                         decode_seq_s=rp.decode_seq_ms / 1e3, decode_ctx_s=rp.decode_ctx_ns / 1e9)
+
+
 class RouterState:
     """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
     from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
@@ -106,10 +128,12 @@ class RouterState:
                                     max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
                                     heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
                                     latency_scale_ms=rp.latency_scale_ms)
-        self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params)
+        self.ttft_params = ttft_params(cfg)
+        self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params, ttft_params=self.ttft_params)
         self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
         self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit)
-        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics)
+        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
+                                   default_rate=rp.prefill_tokens_per_s)
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
                                      hc.max_failures, probes=hc.enabled)
@@ -118,7 +142,7 @@ class RouterState:
         self.mirrors = MirrorManager(self.seg, self.transport, cfg.state_dir,
                                      timeout_s=max(0.2, hc.interval_ms / 1000.0), max_failures=hc.max_failures)
         self.apply_admin()
-        self.monitor.extra = [self._admin_tick, self.mirrors.tick]
+        self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep]
         await self.mirrors.tick()
         self.monitor.start()
         self.proxy = Proxy(self)
@@ -172,6 +196,10 @@ class RouterState:
         wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers}
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
+
+    async def _sweep(self) -> None:
+        """Health-tick extra: non-streamed requests past their estimated TTFT leave prefill."""
+        self.scheduler.sweep()
 
     async def _admin_tick(self) -> None:
         if self.admin.reload_if_changed():

@@ -25,7 +25,10 @@ from router.errors import ConfigError
 
 #: a host name, an IPv4 literal or an IPv6 literal (bare or in brackets)
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*")
-POLICIES = ("dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware")
+POLICIES = ("dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
+            "least_load", "lmetric", "kv_cost", "session")  # == router.policies.POLICY_NAMES (tested)
+PolicyName = Literal["dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
+                     "least_load", "lmetric", "kv_cost", "session"]
 
 
 class _Strict(BaseModel):
@@ -97,9 +100,38 @@ class HealthCheck(_Strict):
 
 
 class RoutingPolicy(_Strict):
-    """Policy choice and its parameters. Weights are those of docs/DESIGN.md "Scoring"."""
+    """Policy choice and its parameters (docs/DESIGN.md "Scoring"; each policy's module docstring
+    gives its formula)."""
 
-    policy: Literal["dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"] = "dplb"
+    policy: PolicyName = "dplb"
+    # dplb (estimated TTFT, csrc/dplb_kernel.h): a worker's prefill speed until it has learned its
+    # own, and what each engine step costs besides our prefill. Defaults: the sim engine's model
+    # of Llama-3.1-8B on one H100 (sim_engine/config.py: 0.0325 ms per prefill token, 5 ms per
+    # step, 0.05 ms per decoding request, 39 ns per context token; vLLM's max_num_batched_tokens)
+    prefill_tokens_per_s: float = Field(default=30_769.0, gt=0)
+    # prompt tokens assumed per request waiting in an engine that the routers did not send
+    waiting_tokens: int = Field(default=1024, ge=0)
+    step_tokens: int = Field(default=8192, ge=1)
+    step_base_ms: float = Field(default=5.0, ge=0)
+    decode_seq_ms: float = Field(default=0.05, ge=0)
+    decode_ctx_ns: float = Field(default=39.0, ge=0)
+    # convex barrier kv_barrier_s·k/(1−k) as the KV cache fills (SGLang gateway least_load's 0.15 s)
+    kv_barrier_s: float = Field(default=0.15, ge=0)
+    # weight of the batch term (what a worker's batch adds to this request's decode; 0 = TTFT only)
+    # and the output length assumed when a request has no max_tokens
+    w_decode: float = Field(default=1.0, ge=0)
+    default_output_tokens: int = Field(default=256, ge=1)
+    # learning each worker's prefill rate from observed TTFTs (router/accounting.py)
+    rate_alpha: float = Field(default=0.1, gt=0, le=1)
+    rate_clip: float = Field(default=4.0, ge=1)
+    rate_min_tokens: int = Field(default=1024, ge=1)
+    # session: consistent hashing with bounded load
+    session_header: str = Field(default="x-session-id", min_length=1)
+    max_load_skew: float = Field(default=1.5, ge=1)
+    # kv_cost (Dynamo KV router): weight of prefill blocks against decode blocks, KV block size
+    overlap_weight: float = Field(default=1.0, ge=0)
+    kv_block_size: int = Field(default=16, ge=1)
+    # weighted (the seeds' formula)
     w_pending: float = Field(default=0.4, ge=0)
     w_kv: float = Field(default=0.3, ge=0)
     w_latency: float = Field(default=0.2, ge=0)

@@ -103,6 +103,7 @@ class Proxy:
         self.backoff_base = r.backoff_base_ms / 1000.0
         self.backoff_max = r.backoff_max_ms / 1000.0
         self.needs_text = bool(getattr(state.policy, "needs_text", True))
+        self.session_header = cfg.routing_policy.session_header.lower().encode("latin-1")
         # minted request ids: a random per-process prefix + a counter (one urandom call per process)
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
@@ -114,6 +115,8 @@ class Proxy:
         auth = None
         ctype = None
         fwd: list[tuple[str, str]] = []
+        session = None
+        sh = self.session_header
         for k, v in scope["headers"]:
             if k == b"content-type":
                 ctype = v
@@ -126,6 +129,8 @@ class Proxy:
                 auth = v
             elif k == _XRID:
                 rid = v
+            elif k == sh:
+                session = v
             if k not in HOP_BY_HOP:
                 fwd.append((k.decode("latin-1"), v.decode("latin-1")))
         if rid is None:
@@ -143,6 +148,8 @@ class Proxy:
                                            "as JSON with 'Content-Type: application/json'")
             body = await read_body(receive, self.limit, declared)
             info = parse_request(path, body, self.needs_text)
+            if session:
+                info.session = session.decode("latin-1")
             st = self.state
             st.monitor.sync_if_changed()
             if not st.registry.knows_model(info.model):
@@ -253,7 +260,7 @@ class Proxy:
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                     metrics.observe_request(str(wid), status, route, time.perf_counter() - t0)
                     return
-                ok = await self.relay_stream(up, status, resp_headers, send, route, t0, wid)
+                ok = await self.relay_stream(up, status, resp_headers, send, route, t0, wid, lease)
                 outcome = ok and status < 500
                 return
             except asyncio.CancelledError:
@@ -273,9 +280,10 @@ class Proxy:
                                 time.perf_counter() - t0)
 
     async def relay_stream(self, up: Any, status: int, headers: list, send: Any, route: str, t0: float,
-                           wid: int) -> bool:
+                           wid: int, lease: Any = None) -> bool:
         """Relay a streamed body chunk by chunk; a broken upstream ends with an SSE error event.
-        Returns False when the stream broke (a breaker failure)."""
+        The first chunk ends the request's prefill in the lease's accounting. Returns False when
+        the stream broke (a breaker failure)."""
         metrics = self.state.metrics
         await send({"type": "http.response.start", "status": status, "headers": headers})
         first = True
@@ -285,6 +293,8 @@ class Proxy:
             async for chunk in up.chunks():
                 if first:
                     metrics.observe_ttft(route, time.perf_counter() - t0)
+                    if lease is not None:
+                        lease.first_token()
                     first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True

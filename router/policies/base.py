@@ -20,7 +20,10 @@ class RequestInfo:
 
     ``text``: prompt text used for prefix matching (chat: the messages' text contents joined;
     ``""`` when the prompt is token ids). ``prompt_len``: approximate prompt length in tokens
-    (whitespace-separated words of ``text``, or the number of token ids).
+    (whitespace-separated words of ``text``, or the number of token ids). ``session``: a session
+    key for session affinity (the ``X-Session-Id`` header, else the body's ``user``), or None.
+    ``max_tokens``: the output limit the client asked for (``max_tokens``/``max_completion_tokens``,
+    SGLang's ``sampling_params.max_new_tokens``), or None.
     """
 
     path: str = "/v1/chat/completions"
@@ -28,16 +31,24 @@ class RequestInfo:
     stream: bool = False
     text: str = ""
     prompt_len: int = 0
+    session: str | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(slots=True)
 class Decision:
     """A policy's choice: ``worker_id``, a short ``reason`` (metric label) and, when asked to
-    explain, ``scores``: one dict per eligible worker with ``worker_id``, ``score`` and each term."""
+    explain, ``scores``: one dict per eligible worker with ``worker_id``, ``score`` and each term.
+
+    ``uncached_tokens``: the policy's estimate of the prompt tokens the chosen worker must compute
+    (None: the whole prompt; the lease charges it as outstanding prefill); ``est_s``: its
+    estimated TTFT there, s (None when the policy does not estimate one)."""
 
     worker_id: int
     reason: str
     scores: list[dict[str, Any]] = field(default_factory=list)
+    uncached_tokens: int | None = None
+    est_s: float | None = None
 
 
 class Snap(Protocol):
@@ -91,6 +102,13 @@ def least_loaded(workers: Sequence[Any], rng: _random.Random) -> Any:
         elif p == best_p:
             best.append(w)
     return best[0] if len(best) == 1 else rng.choice(best)
+
+
+def pick_min(costs: dict[int, float], rng: _random.Random, eps: float = 1e-12) -> int:
+    """The worker id with the smallest cost; ties (within ``eps``) broken at random."""
+    best = min(costs.values())
+    tied = [wid for wid, c in costs.items() if c <= best + eps]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def load_scores(workers: Sequence[Any]) -> list[dict[str, Any]]:

@@ -107,15 +107,32 @@ class PrefixIndex:
             del self._entries[h]
 
 
+def uncached_tokens(index: PrefixIndex, matches: dict[int, int], text: str, prompt_len: int, worker_id: int) -> int:
+    """Prompt tokens worker ``worker_id`` is expected to compute: ``prompt_len`` minus the part its
+    matched prefix covers (``matches[worker_id]`` chunks of ``index.chunk_chars`` characters out of
+    ``len(text)``; tokens are assumed spread evenly over the characters)."""
+    n = matches.get(worker_id, 0)
+    if not n or not text:
+        return prompt_len
+    frac = min(1.0, n * index.chunk_chars / len(text))
+    return max(0, round(prompt_len * (1.0 - frac)))
+
+
 class PrefixIndexedPolicy:
     """Mixin for policies that keep a :class:`PrefixIndex` in ``self.index``: indexes each
     dispatched request's prefix under its worker and forgets workers that leave.
 
     ``choose`` stores ``(id(req), hashes)`` in ``self._pending_hashes`` so the hashes of the prompt
-    are computed once per request, not again at dispatch."""
+    are computed once per request, not again at dispatch (:meth:`matches` does both)."""
 
     index: PrefixIndex
     _pending_hashes: tuple[int, list[int]] | None
+
+    def matches(self, req) -> dict[int, int]:
+        """Hash ``req.text`` (kept for :meth:`on_dispatch`) and match it: ``{worker_id: chunks}``."""
+        hashes = self.index.hashes(req.text)
+        self._pending_hashes = (id(req), hashes)
+        return self.index.match(hashes) if hashes else {}
 
     def on_dispatch(self, worker_id: int, req) -> None:
         """Index the request's prefix under ``worker_id`` (reuses the hashes computed in choose)."""

@@ -94,7 +94,7 @@ def test_status_health_and_metrics(cluster4):
                 "dplb_router_worker_inflight", "dplb_router_worker_kv_cache_usage",
                 "dplb_router_routing_decisions_total", "dplb_router_retries_total", "dplb_router_circuit_state"):
         assert fam in text, fam
-    assert 'dplb_router_routing_decisions_total{policy="dplb",reason="score"}' in text
+    assert 'dplb_router_routing_decisions_total{policy="dplb",reason="ttft"}' in text
 
 
 # --------------------------------------------------------------------------------- balancing
@@ -131,7 +131,7 @@ def test_route_dry_run_agrees_with_serving_worker(make_cluster):
         assert d["policy"] == "dplb" and d["worker_id"] == 2
         assert {s["worker_id"] for s in d["scores"]} == {0, 1, 2}
         best = max(d["scores"], key=lambda s: s["score"])
-        assert best["worker_id"] == 2 and set(best) >= {"pending_term", "kv_term", "latency_term", "length_term"}
+        assert best["worker_id"] == 2 and set(best) >= {"est_s", "prefill_s", "decode_s", "kv_s", "queue_tokens"}
         r = httpx.post(c.base + "/v1/chat/completions", json=body)
         assert r.headers["x-dplb-worker-id"] == str(d["worker_id"])
     assert sum(f.client().stats()["requests"] for f in c.fakes[:2]) == 0   # dry runs sent nothing
@@ -359,7 +359,7 @@ def test_burst_sharing_a_long_system_prompt_does_not_pile_onto_its_worker(cluste
         reset(cluster4)
     assert set(share) == {"0", "1", "2", "3"} and max(share.values()) <= 35, share
     text = httpx.get(cluster4.base + "/metrics").text
-    assert 'reason="affinity"' in text
+    assert 'reason="prefix"' in text  # the holder still took its share because of the prefix
 
 
 def test_open_circuit_half_opens_and_closes_on_a_successful_probe(make_cluster):
