@@ -21,7 +21,7 @@ import posix_ipc
 from dplb_shm.errors import (LayoutMismatchError, SegmentClosedError, SegmentError,
                              SegmentExistsError, SegmentNotFoundError, SlotFieldError,
                              SlotIndexError)
-from dplb_shm.types import ScoreTerms, ScoringParams, WorkerSnapshot, WorkerState
+from dplb_shm.types import ScoreTerms, ScoringParams, StateReason, WorkerSnapshot, WorkerState
 
 cdef extern from *:
     """
@@ -205,7 +205,16 @@ cdef object _snapshot(const dplb_slot_t *s, int64_t rinfl, uint64_t disp, int32_
         gpu_mem_total_bytes=s.gpu_mem_total_bytes, ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms,
         e2e_ms=s.e2e_ms, ttft_p99_ms=s.ttft_p99_ms, tpot_p99_ms=s.tpot_p99_ms,
         e2e_p99_ms=s.e2e_p99_ms, prompt_len_hist=[s.prompt_len_hist[k] for k in range(DPLB_HIST_BINS)],
-        completed=s.completed, failed=s.failed, circuit=circuit, seq=s.seq)
+        completed=s.completed, failed=s.failed, circuit=circuit, seq=s.seq,
+        restarts=s.restarts, last_exit_code=s.last_exit_code, state_reason=_reason(s.state_reason),
+        next_restart_ns=s.next_restart_ns)
+
+
+cdef object _reason(uint32_t r):
+    try:
+        return StateReason(r)
+    except ValueError:
+        return StateReason.NONE
 
 
 cdef extern from "<stdint.h>" nogil:
@@ -300,6 +309,18 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
             s.failed = <uint64_t>_i(v, key, 0, 2**63 - 1)
         elif key == "heartbeat_ns":
             s.heartbeat_ns = _i(v, key, 0, 2**63 - 1)
+        elif key == "restarts":
+            s.restarts = <uint32_t>_i(v, key, 0, 2**32 - 1)
+        elif key == "last_exit_code":
+            s.last_exit_code = <int32_t>_i(v, key, -2**31, 2**31 - 1)
+        elif key == "state_reason":
+            try:
+                r = StateReason(v)
+            except ValueError:
+                raise SlotFieldError(f"unknown state reason {v!r}", field="state_reason")
+            s.state_reason = <uint32_t>int(r)
+        elif key == "next_restart_ns":
+            s.next_restart_ns = _i(v, key, 0, 2**63 - 1)
         else:
             raise SlotFieldError(f"unknown slot field {key!r}", field=str(key))
     return 0

@@ -27,6 +27,7 @@ from dplb_shm.types import (
     Circuit,
     ScoreTerms,
     ScoringParams,
+    StateReason,
     WorkerSnapshot,
     WorkerState,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "SlotFieldError",
     "SlotIndexError",
     "SlotWriter",
+    "StateReason",
     "WorkerSnapshot",
     "WorkerState",
     "default_name",

@@ -22,6 +22,19 @@ class WorkerState(enum.IntEnum):
     DEAD = 4
 
 
+class StateReason(enum.IntEnum):
+    """Why a slot is in its state (``state_reason`` field, ``DPLB_REASON_*`` in csrc/dplb_shm.h).
+
+    Set by the agent when its engine fails or is restarted; back to NONE once the engine is READY
+    after a clean start (the ``restarts`` and ``last_exit_code`` fields keep the history)."""
+
+    NONE = 0
+    ENGINE_EXITED = 1   # the engine exited unexpectedly; it is restarted after a backoff
+    START_FAILED = 2    # the engine did not become ready; it is restarted after a backoff
+    GAVE_UP = 3         # too many failures within the window: DEAD until an admin restart
+    ADMIN_RESTART = 4   # restarted on an operator's request
+
+
 class Circuit(enum.IntEnum):
     """Router-side circuit breaker state stored in a slot's router line."""
 
@@ -40,6 +53,10 @@ class WorkerSnapshot:
     ``prompt_len_hist[b]`` counts queued prompts with length in [2^b, 2^(b+1)) (bin 0 also holds
     0). ``router_inflight``, ``dispatched`` and ``circuit`` come from the router line (atomics
     shared by every router process), read at the same moment but outside the seqlock.
+    ``restarts``: engine restarts by the slot's agent since it claimed the slot;
+    ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
+    never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
+    ns of the next scheduled engine restart, 0 when none (layout version 3).
     """
 
     worker_id: int
@@ -72,14 +89,20 @@ class WorkerSnapshot:
     failed: int
     circuit: int
     seq: int = 0
+    restarts: int = 0
+    last_exit_code: int = 0
+    state_reason: StateReason = StateReason.NONE
+    next_restart_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
 
-        ``state`` becomes its lower-case name (``"ready"``); every other field keeps its name.
+        ``state`` and ``state_reason`` become their lower-case names (``"ready"``,
+        ``"engine_exited"``); every other field keeps its name.
         """
         d = asdict(self)
         d["state"] = self.state.name.lower()
+        d["state_reason"] = StateReason(self.state_reason).name.lower()
         return d
 
     @classmethod
@@ -94,6 +117,11 @@ class WorkerSnapshot:
             kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as e:
             raise SlotFieldError(f"unknown worker state {st!r}", field="state") from e
+        r = kw.get("state_reason", 0)
+        try:
+            kw["state_reason"] = StateReason[r.upper()] if isinstance(r, str) else StateReason(int(r))
+        except (KeyError, ValueError, TypeError):
+            kw["state_reason"] = StateReason.NONE  # a newer agent's reason: not fatal
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in kw.items() if k in names}
         try:
@@ -168,4 +196,4 @@ class ScoreTerms:
         return asdict(self)
 
 
-__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "WorkerSnapshot", "WorkerState"]
+__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "StateReason", "WorkerSnapshot", "WorkerState"]

@@ -27,7 +27,7 @@ log = logging.getLogger("dplb.router.mirror")
 # fields of /dplb/state that a mirror copies into its slot (SlotWriter.publish names)
 COPIED = ("num_running", "num_waiting", "inflight", "queued_prompt_tokens", "max_num_seqs", "kv_cache_usage",
           "gpu_mem_used_bytes", "gpu_mem_total_bytes", "ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms",
-          "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist")
+          "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist", "restarts", "last_exit_code", "state_reason")
 STATES = {"empty": 0, "starting": 1, "ready": 2, "draining": 3, "dead": 4}
 
 
