@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
-from .errors import UpstreamError
+from .errors import EngineUnavailableError, UpstreamError
 
 #: hop-by-hop headers (RFC 9110 §7.6.1); never relayed in either direction
 HOP_BY_HOP = frozenset({
@@ -118,13 +118,18 @@ class Upstream:
             body: the request body, unchanged.
 
         Raises:
-            UpstreamError: connection refused/reset or the engine closed before answering.
+            EngineUnavailableError: the connection was refused (nothing listens: the engine is
+                dead or restarting); the request never reached it.
+            UpstreamError: the connection broke or the engine closed it before answering (the
+                engine may have begun the work).
         """
         hdrs = [(k, v) for k, v in headers if k.lower() not in REQUEST_DROP]
         try:
             # encoded=True: the path and query go out byte for byte, not re-quoted
             resp = await self._get_session().request(method, URL(self.address.base + path, encoded=True), headers=hdrs,
                                                      data=body if body else None, allow_redirects=False)
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError) as e:
+            raise EngineUnavailableError(f"engine at {self.address} is not accepting connections: {e}") from e
         except (aiohttp.ClientError, ConnectionError, OSError) as e:
             raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
         return UpstreamResponse(resp)
