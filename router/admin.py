@@ -4,6 +4,8 @@
     DELETE /dplb/workers/{id}            remote mirror: slot released; local agent: no longer routed to
     POST   /dplb/workers/{id}/drain      no new requests; in-flight ones finish
     POST   /dplb/workers/{id}/undrain    back in rotation
+    POST   /dplb/workers/{id}/restart    the worker's agent restarts its engine (202; also lifts a
+                                         ``gave_up`` after too many crashes)
     GET    /dplb/workers                 same rows as /dplb/status
 
 Protection: by default only loopback clients may call these (403 otherwise;
@@ -25,7 +27,15 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from router.config import BackendServer
-from router.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from router.errors import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    NotSupported,
+    TransportError,
+    Unauthorized,
+    UpstreamError,
+)
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -152,6 +162,34 @@ def admin_router(state: Any) -> APIRouter:
         await state.mirrors.tick()
         state.monitor.sync()
         return _json({"worker_id": wid, "removed": True})
+
+    @r.post("/dplb/workers/{wid}/restart")
+    async def restart_worker(wid: int, request: Request) -> Response:
+        """Ask worker ``wid``'s agent to restart its engine (``POST /dplb/restart`` on the agent).
+
+        202 with the agent's answer; 404 unknown worker; 501 when the endpoint has no restart API
+        (not a DPLB agent); 502 when the agent does not answer (the agent process itself is gone:
+        restart it, e.g. the launcher)."""
+        check_admin(request, state.cfg)
+        h = state.registry.handles.get(wid)
+        if h is None:
+            raise NotFound(f"no worker with id {wid}", param="id")
+        try:
+            status, body = await state.transport.get(h.endpoint, "/dplb/restart", 10.0, method="POST")
+        except TransportError as e:
+            raise UpstreamError(f"worker {wid}'s agent at {h.endpoint} did not answer ({e.kind}); "
+                                "the agent process itself may be gone", worker_id=wid) from None
+        if status in (404, 405):
+            raise NotSupported(f"worker {wid} at {h.endpoint} has no restart API (not a DPLB agent)")
+        try:
+            d = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            d = {}
+        if status != 202:
+            raise UpstreamError(f"worker {wid}'s agent refused the restart ({status}): "
+                                f"{(d.get('error') or {}).get('message', body[:200])}", worker_id=wid)
+        return _json({"worker_id": wid, "restarting": True, "state": d.get("state"),
+                      "restarts": d.get("restarts")}, 202)
 
     @r.post("/dplb/workers/{wid}/drain")
     async def drain_worker(wid: int, request: Request) -> Response:

@@ -108,7 +108,8 @@ class RouterState:
                                     latency_scale_ms=rp.latency_scale_ms)
         self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params)
         self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
-        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit)
+        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
+                                 on_reset=self._on_reset)
         self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics)
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
@@ -181,8 +182,13 @@ class RouterState:
 
     def _on_leave(self, wid: int, endpoint: str) -> None:
         self.policy.forget(wid)
+        self.metrics.forget_worker(wid)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self.transport.forget(endpoint))
+
+    def _on_reset(self, wid: int) -> None:
+        """Worker ``wid``'s engine died or was restarted: its prefix cache is gone."""
+        self.policy.forget(wid)
 
     def _on_circuit(self, wid: int, state: int) -> None:
         try:

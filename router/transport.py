@@ -187,9 +187,10 @@ class Transport:
             self._closing.add(t)
             t.add_done_callback(self._closing.discard)
 
-    async def get(self, endpoint: str, path: str, timeout_s: float) -> tuple[int, bytes]:
-        """Small GET for probes and state mirroring: (status, body). Raises TransportError."""
-        up = await self.send(endpoint, "GET", path, (), None, timeout_s=timeout_s)
+    async def get(self, endpoint: str, path: str, timeout_s: float, method: str = "GET") -> tuple[int, bytes]:
+        """Small control request (probes, state mirroring, an agent's ``POST /dplb/restart``):
+        ``(status, body)`` within ``timeout_s`` seconds. Raises TransportError."""
+        up = await self.send(endpoint, method, path, (), None, timeout_s=timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
                 body = await up.read()

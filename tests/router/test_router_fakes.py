@@ -290,7 +290,7 @@ def test_failed_probes_take_a_worker_out_and_it_comes_back(make_cluster):
     bad.set_mode("unhealthy")
     wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [False, True], 20,
                what="worker 0 out after 3 failed probes")
-    assert status(c.base)["workers"][0]["state"] == "unhealthy"
+    assert status(c.base)["workers"][0]["routing"] == "unhealthy"
     for _ in range(10):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
         assert r.headers["x-dplb-worker-id"] == "1"
