@@ -107,7 +107,8 @@ class RouterState:
                                     heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
                                     latency_scale_ms=rp.latency_scale_ms)
         self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params)
-        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
+        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.first_byte_timeout_s,
+                                   cfg.router.idle_timeout_s)
         self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
                                  on_reset=self._on_reset)
         self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.errors import ConfigError
 
@@ -45,10 +45,21 @@ class RouterSection(_Strict):
     # 64 MiB: a 128k-token prompt is ~0.5 MB of text; chat bodies with images can be tens of MB.
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     connect_timeout_s: float = Field(default=2.0, gt=0)
-    # time until the worker sends its response headers (non-streamed completions arrive whole)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    # longest wait from dispatch to the first response body byte: a stream's first token after a
+    # long prefill, or a whole non-streamed generation (vLLM/SGLang send those at the end)
+    first_byte_timeout_s: float = Field(default=600.0, gt=0)
+    # longest gap between two body chunks once the first arrived (a stalled stream)
+    idle_timeout_s: float = Field(default=120.0, gt=0)
+    # deprecated alias of first_byte_timeout_s (one timeout used to cover both waits)
+    request_timeout_s: float | None = Field(default=None, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     state_dir: str | None = None  # admin state shared by router processes; default /tmp/dplb-router-<port>
+
+    @model_validator(mode="after")
+    def _alias(self) -> RouterSection:
+        if self.request_timeout_s is not None and "first_byte_timeout_s" not in self.model_fields_set:
+            object.__setattr__(self, "first_byte_timeout_s", self.request_timeout_s)
+        return self
 
     @field_validator("shm")
     @classmethod
@@ -140,12 +151,22 @@ class CircuitBreaker(_Strict):
 
 
 class Retries(_Strict):
-    """Retries before the first response byte, with jittered exponential backoff."""
+    """Retries on another worker, before the first response byte, with jittered exponential backoff.
+
+    By default only failures that cost the worker nothing are retried: a refused connection
+    (nothing listens) and the statuses in ``retry_on_status`` (429 and 503: refused before any
+    work began). A timeout is not retried (the request may still be running there, and would
+    likely time out again elsewhere: up to ``max_attempts`` × the timeout of GPU time) unless
+    ``retry_on_timeout``; a connection dropped after the request was sent (the worker died with
+    it) is not retried (a request that crashes engines would crash the next one too) unless
+    ``retry_on_disconnect``."""
 
     max_attempts: int = Field(default=3, ge=1, le=16)
     backoff_base_ms: float = Field(default=5.0, ge=0)
     backoff_max_ms: float = Field(default=200.0, ge=0)
-    retry_on_status: list[int] = Field(default_factory=lambda: [429, 500, 502, 503, 504])
+    retry_on_status: list[int] = Field(default_factory=lambda: [429, 503])
+    retry_on_timeout: bool = False
+    retry_on_disconnect: bool = False
 
 
 class Config(_Strict):

@@ -210,21 +210,36 @@ def test_client_disconnect_while_waiting_for_head_closes_upstream(cluster4):
 # ------------------------------------------------------------------------------------ faults
 
 
-def test_worker_failing_before_first_byte_is_retried_elsewhere(cluster4):
+def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(cluster4):
+    """A connection dropped after the request was sent may have cost the worker work (or crashed
+    it): answered 502, OpenAI-shaped, with the worker's id, and not run again elsewhere."""
     reset(cluster4)
     bad = cluster4.fakes[1].client()
     bad.set_mode("drop")
     try:
-        served = Counter()
-        for _ in range(24):
+        for _ in range(12):
             r = httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
-            assert r.status_code == 200
-            served[r.headers["x-dplb-worker-id"]] += 1
-        assert served["1"] == 0
-        assert bad.stats()["requests"] > 0          # it was tried, failed before the first byte, retried
-        assert "dplb_router_retries_total" in httpx.get(cluster4.base + "/metrics").text
+            if r.status_code != 200:
+                assert r.status_code == 502 and r.headers["x-dplb-worker-id"] == "1"
+                assert r.json()["error"]["type"] == "upstream_error"
+        n = bad.stats()["requests"]
+        assert n > 0 and sum(f.client().stats()["requests"] for f in cluster4.fakes) == 12   # each ran once
     finally:
         reset(cluster4)
+
+
+def test_worker_dropping_the_connection_is_retried_elsewhere_when_configured(make_cluster):
+    c = make_cluster(2, {"retries": {"retry_on_disconnect": True}, "routing_policy": {"policy": "round_robin"}})
+    bad = c.fakes[1].client()
+    bad.set_mode("drop")
+    served = Counter()
+    for _ in range(12):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+        assert r.status_code == 200
+        served[r.headers["x-dplb-worker-id"]] += 1
+    assert served["1"] == 0
+    assert bad.stats()["requests"] > 0          # it was tried, failed before the first byte, retried
+    assert 'dplb_router_retries_total{reason="connect"}' in httpx.get(c.base + "/metrics").text
 
 
 def test_breaker_ignores_4xx_and_opens_on_5xx(make_cluster):
