@@ -10,7 +10,11 @@
 
 Protection: by default only loopback clients may call these (403 otherwise;
 ``router.admin_loopback_only``), and when ``router.admin_token`` is set every call needs
-``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise).
+``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise). The router
+refuses to start on a non-loopback address without a token (``router.__main__``). The client
+address is the socket's, never a header's: a request carrying forwarding headers (``Forwarded``,
+``X-Forwarded-For``, ``X-Real-IP``, ``Via``, ...) came through a proxy, where every client looks
+like loopback, so it is not let in as loopback: it needs the token (403 when none is set).
 
 Several router processes share the admin state through ``<state_dir>/admin.json`` (written
 atomically, re-read by every process's health tick when its mtime changes). It is run-time state:
@@ -38,6 +42,9 @@ from router.errors import (
 )
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+#: headers that reverse proxies add; their presence means the socket address is the proxy's
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+                      "via", "x-client-ip", "true-client-ip", "cf-connecting-ip")
 
 
 class AdminStore:
@@ -81,12 +88,22 @@ class AdminStore:
         return True
 
 
+def forwarded(request: Request) -> bool:
+    """True when the request carries a header a proxy adds (it came through one)."""
+    h = request.headers
+    return any(k in h for k in FORWARDING_HEADERS)
+
+
 def check_admin(request: Request, cfg: Any) -> None:
-    """Raise Forbidden (non-loopback client while loopback-only) or Unauthorized (bad token)."""
+    """Raise Forbidden (non-loopback client while loopback-only; a proxied request without a
+    configured token) or Unauthorized (missing or wrong token)."""
     client = request.client.host if request.client else ""
     if cfg.router.admin_loopback_only and client not in LOOPBACK:
         raise Forbidden("admin endpoints accept loopback clients only (router.admin_loopback_only)")
     tok = cfg.router.admin_token
+    if not tok and forwarded(request):
+        raise Forbidden("admin call through a proxy (forwarding headers present): set router.admin_token; "
+                        "behind a proxy every client looks like loopback")
     if tok:
         given = request.headers.get("x-dplb-admin-token")
         auth = request.headers.get("authorization", "")

@@ -28,6 +28,7 @@ from router.admin import AdminStore, admin_router
 from router.config import Config, config_from_json
 from router.errors import (
     BadRequest,
+    HeadersTooLarge,
     NoEligibleWorker,
     RouterError,
     Unauthorized,
@@ -38,8 +39,9 @@ from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.parsing import parse_request
 from router.policies import build_policy
-from router.proxy import Proxy
+from router.proxy import Proxy, send_error
 from router.scheduling import Scheduler
+from router.server import check_headers
 from router.transport import Transport
 from router.workers import Registry
 
@@ -299,13 +301,22 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
 
 class DPLBApp:
-    """ASGI entry: hot proxy paths to :class:`Proxy`, everything else to FastAPI."""
+    """ASGI entry: request-head limits first (431, :mod:`router.server`), then hot proxy paths to
+    :class:`Proxy`, everything else to FastAPI."""
 
     def __init__(self, state: RouterState, fastapi_app: FastAPI) -> None:
         self.state = state
         self.fastapi = fastapi_app
+        self.max_header_bytes = state.cfg.router.max_header_bytes
+        self.max_headers = state.cfg.router.max_headers
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            try:  # ~1 µs for an ordinary request
+                check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
+            except HeadersTooLarge as e:
+                await send_error(send, e)
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             p = scope["path"]
             if p.startswith("/v1/") or p == "/generate":

@@ -28,6 +28,19 @@ _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\
 POLICIES = ("dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware")
 
 
+def is_loopback(host: str) -> bool:
+    """True for a loopback host: ``localhost``, 127.0.0.0/8, ``::1`` (brackets allowed)."""
+    import ipaddress
+
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -35,7 +48,7 @@ class _Strict(BaseModel):
 class RouterSection(_Strict):
     """Process-level settings of the router (network, auth, limits)."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # beyond loopback (0.0.0.0, a public address) requires admin_token
     port: int = Field(default=30000, ge=1, le=65535)
     shm: str | None = None  # default: "dplb-<port>" (docs/INTERFACES.md)
     workers: int = Field(default=1, ge=1, le=64, description="router processes sharing the segment")
@@ -44,6 +57,10 @@ class RouterSection(_Strict):
     api_key: str | None = None
     # 64 MiB: a 128k-token prompt is ~0.5 MB of text; chat bodies with images can be tens of MB.
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # request head limits (431 beyond them, checked before the body is read; router/server.py):
+    # total bytes of header names + values, and the number of header fields
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=16 * 1024 * 1024)
+    max_headers: int = Field(default=100, ge=8, le=10_000)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     # longest wait from dispatch to the first response body byte: a stream's first token after a
     # long prefill, or a whole non-streamed generation (vLLM/SGLang send those at the end)
@@ -183,6 +200,11 @@ class Config(_Strict):
     def shm_name(self) -> str:
         """Segment name: ``router.shm`` or ``dplb-<port>``."""
         return self.router.shm or f"dplb-{self.router.port}"
+
+    def admin_exposed(self) -> bool:
+        """True when the router listens beyond loopback and no ``admin_token`` is set: anyone who
+        reaches the port could drain, remove or add workers (``router.__main__`` refuses to start)."""
+        return not self.router.admin_token and not is_loopback(self.router.host)
 
     @property
     def state_dir(self) -> str:

@@ -210,22 +210,21 @@ def test_client_disconnect_while_waiting_for_head_closes_upstream(cluster4):
 # ------------------------------------------------------------------------------------ faults
 
 
-def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(cluster4):
+def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(make_cluster):
     """A connection dropped after the request was sent may have cost the worker work (or crashed
     it): answered 502, OpenAI-shaped, with the worker's id, and not run again elsewhere."""
-    reset(cluster4)
-    bad = cluster4.fakes[1].client()
+    c = make_cluster(2, {"routing_policy": {"policy": "round_robin"}})
+    bad = c.fakes[1].client()
     bad.set_mode("drop")
-    try:
-        for _ in range(12):
-            r = httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
-            if r.status_code != 200:
-                assert r.status_code == 502 and r.headers["x-dplb-worker-id"] == "1"
-                assert r.json()["error"]["type"] == "upstream_error"
-        n = bad.stats()["requests"]
-        assert n > 0 and sum(f.client().stats()["requests"] for f in cluster4.fakes) == 12   # each ran once
-    finally:
-        reset(cluster4)
+    codes = []
+    for _ in range(8):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+        codes.append(r.status_code)
+        if r.status_code != 200:
+            assert r.status_code == 502 and r.headers["x-dplb-worker-id"] == "1"
+            assert r.json()["error"]["type"] == "upstream_error"
+    assert codes.count(502) == bad.stats()["requests"] >= 1
+    assert sum(f.client().stats()["requests"] for f in c.fakes) == 8    # each request ran once
 
 
 def test_worker_dropping_the_connection_is_retried_elsewhere_when_configured(make_cluster):
