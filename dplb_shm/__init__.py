@@ -28,6 +28,8 @@ from dplb_shm.types import (
     ScoreTerms,
     ScoringParams,
     StateReason,
+    TtftParams,
+    TtftTerms,
     WorkerSnapshot,
     WorkerState,
 )
@@ -99,6 +101,8 @@ __all__ = [
     "SlotIndexError",
     "SlotWriter",
     "StateReason",
+    "TtftParams",
+    "TtftTerms",
     "WorkerSnapshot",
     "WorkerState",
     "default_name",

@@ -1,13 +1,13 @@
 """Issue 15 regressions, one test per failure an operator saw (named after it); scenarios in
-:mod:`tests.faults.scen_issue15`. The kill -9 "Shows" test is scenario 1 in ``test_workers_fail.py``
+:mod:`bench.faultsuite.scen_issue15`. The kill -9 "Shows" test is scenario 1 in ``test_workers_fail.py``
 (``test_kill9_of_an_engine_under_load_it_comes_back_ready_by_itself_and_nothing_is_lost``)."""
 from __future__ import annotations
 
 import pytest
 
+from bench.faultsuite import scen_issue15 as sc
+from bench.faultsuite.load import lost_details
 from router.policies import PrefixIndex, RequestInfo, RoundRobinPolicy
-from tests.faults import scen_issue15 as sc
-from tests.faults.load import lost_details
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 

@@ -1,5 +1,5 @@
-"""Scenarios 13-19 (issue 15: stays up and tells the truth), run by ``test_stays_up.py`` and
-``bench/faults.py``; see :mod:`tests.faults.scenarios`.
+"""Scenarios 13-19 (issue 15: stays up and tells the truth), run by ``tests/faults/test_stays_up.py``
+and ``bench/faults.py``; see :mod:`bench.faultsuite.scenarios`.
 
 13 an engine that keeps crashing: restarted with backoff, then DEAD (gave up), admin restart
 14 dead, draining and removed workers in /dplb/status, /dplb/workers, /metrics and the dump
@@ -24,11 +24,16 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.faults.cluster import MODEL_FAKE, MODEL_SIM, Stack
-from tests.faults.common import Result, metric_value
+from bench.faultsuite.cluster import MODEL_FAKE, MODEL_SIM, Stack
+from bench.faultsuite.common import Result, metric_value
+from bench.faultsuite.load import Outcome, chat, classify, send, sse_events
+from launcher.stack import ROOT, free_port, wait_for
 from router.config import Config
-from tests.faults.load import Outcome, chat, classify, send, sse_events
-from tests.helpers import ROOT, free_port, wait_until
+
+
+def wait_until(pred: Any, timeout: float, what: str) -> Any:
+    """:func:`launcher.stack.wait_for` with a 20 ms poll."""
+    return wait_for(pred, timeout, what, interval=0.02)
 
 
 def _outcome(r: httpx.Response, t0: float, stream: bool = False) -> Outcome:
@@ -139,8 +144,8 @@ def run_dead_and_departed_workers_in_plain_sight() -> Result:
         res.extra["served"] = dict(Counter(o.worker for o in outs))
         r = httpx.delete(base + "/dplb/workers/2", timeout=10)
         res.extra["remove_2"] = r.status_code
-        st.agents[0].proc.send_signal(signal.SIGTERM)
-        st.agents[0].proc.wait(30)
+        st.agents[0].proc.popen.send_signal(signal.SIGTERM)
+        st.agents[0].proc.popen.wait(30)
         wait_until(lambda: st.seg.read_slot(0).state.name == "EMPTY", 10, what="slot 0 EMPTY")
         wait_until(lambda: _row(base, 0) is None, 10, what="worker 0 unlisted")
         time.sleep(0.5)   # a health tick or two
