@@ -45,6 +45,7 @@ class WorkerHandle:
         "pid",
         "probe_failures",
         "probe_ok",
+        "restarts",
         "snap",
         "worker_id",
     )
@@ -62,6 +63,7 @@ class WorkerHandle:
         self.snap: Any = None
         self.mirror = False
         self.pid = pid
+        self.restarts = 0  # the slot's engine restart count at the last sync (not at fresh reads)
 
     def serves(self, model: str | None) -> bool:
         """True when this worker can serve ``model`` (None = any; an empty worker model = any)."""
@@ -117,11 +119,12 @@ class Registry:
             if h is not None and (h.endpoint != s.endpoint or h.pid != s.pid):
                 self._leave(h)
                 h = None
+            restarts = int(getattr(s, "restarts", 0) or 0)
             if h is None:
                 h = self.handles[wid] = WorkerHandle(wid, s.endpoint, s.model, self._breaker(wid), s.pid)
-            elif h.snap is not None and (getattr(s, "restarts", 0) != getattr(h.snap, "restarts", 0)
-                                         or (st == DEAD and int(h.snap.state) != DEAD)):
+            elif restarts != h.restarts or (st == DEAD and h.snap is not None and int(h.snap.state) != DEAD):
                 self._reset(h)
+            h.restarts = restarts
             h.model = s.model
             h.snap = s
             h.drained = wid in self.drained

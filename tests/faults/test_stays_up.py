@@ -120,3 +120,45 @@ def test_admin_is_not_open_through_a_reverse_proxy_nor_beyond_loopback_without_a
     assert r.extra["mismatches"] == {}, r.extra
     assert r.extra["open_host_no_token"] == (2, True)
     assert r.extra["open_host_with_token_allowed"] is True
+
+
+def test_registry_keeps_a_dead_worker_listed_and_resets_it_when_its_engine_restarts():
+    """The router dropped a dead worker's handle (it vanished from the listings, its gauges froze)."""
+    from dataclasses import dataclass, replace
+
+    from dplb_shm import StateReason, WorkerState
+    from router.config import Config
+    from router.workers import Registry
+
+    @dataclass(frozen=True)
+    class Snap:
+        worker_id: int
+        state: WorkerState
+        endpoint: str = "/tmp/x.sock"
+        pid: int = 7
+        model: str = "m"
+        restarts: int = 0
+        state_reason: StateReason = StateReason.NONE
+        heartbeat_age_ms: float = 1.0
+        circuit: int = 0
+
+    resets: list[int] = []
+    reg = Registry(seg=None, cfg=Config(), on_reset=resets.append)
+    s = Snap(0, WorkerState.READY)
+    reg.sync([s])
+    reg.handles[0].breaker.record(False)
+    reg.sync([replace(s, state=WorkerState.DEAD, state_reason=StateReason.ENGINE_EXITED)])
+    assert list(reg.handles) == [0] and resets == [0]                # listed, and reset once
+    assert reg.handles[0].breaker.failure_rate == 0.0
+    assert reg.routing_state(reg.handles[0]) == "dead"
+    assert reg.candidates(None, set(), "kernel") == []               # never a candidate, even unchecked
+    reg.sync([replace(s, state=WorkerState.STARTING, restarts=1)])
+    reg.sync([replace(s, restarts=1)])
+    assert reg.routing_state(reg.handles[0]) == "eligible"
+    n = len(resets)
+    reg.sync([replace(s, restarts=1)])
+    assert len(resets) == n                                          # nothing changed: no reset
+    reg.sync([replace(s, state=WorkerState.STARTING, restarts=2)])   # an admin restart, no DEAD between
+    assert len(resets) == n + 1
+    reg.sync([replace(s, state=WorkerState.EMPTY)])
+    assert reg.handles == {}
