@@ -11,8 +11,8 @@ from dplb_shm.errors import (
     SlotFieldError as SlotFieldError,
     SlotIndexError as SlotIndexError,
 )
-from dplb_shm.types import (ScoreTerms, ScoringParams, StateReason, TtftParams, TtftTerms, WorkerSnapshot,
-                            WorkerState)
+from dplb_shm.types import ScoreTerms, ScoringParams, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
+from dplb_shm.types import StateReason as StateReason
 
 MAGIC: int
 LAYOUT_VERSION: int

@@ -225,7 +225,6 @@ class Registry:
         ``restart_in_s`` (seconds until the agent's next engine restart, None when none is
         scheduled) come from the slot."""
         from dplb_shm import now_ns
-
         from router.breaker import STATE_NAMES as CIRCUIT_NAMES
 
         rows = []

@@ -26,7 +26,13 @@ from typing import Any, Protocol
 
 import orjson
 
-from .errors import AgentError, BadRequestError, EngineUnavailableError, PayloadTooLargeError, UpstreamError
+from .errors import (
+    AgentError,
+    BadRequestError,
+    EngineUnavailableError,
+    PayloadTooLargeError,
+    UpstreamError,
+)
 from .meter import RequestMeter, estimate_prompt_tokens
 from .upstream import Upstream
 
