@@ -314,8 +314,8 @@ class DPLBApp:
         if scope["type"] == "http":
             try:  # ~1 µs for an ordinary request
                 check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
-            except HeadersTooLarge as e:
-                await send_error(send, e)
+            except HeadersTooLarge as too_large:
+                await send_error(send, too_large)
                 return
         if scope["type"] == "http" and scope["method"] == "POST":
             p = scope["path"]

@@ -251,7 +251,7 @@ class Registry:
                 "probe_failures": h.probe_failures, "weight": getattr(s, "weight", None),
                 "restarts": getattr(s, "restarts", 0),
                 "last_exit_code": getattr(s, "last_exit_code", 0),
-                "state_reason": reason.name.lower() if hasattr(reason, "name") else "none",
+                "state_reason": str(getattr(reason, "name", "none")).lower(),
                 "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
             })
         return rows
