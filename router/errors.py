@@ -169,9 +169,12 @@ class TransportError(Exception):
     """Forwarding to a worker failed. ``kind``: ``connect`` (refused, reset, closed before the
     response head), ``timeout`` (connect or read timeout) or ``stream_broken`` (after the head);
     ``endpoint``: the worker's socket path or host:port; ``refused``: True when nothing accepted the
-    connection at all (refused, socket file missing) — the worker is down, not merely slow."""
+    connection at all (refused, socket file missing) — the worker is down, not merely slow;
+    ``unsent``: the worker's process never read the request (refused, or reset / broken pipe before
+    any response byte), so trying another worker costs it nothing."""
 
     refused = False
+    unsent = False
 
     def __init__(self, kind: str, endpoint: str, detail: str = "") -> None:
         super().__init__(f"{kind} error talking to {endpoint}: {detail}")

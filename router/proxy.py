@@ -198,10 +198,11 @@ class Proxy:
 
     def retryable(self, e: Any) -> bool:
         """May a request that failed with TransportError ``e`` before its first byte reached the
-        client go to another worker? Refused: always; timeout / dropped: only when configured."""
+        client go to another worker? Never read by the worker (refused, reset before reading):
+        always; timeout / dropped after sending: only when configured."""
         if e.kind == "timeout":
             return self.retry_on_timeout
-        if e.kind == "connect" and e.refused:
+        if e.kind == "connect" and (e.refused or e.unsent):
             return True
         return self.retry_on_disconnect
 

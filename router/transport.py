@@ -25,6 +25,7 @@ the body. Route handlers never see aiohttp objects.
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -224,6 +225,9 @@ class Transport:
             err = TransportError("connect", endpoint, repr(e))
             # nothing listens (socket file gone, port closed): the worker is down, not slow
             err.refused = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError))
+            # reset / broken pipe before any response byte: the request reached a socket its process
+            # no longer reads (a pooled connection of a worker that just died): it never saw it
+            err.unsent = err.refused or getattr(e, "errno", None) in (errno.ECONNRESET, errno.EPIPE)
             raise err from None
         key = id(sess)
         self._active[key] = self._active.get(key, 0) + 1

@@ -10,6 +10,7 @@ abort the request (both watch ``request.is_disconnected()``).
 """
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "transfer-encoding", "upgrade",
 })
+#: errors that mean the peer process never read the request (it was gone or going): connection
+#: reset (RST: data arrived at a closed socket) and broken pipe (written after the peer closed)
+UNREAD_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 #: request headers the client library recomputes for the engine hop
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
 
@@ -119,7 +123,7 @@ class Upstream:
 
         Raises:
             EngineUnavailableError: the connection was refused (nothing listens: the engine is
-                dead or restarting); the request never reached it.
+                dead or restarting) or reset before the engine read the request; it never saw it.
             UpstreamError: the connection broke or the engine closed it before answering (the
                 engine may have begun the work).
         """
@@ -130,6 +134,13 @@ class Upstream:
                                                      data=body if body else None, allow_redirects=False)
         except (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError) as e:
             raise EngineUnavailableError(f"engine at {self.address} is not accepting connections: {e}") from e
+        except aiohttp.ClientOSError as e:
+            if e.errno in UNREAD_ERRNOS:
+                # reset: our bytes reached a socket its process no longer reads (a pooled connection
+                # of an engine that just died): the engine never saw the request
+                raise EngineUnavailableError(f"engine at {self.address} reset the connection before reading "
+                                             f"the request: {e}") from e
+            raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
         except (aiohttp.ClientError, ConnectionError, OSError) as e:
             raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
         return UpstreamResponse(resp)
