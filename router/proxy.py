@@ -206,8 +206,12 @@ class Proxy:
             return True
         return self.retry_on_disconnect
 
-    def final_error(self, e: Exception | None, wid: int | None, tried: int) -> RouterError:
-        """The error a client gets when no attempt succeeded: 504 after a timeout, else 502."""
+    def final_error(self, e: Exception | None, wid: int | None, tried: int, mid_body: bool = False) -> RouterError:
+        """The error a client gets when no attempt succeeded: 504 after a timeout, else 502
+        (``mid_body``: a non-streamed body stalled or broke after its first byte)."""
+        if isinstance(e, TransportError) and e.kind == "timeout" and mid_body:
+            return GatewayTimeout(f"worker {wid} stalled mid-response: no data within the idle timeout "
+                                  f"(router.idle_timeout_s={self.idle_timeout_s:g})", worker_id=wid)
         if isinstance(e, TransportError) and e.kind == "timeout":
             return GatewayTimeout(f"worker {wid} sent no response within the first-byte timeout "
                                   f"(router.first_byte_timeout_s={self.first_byte_timeout_s:g}); a timed-out "
@@ -226,6 +230,7 @@ class Proxy:
         tried: set[int] = set()
         last: Exception | None = None
         last_wid: int | None = None
+        mid_body = False
         for attempt in range(self.max_attempts):
             if attempt:
                 delay = min(self.backoff_max, self.backoff_base * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
@@ -294,7 +299,7 @@ class Proxy:
                     except TransportError as e:  # after the first byte: never retried
                         outcome = False
                         metrics.errors.labels(str(wid), e.kind).inc()
-                        last, last_wid = e, wid
+                        last, last_wid, mid_body = e, wid, True
                         tried.add(wid)
                         break
                     outcome = status < 500
@@ -316,7 +321,7 @@ class Proxy:
                     h.breaker.abandon()
                 else:
                     h.breaker.record(outcome)
-        err = self.final_error(last, last_wid, len(tried))
+        err = self.final_error(last, last_wid, len(tried), mid_body)
         wb = str(last_wid).encode() if last_wid is not None else _NONE
         await send_error(send, err, rid, wb)
         metrics.observe_request(str(last_wid) if last_wid is not None else "none", err.status, route,
