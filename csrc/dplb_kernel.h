@@ -277,7 +277,9 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
     int any = 0, nt = 0;
     for (uint32_t i = 0; i < num_slots; i++) {
         dplb_slot_t *src = dplb_slot_at((void *)base, i);
-        ests[i] = NAN; /* not eligible: compares false with everything below (an eligible est may be +inf) */
+        /* NaN, not +inf: an eligible worker's estimate may itself be +inf (a denormal weight), and
+         * "est <= best + eps" must never admit an ineligible slot into the ties */
+        ests[i] = __builtin_nan("");
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
         double u = uncached && i < n_unc ? uncached[i] : (double)prompt_len;
         if (u < 0.0) continue;

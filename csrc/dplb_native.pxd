@@ -23,6 +23,8 @@ cdef extern from "dplb_shm.h" nogil:
     const int DPLB_STATE_READY
     const int DPLB_STATE_DRAINING
     const int DPLB_STATE_DEAD
+    const int DPLB_REASON_NONE
+    const int DPLB_REASON_GAVE_UP
 
     ctypedef struct dplb_header_t:
         uint64_t magic
@@ -86,6 +88,11 @@ cdef extern from "dplb_shm.h" nogil:
         float e2e_ring[32]
         char endpoint[128]
         char model[120]
+        uint32_t restarts
+        int32_t last_exit_code
+        uint32_t state_reason
+        uint32_t reserved2
+        int64_t next_restart_ns
         dplb_router_line_t router
         dplb_router_stats_t rstats
 

@@ -589,6 +589,7 @@ cdef class Segment:
                        or s.ttft_p99_ms != <double>v or s.tpot_p99_ms != <double>v
                        or s.e2e_p99_ms != <double>v or s.completed != <uint64_t>v
                        or s.failed != <uint64_t>v or s.ttft_n != <uint32_t>v
+                       or s.restarts != <uint32_t>v or s.next_restart_ns != v
                        or s.tpot_n != <uint32_t>v or s.e2e_n != <uint32_t>v
                        or s.num_gpus != (v & 15) or s.state != (v & 3))
                 for k in range(DPLB_HIST_BINS):

@@ -1,36 +1,19 @@
 """Type stub of the native extension built from csrc/dplb_native.pyx."""
+# ruff: noqa: I001  (the "X as X" re-exports stay in one block; isort would split every one)
 from collections.abc import Sequence
 from typing import Any, Self
 
 from dplb_shm.errors import (
     LayoutMismatchError as LayoutMismatchError,
-)
-from dplb_shm.errors import (
     SegmentClosedError as SegmentClosedError,
-)
-from dplb_shm.errors import (
     SegmentError as SegmentError,
-)
-from dplb_shm.errors import (
     SegmentExistsError as SegmentExistsError,
-)
-from dplb_shm.errors import (
     SegmentNotFoundError as SegmentNotFoundError,
-)
-from dplb_shm.errors import (
     SlotFieldError as SlotFieldError,
-)
-from dplb_shm.errors import (
     SlotIndexError as SlotIndexError,
 )
-from dplb_shm.types import (
-    ScoreTerms,
-    ScoringParams,
-    TtftParams,
-    TtftTerms,
-    WorkerSnapshot,
-    WorkerState,
-)
+from dplb_shm.types import ScoreTerms, ScoringParams, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
+from dplb_shm.types import StateReason as StateReason
 
 MAGIC: int
 LAYOUT_VERSION: int
@@ -108,7 +91,7 @@ class SlotWriter:
     def latency_window_s(self) -> float: ...
     def claim(self, worker_id: int, pid: int | None = None, endpoint: str = "", gpu_ids: Sequence[int] = (),
               weight: float = 1.0, model: str = "", max_num_seqs: int = 0) -> None: ...
-    def publish(self, **fields: Any) -> None: ...
+    def publish(self, **fields: Any) -> None: ...  # incl. restarts, last_exit_code, state_reason, next_restart_ns
     def heartbeat(self) -> None: ...
     def set_state(self, state: WorkerState | int) -> None: ...
     def inflight_add(self, delta: int) -> int: ...

@@ -22,6 +22,19 @@ class WorkerState(enum.IntEnum):
     DEAD = 4
 
 
+class StateReason(enum.IntEnum):
+    """Why a slot is in its state (``state_reason`` field, ``DPLB_REASON_*`` in csrc/dplb_shm.h).
+
+    Set by the agent when its engine fails or is restarted; back to NONE once the engine is READY
+    after a clean start (the ``restarts`` and ``last_exit_code`` fields keep the history)."""
+
+    NONE = 0
+    ENGINE_EXITED = 1   # the engine exited unexpectedly; it is restarted after a backoff
+    START_FAILED = 2    # the engine did not become ready; it is restarted after a backoff
+    GAVE_UP = 3         # too many failures within the window: DEAD until an admin restart
+    ADMIN_RESTART = 4   # restarted on an operator's request
+
+
 class Circuit(enum.IntEnum):
     """Router-side circuit breaker state stored in a slot's router line."""
 
@@ -44,6 +57,10 @@ class WorkerSnapshot:
     not come back), ``decode_reqs``/``decode_ctx_tokens`` (requests past their first token and
     their prompt tokens), ``prefill_rate`` (learned, tokens/s, 0 = none yet), ``router_ttft_s`` /
     ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample).
+    ``restarts``: engine restarts by the slot's agent since it claimed the slot;
+    ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
+    never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
+    ns of the next scheduled engine restart, 0 when none (agent fields, seqlock-guarded).
     """
 
     worker_id: int
@@ -83,14 +100,20 @@ class WorkerSnapshot:
     prefill_rate: float = 0.0
     router_ttft_s: float = 0.0
     router_tpot_s: float = 0.0
+    restarts: int = 0
+    last_exit_code: int = 0
+    state_reason: StateReason = StateReason.NONE
+    next_restart_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
 
-        ``state`` becomes its lower-case name (``"ready"``); every other field keeps its name.
+        ``state`` and ``state_reason`` become their lower-case names (``"ready"``,
+        ``"engine_exited"``); every other field keeps its name.
         """
         d = asdict(self)
         d["state"] = self.state.name.lower()
+        d["state_reason"] = StateReason(self.state_reason).name.lower()
         return d
 
     @classmethod
@@ -105,6 +128,11 @@ class WorkerSnapshot:
             kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as e:
             raise SlotFieldError(f"unknown worker state {st!r}", field="state") from e
+        r = kw.get("state_reason", 0)
+        try:
+            kw["state_reason"] = StateReason[r.upper()] if isinstance(r, str) else StateReason(int(r))
+        except (KeyError, ValueError, TypeError):
+            kw["state_reason"] = StateReason.NONE  # a newer agent's reason: not fatal
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in kw.items() if k in names}
         try:
@@ -251,4 +279,5 @@ class TtftTerms:
         return asdict(self)
 
 
-__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "TtftParams", "TtftTerms", "WorkerSnapshot", "WorkerState"]
+__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "StateReason", "TtftParams", "TtftTerms", "WorkerSnapshot",
+           "WorkerState"]

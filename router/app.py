@@ -29,6 +29,7 @@ from router.admin import AdminStore, admin_router
 from router.config import Config, config_from_json
 from router.errors import (
     BadRequest,
+    HeadersTooLarge,
     NoEligibleWorker,
     RouterError,
     Unauthorized,
@@ -39,8 +40,9 @@ from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.parsing import parse_request
 from router.policies import build_policy
-from router.proxy import Proxy
+from router.proxy import Proxy, send_error
 from router.scheduling import Scheduler
+from router.server import check_headers
 from router.transport import Transport
 from router.workers import Registry
 
@@ -130,8 +132,10 @@ class RouterState:
                                     latency_scale_ms=rp.latency_scale_ms)
         self.ttft_params = ttft_params(cfg)
         self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params, ttft_params=self.ttft_params)
-        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
-        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit)
+        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.first_byte_timeout_s,
+                                   cfg.router.idle_timeout_s)
+        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
+                                 on_reset=self._on_reset)
         self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
                                    default_rate=rp.prefill_tokens_per_s)
         hc = cfg.health_check
@@ -209,8 +213,13 @@ class RouterState:
 
     def _on_leave(self, wid: int, endpoint: str) -> None:
         self.policy.forget(wid)
+        self.metrics.forget_worker(wid)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self.transport.forget(endpoint))
+
+    def _on_reset(self, wid: int) -> None:
+        """Worker ``wid``'s engine died or was restarted: its prefix cache is gone."""
+        self.policy.forget(wid)
 
     def _on_circuit(self, wid: int, state: int) -> None:
         try:
@@ -320,13 +329,22 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
 
 class DPLBApp:
-    """ASGI entry: hot proxy paths to :class:`Proxy`, everything else to FastAPI."""
+    """ASGI entry: request-head limits first (431, :mod:`router.server`), then hot proxy paths to
+    :class:`Proxy`, everything else to FastAPI."""
 
     def __init__(self, state: RouterState, fastapi_app: FastAPI) -> None:
         self.state = state
         self.fastapi = fastapi_app
+        self.max_header_bytes = state.cfg.router.max_header_bytes
+        self.max_headers = state.cfg.router.max_headers
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            try:  # ~1 µs for an ordinary request
+                check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
+            except HeadersTooLarge as too_large:
+                await send_error(send, too_large)
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             p = scope["path"]
             if p.startswith("/v1/") or p == "/generate":

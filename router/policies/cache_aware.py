@@ -48,7 +48,7 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
         loads = {w.worker_id: pending(w) for w in workers}
         mx, mn = max(loads.values()), min(loads.values())
-        hashes = self.index.hashes(req.text)
+        hashes = self.index.hashes(req.text, req.model)
         self._pending_hashes = (id(req), hashes)
         matches = self.index.match(hashes) if hashes else {}
         n_chars = max(len(req.text), 1)

@@ -106,7 +106,7 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
         return self.w_affinity * match_frac * max(0.0, 1.0 - (p - min_p) / self.affinity_max_imbalance)
 
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
-        hashes = self.index.hashes(req.text) if self.w_affinity > 0 else []
+        hashes = self.index.hashes(req.text, req.model) if self.w_affinity > 0 else []
         self._pending_hashes = (id(req), hashes)
         matches = self.index.match(hashes) if hashes else {}
         eligible = {w.worker_id: w for w in workers}

@@ -210,21 +210,35 @@ def test_client_disconnect_while_waiting_for_head_closes_upstream(cluster4):
 # ------------------------------------------------------------------------------------ faults
 
 
-def test_worker_failing_before_first_byte_is_retried_elsewhere(cluster4):
-    reset(cluster4)
-    bad = cluster4.fakes[1].client()
+def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(make_cluster):
+    """A connection dropped after the request was sent may have cost the worker work (or crashed
+    it): answered 502, OpenAI-shaped, with the worker's id, and not run again elsewhere."""
+    c = make_cluster(2, {"routing_policy": {"policy": "round_robin"}})
+    bad = c.fakes[1].client()
     bad.set_mode("drop")
-    try:
-        served = Counter()
-        for _ in range(24):
-            r = httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
-            assert r.status_code == 200
-            served[r.headers["x-dplb-worker-id"]] += 1
-        assert served["1"] == 0
-        assert bad.stats()["requests"] > 0          # it was tried, failed before the first byte, retried
-        assert "dplb_router_retries_total" in httpx.get(cluster4.base + "/metrics").text
-    finally:
-        reset(cluster4)
+    codes = []
+    for _ in range(8):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+        codes.append(r.status_code)
+        if r.status_code != 200:
+            assert r.status_code == 502 and r.headers["x-dplb-worker-id"] == "1"
+            assert r.json()["error"]["type"] == "upstream_error"
+    assert codes.count(502) == bad.stats()["requests"] >= 1
+    assert sum(f.client().stats()["requests"] for f in c.fakes) == 8    # each request ran once
+
+
+def test_worker_dropping_the_connection_is_retried_elsewhere_when_configured(make_cluster):
+    c = make_cluster(2, {"retries": {"retry_on_disconnect": True}, "routing_policy": {"policy": "round_robin"}})
+    bad = c.fakes[1].client()
+    bad.set_mode("drop")
+    served = Counter()
+    for _ in range(12):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+        assert r.status_code == 200
+        served[r.headers["x-dplb-worker-id"]] += 1
+    assert served["1"] == 0
+    assert bad.stats()["requests"] > 0          # it was tried, failed before the first byte, retried
+    assert 'dplb_router_retries_total{reason="connect"}' in httpx.get(c.base + "/metrics").text
 
 
 def test_breaker_ignores_4xx_and_opens_on_5xx(make_cluster):
@@ -290,7 +304,7 @@ def test_failed_probes_take_a_worker_out_and_it_comes_back(make_cluster):
     bad.set_mode("unhealthy")
     wait_until(lambda: [w["eligible"] for w in status(c.base)["workers"]] == [False, True], 20,
                what="worker 0 out after 3 failed probes")
-    assert status(c.base)["workers"][0]["state"] == "unhealthy"
+    assert status(c.base)["workers"][0]["routing"] == "unhealthy"
     for _ in range(10):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
         assert r.headers["x-dplb-worker-id"] == "1"
