@@ -38,7 +38,7 @@ from router.errors import (
 from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.mirror import MirrorManager
-from router.parsing import parse_request
+from router.protocol import parse_request
 from router.policies import build_policy
 from router.proxy import Proxy, send_error
 from router.scheduling import Scheduler

@@ -3,7 +3,7 @@
 For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other ``POST /v1/*``:
 
 1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
-2. read the body once and parse only what routing needs (:mod:`router.parsing`); 400 if malformed,
+2. read the body once and parse only what routing needs (:mod:`router.protocol`); 400 if malformed,
    404 if no worker serves the named model;
 3. pick a worker through the scheduling pipeline and take its :class:`~router.scheduling.Lease`;
 4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent);
@@ -44,8 +44,8 @@ from router.errors import (
     UpstreamError,
     sse_error_event,
 )
-from router.parsing import parse_request
-from router.transport import HOP_BY_HOP
+from router.protocol import parse_request
+from router.protocol import HOP_BY_HOP
 
 log = logging.getLogger("dplb.router.proxy")
 

@@ -66,7 +66,7 @@ def test_long_prefill_is_not_cut_but_a_stalled_stream_is_a_timeout_not_stream_br
     assert r.extra["prefill_stream"][0] == "ok" and r.extra["prefill_stream"][1] >= 1.5
     kind, status, took = r.extra["stalled_stream"]
     assert kind == "honest" and status == 200 and took < 2.0 + 1.5
-    assert r.extra["stalled_error"] == ("timeout_error", "504")
+    assert r.extra["stalled_error"] == ("timeout_error", 504)
     assert r.extra["errors"] == {"timeout": 1.0, "stream_broken": None}
     assert r.extra["requests_504"] == 1.0
 
