@@ -40,7 +40,7 @@ from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.protocol import parse_request
 from router.policies import build_policy
-from router.proxy import Proxy, send_error
+from router.proxy import Proxy, ProxySettings, send_error
 from router.scheduling import Scheduler
 from router.server import check_headers
 from router.transport import Transport
@@ -136,11 +136,12 @@ class RouterState:
                                    cfg.router.idle_timeout_s)
         self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
                                  on_reset=self._on_reset)
-        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
-                                   default_rate=rp.prefill_tokens_per_s)
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
                                      hc.max_failures, probes=hc.enabled)
+        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
+                                   default_rate=rp.prefill_tokens_per_s, health=self.monitor)
+        self.monitor.verdict = self.scheduler.routing_state
         self.admin = AdminStore(cfg.state_dir)
         self.admin.reload_if_changed()
         self.mirrors = MirrorManager(self.seg, self.transport, cfg.state_dir,
@@ -149,7 +150,8 @@ class RouterState:
         self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep]
         await self.mirrors.tick()
         self.monitor.start()
-        self.proxy = Proxy(self)
+        self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
+                           ProxySettings.from_config(cfg, bool(getattr(self.policy, "needs_text", True))))
 
     def _hold_router_lock(self) -> None:
         """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life. The first
@@ -209,7 +211,7 @@ class RouterState:
         if self.admin.reload_if_changed():
             self.apply_admin()
         for h in self.registry.handles.values():
-            h.mirror = h.endpoint in self.mirrors.wanted
+            h.mirror = h.control in self.mirrors.wanted
 
     def _on_leave(self, wid: int, endpoint: str) -> None:
         self.policy.forget(wid)
@@ -285,7 +287,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        n = len(state.registry.ready_handles())
+        n = len(state.scheduler.ready_handles())
         if n:
             return _json({"status": "ok", "ready_workers": n})
         return _json({"status": "unavailable", "ready_workers": 0}, 503, {"retry-after": "1"})
@@ -294,13 +296,13 @@ def build_fastapi(state: RouterState) -> FastAPI:
     async def models(request: Request) -> Response:
         check_key(request)
         data = [{"id": m, "object": "model", "created": state.started, "owned_by": "dplb"}
-                for m in state.registry.models()]
+                for m in state.scheduler.models()]
         return _json({"object": "list", "data": data})
 
     @app.get("/dplb/status")
     async def status() -> Response:
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
-                      "pid": os.getpid(), "workers": state.registry.status_rows()})
+                      "pid": os.getpid(), "workers": state.scheduler.status_rows()})
 
     @app.post("/dplb/route")
     async def route(request: Request) -> Response:

@@ -3,8 +3,10 @@
 Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
 
 1. re-reads the segment and reconciles the registry (new workers appear, gone ones leave);
-2. probes ``GET /health`` on every worker with ``timeout_ms`` (50 ms); ``max_failures`` (3)
-   failures in a row take the worker out, one success brings it back. A probe that merely timed
+2. probes ``GET /health`` on every worker's **engine** (the data endpoint requests go to; the
+   agent is off the request path) with ``timeout_ms`` (50 ms): any answer below 500 passes (a
+   server without ``/health`` answers 404 and is alive; readiness is the slot's state). ``max_failures``
+   (3) failures in a row take the worker out, one success brings it back. A probe that merely timed
    out is not held against a worker that sent a response head to a real request within the last
    tick (it is busy, not hung), nor counted at all when this router's own event loop woke up
    late by more than the probe timeout (the timer cannot tell a slow worker from a starved
@@ -17,6 +19,9 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
    circuit, slot state, engine restarts).
 
 Heartbeat staleness and slot state are checked on every decision from the live segment, not here.
+The monitor is also the :class:`router.scheduling.HealthReporter` that leases report to: a refused
+connection takes the worker out at once (:meth:`HealthMonitor.on_refused`), a response head is
+liveness evidence (:meth:`HealthMonitor.on_head`). Nothing else writes probe state.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ from typing import Any
 from router.errors import TransportError
 from router.transport import Transport
 from router.workers import STATE_NAMES, Registry, WorkerHandle
+
+#: what :meth:`HealthMonitor.tick` asks for each worker's routing verdict (the scheduler's)
+Verdict = Callable[[WorkerHandle], str]
 
 log = logging.getLogger("dplb.router.health")
 
@@ -47,26 +55,37 @@ class HealthMonitor:
         self.probes = probes
         self.extra: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task | None = None
-        self._generation = -1
         self.loop_lag = 0.0  # seconds the last tick started late (event-loop starvation)
+        #: the routing verdict per worker for the gauges (set to the scheduler's ``routing_state``)
+        self.verdict: Verdict | None = None
 
     def sync(self) -> None:
         """Reconcile the registry with the segment now (cheap enough to call on demand)."""
-        seg = self.registry.seg
-        self._generation = seg.generation
-        self.registry.sync(seg.snapshot())
+        self.registry.refresh()
 
     def sync_if_changed(self) -> None:
         """Sync only when the segment's membership generation moved (hot path)."""
-        if self.registry.seg.generation != self._generation:
-            self.sync()
+        self.registry.refresh_if_changed()
+
+    # -- HealthReporter: what leases report ------------------------------------------------------
+    def on_refused(self, h: WorkerHandle) -> None:
+        """Nothing accepted a connection to ``h``'s engine: out now, not after ``max_failures``
+        probes (a passing probe brings it back)."""
+        h.probe_failures = max(h.probe_failures, self.max_failures)
+        if h.probe_ok:
+            log.warning("worker %d out: its engine at %s refused a connection", h.worker_id, h.endpoint)
+        h.probe_ok = False
+
+    def on_head(self, h: WorkerHandle) -> None:
+        """``h`` answered a real request with a response head: busy is not hung."""
+        h.last_head_at = time.monotonic()
 
     async def probe(self, h: WorkerHandle) -> bool:
         """One ``GET /health`` probe; updates ``probe_failures``/``probe_ok``; returns success."""
         t0 = time.monotonic()
         try:
             status, _ = await self.transport.get(h.endpoint, "/health", self.timeout)
-            ok = status == 200
+            ok = status < 500
         except TransportError as e:
             ok = False
             if e.kind == "timeout":
@@ -106,7 +125,8 @@ class HealthMonitor:
             for h in list(reg.handles.values()):
                 s = h.snap
                 state = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
-                m.set_worker(h.worker_id, state, reg.routing_state(h) == "eligible", h.breaker.state,
+                verdict = self.verdict(h) if self.verdict is not None else "eligible"
+                m.set_worker(h.worker_id, state, verdict == "eligible", h.breaker.state,
                              None if s is None else float(s.kv_cache_usage), int(getattr(s, "restarts", 0) or 0))
                 m.set_inflight(h.worker_id, h.local_inflight)  # sampled per tick, not per request
 
