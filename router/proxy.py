@@ -174,7 +174,7 @@ class Proxy:
         declared = None
         auth = None
         ctype = None
-        fwd: list[tuple[str, str]] = []
+        fwd: list[tuple[bytes, bytes]] = []
         session = None
         sh = self.session_header
         for k, v in scope["headers"]:
@@ -192,11 +192,11 @@ class Proxy:
             elif k == sh:
                 session = v
             if k not in HOP_BY_HOP:
-                fwd.append((k.decode("latin-1"), v.decode("latin-1")))
+                fwd.append((k, v))
         if rid is None:
             self._n += 1
             rid = b"%s%08x" % (self._prefix, self._n)
-            fwd.append(("x-request-id", rid.decode()))
+            fwd.append((_XRID, rid))
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
         try:
@@ -274,7 +274,7 @@ class Proxy:
             return UpstreamError(f"all {tried} worker(s) tried failed before the first byte: {e}", worker_id=wid)
         return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
 
-    async def forward(self, method: str, route: str, target: str, headers: list[tuple[str, str]], body: bytes,
+    async def forward(self, method: str, route: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
                       info: RequestInfo, rid: bytes, send: Send, t0: float) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
         raises RouterError to the caller."""
