@@ -68,7 +68,7 @@ class _Conn(asyncio.Protocol):
     ``status``/``headers``, then ``body`` (bytes not yet taken by the reader); ``waiter`` is the
     future the reader sleeps on."""
 
-    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "idle_since", "lost",
+    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "idle_since", "keep", "lost",
                  "parser", "paused", "status", "transport", "waiter")
 
     def __init__(self) -> None:
@@ -86,6 +86,7 @@ class _Conn(asyncio.Protocol):
         self.buffered = 0
         self.head_done = False
         self.done = False
+        self.keep = False
         self.got_any = False
         self.error: BaseException | None = None
         self.paused = False
@@ -142,6 +143,7 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        self.keep = self.parser.should_keep_alive()   # read now: the parser forgets it after the message
         self.done = True
 
     # -- reader side ------------------------------------------------------------------------------
@@ -280,7 +282,7 @@ class Upstream:
         if pool is None:
             return
         c = self._conn
-        if abort or not c.done or c.error is not None or not c.parser.should_keep_alive():
+        if abort or not c.done or c.error is not None or not c.keep:
             c.transport.close()
         else:
             pool.put(c)
