@@ -68,13 +68,15 @@ class _Conn(asyncio.Protocol):
     ``status``/``headers``, then ``body`` (bytes not yet taken by the reader); ``waiter`` is the
     future the reader sleeps on."""
 
-    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "idle_since", "keep", "lost",
-                 "parser", "paused", "status", "transport", "waiter")
+    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "idle_since", "keep", "last_rx",
+                 "lost", "parser", "paused", "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         self.transport: Any = None
         self.parser: Any = None
         self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.last_rx = 0.0
         self.lost = False
         self.idle_since = 0.0
         self._reset()
@@ -102,6 +104,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_any = True
+        self.last_rx = time.monotonic()   # the idle timer measures gaps from here
         p = self.parser
         if p is None:   # bytes while idle: the peer is confused; never reuse this connection
             self.transport.close()
@@ -178,6 +181,36 @@ class _Conn(asyncio.Protocol):
             if h is not None:
                 h.cancel()
 
+    async def wait_idle(self, idle_s: float) -> bool:
+        """Sleep until the next network event; False when no byte arrived for ``idle_s`` seconds.
+        One timer serves a whole stream (re-armed only when it fires early), not one per chunk."""
+        loop = asyncio.get_running_loop()
+        w = self.waiter = loop.create_future()
+        if self.timer is None:
+            self.timer = loop.call_later(idle_s, self._idle_check, idle_s)
+        try:
+            await w
+            return w.result() is None
+        finally:
+            self.waiter = None
+
+    def _idle_check(self, idle_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        left = self.last_rx + idle_s - time.monotonic()
+        if left > 0:
+            self.timer = loop.call_later(left, self._idle_check, idle_s)
+            return
+        self.timer = None
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(False)
+
+    def stop_timer(self) -> None:
+        """The response ended (or was dropped): no idle timer any more."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
 
 def _expire(w: asyncio.Future[Any]) -> None:
     if not w.done():
@@ -235,12 +268,14 @@ class Upstream:
                 raise TransportError("stream_broken", self.endpoint, repr(c.error))
             if self._first:
                 wait = None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
-                what = "first byte"
-            else:
-                wait, what = self.idle_s, "idle gap between chunks"
-            if (wait is not None and wait <= 0) or not await c.wait(wait):
+                if (wait is not None and wait <= 0) or not await c.wait(wait):
+                    c.transport.close()
+                    raise TransportError("timeout", self.endpoint, "no first byte within the timeout")
+            elif self.idle_s is None:
+                await c.wait(None)
+            elif not await c.wait_idle(self.idle_s):
                 c.transport.close()
-                raise TransportError("timeout", self.endpoint, f"no {what} within the timeout")
+                raise TransportError("timeout", self.endpoint, "no idle gap between chunks within the timeout")
 
     async def first_chunk(self) -> bytes:
         """The first body bytes (b"" for an empty body), waited for until the first-byte deadline.
@@ -282,6 +317,7 @@ class Upstream:
         if pool is None:
             return
         c = self._conn
+        c.stop_timer()
         if abort or not c.done or c.error is not None or not c.keep:
             c.transport.close()
         else:
