@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import Self
 
 from launcher.stack import agent_argv, free_port, router_argv
 
@@ -263,7 +264,7 @@ class Profiler:
         self.pid, self.out, self.p = pid, out, None
         self.raw = (out + ".raw") if out else None
 
-    def __enter__(self) -> Profiler:
+    def __enter__(self) -> Self:
         if self.out:
             import shutil
 

@@ -38,8 +38,8 @@ from router.errors import (
 from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.mirror import MirrorManager
-from router.protocol import parse_request
 from router.policies import build_policy
+from router.protocol import parse_request
 from router.proxy import Proxy, ProxySettings, send_error
 from router.scheduling import Scheduler
 from router.server import check_headers

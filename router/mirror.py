@@ -125,7 +125,7 @@ class MirrorManager:
                 raise TransportError("status", endpoint, str(status))
             d = orjson.loads(body)
             if not isinstance(d, dict):
-                raise ValueError("/dplb/state is not a JSON object")
+                raise TypeError("/dplb/state is not a JSON object")
             data = data_endpoint(d.get("endpoint"), endpoint)
             if data is None:
                 if w is None:

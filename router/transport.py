@@ -429,7 +429,7 @@ class Transport:
         if c is None:
             try:
                 c = await pool.connect(min(self.connect_timeout_s, max(0.0, deadline - loop.time())))
-            except (TimeoutError, asyncio.TimeoutError) as e:
+            except TimeoutError as e:
                 err = TransportError("connect", endpoint, f"no connection within the connect timeout ({e!r})")
                 err.refused = err.unsent = True   # nothing was sent: the worker is unreachable
                 raise err from None

@@ -59,11 +59,10 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from dplb_shm import Segment, StateReason, WorkerState, now_ns
+from router.protocol import error_body
 
 from .adapters import EngineAdapter, build_adapter
 from .config import AgentConfig
-from router.protocol import error_body
-
 from .errors import AgentError, EngineExitedError, UpstreamError
 from .metrics import EngineMetrics
 from .nvml import GpuMemoryProbe

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.protocol import RequestInfo  # what the request says, parsed once (re-exported)
+from router.protocol import (
+    RequestInfo,  # what the request says, parsed once (re-exported)
+)
 
 
 @dataclass(slots=True)

@@ -49,8 +49,8 @@ def graph() -> dict[str, set[str]]:
     known = set(files)
     g = {m: imports_of(p, m, known) for m, p in files.items()}
     # a package's __init__ importing its own submodules is how packages re-export; not an edge back
-    for m in g:
-        g[m] = {d for d in g[m] if not (d.startswith(m + ".") and ROOT.joinpath(*m.split("."), "__init__.py").exists())}
+    for m, deps in g.items():
+        g[m] = {d for d in deps if not (d.startswith(m + ".") and ROOT.joinpath(*m.split("."), "__init__.py").exists())}
     return g
 
 

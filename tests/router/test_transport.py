@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import ClassVar
 
 import pytest
 
@@ -21,7 +22,7 @@ class Server(asyncio.Protocol):
     """Answers per the request path: /json (fixed body), /stream (3 chunked SSE events, 20 ms
     apart), /hang (nothing), /drop (close at once, after reading the request)."""
 
-    conns: list[Server] = []
+    conns: ClassVar[list[Server]] = []
 
     def connection_made(self, transport):  # type: ignore[override]
         self.t = transport

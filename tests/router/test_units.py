@@ -6,8 +6,8 @@ import pytest
 from router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from router.config import load_config
 from router.errors import BadRequest, ConfigError
-from router.protocol import error_body, parse_request, sse_error_event
 from router.policies.prefix_index import PrefixIndex
+from router.protocol import error_body, parse_request, sse_error_event
 
 
 class Clock:

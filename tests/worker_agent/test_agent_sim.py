@@ -18,7 +18,12 @@ import orjson
 import psutil
 
 from tests.helpers import free_port
-from tests.worker_agent.conftest import aendpoint_client, aslot_wait, endpoint_client, slot_wait
+from tests.worker_agent.conftest import (
+    aendpoint_client,
+    aslot_wait,
+    endpoint_client,
+    slot_wait,
+)
 
 MODEL = "sim-llama-3.1-8b"
 #: every simulated step 30x slower: a few tokens per second, so streams stay open while we look
