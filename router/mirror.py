@@ -142,7 +142,8 @@ class MirrorManager:
             fields = {k: d[k] for k in COPIED if k in d and d[k] is not None}
             if spec.get("model") or d.get("model"):
                 fields["model"] = spec.get("model") or d.get("model")
-            fields["weight"] = float(spec.get("weight", d.get("weight", 1.0)))
+            wt = spec.get("weight", d.get("weight"))
+            fields["weight"] = float(wt) if wt is not None else 1.0
             fields["state"] = STATES.get(str(d.get("state", "ready")).lower(), 2)
             if "state_reason" in fields:
                 fields["state_reason"] = REASONS.get(str(fields["state_reason"]).lower(), 0)

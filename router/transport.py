@@ -74,7 +74,7 @@ class _Conn(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: Any = None
         self.parser: Any = None
-        self.waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[bool | None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.last_rx = 0.0
         self.lost = False
@@ -450,11 +450,11 @@ class Transport:
         try:
             while not c.head_done:
                 if c.error is not None:
-                    e = c.error
-                    err = TransportError("connect", endpoint, repr(e))
+                    cause = c.error
+                    err = TransportError("connect", endpoint, repr(cause))
                     # reset / broken pipe before any response byte: the request reached a socket its
                     # process no longer reads (a pooled connection of a worker that just died)
-                    err.unsent = not c.got_any and getattr(e, "errno", None) in _UNREAD
+                    err.unsent = not c.got_any and getattr(cause, "errno", None) in _UNREAD
                     raise err
                 left = deadline - loop.time()
                 if left <= 0 or not await c.wait(left):
