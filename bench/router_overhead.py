@@ -122,7 +122,8 @@ class _Instant(asyncio.Protocol):
 
 def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.002) -> None:
     """Run the instant worker in this process (``--serve-worker``) until killed. ``shm`` "-": a
-    bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent."""
+    bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent.
+    ``sock``: a Unix socket path, or ``127.0.0.1:PORT`` to listen on loopback TCP."""
     import uvloop
 
     from dplb_shm import Segment, WorkerState
@@ -135,7 +136,12 @@ def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.00
         w.claim(worker_id=0, pid=os.getpid(), endpoint=sock, model="bench", max_num_seqs=256)
 
     async def main() -> None:
-        srv = await asyncio.get_running_loop().create_unix_server(_Instant, sock)
+        loop = asyncio.get_running_loop()
+        if sock.startswith("/"):
+            srv = await loop.create_unix_server(_Instant, sock)
+        else:
+            host, _, port = sock.rpartition(":")
+            srv = await loop.create_server(_Instant, host, int(port))
         if w is not None:
             w.set_state(WorkerState.READY)
         async with srv:
@@ -342,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-interval-ms", type=float, default=2.0, help="gap between two events of a stream")
     ap.add_argument("--workers", type=int, default=0, help="router processes (--workers of the router; 0: one, "
                     "unpinned with --pin -1, else pinned to CPUs pin..pin+k-1)")
+    ap.add_argument("--tcp", action="store_true", help="the instant worker listens on loopback TCP (as the peers need)")
+    ap.add_argument("--peer", choices=("sglang", "vllm"), help="measure this peer router (bench/peers.py) instead of "
+                    "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
+    ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
     ap.add_argument("--profile", metavar="FILE", help="py-spy the router during the closed loop; top functions to FILE")
     ap.add_argument("--skip-latency", action="store_true", help="skip the sequential latency phase")
     ap.add_argument("--serve-worker", nargs=4, metavar=("SHM", "SOCK", "CHUNKS", "INTERVAL"), help=argparse.SUPPRESS)
@@ -357,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shm = a.shm or f"dplb-bench-{uuid.uuid4().hex[:8]}"
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
-    sock = os.path.join(d, "w0.sock")
+    tcp = a.tcp or a.peer is not None
+    sock = f"127.0.0.1:{free_port()}" if tcp else os.path.join(d, "w0.sock")
     seg = Segment.create(shm, num_slots=8)
     children: list[subprocess.Popen] = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -369,12 +380,22 @@ def main(argv: list[str] | None = None) -> int:
             t_end = time.monotonic() + 20
             while not os.path.exists(sock) and time.monotonic() < t_end:
                 time.sleep(0.05)
+        if tcp:
+            from launcher.stack import wait_for_port
+
+            wait_for_port(int(sock.rpartition(":")[2]), timeout=20)
             children.append(subprocess.Popen(
                 agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai", engine_url=f"unix:{sock}",
                            model="bench", run_dir=d), cwd=root, start_new_session=True,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         port = free_port()
-        rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning", workers=a.workers or None)
+        if a.peer:
+            from bench.peers import ensure_peer, peer_command
+
+            ensure_peer(a.peer)
+            rcmd = peer_command(a.peer, a.peer_policy, port, free_port(), [f"http://{sock}"])
+        else:
+            rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning", workers=a.workers or None)
         if a.pin >= 0:
             cpus = f"{a.pin}" if a.workers <= 1 else f"{a.pin}-{a.pin + a.workers - 1}"
             rcmd = ["taskset", "-c", cpus] + rcmd
@@ -383,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         router_pid = children[-1].pid
 
         def direct() -> socket.socket:
+            if tcp:
+                s = socket.create_connection(("127.0.0.1", int(sock.rpartition(":")[2])))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return s
             s = socket.socket(socket.AF_UNIX)
             s.connect(sock)
             return s
@@ -419,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                     pass
             return tot
 
-        hop = "router" if not a.through_agent else "router (agent attached)"
-        print(f"policy={a.policy}  router pinned to CPU {a.pin if a.pin >= 0 else 'none'}"
+        hop = a.peer + " router" if a.peer else "router" if not a.through_agent else "router (agent attached)"
+        print(f"system={a.peer + '/' + a.peer_policy if a.peer else 'dplb'}  worker on {'TCP' if tcp else 'a Unix socket'}  "
+              f"policy={a.policy}  router pinned to CPU {a.pin if a.pin >= 0 else 'none'}"
               + (f"  router processes={a.workers}" if a.workers else ""))
         if not a.skip_latency:
             sequential(direct, 500)
