@@ -161,7 +161,8 @@ def _request(host_header: bytes) -> bytes:
             b"\r\ncontent-length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)
 
 
-def _read_response(s: socket.socket, buf: bytearray) -> None:
+def _read_response(s: socket.socket, buf: bytearray) -> int:
+    """Read one response with a Content-Length off ``s``; returns its status."""
     while True:
         end = buf.find(b"\r\n\r\n")
         if end >= 0:
@@ -171,7 +172,7 @@ def _read_response(s: socket.socket, buf: bytearray) -> None:
             n = int(head[i + 15:j if j > 0 else None])
             if len(buf) >= end + 4 + n:
                 del buf[:end + 4 + n]
-                return
+                return int(head[9:12])
         chunk = s.recv(65536)
         if not chunk:
             raise ConnectionError("closed")
@@ -188,15 +189,20 @@ def sequential(connect, n: int) -> list[float]:
         for _ in range(n):
             t0 = time.perf_counter()
             s.sendall(req)
-            _read_response(s, buf)
+            if _read_response(s, buf) != 200:
+                raise SystemExit("a sequential request was not answered 200: the figures would be invalid")
             out.append((time.perf_counter() - t0) * 1000.0)
     finally:
         s.close()
     return out
 
 
+NON_200: list[int] = []
+
+
 def closed_loop(port: int, conns: int, seconds: float) -> int:
-    """``conns`` threads, each a keep-alive connection in a closed loop; total completed requests."""
+    """``conns`` threads, each a keep-alive connection in a closed loop; total requests answered
+    200 (any other status is kept in :data:`NON_200` and reported: a fast error is no throughput)."""
     stop = time.monotonic() + seconds
     counts = [0] * conns
     req = _request(b"bench")
@@ -208,8 +214,11 @@ def closed_loop(port: int, conns: int, seconds: float) -> int:
         try:
             while time.monotonic() < stop:
                 s.sendall(req)
-                _read_response(s, buf)
-                counts[k] += 1
+                st = _read_response(s, buf)
+                if st == 200:
+                    counts[k] += 1
+                else:
+                    NON_200.append(st)
         finally:
             s.close()
 
@@ -225,9 +234,13 @@ STREAM_BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hell
                b'"stream":true}')
 
 
+STREAM_ERRORS: list[str] = []
+
+
 def stream_loop(port: int, streams: int, seconds: float) -> int:
     """``streams`` threads, each a keep-alive connection sending streamed requests back to back
-    until ``seconds`` pass; returns the SSE events received (``data:`` lines, [DONE] excluded)."""
+    until ``seconds`` pass; returns the SSE events received (``data:`` lines, [DONE] excluded).
+    A stream answered with anything but 200, or cut, ends its thread; :data:`STREAM_ERRORS` says why."""
     stop = time.monotonic() + seconds
     counts = [0] * streams
     req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -244,13 +257,15 @@ def stream_loop(port: int, streams: int, seconds: float) -> int:
                     chunk = s.recv(262144)
                     if not chunk:
                         raise ConnectionError("closed")
+                    if not buf and not chunk.startswith(b"HTTP/1.1 200"):
+                        raise ConnectionError(chunk[:300].decode("latin-1"))
                     buf += chunk
                     if len(buf) > 1 << 16:
                         counts[k] += buf.count(b"data: {")
                         buf = buf[-16:]
                 counts[k] += buf.count(b"data: {")
-        except OSError:
-            pass
+        except OSError as e:
+            STREAM_ERRORS.append(repr(e))
         finally:
             s.close()
 
@@ -376,18 +391,18 @@ def main(argv: list[str] | None = None) -> int:
         children.append(subprocess.Popen([sys.executable, "-m", "bench.router_overhead", "--serve-worker",
                                           "-" if a.through_agent else shm, sock, str(a.chunks),
                                           str(a.chunk_interval_ms / 1000.0)], cwd=root, start_new_session=True))
-        if a.through_agent:
-            t_end = time.monotonic() + 20
-            while not os.path.exists(sock) and time.monotonic() < t_end:
-                time.sleep(0.05)
         if tcp:
             from launcher.stack import wait_for_port
 
             wait_for_port(int(sock.rpartition(":")[2]), timeout=20)
+        if a.through_agent:
+            t_end = time.monotonic() + 20
+            while not tcp and not os.path.exists(sock) and time.monotonic() < t_end:
+                time.sleep(0.05)
             children.append(subprocess.Popen(
-                agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai", engine_url=f"unix:{sock}",
-                           model="bench", run_dir=d), cwd=root, start_new_session=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai",
+                           engine_url=f"http://{sock}" if tcp else f"unix:{sock}", model="bench", run_dir=d),
+                cwd=root, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         port = free_port()
         if a.peer:
             from bench.peers import ensure_peer, peer_command
@@ -396,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             rcmd = peer_command(a.peer, a.peer_policy, port, free_port(), [f"http://{sock}"])
         else:
             rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning", workers=a.workers or None)
+        rlog = open(os.path.join(d, "router.log"), "wb")  # noqa: SIM115 - closed with the run dir
         if a.pin >= 0:
             cpus = f"{a.pin}" if a.workers <= 1 else f"{a.pin}-{a.pin + a.workers - 1}"
             rcmd = ["taskset", "-c", cpus] + rcmd
-        children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL))
+        children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=rlog, stderr=rlog))
         router_pid = children[-1].pid
 
         def direct() -> socket.socket:
@@ -469,6 +484,15 @@ def main(argv: list[str] | None = None) -> int:
             cpu = router_cpu() - c0
         print(f"closed loop, {a.conns} connections, {a.seconds:.0f} s: {n / wall:,.0f} req/s measured; "
               f"router CPU {cpu * 1e6 / max(n, 1):.0f} µs/request → {n / max(cpu, 1e-9):,.0f} req/s per router core")
+        if NON_200:
+            from collections import Counter
+
+            print(f"  INVALID: {len(NON_200)} answers were not 200 ({dict(Counter(NON_200))}); slot 0: "
+                  f"{seg.read_slot(0).state.name}; router's view: "
+                  f"{urllib.request.urlopen(f'http://127.0.0.1:{port}/dplb/status', timeout=5).read()[:600]!r}; "
+                  "router log tail:")
+            with open(os.path.join(d, "router.log"), errors="replace") as f:
+                print("".join(f.readlines()[-15:]))
         if a.streams > 0:
             prof = None
             if a.profile:
@@ -483,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms: {ev / wall:,.0f} "
                   f"events/s measured; router CPU {cpu:.2f} s → {ev / max(cpu, 1e-9):,.0f} SSE chunks relayed "
                   f"per router core per second")
+            if STREAM_ERRORS:
+                print(f"  {len(STREAM_ERRORS)} stream(s) failed; first: {STREAM_ERRORS[0][:300]}")
+                with open(os.path.join(d, "router.log"), errors="replace") as f:
+                    print("  router log tail:\n" + "".join(f.readlines()[-15:]))
         return 0
     finally:
         for c in children:
