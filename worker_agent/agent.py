@@ -36,9 +36,11 @@ Lifecycle written to the slot::
 
 Slot updates (one writer: this process, from its event loop thread only), every
 ``--state-interval-ms``: engine running/waiting/KV usage from its ``/metrics`` (a separate loop, so
-a slow scrape never delays the heartbeat), NVML memory of the agent's GPUs, the router in-flight
-count as of this tick (``inflight``), heartbeat. Per-request accounting (in flight, outstanding
-prefill, decoding requests, TTFT/TPOT) is the routers' own, in the router line.
+a slow scrape never delays the heartbeat), the engine's own latency histograms (TTFT, inter-token,
+end-to-end: the mean of what finished since the last scrape becomes one sample of the slot's
+windows) and finished-request counter (``completed``), NVML memory of the agent's GPUs, the router
+in-flight count as of this tick (``inflight``), heartbeat. Per-request accounting (in flight,
+outstanding prefill, decoding requests, the routers' TTFT/TPOT) is the routers' own, in the router line.
 """
 from __future__ import annotations
 
@@ -204,6 +206,7 @@ class Agent:
                                             cfg.restart_backoff_max_s)
         self._restart_req = asyncio.Event()
         self._engine_metrics_seen = False
+        self._totals: dict[str, tuple[float, float]] = {}
         self._stop = asyncio.Event()
         self._stopping = False
         self._skip_drain = False
@@ -250,7 +253,29 @@ class Agent:
         """The slot as ``/dplb/state`` serves it (``WorkerSnapshot.to_dict()``)."""
         return self.segment.read_slot(self.worker_id).to_dict()
 
+    def _publish_latency(self, m: EngineMetrics) -> None:
+        """The engine's latency histograms since the last scrape → one sample per window (the mean
+        of what finished in the interval, ms), and its finished-request counter → ``completed``.
+        A counter that went down (the engine restarted) starts over."""
+        prev = self._totals
+        cur = {k: (s, n) for k, s, n in m.totals}
+        self._totals = cur
+        lat: dict[str, float] = {}
+        for k, (s, n) in cur.items():
+            if k not in prev:
+                continue
+            ps, pn = prev[k]
+            if k == "finished":
+                if s > ps:
+                    self.writer.count(completed=int(s - ps))
+            elif n > pn and s >= ps:
+                lat[f"{k}_ms"] = 1000.0 * (s - ps) / (n - pn)
+        if lat:
+            self.writer.record_latency(**lat)
+
     def _publish_engine(self, m: EngineMetrics) -> None:
+        if m.totals:
+            self._publish_latency(m)
         fields: dict[str, Any] = {}
         if m.num_running is not None:
             fields["num_running"] = m.num_running
@@ -312,6 +337,7 @@ class Agent:
 
         Returns ``StateReason.NONE`` when it became ready, ``START_FAILED`` when it did not
         (logged with the engine log's last lines; ``exit_code`` set when it exited)."""
+        self._totals = {}   # a new engine's counters start from zero
         try:
             await self.adapter.start()
             model = await self.adapter.wait_ready(self.cfg.engine_start_timeout_s)
