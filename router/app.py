@@ -135,7 +135,7 @@ class RouterState:
         self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.first_byte_timeout_s,
                                    cfg.router.idle_timeout_s)
         self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
-                                 on_reset=self._on_reset)
+                                 on_reset=self._on_reset, is_mirror=self._is_mirror)
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
                                      hc.max_failures, probes=hc.enabled)
@@ -218,6 +218,11 @@ class RouterState:
         self.metrics.forget_worker(wid)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self.transport.forget(endpoint))
+
+    def _is_mirror(self, control: str) -> bool:
+        """Is ``control`` a remote agent this router mirrors (config or admin)?"""
+        m = getattr(self, "mirrors", None)
+        return m is not None and control in m.wanted
 
     def _on_reset(self, wid: int) -> None:
         """Worker ``wid``'s engine died or was restarted: its prefix cache is gone."""

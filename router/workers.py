@@ -83,8 +83,11 @@ class Registry:
 
     def __init__(self, seg: Any, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
                  on_circuit: Callable[[int, int], None] | None = None,
-                 on_reset: Callable[[int], None] | None = None) -> None:
+                 on_reset: Callable[[int], None] | None = None,
+                 is_mirror: Callable[[str], bool] | None = None) -> None:
         self.seg = seg
+        #: is this control address a remote agent this router mirrors? (the ``remote`` column)
+        self.is_mirror = is_mirror
         self.cfg = cfg
         self.handles: dict[int, WorkerHandle] = {}
         self.on_leave = on_leave
@@ -137,6 +140,8 @@ class Registry:
             elif restarts != h.restarts or (st == DEAD and h.snap is not None and int(h.snap.state) != DEAD):
                 self._reset(h)
             h.restarts = restarts
+            if self.is_mirror is not None:
+                h.mirror = self.is_mirror(h.control)
             h.model = s.model
             h.snap = s
             h.drained = wid in self.drained

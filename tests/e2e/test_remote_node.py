@@ -23,7 +23,7 @@ def test_remote_agent_is_mirrored_over_tcp_and_served_in_one_hop():
     with Stack(num_slots=8, shm_prefix="dplb-test-b") as node_b, Stack(num_slots=8, shm_prefix="dplb-test-a") as node_a:
         ctl = free_port()
         node_b.start_agent(0, engine="sim", extra=["--control-port", str(ctl), "--engine-host", "127.0.0.1"],
-                           engine_args=["--time-scale", "1"], state_interval_ms=100)
+                           engine_args=["--time-scale", "1", "--slowdown", "30"], state_interval_ms=100)
         engine_ep = node_b.seg.read_slot(0).endpoint
         assert engine_ep.startswith("127.0.0.1:")                  # B's engine on TCP
         base = node_a.router({"health_check": {"interval_ms": 100}}, ready=0)
