@@ -149,6 +149,7 @@ class RouterState:
         self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep]
         await self.mirrors.tick()
         self.monitor.start()
+        self.metrics.attach(self)
         self.proxy = Proxy(self)
 
     def _hold_router_lock(self) -> None:
@@ -226,7 +227,6 @@ class RouterState:
             self.seg.circuit_set(wid, state)
         except Exception:  # noqa: BLE001 - slot may be gone
             log.debug("circuit_set(%d) failed", wid)
-        self.metrics.circuit.labels(str(wid)).set(state)
         if state == 1:
             log.warning("circuit of worker %d opened", wid)
 

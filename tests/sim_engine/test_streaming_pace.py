@@ -3,6 +3,7 @@ prefill, never before it), and every token is its own SSE write, sent when the s
 it ends, so a client measures the model's inter-token latency (issue 16)."""
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -48,7 +49,7 @@ def test_one_event_per_token_at_the_pace_of_the_steps(engine_factory):
     toks = [(t, e) for t, e in evs if isinstance(e, dict)]
     assert len(toks) == n and all(len(e["choices"][0]["text"].split()) == 1 for _, e in toks)
     times = [t for t, _ in toks]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     # each token left in its own write when its step ended: most reads carry exactly one token,
     # and the typical gap is the modelled step (before: several tokens per write, a 0 ms gap)
     assert len(set(times)) >= 0.75 * n
