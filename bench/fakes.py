@@ -212,8 +212,14 @@ def build_app(agent: FakeAgent):
                  "weight": 1.0}
         return web.Response(body=orjson.dumps(d), content_type="application/json")
 
+    async def engine_metrics(_: web.Request) -> web.Response:
+        text = ("# HELP fake_requests_total Requests the fake answered.\n# TYPE fake_requests_total counter\n"
+                f'fake_requests_total{{model_name="{agent.model}"}} {agent.stats["requests"]}\n')
+        return web.Response(text=text, content_type="text/plain")
+
     app = web.Application(client_max_size=1 << 30)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", engine_metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/fake/stats", stats)
     app.router.add_post("/fake/mode", set_mode)

@@ -33,6 +33,7 @@ import uuid
 from typing import Any
 
 from router.errors import (
+    BadRequest,
     BodyTooLarge,
     GatewayTimeout,
     NoEligibleWorker,
@@ -173,6 +174,9 @@ class Proxy:
                 info.session = session.decode("latin-1")
             st = self.state
             st.monitor.sync_if_changed()
+            if info.model is None and len(st.registry.models()) > 1:
+                raise BadRequest(f"name the model: this endpoint serves {', '.join(st.registry.models())}",
+                                 param="model")
             if not st.registry.knows_model(info.model):
                 raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(st.registry.models()) or 'none'})",
                                param="model")

@@ -135,3 +135,31 @@ def test_promtool_check_metrics_accepts_the_page(make_cluster):
     assert cp.returncode == 0, cp.stdout + cp.stderr
     # promtool's linter prints nothing when every family follows the naming conventions
     assert cp.stdout.strip() == "" and cp.stderr.strip() == "", cp.stdout + cp.stderr
+
+
+def test_models_by_id_and_engine_metrics_through_the_router(make_cluster):
+    c = make_cluster(2, fake_args=[["--model", "alpha"], ["--model", "org/beta"]])
+    base = c.base
+    assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["alpha", "org/beta"]
+    m = httpx.get(base + "/v1/models/org/beta")
+    assert m.status_code == 200 and m.json()["id"] == "org/beta" and m.json()["object"] == "model"
+    miss = httpx.get(base + "/v1/models/gamma")
+    assert miss.status_code == 404 and "alpha, org/beta" in miss.json()["error"]["message"]
+    # each model's requests go to its worker; a request naming no model is refused (which one?)
+    for model, wid in (("alpha", "0"), ("org/beta", "1")):
+        r = httpx.post(base + CHAT, json={"model": model, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200 and r.headers["x-dplb-worker-id"] == wid
+    r = httpx.post(base + CHAT, json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    # the engines' own pages, through the router
+    page = httpx.get(base + "/dplb/workers/1/metrics")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    assert 'fake_requests_total{model_name="org/beta"} 1' in page.text
+    assert httpx.get(base + "/dplb/workers/9/metrics").status_code == 404
+    # Prometheus HTTP service discovery: one target per worker, on this router's address
+    sd = httpx.get(base + "/dplb/prometheus/targets").json()
+    host = base.removeprefix("http://")
+    assert sd == [{"targets": [host], "labels": {"__metrics_path__": "/dplb/workers/0/metrics", "worker": "0",
+                                                 "model": "alpha"}},
+                  {"targets": [host], "labels": {"__metrics_path__": "/dplb/workers/1/metrics", "worker": "1",
+                                                 "model": "org/beta"}}]
