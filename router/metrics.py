@@ -77,6 +77,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 log = logging.getLogger("dplb.router.metrics")
 
 WORKER_STATES = ("starting", "ready", "draining", "dead")
+ERROR_KINDS = ("connect", "timeout", "status_5xx", "stream_broken", "client_disconnect")
+RETRY_REASONS = ("connect", "timeout", "stream_broken")  # plus status_<code> per retries.retry_on_status
 PHASES = ("routing", "queue_prefill", "decode")
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0, 640.0)
@@ -122,6 +124,10 @@ class SegmentCollector:
         seg = getattr(st, "seg", None)
         if reg is None or seg is None:
             return
+        m = getattr(st, "metrics", None)
+        if m is not None:
+            for wid in list(reg.handles):
+                m.see_worker(wid)
         yield from self._workers(reg, seg)
 
     def _workers(self, reg: Any, seg: Any) -> Iterator[Metric]:
@@ -238,9 +244,16 @@ class Metrics:
         self._ttft: dict[str, object] = {}
         self._phase: dict[tuple[str, str], object] = {}
         self._tok: dict[tuple[int, str], tuple[Any, Any]] = {}
+        self._seen: set[int] = set()
 
     def attach(self, state: Any) -> SegmentCollector:
-        """Report the per-worker series of ``state`` (a :class:`router.app.RouterState`) on every scrape."""
+        """Report the per-worker series of ``state`` (a :class:`router.app.RouterState`) on every
+        scrape, and start every retry reason the config allows at 0 (a series that exists before
+        its first event lets ``rate()`` and the dashboards show 0 rather than nothing)."""
+        cfg = getattr(state, "cfg", None)
+        statuses = list(getattr(getattr(cfg, "retries", None), "retry_on_status", []) or [])
+        for reason in (*RETRY_REASONS, *(f"status_{s}" for s in statuses)):
+            self.retries.labels(reason)
         self.collector = SegmentCollector(state)
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.registry.register(self.collector)
@@ -285,11 +298,21 @@ class Metrics:
         if generated > 0:
             pair[1].inc(generated)
 
+    def see_worker(self, worker_id: int) -> None:
+        """Start worker ``worker_id``'s error counters at 0, every kind (once per worker)."""
+        if worker_id in self._seen:
+            return
+        self._seen.add(worker_id)
+        w = str(worker_id)
+        for kind in ERROR_KINDS:
+            self.errors.labels(w, kind)
+
     def forget_worker(self, worker_id: int) -> None:
         """The worker left: drop this process's cached children for it (its segment series go by
         themselves; its counters stay, as counters of a finished target do)."""
         for key in [k for k in self._tok if k[0] == worker_id]:
             self._tok.pop(key, None)
+        self._seen.discard(worker_id)
 
     def decision(self, policy: str, reason: str) -> None:
         """Count one routing decision."""
