@@ -111,10 +111,13 @@ class StreamMeter:
         if not chunk:
             return False
         if self.first_seen:
-            joined = self._carry + chunk
-            self._events_after += joined.count(_SEP)
+            n = chunk.count(_SEP)
+            if self._carry == b"\n" and chunk[:1] == b"\n" and chunk[:2] != _SEP:
+                n += 1  # a separator straddling the previous chunk and this one
+            self._events_after += n
             self._carry = chunk[-1:]
-            self._tail = (self._tail + chunk)[-_TAIL:]
+            tail = self._tail + chunk
+            self._tail = tail if len(tail) <= _TAIL else tail[-_TAIL:]
             return False
         if not self.sse:
             self.first_seen = True
