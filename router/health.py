@@ -14,9 +14,10 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
    Refused connections, error statuses and hung workers (no response heads either) still count;
 3. reloads the admin state file when it changed (drain/remove made through another process);
 4. refreshes remote mirror slots (only in the process holding the mirror lock, see
-   :mod:`router.mirror`);
-5. updates the per-worker gauges of every listed worker, dead ones included (KV use, ready,
-   circuit, slot state, engine restarts).
+   :mod:`router.mirror`).
+
+The per-worker gauges are not sampled here: ``/metrics`` reads the segment when it is scraped
+(:class:`router.metrics.SegmentCollector`), so a burst between two ticks is not missed.
 
 Heartbeat staleness and slot state are checked on every decision from the live segment, not here.
 The monitor is also the :class:`router.scheduling.HealthReporter` that leases report to: a refused
@@ -33,10 +34,7 @@ from typing import Any
 
 from router.errors import TransportError
 from router.transport import Transport
-from router.workers import STATE_NAMES, Registry, WorkerHandle
-
-#: what :meth:`HealthMonitor.tick` asks for each worker's routing verdict (the scheduler's)
-Verdict = Callable[[WorkerHandle], str]
+from router.workers import Registry, WorkerHandle
 
 log = logging.getLogger("dplb.router.health")
 
@@ -56,8 +54,6 @@ class HealthMonitor:
         self.extra: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task | None = None
         self.loop_lag = 0.0  # seconds the last tick started late (event-loop starvation)
-        #: the routing verdict per worker for the gauges (set to the scheduler's ``routing_state``)
-        self.verdict: Verdict | None = None
 
     def sync(self) -> None:
         """Reconcile the registry with the segment now (cheap enough to call on demand)."""
@@ -109,7 +105,8 @@ class HealthMonitor:
         return ok
 
     async def tick(self) -> None:
-        """One round: sync, extras, probes, gauges."""
+        """One round: sync, extras, probes (the per-worker gauges are read from the segment when
+        ``/metrics`` is scraped, :class:`router.metrics.SegmentCollector`)."""
         self.sync()
         for fn in self.extra:
             try:
@@ -119,16 +116,6 @@ class HealthMonitor:
         handles = list(self.registry.handles.values())
         if self.probes and handles:
             await asyncio.gather(*(self.probe(h) for h in handles))
-        m = self.metrics
-        if m is not None:
-            reg = self.registry
-            for h in list(reg.handles.values()):
-                s = h.snap
-                state = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
-                verdict = self.verdict(h) if self.verdict is not None else "eligible"
-                m.set_worker(h.worker_id, state, verdict == "eligible", h.breaker.state,
-                             None if s is None else float(s.kv_cache_usage), int(getattr(s, "restarts", 0) or 0))
-                m.set_inflight(h.worker_id, h.local_inflight)  # sampled per tick, not per request
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

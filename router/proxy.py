@@ -36,6 +36,7 @@ from typing import Any
 
 from router.config import Config
 from router.errors import (
+    BadRequest,
     BodyTooLarge,
     GatewayTimeout,
     NoEligibleWorker,
@@ -51,6 +52,13 @@ from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
 from router.scheduling import Lease, Scheduler
+from router.stream_meter import (
+    StreamMeter,
+    is_event_stream,
+    on_answer,
+    on_first_content,
+    on_stream_end,
+)
 from router.transport import Transport, Upstream
 
 log = logging.getLogger("dplb.router.proxy")
@@ -212,6 +220,9 @@ class Proxy:
                 info.session = session.decode("latin-1")
             sched = self.scheduler
             sched.registry.refresh_if_changed()
+            if info.model is None and len(sched.models()) > 1:
+                raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
+                                 param="model")
             if not sched.knows_model(info.model):
                 raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(sched.models()) or 'none'})",
                                param="model")
@@ -355,6 +366,7 @@ class Proxy:
                         tried.add(wid)
                         break
                     outcome = status < 500
+                    on_answer(metrics, lease, data)
                     resp_headers.append((b"content-length", str(len(data)).encode()))
                     await send({"type": "http.response.start", "status": status, "headers": resp_headers})
                     await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -378,20 +390,23 @@ class Proxy:
     async def relay_stream(self, up: Upstream, first: bytes, status: int, headers: list[tuple[bytes, bytes]],
                            send: Send, route: str, t0: float, wid: int, lease: Lease | None = None) -> bool:
         """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
-        stalled upstream ends with an SSE error event. The first chunk ends the request's prefill
-        in the lease's accounting. Returns False when the stream broke (a breaker failure)."""
+        stalled upstream ends with an SSE error event. The first chunk that carries content
+        (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
+        accounting. Returns False when the stream broke (a breaker failure)."""
         metrics = self.metrics
+        meter = StreamMeter(is_event_stream(headers))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         ok = True
         complete = False
         final = status
         try:
             if first:
-                metrics.observe_ttft(route, time.perf_counter() - t0)
-                if lease is not None:
-                    lease.first_token()
+                if meter.feed(first):
+                    on_first_content(metrics, route, t0, lease)
                 await send({"type": "http.response.body", "body": first, "more_body": True})
                 async for chunk in up.chunks():
+                    if meter.feed(chunk):
+                        on_first_content(metrics, route, t0, lease)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
         except TransportError as e:
@@ -408,6 +423,7 @@ class Proxy:
             await send({"type": "http.response.body", "more_body": True, "body": ev})
         finally:
             up.release(abort=not complete)
+            on_stream_end(metrics, meter, lease, complete)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         metrics.observe_request(str(wid), final, route, time.perf_counter() - t0)
         return ok

@@ -24,7 +24,10 @@ request in the worker's router line (:mod:`router.accounting`: in-flight, outsta
 tokens, later decoding requests) so every router process, the kernel and the worker's agent (which
 drains on that count) see the dispatch at once, and bumps this process's count. The proxy never
 writes health state: the lease reports each attempt's outcome, and the health monitor
-(:class:`HealthReporter`: probes, liveness) and the breaker make the decisions.
+(:class:`HealthReporter`: probes, liveness) and the breaker make the decisions. (The per-worker
+gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
+:meth:`Lease.first_token` at a stream's first chunk that carries content
+(:mod:`router.stream_meter`), not at its first byte.
 """
 from __future__ import annotations
 
@@ -62,16 +65,18 @@ class Lease:
     """One dispatched request on ``handle``: its :class:`~router.accounting.RequestAccount` in the
     segment (router in-flight, outstanding prefill tokens, decoding requests) and this process's
     in-flight count. :meth:`first_token` once prefill is done, :meth:`finish` (or :meth:`release`,
-    without a breaker verdict) exactly once at the end (idempotent). ``deadline``: when a request whose first token the router cannot see (not
+    without a breaker verdict) exactly once at the end (idempotent). ``deadline``: when a request
+    whose first token the router cannot see (not
     streamed) is assumed past prefill (dispatch + its estimated TTFT; :meth:`Scheduler.sweep`)."""
 
-    __slots__ = ("account", "deadline", "handle", "health")
+    __slots__ = ("account", "deadline", "handle", "health", "judged")
 
     def __init__(self, handle: WorkerHandle, seg: Any, prompt_tokens: int = 0, uncached_tokens: int | None = None,
                  now: float | None = None, learn: LearnSettings | None = None, deadline: float | None = None,
                  health: HealthReporter | None = None) -> None:
         self.handle = handle
         self.health: HealthReporter = health if health is not None else _NoHealth()
+        self.judged = False
         t = time.monotonic() if now is None else now
         self.account = RequestAccount(seg, handle.worker_id, prompt_tokens,
                                       prompt_tokens if uncached_tokens is None else uncached_tokens, t, learn)
@@ -110,12 +115,15 @@ class Lease:
         self.health.on_refused(self.handle)
 
     def finish(self, ok: bool | None, now: float | None = None, output_tokens: int | None = None) -> bool:
-        """End the attempt: give its load back and hand the breaker its verdict (``ok`` False: a
+        """End the attempt: give its load back (unless :meth:`release` already did, e.g. at a
+        stream's end with its token count) and hand the breaker its verdict (``ok`` False: a
         connection error, timeout or 5xx; True: anything else, 4xx and 429 included; None: no
-        verdict, e.g. the client left, which frees a half-open breaker's probe). Exactly once:
-        returns False (and does nothing) when the lease already ended."""
-        if not self.release(now, output_tokens):
+        verdict, e.g. the client left, which frees a half-open breaker's probe). The verdict is
+        given exactly once: returns False (and does nothing) after the first call."""
+        if self.judged:
             return False
+        self.judged = True
+        self.release(now, output_tokens)
         b = self.handle.breaker
         if ok is None:
             b.abandon()
@@ -275,12 +283,13 @@ class Scheduler:
                 return True
         return False
 
-    def routing_state(self, h: WorkerHandle) -> str:
+    def routing_state(self, h: WorkerHandle, snap: Any = None) -> str:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
         the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
         ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
-        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``."""
-        s = h.snap
+        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
+        fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
+        s = h.snap if snap is None else snap
         if s is None:
             return "unknown"
         st = int(s.state)
