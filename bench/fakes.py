@@ -132,7 +132,7 @@ def build_app(agent: FakeAgent):
                 await asyncio.sleep(delay)
             if mode in ("500", "400", "429"):
                 code = int(mode)
-                err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": str(code)}}
+                err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": code}}
                 return web.json_response(err, status=code)
             if stream or mode in ("stream", "break", "utf8"):
                 resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",

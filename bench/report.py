@@ -208,8 +208,8 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r[k], 3 if isinstance(r[k], float) and abs(r[k]) < 10 else 1)
                                          for k in ROW_KEYS) + " |")
-    lines += ["", ("`router_cpu_s_per_1k` for DPLB counts the router and its worker agents (both relay every "
-              "request); the router process alone:"), ""]
+    lines += ["", ("`router_cpu_s_per_1k` for DPLB counts the router and its worker agents (the agents keep the "
+              "engines off the request path and scrape their metrics every 200 ms); the router process alone:"), ""]
     dplb_only = {k: v for k, v in router_only.items() if k[0].startswith("dplb/")}
     if dplb_only:
         lines += ["| system | workload | router-only CPU s / 1k req |", "|---|---|---|"]

@@ -16,6 +16,16 @@ rounds so machine noise hits both alike). Added latency = routed percentile − 
 Throughput: ``--conns`` keep-alive connections in a closed loop for ``--seconds``; reports the
 measured req/s (bounded by whatever the 2-core machine has left for client and worker) and the
 router's CPU seconds per request (psutil), hence req/s per fully used router core.
+
+SSE relay (``--streams`` > 0): that many concurrent streamed requests, each answered by the instant
+worker with one SSE event (a ~150-byte chat chunk) every ``--chunk-interval-ms`` (each event its own
+write, as an engine emits one per token), ``--chunks`` events per stream, streams restarted as
+they end, for ``--seconds``. Prints the events the client received and the router's CPU seconds:
+**SSE chunks relayed per router core per second** = events / router CPU seconds.
+
+``--profile FILE``: record the router with py-spy during the closed loop (and the SSE phase, to
+``FILE`` with ``.sse`` before the suffix) and write the functions with the most samples (own and
+inclusive) as text.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import Self
 
 from launcher.stack import agent_argv, free_port, router_argv
 
@@ -39,6 +50,18 @@ RESP_BODY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":0,"mo
              b'"completion_tokens":1,"total_tokens":10}}')
 RESP = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(RESP_BODY)).encode()
         + b"\r\n\r\n" + RESP_BODY)
+
+
+CHUNK = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench","choices":'
+         b'[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n')
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+#: stream parameters of the instant worker (set from the command line of --serve-worker)
+STREAM = {"chunks": 64, "interval_s": 0.002}
+
+
+def _hchunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _fixed(body: bytes, ctype: bytes = b"application/json") -> bytes:
@@ -75,21 +98,37 @@ class _Instant(asyncio.Protocol):
                 n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
             if len(self.buf) < end + 4 + n:
                 return
+            body = self.buf[end + 4:end + 4 + n]
             self.buf = self.buf[end + 4 + n:]
             if head.startswith(b"get "):
                 path = head[4:head.find(b" ", 4)].split(b"?", 1)[0]
                 self.t.write(GET_ANSWERS.get(path, GET_ANSWERS[b"/health"]))
+            elif b'"stream":true' in body:
+                self.t.write(STREAM_HEAD)
+                self._tick(STREAM["chunks"])
             else:
                 self.t.write(RESP)
 
+    def _tick(self, left: int) -> None:
+        """One SSE event per write, ``STREAM["interval_s"]`` apart (an engine's tokens)."""
+        if self.t.is_closing():
+            return
+        if left == 0:
+            self.t.write(_hchunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            return
+        self.t.write(_hchunk(CHUNK))
+        asyncio.get_running_loop().call_later(STREAM["interval_s"], self._tick, left - 1)
 
-def serve_worker(shm: str, sock: str) -> None:
+
+def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.002) -> None:
     """Run the instant worker in this process (``--serve-worker``) until killed. ``shm`` "-": a
-    bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent."""
+    bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent.
+    ``sock``: a Unix socket path, or ``127.0.0.1:PORT`` to listen on loopback TCP."""
     import uvloop
 
     from dplb_shm import Segment, WorkerState
 
+    STREAM.update(chunks=chunks, interval_s=interval_s)
     w = None
     if shm != "-":
         seg = Segment.attach(shm)
@@ -97,7 +136,12 @@ def serve_worker(shm: str, sock: str) -> None:
         w.claim(worker_id=0, pid=os.getpid(), endpoint=sock, model="bench", max_num_seqs=256)
 
     async def main() -> None:
-        srv = await asyncio.get_running_loop().create_unix_server(_Instant, sock)
+        loop = asyncio.get_running_loop()
+        if sock.startswith("/"):
+            srv = await loop.create_unix_server(_Instant, sock)
+        else:
+            host, _, port = sock.rpartition(":")
+            srv = await loop.create_server(_Instant, host, int(port))
         if w is not None:
             w.set_state(WorkerState.READY)
         async with srv:
@@ -117,7 +161,8 @@ def _request(host_header: bytes) -> bytes:
             b"\r\ncontent-length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)
 
 
-def _read_response(s: socket.socket, buf: bytearray) -> None:
+def _read_response(s: socket.socket, buf: bytearray) -> int:
+    """Read one response with a Content-Length off ``s``; returns its status."""
     while True:
         end = buf.find(b"\r\n\r\n")
         if end >= 0:
@@ -127,7 +172,7 @@ def _read_response(s: socket.socket, buf: bytearray) -> None:
             n = int(head[i + 15:j if j > 0 else None])
             if len(buf) >= end + 4 + n:
                 del buf[:end + 4 + n]
-                return
+                return int(head[9:12])
         chunk = s.recv(65536)
         if not chunk:
             raise ConnectionError("closed")
@@ -144,15 +189,20 @@ def sequential(connect, n: int) -> list[float]:
         for _ in range(n):
             t0 = time.perf_counter()
             s.sendall(req)
-            _read_response(s, buf)
+            if _read_response(s, buf) != 200:
+                raise SystemExit("a sequential request was not answered 200: the figures would be invalid")
             out.append((time.perf_counter() - t0) * 1000.0)
     finally:
         s.close()
     return out
 
 
+NON_200: list[int] = []
+
+
 def closed_loop(port: int, conns: int, seconds: float) -> int:
-    """``conns`` threads, each a keep-alive connection in a closed loop; total completed requests."""
+    """``conns`` threads, each a keep-alive connection in a closed loop; total requests answered
+    200 (any other status is kept in :data:`NON_200` and reported: a fast error is no throughput)."""
     stop = time.monotonic() + seconds
     counts = [0] * conns
     req = _request(b"bench")
@@ -164,8 +214,11 @@ def closed_loop(port: int, conns: int, seconds: float) -> int:
         try:
             while time.monotonic() < stop:
                 s.sendall(req)
-                _read_response(s, buf)
-                counts[k] += 1
+                st = _read_response(s, buf)
+                if st == 200:
+                    counts[k] += 1
+                else:
+                    NON_200.append(st)
         finally:
             s.close()
 
@@ -175,6 +228,112 @@ def closed_loop(port: int, conns: int, seconds: float) -> int:
     for t in ts:
         t.join()
     return sum(counts)
+
+
+STREAM_BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":64,'
+               b'"stream":true}')
+
+
+STREAM_ERRORS: list[str] = []
+
+
+def stream_loop(port: int, streams: int, seconds: float) -> int:
+    """``streams`` threads, each a keep-alive connection sending streamed requests back to back
+    until ``seconds`` pass; returns the SSE events received (``data:`` lines, [DONE] excluded).
+    A stream answered with anything but 200, or cut, ends its thread; :data:`STREAM_ERRORS` says why."""
+    stop = time.monotonic() + seconds
+    counts = [0] * streams
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+           b"content-length: " + str(len(STREAM_BODY)).encode() + b"\r\n\r\n" + STREAM_BODY)
+
+    def run(k: int) -> None:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while time.monotonic() < stop:
+                s.sendall(req)
+                buf = b""
+                while not buf.endswith(b"0\r\n\r\n"):   # the chunked body's terminator
+                    chunk = s.recv(262144)
+                    if not chunk:
+                        raise ConnectionError("closed")
+                    if not buf and not chunk.startswith(b"HTTP/1.1 200"):
+                        raise ConnectionError(chunk[:300].decode("latin-1"))
+                    buf += chunk
+                    if len(buf) > 1 << 16:
+                        counts[k] += buf.count(b"data: {")
+                        buf = buf[-16:]
+                counts[k] += buf.count(b"data: {")
+        except OSError as e:
+            STREAM_ERRORS.append(repr(e))
+        finally:
+            s.close()
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return sum(counts)
+
+
+class Profiler:
+    """py-spy recording of one process for the length of a ``with`` block; :meth:`write` turns
+    the raw stacks into the top functions by own and inclusive samples."""
+
+    def __init__(self, pid: int, out: str | None) -> None:
+        self.pid, self.out, self.p = pid, out, None
+        self.raw = (out + ".raw") if out else None
+
+    def __enter__(self) -> Self:
+        if self.out:
+            import shutil
+
+            spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+            self.p = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--format", "raw", "--rate", "250",
+                                       "--nonblocking", "--output", self.raw], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.p is not None:
+            self.p.send_signal(2)
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+            self.write()
+
+    def write(self, top: int = 40) -> None:
+        from collections import Counter
+
+        own: Counter[str] = Counter()
+        incl: Counter[str] = Counter()
+        total = 0
+        try:
+            lines = open(self.raw).read().splitlines()  # noqa: SIM115
+        except OSError:
+            return
+        for line in lines:
+            stack, _, n = line.rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            k = int(n)
+            total += k
+            frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0].rsplit("/", 2)[-1] + ")"
+                      if " (" in f else f for f in stack.split(";")]
+            own[frames[-1]] += k
+            for f in set(frames):
+                incl[f] += k
+        with open(self.out, "w") as f:
+            f.write(f"py-spy samples: {total} (rate 250/s)\n\nown time (top {top})\n")
+            for name, k in own.most_common(top):
+                f.write(f"{100.0 * k / max(total, 1):6.2f}%  {name}\n")
+            f.write(f"\ninclusive time (top {top})\n")
+            for name, k in incl.most_common(top):
+                f.write(f"{100.0 * k / max(total, 1):6.2f}%  {name}\n")
+        os.unlink(self.raw)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -197,12 +356,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin", type=int, default=0, help="pin the router to this CPU (-1: no pinning)")
     ap.add_argument("--shm", help="segment name to create (default: a fresh dplb-bench-<hex>)")
     ap.add_argument("--through-agent", action="store_true",
-                    help="put a real worker agent (--engine openai) between router and instant engine: "
-                         "measures router + agent hop together against the engine alone")
-    ap.add_argument("--serve-worker", nargs=2, metavar=("SHM", "SOCK"), help=argparse.SUPPRESS)
+                    help="attach a real worker agent (--engine openai) to the instant engine, as deployed: the "
+                         "agent publishes the engine's address and the router forwards straight to it (one hop)")
+    ap.add_argument("--streams", type=int, default=32, help="concurrent streams of the SSE phase (0: skip it)")
+    ap.add_argument("--chunks", type=int, default=64, help="SSE events per stream")
+    ap.add_argument("--chunk-interval-ms", type=float, default=2.0, help="gap between two events of a stream")
+    ap.add_argument("--workers", type=int, default=0, help="router processes (--workers of the router; 0: one, "
+                    "unpinned with --pin -1, else pinned to CPUs pin..pin+k-1)")
+    ap.add_argument("--tcp", action="store_true", help="the instant worker listens on loopback TCP (as the peers need)")
+    ap.add_argument("--peer", choices=("sglang", "vllm"), help="measure this peer router (bench/peers.py) instead of "
+                    "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
+    ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
+    ap.add_argument("--profile", metavar="FILE", help="py-spy the router during the closed loop; top functions to FILE")
+    ap.add_argument("--skip-latency", action="store_true", help="skip the sequential latency phase")
+    ap.add_argument("--serve-worker", nargs=4, metavar=("SHM", "SOCK", "CHUNKS", "INTERVAL"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_worker:
-        serve_worker(*a.serve_worker)
+        shm_, sock_, ch, iv = a.serve_worker
+        serve_worker(shm_, sock_, int(ch), float(iv))
         return 0
 
     import psutil
@@ -211,30 +382,47 @@ def main(argv: list[str] | None = None) -> int:
 
     shm = a.shm or f"dplb-bench-{uuid.uuid4().hex[:8]}"
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
-    sock = os.path.join(d, "w0.sock")
+    tcp = a.tcp or a.peer is not None
+    sock = f"127.0.0.1:{free_port()}" if tcp else os.path.join(d, "w0.sock")
     seg = Segment.create(shm, num_slots=8)
     children: list[subprocess.Popen] = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         children.append(subprocess.Popen([sys.executable, "-m", "bench.router_overhead", "--serve-worker",
-                                          "-" if a.through_agent else shm, sock], cwd=root, start_new_session=True))
+                                          "-" if a.through_agent else shm, sock, str(a.chunks),
+                                          str(a.chunk_interval_ms / 1000.0)], cwd=root, start_new_session=True))
+        if tcp:
+            from launcher.stack import wait_for_port
+
+            wait_for_port(int(sock.rpartition(":")[2]), timeout=20)
         if a.through_agent:
             t_end = time.monotonic() + 20
-            while not os.path.exists(sock) and time.monotonic() < t_end:
+            while not tcp and not os.path.exists(sock) and time.monotonic() < t_end:
                 time.sleep(0.05)
             children.append(subprocess.Popen(
-                agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai", engine_url=f"unix:{sock}",
-                           model="bench", run_dir=d), cwd=root, start_new_session=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai",
+                           engine_url=f"http://{sock}" if tcp else f"unix:{sock}", model="bench", run_dir=d),
+                cwd=root, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         port = free_port()
-        rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning")
+        if a.peer:
+            from bench.peers import ensure_peer, peer_command
+
+            ensure_peer(a.peer)
+            rcmd = peer_command(a.peer, a.peer_policy, port, free_port(), [f"http://{sock}"])
+        else:
+            rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning", workers=a.workers or None)
+        rlog = open(os.path.join(d, "router.log"), "wb")  # noqa: SIM115 - closed with the run dir
         if a.pin >= 0:
-            rcmd = ["taskset", "-c", str(a.pin)] + rcmd
-        children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL))
+            cpus = f"{a.pin}" if a.workers <= 1 else f"{a.pin}-{a.pin + a.workers - 1}"
+            rcmd = ["taskset", "-c", cpus] + rcmd
+        children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=rlog, stderr=rlog))
         router_pid = children[-1].pid
 
         def direct() -> socket.socket:
+            if tcp:
+                s = socket.create_connection(("127.0.0.1", int(sock.rpartition(":")[2])))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return s
             s = socket.socket(socket.AF_UNIX)
             s.connect(sock)
             return s
@@ -258,28 +446,71 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 raise SystemExit("router or worker did not come up")
             time.sleep(0.2)
-        sequential(direct, 500)
-        sequential(routed, 500)   # warm-up: pools, caches, JIT-free but allocator warm
-        dl: list[float] = []
-        rl: list[float] = []
-        for _ in range(a.rounds):
-            dl += sequential(direct, a.requests // a.rounds)
-            rl += sequential(routed, a.requests // a.rounds)
         proc = psutil.Process(router_pid)  # taskset execs the router in place: same pid
-        c0 = sum(proc.cpu_times()[:2])
-        t0 = time.perf_counter()
-        n = closed_loop(port, a.conns, a.seconds)
-        wall = time.perf_counter() - t0
-        cpu = sum(proc.cpu_times()[:2]) - c0
-        hop = "router + agent" if a.through_agent else "router"
-        print(f"policy={a.policy}  router pinned to CPU {a.pin if a.pin >= 0 else 'none'}  "
-              f"{len(dl)} sequential requests per path")
-        print(f"direct to {'engine' if a.through_agent else 'worker'} : p50 {pct(dl, 50):.3f} ms   "
-              f"p99 {pct(dl, 99):.3f} ms")
-        print(f"through {hop:14s}: p50 {pct(rl, 50):.3f} ms   p99 {pct(rl, 99):.3f} ms")
-        print(f"added by {hop:13s}: p50 {pct(rl, 50) - pct(dl, 50):.3f} ms   p99 {pct(rl, 99) - pct(dl, 99):.3f} ms")
+
+        def router_cpu() -> float:
+            """CPU seconds (user + system) of the router and its --workers processes."""
+            ps = [proc] + proc.children(recursive=True)
+            tot = 0.0
+            for p in ps:
+                try:
+                    tot += sum(p.cpu_times()[:2])
+                except psutil.NoSuchProcess:
+                    pass
+            return tot
+
+        hop = a.peer + " router" if a.peer else "router" if not a.through_agent else "router (agent attached)"
+        print(f"system={a.peer + '/' + a.peer_policy if a.peer else 'dplb'}  worker on {'TCP' if tcp else 'a Unix socket'}  "
+              f"policy={a.policy}  router pinned to CPU {a.pin if a.pin >= 0 else 'none'}"
+              + (f"  router processes={a.workers}" if a.workers else ""))
+        if not a.skip_latency:
+            sequential(direct, 500)
+            sequential(routed, 500)   # warm-up: pools, caches, JIT-free but allocator warm
+            dl: list[float] = []
+            rl: list[float] = []
+            for _ in range(a.rounds):
+                dl += sequential(direct, a.requests // a.rounds)
+                rl += sequential(routed, a.requests // a.rounds)
+            print(f"{len(dl)} sequential requests per path")
+            print(f"direct to {'engine' if a.through_agent else 'worker'} : p50 {pct(dl, 50):.3f} ms   "
+                  f"p99 {pct(dl, 99):.3f} ms")
+            print(f"through {hop:14s}: p50 {pct(rl, 50):.3f} ms   p99 {pct(rl, 99):.3f} ms")
+            print(f"added by {hop:13s}: p50 {pct(rl, 50) - pct(dl, 50):.3f} ms   p99 {pct(rl, 99) - pct(dl, 99):.3f} ms")
+        with Profiler(router_pid, a.profile):
+            c0 = router_cpu()
+            t0 = time.perf_counter()
+            n = closed_loop(port, a.conns, a.seconds)
+            wall = time.perf_counter() - t0
+            cpu = router_cpu() - c0
         print(f"closed loop, {a.conns} connections, {a.seconds:.0f} s: {n / wall:,.0f} req/s measured; "
               f"router CPU {cpu * 1e6 / max(n, 1):.0f} µs/request → {n / max(cpu, 1e-9):,.0f} req/s per router core")
+        if NON_200:
+            from collections import Counter
+
+            print(f"  INVALID: {len(NON_200)} answers were not 200 ({dict(Counter(NON_200))}); slot 0: "
+                  f"{seg.read_slot(0).state.name}; router's view: "
+                  f"{urllib.request.urlopen(f'http://127.0.0.1:{port}/dplb/status', timeout=5).read()[:600]!r}; "
+                  "router log tail:")
+            with open(os.path.join(d, "router.log"), errors="replace") as f:
+                print("".join(f.readlines()[-15:]))
+        if a.streams > 0:
+            prof = None
+            if a.profile:
+                root_, ext = os.path.splitext(a.profile)
+                prof = root_ + ".sse" + ext
+            with Profiler(router_pid, prof):
+                c0 = router_cpu()
+                t0 = time.perf_counter()
+                ev = stream_loop(port, a.streams, a.seconds)
+                wall = time.perf_counter() - t0
+                cpu = router_cpu() - c0
+            print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms: {ev / wall:,.0f} "
+                  f"events/s measured; router CPU {cpu:.2f} s → {ev / max(cpu, 1e-9):,.0f} SSE chunks relayed "
+                  f"per router core per second")
+            if STREAM_ERRORS:
+                print(f"  {len(STREAM_ERRORS)} stream(s) failed; first: {STREAM_ERRORS[0][:300]}")
+                with open(os.path.join(d, "router.log"), errors="replace") as f:
+                    print("  router log tail:\n" + "".join(f.readlines()[-15:]))
         return 0
     finally:
         for c in children:

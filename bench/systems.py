@@ -3,7 +3,8 @@
 - ``dplb/<policy>``: a fresh segment, one worker agent per engine attached to it with
   ``--engine openai --engine-url http://127.0.0.1:P`` (so DPLB drives exactly the engines the
   peers get, with the same flags), and one router process. Routing CPU = router + agents (the
-  agents relay every byte, so they are part of DPLB's data path; the router alone is recorded too).
+  agents keep the engines off the request path since issue 14 — the router forwards straight to
+  each engine — and scrape their metrics every 200 ms; the router alone is recorded too).
 - ``sglang/<policy>``, ``vllm/<policy>``: the peer router pointed at the engines' URLs directly.
 - ``direct``: no router; the client talks to engine 0 (baseline for added latency).
 

@@ -93,6 +93,7 @@ cdef extern from "dplb_shm.h" nogil:
         uint32_t state_reason
         uint32_t reserved2
         int64_t next_restart_ns
+        char control[128]
         dplb_router_line_t router
         dplb_router_stats_t rstats
 

@@ -208,7 +208,8 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         state = WorkerState.DEAD
     return WorkerSnapshot(
         worker_id=s.worker_id, state=state, pid=s.pid,
-        endpoint=_get_str(s.endpoint, DPLB_ENDPOINT_LEN), model=_get_str(s.model, DPLB_MODEL_LEN),
+        endpoint=_get_str(s.endpoint, DPLB_ENDPOINT_LEN), control=_get_str(s.control, DPLB_ENDPOINT_LEN),
+        model=_get_str(s.model, DPLB_MODEL_LEN),
         gpu_ids=[s.gpu_ids[k] for k in range(ng)], weight=s.weight,
         heartbeat_ns=s.heartbeat_ns,
         heartbeat_age_ms=(now - s.heartbeat_ns) / 1e6 if s.heartbeat_ns > 0 else -1.0,
@@ -264,7 +265,9 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
         elif key == "pid":
             s.pid = <int32_t>_i(v, key, 0, 2**31 - 1)
         elif key == "endpoint":
-            _set_endpoint(s, v)
+            _set_endpoint(s.endpoint, v, "endpoint")
+        elif key == "control":
+            _set_endpoint(s.control, v, "control")
         elif key == "model":
             _set_str(s.model, DPLB_MODEL_LEN, v, key)
         elif key == "gpu_ids":
@@ -343,19 +346,20 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
     return 0
 
 
-cdef int _set_endpoint(dplb_slot_t *s, v) except -1:
+cdef int _set_endpoint(char *dst, v, str name) except -1:
+    """An address field (``endpoint``: the engine's data address; ``control``: the agent's)."""
     if not isinstance(v, str):
-        raise SlotFieldError(f"endpoint must be a string, got {v!r}", field="endpoint")
+        raise SlotFieldError(f"{name} must be a string, got {v!r}", field=name)
     if v.startswith("/"):
         if len(v.encode("utf-8")) > DPLB_UNIX_PATH_MAX:
-            raise SlotFieldError(f"endpoint socket path is {len(v.encode())} bytes; a Unix socket path "
-                                 f"holds at most {DPLB_UNIX_PATH_MAX}", field="endpoint")
+            raise SlotFieldError(f"{name} socket path is {len(v.encode())} bytes; a Unix socket path "
+                                 f"holds at most {DPLB_UNIX_PATH_MAX}", field=name)
     elif v:
         host, sep, port = v.rpartition(":")
         if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
-            raise SlotFieldError(f"endpoint must be an absolute socket path or host:port, got {v!r}",
-                                 field="endpoint")
-    _set_str(s.endpoint, DPLB_ENDPOINT_LEN, v, "endpoint")
+            raise SlotFieldError(f"{name} must be an absolute socket path or host:port, got {v!r}",
+                                 field=name)
+    _set_str(dst, DPLB_ENDPOINT_LEN, v, name)
     return 0
 
 

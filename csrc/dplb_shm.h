@@ -11,7 +11,7 @@
  *   +----------+------------------+------------------+-- ... --------+
  *   | header   | slot 0           | slot 1           |               |
  *   +----------+------------------+------------------+-- ... --------+
- *                S = DPLB_SLOT_SIZE = 1408 bytes (22 cache lines), N = num_slots
+ *                S = DPLB_SLOT_SIZE = 1536 bytes (24 cache lines), N = num_slots
  *
  * Header (128 bytes, written once by the creator except `generation`):
  *
@@ -27,7 +27,7 @@
  *    44    84  reserved (zero)
  *
  * Slot i (one writer: worker agent i, or a router keeping a mirror of a remote worker).
- * Bytes [0, 1280) are guarded by the seqlock `seq`; the router lines [1280, 1408) are NOT: they
+ * Bytes [0, 1408) are guarded by the seqlock `seq`; the router lines [1408, 1536) are NOT: they
  * hold atomics that every router process updates with __atomic read-modify-write operations, kept
  * on their own cache lines so router traffic never invalidates the agent's lines or makes readers
  * retry. Each router field has one meaning and is only ever changed by atomic add (counters,
@@ -84,24 +84,29 @@
  *  1228     4  reserved2
  *  1232     8  next_restart_ns           CLOCK_MONOTONIC ns at which the agent restarts its engine,
  *                                        0 when none is scheduled
- *  1240    40  reserved (zero)           room for fields in later layout versions
- *  ---- line 20: router line (atomics, outside the seqlock) -----------------------------------
- *  1280     8  router_inflight           i64: dispatched by any router, not yet finished
- *  1288     8  dispatched                u64: total dispatched by routers
- *  1296     4  circuit                   0 closed, 1 open, 2 half-open
- *  1300     4  reserved
- *  1304     8  prefill_tokens            i64: uncached prompt tokens of requests dispatched whose
+ *  1240   128  control                   NUL-terminated: the agent's control address (/health,
+ *                                        /dplb/state, /dplb/restart): Unix socket path (<= 107
+ *                                        bytes) or host:port; empty = the endpoint serves them too.
+ *                                        `endpoint` above is the data path: the ENGINE's own
+ *                                        address, which routers forward requests to (one hop)
+ *  1368    40  reserved (zero)           room for fields in later layout versions
+ *  ---- line 22: router line (atomics, outside the seqlock) -----------------------------------
+ *  1408     8  router_inflight           i64: dispatched by any router, not yet finished
+ *  1416     8  dispatched                u64: total dispatched by routers
+ *  1424     4  circuit                   0 closed, 1 open, 2 half-open
+ *  1428     4  reserved
+ *  1432     8  prefill_tokens            i64: uncached prompt tokens of requests dispatched whose
  *                                        first token has not come back yet (outstanding prefill)
- *  1312     8  decode_reqs               i64: requests past their first token, not finished
- *  1320     8  decode_ctx_tokens         i64: prompt tokens of those decoding requests
- *  1328     8  prefill_rate              f64 bits: learned prefill speed, tokens/s (0 = none yet)
- *  1336     8  prefill_rate_n            u64: samples the rate has learned from
- *  ---- line 21: router statistics (atomics, outside the seqlock) ----------------------------
- *  1344     8  ttft_s                    f64 bits: EWMA of TTFT seen by the routers, s (0 = none)
- *  1352     8  tpot_s                    f64 bits: EWMA of TPOT seen by the routers, s (0 = none)
- *  1360     8  ttft_n                    u64: TTFT samples
- *  1368     8  tpot_n                    u64: TPOT samples
- *  1376    32  reserved
+ *  1440     8  decode_reqs               i64: requests past their first token, not finished
+ *  1448     8  decode_ctx_tokens         i64: prompt tokens of those decoding requests
+ *  1456     8  prefill_rate              f64 bits: learned prefill speed, tokens/s (0 = none yet)
+ *  1464     8  prefill_rate_n            u64: samples the rate has learned from
+ *  ---- line 23: router statistics (atomics, outside the seqlock) ----------------------------
+ *  1472     8  ttft_s                    f64 bits: EWMA of TTFT seen by the routers, s (0 = none)
+ *  1480     8  tpot_s                    f64 bits: EWMA of TPOT seen by the routers, s (0 = none)
+ *  1488     8  ttft_n                    u64: TTFT samples
+ *  1496     8  tpot_n                    u64: TPOT samples
+ *  1504    32  reserved
  *
  * Seqlock (Boehm, "Can seqlocks get along with programming language memory models?", 2012):
  *   writer: s = seq; seq = s+1 (relaxed); release fence; copy data; seq = s+2 (release store)
@@ -119,10 +124,10 @@
 
 /* "DPLBSHM\0" read as a little-endian u64 */
 #define DPLB_MAGIC 0x004D4853424C5044ULL
-#define DPLB_LAYOUT_VERSION 4
+#define DPLB_LAYOUT_VERSION 5
 #define DPLB_CACHE_LINE 64
 #define DPLB_HEADER_SIZE 128
-#define DPLB_SLOT_SIZE 1408
+#define DPLB_SLOT_SIZE 1536
 #define DPLB_MAX_SLOTS 4096
 #define DPLB_WINDOW 32
 #define DPLB_HIST_BINS 32
@@ -131,7 +136,7 @@
 #define DPLB_UNIX_PATH_MAX 107
 #define DPLB_MODEL_LEN 120
 #define DPLB_HOT_END 64
-#define DPLB_DATA_END 1280
+#define DPLB_DATA_END 1408
 
 enum {
     DPLB_STATE_EMPTY = 0,
@@ -228,7 +233,8 @@ typedef struct dplb_slot {
     uint32_t state_reason;
     uint32_t reserved2;
     int64_t next_restart_ns;
-    uint8_t reserved1[DPLB_DATA_END - 1240];
+    char control[DPLB_ENDPOINT_LEN];
+    uint8_t reserved1[DPLB_DATA_END - 1368];
     /* router lines: atomics, outside the seqlock */
     dplb_router_line_t router;
     dplb_router_stats_t rstats;
@@ -259,7 +265,8 @@ DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 968);
 DPLB_ASSERT_OFF(dplb_slot_t, model, 1096);
 DPLB_ASSERT_OFF(dplb_slot_t, restarts, 1216);
 DPLB_ASSERT_OFF(dplb_slot_t, next_restart_ns, 1232);
-DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1240);
+DPLB_ASSERT_OFF(dplb_slot_t, control, 1240);
+DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1368);
 DPLB_ASSERT_OFF(dplb_slot_t, router, DPLB_DATA_END);
 DPLB_ASSERT_OFF(dplb_slot_t, router.circuit, DPLB_DATA_END + 16);
 DPLB_ASSERT_OFF(dplb_slot_t, router.prefill_tokens, DPLB_DATA_END + 24);
@@ -471,6 +478,7 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
     DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, restarts), DPLB_F(dplb_slot_t, last_exit_code),
     DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, reserved2), DPLB_F(dplb_slot_t, next_restart_ns),
+    DPLB_F(dplb_slot_t, control),
     DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router), DPLB_F(dplb_slot_t, rstats),
     { 0, 0, 0 },
 };

@@ -116,11 +116,12 @@ cdef class SlotWriter:
         return self.window_ns / 1e9
 
     def claim(self, int worker_id, pid=None, endpoint="", gpu_ids=(), weight=1.0, model="",
-              max_num_seqs=0):
+              max_num_seqs=0, control=""):
         """Take the slot for a (re)started worker: all fields reset, state STARTING, generation bumped.
 
-        ``worker_id`` must equal the slot index. ``endpoint``: Unix socket path (absolute, at
-        most 107 bytes) or ``host:port``; ``gpu_ids``: at most 16; ``model``: at most 119 bytes
+        ``worker_id`` must equal the slot index. ``endpoint``: the engine's data address, Unix
+        socket path (absolute, at most 107 bytes) or ``host:port``; ``control``: the agent's
+        control address in the same forms ("" = the endpoint serves the control API too); ``gpu_ids``: at most 16; ``model``: at most 119 bytes
         UTF-8. Router atomics (router_inflight, dispatched, circuit) are left as they are.
         """
         cdef dplb_slot_t tmp
@@ -130,7 +131,7 @@ cdef class SlotWriter:
                                  field="worker_id", name=self.seg.name)
         _empty_slot(&tmp, self.slot_index)
         tmp.seq = self.st.seq
-        _apply(&tmp, {"pid": os.getpid() if pid is None else pid, "endpoint": endpoint,
+        _apply(&tmp, {"pid": os.getpid() if pid is None else pid, "endpoint": endpoint, "control": control,
                       "gpu_ids": gpu_ids, "weight": weight, "model": model,
                       "max_num_seqs": max_num_seqs, "state": WorkerState.STARTING})
         memcpy(&self.st, &tmp, sizeof(dplb_slot_t))
@@ -142,7 +143,7 @@ cdef class SlotWriter:
         """Set the given fields and publish them in one seqlock write (heartbeat refreshed unless
         ``heartbeat_ns`` is among them).
 
-        Fields: state, pid, endpoint, model, gpu_ids, weight, num_running, num_waiting, inflight,
+        Fields: state, pid, endpoint, control, model, gpu_ids, weight, num_running, num_waiting, inflight,
         queued_prompt_tokens, max_num_seqs, kv_cache_usage (0..1, above 1 stored as 1, or -1), gpu_mem_used_bytes,
         gpu_mem_total_bytes, ttft_ms, tpot_ms, e2e_ms, ttft_p99_ms, tpot_p99_ms, e2e_p99_ms
         (set the window summaries directly, e.g. a router mirroring a remote agent),

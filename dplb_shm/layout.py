@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 HEADER_SIZE = 128
-SLOT_SIZE = 1408
+SLOT_SIZE = 1536
 WINDOW = 32
 HIST_BINS = 32
 MAX_GPUS = 16
@@ -62,7 +62,7 @@ class RouterStats(ctypes.Structure):
 
 
 class Slot(ctypes.Structure):
-    """One worker slot (1408 bytes): see the drawing in csrc/dplb_shm.h."""
+    """One worker slot (1536 bytes): see the drawing in csrc/dplb_shm.h."""
 
     _fields_ = [
         ("seq", ctypes.c_uint64),
@@ -105,6 +105,7 @@ class Slot(ctypes.Structure):
         ("state_reason", ctypes.c_uint32),
         ("reserved2", ctypes.c_uint32),
         ("next_restart_ns", ctypes.c_int64),
+        ("control", ctypes.c_char * 128),
         ("reserved1", ctypes.c_uint8 * 40),
         ("router", RouterLine),
         ("rstats", RouterStats),

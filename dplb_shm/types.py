@@ -61,6 +61,8 @@ class WorkerSnapshot:
     ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
     never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
     ns of the next scheduled engine restart, 0 when none (agent fields, seqlock-guarded).
+    ``endpoint`` is the data path (layout 5, one hop): the engine's own address, which routers
+    forward requests to; ``control`` the agent's control address ("" = the endpoint's own).
     """
 
     worker_id: int
@@ -104,6 +106,9 @@ class WorkerSnapshot:
     last_exit_code: int = 0
     state_reason: StateReason = StateReason.NONE
     next_restart_ns: int = 0
+    #: the agent's control address (``/health``, ``/dplb/state``, ``/dplb/restart``); ``endpoint``
+    #: is the engine's own data address that routers forward to. "" = ``endpoint`` serves both.
+    control: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.

@@ -4,5 +4,5 @@ native kernel and forwards OpenAI-compatible requests over Unix sockets (TCP for
 Modules: ``app`` (ASGI app, control endpoints), ``proxy`` (hot path), ``scheduling`` (the one
 pipeline), ``policies/`` (one file per policy), ``transport`` (pooled forwarding), ``workers``
 (handles/registry), ``health`` (probes), ``breaker``, ``mirror`` (remote workers), ``admin``,
-``config``, ``metrics``, ``parsing``, ``errors``.
+``config``, ``metrics``, ``protocol`` (parsing, prompt length, error bodies, hop-by-hop headers), ``errors``.
 """

@@ -1,6 +1,8 @@
 """Admin API: add, remove and drain workers at run time.
 
     POST   /dplb/workers                 {"endpoint": "host:port" | "/abs/agent.sock", "weight": 1.0, "model": null}
+                                         (a remote node's agent, its control API on TCP: mirrored;
+                                         requests then go to the engine address it publishes)
     DELETE /dplb/workers/{id}            remote mirror: slot released; local agent: no longer routed to
     POST   /dplb/workers/{id}/drain      no new requests; in-flight ones finish
     POST   /dplb/workers/{id}/undrain    back in rotation
@@ -123,7 +125,7 @@ def admin_router(state: Any) -> APIRouter:
     @r.get("/dplb/workers")
     async def list_workers(request: Request) -> Response:
         check_admin(request, state.cfg)
-        return _json({"workers": state.registry.status_rows()})
+        return _json({"workers": state.scheduler.status_rows()})
 
     @r.post("/dplb/workers")
     async def add_worker(request: Request) -> Response:
@@ -141,9 +143,9 @@ def admin_router(state: Any) -> APIRouter:
         if not spec.endpoint:
             raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
         store: AdminStore = state.admin
-        # a local agent that was removed earlier comes back by naming its socket again
+        # a local worker that was removed earlier comes back by naming its agent's (or engine's) socket again
         for s in state.seg.snapshot():
-            if int(s.state) != 0 and s.endpoint == spec.endpoint and s.worker_id in store.removed \
+            if int(s.state) != 0 and spec.endpoint in (s.endpoint, s.control) and s.worker_id in store.removed \
                     and spec.endpoint not in store.mirrors:
                 store.removed.discard(s.worker_id)
                 store.save()
@@ -168,7 +170,7 @@ def admin_router(state: Any) -> APIRouter:
         check_admin(request, state.cfg)
         h = _known(wid)
         store: AdminStore = state.admin
-        ep = h.endpoint if h is not None else None
+        ep = h.control if h is not None else None   # a mirror is keyed by its agent's address
         if ep is not None and ep in store.mirrors:
             del store.mirrors[ep]
         else:
@@ -184,6 +186,7 @@ def admin_router(state: Any) -> APIRouter:
     async def restart_worker(wid: int, request: Request) -> Response:
         """Ask worker ``wid``'s agent to restart its engine (``POST /dplb/restart`` on the agent).
 
+        Sent to the worker's control address (its agent; the data endpoint is the engine's).
         202 with the agent's answer; 404 unknown worker; 501 when the endpoint has no restart API
         (not a DPLB agent); 502 when the agent does not answer (the agent process itself is gone:
         restart it, e.g. the launcher)."""
@@ -192,12 +195,12 @@ def admin_router(state: Any) -> APIRouter:
         if h is None:
             raise NotFound(f"no worker with id {wid}", param="id")
         try:
-            status, body = await state.transport.get(h.endpoint, "/dplb/restart", 10.0, method="POST")
+            status, body = await state.transport.get(h.control, "/dplb/restart", 10.0, method="POST")
         except TransportError as e:
-            raise UpstreamError(f"worker {wid}'s agent at {h.endpoint} did not answer ({e.kind}); "
+            raise UpstreamError(f"worker {wid}'s agent at {h.control} did not answer ({e.kind}); "
                                 "the agent process itself may be gone", worker_id=wid) from None
         if status in (404, 405):
-            raise NotSupported(f"worker {wid} at {h.endpoint} has no restart API (not a DPLB agent)")
+            raise NotSupported(f"worker {wid} at {h.control} has no restart API (not a DPLB agent)")
         try:
             d = orjson.loads(body)
         except orjson.JSONDecodeError:

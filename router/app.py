@@ -41,9 +41,9 @@ from router.errors import (
 from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.mirror import MirrorManager
-from router.parsing import parse_request
 from router.policies import build_policy
-from router.proxy import Proxy, send_error
+from router.protocol import parse_request
+from router.proxy import Proxy, ProxySettings, send_error
 from router.scheduling import Scheduler
 from router.server import check_headers
 from router.transport import Transport
@@ -140,12 +140,12 @@ class RouterState:
         self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.first_byte_timeout_s,
                                    cfg.router.idle_timeout_s)
         self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
-                                 on_reset=self._on_reset)
-        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
-                                   default_rate=rp.prefill_tokens_per_s)
+                                 on_reset=self._on_reset, is_mirror=self._is_mirror)
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
                                      hc.max_failures, probes=hc.enabled)
+        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
+                                   default_rate=rp.prefill_tokens_per_s, health=self.monitor)
         self.admin = AdminStore(cfg.state_dir)
         self.admin.reload_if_changed()
         self.mirrors = MirrorManager(self.seg, self.transport, cfg.state_dir,
@@ -155,7 +155,8 @@ class RouterState:
         await self.mirrors.tick()
         self.monitor.start()
         self.metrics.attach(self)
-        self.proxy = Proxy(self)
+        self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
+                           ProxySettings.from_config(cfg, bool(getattr(self.policy, "needs_text", True))))
 
     def _hold_router_lock(self) -> None:
         """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life. The first
@@ -215,13 +216,18 @@ class RouterState:
         if self.admin.reload_if_changed():
             self.apply_admin()
         for h in self.registry.handles.values():
-            h.mirror = h.endpoint in self.mirrors.wanted
+            h.mirror = h.control in self.mirrors.wanted
 
     def _on_leave(self, wid: int, endpoint: str) -> None:
         self.policy.forget(wid)
         self.metrics.forget_worker(wid)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self.transport.forget(endpoint))
+
+    def _is_mirror(self, control: str) -> bool:
+        """Is ``control`` a remote agent this router mirrors (config or admin)?"""
+        m = getattr(self, "mirrors", None)
+        return m is not None and control in m.wanted
 
     def _on_reset(self, wid: int) -> None:
         """Worker ``wid``'s engine died or was restarted: its prefix cache is gone."""
@@ -290,7 +296,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        n = len(state.registry.ready_handles())
+        n = len(state.scheduler.ready_handles())
         if n:
             return _json({"status": "ok", "ready_workers": n})
         return _json({"status": "unavailable", "ready_workers": 0}, 503, {"retry-after": "1"})
@@ -299,21 +305,21 @@ def build_fastapi(state: RouterState) -> FastAPI:
     async def models(request: Request) -> Response:
         check_key(request)
         data = [{"id": m, "object": "model", "created": state.started, "owned_by": "dplb"}
-                for m in state.registry.models()]
+                for m in state.scheduler.models()]
         return _json({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
         check_key(request)
-        if model_id not in state.registry.models():
-            served = ", ".join(state.registry.models()) or "none"
+        if model_id not in state.scheduler.models():
+            served = ", ".join(state.scheduler.models()) or "none"
             raise NotFound(f"the model '{model_id}' does not exist (served: {served})", param="model")
         return _json({"id": model_id, "object": "model", "created": state.started, "owned_by": "dplb"})
 
     @app.get("/dplb/status")
     async def status() -> Response:
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
-                      "pid": os.getpid(), "workers": state.registry.status_rows()})
+                      "pid": os.getpid(), "workers": state.scheduler.status_rows()})
 
     @app.post("/dplb/route")
     async def route(request: Request) -> Response:
@@ -339,8 +345,8 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
     @app.get("/dplb/workers/{wid}/metrics")
     async def worker_metrics(wid: int) -> Response:
-        """The engine's own Prometheus page of worker ``wid`` (its agent relays ``GET /metrics``
-        to the engine), so a Prometheus server that reaches the router scrapes every engine."""
+        """The engine's own Prometheus page of worker ``wid`` (read from the engine at the slot's
+        endpoint, one hop), so a Prometheus server that reaches the router scrapes every engine."""
         h = state.registry.handles.get(wid)
         if h is None:
             raise NotFound(f"no worker with id {wid}", param="id")

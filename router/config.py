@@ -98,8 +98,10 @@ class RouterSection(_Strict):
 
 class BackendServer(_Strict):
     """A worker agent the router does not find in its segment: ``endpoint`` ``host:port`` (an agent
-    on another node) or an absolute Unix socket path; the router mirrors it into a slot of its own
-    segment (top slot downwards) and refreshes it from the agent's ``GET /dplb/state``. Local
+    on another node: its control API, ``dplb-worker-agent --control-port``) or an absolute Unix
+    socket path; the router mirrors it into a slot of its own segment (top slot downwards),
+    refreshes it from the agent's ``GET /dplb/state`` and forwards requests to the engine address
+    that state publishes (one hop). Local
     agents started by the launch script are found in the segment and need no entry here; their
     GPUs come from the launcher's ``--gpus``."""
 

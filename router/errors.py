@@ -1,6 +1,6 @@
 """Errors raised inside the router, and their OpenAI-shaped rendering.
 
-Tree (HTTP status in brackets; the mapping happens only at the edge, in :func:`error_body`)::
+Tree (HTTP status in brackets; rendered only at the edge, by :func:`router.protocol.error_body`)::
 
     RouterError                         base; carries status, type, code, param
     ├── BadRequest          [400]       malformed JSON, wrong field types
@@ -16,41 +16,16 @@ Tree (HTTP status in brackets; the mapping happens only at the edge, in :func:`e
     ├── GatewayTimeout      [504]       the worker did not answer within the first-byte timeout
     └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
 
-OpenAI's error body is ``{"error": {"message", "type", "param", "code"}}`` (see
-https://platform.openai.com/docs/guides/error-codes); ``code`` here is the HTTP status as a
-string, the way vLLM's OpenAI server fills it.
+The OpenAI error body, the SSE error event and the base class :class:`RouterError`
+(= :class:`router.protocol.OpenAIError`) live in :mod:`router.protocol`, with ``code`` the HTTP status
+as an int everywhere; :class:`BadRequest` too (request parsing raises it there).
 """
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-
-class RouterError(Exception):
-    """Base class: ``status`` (int HTTP status), ``type`` (OpenAI error type), ``param``."""
-
-    status = 500
-    type = "internal_error"
-
-    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None,
-                 **fields: Any) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-        self.fields = fields
-
-    def body(self) -> bytes:
-        """The OpenAI-shaped JSON body for this error (bytes)."""
-        return error_body(self.message, self.type, self.status, self.param)
-
-
-class BadRequest(RouterError):
-    """The request body or a field of it is malformed (400)."""
-
-    status = 400
-    type = "invalid_request_error"
+from router.protocol import BadRequest, error_body, sse_error_event
+from router.protocol import OpenAIError as RouterError
 
 
 class Unauthorized(RouterError):
@@ -155,16 +130,6 @@ class ConfigError(ValueError):
         self.reason = reason
 
 
-def error_body(message: str, type_: str, status: int, param: str | None = None) -> bytes:
-    """Render ``{"error": {"message", "type", "param", "code"}}`` as bytes."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": str(status)}})
-
-
-def sse_error_event(message: str, type_: str = "upstream_error", status: int = 502) -> bytes:
-    """An SSE ``data:`` event carrying an OpenAI-shaped error, sent when a stream breaks after its first byte."""
-    return b"data: " + error_body(message, type_, status) + b"\n\n"
-
-
 class TransportError(Exception):
     """Forwarding to a worker failed. ``kind``: ``connect`` (refused, reset, closed before the
     response head), ``timeout`` (connect or read timeout) or ``stream_broken`` (after the head);
@@ -181,3 +146,8 @@ class TransportError(Exception):
         self.kind = kind
         self.endpoint = endpoint
         self.detail = detail
+
+
+__all__ = ["BadRequest", "BodyTooLarge", "ConfigError", "Forbidden", "GatewayTimeout", "HeadersTooLarge",
+           "NoEligibleWorker", "NotFound", "NotSupported", "RouterError", "TransportError", "Unauthorized",
+           "UnsupportedMediaType", "UpstreamError", "error_body", "sse_error_event"]

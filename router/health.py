@@ -3,8 +3,10 @@
 Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
 
 1. re-reads the segment and reconciles the registry (new workers appear, gone ones leave);
-2. probes ``GET /health`` on every worker with ``timeout_ms`` (50 ms); ``max_failures`` (3)
-   failures in a row take the worker out, one success brings it back. A probe that merely timed
+2. probes ``GET /health`` on every worker's **engine** (the data endpoint requests go to; the
+   agent is off the request path) with ``timeout_ms`` (50 ms): any answer below 500 passes (a
+   server without ``/health`` answers 404 and is alive; readiness is the slot's state). ``max_failures``
+   (3) failures in a row take the worker out, one success brings it back. A probe that merely timed
    out is not held against a worker that sent a response head to a real request within the last
    tick (it is busy, not hung), nor counted at all when this router's own event loop woke up
    late by more than the probe timeout (the timer cannot tell a slow worker from a starved
@@ -18,6 +20,9 @@ The per-worker gauges are not sampled here: ``/metrics`` reads the segment when 
 (:class:`router.metrics.SegmentCollector`), so a burst between two ticks is not missed.
 
 Heartbeat staleness and slot state are checked on every decision from the live segment, not here.
+The monitor is also the :class:`router.scheduling.HealthReporter` that leases report to: a refused
+connection takes the worker out at once (:meth:`HealthMonitor.on_refused`), a response head is
+liveness evidence (:meth:`HealthMonitor.on_head`). Nothing else writes probe state.
 """
 from __future__ import annotations
 
@@ -48,26 +53,35 @@ class HealthMonitor:
         self.probes = probes
         self.extra: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task | None = None
-        self._generation = -1
         self.loop_lag = 0.0  # seconds the last tick started late (event-loop starvation)
 
     def sync(self) -> None:
         """Reconcile the registry with the segment now (cheap enough to call on demand)."""
-        seg = self.registry.seg
-        self._generation = seg.generation
-        self.registry.sync(seg.snapshot())
+        self.registry.refresh()
 
     def sync_if_changed(self) -> None:
         """Sync only when the segment's membership generation moved (hot path)."""
-        if self.registry.seg.generation != self._generation:
-            self.sync()
+        self.registry.refresh_if_changed()
+
+    # -- HealthReporter: what leases report ------------------------------------------------------
+    def on_refused(self, h: WorkerHandle) -> None:
+        """Nothing accepted a connection to ``h``'s engine: out now, not after ``max_failures``
+        probes (a passing probe brings it back)."""
+        h.probe_failures = max(h.probe_failures, self.max_failures)
+        if h.probe_ok:
+            log.warning("worker %d out: its engine at %s refused a connection", h.worker_id, h.endpoint)
+        h.probe_ok = False
+
+    def on_head(self, h: WorkerHandle) -> None:
+        """``h`` answered a real request with a response head: busy is not hung."""
+        h.last_head_at = time.monotonic()
 
     async def probe(self, h: WorkerHandle) -> bool:
         """One ``GET /health`` probe; updates ``probe_failures``/``probe_ok``; returns success."""
         t0 = time.monotonic()
         try:
             status, _ = await self.transport.get(h.endpoint, "/health", self.timeout)
-            ok = status == 200
+            ok = status < 500
         except TransportError as e:
             ok = False
             if e.kind == "timeout":

@@ -128,9 +128,11 @@ class SegmentCollector:
         if m is not None:
             for wid in list(reg.handles):
                 m.see_worker(wid)
-        yield from self._workers(reg, seg)
+        sched = getattr(st, "scheduler", None)
+        yield from self._workers(reg, seg, sched.routing_state if sched is not None else None)
 
-    def _workers(self, reg: Any, seg: Any) -> Iterator[Metric]:
+    def _workers(self, reg: Any, seg: Any, verdict: Any = None) -> Iterator[Metric]:
+        """``verdict(handle, snap)``: the scheduler's routing verdict (eligibility lives there)."""
         L = ["worker", "model"]
 
         def g(name: str, doc: str, labels: list[str] = L) -> GaugeMetricFamily:
@@ -182,7 +184,7 @@ class SegmentCollector:
                               "true" if h.mirror else "false"], 1.0)
             for name in WORKER_STATES:
                 state.add_metric([w, model, name], 1.0 if name == st_name else 0.0)
-            ready.add_metric(lv, 1.0 if reg.routing_state(h, s) == "eligible" else 0.0)
+            ready.add_metric(lv, 1.0 if verdict is not None and verdict(h, s) == "eligible" else 0.0)
             hb.add_metric(lv, max(0.0, float(s.heartbeat_age_ms)) / 1e3)
             running.add_metric(lv, float(s.num_running))
             waiting.add_metric(lv, float(s.num_waiting))

@@ -5,6 +5,15 @@ per remote agent and fills it from the agent's ``GET /dplb/state`` (``WorkerSnap
 JSON) every health interval, so the kernel scores local and remote workers alike. Mirror slots
 are taken from the top of the segment down (agents use the low slots ``0..N-1``).
 
+The wanted address is the remote agent's **control** address (its control API on TCP:
+``dplb-worker-agent --control-port P``); it becomes the slot's ``control``. The slot's
+``endpoint`` (where requests go, one hop) is the remote **engine's** address from the state:
+``host:port`` as published, with a loopback or unspecified host (``127.0.0.1``, ``0.0.0.0``,
+``::``, ``localhost``) replaced by the agent's host, since that is the node the engine runs on. An
+engine that listens on a Unix socket cannot be reached from another node: that mirror stays DEAD
+with a warning (start the remote agent with ``--engine-host``). A state without an ``endpoint``
+(a server that serves the API and the control paths on one address) is forwarded to directly.
+
 Only one router process may write a slot, so the process holding an exclusive ``flock`` on
 ``<state_dir>/mirror.lock`` does the mirroring; the others see the mirrored slots as ordinary
 workers. If that process dies the lock is freed and another process adopts the slots (by
@@ -29,6 +38,27 @@ COPIED = ("num_running", "num_waiting", "inflight", "queued_prompt_tokens", "max
           "gpu_mem_used_bytes", "gpu_mem_total_bytes", "ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms",
           "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist", "restarts", "last_exit_code", "state_reason")
 STATES = {"empty": 0, "starting": 1, "ready": 2, "draining": 3, "dead": 4}
+LOCAL_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::", "::1", "[::1]", "[::]", "localhost", ""})
+
+
+def split_host(endpoint: str) -> tuple[str, str]:
+    """``host:port`` → (host, port); an IPv6 host keeps its brackets."""
+    host, _, port = endpoint.rpartition(":")
+    return host, port
+
+
+def data_endpoint(published: str | None, control: str) -> str | None:
+    """Where requests to a remote worker go: the engine address its agent ``published`` in
+    ``/dplb/state``, reached from here (module docstring); None when it cannot be (a Unix socket
+    on another node)."""
+    if not published:
+        return control
+    if published.startswith("/"):
+        return None
+    host, port = split_host(published)
+    if host.startswith("127.") or host in LOCAL_HOSTS:
+        host = split_host(control)[0]
+    return f"{host}:{port}"
 REASONS = {"none": 0, "engine_exited": 1, "start_failed": 2, "gave_up": 3, "admin_restart": 4}
 
 
@@ -62,13 +92,14 @@ class MirrorManager:
         return True
 
     def slot_of(self, endpoint: str) -> int | None:
-        """Slot currently holding ``endpoint`` (any live state), or None."""
+        """Slot currently mirroring the agent at ``endpoint`` (its control address; any live
+        state), or None."""
         for s in self.seg.snapshot():
-            if int(s.state) != 0 and s.endpoint == endpoint:
+            if int(s.state) != 0 and (s.control or s.endpoint) == endpoint:
                 return s.worker_id
         return None
 
-    def _claim(self, endpoint: str, spec: dict[str, Any]) -> Any:
+    def _claim(self, endpoint: str, spec: dict[str, Any], data: str) -> Any:
         slot = self.slot_of(endpoint)
         if slot is None:
             for s in reversed(self.seg.snapshot()):
@@ -79,32 +110,49 @@ class MirrorManager:
             raise RuntimeError(f"no free slot in segment {self.seg.name} to mirror {endpoint}")
         w = self.seg.writer(slot)
         cur = self.seg.read_slot(slot)
-        if int(cur.state) == 0 or cur.endpoint != endpoint:
-            w.claim(worker_id=slot, pid=os.getpid(), endpoint=endpoint, weight=float(spec.get("weight", 1.0)),
-                    model=spec.get("model") or "")
+        if int(cur.state) == 0 or (cur.control or cur.endpoint) != endpoint or cur.endpoint != data:
+            w.claim(worker_id=slot, pid=os.getpid(), endpoint=data, control=endpoint,
+                    weight=float(spec.get("weight", 1.0)), model=spec.get("model") or "")
         return w
 
     async def refresh_one(self, endpoint: str, spec: dict[str, Any]) -> None:
-        """Pull one remote agent's state into its slot (claiming the slot first if needed)."""
+        """Pull one remote agent's state (``endpoint``: its control address) into its slot,
+        claiming the slot first (again when the engine's address changed)."""
         w = self.writers.get(endpoint)
-        if w is None:
-            w = self.writers[endpoint] = self._claim(endpoint, spec)
         try:
             status, body = await self.transport.get(endpoint, "/dplb/state", self.timeout_s)
             if status != 200:
                 raise TransportError("status", endpoint, str(status))
             d = orjson.loads(body)
+            if not isinstance(d, dict):
+                raise TypeError("/dplb/state is not a JSON object")
+            data = data_endpoint(d.get("endpoint"), endpoint)
+            if data is None:
+                if w is None:
+                    w = self.writers[endpoint] = self._claim(endpoint, spec, endpoint)
+                if self.failures.get(endpoint) != -1:
+                    log.warning("remote worker %s serves its engine on a Unix socket (%s), which this node cannot "
+                                "reach: start its agent with --engine-host; marking it dead", endpoint,
+                                d.get("endpoint"))
+                self.failures[endpoint] = -1
+                w.publish(state=4)
+                return
+            if w is None or self.seg.read_slot(w.slot_index).endpoint != data:
+                w = self.writers[endpoint] = self._claim(endpoint, spec, data)
             fields = {k: d[k] for k in COPIED if k in d and d[k] is not None}
             if spec.get("model") or d.get("model"):
                 fields["model"] = spec.get("model") or d.get("model")
-            fields["weight"] = float(spec.get("weight", d.get("weight", 1.0)))
+            wt = spec.get("weight", d.get("weight"))
+            fields["weight"] = float(wt) if wt is not None else 1.0
             fields["state"] = STATES.get(str(d.get("state", "ready")).lower(), 2)
             if "state_reason" in fields:
                 fields["state_reason"] = REASONS.get(str(fields["state_reason"]).lower(), 0)
             w.publish(**fields)
             self.failures[endpoint] = 0
         except (TransportError, orjson.JSONDecodeError, ValueError, TypeError) as e:
-            n = self.failures[endpoint] = self.failures.get(endpoint, 0) + 1
+            if w is None:   # never reached: take a slot anyway, so the worker is listed (dead) rather than absent
+                w = self.writers[endpoint] = self._claim(endpoint, spec, endpoint)
+            n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
             if n == self.max_failures:
                 log.warning("remote worker %s unreachable (%s): marking it dead", endpoint, e)
                 w.publish(state=4)

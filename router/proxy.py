@@ -3,7 +3,7 @@
 For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other ``POST /v1/*``:
 
 1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
-2. read the body once and parse only what routing needs (:mod:`router.parsing`); 400 if malformed,
+2. read the body once and parse only what routing needs (:mod:`router.protocol`); 400 if malformed,
    404 if no worker serves the named model;
 3. pick a worker through the scheduling pipeline and take its :class:`~router.scheduling.Lease`;
 4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent);
@@ -30,8 +30,11 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
+from router.config import Config
 from router.errors import (
     BadRequest,
     BodyTooLarge,
@@ -45,7 +48,10 @@ from router.errors import (
     UpstreamError,
     sse_error_event,
 )
-from router.parsing import parse_request
+from router.metrics import Metrics
+from router.policies.base import RequestInfo
+from router.protocol import HOP_BY_HOP, parse_request
+from router.scheduling import Lease, Scheduler
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,
@@ -53,7 +59,7 @@ from router.stream_meter import (
     on_first_content,
     on_stream_end,
 )
-from router.transport import HOP_BY_HOP
+from router.transport import Transport, Upstream
 
 log = logging.getLogger("dplb.router.proxy")
 
@@ -63,8 +69,44 @@ _JSON = (b"content-type", b"application/json")
 _NONE = b"none"
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
-async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What the proxy reads from the config, once: body limit (bytes), API key (the expected
+    ``Authorization`` value, None = open), the session header (lower-case bytes), whether the
+    policy needs the prompt text, and the retry and timeout settings (``retries.*``,
+    ``router.first_byte_timeout_s``/``idle_timeout_s``; backoffs in seconds)."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    api_key: bytes | None = None
+    session_header: bytes = b"x-session-id"
+    needs_text: bool = True
+    max_attempts: int = 3
+    retry_status: frozenset[int] = frozenset({429, 503})
+    backoff_base_s: float = 0.01
+    backoff_max_s: float = 0.1
+    retry_on_timeout: bool = False
+    retry_on_disconnect: bool = False
+    first_byte_timeout_s: float = 600.0
+    idle_timeout_s: float = 120.0
+
+    @classmethod
+    def from_config(cls, cfg: Config, needs_text: bool = True) -> ProxySettings:
+        """The settings of ``cfg`` (``needs_text``: the policy's)."""
+        r = cfg.retries
+        return cls(max_body_bytes=cfg.router.max_body_bytes,
+                   api_key=f"Bearer {cfg.router.api_key}".encode() if cfg.router.api_key else None,
+                   session_header=cfg.routing_policy.session_header.lower().encode("latin-1"),
+                   needs_text=needs_text, max_attempts=r.max_attempts, retry_status=frozenset(r.retry_on_status),
+                   backoff_base_s=r.backoff_base_ms / 1000.0, backoff_max_s=r.backoff_max_ms / 1000.0,
+                   retry_on_timeout=r.retry_on_timeout, retry_on_disconnect=r.retry_on_disconnect,
+                   first_byte_timeout_s=cfg.router.first_byte_timeout_s, idle_timeout_s=cfg.router.idle_timeout_s)
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
                     worker: bytes = _NONE) -> None:
     """Send a complete JSON response (router-made: ``X-DPLB-Worker-ID: none`` unless given)."""
     hs = [_JSON, (b"content-length", str(len(body)).encode()), (_XWID, worker)]
@@ -74,7 +116,7 @@ async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Any, e: RouterError, request_id: bytes | None = None, worker: bytes = _NONE) -> None:
+async def send_error(send: Send, e: RouterError, request_id: bytes | None = None, worker: bytes = _NONE) -> None:
     """Render a RouterError at the edge (status, OpenAI body, its headers, request id;
     ``worker``: the ``X-DPLB-Worker-ID`` of the worker the error is about, ``none`` otherwise)."""
     hs = [(k.encode(), v.encode()) for k, v in e.headers.items()]
@@ -83,7 +125,7 @@ async def send_error(send: Any, e: RouterError, request_id: bytes | None = None,
     await send_json(send, e.status, e.body(), hs, worker)
 
 
-async def read_body(receive: Any, limit: int, declared: int | None) -> bytes:
+async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
     """Read the whole request body; BodyTooLarge beyond ``limit`` bytes (checked on the declared
     Content-Length first, then while reading)."""
     if declared is not None and declared > limit:
@@ -108,35 +150,39 @@ async def read_body(receive: Any, limit: int, declared: int | None) -> bytes:
 
 
 class Proxy:
-    """ASGI callable for the proxied paths; ``state`` is the :class:`router.app.RouterState`."""
+    """ASGI callable for the proxied paths. Collaborators: the :class:`Scheduler` (eligibility,
+    policy, breaker admission, leases), the :class:`Transport` (forwarding to engines), the
+    :class:`Metrics` and the :class:`ProxySettings`. It decides nothing about health: each
+    attempt's outcome goes to its lease (``head_seen``, ``refused``, ``finish(ok)``)."""
 
-    def __init__(self, state: Any) -> None:
-        self.state = state
-        cfg = state.cfg
-        self.limit = cfg.router.max_body_bytes
-        self.api_key = (f"Bearer {cfg.router.api_key}".encode() if cfg.router.api_key else None)
-        r = cfg.retries
-        self.max_attempts = r.max_attempts
-        self.retry_status = frozenset(r.retry_on_status)
-        self.backoff_base = r.backoff_base_ms / 1000.0
-        self.backoff_max = r.backoff_max_ms / 1000.0
-        self.retry_on_timeout = r.retry_on_timeout
-        self.retry_on_disconnect = r.retry_on_disconnect
-        self.first_byte_timeout_s = cfg.router.first_byte_timeout_s
-        self.idle_timeout_s = cfg.router.idle_timeout_s
-        self.needs_text = bool(getattr(state.policy, "needs_text", True))
-        self.session_header = cfg.routing_policy.session_header.lower().encode("latin-1")
+    def __init__(self, scheduler: Scheduler, transport: Transport, metrics: Metrics, settings: ProxySettings) -> None:
+        self.scheduler = scheduler
+        self.transport = transport
+        self.metrics = metrics
+        self.settings = settings
+        self.limit = settings.max_body_bytes
+        self.api_key = settings.api_key
+        self.max_attempts = settings.max_attempts
+        self.retry_status = settings.retry_status
+        self.backoff_base = settings.backoff_base_s
+        self.backoff_max = settings.backoff_max_s
+        self.retry_on_timeout = settings.retry_on_timeout
+        self.retry_on_disconnect = settings.retry_on_disconnect
+        self.first_byte_timeout_s = settings.first_byte_timeout_s
+        self.idle_timeout_s = settings.idle_timeout_s
+        self.needs_text = settings.needs_text
+        self.session_header = settings.session_header
         # minted request ids: a random per-process prefix + a counter (one urandom call per process)
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
         rid: bytes | None = None
         declared = None
         auth = None
         ctype = None
-        fwd: list[tuple[str, str]] = []
+        fwd: list[tuple[bytes, bytes]] = []
         session = None
         sh = self.session_header
         for k, v in scope["headers"]:
@@ -154,11 +200,11 @@ class Proxy:
             elif k == sh:
                 session = v
             if k not in HOP_BY_HOP:
-                fwd.append((k.decode("latin-1"), v.decode("latin-1")))
+                fwd.append((k, v))
         if rid is None:
             self._n += 1
             rid = b"%s%08x" % (self._prefix, self._n)
-            fwd.append(("x-request-id", rid.decode()))
+            fwd.append((_XRID, rid))
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
         try:
@@ -172,17 +218,17 @@ class Proxy:
             info = parse_request(path, body, self.needs_text)
             if session:
                 info.session = session.decode("latin-1")
-            st = self.state
-            st.monitor.sync_if_changed()
-            if info.model is None and len(st.registry.models()) > 1:
-                raise BadRequest(f"name the model: this endpoint serves {', '.join(st.registry.models())}",
+            sched = self.scheduler
+            sched.registry.refresh_if_changed()
+            if info.model is None and len(sched.models()) > 1:
+                raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
                                  param="model")
-            if not st.registry.knows_model(info.model):
-                raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(st.registry.models()) or 'none'})",
+            if not sched.knows_model(info.model):
+                raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(sched.models()) or 'none'})",
                                param="model")
         except RouterError as e:
             await send_error(send, e, rid)
-            self.state.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+            self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
             return
         except asyncio.CancelledError:
             return
@@ -214,7 +260,7 @@ class Proxy:
             watch.remove_done_callback(on_message)
             watch.cancel()
 
-    def retryable(self, e: Any) -> bool:
+    def retryable(self, e: TransportError) -> bool:
         """May a request that failed with TransportError ``e`` before its first byte reached the
         client go to another worker? Never read by the worker (refused, reset before reading):
         always; timeout / dropped after sending: only when configured."""
@@ -239,12 +285,12 @@ class Proxy:
             return UpstreamError(f"all {tried} worker(s) tried failed before the first byte: {e}", worker_id=wid)
         return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
 
-    async def forward(self, method: str, route: str, target: str, headers: list[tuple[str, str]], body: bytes,
-                      info: Any, rid: bytes, send: Any, t0: float) -> None:
+    async def forward(self, method: str, route: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                      info: RequestInfo, rid: bytes, send: Send, t0: float) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
         raises RouterError to the caller."""
-        st = self.state
-        metrics = st.metrics
+        sched = self.scheduler
+        metrics = self.metrics
         tried: set[int] = set()
         last: Exception | None = None
         last_wid: int | None = None
@@ -255,7 +301,7 @@ class Proxy:
                 if delay > 0:
                     await asyncio.sleep(delay)
             try:
-                lease, _ = st.scheduler.select(info, tried)
+                lease, _ = sched.select(info, tried)
             except NoEligibleWorker as e:
                 if last is None:
                     await send_error(send, e, rid)
@@ -268,12 +314,11 @@ class Proxy:
             outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
             try:
                 try:
-                    up = await st.transport.send(h.endpoint, method, target, headers, body)
+                    up = await self.transport.send(h.endpoint, method, target, headers, body)
                 except TransportError as e:
                     outcome = False
                     if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
-                        h.probe_failures = max(h.probe_failures, st.monitor.max_failures)
-                        h.probe_ok = False
+                        lease.refused()
                     metrics.errors.labels(str(wid), e.kind).inc()
                     last, last_wid = e, wid
                     tried.add(wid)
@@ -283,9 +328,9 @@ class Proxy:
                     break
                 status = up.status
                 if status < 500:
-                    h.last_head_at = time.monotonic()  # liveness evidence for the health monitor
+                    lease.head_seen()  # liveness evidence for the health monitor
                 if status in self.retry_status and attempt + 1 < self.max_attempts and \
-                        st.registry.candidates(info.model, tried | {wid}, False):
+                        sched.has_candidates(info.model, tried | {wid}):
                     outcome = status < 500
                     up.release(abort=True)
                     if status >= 500:
@@ -335,24 +380,20 @@ class Proxy:
                 outcome = None
                 raise
             finally:
-                lease.release()
-                if outcome is None:
-                    h.breaker.abandon()
-                else:
-                    h.breaker.record(outcome)
+                lease.finish(outcome)
         err = self.final_error(last, last_wid, len(tried), mid_body)
         wb = str(last_wid).encode() if last_wid is not None else _NONE
         await send_error(send, err, rid, wb)
         metrics.observe_request(str(last_wid) if last_wid is not None else "none", err.status, route,
                                 time.perf_counter() - t0)
 
-    async def relay_stream(self, up: Any, first: bytes, status: int, headers: list, send: Any, route: str,
-                           t0: float, wid: int, lease: Any = None) -> bool:
+    async def relay_stream(self, up: Upstream, first: bytes, status: int, headers: list[tuple[bytes, bytes]],
+                           send: Send, route: str, t0: float, wid: int, lease: Lease | None = None) -> bool:
         """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
         stalled upstream ends with an SSE error event. The first chunk that carries content
         (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
         accounting. Returns False when the stream broke (a breaker failure)."""
-        metrics = self.state.metrics
+        metrics = self.metrics
         meter = StreamMeter(is_event_stream(headers))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         ok = True

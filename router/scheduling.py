@@ -1,47 +1,82 @@
-"""The one scheduling pipeline: eligibility → policy → breaker admission → lease.
+"""The one scheduling pipeline, and the only place that decides which workers may take a request.
 
     lease, decision = scheduler.select(req, exclude)   # raises NoEligibleWorker (503)
-    ... forward ...
-    lease.release()                                    # exactly once; idempotent
+    ... forward; report what happened to the attempt ...
+    lease.head_seen()          # the worker sent a response head (liveness evidence)
+    lease.refused()            # nothing accepted the connection (the worker is down)
+    lease.first_token()        # prefill done (the first content came back)
+    lease.finish(ok)           # exactly once; ok: the breaker's verdict (None: no verdict, client left)
 
-Eligibility is :meth:`router.workers.Registry.candidates`; kernel-backed policies (``dplb``)
-get the last synced snapshots (the kernel re-checks state, heartbeat, circuit and KV threshold on
-the live segment), the baselines get freshly read slots. After a policy picks, the worker's
-breaker must admit it (a half-open breaker admits one probe); otherwise the pipeline tries again
-without it.
+**Eligibility** (one definition, here): a worker may take a request when its slot is READY, its
+heartbeat is younger than ``heartbeat_timeout_ms``, its probes have not failed ``max_failures``
+times in a row, it is not drained or removed by an admin, its breaker lets requests through, no
+router process has its circuit open, it serves the requested model (or announces none), and this
+request has not already tried it. :meth:`Scheduler.candidates`, :meth:`Scheduler.routing_state`
+(the verdict ``/dplb/status`` shows), :meth:`Scheduler.ready_handles` (``/health``, ``/v1/models``)
+and :meth:`Scheduler.knows_model` all read it from :meth:`Scheduler.eligible_handle` and
+:meth:`Scheduler.live`. Kernel-backed policies (``dplb``) get the last synced snapshots (the
+kernel re-checks state, heartbeat, circuit and KV threshold on the live segment), the baselines
+get freshly read slots. After a policy picks, the worker's breaker must admit it (a half-open
+breaker admits one probe); otherwise the pipeline tries again without it.
 
 A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): taking it records the
 request in the worker's router line (:mod:`router.accounting`: in-flight, outstanding prefill
-tokens, later decoding requests) so every router process and the kernel see the dispatch at
-once, and bumps this process's count; :meth:`Lease.release` undoes both exactly once. (The
-per-worker gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
+tokens, later decoding requests) so every router process, the kernel and the worker's agent (which
+drains on that count) see the dispatch at once, and bumps this process's count. The proxy never
+writes health state: the lease reports each attempt's outcome, and the health monitor
+(:class:`HealthReporter`: probes, liveness) and the breaker make the decisions. (The per-worker
+gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
 :meth:`Lease.first_token` at a stream's first chunk that carries content
 (:mod:`router.stream_meter`), not at its first byte.
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from router.accounting import LearnSettings, RequestAccount
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
 from router.policies.base import Decision, Policy, RequestInfo
-from router.workers import Registry, WorkerHandle
+from router.workers import DEAD, DRAINING, READY, STATE_NAMES, Registry, WorkerHandle
+
+
+class HealthReporter(Protocol):
+    """Where a lease reports liveness evidence (the health monitor, :mod:`router.health`)."""
+
+    def on_refused(self, h: WorkerHandle) -> None:
+        """Nothing accepted a connection to ``h``: it is down now (a probe brings it back)."""
+
+    def on_head(self, h: WorkerHandle) -> None:
+        """``h`` sent a response head to a real request: it is alive, if busy."""
+
+
+class _NoHealth:
+    """A reporter that ignores everything (schedulers built without a health monitor)."""
+
+    def on_refused(self, h: WorkerHandle) -> None:
+        return None
+
+    def on_head(self, h: WorkerHandle) -> None:
+        return None
 
 
 class Lease:
     """One dispatched request on ``handle``: its :class:`~router.accounting.RequestAccount` in the
     segment (router in-flight, outstanding prefill tokens, decoding requests) and this process's
-    in-flight count. :meth:`first_token` once prefill is done, :meth:`release` exactly once at the
-    end (idempotent). ``deadline``: when a request whose first token the router cannot see (not
+    in-flight count. :meth:`first_token` once prefill is done, :meth:`finish` (or :meth:`release`,
+    without a breaker verdict) exactly once at the end (idempotent). ``deadline``: when a request
+    whose first token the router cannot see (not
     streamed) is assumed past prefill (dispatch + its estimated TTFT; :meth:`Scheduler.sweep`)."""
 
-    __slots__ = ("account", "deadline", "handle")
+    __slots__ = ("account", "deadline", "handle", "health", "judged")
 
     def __init__(self, handle: WorkerHandle, seg: Any, prompt_tokens: int = 0, uncached_tokens: int | None = None,
-                 now: float | None = None, learn: LearnSettings | None = None, deadline: float | None = None) -> None:
+                 now: float | None = None, learn: LearnSettings | None = None, deadline: float | None = None,
+                 health: HealthReporter | None = None) -> None:
         self.handle = handle
+        self.health: HealthReporter = health if health is not None else _NoHealth()
+        self.judged = False
         t = time.monotonic() if now is None else now
         self.account = RequestAccount(seg, handle.worker_id, prompt_tokens,
                                       prompt_tokens if uncached_tokens is None else uncached_tokens, t, learn)
@@ -59,7 +94,8 @@ class Lease:
         return self.account.first_token(time.monotonic() if now is None else now, observed)
 
     def release(self, now: float | None = None, output_tokens: int | None = None) -> bool:
-        """Give the request's load back; returns False (and does nothing) when already released."""
+        """Give the request's load back (no breaker verdict); returns False (and does nothing) when
+        already released."""
         if not self.account.open:
             return False
         try:
@@ -68,13 +104,42 @@ class Lease:
             self.handle.local_inflight -= 1
         return True
 
+    def head_seen(self) -> None:
+        """The worker answered this attempt with a response head below 500: liveness evidence for
+        the health monitor (a probe that times out meanwhile is not held against it)."""
+        self.health.on_head(self.handle)
+
+    def refused(self) -> None:
+        """Nothing accepted this attempt's connection (refused, socket gone): the worker is down
+        for sure; the health monitor takes it out now, a passing probe brings it back."""
+        self.health.on_refused(self.handle)
+
+    def finish(self, ok: bool | None, now: float | None = None, output_tokens: int | None = None) -> bool:
+        """End the attempt: give its load back (unless :meth:`release` already did, e.g. at a
+        stream's end with its token count) and hand the breaker its verdict (``ok`` False: a
+        connection error, timeout or 5xx; True: anything else, 4xx and 429 included; None: no
+        verdict, e.g. the client left, which frees a half-open breaker's probe). The verdict is
+        given exactly once: returns False (and does nothing) after the first call."""
+        if self.judged:
+            return False
+        self.judged = True
+        self.release(now, output_tokens)
+        b = self.handle.breaker
+        if ok is None:
+            b.abandon()
+        else:
+            b.record(ok)
+        return True
+
 
 class Scheduler:
     """Runs the pipeline for ``policy`` over ``registry`` (see module docstring)."""
 
     def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None,
-                 learn: LearnSettings | None = None, default_rate: float = 30_769.0) -> None:
+                 learn: LearnSettings | None = None, default_rate: float = 30_769.0,
+                 health: HealthReporter | None = None) -> None:
         self.registry = registry
+        self.health: HealthReporter = health if health is not None else _NoHealth()
         self.policy = policy
         self.seg = seg
         self.metrics = metrics
@@ -96,7 +161,7 @@ class Scheduler:
         excl = set(exclude)
         handles = self.registry.handles
         for _ in range(len(handles) + 1):
-            cands = self.registry.candidates(req.model, excl, self.fresh)
+            cands = self.candidates(req.model, excl, self.fresh)
             if not cands:
                 break
             d = self.policy.choose(cands, req, explain)
@@ -130,7 +195,7 @@ class Scheduler:
                 if est is None or not est < float("inf"):
                     est = u / self.default_rate
                 deadline = t + est
-            lease = Lease(h, self.seg, req.prompt_len, u, t, self.learn, deadline)
+            lease = Lease(h, self.seg, req.prompt_len, u, t, self.learn, deadline, self.health)
             if deadline is not None:
                 self.blind.add(lease)
             self.policy.on_dispatch(h.worker_id, req)
@@ -152,3 +217,97 @@ class Scheduler:
                 self.blind.discard(lease)
                 moved += 1
         return moved
+
+    # -- eligibility: the one definition (module docstring) -----------------------------------
+    def live(self, s: Any) -> bool:
+        """Slot READY with a fresh heartbeat (``heartbeat_age_ms`` is computed at read time)."""
+        return int(s.state) == READY and float(s.heartbeat_age_ms) <= self.registry.hb_timeout_ms
+
+    @staticmethod
+    def eligible_handle(h: WorkerHandle) -> bool:
+        """What this router process knows of ``h`` allows it: probes pass, not drained, breaker
+        closed or half-open with its probe free (slot state and heartbeat: :meth:`live`)."""
+        return h.probe_ok and not h.drained and h.breaker.available()
+
+    def candidates(self, model: str | None, exclude: set[int] | frozenset[int], fresh: bool | str) -> list[Any]:
+        """Snapshots of eligible workers for ``model``, ``exclude`` left out.
+
+        ``fresh``: ``True``/``"fresh"`` re-reads each slot now (load-aware baselines, ~5 µs per
+        slot); ``"cached"`` uses the last synced snapshot but still requires it READY and fresh
+        (round_robin/random: no load read, liveness as of the last tick, ≤ one health interval old);
+        ``False``/``"kernel"`` uses the last synced snapshot unchecked (the kernel re-reads state,
+        heartbeat and circuit of the live slot itself)."""
+        out = []
+        cached = fresh == "cached"
+        if fresh == "kernel" or cached:
+            fresh = False
+        seg = self.seg
+        for wid, h in self.registry.handles.items():
+            if wid in exclude or not self.eligible_handle(h) or not h.serves(model):
+                continue
+            if cached:
+                s = h.snap
+                if s is not None and self.live(s) and int(s.circuit) != 1:
+                    out.append(s)
+            elif fresh:
+                s = seg.read_slot(wid)
+                # circuit 1: another router process opened it (the kernel skips it too)
+                if not self.live(s) or s.endpoint != h.endpoint or int(s.circuit) == 1:
+                    continue
+                h.snap = s
+                out.append(s)
+            elif h.snap is not None and int(h.snap.state) != DEAD:
+                out.append(h.snap)
+        return out
+
+    def has_candidates(self, model: str | None, exclude: set[int] | frozenset[int]) -> bool:
+        """Would another worker be there for a retry (last synced snapshots)?"""
+        return bool(self.candidates(model, exclude, False))
+
+    def ready_handles(self) -> list[WorkerHandle]:
+        """Handles that are eligible right now as far as the last synced snapshot shows."""
+        return [h for h in self.registry.handles.values()
+                if h.snap is not None and self.live(h.snap) and self.eligible_handle(h)]
+
+    def models(self) -> list[str]:
+        """Models served by ready workers (sorted, empty names left out)."""
+        return sorted({h.model for h in self.ready_handles() if h.model})
+
+    def knows_model(self, model: str | None) -> bool:
+        """False only when ``model`` is named, some worker is live, and none serves it."""
+        handles = self.registry.handles
+        if model is None or not handles:
+            return True  # with no worker up the answer is 503, not "unknown model"
+        for h in handles.values():
+            if h.snap is not None and int(h.snap.state) in (READY, DRAINING) and h.serves(model):
+                return True
+        return False
+
+    def routing_state(self, h: WorkerHandle, snap: Any = None) -> str:
+        """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
+        the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
+        ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
+        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
+        fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
+        s = h.snap if snap is None else snap
+        if s is None:
+            return "unknown"
+        st = int(s.state)
+        if st != READY:
+            return STATE_NAMES.get(st, "unknown")
+        if not self.live(s):
+            return "stale"
+        if h.drained:
+            return "drained"
+        if not h.probe_ok:
+            return "unhealthy"
+        if not h.breaker.available():
+            return "circuit_open"
+        return "eligible"
+
+    def status_rows(self) -> list[dict[str, Any]]:
+        """``/dplb/status`` rows: :meth:`router.workers.Registry.status_rows` with this verdict."""
+        return self.registry.status_rows(self.routing_state)
+
+
+__all__ = ["HealthReporter", "Lease", "Scheduler"]

@@ -24,7 +24,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.errors import HeadersTooLarge, error_body
+from router.errors import HeadersTooLarge
+from router.protocol import error_body
 
 ENV_BYTES = "DPLB_ROUTER_MAX_HEADER_BYTES"
 ENV_COUNT = "DPLB_ROUTER_MAX_HEADERS"

@@ -1,4 +1,4 @@
-"""Forwarding over Unix sockets (local agents) or TCP (remote agents), behind two methods.
+"""Forwarding to engines over Unix sockets or TCP, behind two methods: a small HTTP/1.1 client.
 
     t = Transport(connect_timeout_s=2, first_byte_timeout_s=600, idle_timeout_s=120)
     up = await t.send(endpoint, "POST", "/v1/chat/completions", headers, body)   # after the response head
@@ -8,34 +8,48 @@
     up.release()            # always (returns or drops the pooled connection)
     await t.close()
 
-Two timeouts, measured by the router itself (not aiohttp's ``sock_read``, which would apply one
-value to both): the **first-byte** timeout runs from dispatch until the first body byte (the
-response head and a stream's first token after the prefill, or a whole non-streamed generation)
-and the **idle** timeout bounds every gap between two later body chunks.
+Why not aiohttp (the first client): profiled under load (``bench/results/router_profile.md``),
+aiohttp's ``ClientSession._request`` machinery (URL building, auto headers, payload objects,
+timers, stream reader) took about a fifth of the router's CPU per request. This client is one
+``asyncio.Protocol`` per pooled connection with httptools' C parser (already a dependency of
+uvicorn): the request goes out in one ``write``; the parser's callbacks collect the head and the
+(de-chunked) body; the reader is woken once per network read, and everything that arrived by then
+is handed on at once. The measurement that chose it is in ``bench/results/router_profile.md``.
 
-One pooled ``aiohttp.ClientSession`` per endpoint (``aiohttp.UnixConnector`` for a path, a TCP
-connector for ``host:port``), created on first use. Bodies and headers are forwarded byte for
-byte: no auto headers (User-Agent, Content-Type, Accept-Encoding) are added and responses are not
-decompressed. Hop-by-hop headers (RFC 9110 §7.6.1) are dropped both ways.
+Two timeouts, measured here (not per socket read): the **first-byte** timeout runs from dispatch
+until the first body byte (the response head and a stream's first token after the prefill, or a
+whole non-streamed generation) and the **idle** timeout bounds every gap between two later body
+chunks.
 
-Failures raise :class:`router.errors.TransportError` with ``kind`` ``connect``/``timeout``
-before the response head, ``timeout`` (first byte or idle gap) or ``stream_broken`` while reading
-the body. Route handlers never see aiohttp objects.
+Connections are pooled per endpoint (a socket path, or ``host:port``), reused last-in first-out,
+and dropped after ``keepalive_s`` idle (4 s: below the 5 s keep-alive of uvicorn-based engines,
+so the engine never closes a connection we are about to reuse). Bodies and headers are forwarded
+byte for byte; hop-by-hop headers (:data:`router.protocol.HOP_BY_HOP`) are dropped both ways and
+``host``/``content-length`` recomputed. Dropping a connection (:meth:`Upstream.release` with
+``abort``, or the client leaving) is how the engine learns to abort the generation.
+
+Failures raise :class:`router.errors.TransportError`: ``connect`` before the response head
+(``refused`` when nothing accepted the connection; ``unsent`` when the peer reset it or the pipe
+broke before any response byte: it never read the request), ``timeout``, or ``stream_broken``
+while reading the body. Route handlers never see sockets.
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-import aiohttp
+import httptools
 
 from router.errors import TransportError
+from router.protocol import HOP_BY_HOP
 
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
-_SKIP_AUTO = frozenset({"User-Agent", "Content-Type", "Accept-Encoding", "Accept"})
+#: pause reading a connection once this many body bytes wait for the relay (flow control)
+HIGH_WATER = 1 << 20
+_UNREAD = (errno.ECONNRESET, errno.EPIPE)
 
 
 def endpoint_url(endpoint: str) -> str:
@@ -49,70 +63,219 @@ def endpoint_url(endpoint: str) -> str:
     return f"http://{host}:{port}"
 
 
+class _Conn(asyncio.Protocol):
+    """One pooled HTTP/1.1 connection; one response at a time. The parser's callbacks fill
+    ``status``/``headers``, then ``body`` (bytes not yet taken by the reader); ``waiter`` is the
+    future the reader sleeps on."""
+
+    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "idle_since", "keep", "last_rx",
+                 "lost", "parser", "paused", "status", "timer", "transport", "waiter")
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.parser: Any = None
+        self.waiter: asyncio.Future[bool | None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.last_rx = 0.0
+        self.lost = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.head_done = False
+        self.done = False
+        self.keep = False
+        self.got_any = False
+        self.error: BaseException | None = None
+        self.paused = False
+
+    def start(self) -> None:
+        """A new request goes out on this connection: a fresh parser and state."""
+        self._reset()
+        self.parser = httptools.HttpResponseParser(self)
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.got_any = True
+        self.last_rx = time.monotonic()   # the idle timer measures gaps from here
+        p = self.parser
+        if p is None:   # bytes while idle: the peer is confused; never reuse this connection
+            self.transport.close()
+            return
+        try:
+            p.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.error = e
+            self.transport.close()
+        self._wake()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        if not self.done and self.error is None:
+            self.error = exc if exc is not None else ConnectionResetError("connection closed by the worker")
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        try:
+            if self.parser is not None:
+                self.parser.feed_data(b"")   # a body delimited by the connection's end completes here
+        except httptools.HttpParserError:
+            pass
+        return None
+
+    # -- httptools callbacks ---------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self.keep = self.parser.should_keep_alive()   # read now: the parser forgets it after the message
+        self.done = True
+
+    # -- reader side ------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def take(self) -> bytes:
+        """Every body byte that arrived so far (b"" when none)."""
+        b = self.body
+        if not b:
+            return b""
+        data = b[0] if len(b) == 1 else b"".join(b)
+        b.clear()
+        self.buffered = 0
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Sleep until the next network event; False when ``timeout`` (s) passed first."""
+        loop = asyncio.get_running_loop()
+        w = self.waiter = loop.create_future()
+        h = loop.call_later(timeout, _expire, w) if timeout is not None else None
+        try:
+            await w
+            return w.result() is None
+        finally:
+            self.waiter = None
+            if h is not None:
+                h.cancel()
+
+    async def wait_idle(self, idle_s: float) -> bool:
+        """Sleep until the next network event; False when no byte arrived for ``idle_s`` seconds.
+        One timer serves a whole stream (re-armed only when it fires early), not one per chunk."""
+        loop = asyncio.get_running_loop()
+        w = self.waiter = loop.create_future()
+        if self.timer is None:
+            self.timer = loop.call_later(idle_s, self._idle_check, idle_s)
+        try:
+            await w
+            return w.result() is None
+        finally:
+            self.waiter = None
+
+    def _idle_check(self, idle_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        left = self.last_rx + idle_s - time.monotonic()
+        if left > 0:
+            self.timer = loop.call_later(left, self._idle_check, idle_s)
+            return
+        self.timer = None
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(False)
+
+    def stop_timer(self) -> None:
+        """The response ended (or was dropped): no idle timer any more."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+def _expire(w: asyncio.Future[Any]) -> None:
+    if not w.done():
+        w.set_result(False)
+
+
 class Upstream:
     """A worker's response after its head arrived. ``status`` int; ``headers``: list of
     (name, value) bytes pairs without hop-by-hop ones (names lower-case); ``is_stream``: SSE or
     chunked without length. Call :meth:`release` exactly once (``read`` does it for you).
-    ``on_done`` is called once, when the response is released (the transport's in-use count).
     ``deadline``: event-loop time (s) by which the first body byte must arrive; ``idle_s``: the
     longest gap (s) between two later chunks."""
 
-    __slots__ = ("_first", "_on_done", "_resp", "deadline", "endpoint", "headers", "idle_s", "is_stream",
+    __slots__ = ("_conn", "_first", "_on_done", "_pool", "deadline", "endpoint", "headers", "idle_s", "is_stream",
                  "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, endpoint: str, on_done: Callable[[], None] | None = None,
+    def __init__(self, conn: _Conn, pool: _Pool, endpoint: str, on_done: Callable[[], None] | None = None,
                  deadline: float | None = None, idle_s: float | None = None) -> None:
-        self._resp = resp
+        self._conn = conn
+        self._pool: _Pool | None = pool
         self._on_done = on_done
         self.endpoint = endpoint
-        self.status = resp.status
+        self.status = conn.status
         self.deadline = deadline
         self.idle_s = idle_s
         self._first = True
         hs = []
         stream = False
         has_len = False
-        for k, v in resp.raw_headers:
-            lk = k.lower()
-            if lk == b"content-length":
+        for k, v in conn.headers:
+            if k == b"content-length":
                 has_len = True
-            if lk in HOP_BY_HOP:
+            if k in HOP_BY_HOP:
                 continue
-            if lk == b"content-type" and v.startswith(b"text/event-stream"):
+            if k == b"content-type" and v.startswith(b"text/event-stream"):
                 stream = True
-            hs.append((lk, v))
+            hs.append((k, v))
         self.headers = hs
         self.is_stream = stream or not has_len
 
     async def _next(self) -> bytes:
         """The next body bytes (b"" at the end), within the first-byte deadline for the first read
         and the idle timeout for later ones. Raises TransportError (timeout / stream_broken)."""
-        content = self._resp.content
-        try:
-            while True:
-                data = content.read_nowait(-1)
-                if not data:
-                    if content.is_eof():
-                        self._first = False
-                        return b""
-                    if self._first:
-                        wait = None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
-                        what = "first byte"
-                    else:
-                        wait, what = self.idle_s, "idle gap between chunks"
-                    try:
-                        async with asyncio.timeout(wait):
-                            data = await content.readany()
-                    except TimeoutError:
-                        self._resp.close()
-                        raise TransportError("timeout", self.endpoint, f"no {what} within the timeout") from None
-                    if not data and not content.is_eof():
-                        continue
+        c = self._conn
+        while True:
+            data = c.take()
+            if data:
                 self._first = False
                 return data
-        except (aiohttp.ClientError, ConnectionError) as e:
-            self._resp.close()
-            raise TransportError("stream_broken", self.endpoint, repr(e)) from None
+            if c.done:
+                self._first = False
+                return b""
+            if c.error is not None:
+                c.transport.close()
+                raise TransportError("stream_broken", self.endpoint, repr(c.error))
+            if self._first:
+                wait = None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
+                if (wait is not None and wait <= 0) or not await c.wait(wait):
+                    c.transport.close()
+                    raise TransportError("timeout", self.endpoint, "no first byte within the timeout")
+            elif self.idle_s is None:
+                await c.wait(None)
+            elif not await c.wait_idle(self.idle_s):
+                c.transport.close()
+                raise TransportError("timeout", self.endpoint, "no idle gap between chunks within the timeout")
 
     async def first_chunk(self) -> bytes:
         """The first body bytes (b"" for an empty body), waited for until the first-byte deadline.
@@ -133,14 +296,10 @@ class Upstream:
         finally:
             self.release()
 
-    def _done(self) -> None:
-        cb, self._on_done = self._on_done, None
-        if cb is not None:
-            cb()
-
     async def chunks(self) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive (no re-framing); raises TransportError on a broken or
-        stalled stream (kind ``timeout`` when a gap exceeded the idle timeout)."""
+        """Body chunks as they arrive (everything that arrived by one wake-up at once; no
+        re-framing); raises TransportError on a broken or stalled stream (kind ``timeout`` when a
+        gap exceeded the idle timeout)."""
         while True:
             chunk = await self._next()
             if not chunk:
@@ -149,130 +308,191 @@ class Upstream:
 
     def complete(self) -> bool:
         """True when the whole body was received (the connection can be reused)."""
-        return self._resp.content.is_eof()
+        return self._conn.done
 
     def release(self, abort: bool = False) -> None:
-        """Give the connection back to the pool, or close it (``abort``: client left mid-stream,
-        which also tells the worker to stop generating). Idempotent."""
-        if abort or not self._resp.content.is_eof():
-            self._resp.close()
+        """Give the connection back to the pool, or close it (``abort``: the client left
+        mid-stream, which also tells the engine to stop generating). Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        c = self._conn
+        c.stop_timer()
+        if abort or not c.done or c.error is not None or not c.keep:
+            c.transport.close()
         else:
-            self._resp.release()
-        self._done()
+            pool.put(c)
+        cb, self._on_done = self._on_done, None
+        if cb is not None:
+            cb()
+
+
+class _Pool:
+    """Idle keep-alive connections of one endpoint (LIFO)."""
+
+    __slots__ = ("_tcp_host", "closed", "endpoint", "host", "idle", "keepalive_s", "path", "port")
+
+    def __init__(self, endpoint: str, keepalive_s: float) -> None:
+        self.endpoint = endpoint
+        self.keepalive_s = keepalive_s
+        self.idle: deque[_Conn] = deque()
+        self.closed = False
+        self._tcp_host = ""
+        if endpoint.startswith("/"):
+            self.path: str | None = endpoint
+            self.host = b"localhost"
+            self.port = 0
+        else:
+            self.path = None
+            h, _, p = endpoint.rpartition(":")
+            self.host = endpoint.encode("latin-1")
+            self.port = int(p)
+            self._tcp_host = h.strip("[]")
+
+    def get(self) -> _Conn | None:
+        now = time.monotonic()
+        idle = self.idle
+        while idle:
+            c = idle.pop()
+            if c.lost or c.transport.is_closing() or now - c.idle_since > self.keepalive_s:
+                c.transport.close()
+                continue
+            return c
+        return None
+
+    def put(self, c: _Conn) -> None:
+        c.parser = None
+        if self.closed:   # the worker left meanwhile: its connections go
+            c.transport.close()
+            return
+        c.idle_since = time.monotonic()
+        self.idle.append(c)
+
+    async def connect(self, timeout: float) -> _Conn:
+        loop = asyncio.get_running_loop()
+        if self.path is not None:
+            coro = loop.create_unix_connection(_Conn, self.path)
+        else:
+            coro = loop.create_connection(_Conn, self._tcp_host, self.port)
+        _, c = await asyncio.wait_for(coro, timeout)
+        sock = c.transport.get_extra_info("socket")
+        if self.path is None and sock is not None:
+            import socket as _socket
+
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+        return c
+
+    def close(self) -> None:
+        self.closed = True
+        while self.idle:
+            self.idle.pop().transport.close()
 
 
 class Transport:
-    """Pooled HTTP/1.1 forwarding to workers; see the module docstring.
+    """Pooled HTTP/1.1 forwarding to engines; see the module docstring.
 
     ``connect_timeout_s``: connect timeout (s); ``first_byte_timeout_s``: longest wait (s) from
     sending a request until the first body byte; ``idle_timeout_s``: longest gap (s) between two
-    later body chunks; ``limit_per_endpoint``: pooled connections per worker (0 = no limit).
+    later body chunks; ``keepalive_s``: idle pooled connections are dropped after this long.
     """
 
     def __init__(self, connect_timeout_s: float = 2.0, first_byte_timeout_s: float = 600.0,
-                 idle_timeout_s: float = 120.0, limit_per_endpoint: int = 0) -> None:
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout_s,
-                                             sock_read=None)
+                 idle_timeout_s: float = 120.0, keepalive_s: float = 4.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.limit = limit_per_endpoint
-        self._sessions: dict[str, tuple[aiohttp.ClientSession, str]] = {}
-        # responses not yet released, per session; sessions of departed workers close when theirs hit 0
-        self._active: dict[int, int] = {}
-        self._retired: dict[int, aiohttp.ClientSession] = {}
-        self._closing: set[asyncio.Task] = set()
+        self.keepalive_s = keepalive_s
+        self._pools: dict[str, _Pool] = {}
 
-    def _session(self, endpoint: str) -> tuple[aiohttp.ClientSession, str]:
-        s = self._sessions.get(endpoint)
-        if s is None or s[0].closed:
-            if endpoint.startswith("/"):
-                conn: aiohttp.BaseConnector = aiohttp.UnixConnector(path=endpoint, limit=self.limit,
-                                                                    keepalive_timeout=30)
-            else:
-                conn = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=30, ttl_dns_cache=300)
-            sess = aiohttp.ClientSession(connector=conn, timeout=self.timeout, auto_decompress=False,
-                                         skip_auto_headers=_SKIP_AUTO, cookie_jar=aiohttp.DummyCookieJar())
-            s = self._sessions[endpoint] = (sess, endpoint_url(endpoint))
-        return s
+    def _pool(self, endpoint: str) -> _Pool:
+        p = self._pools.get(endpoint)
+        if p is None:
+            p = self._pools[endpoint] = _Pool(endpoint, self.keepalive_s)
+        return p
 
-    async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[str, str]],
+    async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
                    body: bytes | None, timeout_s: float | None = None) -> Upstream:
-        """Send one request (``path`` includes any query string) and return once the head is in.
+        """Send one request (``path`` includes any query string; ``headers`` lower-case byte
+        pairs, hop-by-hop ones already dropped) and return once the head is in.
 
         The head must arrive within the first-byte timeout (``timeout_s``, when given, bounds the
-        whole request instead: health probes and control calls). Raises TransportError
-        (``connect``, with ``refused`` when nothing accepted the connection, or ``timeout``)."""
-        sess, base = self._session(endpoint)
-        kw: dict[str, Any] = {}
+        head instead and the body's gaps too: health probes and control calls). Raises
+        TransportError (``connect``, with ``refused`` when nothing accepted the connection and
+        ``unsent`` when the worker never read the request, or ``timeout``)."""
         loop = asyncio.get_running_loop()
         if timeout_s is not None:
-            kw["timeout"] = aiohttp.ClientTimeout(total=timeout_s)
-            deadline = None
+            deadline = loop.time() + timeout_s
         else:
             deadline = loop.time() + self.first_byte_timeout_s
+        pool = self._pool(endpoint)
+        c = pool.get()
+        if c is None:
+            try:
+                c = await pool.connect(min(self.connect_timeout_s, max(0.0, deadline - loop.time())))
+            except TimeoutError as e:
+                err = TransportError("connect", endpoint, f"no connection within the connect timeout ({e!r})")
+                err.refused = err.unsent = True   # nothing was sent: the worker is unreachable
+                raise err from None
+            except OSError as e:
+                # nothing listens (socket file gone, port closed): the worker is down, not slow
+                err = TransportError("connect", endpoint, repr(e))
+                err.refused = err.unsent = True
+                raise err from None
+        c.start()
+        body = body or b""
+        parts = [method.encode("latin-1"), b" ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", pool.host,
+                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        for k, v in headers:
+            parts += (k, b": ", v, b"\r\n")
+        parts.append(b"\r\n")
+        parts.append(body)
+        c.transport.write(b"".join(parts))
         try:
-            async with asyncio.timeout_at(deadline):
-                resp = await sess.request(method, base + path, data=body, headers=list(headers),
-                                          allow_redirects=False, compress=None, **kw)
-        except aiohttp.ConnectionTimeoutError as e:
-            # no connection within connect_timeout_s: nothing was sent, the worker is unreachable
-            err = TransportError("connect", endpoint, repr(e))
-            err.refused = True
-            raise err from None
-        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
-            raise TransportError("timeout", endpoint, f"no response head within the timeout ({e!r})") from None
-        except (aiohttp.ClientError, ConnectionError, OSError) as e:
-            err = TransportError("connect", endpoint, repr(e))
-            # nothing listens (socket file gone, port closed): the worker is down, not slow
-            err.refused = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError))
-            # reset / broken pipe before any response byte: the request reached a socket its process
-            # no longer reads (a pooled connection of a worker that just died): it never saw it
-            err.unsent = err.refused or getattr(e, "errno", None) in (errno.ECONNRESET, errno.EPIPE)
-            raise err from None
-        key = id(sess)
-        self._active[key] = self._active.get(key, 0) + 1
-        return Upstream(resp, endpoint, lambda: self._finished(key), deadline,
-                        None if timeout_s is not None else self.idle_timeout_s)
-
-    def _finished(self, key: int) -> None:
-        n = self._active.get(key, 1) - 1
-        if n > 0:
-            self._active[key] = n
-            return
-        self._active.pop(key, None)
-        sess = self._retired.pop(key, None)
-        if sess is not None:
-            t = asyncio.get_running_loop().create_task(sess.close())
-            self._closing.add(t)
-            t.add_done_callback(self._closing.discard)
+            while not c.head_done:
+                if c.error is not None:
+                    cause = c.error
+                    err = TransportError("connect", endpoint, repr(cause))
+                    # reset / broken pipe before any response byte: the request reached a socket its
+                    # process no longer reads (a pooled connection of a worker that just died)
+                    err.unsent = not c.got_any and getattr(cause, "errno", None) in _UNREAD
+                    raise err
+                left = deadline - loop.time()
+                if left <= 0 or not await c.wait(left):
+                    raise TransportError("timeout", endpoint, "no response head within the timeout")
+        except BaseException:
+            c.transport.close()   # cancelled (the client left), timed out or broken: the engine must stop
+            raise
+        return Upstream(c, pool, endpoint, None, deadline if timeout_s is None else None,
+                        timeout_s if timeout_s is not None else self.idle_timeout_s)
 
     async def get(self, endpoint: str, path: str, timeout_s: float, method: str = "GET") -> tuple[int, bytes]:
         """Small control request (probes, state mirroring, an agent's ``POST /dplb/restart``):
         ``(status, body)`` within ``timeout_s`` seconds. Raises TransportError."""
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + timeout_s
         up = await self.send(endpoint, method, path, (), None, timeout_s=timeout_s)
+        up.deadline = t_end
+        up.idle_s = max(0.0, t_end - loop.time())
         try:
-            async with asyncio.timeout(timeout_s):
-                body = await up.read()
-        except TimeoutError:
-            up.release(abort=True)
-            raise TransportError("timeout", endpoint, "reading body") from None
+            body = await up.read()
+        except TransportError as e:
+            if e.kind == "timeout":
+                raise TransportError("timeout", endpoint, "reading body") from None
+            raise
         return up.status, body
 
     async def forget(self, endpoint: str) -> None:
-        """Close the pool of a worker that left (removed, restarted, gone). Requests still in flight
-        on it keep their connections: the pool closes when the last of them is released (closing it
-        under a live stream would cut — or hang — a request the worker is still answering)."""
-        s = self._sessions.pop(endpoint, None)
-        if s is None:
-            return
-        if self._active.get(id(s[0])):
-            self._retired[id(s[0])] = s[0]
-        else:
-            await s[0].close()
+        """Close the idle connections of a worker that left (removed, restarted, gone). Requests
+        still in flight keep theirs: each is closed when released (its pool is gone)."""
+        p = self._pools.pop(endpoint, None)
+        if p is not None:
+            p.close()
 
     async def close(self) -> None:
         """Close every pooled connection."""
-        sessions, self._sessions = list(self._sessions.values()), {}
-        retired, self._retired = list(self._retired.values()), {}
-        for s in [x for x, _ in sessions] + retired:
-            await s.close()
+        pools, self._pools = list(self._pools.values()), {}
+        for p in pools:
+            p.close()
+
+
+__all__ = ["HIGH_WATER", "Transport", "TransportError", "Upstream", "endpoint_url"]

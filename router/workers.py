@@ -2,13 +2,11 @@
 
 Snapshot vs handle (STYLE.md): the segment holds the *shared* truth (state, heartbeat, queue,
 KV use, router in-flight); a :class:`WorkerHandle` holds what is local to this router process —
-probe results, the circuit breaker, admin drain, this process's in-flight count, and the last
-snapshot read (used for listings and as a hint, never for liveness).
-
-A worker is *router-eligible* when: its slot is READY, its heartbeat is younger than
-``heartbeat_timeout_ms``, its probes have not failed ``max_failures`` times in a row, it is not
-drained or removed by an admin, its breaker lets requests through, it serves the requested model
-(or announces none), and this request has not already tried it.
+the worker's two addresses (``endpoint``: the engine, where requests go; ``control``: its agent),
+probe results (written by the health monitor only), the circuit breaker, admin drain, this
+process's in-flight count, and the last snapshot read (used for listings and as a hint, never for
+liveness). Which workers may take a request is decided in one place, the scheduler
+(:mod:`router.scheduling`); the registry only keeps the handles in step with the segment.
 
 Every slot that is not EMPTY (and not removed by an admin) has a handle, DEAD and STARTING ones
 included, so that listings and metrics show a dead worker as dead rather than dropping it. A
@@ -36,6 +34,7 @@ class WorkerHandle:
 
     __slots__ = (
         "breaker",
+        "control",
         "drained",
         "endpoint",
         "last_head_at",
@@ -50,9 +49,13 @@ class WorkerHandle:
         "worker_id",
     )
 
-    def __init__(self, worker_id: int, endpoint: str, model: str, breaker: CircuitBreaker, pid: int = 0) -> None:
+    def __init__(self, worker_id: int, endpoint: str, model: str, breaker: CircuitBreaker, pid: int = 0,
+                 control: str = "") -> None:
         self.worker_id = worker_id
+        #: the engine's address: requests are forwarded here (one hop), probes go here too
         self.endpoint = endpoint
+        #: the agent's control address (``/dplb/state``, ``/dplb/restart``); the endpoint when it has none
+        self.control = control or endpoint
         self.model = model
         self.breaker = breaker
         self.probe_failures = 0
@@ -69,9 +72,6 @@ class WorkerHandle:
         """True when this worker can serve ``model`` (None = any; an empty worker model = any)."""
         return model is None or not self.model or self.model == model
 
-    def router_eligible(self) -> bool:
-        """Probes, admin and breaker allow it (slot state/heartbeat are checked elsewhere)."""
-        return self.probe_ok and not self.drained and self.breaker.available()
 
 
 class Registry:
@@ -83,8 +83,11 @@ class Registry:
 
     def __init__(self, seg: Any, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
                  on_circuit: Callable[[int, int], None] | None = None,
-                 on_reset: Callable[[int], None] | None = None) -> None:
+                 on_reset: Callable[[int], None] | None = None,
+                 is_mirror: Callable[[str], bool] | None = None) -> None:
         self.seg = seg
+        #: is this control address a remote agent this router mirrors? (the ``remote`` column)
+        self.is_mirror = is_mirror
         self.cfg = cfg
         self.handles: dict[int, WorkerHandle] = {}
         self.on_leave = on_leave
@@ -93,6 +96,17 @@ class Registry:
         self.drained: set[int] = set()
         self.removed: set[int] = set()
         self.hb_timeout_ms = float(cfg.health_check.heartbeat_timeout_ms)
+        self._generation = -1
+
+    def refresh(self) -> None:
+        """Reconcile the handles with the segment now (cheap enough to call on demand)."""
+        self._generation = self.seg.generation
+        self.sync(self.seg.snapshot())
+
+    def refresh_if_changed(self) -> None:
+        """Reconcile only when the segment's membership generation moved (hot path: one load)."""
+        if self.seg.generation != self._generation:
+            self.refresh()
 
     def _breaker(self, wid: int) -> CircuitBreaker:
         cb = self.cfg.circuit_breaker
@@ -121,10 +135,13 @@ class Registry:
                 h = None
             restarts = int(getattr(s, "restarts", 0) or 0)
             if h is None:
-                h = self.handles[wid] = WorkerHandle(wid, s.endpoint, s.model, self._breaker(wid), s.pid)
+                h = self.handles[wid] = WorkerHandle(wid, s.endpoint, s.model, self._breaker(wid), s.pid,
+                                                     getattr(s, "control", ""))
             elif restarts != h.restarts or (st == DEAD and h.snap is not None and int(h.snap.state) != DEAD):
                 self._reset(h)
             h.restarts = restarts
+            if self.is_mirror is not None:
+                h.mirror = self.is_mirror(h.control)
             h.model = s.model
             h.snap = s
             h.drained = wid in self.drained
@@ -145,84 +162,12 @@ class Registry:
         if self.on_leave is not None:
             self.on_leave(h.worker_id, h.endpoint)
 
-    def live(self, s: Any, now_ns: int | None = None) -> bool:
-        """Slot READY with a fresh heartbeat (``heartbeat_age_ms`` is computed at read time)."""
-        return int(s.state) == READY and float(s.heartbeat_age_ms) <= self.hb_timeout_ms
-
-    def candidates(self, model: str | None, exclude: set[int] | frozenset[int], fresh: bool | str) -> list[Any]:
-        """Snapshots of router-eligible workers.
-
-        ``fresh``: ``True``/``"fresh"`` re-reads each slot now (load-aware baselines, ~5 µs per
-        slot); ``"cached"`` uses the last synced snapshot but still requires it READY and fresh
-        (round_robin/random: no load read, liveness as of the last tick, ≤ one health interval old);
-        ``False``/``"kernel"`` uses the last synced snapshot unchecked (the kernel re-reads state,
-        heartbeat and circuit of the live slot itself)."""
-        out = []
-        cached = fresh == "cached"
-        if fresh == "kernel" or cached:
-            fresh = False
-        for wid, h in self.handles.items():
-            if wid in exclude or not h.router_eligible() or not h.serves(model):
-                continue
-            if cached:
-                s = h.snap
-                if s is not None and self.live(s) and int(s.circuit) != 1:
-                    out.append(s)
-            elif fresh:
-                s = self.seg.read_slot(wid)
-                # circuit 1: another router process opened it (the kernel skips it too)
-                if not self.live(s) or s.endpoint != h.endpoint or int(s.circuit) == 1:
-                    continue
-                h.snap = s
-                out.append(s)
-            elif h.snap is not None and int(h.snap.state) != DEAD:
-                out.append(h.snap)
-        return out
-
-    def ready_handles(self) -> list[WorkerHandle]:
-        """Handles that are eligible right now as far as the last synced snapshot shows."""
-        return [h for h in self.handles.values() if h.snap is not None and self.live(h.snap) and h.router_eligible()]
-
-    def models(self) -> list[str]:
-        """Models served by ready workers (sorted, empty names left out)."""
-        return sorted({h.model for h in self.ready_handles() if h.model})
-
-    def knows_model(self, model: str | None) -> bool:
-        """False only when ``model`` is named, some worker is live, and none serves it."""
-        if model is None or not self.handles:
-            return True  # with no worker up the answer is 503, not "unknown model"
-        for h in self.handles.values():
-            if h.snap is not None and int(h.snap.state) in (READY, DRAINING) and h.serves(model):
-                return True
-        return False
-
-    def routing_state(self, h: WorkerHandle, snap: Any = None) -> str:
-        """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
-        the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
-        ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
-        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
-        fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
-        s = h.snap if snap is None else snap
-        if s is None:
-            return "unknown"
-        st = int(s.state)
-        if st != READY:
-            return STATE_NAMES.get(st, "unknown")
-        if not self.live(s):
-            return "stale"
-        if h.drained:
-            return "drained"
-        if not h.probe_ok:
-            return "unhealthy"
-        if not h.breaker.available():
-            return "circuit_open"
-        return "eligible"
-
-    def status_rows(self) -> list[dict[str, Any]]:
+    def status_rows(self, routing_state: Callable[[WorkerHandle], str]) -> list[dict[str, Any]]:
         """Per-worker rows of ``GET /dplb/status`` and ``GET /dplb/workers``: every slot that is
         not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
-        ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict
-        (:meth:`routing_state`); ``restarts``, ``last_exit_code``, ``state_reason`` and
+        ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict (``routing_state``, the
+        scheduler's); ``endpoint`` the engine's address, ``control`` the agent's;
+        ``restarts``, ``last_exit_code``, ``state_reason`` and
         ``restart_in_s`` (seconds until the agent's next engine restart, None when none is
         scheduled) come from the slot."""
         from dplb_shm import now_ns
@@ -233,13 +178,13 @@ class Registry:
         for wid in sorted(self.handles):
             h = self.handles[wid]
             s = h.snap
-            routing = self.routing_state(h)
+            routing = routing_state(h)
             st = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
             reason = getattr(s, "state_reason", None)
             nxt = int(getattr(s, "next_restart_ns", 0) or 0)
             rows.append({
                 "id": wid, "worker_id": wid, "state": st, "eligible": routing == "eligible", "routing": routing,
-                "drained": h.drained, "endpoint": h.endpoint, "model": h.model, "remote": h.mirror,
+                "drained": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
                 "pid": getattr(s, "pid", None),
                 "inflight": getattr(s, "inflight", None), "router_inflight": getattr(s, "router_inflight", None),
                 "local_inflight": h.local_inflight,

@@ -1,36 +1,46 @@
-"""The agent: claims its slot, runs the engine through an adapter, serves the relay, keeps the slot true.
+"""The agent: claims its slot, keeps the engine, keeps the slot true. It is not on the request path.
+
+One hop: the slot's ``endpoint`` is the **engine's own address** (a Unix socket for the simulated
+engine and vLLM, loopback TCP for SGLang and attached servers, TCP on ``--engine-host`` for a remote
+node's engine) and routers forward every request straight to it; the agent never sees a request.
+Its ``control`` address (``--uds``, and TCP with ``--control-port``) serves a small control API:
+``GET /health``, ``GET /dplb/state`` (the slot as JSON: what a remote node's routers mirror) and
+``POST /dplb/restart``; anything else is 404 naming the engine's address.
 
 Lifecycle written to the slot::
 
     claim ─► STARTING ──engine healthy + warm-up answered──► READY ──SIGTERM──► DRAINING ──► EMPTY
-               ▲ │                                             │                 (in-flight done
-               │ └──────────── engine exits / fails ──────────►┴──► DEAD          or deadline)
+               ▲ │                                             │                 (router in-flight
+               │ └──────────── engine exits / fails ──────────►┴──► DEAD          0, or deadline)
                └──── backoff elapsed (restart n) ◄─────────────────── │
                                                                        └─ too many failures: DEAD
                                                                           (gave_up) until an admin
                                                                           restart
 
 - DEAD: the engine exited unexpectedly or never became ready. The agent logs the exit code and
-  the last lines of the engine's log, keeps running, heartbeating and answering 503 so routers
-  see the state, and restarts the engine after an exponential backoff (``--restart-backoff``,
-  doubled per failure up to ``--restart-backoff-max``). At most ``--restart-max`` failures are
-  restarted within ``--restart-window`` seconds; one more leaves the slot DEAD with reason
-  ``gave_up`` until ``POST /dplb/restart``. The slot carries ``restarts``, ``last_exit_code``,
-  ``state_reason`` and ``next_restart_ns`` so every router, the launcher and ``dplb-shm-dump``
-  see the history. SIGTERM ends the agent from any state (EMPTY).
-- ``POST /dplb/restart`` (control path on the agent's socket; the router's admin API calls it):
-  stop taking requests (STARTING, reason ``admin_restart``), let in-flight ones finish (up to
-  ``--drain-timeout``), stop the engine and start it again; also lifts a ``gave_up``. 202 at once.
-- DRAINING: new requests get 503 with ``Retry-After``; in-flight ones run to completion until
+  the last lines of the engine's log, keeps running and heartbeating so routers see the state,
+  and restarts the engine after an exponential backoff (``--restart-backoff``, doubled per failure
+  up to ``--restart-backoff-max``). At most ``--restart-max`` failures are restarted within
+  ``--restart-window`` seconds; one more leaves the slot DEAD with reason ``gave_up`` until
+  ``POST /dplb/restart``. The slot carries ``restarts``, ``last_exit_code``, ``state_reason`` and
+  ``next_restart_ns`` so every router, the launcher and ``dplb-shm-dump`` see the history.
+  SIGTERM ends the agent from any state (EMPTY).
+- ``POST /dplb/restart`` (the router's admin API calls it): stop taking requests (STARTING,
+  reason ``admin_restart``), let in-flight ones finish (up to ``--drain-timeout``), stop the
+  engine and start it again; also lifts a ``gave_up``. 202 at once.
+- DRAINING: routers stop sending (the kernel routes READY slots only); the agent waits until the
+  requests in flight on its engine are done — it reads them from the slot's **router line**
+  (``router_inflight``: every router process's dispatches not yet finished, an atomic the routers'
+  leases keep), so it needs no place on the request path to count them — up to
   ``--drain-timeout``; then the engine is stopped, the slot released (EMPTY) and the agent exits 0.
 
-Slot updates (one writer: this process, from its event loop thread only):
-
-- every request start/finish, immediately: in-flight count, queued prompt tokens + prompt-length
-  histogram, latency windows (TTFT/TPOT/e2e), completed/failed counters — so a burst is visible
-  to routers before the next state tick;
-- every ``--state-interval-ms``: engine running/waiting/KV usage from its ``/metrics`` (a separate
-  loop, so a slow scrape never delays the heartbeat), NVML memory of the agent's GPUs, heartbeat.
+Slot updates (one writer: this process, from its event loop thread only), every
+``--state-interval-ms``: engine running/waiting/KV usage from its ``/metrics`` (a separate loop, so
+a slow scrape never delays the heartbeat), the engine's own latency histograms (TTFT, inter-token,
+end-to-end: the mean of what finished since the last scrape becomes one sample of the slot's
+windows) and finished-request counter (``completed``), NVML memory of the agent's GPUs, the router
+in-flight count as of this tick (``inflight``), heartbeat. Per-request accounting (in flight,
+outstanding prefill, decoding requests, the routers' TTFT/TPOT) is the routers' own, in the router line.
 """
 from __future__ import annotations
 
@@ -51,20 +61,13 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from dplb_shm import Segment, StateReason, WorkerState, now_ns
+from router.protocol import error_body
 
 from .adapters import EngineAdapter, build_adapter
 from .config import AgentConfig
-from .errors import (
-    AgentError,
-    EngineExitedError,
-    NotReadyError,
-    QueueFullError,
-    UpstreamError,
-)
+from .errors import AgentError, EngineExitedError, UpstreamError
 from .metrics import EngineMetrics
 from .nvml import GpuMemoryProbe
-from .relay import RelayApp
-from .upstream import Upstream
 
 log = logging.getLogger("worker_agent")
 
@@ -101,6 +104,21 @@ def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
         os.umask(old)
     os.chmod(path, mode)
     sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def bind_tcp_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (the control API for remote routers)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(128)
     sock.setblocking(False)
     return sock
 
@@ -182,58 +200,48 @@ class Agent:
         self.writer = self.segment.writer(cfg.worker_id, latency_window_s=cfg.latency_window_s)
         self.nvml = nvml or GpuMemoryProbe(cfg.gpus)
         self.state = WorkerState.EMPTY
-        self.inflight = 0
         self.exit_code: int | None = None
         self.restarts = 0
         self.restart_policy = RestartPolicy(cfg.restart_max, cfg.restart_window_s, cfg.restart_backoff_s,
                                             cfg.restart_backoff_max_s)
         self._restart_req = asyncio.Event()
         self._engine_metrics_seen = False
+        self._totals: dict[str, tuple[float, float]] = {}
         self._stop = asyncio.Event()
         self._stopping = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._skip_drain = False
         self._tasks: list[asyncio.Task] = []
         self._server: _Server | None = None
 
-    # -- request sink (called by the relay on the event loop) ------------------------------
-    def admit(self, counted: bool) -> None:
-        """Refuse when not READY (503) or when ``--max-queue`` requests are in flight (429)."""
-        if self.state != WorkerState.READY:
-            raise NotReadyError(self.state.name, worker_id=self.worker_id)
-        if counted and self.cfg.max_queue and self.inflight >= self.cfg.max_queue:
-            raise QueueFullError(self.cfg.max_queue, worker_id=self.worker_id)
+    # -- in flight (the routers' count, from the slot's router line) ---------------------------
+    @property
+    def inflight(self) -> int:
+        """Requests in flight on the engine: dispatched by any router process on this node and
+        not finished (the slot's ``router_inflight`` atomic)."""
+        try:
+            return max(0, int(self.segment.router_inflight_get(self.worker_id)))
+        except Exception:  # noqa: BLE001 - the segment is closing
+            return 0
 
-    def on_start(self, prompt_tokens: int) -> None:
-        """Slot: in-flight +1, queued prompt tokens and histogram +prompt, right now."""
-        self.inflight += 1
-        self._idle.clear()
-        self.writer.inflight_add(1)
-        self.writer.record_request(prompt_tokens, delta=+1)
-
-    def on_finish(self, prompt_tokens: int, ttft_ms: float | None, tpot_ms: float | None,
-                  e2e_ms: float | None, outcome: str) -> None:
-        """Slot: in-flight −1, queued prompt −prompt, latency windows, completed/failed counters.
-
-        Aborted requests (the router went away) count as neither completed nor failed.
-        """
-        self.inflight -= 1
-        self.writer.inflight_add(-1)
-        self.writer.record_request(prompt_tokens, delta=-1)
-        if ttft_ms is not None or tpot_ms is not None or e2e_ms is not None:
-            self.writer.record_latency(ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms)
-        if outcome == "ok":
-            self.writer.count(completed=1)
-        elif outcome == "failed":
-            self.writer.count(failed=1)
-        if self.inflight == 0:
-            self._idle.set()
-
-    def get_upstream(self) -> Upstream | None:
-        """The engine's client while the engine is up, else None."""
-        return None if self.state == WorkerState.DEAD else self.adapter.upstream
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight on the engine (routers see a non-READY state first:
+        one state interval passes before the count is trusted), up to ``timeout_s``. Returns True
+        when idle, False at the deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        await asyncio.sleep(min(timeout_s, self.cfg.state_interval_s))
+        while self.inflight > 0 and not self._skip_drain:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     # -- state -------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        """The engine's data address as the slot holds it (routers forward requests there)."""
+        return self.adapter.address.endpoint
+
     def set_state(self, state: WorkerState) -> None:
         """Change the lifecycle state in this process and in the slot."""
         if state != self.state:
@@ -245,7 +253,29 @@ class Agent:
         """The slot as ``/dplb/state`` serves it (``WorkerSnapshot.to_dict()``)."""
         return self.segment.read_slot(self.worker_id).to_dict()
 
+    def _publish_latency(self, m: EngineMetrics) -> None:
+        """The engine's latency histograms since the last scrape → one sample per window (the mean
+        of what finished in the interval, ms), and its finished-request counter → ``completed``.
+        A counter that went down (the engine restarted) starts over."""
+        prev = self._totals
+        cur = {k: (s, n) for k, s, n in m.totals}
+        self._totals = cur
+        lat: dict[str, float] = {}
+        for k, (s, n) in cur.items():
+            if k not in prev:
+                continue
+            ps, pn = prev[k]
+            if k == "finished":
+                if s > ps:
+                    self.writer.count(completed=int(s - ps))
+            elif n > pn and s >= ps:
+                lat[f"{k}_ms"] = 1000.0 * (s - ps) / (n - pn)
+        if lat:
+            self.writer.record_latency(**lat)
+
     def _publish_engine(self, m: EngineMetrics) -> None:
+        if m.totals:
+            self._publish_latency(m)
         fields: dict[str, Any] = {}
         if m.num_running is not None:
             fields["num_running"] = m.num_running
@@ -269,7 +299,8 @@ class Agent:
             await asyncio.sleep(interval)
 
     async def _heartbeat_loop(self) -> None:
-        """NVML memory + heartbeat (and the agent's own counters when the engine has no metrics)."""
+        """NVML memory, the routers' in-flight count as of this tick, heartbeat (and that count as
+        the engine's running requests when the engine has no metrics)."""
         interval = self.cfg.state_interval_s
         while True:
             fields: dict[str, Any] = {}
@@ -278,8 +309,10 @@ class Agent:
                 fields.update(gpu_mem_used_bytes=used, gpu_mem_total_bytes=total)
             elif (sim := self.adapter.simulated_gpu_memory()) is not None:
                 fields.update(gpu_mem_used_bytes=sim[0], gpu_mem_total_bytes=sim[1])
+            n = self.inflight
+            fields["inflight"] = n   # the kernel adds what routers dispatched since (router_inflight - inflight)
             if not self._engine_metrics_seen:
-                fields.update(num_running=self.inflight, num_waiting=0)
+                fields.update(num_running=n, num_waiting=0)
             self.writer.publish(**fields)  # always: refreshes the heartbeat
             await asyncio.sleep(interval)
 
@@ -306,6 +339,7 @@ class Agent:
 
         Returns ``StateReason.NONE`` when it became ready, ``START_FAILED`` when it did not
         (logged with the engine log's last lines; ``exit_code`` set when it exited)."""
+        self._totals = {}   # a new engine's counters start from zero
         try:
             await self.adapter.start()
             model = await self.adapter.wait_ready(self.cfg.engine_start_timeout_s)
@@ -382,9 +416,9 @@ class Agent:
         log.warning("worker %d: restart requested; stopping engine %s (%d in flight)", self.worker_id,
                     self.adapter.name, self.inflight)
         self._set(WorkerState.STARTING, state_reason=StateReason.ADMIN_RESTART)
-        if self.inflight:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s)
+        if not await self.wait_idle(self.cfg.drain_timeout_s):
+            log.warning("worker %d: %d request(s) still in flight at the drain deadline; restarting anyway",
+                        self.worker_id, self.inflight)
         rc = await self.adapter.stop()
         self.restart_policy.reset()
         log.info("worker %d: engine stopped for restart (exit code %s)", self.worker_id, rc)
@@ -428,7 +462,7 @@ class Agent:
         """Begin draining (signal handler target); a second SIGINT skips the drain."""
         if self._stop.is_set() and sig == signal.SIGINT:
             log.warning("second SIGINT: not waiting for in-flight requests")
-            self._idle.set()
+            self._skip_drain = True
         self._stop.set()
 
     def _control_app(self) -> FastAPI:
@@ -436,6 +470,9 @@ class Agent:
 
         def json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
             return Response(orjson.dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+        def error(message: str, type_: str, status: int) -> Response:
+            return Response(error_body(message, type_, status), status_code=status, media_type="application/json")
 
         @app.get("/health")
         async def health() -> Response:
@@ -455,10 +492,16 @@ class Agent:
             409 while the agent is shutting down."""
             prev = self.state.name.lower()
             if not self.request_restart():
-                return json({"error": {"message": f"worker {self.worker_id} is shutting down", "type": "conflict",
-                                       "param": None, "code": 409}}, 409)
+                return error(f"worker {self.worker_id} is shutting down", "conflict", 409)
             return json({"worker_id": self.worker_id, "restarting": True, "state": prev,
                          "restarts": self.restarts}, 202)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+        async def not_here(path: str) -> Response:
+            """Requests go to the engine, not to the agent (one hop)."""
+            return error(f"the worker agent serves only /health, /dplb/state and /dplb/restart; requests go "
+                         f"to worker {self.worker_id}'s engine at {self.endpoint} (the slot's endpoint)",
+                         "not_found_error", 404)
 
         return app
 
@@ -467,20 +510,21 @@ class Agent:
         """Run until SIGTERM/SIGINT (or :meth:`request_stop`); return the process exit code (0)."""
         loop = asyncio.get_running_loop()
         os.makedirs(os.path.dirname(self.cfg.uds), mode=0o700, exist_ok=True)
-        sock = bind_unix_socket(self.cfg.uds)  # OSError here: nothing claimed yet
+        sockets = [bind_unix_socket(self.cfg.uds)]  # OSError here: nothing claimed yet
+        if self.cfg.control_port:
+            sockets.append(bind_tcp_socket(self.cfg.control_host, self.cfg.control_port))
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig)
-        self.writer.claim(worker_id=self.worker_id, pid=os.getpid(), endpoint=self.cfg.uds,
+        self.writer.claim(worker_id=self.worker_id, pid=os.getpid(), endpoint=self.endpoint, control=self.cfg.uds,
                           gpu_ids=self.cfg.gpus, weight=self.cfg.weight, model=self.cfg.model or "",
                           max_num_seqs=self.cfg.max_num_seqs)
         self.state = WorkerState.STARTING
-        app = RelayApp(self, self.get_upstream, self._control_app())
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http="httptools",
-                                loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30,
-                                server_header=False, date_header=False)  # the engine's own headers pass
+        config = uvicorn.Config(self._control_app(), lifespan="off", log_level="warning", access_log=False,
+                                http="httptools", loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30,
+                                server_header=False, date_header=False)
         self._server = _Server(config)
-        server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        server_task = asyncio.create_task(self._server.serve(sockets=sockets))
         self._tasks += [asyncio.create_task(self._guard(self._heartbeat_loop)),
                         asyncio.create_task(self._guard(self._probe_loop))]
         starter = asyncio.create_task(self._supervise_engine())
@@ -490,19 +534,14 @@ class Agent:
             starter.cancel()
             if self.state != WorkerState.DEAD:
                 self.set_state(WorkerState.DRAINING)
-            if self.inflight:
-                log.info("worker %d: draining %d in-flight request(s), up to %.0fs", self.worker_id,
+                log.info("worker %d: draining (%d request(s) in flight), up to %.0fs", self.worker_id,
                          self.inflight, self.cfg.drain_timeout_s)
-                try:
-                    await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s)
-                except TimeoutError:
+                if not await self.wait_idle(self.cfg.drain_timeout_s):
                     log.warning("worker %d: drain deadline passed with %d request(s) in flight",
                                 self.worker_id, self.inflight)
         finally:
             self._stopping = True
             self._server.should_exit = True
-            if self.inflight:
-                self._server.force_exit = True
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(server_task, 10)
             for t in (starter, *self._tasks):

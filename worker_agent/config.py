@@ -1,8 +1,9 @@
 """Command line of ``dplb-worker-agent`` and the validated :class:`AgentConfig` it produces.
 
 ``dplb-worker-agent --worker-id K --shm NAME --uds PATH --engine {sim,vllm,sglang,openai}
-[--model M] [--gpus 0,1] [--tp-size N] [--engine-url URL] [--state-interval-ms 200]
-[--max-queue N] [--run-dir DIR] [-- extra engine args...]`` (docs/INTERFACES.md).
+[--model M] [--gpus 0,1] [--tp-size N] [--engine-url URL] [--engine-host H] [--control-port P
+[--control-host H]] [--state-interval-ms 200] [--run-dir DIR] [-- extra engine args...]``
+(docs/INTERFACES.md).
 
 Everything after a bare ``--`` goes to the engine unchanged.
 """
@@ -27,11 +28,16 @@ class AgentConfig:
     """Everything the agent was told on its command line, validated.
 
     Attributes (units in names): ``worker_id`` slot index; ``shm`` segment name (no leading
-    slash); ``uds`` the socket the agent serves on (also written as the slot endpoint);
+    slash); ``uds`` the Unix socket the agent's control API listens on (the slot's ``control``
+    address; requests go to the engine, whose address is the slot's ``endpoint``);
     ``engine`` adapter name; ``model`` model path/name (``None``: the engine's default, asked from
     ``/v1/models``); ``gpus`` physical GPU indices; ``tp_size`` tensor-parallel size (default: number
-    of GPUs, at least 1); ``engine_url`` base URL for ``openai``; ``state_interval_ms`` period of the
-    engine/NVML/heartbeat refresh; ``max_queue`` in-flight cap (0 = none, else 429 beyond it);
+    of GPUs, at least 1); ``engine_url`` base URL for ``openai``; ``engine_host``: make a spawned
+    engine listen on TCP on this host (a free port) instead of its private Unix socket (a remote
+    node's engine, reached by other nodes' routers; None = the engine's default: a Unix socket for
+    sim and vllm, loopback TCP for sglang); ``control_port``/``control_host``: also serve the
+    control API on TCP (how a remote node's routers mirror this agent; 0 = Unix socket only);
+    ``state_interval_ms`` period of the engine/NVML/heartbeat refresh;
     ``max_num_seqs`` engine batch cap published in the slot; ``run_dir`` for engine sockets and
     logs; ``engine_python`` interpreter that runs the engine; ``engine_start_timeout_s``,
     ``drain_timeout_s`` bounds of start-up and drain; ``weight`` static slot weight;
@@ -53,8 +59,10 @@ class AgentConfig:
     gpus: list[int] = field(default_factory=list)
     tp_size: int = 1
     engine_url: str | None = None
+    engine_host: str | None = None
+    control_port: int = 0
+    control_host: str = "127.0.0.1"
     state_interval_ms: int = 200
-    max_queue: int = 0
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     run_dir: str = ""
     engine_python: str = sys.executable
@@ -93,13 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="dplb-worker-agent",
-        description="DPLB worker agent: wraps one inference engine on one GPU (group), relays the "
-                    "router's requests to it and publishes its live state in the shared segment. "
+        description="DPLB worker agent: keeps one inference engine on one GPU (group): starts and warms "
+                    "it up, scrapes its metrics, restarts it, drains it, and publishes its address and live "
+                    "state in the shared segment (routers forward requests to the engine directly). "
                     "Arguments after a bare -- are passed to the engine.")
     p.add_argument("--worker-id", type=int, required=True, help="slot index in the segment (0..slots-1)")
     p.add_argument("--shm", default=os.environ.get("DPLB_SHM", "dplb-30000"),
                    help="segment name without leading slash (default: dplb-30000)")
-    p.add_argument("--uds", required=True, help="Unix socket path this agent serves on (mode 0660)")
+    p.add_argument("--uds", required=True,
+                   help="Unix socket of the agent's control API (/health, /dplb/state, /dplb/restart; mode 0660)")
     p.add_argument("--engine", choices=ENGINES, default="sim", help="engine adapter (default: sim)")
     p.add_argument("--model", default=None, help="model path or name given to the engine")
     p.add_argument("--gpus", default="", help="physical GPU indices, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
@@ -107,10 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url", default=None,
                    help="attach to a running OpenAI-compatible server (openai): its root, "
                         "http(s)://host:port or unix:/path (requests keep their /v1/... paths)")
+    p.add_argument("--engine-host", default=None,
+                   help="spawned engine listens on TCP on this host (free port) instead of its Unix socket: "
+                        "a remote node's engine that other nodes' routers forward to (e.g. 0.0.0.0)")
+    p.add_argument("--control-port", type=int, default=0,
+                   help="also serve the control API on TCP at this port (remote routers mirror the agent "
+                        "through it; default: 0 = Unix socket only)")
+    p.add_argument("--control-host", default="127.0.0.1",
+                   help="host of --control-port (default: 127.0.0.1)")
     p.add_argument("--state-interval-ms", type=int, default=200,
                    help="period of engine metrics, NVML and heartbeat refresh (default: 200)")
-    p.add_argument("--max-queue", type=int, default=0,
-                   help="refuse with 429 beyond this many in-flight requests (default: 0 = no cap)")
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="engine batch cap published in the slot (default: the engine's "
                         "--max-num-seqs/--max-running-requests from the pass-through args, else 256)")
@@ -176,8 +192,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
                     ("--restart-backoff-max", ns.restart_backoff_max)):
         if not v >= 0:
             raise ConfigError(flag, v, "must be >= 0 seconds")
-    if ns.max_queue < 0:
-        raise ConfigError("--max-queue", ns.max_queue, "must be >= 0")
+    if not 0 <= ns.control_port < 65536:
+        raise ConfigError("--control-port", ns.control_port, "must be a TCP port (0 = none)")
     tp = ns.tp_size or max(1, len(gpus))
     if tp < 1:
         raise ConfigError("--tp-size", ns.tp_size, "must be >= 1")
@@ -185,8 +201,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         raise ConfigError("--tp-size", tp, f"larger than the {len(gpus)} GPUs given in --gpus")
     if ns.engine == "openai" and not ns.engine_url:
         raise ConfigError("--engine-url", None, "required with --engine openai")
-    if ns.engine_url and not ns.engine_url.startswith(("http://", "https://", "unix:")):
-        raise ConfigError("--engine-url", ns.engine_url, "must start with http://, https:// or unix:")
+    if ns.engine_url and not ns.engine_url.startswith(("http://", "unix:")):
+        raise ConfigError("--engine-url", ns.engine_url, "must start with http:// or unix: (routers forward "
+                          "plain HTTP straight to the engine)")
     if len(os.fsencode(ns.uds)) > 107:
         raise ConfigError("--uds", ns.uds, "Unix socket paths must be shorter than 108 bytes")
     max_num_seqs = ns.max_num_seqs
@@ -199,8 +216,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     run_dir = ns.run_dir or os.path.dirname(os.path.abspath(ns.uds))
     return AgentConfig(
         worker_id=ns.worker_id, shm=ns.shm.lstrip("/"), uds=os.path.abspath(ns.uds), engine=ns.engine,
-        model=ns.model, gpus=gpus, tp_size=tp, engine_url=ns.engine_url,
-        state_interval_ms=ns.state_interval_ms, max_queue=ns.max_queue, max_num_seqs=max_num_seqs,
+        model=ns.model, gpus=gpus, tp_size=tp, engine_url=ns.engine_url, engine_host=ns.engine_host,
+        control_port=ns.control_port, control_host=ns.control_host,
+        state_interval_ms=ns.state_interval_ms, max_num_seqs=max_num_seqs,
         run_dir=run_dir, engine_python=ns.engine_python, engine_start_timeout_s=ns.engine_start_timeout,
         drain_timeout_s=ns.drain_timeout, weight=ns.weight, latency_window_s=ns.latency_window_s,
         restart_max=ns.restart_max, restart_window_s=ns.restart_window, restart_backoff_s=ns.restart_backoff,

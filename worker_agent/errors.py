@@ -1,19 +1,15 @@
 """Errors raised inside the worker agent.
 
-Every error carries fields (worker id, engine, reason, exit code); mapping an error to an HTTP
-status and an OpenAI-shaped body happens once, at the edge (:func:`worker_agent.relay.error_response`)::
+Every error carries fields (worker id, engine, reason, exit code). Requests never reach the agent
+(one hop: routers forward to the engine), so these are about the engine's lifecycle and the
+command line; the control API renders the few it answers with :func:`router.protocol.error_body`::
 
     AgentError                      base class; .worker_id, .reason
     ├── ConfigError                 a command-line flag or combination is invalid (.field, .value)
     ├── EngineError                 something about the engine; .engine
     │   ├── EngineStartError        the engine did not become ready (exited, timed out, warm-up failed)
     │   ├── EngineExitedError       the engine process exited unexpectedly; .exit_code
-    │   └── UpstreamError           a request to the engine failed at the transport level (502)
-    │       └── EngineUnavailableError  nothing accepted the connection: no work began (503)
-    ├── NotReadyError               the agent is starting, draining or dead; .state (answered 503)
-    ├── QueueFullError              --max-queue reached (answered 429 with Retry-After)
-    └── BadRequestError             the request body cannot be read (answered 400)
-        └── PayloadTooLargeError    the request body exceeds the relay's limit (answered 413)
+    │   └── UpstreamError           a control request to the engine (health, warm-up, metrics) failed
 """
 from __future__ import annotations
 
@@ -78,52 +74,3 @@ class UpstreamError(EngineError):
 
     http_status = 502
     error_type = "bad_gateway"
-
-
-class EngineUnavailableError(UpstreamError):
-    """The engine refused the connection (not listening: dead or restarting), so nothing reached
-    it and the request cost it nothing; answered 503 with ``Retry-After`` so that a router may try
-    another worker."""
-
-    http_status = 503
-    error_type = "service_unavailable"
-
-
-class NotReadyError(AgentError):
-    """The agent cannot take a request in its current lifecycle ``state`` (a ``WorkerState`` name)."""
-
-    http_status = 503
-    error_type = "service_unavailable"
-
-    def __init__(self, state: str, *, worker_id: int | None = None) -> None:
-        super().__init__(f"worker {worker_id} is {state.lower()}, not taking requests", worker_id=worker_id)
-        self.state = state
-
-
-class QueueFullError(AgentError):
-    """The agent already holds ``limit`` requests in flight (``--max-queue``)."""
-
-    http_status = 429
-    error_type = "rate_limit_exceeded"
-
-    def __init__(self, limit: int, *, worker_id: int | None = None) -> None:
-        super().__init__(f"worker {worker_id} has {limit} requests in flight (--max-queue {limit})",
-                         worker_id=worker_id)
-        self.limit = limit
-
-
-class BadRequestError(AgentError):
-    """The request body could not be read (not JSON where JSON is required, too large)."""
-
-    http_status = 400
-    error_type = "invalid_request_error"
-
-
-class PayloadTooLargeError(BadRequestError):
-    """The request body is larger than ``limit`` bytes."""
-
-    http_status = 413
-
-    def __init__(self, limit: int, *, worker_id: int | None = None) -> None:
-        super().__init__(f"request body larger than {limit} bytes", worker_id=worker_id)
-        self.limit = limit

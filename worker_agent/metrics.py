@@ -40,12 +40,21 @@ class MetricNames:
     waiting: str
     kv_usage: tuple[str, ...]
     sum_counts: bool = True
+    #: latency histograms (family names, seconds) whose ``_sum``/``_count`` feed the slot's windows
+    ttft: str | None = None
+    tpot: str | None = None
+    e2e: str | None = None
+    #: counter of finished requests (the slot's ``completed``)
+    finished: str | None = None
 
 
 VLLM = MetricNames("vllm:num_requests_running", "vllm:num_requests_waiting",
-                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), sum_counts=True)
+                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), sum_counts=True,
+                   ttft="vllm:time_to_first_token_seconds", tpot="vllm:inter_token_latency_seconds",
+                   e2e="vllm:e2e_request_latency_seconds", finished="vllm:request_success_total")
 SGLANG = MetricNames("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",),
-                     sum_counts=False)
+                     sum_counts=False, ttft="sglang:time_to_first_token_seconds",
+                     tpot="sglang:inter_token_latency_seconds", e2e="sglang:e2e_request_latency_seconds")
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,9 @@ class EngineMetrics:
     num_running: int | None = None
     num_waiting: int | None = None
     kv_cache_usage: float | None = None
+    #: cumulative ``(sum seconds, count)`` of the latency histograms (``ttft``, ``tpot``, ``e2e``)
+    #: and ``(finished, 0)``, summed over label sets; absent families are absent
+    totals: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -126,7 +138,12 @@ def parse_engine_metrics(text: str, names: MetricNames) -> EngineMetrics:
     Raises:
         ValueError: on malformed exposition text in the families read.
     """
-    fams = parse_gauges(text, (names.running, names.waiting, *names.kv_usage))
+    hists = {k: v for k, v in (("ttft", names.ttft), ("tpot", names.tpot), ("e2e", names.e2e),
+                                 ("finished", names.finished)) if v}
+    wanted = [names.running, names.waiting, *names.kv_usage]
+    for k, fam in hists.items():
+        wanted += [fam] if k == "finished" else [fam + "_sum", fam + "_count"]
+    fams = parse_gauges(text, _with_families(wanted, hists))
     how = "sum" if names.sum_counts else "max"
 
     def count(name: str) -> int | None:
@@ -142,4 +159,22 @@ def parse_engine_metrics(text: str, names: MetricNames) -> EngineMetrics:
             if not math.isnan(v):
                 kv = min(1.0, max(0.0, v))
                 break
-    return EngineMetrics(num_running=count(names.running), num_waiting=count(names.waiting), kv_cache_usage=kv)
+    totals = []
+    for k, fam in hists.items():
+        if k == "finished":
+            if fam in fams:
+                totals.append((k, _combine(fams[fam], "sum"), 0.0))
+        elif fam + "_sum" in fams and fam + "_count" in fams:
+            totals.append((k, _combine(fams[fam + "_sum"], "sum"), _combine(fams[fam + "_count"], "sum")))
+    return EngineMetrics(num_running=count(names.running), num_waiting=count(names.waiting), kv_cache_usage=kv,
+                         totals=tuple(totals))
+
+
+def _with_families(samples: list[str], hists: dict[str, str]) -> list[str]:
+    """Sample names to keep, plus the family names (the line filter matches by prefix, and a
+    counter family's samples carry ``_total``)."""
+    out = list(samples)
+    for k, fam in hists.items():
+        if k == "finished" and fam.endswith("_total"):
+            out.append(fam[: -len("_total")])
+    return out

@@ -1,34 +1,22 @@
-"""Transport to the engine: one pooled aiohttp session over a Unix socket or loopback TCP.
+"""The agent's client to its engine, off the request path: readiness, warm-up, ``/metrics``.
 
-This module is the only place that touches the engine's socket. Its interface is two methods,
-:meth:`Upstream.open` (a request whose response is streamed back) and :meth:`Upstream.get`
-(a small control request, e.g. ``/metrics``); relay code and tests work against them.
-
-Aborting: closing an :class:`UpstreamResponse` before its body ended drops the TCP/UDS connection
-(never returns it to the pool), which is how vLLM and SGLang learn that a client went away and
-abort the request (both watch ``request.is_disconnected()``).
+Requests never pass through the agent (one hop: routers forward to the engine's own socket, the
+slot's ``endpoint``). The agent talks to its engine only for control: the health poll and the
+warm-up request while it starts, ``/v1/models``, and the ``/metrics`` scrape every state interval.
+One pooled aiohttp session over a Unix socket or loopback TCP (:meth:`Upstream.get`).
 """
 from __future__ import annotations
 
-import errno
-from collections.abc import AsyncIterator, Iterable
+import ipaddress
 from dataclasses import dataclass
 
 import aiohttp
 from yarl import URL
 
-from .errors import EngineUnavailableError, UpstreamError
+from .errors import UpstreamError
 
-#: hop-by-hop headers (RFC 9110 §7.6.1); never relayed in either direction
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "transfer-encoding", "upgrade",
-})
-#: errors that mean the peer process never read the request (it was gone or going): connection
-#: reset (RST: data arrived at a closed socket) and broken pipe (written after the peer closed)
-UNREAD_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
-#: request headers the client library recomputes for the engine hop
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
+#: engine listen hosts that mean "every interface": routers on this node reach them on loopback
+UNSPECIFIED = frozenset({"0.0.0.0", "::", ""})
 
 
 @dataclass(frozen=True)
@@ -50,49 +38,34 @@ class EngineAddress:
     def __str__(self) -> str:
         return f"unix:{self.uds}" if self.uds else str(self.url)
 
-
-class UpstreamResponse:
-    """A response from the engine whose body is read chunk by chunk.
-
-    Attributes:
-        status: HTTP status code.
-        headers: response headers minus hop-by-hop ones, as ``(bytes, bytes)`` pairs for ASGI.
-    """
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status = resp.status
-        self.headers = [(k.lower(), v) for k, v in resp.raw_headers
-                        if k.decode("latin-1").lower() not in HOP_BY_HOP]
-        self.content_type = resp.headers.get("content-type", "")
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield body bytes as they arrive (no re-buffering: one yield per network read).
-
-        Raises:
-            UpstreamError: when the connection breaks mid-body.
-        """
+    @property
+    def endpoint(self) -> str:
+        """The address routers forward requests to, as the slot's ``endpoint`` holds it: the socket
+        path, or ``host:port`` (an engine bound to every interface is reached on 127.0.0.1 here;
+        IPv6 hosts bracketed). Raises ValueError for an ``https://`` URL (the data path is plain
+        HTTP/1.1: put TLS in front of the router, not between router and engine)."""
+        if self.uds:
+            return self.uds
+        u = URL(str(self.url))
+        if u.scheme != "http":
+            raise ValueError(f"engine URL {self.url}: routers forward plain HTTP to engines (http://host:port)")
+        host = u.host or ""
+        if host in UNSPECIFIED:
+            host = "127.0.0.1"
         try:
-            async for data in self._resp.content.iter_any():
-                yield data
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise UpstreamError(f"engine connection broke mid-response: {e}") from e
-
-    def close(self, *, abort: bool = False) -> None:
-        """Finish with the response: release the pooled connection, or drop it when ``abort``."""
-        if abort:
-            self._resp.close()
-        else:
-            self._resp.release()
+            if ipaddress.ip_address(host).version == 6:
+                host = f"[{host}]"
+        except ValueError:
+            pass
+        return f"{host}:{u.port or 80}"
 
 
 class Upstream:
-    """Pooled HTTP client for one engine.
+    """Pooled HTTP client for one engine's control paths (health, warm-up, metrics).
 
     Args:
         address: the engine's :class:`EngineAddress`.
-        connect_timeout_s: bound on establishing a connection (not on the response, which for
-            LLM requests may legitimately take minutes).
+        connect_timeout_s: bound on establishing a connection.
     """
 
     def __init__(self, address: EngineAddress, *, connect_timeout_s: float = 5.0) -> None:
@@ -111,39 +84,6 @@ class Upstream:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s),
             )
         return self._session
-
-    async def open(self, method: str, path: str, headers: Iterable[tuple[str, str]], body: bytes) -> UpstreamResponse:
-        """Send one request and return once the response status and headers arrived.
-
-        Args:
-            method: HTTP method.
-            path: path plus query string, starting with ``/``.
-            headers: request headers to pass (hop-by-hop ones are dropped here).
-            body: the request body, unchanged.
-
-        Raises:
-            EngineUnavailableError: the connection was refused (nothing listens: the engine is
-                dead or restarting) or reset before the engine read the request; it never saw it.
-            UpstreamError: the connection broke or the engine closed it before answering (the
-                engine may have begun the work).
-        """
-        hdrs = [(k, v) for k, v in headers if k.lower() not in REQUEST_DROP]
-        try:
-            # encoded=True: the path and query go out byte for byte, not re-quoted
-            resp = await self._get_session().request(method, URL(self.address.base + path, encoded=True), headers=hdrs,
-                                                     data=body if body else None, allow_redirects=False)
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError) as e:
-            raise EngineUnavailableError(f"engine at {self.address} is not accepting connections: {e}") from e
-        except aiohttp.ClientOSError as e:
-            if e.errno in UNREAD_ERRNOS:
-                # reset: our bytes reached a socket its process no longer reads (a pooled connection
-                # of an engine that just died): the engine never saw the request
-                raise EngineUnavailableError(f"engine at {self.address} reset the connection before reading "
-                                             f"the request: {e}") from e
-            raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
-        except (aiohttp.ClientError, ConnectionError, OSError) as e:
-            raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
-        return UpstreamResponse(resp)
 
     async def get(self, path: str, *, timeout_s: float = 2.0, json_body: object | None = None,
                   method: str = "GET") -> tuple[int, bytes]:

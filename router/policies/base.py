@@ -13,26 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-
-@dataclass(slots=True)
-class RequestInfo:
-    """What routing needs from a request, parsed once from the raw body.
-
-    ``text``: prompt text used for prefix matching (chat: the messages' text contents joined;
-    ``""`` when the prompt is token ids). ``prompt_len``: approximate prompt length in tokens
-    (whitespace-separated words of ``text``, or the number of token ids). ``session``: a session
-    key for session affinity (the ``X-Session-Id`` header, else the body's ``user``), or None.
-    ``max_tokens``: the output limit the client asked for (``max_tokens``/``max_completion_tokens``,
-    SGLang's ``sampling_params.max_new_tokens``), or None.
-    """
-
-    path: str = "/v1/chat/completions"
-    model: str | None = None
-    stream: bool = False
-    text: str = ""
-    prompt_len: int = 0
-    session: str | None = None
-    max_tokens: int | None = None
+from router.protocol import (
+    RequestInfo,  # what the request says, parsed once (re-exported)
+)
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ def test_create_mode_0600_and_unlink_leaves_nothing(shm_name):
         st = os.stat(f"/dev/shm/{shm_name}")
         assert stat.S_IMODE(st.st_mode) == 0o600
         assert seg.num_slots == 8 and seg.version == LAYOUT_VERSION and seg.generation == 0
-        assert st.st_size == 128 + 8 * 1408
+        assert st.st_size == 128 + 8 * 1536
     finally:
         seg.close()
         seg.unlink()
@@ -158,6 +158,8 @@ def test_router_atomics_shared_between_mappings(segment, shm_name):
     ({"num_running": "3"}, "num_running"),
     ({"num_running": True}, "num_running"),
     ({"state": 9}, "state"),
+    ({"control": "no-port"}, "control"),
+    ({"control": "/" + "c" * 107}, "control"),
 ])
 def test_bad_fields_raise_and_leave_slot_unchanged(segment, fields, field):
     w = segment.writer(0)
@@ -175,6 +177,19 @@ def test_kv_usage_above_one_is_clamped(segment):
     w.claim(0)
     w.publish(kv_cache_usage=1.0004)
     assert segment.read_slot(0).kv_cache_usage == 1.0
+
+
+def test_data_and_control_addresses_are_two_fields(segment):
+    """Layout 5 (one hop): ``endpoint`` is the engine's data address, ``control`` the agent's."""
+    w = segment.writer(2)
+    w.claim(2, endpoint="/run/x/engine-2.sock", control="/run/x/agent-2.sock")
+    s = segment.read_slot(2)
+    assert (s.endpoint, s.control) == ("/run/x/engine-2.sock", "/run/x/agent-2.sock")
+    w.publish(endpoint="10.0.0.7:8002", control="10.0.0.7:9002")
+    d = segment.read_slot(2).to_dict()
+    assert (d["endpoint"], d["control"]) == ("10.0.0.7:8002", "10.0.0.7:9002")
+    w.claim(2, endpoint="127.0.0.1:8000")   # no control address: the endpoint serves both
+    assert segment.read_slot(2).control == ""
 
 
 def test_longest_unix_socket_path_fits(segment):

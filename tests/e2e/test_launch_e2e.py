@@ -160,7 +160,9 @@ def test_shm_dump_shows_ready_workers_with_advancing_heartbeats(dplb):
     for k in range(NUM_WORKERS):
         assert second[k]["state"] == "ready"
         assert second[k]["heartbeat_ns"] > first[k]["heartbeat_ns"]
-        assert second[k]["endpoint"] == str(dplb.run_dir / f"agent-{k}.sock")
+        # one hop: the data endpoint is the engine's socket, the agent's is the control address
+        assert second[k]["endpoint"] == str(dplb.run_dir / f"engine-{k}.sock")
+        assert second[k]["control"] == str(dplb.run_dir / f"agent-{k}.sock")
 
 
 def test_replay_300_trace_requests_without_error_on_every_worker(dplb, tmp_path):

@@ -17,14 +17,15 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 def test_engine_death_mid_stream_ends_with_sse_error_event_not_silent_truncation():
     """worker_agent/relay.py ended the body cleanly when the engine died mid-stream: the client got
-    a truncated stream with neither ``[DONE]`` nor an error."""
+    a truncated stream with neither ``[DONE]`` nor an error. Since issue 14 the router reads the
+    engine directly (one hop): the same death must end the router's stream with an error event."""
     with Stack() as st:
         a = st.agents_up(1)[0]
         pid = a.engine_pid()
+        base = st.router({}, ready=1)
 
         async def go():
-            tr = httpx.AsyncHTTPTransport(uds=a.uds)
-            async with httpx.AsyncClient(transport=tr, base_url="http://agent", timeout=30) as c:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
                 return await send(c, chat(stream=True, max_tokens=3000, model=MODEL_SIM),
                                   on_first=lambda o: os.kill(pid, signal.SIGKILL))
 

@@ -66,7 +66,7 @@ def test_long_prefill_is_not_cut_but_a_stalled_stream_is_a_timeout_not_stream_br
     assert r.extra["prefill_stream"][0] == "ok" and r.extra["prefill_stream"][1] >= 1.5
     kind, status, took = r.extra["stalled_stream"]
     assert kind == "honest" and status == 200 and took < 2.0 + 1.5
-    assert r.extra["stalled_error"] == ("timeout_error", "504")
+    assert r.extra["stalled_error"] == ("timeout_error", 504)
     assert r.extra["errors"] == {"timeout": 1.0, "stream_broken": None}
     assert r.extra["requests_504"] == 1.0
 
@@ -128,6 +128,8 @@ def test_registry_keeps_a_dead_worker_listed_and_resets_it_when_its_engine_resta
 
     from dplb_shm import StateReason, WorkerState
     from router.config import Config
+    from router.policies.round_robin import RoundRobinPolicy
+    from router.scheduling import Scheduler
     from router.workers import Registry
 
     @dataclass(frozen=True)
@@ -144,17 +146,18 @@ def test_registry_keeps_a_dead_worker_listed_and_resets_it_when_its_engine_resta
 
     resets: list[int] = []
     reg = Registry(seg=None, cfg=Config(), on_reset=resets.append)
+    sched = Scheduler(reg, RoundRobinPolicy(), seg=None)   # eligibility lives in the scheduler
     s = Snap(0, WorkerState.READY)
     reg.sync([s])
     reg.handles[0].breaker.record(False)
     reg.sync([replace(s, state=WorkerState.DEAD, state_reason=StateReason.ENGINE_EXITED)])
     assert list(reg.handles) == [0] and resets == [0]                # listed, and reset once
     assert reg.handles[0].breaker.failure_rate == 0.0
-    assert reg.routing_state(reg.handles[0]) == "dead"
-    assert reg.candidates(None, set(), "kernel") == []               # never a candidate, even unchecked
+    assert sched.routing_state(reg.handles[0]) == "dead"
+    assert sched.candidates(None, set(), "kernel") == []             # never a candidate, even unchecked
     reg.sync([replace(s, state=WorkerState.STARTING, restarts=1)])
     reg.sync([replace(s, restarts=1)])
-    assert reg.routing_state(reg.handles[0]) == "eligible"
+    assert sched.routing_state(reg.handles[0]) == "eligible"
     n = len(resets)
     reg.sync([replace(s, restarts=1)])
     assert len(resets) == n                                          # nothing changed: no reset

@@ -82,3 +82,63 @@ async def test_one_good_probe_brings_a_worker_back():
     t.outcome = "ok"
     assert await mon.probe(h) is True
     assert h.probe_ok is True and h.probe_failures == 0
+
+
+async def test_a_404_probe_is_alive_a_server_without_health():
+    """Probes go to the engine (one hop); a server without ``/health`` answers 404 and is alive."""
+    class Answers404(ScriptedTransport):
+        async def get(self, endpoint, path, timeout_s):
+            return 404, b"{}"
+
+    m, h = _monitor(Answers404("ok")), _handle()
+    h.probe_ok = False
+    assert await m.probe(h) is True and h.probe_ok is True
+
+
+class LineSeg:
+    """The router-line atomics a lease touches, in a dict (no segment needed)."""
+
+    def __init__(self) -> None:
+        self.v = {"inflight": 0, "dispatched": 0, "prefill": 0, "decode": 0}
+
+    def router_inflight_add(self, wid, d):
+        self.v["inflight"] += d
+        return self.v["inflight"]
+
+    def dispatched_add(self, wid, n=1):
+        self.v["dispatched"] += n
+        return self.v["dispatched"]
+
+    def prefill_add(self, wid, d):
+        self.v["prefill"] += d
+        return self.v["prefill"]
+
+    def decode_add(self, wid, n, ctx):
+        self.v["decode"] += n
+        return self.v["decode"]
+
+
+def test_lease_reports_outcomes_and_the_monitor_and_breaker_decide():
+    """Issue 14: the proxy writes no health state; the lease reports each attempt's outcome."""
+    from router.scheduling import Lease
+
+    m = _monitor(ScriptedTransport("ok"))
+    seg = LineSeg()
+    h = _handle()
+    lease = Lease(h, seg, prompt_tokens=10, health=m)
+    assert seg.v["inflight"] == 1 and h.local_inflight == 1
+    lease.head_seen()
+    assert time.monotonic() - h.last_head_at < 1.0          # liveness evidence, kept by the monitor
+    lease.refused()
+    assert h.probe_ok is False and h.probe_failures == m.max_failures   # out at once
+    assert lease.finish(False) is True
+    assert h.breaker.failure_rate == 1.0 and seg.v["inflight"] == 0 and h.local_inflight == 0
+    assert lease.finish(True) is False                      # exactly once
+    assert h.breaker.failure_rate == 1.0
+
+    h2 = _handle()
+    h2.breaker = CircuitBreaker(minimum_requests=1, open_time_s=0.0)
+    h2.breaker.record(False)                                # open; half-open at once (open_time 0)
+    assert h2.breaker.allow()                               # the one half-open probe is out
+    Lease(h2, seg, health=m).finish(None)                   # the client left: no verdict, probe freed
+    assert h2.breaker.available() and seg.v["inflight"] == 0

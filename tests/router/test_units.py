@@ -6,8 +6,8 @@ import pytest
 from router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from router.config import load_config
 from router.errors import BadRequest, ConfigError
-from router.parsing import parse_request
 from router.policies.prefix_index import PrefixIndex
+from router.protocol import error_body, parse_request, sse_error_event
 
 
 class Clock:
@@ -127,12 +127,45 @@ def test_parse_rejects_malformed(path, body, param):
 def test_parse_extracts_routing_fields():
     r = parse_request("/v1/chat/completions", b'{"model":"m","stream":true,"messages":[{"role":"system","content":'
                       b'"be brief"},{"role":"user","content":[{"type":"text","text":"two words"}]}],"x":{"y":1}}')
-    assert (r.model, r.stream, r.prompt_len) == ("m", True, 4)
+    # two messages: 2 + 2 content words, 2 template tokens each, 1 generation prompt (sim tokenizer)
+    assert (r.model, r.stream, r.prompt_len) == ("m", True, 9)
     assert r.text == "system:be brief\nuser:two words"
     r = parse_request("/v1/completions", b'{"prompt":[1,2,3,4,5]}')
     assert (r.model, r.stream, r.text, r.prompt_len) == (None, False, "", 5)
     r = parse_request("/generate", b'{"text":"a b c","stream":false}')
     assert r.prompt_len == 3
+
+
+def test_prompt_length_has_one_definition():
+    """Issue 14: a batch of prompts costs the engine every prompt (the router used to count the
+    first prompt only, the agent all of them); the same rule for every field that holds a prompt,
+    and it matches the simulated engine's own count."""
+    from sim_engine.tokenizer import render_chat
+
+    assert parse_request("/v1/completions", b'{"prompt": ["a b c d", "e f g h i j"]}').prompt_len == 10
+    assert parse_request("/v1/completions", b'{"prompt": [[1, 2, 3], [4, 5]]}').prompt_len == 5
+    assert parse_request("/generate", b'{"text": ["a b", "c"]}').prompt_len == 3
+    assert parse_request("/generate", b'{"input_ids": [[1, 2], [3]]}').prompt_len == 3
+    assert parse_request("/v1/embeddings", b'{"input": ["x y", "z"]}').prompt_len == 3
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "two words"}, {"type": "image_url"}]},
+            {"role": "assistant", "content": None}]
+    import orjson
+
+    assert parse_request("/v1/chat/completions", orjson.dumps({"messages": msgs})).prompt_len == len(render_chat(msgs))
+
+
+def test_error_code_is_one_type():
+    """The OpenAI error body's ``code`` is the HTTP status as an int everywhere (as vLLM fills it)."""
+    import orjson
+
+    from router.errors import GatewayTimeout, NoEligibleWorker
+
+    assert orjson.loads(error_body("m", "t", 502))["error"]["code"] == 502
+    assert orjson.loads(sse_error_event("m", "timeout_error", 504)[6:])["error"] == {
+        "message": "m", "type": "timeout_error", "param": None, "code": 504}
+    for e in (NoEligibleWorker(), GatewayTimeout("slow", worker_id=1), BadRequest("x", param="model")):
+        assert orjson.loads(e.body())["error"]["code"] == e.status
 
 
 def test_config_defaults_and_overrides(tmp_path):

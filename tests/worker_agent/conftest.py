@@ -1,4 +1,6 @@
-"""Fixtures for agent tests: start a ``python -m worker_agent`` process and talk to it over its socket."""
+"""Fixtures for agent tests: start a ``python -m worker_agent`` process, talk to its control API over
+its socket, and to its engine at the address the slot publishes (one hop: requests never pass
+through the agent)."""
 from __future__ import annotations
 
 import os
@@ -23,6 +25,7 @@ class AgentProc:
     log: str
 
     def client(self, timeout: float = 30.0) -> httpx.Client:
+        """The agent's control API (its Unix socket)."""
         return httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), base_url="http://agent", timeout=timeout)
 
     def aclient(self, timeout: float = 30.0) -> httpx.AsyncClient:
@@ -59,6 +62,21 @@ def start_agent(procs, segment, run_dir):
         return a
 
     return start
+
+
+def endpoint_client(endpoint: str, timeout: float = 30.0) -> httpx.Client:
+    """A client to a slot ``endpoint`` (a socket path or host:port): where routers send requests."""
+    if endpoint.startswith("/"):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=endpoint), base_url="http://engine", timeout=timeout)
+    return httpx.Client(base_url=f"http://{endpoint}", timeout=timeout)
+
+
+def aendpoint_client(endpoint: str, timeout: float = 30.0) -> httpx.AsyncClient:
+    """:func:`endpoint_client`, async."""
+    if endpoint.startswith("/"):
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=endpoint), base_url="http://engine",
+                                 timeout=timeout)
+    return httpx.AsyncClient(base_url=f"http://{endpoint}", timeout=timeout)
 
 
 def slot_wait(segment, worker_id: int, pred, timeout: float, what: str):

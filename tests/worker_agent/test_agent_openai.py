@@ -1,16 +1,16 @@
 """The ``openai`` adapter attached to a small OpenAI-compatible server (tests/worker_agent/fake_engine.py):
-state from /metrics when it has one, from the agent's own counters when not; relay fidelity; aborts."""
+the slot names the server's own address (routers forward there, one hop); state from its /metrics
+when it has one, from the routers' in-flight count when not."""
 from __future__ import annotations
 
 import asyncio
 import sys
 from contextlib import AsyncExitStack
 
-import httpx
 import pytest
 
 from tests.helpers import free_port, wait_for_port
-from tests.worker_agent.conftest import aslot_wait
+from tests.worker_agent.conftest import aendpoint_client, aslot_wait
 
 
 def fake_engine(procs, *args: str) -> str:
@@ -34,63 +34,36 @@ async def open_streams(client, n, max_tokens, stack):
     return its
 
 
-async def test_without_metrics_slot_uses_agent_counters(procs, start_agent, segment):
+async def test_without_metrics_slot_uses_the_routers_in_flight_count(procs, start_agent, segment):
     url = fake_engine(procs, "--token-delay-ms", "50")
     a = start_agent(0, "--engine-url", url, engine="openai", interval_ms=100)
     s = segment.read_slot(0)
     assert s.model == "fake-model" and s.kv_cache_usage == -1.0
-    async with a.aclient() as client, AsyncExitStack() as stack:
-        await open_streams(client, 3, max_tokens=400, stack=stack)
-        s = await aslot_wait(segment, 0, lambda s: s.num_running == 3, 2, "running from the agent's own count")
-        assert s.inflight == 3 and s.num_waiting == 0 and s.kv_cache_usage == -1.0
+    assert s.endpoint == url.removeprefix("http://") and s.control == a.uds
+    segment.router_inflight_add(0, 3)          # three requests dispatched by routers, not finished
+    s = await aslot_wait(segment, 0, lambda s: s.num_running == 3, 2, "running from the routers' count")
+    assert s.inflight == 3 and s.num_waiting == 0 and s.kv_cache_usage == -1.0
+    segment.router_inflight_add(0, -3)
     await aslot_wait(segment, 0, lambda s: s.inflight == 0 and s.num_running == 0, 5, "idle")
     assert "has no /metrics" in a.log_text()
 
 
 async def test_with_metrics_slot_shows_engine_figures(procs, start_agent, segment):
     url = fake_engine(procs, "--metrics", "--token-delay-ms", "50")
-    a = start_agent(1, "--engine-url", url, engine="openai", interval_ms=100)
-    async with a.aclient() as client, AsyncExitStack() as stack:
+    start_agent(1, "--engine-url", url, engine="openai", interval_ms=100)
+    async with aendpoint_client(segment.read_slot(1).endpoint) as client, AsyncExitStack() as stack:
         await open_streams(client, 2, max_tokens=400, stack=stack)
         s = await aslot_wait(segment, 1, lambda s: s.num_running == 2, 2, "engine running count")
         assert s.kv_cache_usage == pytest.approx(0.25)
     await aslot_wait(segment, 1, lambda s: s.num_running == 0 and s.kv_cache_usage == 0.0, 5, "engine idle")
 
 
-def test_relay_keeps_path_query_headers_body(procs, start_agent, segment):
-    url = fake_engine(procs)
-    a = start_agent(2, "--engine-url", url, engine="openai", interval_ms=100)
-    body = b'{"messages": [{"role": "user", "content": "hi"}], "weird": "\\u00e9"}'
-    with a.client() as c:
-        r = c.post("/echo/v1/chat/completions/render?x=1&y=%20z", content=body,
-                   headers={"Authorization": "Bearer sk-test", "X-Request-Id": "req-42",
-                            "Content-Type": "application/json", "Connection": "keep-alive", "TE": "trailers"})
-    assert r.status_code == 200
-    e = r.json()
-    assert e["method"] == "POST" and e["path"] == "/echo/v1/chat/completions/render"
-    assert e["query"] == "x=1&y=%20z"
-    hdrs = {k.lower(): v for k, v in e["headers"]}
-    assert hdrs["authorization"] == "Bearer sk-test" and hdrs["x-request-id"] == "req-42"
-    assert "te" not in hdrs                       # hop-by-hop headers stop at the agent
-    assert e["body"].encode("latin-1") == body    # byte for byte
-    assert r.headers["x-engine-header"] == "kept" and r.headers["cache-control"] == "no-store"
+def test_https_engine_is_refused_on_the_command_line():
+    """Routers forward plain HTTP/1.1 straight to the engine: an https:// engine cannot be attached."""
+    from worker_agent.config import parse_args
+    from worker_agent.errors import ConfigError
 
-
-async def test_disconnect_before_response_aborts_upstream(procs, start_agent, segment):
-    url = fake_engine(procs, "--token-delay-ms", "100")
-    a = start_agent(3, "--engine-url", url, engine="openai", interval_ms=100)
-    async with a.aclient() as client:
-        task = asyncio.create_task(client.post(
-            "/v1/completions", json={"model": "fake-model", "prompt": "x", "max_tokens": 300, "stream": False}))
-        await aslot_wait(segment, 3, lambda s: s.inflight == 1, 5, "request in flight")
-        task.cancel()                              # the router gives up before any byte came back
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    await aslot_wait(segment, 3, lambda s: s.inflight == 0, 5, "inflight 0 after the disconnect")
-    with httpx.Client(base_url=url) as eng:
-        for _ in range(100):
-            st = eng.get("/fake/state").json()
-            if st["aborted"] == 1:
-                break
-            await asyncio.sleep(0.05)
-    assert st == {"active": 0, "aborted": 1, "completed": 1}   # completed: the warm-up request
+    with pytest.raises(ConfigError) as ei:
+        parse_args(["--worker-id", "0", "--uds", "/tmp/a.sock", "--engine", "openai", "--engine-url",
+                    "https://example.com"])
+    assert ei.value.field == "--engine-url"

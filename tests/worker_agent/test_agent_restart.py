@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from tests.worker_agent.conftest import slot_wait
+from tests.worker_agent.conftest import endpoint_client, slot_wait
 from worker_agent.agent import RestartPolicy
 
 MODEL = "sim-llama-3.1-8b"
@@ -48,7 +48,7 @@ def test_killed_engine_is_restarted_after_backoff_and_serves_again(start_agent, 
     assert s.restarts == 1 and s.state_reason.name == "NONE" and s.last_exit_code == -9
     assert s.pid == a.proc.pid                                        # same agent, same slot
     assert engine_pid(a.proc.pid) != old
-    with a.client() as c:
+    with endpoint_client(s.endpoint) as c:    # the engine itself, at the address the slot names
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"]
     log = a.log_text()

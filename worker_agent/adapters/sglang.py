@@ -1,4 +1,5 @@
-"""SGLang adapter: spawns ``sglang.launch_server`` on a private loopback port.
+"""SGLang adapter: spawns ``sglang.launch_server`` on a loopback port (``--engine-host`` H: on H),
+which routers forward to directly.
 
 Command::
 
@@ -38,12 +39,13 @@ class SglangAdapter(EngineAdapter):
         super().__init__(cfg)
 
     def _make_address(self) -> EngineAddress:
-        return EngineAddress(url=f"http://127.0.0.1:{self.port}")
+        return EngineAddress(url=f"http://{self.cfg.engine_host or '127.0.0.1'}:{self.port}")
 
     def command(self) -> list[str]:
         """argv of the SGLang server (see module docstring)."""
         argv = [self.cfg.engine_python, "-m", "sglang.launch_server",
-                "--model-path", str(self.cfg.model), "--host", "127.0.0.1", "--port", str(self.port),
+                "--model-path", str(self.cfg.model), "--host", self.cfg.engine_host or "127.0.0.1",
+                "--port", str(self.port),
                 "--tp-size", str(self.cfg.tp_size)]
         if "--enable-metrics" not in self.cfg.engine_args:
             argv.append("--enable-metrics")

@@ -1,8 +1,9 @@
-"""Sim adapter: spawns DPLB's simulated engine on a private Unix socket.
+"""Sim adapter: spawns DPLB's simulated engine on a Unix socket (routers forward to it directly).
 
 Command::
 
     <engine-python> -m sim_engine --uds <run-dir>/engine-<K>.sock [--model M] [pass-through args]
+    <engine-python> -m sim_engine --host H --port P [--model M] [...]       (with --engine-host H)
 
 The simulator serves vLLM's API and vLLM's metric names, so the state probe is vLLM's. Without
 ``--gpus`` the agent publishes the simulated device's memory (80 GiB, 90 % held, as vLLM holds it).
@@ -14,7 +15,7 @@ from typing import ClassVar
 
 from ..metrics import VLLM, MetricNames
 from ..upstream import EngineAddress
-from .base import EngineAdapter
+from .base import EngineAdapter, free_loopback_port
 
 
 class SimAdapter(EngineAdapter):
@@ -43,11 +44,17 @@ class SimAdapter(EngineAdapter):
         return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.sock")
 
     def _make_address(self) -> EngineAddress:
+        if self.cfg.engine_host is not None:
+            self.port = free_loopback_port()
+            return EngineAddress(url=f"http://{self.cfg.engine_host}:{self.port}")
         return EngineAddress(uds=self.socket_path)
 
     def command(self) -> list[str]:
         """argv of the simulated engine (see module docstring)."""
-        argv = [self.cfg.engine_python, "-m", "sim_engine", "--uds", self.socket_path]
+        if self.cfg.engine_host is not None:
+            argv = [self.cfg.engine_python, "-m", "sim_engine", "--host", self.cfg.engine_host, "--port", str(self.port)]
+        else:
+            argv = [self.cfg.engine_python, "-m", "sim_engine", "--uds", self.socket_path]
         if self.cfg.model:
             argv += ["--model", self.cfg.model]
         return argv + list(self.cfg.engine_args)

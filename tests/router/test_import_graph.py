@@ -1,0 +1,99 @@
+"""The request path's modules import each other without a circle (issue 14: a typed spine whose
+graph stays without circles), counting imports inside functions too; and the wire module is the
+bottom of the graph."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+PACKAGES = ("router", "worker_agent", "dplb_shm", "launcher")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path, mod: str, known: set[str]) -> set[str]:
+    """Modules of ``known`` that ``path`` imports anywhere (top level or inside functions)."""
+    tree = ast.parse(path.read_text())
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")
+                up = up[: len(up) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for n in names:
+            # the deepest known module named (``from router.x import y`` is router.x, or router.x.y)
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n and n != mod:
+                out.add(n)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    known = set(files)
+    g = {m: imports_of(p, m, known) for m, p in files.items()}
+    # a package's __init__ importing its own submodules is how packages re-export; not an edge back
+    for m, deps in g.items():
+        g[m] = {d for d in deps if not (d.startswith(m + ".") and ROOT.joinpath(*m.split("."), "__init__.py").exists())}
+    return g
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    color: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        color[n] = 1
+        stack.append(n)
+        for d in sorted(g.get(n, ())):
+            if color.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if color.get(d) is None:
+                c = visit(d)
+                if c:
+                    return c
+        stack.pop()
+        color[n] = 2
+        return None
+
+    for n in sorted(g):
+        if n not in color:
+            c = visit(n)
+            if c:
+                return c
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_protocol_is_the_bottom_and_the_proxy_has_typed_collaborators():
+    g = graph()
+    assert {d for d in g["router.protocol"] if d.startswith(PACKAGES)} == set()
+    assert {"router.scheduling", "router.transport", "router.metrics", "router.protocol"} <= g["router.proxy"]
+    assert "router.app" not in g["router.proxy"]         # the proxy no longer takes the whole router state
+    import inspect
+
+    from router.proxy import Proxy
+
+    ann = inspect.signature(Proxy.__init__).parameters
+    assert [ann[k].annotation for k in ("scheduler", "transport", "metrics", "settings")] == [
+        "Scheduler", "Transport", "Metrics", "ProxySettings"]

@@ -1,0 +1,136 @@
+"""The router's HTTP/1.1 client (router/transport.py) against small servers on a Unix socket:
+keep-alive reuse, chunked streams, aborts that reach the server, the two timeouts, and how
+failures are classified (refused / dropped after sending; a reset or broken pipe before any byte,
+"never read", is what kill -9 of a worker gives: fault scenario 1)."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import ClassVar
+
+import pytest
+
+from router.errors import TransportError
+from router.transport import Transport
+
+pytestmark = pytest.mark.timeout(60)
+
+JSON = b'{"ok":true}'
+
+
+class Server(asyncio.Protocol):
+    """Answers per the request path: /json (fixed body), /stream (3 chunked SSE events, 20 ms
+    apart), /hang (nothing), /drop (close at once, after reading the request)."""
+
+    conns: ClassVar[list[Server]] = []
+
+    def connection_made(self, transport):  # type: ignore[override]
+        self.t = transport
+        self.buf = b""
+        self.closed = asyncio.get_running_loop().create_future()
+        Server.conns.append(self)
+
+    def connection_lost(self, exc):  # type: ignore[override]
+        if not self.closed.done():
+            self.closed.set_result(True)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, _, rest = self.buf.partition(b"\r\n\r\n")
+            n = 0
+            for line in head.split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    n = int(v)
+            self.buf = rest[n:]
+            path = head.split(b" ")[1]
+            self.answer(path)
+
+    def answer(self, path: bytes) -> None:
+        if path == b"/json":
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: keep-alive\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(JSON), JSON))
+        elif path == b"/stream":
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            loop = asyncio.get_running_loop()
+            for i in range(3):
+                ev = b"data: %d\n\n" % i
+                loop.call_later(0.02 * (i + 1), self.t.write, b"%x\r\n%s\r\n" % (len(ev), ev))
+            loop.call_later(0.1, self.t.write, b"0\r\n\r\n")
+        elif path == b"/drop":
+            self.t.close()
+
+
+@pytest.fixture
+async def server(tmp_path):
+    Server.conns = []
+    path = str(tmp_path / "s.sock")
+    srv = await asyncio.get_running_loop().create_unix_server(Server, path)
+    try:
+        yield path
+    finally:
+        srv.close()
+        for c in Server.conns:
+            c.t.close()
+
+
+async def test_keep_alive_reuses_one_connection(server):
+    t = Transport()
+    for _ in range(20):
+        up = await t.send(server, "POST", "/json", [(b"content-type", b"application/json")], b"{}")
+        assert up.status == 200 and not up.is_stream
+        assert await up.read(await up.first_chunk()) == JSON
+    assert len(Server.conns) == 1
+    await asyncio.gather(*(t.get(server, "/json", 2.0) for _ in range(8)))
+    assert len(Server.conns) == 8          # concurrent requests: one connection each, then pooled
+    await t.close()
+
+
+async def test_stream_chunks_arrive_dechunked_and_in_order(server):
+    t = Transport()
+    up = await t.send(server, "POST", "/stream", [], b"{}")
+    assert up.is_stream and (b"content-type", b"text/event-stream") in up.headers
+    assert all(k != b"transfer-encoding" for k, _ in up.headers)   # hop-by-hop: not relayed
+    got = [await up.first_chunk()]
+    async for c in up.chunks():
+        got.append(c)
+    up.release()
+    assert b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" and len(got) == 3
+    await t.close()
+
+
+async def test_abort_closes_the_connection_the_server_sees_it(server):
+    t = Transport()
+    up = await t.send(server, "POST", "/stream", [], b"{}")
+    await up.first_chunk()
+    up.release(abort=True)                 # the client left mid-stream: the engine must stop
+    await asyncio.wait_for(Server.conns[0].closed, 5)
+    await t.close()
+
+
+async def test_timeouts_first_byte_then_idle(server):
+    t = Transport(first_byte_timeout_s=0.2, idle_timeout_s=0.01)
+    with pytest.raises(TransportError) as ei:
+        await t.send(server, "POST", "/hang", [], b"{}")
+    assert ei.value.kind == "timeout"
+    await asyncio.wait_for(Server.conns[0].closed, 5)   # a timed-out request's connection is closed
+    up = await t.send(server, "POST", "/stream", [], b"{}")
+    await up.first_chunk()
+    with pytest.raises(TransportError) as ei:      # 20 ms between events > 10 ms idle timeout
+        await up.first_chunk()
+    assert ei.value.kind == "timeout"
+    up.release()
+    await t.close()
+
+
+async def test_failures_are_classified(server, tmp_path):
+    t = Transport()
+    with pytest.raises(TransportError) as ei:
+        await t.send(str(tmp_path / "nobody.sock"), "POST", "/json", [], b"{}")
+    assert ei.value.kind == "connect" and ei.value.refused and ei.value.unsent
+    with pytest.raises(TransportError) as ei:
+        await t.send(server, "POST", "/drop", [], b"{}")     # closed after reading: maybe began the work
+    assert ei.value.kind == "connect" and not ei.value.refused and not ei.value.unsent
+    await t.close()
+    assert not os.path.exists(str(tmp_path / "nobody.sock"))
