@@ -63,6 +63,8 @@ class Segment:
 
 class SlotWriter:
     slot_index: int
+    now_override_ns: int
+    latency_window_s: float
     def claim(self, worker_id: int, pid: int | None = None, endpoint: str = "", gpu_ids: Sequence[int] = (),
               weight: float = 1.0, model: str = "", max_num_seqs: int = 0) -> None: ...
     def publish(self, **fields: Any) -> None: ...

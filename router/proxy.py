@@ -248,12 +248,13 @@ class Proxy:
                         metrics.retries.labels(e.kind).inc()
                         continue
                     outcome = status < 500
+                    lease.first_token()
                     resp_headers.append((b"content-length", str(len(data)).encode()))
                     await send({"type": "http.response.start", "status": status, "headers": resp_headers})
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                     metrics.observe_request(str(wid), status, route, time.perf_counter() - t0)
                     return
-                ok = await self.relay_stream(up, status, resp_headers, send, route, t0, wid)
+                ok = await self.relay_stream(up, status, resp_headers, send, route, t0, wid, lease)
                 outcome = ok and status < 500
                 return
             except asyncio.CancelledError:
@@ -273,9 +274,10 @@ class Proxy:
                                 time.perf_counter() - t0)
 
     async def relay_stream(self, up: Any, status: int, headers: list, send: Any, route: str, t0: float,
-                           wid: int) -> bool:
+                           wid: int, lease: Any = None) -> bool:
         """Relay a streamed body chunk by chunk; a broken upstream ends with an SSE error event.
-        Returns False when the stream broke (a breaker failure)."""
+        The first chunk marks ``lease``'s first token. Returns False when the stream broke (a
+        breaker failure)."""
         metrics = self.state.metrics
         await send({"type": "http.response.start", "status": status, "headers": headers})
         first = True
@@ -285,6 +287,8 @@ class Proxy:
             async for chunk in up.chunks():
                 if first:
                     metrics.observe_ttft(route, time.perf_counter() - t0)
+                    if lease is not None:
+                        lease.first_token()
                     first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True

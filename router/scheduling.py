@@ -10,10 +10,20 @@ the live segment), the baselines get freshly read slots. After a policy picks, t
 breaker must admit it (a half-open breaker admits one probe); otherwise the pipeline tries again
 without it.
 
-A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): taking it bumps the
-shared ``router_inflight`` atomic in the segment (so every router process and the kernel see the
-dispatch at once) and this process's count; :meth:`Lease.release` undoes both exactly once. (The
-per-worker in-flight gauge is sampled from that count by the health tick, not per request.)
+A :class:`Lease` is the router-side load guard (SGLang's RAII load guard) and the one place that
+keeps the router's per-request accounting. Its three moments, called by the live proxy
+(:mod:`router.proxy`) and by the virtual-time simulator (``simulate/``) alike:
+
+* dispatch (``Lease(handle, seg)``, taken by :meth:`Scheduler.select`): bumps the shared
+  ``router_inflight`` and ``dispatched`` atomics in the segment (so every router process and the
+  kernel see the dispatch at once) and this process's count;
+* :meth:`Lease.first_token`: the first output token reached the router (first streamed chunk; for
+  a non-streamed answer, the whole body) — the worker's prefill of this request is over;
+* :meth:`Lease.release`: the response ended (success, error or disconnect): undoes the dispatch
+  counts, exactly once; a request released without a first token passes that moment then.
+
+Router-side state that changes at these moments belongs here, so both callers stay in step. (The
+per-worker in-flight gauge is sampled from the local count by the health tick, not per request.)
 """
 from __future__ import annotations
 
@@ -26,14 +36,16 @@ from router.workers import Registry, WorkerHandle
 
 
 class Lease:
-    """In-flight accounting for one dispatched request on ``handle``; release exactly once."""
+    """Router-side accounting for one dispatched request on ``handle`` (see the module docstring):
+    taken at dispatch, :meth:`first_token` once, :meth:`release` exactly once."""
 
-    __slots__ = ("_released", "_seg", "handle")
+    __slots__ = ("_first", "_released", "_seg", "handle")
 
     def __init__(self, handle: WorkerHandle, seg: Any) -> None:
         self.handle = handle
         self._seg = seg
         self._released = False
+        self._first = False
         seg.router_inflight_add(handle.worker_id, 1)
         seg.dispatched_add(handle.worker_id, 1)
         handle.local_inflight += 1
@@ -43,10 +55,25 @@ class Lease:
         """True once :meth:`release` ran."""
         return self._released
 
+    @property
+    def first_token_seen(self) -> bool:
+        """True once :meth:`first_token` ran (or the lease was released without one)."""
+        return self._first
+
+    def first_token(self) -> bool:
+        """The first output token reached the router: the worker finished this request's prefill.
+        Returns False (and does nothing) the second time or after :meth:`release`."""
+        if self._first or self._released:
+            return False
+        self._first = True
+        return True
+
     def release(self) -> bool:
-        """Give the request's load back; returns False (and does nothing) when already released."""
+        """Give the request's load back; returns False (and does nothing) when already released.
+        A request that never produced a first token (error, disconnect) passes that moment here."""
         if self._released:
             return False
+        self.first_token()
         self._released = True
         h = self.handle
         try:

@@ -68,11 +68,16 @@ class Registry:
 
     ``seg``: a ``dplb_shm.Segment``; ``on_leave(worker_id, endpoint)`` is called when a worker
     leaves or its slot is reused by another process (policies forget it, pools are closed).
+    ``clock``: the routing clock (ns, heartbeat domain) that heartbeat ages are judged against;
+    None (live) = the age the snapshot computed when it was read (CLOCK_MONOTONIC). A virtual-time
+    simulator passes its own clock, the same one its slot writers and the kernel use.
     """
 
     def __init__(self, seg: Any, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
-                 on_circuit: Callable[[int, int], None] | None = None) -> None:
+                 on_circuit: Callable[[int, int], None] | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.seg = seg
+        self.clock = clock
         self.cfg = cfg
         self.handles: dict[int, WorkerHandle] = {}
         self.on_leave = on_leave
@@ -121,8 +126,15 @@ class Registry:
             self.on_leave(h.worker_id, h.endpoint)
 
     def live(self, s: Any, now_ns: int | None = None) -> bool:
-        """Slot READY with a fresh heartbeat (``heartbeat_age_ms`` is computed at read time)."""
-        return int(s.state) == READY and float(s.heartbeat_age_ms) <= self.hb_timeout_ms
+        """Slot READY with a fresh heartbeat: ``heartbeat_age_ms`` (computed at read time), or the
+        age at ``now_ns`` / the registry's clock when one is given."""
+        if now_ns is None and self.clock is not None:
+            now_ns = self.clock()
+        if now_ns is None:
+            age_ms = float(s.heartbeat_age_ms)
+        else:
+            age_ms = (now_ns - int(s.heartbeat_ns)) / 1e6 if int(s.heartbeat_ns) > 0 else -1.0
+        return int(s.state) == READY and age_ms <= self.hb_timeout_ms
 
     def candidates(self, model: str | None, exclude: set[int] | frozenset[int], fresh: bool | str) -> list[Any]:
         """Snapshots of router-eligible workers.

@@ -38,11 +38,14 @@ __all__ = [
 ]
 
 
-def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng=None) -> Policy:
+def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng=None, clock=None) -> Policy:
     """Build policy ``name`` from a ``RoutingPolicy`` config section ``rp``.
 
     ``kernel``/``params`` (a ``dplb_shm.Segment`` and its ``ScoringParams``) are required for
-    ``dplb``. Raises ``ValueError`` for an unknown name.
+    ``dplb``. ``rng``: the policy's ``random.Random`` (None: seeded from the OS); ``clock``: the
+    routing clock, ns in the heartbeat domain (None: CLOCK_MONOTONIC; ``dplb-simulate`` passes its
+    virtual clock). Every policy takes both, so the simulator can build any policy listed in
+    ``router.config.POLICIES`` through this function alone. Raises ``ValueError`` for an unknown name.
     """
     def index() -> PrefixIndex:
         return PrefixIndex(rp.prefix_chunk_chars, rp.prefix_max_chunks, rp.prefix_index_max_entries)
@@ -53,13 +56,13 @@ def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng
         return DplbPolicy(kernel, params, index(), w_affinity=rp.w_affinity,
                           affinity_max_imbalance=rp.affinity_max_imbalance,
                           balance_abs_threshold=rp.balance_abs_threshold,
-                          balance_rel_threshold=rp.balance_rel_threshold, rng=rng)
+                          balance_rel_threshold=rp.balance_rel_threshold, rng=rng, clock=clock)
     if name == "cache_aware":
         return CacheAwarePolicy(rp.cache_threshold, rp.balance_abs_threshold, rp.balance_rel_threshold,
-                                index(), rng=rng)
+                                index(), rng=rng, clock=clock)
     simple: dict[str, Any] = {"round_robin": RoundRobinPolicy, "random": RandomPolicy, "shortest_queue": ShortestQueuePolicy,
               "power_of_two": PowerOfTwoPolicy}
     if name not in simple:
         raise ValueError(f"unknown routing policy {name!r}; one of dplb, cache_aware, {', '.join(simple)}")
-    policy: Policy = simple[name](rng=rng)
+    policy: Policy = simple[name](rng=rng, clock=clock)
     return policy

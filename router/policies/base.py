@@ -9,7 +9,7 @@ network and never raise for an empty list (the pipeline guarantees at least one 
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,13 +101,23 @@ def load_scores(workers: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 class BasePolicy:
-    """Default no-op hooks; ``rng`` is injectable so tests are deterministic."""
+    """Default no-op hooks; ``rng`` is injectable so tests are deterministic.
+
+    ``clock``: the routing clock, a callable returning ns in the segment's heartbeat domain
+    (CLOCK_MONOTONIC); ``None`` (live router) = the real clock. A virtual-time simulator
+    (``simulate/``) passes its own, so a policy that reads time (the kernel's heartbeat check,
+    time windows) must read it through :meth:`now_ns` and never call ``time`` directly."""
 
     name = "base"
     needs_text = False
 
-    def __init__(self, rng: _random.Random | None = None) -> None:
+    def __init__(self, rng: _random.Random | None = None, clock: Callable[[], int] | None = None) -> None:
         self.rng = rng or _random.Random()
+        self.clock = clock
+
+    def now_ns(self) -> int | None:
+        """The routing clock's time in ns, or None for "the real clock" (the kernel then reads it)."""
+        return None if self.clock is None else self.clock()
 
     def on_dispatch(self, worker_id: int, req: RequestInfo) -> None:
         """Called once the request is sent to ``worker_id`` (prefix policies index it here)."""

@@ -37,8 +37,8 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
     needs_text = True
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, index: PrefixIndex | None = None, rng=None) -> None:
-        super().__init__(rng)
+                 balance_rel_threshold: float = 1.5, index: PrefixIndex | None = None, rng=None, clock=None) -> None:
+        super().__init__(rng, clock)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold

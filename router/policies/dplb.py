@@ -63,8 +63,9 @@ def terms_row(t: Any, bonus: float = 0.0) -> dict[str, Any]:
 class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
     """Kernel score + prefix affinity with escape.
 
-    ``kernel``: object with ``num_slots``, ``pick(params, prompt_len, affinity) -> int`` and
-    ``pick_explain(params, prompt_len, affinity) -> (int, list[ScoreTerms])`` (a ``dplb_shm.Segment``);
+    ``kernel``: object with ``num_slots``, ``pick(params, prompt_len, affinity, now_ns=) -> int`` and
+    ``pick_explain(params, prompt_len, affinity, now_ns=) -> (int, list[ScoreTerms])`` (a
+    ``dplb_shm.Segment``; ``now_ns`` is the routing clock, None = CLOCK_MONOTONIC);
     ``params``: the ``ScoringParams`` handed to it. Returned worker id −1 means "none eligible".
     """
 
@@ -74,8 +75,8 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
 
     def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, w_affinity: float = 0.3,
                  affinity_max_imbalance: float = 8.0, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, rng=None) -> None:
-        super().__init__(rng)
+                 balance_rel_threshold: float = 1.5, rng=None, clock=None) -> None:
+        super().__init__(rng, clock)
         self.kernel = kernel
         self.params = params
         self.index = index or PrefixIndex()
@@ -84,6 +85,11 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self._pending_hashes: tuple[int, list[int]] | None = None
+
+    def _clock_kw(self) -> dict[str, int]:
+        """``now_ns=`` for the kernel when a routing clock was given (virtual time), else nothing."""
+        now = self.now_ns()
+        return {} if now is None else {"now_ns": now}
 
     def _base_affinity(self, workers: Sequence[Any]) -> list[float]:
         aff = [EXCLUDED] * int(self.kernel.num_slots)
@@ -110,11 +116,11 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         matches = {k: v for k, v in matches.items() if k in eligible}
         aff = self._base_affinity(workers)
         if not matches and not explain:
-            wid = int(self.kernel.pick(self.params, req.prompt_len, aff))
+            wid = int(self.kernel.pick(self.params, req.prompt_len, aff, **self._clock_kw()))
             if wid in eligible:
                 return Decision(wid, "score")
             return Decision(least_loaded(workers, self.rng).worker_id, "fallback")
-        _, terms = self.kernel.pick_explain(self.params, req.prompt_len, aff)
+        _, terms = self.kernel.pick_explain(self.params, req.prompt_len, aff, **self._clock_kw())
         terms = [t for t in terms if int(t.worker_id) in eligible]
         if not terms:
             return Decision(least_loaded(workers, self.rng).worker_id, "fallback",

@@ -20,8 +20,8 @@ class RoundRobinPolicy(BasePolicy):
     name = "round_robin"
     reads_load = False  # eligibility from the last tick's snapshots (no per-request slot reads)
 
-    def __init__(self, rng=None) -> None:
-        super().__init__(rng)
+    def __init__(self, rng=None, clock=None) -> None:
+        super().__init__(rng, clock)
         self._n = self.rng.randrange(1 << 16)
 
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
