@@ -37,7 +37,7 @@ from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.parsing import parse_request
-from router.policies import build_policy
+from router.policies import build_policy, scoring_params
 from router.proxy import Proxy
 from router.scheduling import Scheduler
 from router.transport import Transport
@@ -89,8 +89,6 @@ class RouterState:
 
     async def start(self) -> None:
         """Attach, build the pipeline, start the health monitor."""
-        from dplb_shm import ScoringParams
-
         cfg = self.cfg
         if self.seg is None:
             try:
@@ -101,11 +99,7 @@ class RouterState:
                 raise
             self._hold_router_lock()
         rp = cfg.routing_policy
-        self.params = ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
-                                    w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
-                                    max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
-                                    heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
-                                    latency_scale_ms=rp.latency_scale_ms)
+        self.params = scoring_params(cfg)
         self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params)
         self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
         self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit)

@@ -35,7 +35,21 @@ __all__ = [
     "ShortestQueuePolicy",
     "build_policy",
     "pending",
+    "scoring_params",
 ]
+
+
+def scoring_params(cfg: Any) -> Any:
+    """The kernel's ``dplb_shm.ScoringParams`` from a router ``Config`` (weights, thresholds,
+    heartbeat timeout); the live router and ``dplb-simulate`` both build them here."""
+    from dplb_shm import ScoringParams
+
+    rp = cfg.routing_policy
+    return ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
+                         w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
+                         max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
+                         heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
+                         latency_scale_ms=rp.latency_scale_ms)
 
 
 def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng=None, clock=None) -> Policy:
