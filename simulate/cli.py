@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 from dataclasses import asdict, fields, replace
-from pathlib import Path
 from typing import Any
 
 from bench.errors import TraceFormatError
@@ -25,7 +24,14 @@ from router.errors import ConfigError
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
 from simulate.capacity import find_capacity, min_engines, trace_rate
 from simulate.cluster import SLO, SimSettings, Simulation
-from simulate.report import Progress, capacity_table, plot, progress_enabled, table, write_json
+from simulate.report import (
+    Progress,
+    capacity_table,
+    plot,
+    progress_enabled,
+    table,
+    write_json,
+)
 from simulate.stats import summarize
 from simulate.workload import APIS, EngineHasher, load_workload
 
@@ -49,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--requests", type=int, default=None, help="requests in the window (default: all)")
     g.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply the arrival rate (arrival times are divided by it; 2 = twice as fast)")
+    g.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="cap every request's output length (as dplb-replay --max-tokens-cap)")
     g.add_argument("--api", choices=APIS, default="chat",
                    help="what dplb-replay would send: a chat message (default) or a completions prompt")
     c = p.add_argument_group("cluster")
@@ -137,7 +145,7 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
             per_engine.append({"engine": k, **diff})
     return {
         "trace": ns.trace, "trace_format": ns.trace_format, "start": ns.start, "requests": len(reqs),
-        "rate_scale": ns.rate_scale, "engines": len(engines),
+        "max_tokens_cap": ns.max_tokens_cap, "rate_scale": ns.rate_scale, "engines": len(engines),
         "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
         "api": ns.api, "config": ns.config, "routing_policy": cfg.routing_policy.model_dump(),
@@ -188,7 +196,7 @@ def _main(ns: argparse.Namespace) -> int:
     if (ns.find_capacity or ns.min_engines) and ns.slo_ttft_p99 is None and ns.slo_tpot_p99 is None:
         raise UsageError("--find-capacity / --min-engines need --slo-ttft-p99 and/or --slo-tpot-p99")
     engines = engine_configs(ns)
-    reqs = load_workload(ns.trace, ns.trace_format, ns.start, ns.requests)
+    reqs = load_workload(ns.trace, ns.trace_format, ns.start, ns.requests, ns.max_tokens_cap)
     settings_json = run_settings(ns, reqs, engines, cfg)
     show = progress_enabled(ns.progress)
     hashers: dict[tuple[int, str], EngineHasher] = {}

@@ -379,10 +379,9 @@ class Simulation:
                             done += 1
                             if tpot_lim is not None and tpot is not None and tpot > tpot_lim:
                                 over_tpot += 1
-                    if ttft_lim is not None or tpot_lim is not None:
-                        if over_ttft >= over_needed or over_tpot >= over_needed:
-                            aborted = True
-                            break
+                    if over_ttft >= over_needed or over_tpot >= over_needed:  # 0 unless an SLO is set
+                        aborted = True
+                        break
                     start_step(e, t)
                 elif kind == AGENT_TICK:
                     e = engines[k]

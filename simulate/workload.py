@@ -42,7 +42,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.errors import TraceFormatError
-from bench.trace import BLOCK_TOKENS, VOCAB, TraceRequest, block_text, load_trace, prompt_for
+from bench.trace import (
+    BLOCK_TOKENS,
+    VOCAB,
+    TraceRequest,
+    block_text,
+    load_trace,
+    prompt_for,
+)
 from sim_engine.kv_cache import ROOT_HASH
 
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -70,8 +77,9 @@ def detect_format(path: str | Path) -> str:
     return "mooncake"
 
 
-def parse_azure_timestamp(s: str) -> float:
-    """Seconds since the epoch (UTC) of ``YYYY-MM-DD HH:MM:SS[.fffffff]``; ValueError if malformed."""
+def parse_azure_timestamp(s: str) -> int:
+    """Nanoseconds since the epoch (UTC) of ``YYYY-MM-DD HH:MM:SS[.fffffffff]`` (exact integer
+    arithmetic: a float of seconds since 1970 keeps only ~0.2 µs); ValueError if malformed."""
     s = s.strip()
     date, _, clock = s.replace("T", " ").partition(" ")
     if not clock:
@@ -83,8 +91,10 @@ def parse_azure_timestamp(s: str) -> float:
         raise ValueError(f"date or time out of range in {s!r}")
     if frac and not frac.isdigit():
         raise ValueError(f"bad fraction of a second in {s!r}")
+    if len(frac) > 9:
+        raise ValueError(f"more than 9 digits of a second in {s!r}")
     base = calendar.timegm((y, mo, d, h, mi, sec, 0, 0, 0))
-    return base + (int(frac) / 10 ** len(frac) if frac else 0.0)
+    return base * 1_000_000_000 + (int(frac) * 10 ** (9 - len(frac)) if frac else 0)
 
 
 def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -100,8 +110,8 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
         raise ValueError(f"limit must be >= 0 (got {limit})")
     p = str(path)
     out: list[TraceRequest] = []
-    t0: float | None = None
-    last = float("-inf")
+    t0: int | None = None
+    last = -(1 << 80)
     with open(path, encoding="utf-8-sig", newline="") as f:
         rows = csv.reader(f)
         header = None
@@ -137,7 +147,7 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
             i = len(out)
             n_blocks = -(-ctx // BLOCK_TOKENS)
             base = AZURE_BLOCK_BASE + (i << 12) if n_blocks < 4096 else AZURE_BLOCK_BASE + i * n_blocks
-            out.append(TraceRequest(index=i, timestamp_ms=round((ts - t0) * 1000.0, 4), input_length=ctx,
+            out.append(TraceRequest(index=i, timestamp_ms=(ts - t0) / 1e6, input_length=ctx,
                                     output_length=gen, hash_ids=tuple(range(base, base + n_blocks))))
         if header is None:
             raise TraceFormatError(p, 1, "empty file: expected the header " + ",".join(AZURE_HEADER))
@@ -145,10 +155,13 @@ def load_azure(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 
 
 def load_workload(path: str | Path, fmt: str = "auto", start: int = 0,
-                  requests: int | None = None) -> list[TraceRequest]:
+                  requests: int | None = None, max_tokens_cap: int | None = None) -> list[TraceRequest]:
     """Requests ``start .. start + requests`` of the trace at ``path`` (``fmt``: auto, mooncake,
-    azure), re-indexed from 0 with timestamps relative to the window's first request.
+    azure), re-indexed from 0 with timestamps relative to the window's first request;
+    ``max_tokens_cap`` caps output lengths as ``dplb-replay --max-tokens-cap`` does.
     Raises :class:`TraceFormatError` / ``FileNotFoundError`` / ``ValueError``."""
+    if max_tokens_cap is not None and max_tokens_cap < 1:
+        raise ValueError(f"--max-tokens-cap must be >= 1 (got {max_tokens_cap})")
     if start < 0:
         raise ValueError(f"--start must be >= 0 (got {start})")
     if requests is not None and requests < 1:
@@ -166,8 +179,10 @@ def load_workload(path: str | Path, fmt: str = "auto", start: int = 0,
     if not window:
         raise ValueError(f"the window --start {start} holds no request (the trace has {len(reqs)})")
     t0 = window[0].timestamp_ms
+    cap = max_tokens_cap
     return [TraceRequest(index=i, timestamp_ms=r.timestamp_ms - t0, input_length=r.input_length,
-                         output_length=r.output_length, hash_ids=r.hash_ids) for i, r in enumerate(window)]
+                         output_length=r.output_length if cap is None else min(r.output_length, cap),
+                         hash_ids=r.hash_ids) for i, r in enumerate(window)]
 
 
 # ---- what each component sees ----------------------------------------------------------------------
@@ -233,7 +248,7 @@ class RenderedPrompt(Sequence):
     """The engine's prompt tokens of ``req`` as a lazy sequence (``len`` and indexing/slicing),
     so a long prompt is never held as a word list. Words come from :func:`bench.trace.block_text`."""
 
-    __slots__ = ("head", "hash_ids", "n", "tail", "words")
+    __slots__ = ("hash_ids", "head", "n", "tail", "words")
 
     def __init__(self, req: TraceRequest, api: str = "chat") -> None:
         self.head, self.tail = template(api)
@@ -290,8 +305,8 @@ class EngineHasher:
         bs = self.bs
         a = j * bs - self.nh
         b = a + bs
-        wa = a if a > 0 else 0
-        wb = b if b < n_words else n_words
+        wa = max(0, a)
+        wb = min(n_words, b)
         n_head = -a if a < 0 else 0
         n_tail = b - n_words if b > n_words else 0
         if wa >= wb:
