@@ -109,6 +109,10 @@ class SimSettings:
     seed: int = 0
     load_points: int = 300
     abort_on: SLO | None = None
+    #: factor on the latencies the agents publish (1: simulated time). A live cluster whose engines
+    #: run at ``--time-scale T`` has agents that measure wall time, T times shorter: 1/T mimics it
+    #: (``simulate.fidelity``; with state interval, latency window and health interval × T)
+    agent_latency_scale: float = 1.0
 
 
 @dataclass
@@ -332,6 +336,7 @@ class Simulation:
             else:
                 e.plan = None
 
+        ms = 1000.0 * s.agent_latency_scale
         done = 0
         i_next = 0
         events = 0
@@ -369,8 +374,8 @@ class Simulation:
                             total = t - arr[i]
                             ft = ttft[i]  # type: ignore[assignment]
                             tpot = (total - ft) / (n_out - 1) if n_out > 1 else None
-                            e.agent.on_finish(prompt_tok[i], ft * 1000.0, None if tpot is None else tpot * 1000.0,
-                                              total * 1000.0, "ok")
+                            e.agent.on_finish(prompt_tok[i], ft * ms, None if tpot is None else tpot * ms,
+                                              total * ms, "ok")
                             lease.release()  # type: ignore[union-attr]
                             leases[i] = None
                             e2e[i] = total
