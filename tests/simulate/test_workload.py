@@ -152,3 +152,16 @@ def test_rendered_prompt_is_the_engine_prompt():
     toks = render_chat([{"role": "user", "content": prompt_for(r)}])
     assert len(rp) == len(toks) and rp[0:len(rp)] == toks and rp[-1] == toks[-1] and rp[5] == toks[5]
     assert rp[len(rp) - 20:] == toks[-20:]
+
+
+def test_block_texts_equal_bench_trace_block_text():
+    from bench.trace import block_text
+    from simulate.workload import BlockTexts
+
+    bt = BlockTexts(max_blocks=64)
+    ids = list(range(0, 3000, 7)) + [182789, (1 << 32) - 1, 1 << 32, (1 << 40) + (5 << 12) + 3, 2**70 + 1]
+    for b in ids:
+        assert bt.get(b) == block_text.__wrapped__(b) == block_text(b)
+    assert len(bt._texts) == 64
+    for r in load_trace(TRACE, limit=300)[::5]:
+        assert bt.prompt(r) == prompt_for(r)
