@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -133,19 +134,34 @@ def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m simulate.fidelity", allow_abbrev=False)
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--start", type=int, default=5000)
+    p.add_argument("--requests", type=int, default=120)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--policy", default="dplb")
-    p.add_argument("--time-scale", type=float, default=10.0)
-    p.add_argument("--max-tokens-cap", type=int, default=64)
+    p.add_argument("--time-scale", type=float, default=2.0, help="the live engines' --time-scale")
+    p.add_argument("--rate-scale", type=float, default=2.0)
+    p.add_argument("--max-tokens-cap", type=int, default=8)
+    p.add_argument("--spread-ms", type=float, default=200.0, help="gap between requests of one burst (0: none)")
+    p.add_argument("--seeds", type=int, default=5, help="simulated runs (seeds 0..n-1); the median is compared")
     p.add_argument("--log-dir", default=None)
     ns = p.parse_args(argv)
     reqs = load_workload(ns.trace, "auto", ns.start, ns.requests, ns.max_tokens_cap)
+    if ns.spread_ms > 0:
+        reqs = spread_bursts(reqs, ns.spread_ms)
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="dplb-fid-"))
-    live = run_live(reqs, ns.engines, ns.policy, ns.time_scale, log_dir)
-    sim = run_sim(reqs, ns.engines, ns.policy, time_scale=ns.time_scale)
-    print(json.dumps({"live_errors": live["errors"], **compare(live, sim)}, indent=2))
+    live = run_live(reqs, ns.engines, ns.policy, ns.time_scale, log_dir, rate_scale=ns.rate_scale)
+    rows = [compare(live, run_sim(reqs, ns.engines, ns.policy, seed=s, time_scale=ns.time_scale,
+                                  rate_scale=ns.rate_scale)) for s in range(ns.seeds)]
+    out: dict[str, Any] = {"live_errors": live["errors"]}
+    for k in rows[0]:
+        vals = [r[k] for r in rows]
+        if k.endswith(("_live", "_live_s")):
+            out[k] = vals[0]
+        elif all(isinstance(v, (int, float)) for v in vals):
+            out[k + "_median"] = statistics.median(vals)
+        else:
+            out[k] = vals
+    print(json.dumps(out, indent=2))
     return 0
 
 
