@@ -27,6 +27,8 @@ per-worker in-flight gauge is sampled from the local count by the health tick, n
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from router.errors import NoEligibleWorker
@@ -37,15 +39,25 @@ from router.workers import Registry, WorkerHandle
 
 class Lease:
     """Router-side accounting for one dispatched request on ``handle`` (see the module docstring):
-    taken at dispatch, :meth:`first_token` once, :meth:`release` exactly once."""
+    taken at dispatch, :meth:`first_token` once, :meth:`release` exactly once.
 
-    __slots__ = ("_first", "_released", "_seg", "handle")
+    ``req``: the request's :class:`RequestInfo` (prompt length, text) for accounting that needs it;
+    ``clock``: the routing clock in ns (None: CLOCK_MONOTONIC via ``time.monotonic_ns``).
+    ``dispatched_ns`` is the dispatch time and ``ttft_ns`` the router-observed time to first token
+    (None until :meth:`first_token`, and when the request ended without one)."""
 
-    def __init__(self, handle: WorkerHandle, seg: Any) -> None:
+    __slots__ = ("_clock", "_first", "_released", "_seg", "dispatched_ns", "handle", "req", "ttft_ns")
+
+    def __init__(self, handle: WorkerHandle, seg: Any, req: RequestInfo | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.handle = handle
         self._seg = seg
+        self.req = req
+        self._clock = clock or time.monotonic_ns
         self._released = False
         self._first = False
+        self.dispatched_ns = self._clock()
+        self.ttft_ns: int | None = None
         seg.router_inflight_add(handle.worker_id, 1)
         seg.dispatched_add(handle.worker_id, 1)
         handle.local_inflight += 1
@@ -66,6 +78,7 @@ class Lease:
         if self._first or self._released:
             return False
         self._first = True
+        self.ttft_ns = self._clock() - self.dispatched_ns
         return True
 
     def release(self) -> bool:
@@ -73,7 +86,7 @@ class Lease:
         A request that never produced a first token (error, disconnect) passes that moment here."""
         if self._released:
             return False
-        self.first_token()
+        self._first = True  # the first-token moment passes without a token (ttft_ns stays None)
         self._released = True
         h = self.handle
         try:
@@ -86,11 +99,13 @@ class Lease:
 class Scheduler:
     """Runs the pipeline for ``policy`` over ``registry`` (see module docstring)."""
 
-    def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None) -> None:
+    def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.registry = registry
         self.policy = policy
         self.seg = seg
         self.metrics = metrics
+        self.clock = clock  # the routing clock handed to every Lease (None: CLOCK_MONOTONIC)
         # what eligibility reads: the kernel re-reads live slots itself; load-blind baselines use
         # the last tick's snapshots; load-aware ones re-read every slot
         self.fresh: str = ("kernel" if getattr(policy, "uses_kernel", False) else
@@ -126,7 +141,7 @@ class Scheduler:
             if not h.breaker.allow():
                 excl.add(h.worker_id)
                 continue
-            lease = Lease(h, self.seg)
+            lease = Lease(h, self.seg, req, self.clock)
             self.policy.on_dispatch(h.worker_id, req)
             if self.metrics is not None:
                 self.metrics.decision(self.policy.name, d.reason)

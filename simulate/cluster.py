@@ -271,7 +271,7 @@ class Simulation:
                               rng=random.Random(rng.getrandbits(64)), clock=now_ns)
         registry = Registry(seg, cfg, clock=now_ns)
         registry.sync(seg.snapshot())
-        scheduler = Scheduler(registry, policy, seg, metrics=None)
+        scheduler = Scheduler(registry, policy, seg, metrics=None, clock=now_ns)
         needs_text = bool(getattr(policy, "needs_text", True))
         path = CHAT if s.api == "chat" else COMPLETIONS
         model = s.engines[0].model

@@ -80,19 +80,30 @@ def test_registry_judges_heartbeats_on_its_clock(vseg):
 
 def test_lease_moments_once_each(vseg):
     seg, _ = vseg
-    reg = Registry(seg, Config(), clock=lambda: T0)
+    now = [T0]
+    reg = Registry(seg, Config(), clock=lambda: now[0])
     reg.sync(seg.snapshot())
-    sched = Scheduler(reg, build_policy("round_robin", RoutingPolicy(), rng=random.Random(0)), seg)
-    lease, d = sched.select(RequestInfo(prompt_len=3))
+    sched = Scheduler(reg, build_policy("round_robin", RoutingPolicy(), rng=random.Random(0)), seg,
+                      clock=lambda: now[0])
+    info = RequestInfo(prompt_len=3)
+    lease, d = sched.select(info)
     wid = d.worker_id
-    assert isinstance(lease, Lease)
+    assert isinstance(lease, Lease) and lease.req is info and lease.dispatched_ns == T0
     assert (seg.router_inflight_get(wid), seg.read_slot(wid).dispatched) == (1, 1)
-    assert not lease.first_token_seen
+    assert not lease.first_token_seen and lease.ttft_ns is None
+    now[0] += 250_000_000
     assert lease.first_token() is True
+    assert lease.ttft_ns == 250_000_000
     assert lease.first_token() is False
     assert lease.release() is True and lease.release() is False
     assert seg.router_inflight_get(wid) == 0 and reg.handles[wid].local_inflight == 0
     # released without a first token (error, disconnect): the moment passes at the end
     lease2, _ = sched.select(RequestInfo(prompt_len=3))
     assert lease2.release() is True
-    assert lease2.first_token_seen and lease2.first_token() is False
+    assert lease2.first_token_seen and lease2.first_token() is False and lease2.ttft_ns is None
+    # the live default clock is CLOCK_MONOTONIC
+    import time
+    t = time.monotonic_ns()
+    live = Lease(reg.handles[wid], seg)
+    assert t <= live.dispatched_ns <= time.monotonic_ns()
+    live.release()
