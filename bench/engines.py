@@ -74,7 +74,7 @@ def start_engines(procs: ProcessSet, n: int, flags: EngineFlags, slowdowns: tupl
         args = [sys.executable, "-m", "sim_engine", "--host", LOOPBACK, "--port", str(port), *flags.argv(i)]
         if slow[i] != 1.0:
             args += ["--slowdown", repr(slow[i])]
-        es.children.append(procs.start(f"{tag}-{i}", args))
+        es.children.append(procs.start(args, name=f"{tag}-{i}"))
         es.urls.append(f"http://{LOOPBACK}:{port}")
     for i, url in enumerate(es.urls):
         wait_until(lambda u=url: http_get(u + "/health", 1.0)[0] == 200, ready_timeout_s,

@@ -3,7 +3,7 @@
 Usage: ``python -m bench.faults [--only 1,5,10] [--out bench/results/faults.md]``
 
 Each scenario (the same functions the ``tests/faults`` suite asserts on, in
-:mod:`tests.faults.scenarios`) starts real processes on loopback — router, worker agents with sim
+:mod:`bench.faultsuite.scenarios`) starts real processes on loopback — router, worker agents with sim
 engines or fake workers — injects one fault under bounded traffic, and counts every request as
 ``ok``, ``honest`` (failed with an OpenAI-shaped error status or SSE error event) or ``lost``
 (hang, reset, truncated stream, non-OpenAI error). The table has one row per scenario:
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
     """(id, runner, notes-from-result) for every scenario, in issue order."""
-    from tests.faults import scenarios as sc
+    from bench.faultsuite import scenarios as sc
 
     def kv(*keys: str) -> Callable[[Any], str]:
         return lambda r: "; ".join(f"{k}={r.extra.get(k)}" for k in keys if k in r.extra)
@@ -93,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated scenario ids (1a,1b,2a,...,11); default all")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.md"))
     args = p.parse_args(argv)
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
     want = {x.strip() for x in args.only.split(",") if x.strip()}
     rows = []
     lost = 0

@@ -1,147 +1,47 @@
 """Child processes of the harness: started in their own process groups, stopped by PID, measured.
 
-Every process the harness starts goes through :class:`ProcessSet`. Each child is the leader of a
-new session (``start_new_session=True``), so stopping it means signalling its whole group
-(``os.killpg``): an agent's engine or a uvicorn worker dies with its parent. Peers rename
-themselves after start (``sglang::router``, ``vllm::router``), which is why nothing here looks a
-process up by name: the PID from ``Popen`` is the only handle.
+Every process the harness starts goes through :class:`ProcessSet`, the launcher's
+:class:`launcher.stack.ProcessGroup` (one process-group manager for the launcher, the harness and
+the tests). Peers rename themselves after start (``sglang::router``, ``vllm::router``), which is
+why nothing here looks a process up by name: the PID from ``Popen`` is the only handle.
 
 CPU time comes from :mod:`psutil` (user + system seconds of the process and all its live
 descendants, threads included).
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any
 
 import psutil
 
 from bench.errors import StartupError
+from launcher.children import Child
+from launcher.stack import LOOPBACK, ProcessGroup, free_port
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+__all__ = ["LOOPBACK", "Child", "ProcessSet", "cpu_seconds", "free_port", "wait_until"]
 
 
-@dataclass
-class Child:
-    """One started process: its name (for messages), the ``Popen`` handle and its log path."""
 
-    name: str
-    popen: subprocess.Popen
-    log: str | None
+class ProcessSet(ProcessGroup):
+    """:class:`launcher.stack.ProcessGroup` with logs in ``log_dir`` (``<name>.log``, ``pids.txt``)
+    whose :meth:`start` raises :class:`StartupError` when a program cannot be run at all."""
 
-    @property
-    def pid(self) -> int:
-        """PID of the group leader (the process the harness started)."""
-        return self.popen.pid
+    def __init__(self, log_dir: Path, grace_s: float = 3.0) -> None:
+        super().__init__(log_dir=log_dir, grace_s=grace_s)
 
-    def alive(self) -> bool:
-        """True while the process has not exited."""
-        return self.popen.poll() is None
-
-
-@dataclass
-class ProcessSet:
-    """A set of child processes that are always stopped together.
-
-    ``log_dir`` receives one ``<name>.log`` per child (stdout and stderr) and ``pids.txt`` (one
-    ``<pid> <name>`` line per child started, for audits and tests). Use as a context
-    manager: leaving the block stops every child (SIGTERM to the group, then SIGKILL after
-    ``grace_s``).
-    """
-
-    log_dir: Path
-    grace_s: float = 3.0
-    children: list[Child] = field(default_factory=list)
-
-    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None,
-              cwd: str | None = None) -> Child:
-        """Start ``args`` as the leader of a new session; output goes to ``<log_dir>/<name>.log``.
-
-        Raises :class:`StartupError` if the executable cannot be run at all.
-        """
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = str(self.log_dir / f"{name}.log")
-        full_env = dict(os.environ)
-        if env:
-            full_env.update(env)
-        with open(log, "ab") as out:
-            try:
-                p = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=full_env, cwd=cwd)
-            except OSError as e:
-                raise StartupError(name, f"cannot start {args[0]!r}: {e}") from e
-        child = Child(name, p, log)
-        self.children.append(child)
-        with open(self.log_dir / "pids.txt", "a") as f:  # audit trail: every PID this set started
-            f.write(f"{p.pid} {name}\n")
-        return child
-
-    def stop(self, child: Child) -> None:
-        """Stop one child and its process group: SIGTERM, wait ``grace_s``, then SIGKILL."""
-        _signal_group(child.pid, signal.SIGTERM)
+    def start(self, argv: Sequence[str], **kw: Any) -> Child:  # type: ignore[override]
+        """Start ``argv`` (``name=`` names its log); see :meth:`launcher.stack.ProcessGroup.start`."""
         try:
-            child.popen.wait(self.grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(child.pid, signal.SIGKILL)
-        try:
-            child.popen.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        if child in self.children:
-            self.children.remove(child)
+            return super().start(argv, **kw)
+        except OSError as e:
+            raise StartupError(kw.get("name") or str(argv[0]), f"cannot start {argv[0]!r}: {e}") from e
 
     def stop_all(self) -> None:
         """Stop every child (newest first, all SIGTERMed before any is waited for)."""
-        self.stop_many(list(self.children))
-
-    def stop_many(self, kids: Sequence[Child]) -> None:
-        """Stop ``kids`` together: SIGTERM every group (newest first), wait up to ``grace_s`` for
-        all of them at once, then SIGKILL what is left of each group."""
-        kids = list(reversed(kids))
-        for c in kids:
-            _signal_group(c.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for c in kids:
-            try:
-                c.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for c in kids:
-            _signal_group(c.pid, signal.SIGKILL)
-            try:
-                c.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            if c in self.children:
-                self.children.remove(c)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_all()
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        self.close()
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:

@@ -30,6 +30,8 @@ import threading
 import time
 import uuid
 
+from launcher.stack import agent_argv, free_port, router_argv
+
 BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hello in one word, please."}],'
         b'"max_tokens":8}')
 RESP_BODY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,'
@@ -221,15 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             while not os.path.exists(sock) and time.monotonic() < t_end:
                 time.sleep(0.05)
             children.append(subprocess.Popen(
-                [sys.executable, "-m", "worker_agent", "--worker-id", "0", "--shm", shm, "--uds",
-                 os.path.join(d, "agent-0.sock"), "--engine", "openai", "--engine-url", f"unix:{sock}",
-                 "--model", "bench", "--run-dir", d], cwd=root, start_new_session=True,
+                agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai", engine_url=f"unix:{sock}",
+                           model="bench", run_dir=d), cwd=root, start_new_session=True,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        with socket.socket(socket.AF_INET) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rcmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port), "--shm", shm,
-                "--policy", a.policy, "--log-level", "warning"]
+        port = free_port()
+        rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning")
         if a.pin >= 0:
             rcmd = ["taskset", "-c", str(a.pin)] + rcmd
         children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=subprocess.DEVNULL,

@@ -19,7 +19,7 @@ Every ``--sample-s`` wall seconds the resident set size (RSS, psutil) of the rou
 agent and of every engine is recorded. Growth = (largest RSS over the last 10 % of the run) −
 (largest RSS over the 10 % before the end of the warm-up, ``--warmup-frac`` of the run). The run
 passes when the router's and every agent's growth stay within ``--max-growth-mb`` and no request
-was lost (a hang, reset or truncated stream; see :mod:`tests.faults.load`). The report goes to
+was lost (a hang, reset or truncated stream; see :mod:`bench.faultsuite.load`). The report goes to
 ``--out``; exit status 1 on failure.
 
 The bound: after warm-up the only state that grows with traffic is the router's prefix index
@@ -97,8 +97,8 @@ async def replay(base: str, reqs: list[Any], time_scale: float, stream_every: in
     """Send ``reqs`` at their trace times / ``time_scale``; returns (outcomes, late count)."""
     import httpx
 
+    from bench.faultsuite.load import send
     from bench.trace import prompt_for
-    from tests.faults.load import send
 
     sem = asyncio.Semaphore(max_inflight)
     late = 0
@@ -140,11 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the in-repository conversation trace)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "soak.md"))
     args = p.parse_args(argv)
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
+    from bench.faultsuite.cluster import MODEL_SIM, Stack
+    from bench.faultsuite.load import lost_details, tally
     from bench.trace import DEFAULT_TRACE, load_trace
-    from tests.faults.cluster import MODEL_SIM, Stack
-    from tests.faults.load import lost_details, tally
 
     reqs = [r for r in load_trace(args.trace or DEFAULT_TRACE) if r.timestamp_ms <= args.sim_minutes * 60_000]
     print(f"soak: {len(reqs)} requests, {args.sim_minutes:g} simulated min at time scale {args.time_scale:g} "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from bench.engines import EngineSet, http_get
 from bench.errors import StartupError
 from bench.peers import ensure_peer, peer_command
 from bench.procs import LOOPBACK, Child, ProcessSet, free_port, wait_until
+from launcher.stack import agent_argv, router_argv
 
 MODEL = "sim-llama-3.1-8b"
 DPLB_POLICIES = ("dplb", "cache_aware", "round_robin", "shortest_queue", "power_of_two")
@@ -105,7 +105,7 @@ def start_system(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_di
 def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout: float) -> Running:
     ensure_peer(spec.kind)
     port, prom = free_port(), free_port()
-    child = procs.start(f"{spec.kind}-{spec.policy}", peer_command(spec.kind, spec.policy, port, prom, engines.urls))
+    child = procs.start(peer_command(spec.kind, spec.policy, port, prom, engines.urls), name=f"{spec.kind}-{spec.policy}")
     base = f"http://{LOOPBACK}:{port}"
     wait_until(lambda: probe(base), timeout, f"{spec.label} router at {base}", interval=0.25, children=[child])
     return Running(spec, base, [child.pid], [child.pid], [child])
@@ -116,27 +116,22 @@ def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir
     # Unix socket paths must stay under 108 bytes: sockets go in a short private dir under /tmp
     run_dir = Path(tempfile.mkdtemp(prefix="dplb-b-", dir="/tmp"))
     os.chmod(run_dir, 0o700)
-    seg = procs.start("dplb-shm-create", [sys.executable, "-m", "dplb_shm", "create", "--name", shm,
-                                          "--slots", "64", "--replace"])
+    from dplb_shm import Segment
+
     try:
-        rc = seg.popen.wait(60)
-    finally:
-        procs.children.remove(seg)
-    if rc != 0:
-        raise StartupError("dplb segment", f"`python -m dplb_shm create` exited {rc}", seg.log)
+        Segment.create(shm, num_slots=64, replace=True).close()
+    except Exception as e:
+        raise StartupError("dplb segment", f"cannot create segment {shm}: {e}") from e
     running = Running(spec, "", [], [], shm_name=shm, sock_dir=str(run_dir))
     try:
         agents = []
         for i, url in enumerate(engines.urls):
-            sock = str(run_dir / f"agent-{i}.sock")
-            agents.append(procs.start(f"dplb-agent-{i}", [
-                sys.executable, "-m", "worker_agent", "--worker-id", str(i), "--shm", shm, "--uds", sock,
-                "--engine", "openai", "--engine-url", url, "--model", MODEL, "--run-dir", str(run_dir),
-                "--log-level", "warning"]))
+            agents.append(procs.start(agent_argv(i, shm, run_dir / f"agent-{i}.sock", engine="openai", engine_url=url,
+                                                 model=MODEL, run_dir=run_dir, log_level="warning"),
+                                      name=f"dplb-agent-{i}"))
         port = free_port()
-        router = procs.start(f"dplb-router-{spec.policy}", [
-            sys.executable, "-m", "router", "--host", LOOPBACK, "--port", str(port), "--shm", shm,
-            "--policy", spec.policy, "--log-level", "warning"])
+        router = procs.start(router_argv(port=port, shm=shm, policy=spec.policy, log_level="warning"),
+                             name=f"dplb-router-{spec.policy}")
         base = f"http://{LOOPBACK}:{port}"
         running.base_url = base
         running.children = [router, *agents]

@@ -41,7 +41,7 @@
  *                  halving per bucket of distance (prompts of similar length batch well together:
  *                  similar prefill cost, similar padding in chunked prefill).
  *   score = weight * (((pending_term + kv_term) + latency_term) + length_term) + affinity[i]
- *   (weights default to the seeds' 0.4/0.3/0.2/0.1, DESIGN.md "Scoring").
+ *   (weights default to the seeds' 0.4/0.3/0.2/0.1, docs/DESIGN.md "Scoring").
  *
  * Pick: best = max score over eligible slots; ties = eligible slots with score >= best - 1e-9;
  * the winner is ties[floor(rng_u * len(ties))] in slot order, so ties break uniformly at random
@@ -52,6 +52,8 @@
  */
 #ifndef DPLB_KERNEL_H
 #define DPLB_KERNEL_H
+
+#include <math.h>
 
 #include "dplb_shm.h"
 
@@ -188,6 +190,136 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
     if (j < 0) j = 0;
     for (uint32_t i = 0; i < num_slots; i++) {
         if (scores[i] >= floor_) {
+            if (j == 0) return (int)i;
+            j--;
+        }
+    }
+    return -1; /* unreachable */
+}
+
+/*
+ * ---- The estimated-TTFT kernel (policy `dplb`) ------------------------------------------------
+ *
+ * Choose the worker with the smallest estimated time to first token of THIS request, counted in
+ * tokens, not requests (one Mooncake request is 300 tokens, another 85,000). For eligible slot i
+ * (same eligibility as dplb_pick), with the router line read by relaxed atomic loads:
+ *
+ *   W_i     = max(0, prefill_tokens_i)      uncached prompt tokens already dispatched to i whose
+ *                                           first token has not come back: the prefill queue ahead
+ *                                           (continuous batching serves it first, FCFS)
+ *   u_i     = uncached[i] when given (the router's prefix index: prompt tokens not cached on i),
+ *             else prompt_len; uncached[i] < 0 excludes slot i (the router rules it out)
+ *   r_i     = prefill_rate_i when > 0 (learned online from observed TTFTs), else p->prefill_rate
+ *   steps_i = 1 + floor((W_i + u_i) / step_tokens)   engine steps until our last prompt chunk
+ *             (chunked prefill: at most step_tokens = max_num_batched_tokens per step)
+ *   prefill_s = (W_i + u_i) / r_i
+ *   decode_s  = steps_i * (step_base_s + decode_seq_s * D_i + decode_ctx_s * C_i)
+ *             D_i = max(0, decode_reqs_i), C_i = max(0, decode_ctx_tokens_i): every step that
+ *             carries our prefill also carries one token of each running decode, whose cost
+ *             grows with its attention context (vLLM V1 mixes them in one batch)
+ *   kv_s      = kv_barrier_s * k / (1 - k), k = min(kv_cache_usage, 0.99) (unknown -1 -> 0):
+ *             a convex barrier as the KV cache fills (SGLang gateway least_load's 0.15 s * k/(1-k));
+ *             above kv_cache_threshold the worker is not eligible at all
+ *   est_i     = ((prefill_s + decode_s) + kv_s) / weight_i
+ *
+ * Pick the smallest est_i; ties (est <= best + 1e-9 s) break uniformly at random in slot order.
+ * The prefix-cache bonus is exactly the prefill time a hit saves (u_i smaller), so a hot prefix
+ * escapes to another worker exactly when queueing there costs more than recomputing it.
+ * dplb_shm/reference.py (pick_ttft) is the same function in Python; keep them in step.
+ */
+typedef struct dplb_ttft_params {
+    double prefill_rate;        /* tokens/s used until a worker has learned its own */
+    double step_tokens;         /* max_num_batched_tokens: prompt tokens per engine step */
+    double step_base_s;         /* fixed cost of one engine step, s */
+    double decode_seq_s;        /* per decoding request per step, s */
+    double decode_ctx_s;        /* per context token of decoding requests per step, s */
+    double kv_barrier_s;        /* scale of the KV barrier, s */
+    double kv_cache_threshold;
+    double heartbeat_timeout_ms;
+} dplb_ttft_params_t;
+
+typedef struct dplb_ttft_terms {
+    int32_t worker_id;
+    double est_s;
+    double queue_tokens;
+    double uncached_tokens;
+    double rate;
+    double steps;
+    double prefill_s;
+    double decode_s;
+    double kv_s;
+    double decode_reqs;
+    double weight;
+} dplb_ttft_terms_t;
+
+static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p,
+                                 int64_t prompt_len, const double *uncached, uint32_t n_unc,
+                                 int64_t now_ns, double rng_u, double *ests, dplb_ttft_terms_t *terms,
+                                 int *n_terms) {
+    dplb_slot_t s;
+    const int64_t hb_timeout_ns = (int64_t)(p->heartbeat_timeout_ms * 1e6);
+    double best = 0.0;
+    int any = 0, nt = 0;
+    for (uint32_t i = 0; i < num_slots; i++) {
+        dplb_slot_t *src = dplb_slot_at((void *)base, i);
+        ests[i] = 1.0 / 0.0;
+        if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
+        double u = uncached && i < n_unc ? uncached[i] : (double)prompt_len;
+        if (u < 0.0) continue;
+        if (dplb_seqlock_read_hot(src, &s, 0, DPLB_KERNEL_MAX_SPINS) < 0) continue;
+        int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
+        int64_t w_tok = __atomic_load_n(&src->router.prefill_tokens, __ATOMIC_RELAXED);
+        int64_t d_req = __atomic_load_n(&src->router.decode_reqs, __ATOMIC_RELAXED);
+        int64_t d_ctx = __atomic_load_n(&src->router.decode_ctx_tokens, __ATOMIC_RELAXED);
+        uint64_t rate_bits = __atomic_load_n(&src->router.prefill_rate, __ATOMIC_RELAXED);
+        if (s.state != DPLB_STATE_READY) continue;
+        if (now_ns - s.heartbeat_ns > hb_timeout_ns) continue;
+        if (circuit == DPLB_CIRCUIT_OPEN) continue;
+        if (s.kv_cache_usage > p->kv_cache_threshold) continue;
+        if (!(s.weight > 0.0)) continue;
+
+        double learned;
+        memcpy(&learned, &rate_bits, sizeof learned);
+        double rate = learned > 0.0 ? learned : p->prefill_rate;
+        double queue = w_tok > 0 ? (double)w_tok : 0.0;
+        double dreq = d_req > 0 ? (double)d_req : 0.0;
+        double dctx = d_ctx > 0 ? (double)d_ctx : 0.0;
+        double tokens = queue + u;
+        double steps = 1.0 + floor(tokens / p->step_tokens);
+        double prefill_s = tokens / rate;
+        double decode_s = steps * ((p->step_base_s + p->decode_seq_s * dreq) + p->decode_ctx_s * dctx);
+        double k = s.kv_cache_usage < 0.0 ? 0.0 : (s.kv_cache_usage > 0.99 ? 0.99 : s.kv_cache_usage);
+        double kv_s = p->kv_barrier_s * k / (1.0 - k);
+        double est = ((prefill_s + decode_s) + kv_s) / s.weight;
+        ests[i] = est;
+        if (!any || est < best) best = est;
+        any = 1;
+        if (terms) {
+            dplb_ttft_terms_t *t = &terms[nt];
+            t->worker_id = (int32_t)i;
+            t->est_s = est;
+            t->queue_tokens = queue;
+            t->uncached_tokens = u;
+            t->rate = rate;
+            t->steps = steps;
+            t->prefill_s = prefill_s;
+            t->decode_s = decode_s;
+            t->kv_s = kv_s;
+            t->decode_reqs = dreq;
+            t->weight = s.weight;
+        }
+        nt++;
+    }
+    if (n_terms) *n_terms = nt;
+    if (!any) return -1;
+    const double ceil_ = best + DPLB_TIE_EPS;
+    int k = 0;
+    for (uint32_t i = 0; i < num_slots; i++) k += ests[i] <= ceil_;
+    int j = (int)(rng_u * (double)k);
+    if (j >= k) j = k - 1;
+    if (j < 0) j = 0;
+    for (uint32_t i = 0; i < num_slots; i++) {
+        if (ests[i] <= ceil_) {
             if (j == 0) return (int)i;
             j--;
         }

@@ -38,6 +38,17 @@ cdef extern from "dplb_shm.h" nogil:
         int64_t router_inflight
         uint64_t dispatched
         int32_t circuit
+        int64_t prefill_tokens
+        int64_t decode_reqs
+        int64_t decode_ctx_tokens
+        uint64_t prefill_rate
+        uint64_t prefill_rate_n
+
+    ctypedef struct dplb_router_stats_t:
+        uint64_t ttft_s
+        uint64_t tpot_s
+        uint64_t ttft_n
+        uint64_t tpot_n
 
     ctypedef struct dplb_slot_t:
         uint64_t seq
@@ -76,6 +87,7 @@ cdef extern from "dplb_shm.h" nogil:
         char endpoint[128]
         char model[120]
         dplb_router_line_t router
+        dplb_router_stats_t rstats
 
     dplb_slot_t *dplb_slot_at(void *base, uint32_t i)
     int64_t dplb_now_ns()
@@ -114,6 +126,32 @@ cdef extern from "dplb_kernel.h" nogil:
     int dplb_pick(const void *base, uint32_t num_slots, const dplb_params_t *p, int64_t prompt_len,
                   const double *affinity, uint32_t n_aff, int64_t now_ns, double rng_u,
                   double *scores, dplb_terms_t *terms, int *n_terms)
+    ctypedef struct dplb_ttft_params_t:
+        double prefill_rate
+        double step_tokens
+        double step_base_s
+        double decode_seq_s
+        double decode_ctx_s
+        double kv_barrier_s
+        double kv_cache_threshold
+        double heartbeat_timeout_ms
+
+    ctypedef struct dplb_ttft_terms_t:
+        int32_t worker_id
+        double est_s
+        double queue_tokens
+        double uncached_tokens
+        double rate
+        double steps
+        double prefill_s
+        double decode_s
+        double kv_s
+        double decode_reqs
+        double weight
+
+    int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p, int64_t prompt_len,
+                       const double *uncached, uint32_t n_unc, int64_t now_ns, double rng_u,
+                       double *ests, dplb_ttft_terms_t *terms, int *n_terms)
     uint64_t dplb_splitmix64(uint64_t *state)
     double dplb_rng_u(uint64_t *state)
 
@@ -125,6 +163,13 @@ cdef extern from "dplb_shm.h" nogil:
     int64_t dplb_router_inflight_get(const dplb_slot_t *s)
     uint64_t dplb_dispatched_get(const dplb_slot_t *s)
     int32_t dplb_circuit_get(const dplb_slot_t *s)
+    int64_t dplb_i64_add(int64_t *p, int64_t delta)
+    int64_t dplb_i64_get(const int64_t *p)
+    void dplb_i64_set(int64_t *p, int64_t v)
+    uint64_t dplb_u64_get(const uint64_t *p)
+    double dplb_f64_get(const uint64_t *bits)
+    void dplb_f64_set(uint64_t *bits, double v)
+    double dplb_ewma_observe(uint64_t *bits, uint64_t *n, double sample, double alpha, double clip)
     uint64_t dplb_generation_bump(dplb_header_t *h)
     uint64_t dplb_generation_get(const dplb_header_t *h)
     uint64_t dplb_magic_get(const dplb_header_t *h)
@@ -137,3 +182,4 @@ cdef extern from "dplb_shm.h" nogil:
     const dplb_field_t dplb_header_fields[]
     const dplb_field_t dplb_slot_fields[]
     const dplb_field_t dplb_router_fields[]
+    const dplb_field_t dplb_rstats_fields[]

@@ -21,7 +21,7 @@ import posix_ipc
 from dplb_shm.errors import (LayoutMismatchError, SegmentClosedError, SegmentError,
                              SegmentExistsError, SegmentNotFoundError, SlotFieldError,
                              SlotIndexError)
-from dplb_shm.types import ScoreTerms, ScoringParams, WorkerSnapshot, WorkerState
+from dplb_shm.types import ScoreTerms, ScoringParams, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
 
 cdef extern from *:
     """
@@ -79,10 +79,11 @@ cdef dict _table(const dplb_field_t *t):
 def offsets():
     """``offsetof``/``sizeof`` of every field as compiled from csrc/dplb_shm.h.
 
-    Returns ``{"header": {field: (offset, size)}, "slot": {...}, "router": {...}}`` (bytes).
+    Returns ``{"header": {field: (offset, size)}, "slot": {...}, "router": {...},
+    "rstats": {...}}`` (bytes; router and rstats offsets are relative to their line).
     """
     return {"header": _table(dplb_header_fields), "slot": _table(dplb_slot_fields),
-            "router": _table(dplb_router_fields)}
+            "router": _table(dplb_router_fields), "rstats": _table(dplb_rstats_fields)}
 
 
 def now_ns():
@@ -182,7 +183,19 @@ cdef void _empty_slot(dplb_slot_t *s, int32_t worker_id) noexcept nogil:
     dplb_refresh_compat(s)
 
 
-cdef object _snapshot(const dplb_slot_t *s, int64_t rinfl, uint64_t disp, int32_t circuit, int64_t now):
+cdef dict _router_dict(dplb_slot_t *src):
+    return {"router_inflight": dplb_router_inflight_get(src), "dispatched": dplb_dispatched_get(src),
+            "circuit": dplb_circuit_get(src), "prefill_tokens": dplb_i64_get(&src.router.prefill_tokens),
+            "decode_reqs": dplb_i64_get(&src.router.decode_reqs),
+            "decode_ctx_tokens": dplb_i64_get(&src.router.decode_ctx_tokens),
+            "prefill_rate": dplb_f64_get(&src.router.prefill_rate),
+            "prefill_rate_n": dplb_u64_get(&src.router.prefill_rate_n),
+            "router_ttft_s": dplb_f64_get(&src.rstats.ttft_s), "router_tpot_s": dplb_f64_get(&src.rstats.tpot_s)}
+
+
+cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
+    """``s``: the slot's data as read under the seqlock; ``src``: the live slot (router lines)."""
+    cdef dict r = _router_dict(src)
     cdef int ng = s.num_gpus
     if ng < 0:
         ng = 0
@@ -199,13 +212,16 @@ cdef object _snapshot(const dplb_slot_t *s, int64_t rinfl, uint64_t disp, int32_
         heartbeat_ns=s.heartbeat_ns,
         heartbeat_age_ms=(now - s.heartbeat_ns) / 1e6 if s.heartbeat_ns > 0 else -1.0,
         num_running=s.num_running, num_waiting=s.num_waiting, inflight=s.inflight,
-        router_inflight=rinfl, dispatched=disp,
+        router_inflight=r["router_inflight"], dispatched=r["dispatched"],
         queued_prompt_tokens=s.queued_prompt_tokens, max_num_seqs=s.max_num_seqs,
         kv_cache_usage=s.kv_cache_usage, gpu_mem_used_bytes=s.gpu_mem_used_bytes,
         gpu_mem_total_bytes=s.gpu_mem_total_bytes, ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms,
         e2e_ms=s.e2e_ms, ttft_p99_ms=s.ttft_p99_ms, tpot_p99_ms=s.tpot_p99_ms,
         e2e_p99_ms=s.e2e_p99_ms, prompt_len_hist=[s.prompt_len_hist[k] for k in range(DPLB_HIST_BINS)],
-        completed=s.completed, failed=s.failed, circuit=circuit, seq=s.seq)
+        completed=s.completed, failed=s.failed, circuit=r["circuit"], seq=s.seq,
+        prefill_tokens=r["prefill_tokens"], decode_reqs=r["decode_reqs"],
+        decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
+        router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"])
 
 
 cdef extern from "<stdint.h>" nogil:

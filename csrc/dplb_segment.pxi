@@ -17,15 +17,20 @@ cdef class Segment:
     cdef double *scores
     cdef double *aff
     cdef dplb_terms_t *terms
+    cdef dplb_ttft_terms_t *tterms
     cdef object params_obj
     cdef dplb_params_t params
+    cdef object tparams_obj
+    cdef dplb_ttft_params_t tparams
 
     def __cinit__(self):
         self.base = NULL
         self.scores = NULL
         self.aff = NULL
         self.terms = NULL
+        self.tterms = NULL
         self.params_obj = None
+        self.tparams_obj = None
         self.rng = _urandom64()
         self.rng_fork_gen = _fork_gen
 
@@ -39,9 +44,11 @@ cdef class Segment:
         free(self.scores)
         free(self.aff)
         free(self.terms)
+        free(self.tterms)
         self.scores = NULL
         self.aff = NULL
         self.terms = NULL
+        self.tterms = NULL
 
     cdef int _map(self, int fd, size_t size, bint readonly) except -1:
         cdef int prot = PROT_READ if readonly else PROT_READ | PROT_WRITE
@@ -58,7 +65,8 @@ cdef class Segment:
         self.scores = <double *>malloc(n * sizeof(double))
         self.aff = <double *>malloc(n * sizeof(double))
         self.terms = <dplb_terms_t *>malloc(n * sizeof(dplb_terms_t))
-        if self.scores == NULL or self.aff == NULL or self.terms == NULL:
+        self.tterms = <dplb_ttft_terms_t *>malloc(n * sizeof(dplb_ttft_terms_t))
+        if self.scores == NULL or self.aff == NULL or self.terms == NULL or self.tterms == NULL:
             raise MemoryError()
         return 0
 
@@ -252,13 +260,12 @@ cdef class Segment:
         A slot whose writer died inside a write (sequence odd for 10^6 spins) reads as EMPTY.
         """
         cdef dplb_slot_t s
-        cdef const dplb_slot_t *src
+        cdef dplb_slot_t *src
         self._check(slot)
         src = dplb_slot_at(self.base, slot)
         if dplb_seqlock_read(src, &s, DPLB_DATA_END, DPLB_READ_MAX_SPINS) < 0:
             _empty_slot(&s, slot)
-        return _snapshot(&s, dplb_router_inflight_get(src), dplb_dispatched_get(src),
-                         dplb_circuit_get(src), dplb_now_ns())
+        return _snapshot(&s, src, dplb_now_ns())
 
     def snapshot(self):
         """Every slot (EMPTY ones included) as a list of :class:`WorkerSnapshot`, index == slot."""
@@ -269,7 +276,7 @@ cdef class Segment:
         """The :class:`SlotWriter` of ``slot``, starting from the slot's current content.
 
         ``latency_window_s``: latency samples older than this leave the window summaries
-        (default 10 s: DESIGN.md ``routing_policy.latency_window_sec``); 0 keeps the last 32
+        (default 10 s: docs/DESIGN.md ``routing_policy.latency_window_sec``); 0 keeps the last 32
         samples whatever their age. Exactly one writer per slot may exist across all processes
         (its agent, or the router for a remote mirror); the seqlock does not protect writers
         from each other.
@@ -314,6 +321,82 @@ cdef class Segment:
         """The slot's router in-flight count."""
         self._check(slot)
         return dplb_router_inflight_get(dplb_slot_at(self.base, slot))
+
+    def prefill_add(self, int slot, int64_t delta):
+        """Atomically add ``delta`` (tokens) to the slot's outstanding prefill tokens (uncached
+        prompt tokens dispatched whose first token has not come back); returns the new value."""
+        self._check(slot)
+        self._check_writable()
+        return dplb_i64_add(&dplb_slot_at(self.base, slot).router.prefill_tokens, delta)
+
+    def decode_add(self, int slot, int64_t reqs, int64_t ctx_tokens):
+        """Atomically add ``reqs`` requests and ``ctx_tokens`` context tokens to the slot's
+        decoding counters (requests past their first token, not finished); returns
+        ``(decode_reqs, decode_ctx_tokens)`` after the change (two atomics, not one snapshot)."""
+        cdef dplb_slot_t *s
+        self._check(slot)
+        self._check_writable()
+        s = dplb_slot_at(self.base, slot)
+        return (dplb_i64_add(&s.router.decode_reqs, reqs), dplb_i64_add(&s.router.decode_ctx_tokens, ctx_tokens))
+
+    def prefill_rate_observe(self, int slot, double sample, double alpha=0.1, double clip=4.0):
+        """Learn the slot's prefill rate (tokens/s) from one observation: a lock-free EWMA shared by
+        every router process (``dplb_ewma_observe`` in csrc/dplb_shm.h: sample clipped to
+        [cur/clip, cur*clip], then cur += alpha*(sample - cur); the first sample is taken whole).
+        Returns the new rate. Raises :class:`SlotFieldError` for a sample that is not > 0 or an
+        alpha outside (0, 1]."""
+        cdef dplb_slot_t *s
+        self._check(slot)
+        self._check_writable()
+        if not (sample > 0.0) or not isfinite(sample):
+            raise SlotFieldError(f"prefill rate sample must be a finite number > 0, got {sample}",
+                                 field="sample", name=self.name)
+        if not (0.0 < alpha <= 1.0):
+            raise SlotFieldError(f"alpha must be in (0, 1], got {alpha}", field="alpha", name=self.name)
+        s = dplb_slot_at(self.base, slot)
+        return dplb_ewma_observe(&s.router.prefill_rate, &s.router.prefill_rate_n, sample, alpha, clip)
+
+    def latency_observe(self, int slot, ttft_s=None, tpot_s=None, double alpha=0.1):
+        """Fold a TTFT and/or TPOT sample (seconds, > 0) into the slot's router-side EWMAs (the
+        routers' own view of each worker's latency, shared by every router process)."""
+        cdef dplb_slot_t *s
+        self._check(slot)
+        self._check_writable()
+        if not (0.0 < alpha <= 1.0):
+            raise SlotFieldError(f"alpha must be in (0, 1], got {alpha}", field="alpha", name=self.name)
+        s = dplb_slot_at(self.base, slot)
+        if ttft_s is not None and ttft_s > 0 and isfinite(ttft_s):
+            dplb_ewma_observe(&s.rstats.ttft_s, &s.rstats.ttft_n, <double>ttft_s, alpha, 0.0)
+        if tpot_s is not None and tpot_s > 0 and isfinite(tpot_s):
+            dplb_ewma_observe(&s.rstats.tpot_s, &s.rstats.tpot_n, <double>tpot_s, alpha, 0.0)
+
+    def router_reset(self, int slot):
+        """Zero the slot's request accounting and learned averages (a new engine in the slot: its
+        cache and speed are not the old one's). Circuit and dispatched total are kept. Only safe
+        when no router holds a lease on the slot (the slot was just claimed or released)."""
+        cdef dplb_slot_t *s
+        self._check(slot)
+        self._check_writable()
+        s = dplb_slot_at(self.base, slot)
+        dplb_i64_set(&s.router.prefill_tokens, 0)
+        dplb_i64_set(&s.router.decode_reqs, 0)
+        dplb_i64_set(&s.router.decode_ctx_tokens, 0)
+        dplb_f64_set(&s.router.prefill_rate, 0.0)
+        dplb_f64_set(&s.rstats.ttft_s, 0.0)
+        dplb_f64_set(&s.rstats.tpot_s, 0.0)
+        dplb_i64_set(<int64_t *>&s.router.prefill_rate_n, 0)
+        dplb_i64_set(<int64_t *>&s.rstats.ttft_n, 0)
+        dplb_i64_set(<int64_t *>&s.rstats.tpot_n, 0)
+
+    def router_line(self, int slot):
+        """The slot's router-side accounting as a dict: ``router_inflight``, ``dispatched``,
+        ``circuit``, ``prefill_tokens``, ``decode_reqs``, ``decode_ctx_tokens``, ``prefill_rate``
+        (tokens/s, 0 = none learned), ``prefill_rate_n``, ``router_ttft_s``, ``router_tpot_s``
+        (EWMAs, 0 = no sample). Each field is one atomic load; together they are not a snapshot."""
+        cdef dplb_slot_t *s
+        self._check(slot)
+        s = dplb_slot_at(self.base, slot)
+        return _router_dict(s)
 
     # ---- kernel ----------------------------------------------------------------------------
 
@@ -390,6 +473,78 @@ cdef class Segment:
                                   pending_term=t.pending_term, kv_term=t.kv_term,
                                   latency_term=t.latency_term, length_term=t.length_term,
                                   affinity=t.affinity, weight=t.weight))
+        return chosen, out
+
+    cdef int _load_ttft(self, params, uncached, uint32_t *n_unc) except -1:
+        cdef Py_ssize_t n, j
+        if params is not self.tparams_obj:
+            if not isinstance(params, TtftParams):
+                raise SlotFieldError(f"params must be a TtftParams, got {type(params).__name__}", field="params")
+            self.tparams.prefill_rate = params.prefill_rate
+            self.tparams.step_tokens = params.step_tokens
+            self.tparams.step_base_s = params.step_base_s
+            self.tparams.decode_seq_s = params.decode_seq_s
+            self.tparams.decode_ctx_s = params.decode_ctx_s
+            self.tparams.kv_barrier_s = params.kv_barrier_s
+            self.tparams.kv_cache_threshold = params.kv_cache_threshold
+            self.tparams.heartbeat_timeout_ms = params.heartbeat_timeout_ms
+            self.tparams_obj = params
+        if uncached is None:
+            n_unc[0] = 0
+            return 0
+        if not isinstance(uncached, list):
+            uncached = list(uncached)
+        n = PyList_GET_SIZE(uncached)
+        if n > self.num_slots:
+            raise SlotFieldError(f"uncached has {n} entries, segment has {self.num_slots} slots",
+                                 field="uncached", name=self.name)
+        for j in range(n):
+            self.aff[j] = <double>(<object>PyList_GET_ITEM(uncached, j))
+            if not isfinite(self.aff[j]):
+                raise SlotFieldError(f"uncached[{j}] must be finite", field="uncached", name=self.name)
+        n_unc[0] = <uint32_t>n
+        return 0
+
+    def pick_ttft(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None):
+        """Choose the worker with the smallest estimated time to first token (csrc/dplb_kernel.h,
+        ``dplb_pick_ttft``).
+
+        ``params``: :class:`TtftParams`; ``prompt_len``: prompt tokens; ``uncached``: per slot, the
+        prompt tokens not cached there (missing entries: ``prompt_len``; a negative entry rules the
+        slot out); ``now_ns``/``rng_u``: override the clock and the tie-breaking draw (tests,
+        virtual time). Returns the slot index, or -1 when none is eligible.
+        """
+        cdef uint32_t n_unc
+        cdef int64_t now
+        cdef double u
+        self._check_open()
+        self._load_ttft(params, uncached, &n_unc)
+        now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
+        u = self._draw(rng_u)
+        return dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len,
+                              self.aff if n_unc else NULL, n_unc, now, u, self.scores, NULL, NULL)
+
+    def pick_ttft_explain(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None):
+        """Like :meth:`pick_ttft`, also returning the :class:`TtftTerms` of every eligible worker
+        (slot order). Returns ``(chosen, terms)``."""
+        cdef uint32_t n_unc
+        cdef int64_t now
+        cdef double u
+        cdef int nt = 0, k, chosen
+        cdef dplb_ttft_terms_t *t
+        self._check_open()
+        self._load_ttft(params, uncached, &n_unc)
+        now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
+        u = self._draw(rng_u)
+        chosen = dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len,
+                                self.aff if n_unc else NULL, n_unc, now, u, self.scores, self.tterms, &nt)
+        out = []
+        for k in range(nt):
+            t = &self.tterms[k]
+            out.append(TtftTerms(worker_id=t.worker_id, est_s=t.est_s, queue_tokens=t.queue_tokens,
+                                 uncached_tokens=t.uncached_tokens, rate=t.rate, steps=t.steps,
+                                 prefill_s=t.prefill_s, decode_s=t.decode_s, kv_s=t.kv_s,
+                                 decode_reqs=t.decode_reqs, weight=t.weight))
         return chosen, out
 
     # ---- diagnostics ---------------------------------------------------------------------------

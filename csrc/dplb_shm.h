@@ -11,7 +11,7 @@
  *   +----------+------------------+------------------+-- ... --------+
  *   | header   | slot 0           | slot 1           |               |
  *   +----------+------------------+------------------+-- ... --------+
- *                S = DPLB_SLOT_SIZE = 1344 bytes (21 cache lines), N = num_slots
+ *                S = DPLB_SLOT_SIZE = 1408 bytes (22 cache lines), N = num_slots
  *
  * Header (128 bytes, written once by the creator except `generation`):
  *
@@ -27,9 +27,12 @@
  *    44    84  reserved (zero)
  *
  * Slot i (one writer: worker agent i, or a router keeping a mirror of a remote worker).
- * Bytes [0, 1280) are guarded by the seqlock `seq`; the router line [1280, 1344) is NOT: it holds
- * atomics that every router process updates with __atomic read-modify-write operations, kept on
- * their own cache line so router traffic never invalidates the agent's lines or makes readers retry.
+ * Bytes [0, 1280) are guarded by the seqlock `seq`; the router lines [1280, 1408) are NOT: they
+ * hold atomics that every router process updates with __atomic read-modify-write operations, kept
+ * on their own cache lines so router traffic never invalidates the agent's lines or makes readers
+ * retry. Each router field has one meaning and is only ever changed by atomic add (counters,
+ * released exactly once per request by the router's lease) or by compare-and-swap (the learned
+ * averages), so k router processes keep one truth without a lock.
  *
  *   off  size  field                     unit / meaning
  *  ---- line 0: hot, copied by the kernel (DPLB_HOT_END = 64) ---------------------------------
@@ -78,7 +81,19 @@
  *  1280     8  router_inflight           i64: dispatched by any router, not yet finished
  *  1288     8  dispatched                u64: total dispatched by routers
  *  1296     4  circuit                   0 closed, 1 open, 2 half-open
- *  1300    44  reserved
+ *  1300     4  reserved
+ *  1304     8  prefill_tokens            i64: uncached prompt tokens of requests dispatched whose
+ *                                        first token has not come back yet (outstanding prefill)
+ *  1312     8  decode_reqs               i64: requests past their first token, not finished
+ *  1320     8  decode_ctx_tokens         i64: prompt tokens of those decoding requests
+ *  1328     8  prefill_rate              f64 bits: learned prefill speed, tokens/s (0 = none yet)
+ *  1336     8  prefill_rate_n            u64: samples the rate has learned from
+ *  ---- line 21: router statistics (atomics, outside the seqlock) ----------------------------
+ *  1344     8  ttft_s                    f64 bits: EWMA of TTFT seen by the routers, s (0 = none)
+ *  1352     8  tpot_s                    f64 bits: EWMA of TPOT seen by the routers, s (0 = none)
+ *  1360     8  ttft_n                    u64: TTFT samples
+ *  1368     8  tpot_n                    u64: TPOT samples
+ *  1376    32  reserved
  *
  * Seqlock (Boehm, "Can seqlocks get along with programming language memory models?", 2012):
  *   writer: s = seq; seq = s+1 (relaxed); release fence; copy data; seq = s+2 (release store)
@@ -96,10 +111,10 @@
 
 /* "DPLBSHM\0" read as a little-endian u64 */
 #define DPLB_MAGIC 0x004D4853424C5044ULL
-#define DPLB_LAYOUT_VERSION 2
+#define DPLB_LAYOUT_VERSION 3
 #define DPLB_CACHE_LINE 64
 #define DPLB_HEADER_SIZE 128
-#define DPLB_SLOT_SIZE 1344
+#define DPLB_SLOT_SIZE 1408
 #define DPLB_MAX_SLOTS 4096
 #define DPLB_WINDOW 32
 #define DPLB_HIST_BINS 32
@@ -136,8 +151,21 @@ typedef struct dplb_router_line {
     int64_t router_inflight;
     uint64_t dispatched;
     int32_t circuit;
-    uint8_t reserved[44];
+    int32_t reserved0;
+    int64_t prefill_tokens;
+    int64_t decode_reqs;
+    int64_t decode_ctx_tokens;
+    uint64_t prefill_rate;   /* f64 bits */
+    uint64_t prefill_rate_n;
 } dplb_router_line_t;
+
+typedef struct dplb_router_stats {
+    uint64_t ttft_s;         /* f64 bits */
+    uint64_t tpot_s;         /* f64 bits */
+    uint64_t ttft_n;
+    uint64_t tpot_n;
+    uint8_t reserved[32];
+} dplb_router_stats_t;
 
 typedef struct dplb_slot {
     uint64_t seq;
@@ -179,13 +207,15 @@ typedef struct dplb_slot {
     char endpoint[DPLB_ENDPOINT_LEN];
     char model[DPLB_MODEL_LEN];
     uint8_t reserved1[DPLB_DATA_END - 1216];
-    /* router line: atomics, outside the seqlock */
+    /* router lines: atomics, outside the seqlock */
     dplb_router_line_t router;
+    dplb_router_stats_t rstats;
 } dplb_slot_t;
 
 #define DPLB_ASSERT_OFF(T, f, o) _Static_assert(offsetof(T, f) == (o), #T "." #f " offset")
 _Static_assert(sizeof(dplb_header_t) == DPLB_HEADER_SIZE, "header size");
 _Static_assert(sizeof(dplb_router_line_t) == DPLB_CACHE_LINE, "router line size");
+_Static_assert(sizeof(dplb_router_stats_t) == DPLB_CACHE_LINE, "router stats line size");
 _Static_assert(sizeof(dplb_slot_t) == DPLB_SLOT_SIZE, "slot size");
 _Static_assert(DPLB_SLOT_SIZE % DPLB_CACHE_LINE == 0, "slot is whole cache lines");
 _Static_assert(DPLB_HEADER_SIZE % DPLB_CACHE_LINE == 0, "header is whole cache lines");
@@ -208,6 +238,9 @@ DPLB_ASSERT_OFF(dplb_slot_t, model, 1096);
 DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1216);
 DPLB_ASSERT_OFF(dplb_slot_t, router, DPLB_DATA_END);
 DPLB_ASSERT_OFF(dplb_slot_t, router.circuit, DPLB_DATA_END + 16);
+DPLB_ASSERT_OFF(dplb_slot_t, router.prefill_tokens, DPLB_DATA_END + 24);
+DPLB_ASSERT_OFF(dplb_slot_t, router.prefill_rate, DPLB_DATA_END + 48);
+DPLB_ASSERT_OFF(dplb_slot_t, rstats, DPLB_DATA_END + DPLB_CACHE_LINE);
 
 static inline dplb_slot_t *dplb_slot_at(void *base, uint32_t i) {
     return (dplb_slot_t *)((char *)base + DPLB_HEADER_SIZE + (size_t)i * DPLB_SLOT_SIZE);
@@ -319,6 +352,58 @@ static inline uint64_t dplb_dispatched_get(const dplb_slot_t *s) {
 static inline int32_t dplb_circuit_get(const dplb_slot_t *s) {
     return __atomic_load_n(&s->router.circuit, __ATOMIC_ACQUIRE);
 }
+static inline int64_t dplb_i64_add(int64_t *p, int64_t delta) {
+    return __atomic_add_fetch(p, delta, __ATOMIC_ACQ_REL);
+}
+static inline void dplb_i64_set(int64_t *p, int64_t v) {
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+static inline int64_t dplb_i64_get(const int64_t *p) {
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t dplb_u64_get(const uint64_t *p) {
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+static inline double dplb_f64_get(const uint64_t *bits) {
+    uint64_t b = __atomic_load_n(bits, __ATOMIC_ACQUIRE);
+    double v;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+static inline void dplb_f64_set(uint64_t *bits, double v) {
+    uint64_t b;
+    memcpy(&b, &v, sizeof b);
+    __atomic_store_n(bits, b, __ATOMIC_RELEASE);
+}
+
+/* Lock-free exponentially weighted average shared by every router process: `bits` holds a double
+ * (0 = no sample yet). The sample is first clipped to [cur/clip, cur*clip] (clip > 1; 0 = no
+ * clipping) so one outlier moves the average by at most alpha*(clip-1)*cur, then
+ * cur += alpha*(sample - cur), committed by compare-and-swap (retried if another router process
+ * committed in between). The first sample is taken whole. `n` counts samples. Returns the new
+ * value. */
+static inline double dplb_ewma_observe(uint64_t *bits, uint64_t *n, double sample, double alpha, double clip) {
+    uint64_t old = __atomic_load_n(bits, __ATOMIC_RELAXED), nw;
+    double v;
+    do {
+        double cur;
+        memcpy(&cur, &old, sizeof cur);
+        if (!(cur > 0.0)) {
+            v = sample;
+        } else {
+            double x = sample;
+            if (clip > 1.0) {
+                if (x > cur * clip) x = cur * clip;
+                if (x < cur / clip) x = cur / clip;
+            }
+            v = cur + alpha * (x - cur);
+        }
+        memcpy(&nw, &v, sizeof nw);
+    } while (!__atomic_compare_exchange_n(bits, &old, nw, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED));
+    __atomic_add_fetch(n, 1, __ATOMIC_RELAXED);
+    return v;
+}
+
 static inline uint64_t dplb_generation_bump(dplb_header_t *h) {
     return __atomic_add_fetch(&h->generation, 1, __ATOMIC_ACQ_REL);
 }
@@ -361,12 +446,23 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, reserved0), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
     DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
     DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router),
+    DPLB_F(dplb_slot_t, rstats),
     { 0, 0, 0 },
 };
 
 static const dplb_field_t dplb_router_fields[] = {
     DPLB_F(dplb_router_line_t, router_inflight), DPLB_F(dplb_router_line_t, dispatched),
-    DPLB_F(dplb_router_line_t, circuit), DPLB_F(dplb_router_line_t, reserved),
+    DPLB_F(dplb_router_line_t, circuit), DPLB_F(dplb_router_line_t, reserved0),
+    DPLB_F(dplb_router_line_t, prefill_tokens), DPLB_F(dplb_router_line_t, decode_reqs),
+    DPLB_F(dplb_router_line_t, decode_ctx_tokens), DPLB_F(dplb_router_line_t, prefill_rate),
+    DPLB_F(dplb_router_line_t, prefill_rate_n),
+    { 0, 0, 0 },
+};
+
+static const dplb_field_t dplb_rstats_fields[] = {
+    DPLB_F(dplb_router_stats_t, ttft_s), DPLB_F(dplb_router_stats_t, tpot_s),
+    DPLB_F(dplb_router_stats_t, ttft_n), DPLB_F(dplb_router_stats_t, tpot_n),
+    DPLB_F(dplb_router_stats_t, reserved),
     { 0, 0, 0 },
 };
 

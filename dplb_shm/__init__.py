@@ -27,6 +27,8 @@ from dplb_shm.types import (
     Circuit,
     ScoreTerms,
     ScoringParams,
+    TtftParams,
+    TtftTerms,
     WorkerSnapshot,
     WorkerState,
 )
@@ -97,6 +99,8 @@ __all__ = [
     "SlotFieldError",
     "SlotIndexError",
     "SlotWriter",
+    "TtftParams",
+    "TtftTerms",
     "WorkerSnapshot",
     "WorkerState",
     "default_name",

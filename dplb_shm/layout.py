@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 
 HEADER_SIZE = 128
-SLOT_SIZE = 1344
+SLOT_SIZE = 1408
 WINDOW = 32
 HIST_BINS = 32
 MAX_GPUS = 16
@@ -40,12 +40,29 @@ class RouterLine(ctypes.Structure):
         ("router_inflight", ctypes.c_int64),
         ("dispatched", ctypes.c_uint64),
         ("circuit", ctypes.c_int32),
-        ("reserved", ctypes.c_uint8 * 44),
+        ("reserved0", ctypes.c_int32),
+        ("prefill_tokens", ctypes.c_int64),
+        ("decode_reqs", ctypes.c_int64),
+        ("decode_ctx_tokens", ctypes.c_int64),
+        ("prefill_rate", ctypes.c_uint64),  # f64 bits
+        ("prefill_rate_n", ctypes.c_uint64),
+    ]
+
+
+class RouterStats(ctypes.Structure):
+    """Router-side latency averages of one slot (second router line, outside the seqlock)."""
+
+    _fields_ = [
+        ("ttft_s", ctypes.c_uint64),  # f64 bits
+        ("tpot_s", ctypes.c_uint64),  # f64 bits
+        ("ttft_n", ctypes.c_uint64),
+        ("tpot_n", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint8 * 32),
     ]
 
 
 class Slot(ctypes.Structure):
-    """One worker slot (1344 bytes): see the drawing in csrc/dplb_shm.h."""
+    """One worker slot (1408 bytes): see the drawing in csrc/dplb_shm.h."""
 
     _fields_ = [
         ("seq", ctypes.c_uint64),
@@ -85,6 +102,7 @@ class Slot(ctypes.Structure):
         ("model", ctypes.c_char * 120),
         ("reserved1", ctypes.c_uint8 * 64),
         ("router", RouterLine),
+        ("rstats", RouterStats),
     ]
 
 

@@ -4,7 +4,7 @@ Used by tests to check the native kernel on the same inputs; never used for rout
 of floating-point operations follows the C code exactly, so scores agree bit for bit.
 
 Formula (weights from :class:`~dplb_shm.ScoringParams`, defaults are the seeds' 0.4/0.3/0.2/0.1,
-DESIGN.md "Scoring")::
+docs/DESIGN.md "Scoring")::
 
     eligible     = state READY and now - heartbeat <= heartbeat_timeout and circuit != OPEN
                    and kv_cache_usage <= kv_cache_threshold (unknown -1 passes) and weight > 0
@@ -22,12 +22,15 @@ Ties (score >= best - 1e-9) break by ``ties[int(rng_u * len(ties))]`` in slot or
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dplb_shm.types import (
     Circuit,
     ScoreTerms,
     ScoringParams,
+    TtftParams,
+    TtftTerms,
     WorkerSnapshot,
     WorkerState,
 )
@@ -110,5 +113,57 @@ def pick(snapshots: Sequence[WorkerSnapshot], params: ScoringParams, prompt_len:
         return -1, terms
     best = max(t.score for t in terms)
     ties = [t.worker_id for t in terms if t.score >= best - TIE_EPS]
+    j = min(len(ties) - 1, max(0, int(rng_u * len(ties))))
+    return ties[j], terms
+
+
+def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached: float | None,
+               now_ns: int) -> TtftTerms | None:
+    """Estimated-TTFT terms of one worker (``dplb_pick_ttft`` in csrc/dplb_kernel.h), or None when
+    it is not eligible. ``uncached``: this request's prompt tokens not cached there (None:
+    ``prompt_len``; negative: ruled out by the router)."""
+    if s.state != WorkerState.READY:
+        return None
+    u = float(prompt_len) if uncached is None else float(uncached)
+    if u < 0.0:
+        return None
+    if now_ns - s.heartbeat_ns > int(params.heartbeat_timeout_ms * 1e6):
+        return None
+    if s.circuit == Circuit.OPEN:
+        return None
+    if s.kv_cache_usage > params.kv_cache_threshold:
+        return None
+    if not s.weight > 0.0:
+        return None
+    rate = s.prefill_rate if s.prefill_rate > 0.0 else params.prefill_rate
+    queue = float(s.prefill_tokens) if s.prefill_tokens > 0 else 0.0
+    dreq = float(s.decode_reqs) if s.decode_reqs > 0 else 0.0
+    dctx = float(s.decode_ctx_tokens) if s.decode_ctx_tokens > 0 else 0.0
+    tokens = queue + u
+    steps = 1.0 + math.floor(tokens / params.step_tokens)
+    prefill_s = tokens / rate
+    decode_s = steps * ((params.step_base_s + params.decode_seq_s * dreq) + params.decode_ctx_s * dctx)
+    k = 0.0 if s.kv_cache_usage < 0.0 else min(s.kv_cache_usage, 0.99)
+    kv_s = params.kv_barrier_s * k / (1.0 - k)
+    est = ((prefill_s + decode_s) + kv_s) / s.weight
+    return TtftTerms(worker_id=s.worker_id, est_s=est, queue_tokens=queue, uncached_tokens=u, rate=rate,
+                     steps=steps, prefill_s=prefill_s, decode_s=decode_s, kv_s=kv_s, decode_reqs=dreq,
+                     weight=s.weight)
+
+
+def pick_ttft(snapshots: Sequence[WorkerSnapshot], params: TtftParams, prompt_len: int,
+              uncached: Sequence[float] | None, now_ns: int, rng_u: float) -> tuple[int, list[TtftTerms]]:
+    """Reference of ``Segment.pick_ttft``: the smallest estimated TTFT, ties (within 1e-9 s)
+    broken by ``ties[int(rng_u * len(ties))]`` in slot order. Returns ``(slot or -1, terms)``."""
+    terms: list[TtftTerms] = []
+    for i, s in enumerate(snapshots):
+        u = float(uncached[i]) if uncached is not None and i < len(uncached) else None
+        t = ttft_terms(s, params, prompt_len, u, now_ns)
+        if t is not None:
+            terms.append(t)
+    if not terms:
+        return -1, terms
+    best = min(t.est_s for t in terms)
+    ties = [t.worker_id for t in terms if t.est_s <= best + TIE_EPS]
     j = min(len(ties) - 1, max(0, int(rng_u * len(ties))))
     return ties[j], terms

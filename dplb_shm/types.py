@@ -38,8 +38,12 @@ class WorkerSnapshot:
     ``kv_cache_usage`` 0..1 or -1.0 when unknown; memory in bytes, -1 when unknown; latencies in
     ms (window mean and nearest-rank p99 over the last 32 samples), -1.0 when no sample;
     ``prompt_len_hist[b]`` counts queued prompts with length in [2^b, 2^(b+1)) (bin 0 also holds
-    0). ``router_inflight``, ``dispatched`` and ``circuit`` come from the router line (atomics
-    shared by every router process), read at the same moment but outside the seqlock.
+    0). ``router_inflight``, ``dispatched``, ``circuit`` and the router-owned accounting come
+    from the router lines (atomics shared by every router process), read at the same moment but
+    outside the seqlock: ``prefill_tokens`` (uncached prompt tokens dispatched whose first token has
+    not come back), ``decode_reqs``/``decode_ctx_tokens`` (requests past their first token and
+    their prompt tokens), ``prefill_rate`` (learned, tokens/s, 0 = none yet), ``router_ttft_s`` /
+    ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample).
     """
 
     worker_id: int
@@ -72,6 +76,13 @@ class WorkerSnapshot:
     failed: int
     circuit: int
     seq: int = 0
+    # router-owned request accounting (router line, atomics; defaults for older remote agents)
+    prefill_tokens: int = 0
+    decode_reqs: int = 0
+    decode_ctx_tokens: int = 0
+    prefill_rate: float = 0.0
+    router_ttft_s: float = 0.0
+    router_tpot_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
@@ -111,7 +122,7 @@ class WorkerSnapshot:
 class ScoringParams:
     """Parameters of the scoring kernel (see ``csrc/dplb_kernel.h`` for the formula).
 
-    Defaults are the seeds' weights and thresholds from DESIGN.md "Scoring":
+    Defaults are the seeds' weights and thresholds from docs/DESIGN.md "Scoring":
     ``w_pending=0.4, w_kv=0.3, w_latency=0.2, w_length=0.1``; ``max_queue=0`` means "use each
     slot's ``max_num_seqs``" (256 when the slot has none); ``kv_cache_threshold=0.8``: a worker
     above it is not eligible; ``heartbeat_timeout_ms``: older heartbeats make a worker ineligible;
@@ -168,4 +179,68 @@ class ScoreTerms:
         return asdict(self)
 
 
-__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "WorkerSnapshot", "WorkerState"]
+@dataclass(frozen=True, slots=True)
+class TtftParams:
+    """Parameters of the estimated-TTFT kernel (``dplb_pick_ttft`` in csrc/dplb_kernel.h).
+
+    ``prefill_rate``: prompt tokens/s a worker is assumed to prefill until it has learned its own
+    (default 30,769 = 1 / 0.0325 ms per token, the sim engine's Llama-3.1-8B-on-H100 model,
+    sim_engine/config.py); ``step_tokens``: prompt tokens per engine step (vLLM's
+    ``max_num_batched_tokens``, 8192); ``step_base_s`` (5 ms), ``decode_seq_s`` (50 µs per
+    decoding request) and ``decode_ctx_s`` (39 ns per context token) price what every step costs
+    besides our prefill (the same sim engine constants); ``kv_barrier_s``: scale of the convex KV
+    barrier ``kv_barrier_s·k/(1−k)`` (0.15 s, SGLang gateway's ``least_load``);
+    ``kv_cache_threshold`` and ``heartbeat_timeout_ms`` as in :class:`ScoringParams`.
+    Raises :class:`SlotFieldError` on a non-finite value or a non-positive rate, step size or timeout.
+    """
+
+    prefill_rate: float = 30_769.0
+    step_tokens: float = 8192.0
+    step_base_s: float = 0.005
+    decode_seq_s: float = 0.00005
+    decode_ctx_s: float = 3.9e-8
+    kv_barrier_s: float = 0.15
+    kv_cache_threshold: float = 0.8
+    heartbeat_timeout_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise SlotFieldError(f"TtftParams.{name} must be a finite number, got {v!r}", field=name)
+        for name in ("prefill_rate", "step_tokens", "heartbeat_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise SlotFieldError(f"TtftParams.{name} must be > 0", field=name)
+        for name in ("step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s"):
+            if getattr(self, name) < 0:
+                raise SlotFieldError(f"TtftParams.{name} must be >= 0", field=name)
+
+
+@dataclass(frozen=True, slots=True)
+class TtftTerms:
+    """Every term of one eligible worker's estimated TTFT (seconds unless named otherwise).
+
+    ``est_s = ((prefill_s + decode_s) + kv_s) / weight``; ``queue_tokens``: outstanding prefill
+    tokens ahead; ``uncached_tokens``: this request's prompt tokens not cached there; ``rate``:
+    the prefill rate used (tokens/s); ``steps``: engine steps until its last prompt chunk;
+    ``decode_reqs``: decoding requests sharing those steps; ``weight``: the slot's static weight.
+    """
+
+    worker_id: int
+    est_s: float
+    queue_tokens: float
+    uncached_tokens: float
+    rate: float
+    steps: float
+    prefill_s: float
+    decode_s: float
+    kv_s: float
+    decode_reqs: float
+    weight: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for ``/dplb/route``)."""
+        return asdict(self)
+
+
+__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "TtftParams", "TtftTerms", "WorkerSnapshot", "WorkerState"]

@@ -47,11 +47,12 @@ def _term_with_parent() -> None:
 
 @dataclass
 class Child:
-    """A started child: ``name`` (e.g. ``"worker 2"``), its ``Popen``, ``log_path`` and ``argv``."""
+    """A started child: ``name`` (e.g. ``"worker 2"``), its ``Popen``, ``log_path`` (None when its
+    output is discarded) and ``argv``."""
 
     name: str
     popen: subprocess.Popen[bytes]
-    log_path: Path
+    log_path: Path | None
     argv: list[str] = field(default_factory=list)
 
     @property
@@ -59,9 +60,31 @@ class Child:
         """The child's pid (also its process-group id)."""
         return self.popen.pid
 
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once reaped (by :meth:`poll` or :meth:`wait`), else None."""
+        return self.popen.returncode
+
+    @property
+    def log(self) -> str | None:
+        """``log_path`` as a string (None when output is discarded)."""
+        return str(self.log_path) if self.log_path is not None else None
+
     def poll(self) -> int | None:
         """Exit status, or None while it runs."""
         return self.popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit status; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        return self.popen.wait(timeout)
+
+    def alive(self) -> bool:
+        """True while the process has not exited."""
+        return self.popen.poll() is None
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the child itself (not its group); no-op once it has been reaped."""
+        self.popen.send_signal(sig)
 
 
 def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
@@ -84,8 +107,10 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
     return Child(name=name, popen=p, log_path=log_path, argv=list(argv))
 
 
-def log_tail(path: Path, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
+def log_tail(path: Path | str | None, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
     """The last ``lines`` lines of ``path`` (reads at most ``max_bytes`` from the end); "" if unreadable."""
+    if path is None:
+        return ""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)

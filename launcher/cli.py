@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -58,15 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model to serve (HF id or local folder; sim: its name)")
     p.add_argument("--engine-url", action="append", default=[], dest="engine_urls",
                    help="--engine openai: the URL of an OpenAI-compatible server, once per worker")
-    p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve other machines)")
-    p.add_argument("--port", type=int, default=30000, help="router port")
-    p.add_argument("--config", default=None, help="dplb.yaml passed to the router")
+    p.add_argument("--host", default=None,
+                   help="router address, 0.0.0.0 to serve other machines (default: the config's router.host, "
+                        "else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port, else 30000)")
+    p.add_argument("--config", default=None,
+                   help="dplb.yaml (see dplb.example.yaml); its router.host/port/shm and "
+                        "routing_policy.latency_window_sec apply unless a flag says otherwise")
     p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
     p.add_argument("--policy", default=None, help="routing policy (router default: dplb)")
     p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
     p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
     p.add_argument("--log-level", default=None, help="router log level")
-    p.add_argument("--shm", default=None, help="segment name (default: dplb-<port>)")
+    p.add_argument("--shm", default=None, help="segment name (default: the config's router.shm, else dplb-<port>)")
     p.add_argument("--run-dir", default=None,
                    help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
     p.add_argument("--start-timeout", type=float, default=None,
@@ -85,19 +90,43 @@ def split_engine_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def router_settings(args: argparse.Namespace) -> Any:
+    """The router's effective configuration as the launch will run it: built-in defaults, then
+    ``--config``, then the launcher's flags (the same rule and the same loader,
+    :func:`router.config.load_config`, as ``dplb-router`` itself). Raises :class:`UsageError`
+    naming the field when the file or a flag is invalid."""
+    from router.config import load_config
+    from router.errors import ConfigError
+
+    if args.config and not os.path.isfile(args.config):
+        raise UsageError(f"--config: no such file: {args.config}")
+    overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
+                 "routing_policy.policy": args.policy, "router.workers": args.router_workers,
+                 "router.log_level": args.log_level}
+    try:
+        return load_config(args.config, overrides)
+    except ConfigError as e:
+        raise UsageError(f"{'--config ' + args.config + ': ' if args.config else ''}{e}") from None
+
+
 def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> LaunchConfig:
-    """Validate flags and plan GPUs; raises :class:`UsageError` / :class:`GpuPlanError`."""
+    """Validate flags, read the router's config file and plan GPUs; raises :class:`UsageError` /
+    :class:`GpuPlanError`.
+
+    Precedence, for every field the launcher and the router share (host, port, shm, policy,
+    router processes, log level): built-in default < ``--config`` file < command-line flag."""
     if args.num_workers < 1:
         raise UsageError(f"--num-workers must be at least 1 (got {args.num_workers})")
-    if not 1 <= args.port <= 65535:
+    if args.port is not None and not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be in 1..65535 (got {args.port})")
+    rcfg = router_settings(args)
     if args.state_interval_ms < 1:
         raise UsageError(f"--state-interval-ms must be positive (got {args.state_interval_ms})")
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be positive (got {args.time_scale})")
     explicit = args.gpus is not None
     gpus = parse_gpu_list(args.gpus) if explicit else discover_gpus()
-    engine = choose_engine(args.engine, bool(gpus), args.model)
+    engine = choose_engine(args.engine, bool(gpus), args.model, gpus_explicit=explicit)
     if engine == "sim" and not explicit:
         gpus = []  # the simulator needs no GPU: do not refuse a launch over an uneven split it won't use
     if engine == "openai" and len(args.engine_urls) != args.num_workers:
@@ -108,16 +137,16 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
     if args.time_scale is not None and engine != "sim":
         raise UsageError("--time-scale only applies to --engine sim")
     plan = plan_gpus(gpus, args.num_workers)
-    if args.config and not os.path.isfile(args.config):
-        raise UsageError(f"--config: no such file: {args.config}")
+    port = rcfg.router.port
     run_dir = Path(args.run_dir or os.environ.get("DPLB_RUN_DIR")
-                   or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dplb-{args.port}"))
+                   or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dplb-{port}"))
     return LaunchConfig(
-        num_workers=args.num_workers, plan=plan, engine=engine, model=args.model, host=args.host, port=args.port,
+        num_workers=args.num_workers, plan=plan, engine=engine, model=args.model, host=rcfg.router.host, port=port,
         config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
         policy=args.policy, time_scale=args.time_scale, router_workers=args.router_workers,
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
-        run_dir=run_dir.absolute(), shm_name=args.shm or f"dplb-{args.port}",
+        run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
+        latency_window_s=rcfg.routing_policy.latency_window_sec,
         start_timeout_s=args.start_timeout or START_TIMEOUTS[engine])
 
 

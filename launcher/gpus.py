@@ -124,12 +124,22 @@ def plan_gpus(gpus: list[int], num_workers: int) -> GpuPlan:
                    tp_size=tp)
 
 
-def choose_engine(engine: str | None, have_gpus: bool, model: str | None) -> str:
-    """Resolve ``--engine``: default ``vllm`` when GPUs and ``--model`` are given, else ``sim``.
+def choose_engine(engine: str | None, have_gpus: bool, model: str | None, gpus_explicit: bool = False) -> str:
+    """Resolve ``--engine``: ``vllm`` when GPUs and ``--model`` are given, ``sim`` when neither is.
 
-    Raises :class:`UsageError` for an unknown engine, or ``vllm``/``sglang`` without ``--model``.
+    Raises :class:`UsageError` for an unknown engine, for ``vllm``/``sglang`` without ``--model``,
+    and for ``--model`` on a machine without GPUs (none found by NVML or ``nvidia-smi``, or
+    ``--gpus none``) unless ``--engine`` is given: simulated engines answering under a real model's
+    name would pass for the real thing, so that takes an explicit ``--engine sim``.
     """
     if engine is None:
+        if model and not have_gpus:
+            where = ("--gpus none was given" if gpus_explicit
+                     else "no GPU was found by NVML (nvidia-ml-py) or `nvidia-smi -L`")
+            raise UsageError(
+                f"--model {model} needs GPUs for a real engine, but {where}. Pass --engine sim to serve "
+                f"simulated engines under that name on purpose, or --engine vllm/sglang with --gpus on a "
+                f"machine that has them.")
         return "vllm" if (have_gpus and model) else "sim"
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)} (got {engine!r})")

@@ -47,6 +47,7 @@ from launcher.children import (
 )
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
 from launcher.gpus import GpuPlan
+from launcher.stack import agent_argv, router_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
@@ -58,7 +59,8 @@ class LaunchConfig:
     """Everything one launch needs; built by :func:`launcher.cli.config_from_args`.
 
     ``time_scale``: passed to sim engines as ``--time-scale`` (None: the engine's default);
-    ``engine_args``: extra engine flags given after ``--``; ``engine_urls``: one per worker for
+    ``engine_args``: extra engine flags given after ``--``; ``latency_window_s``: the config's
+    ``routing_policy.latency_window_sec``, passed to every agent; ``engine_urls``: one per worker for
     ``--engine openai``; ``start_timeout_s``: how long every worker has to become ready;
     ``agent_module``/``router_module``: what ``python -m`` runs (the launcher's own tests run
     stand-ins that speak the same CLIs).
@@ -81,6 +83,7 @@ class LaunchConfig:
     run_dir: Path = Path("/tmp/dplb-30000")
     shm_name: str = "dplb-30000"
     num_slots: int = 64
+    latency_window_s: float | None = None
     start_timeout_s: float = 120.0
     python: str = sys.executable
     agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
@@ -91,36 +94,23 @@ class LaunchConfig:
         return self.run_dir / f"agent-{k}.sock"
 
     def agent_argv(self, k: int) -> list[str]:
-        """Command line of worker ``k``'s agent (``docs/INTERFACES.md``, worker agent)."""
-        argv = [self.python, "-m", self.agent_module, "--worker-id", str(k), "--shm", self.shm_name,
-                "--uds", str(self.agent_socket(k)), "--engine", self.engine,
-                "--state-interval-ms", str(self.state_interval_ms), "--run-dir", str(self.run_dir)]
-        if self.model:
-            argv += ["--model", self.model]
-        gpus = self.plan.groups[k]
-        if gpus:
-            argv += ["--gpus", ",".join(map(str, gpus)), "--tp-size", str(self.plan.tp_size)]
-        if self.engine == "openai":
-            argv += ["--engine-url", self.engine_urls[k]]
+        """Command line of worker ``k``'s agent (:func:`launcher.stack.agent_argv`)."""
         extra = list(self.engine_args)
         if self.engine == "sim" and self.time_scale is not None:
             extra = ["--time-scale", f"{self.time_scale:g}", *extra]
-        if extra:
-            argv += ["--", *extra]
-        return argv
+        gpus = self.plan.groups[k]
+        return agent_argv(k, self.shm_name, self.agent_socket(k), engine=self.engine, model=self.model,
+                          gpus=gpus, tp_size=self.plan.tp_size if gpus else None,
+                          engine_url=self.engine_urls[k] if self.engine == "openai" else None,
+                          state_interval_ms=self.state_interval_ms, run_dir=self.run_dir,
+                          latency_window_s=self.latency_window_s, engine_args=extra, python=self.python,
+                          module=self.agent_module)
 
     def router_argv(self) -> list[str]:
-        """Command line of the router (``docs/INTERFACES.md``, router)."""
-        argv = [self.python, "-m", self.router_module, "--host", self.host, "--port", str(self.port), "--shm", self.shm_name]
-        if self.config:
-            argv += ["--config", self.config]
-        if self.policy:
-            argv += ["--policy", self.policy]
-        if self.router_workers:
-            argv += ["--workers", str(self.router_workers)]
-        if self.log_level:
-            argv += ["--log-level", self.log_level]
-        return argv
+        """Command line of the router (:func:`launcher.stack.router_argv`)."""
+        return router_argv(port=self.port, shm=self.shm_name, host=self.host, config=self.config,
+                           policy=self.policy, workers=self.router_workers, log_level=self.log_level,
+                           python=self.python, module=self.router_module)
 
     def child_env(self, k: int | None) -> dict[str, str]:
         """Environment of worker ``k`` (``None``: the router): ours + PYTHONPATH + its GPU group."""

@@ -1,9 +1,9 @@
 """``dplb-router`` / ``python -m router``: the OpenAI-compatible front door (default port 30000).
 
-    dplb-router [--config dplb.yaml] [--host 0.0.0.0] [--port 30000] [--shm NAME] [--policy dplb]
+    dplb-router [--config dplb.yaml] [--host 127.0.0.1] [--port 30000] [--shm NAME] [--policy dplb]
                 [--workers K] [--admin-token T] [--api-key KEY] [--log-level warning]
 
-Flags override the config file. ``--workers K`` runs K router processes (uvicorn workers) on the
+Built-in defaults < the config file < these flags, field by field (the launch script follows the same rule). ``--workers K`` runs K router processes (uvicorn workers) on the
 same port; they share one segment, so in-flight counts and circuit states are one truth.
 Exit status 2 on an invalid config (the message names the field).
 """

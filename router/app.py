@@ -163,7 +163,7 @@ class RouterState:
         self.registry.removed = set(a.removed)
         for wid, h in self.registry.handles.items():
             h.drained = wid in a.drained
-        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers if b.endpoint}
+        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers}
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
 

@@ -11,7 +11,7 @@ States (the numbers are what ``seg.circuit_set`` stores, so every router process
 
 Only connection errors, timeouts and 5xx are failures; 4xx and 429 are the client's or a
 rate-limit's doing and count as successes (``record(ok=True)``). In HALF_OPEN exactly one request
-(the probe) is let through at a time. Defaults (threshold 0.15, minimum 20) come from DESIGN.md.
+(the probe) is let through at a time. Defaults (threshold 0.15, minimum 20) come from docs/DESIGN.md "Router".
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Router configuration: ``dplb.yaml`` validated with pydantic v2; command-line flags override it.
 
-Every field has a default (DESIGN.md "Config"), so an empty file or no file is valid. Unknown keys
+Every field has a default (docs/DESIGN.md "Processes", dplb.example.yaml), so an empty file or no file is valid. Unknown keys
 are rejected so that a typo does not silently fall back to a default. :func:`load_config` raises
 :class:`router.errors.ConfigError` whose message names the dotted field, the value and the reason.
 
@@ -35,7 +35,7 @@ class _Strict(BaseModel):
 class RouterSection(_Strict):
     """Process-level settings of the router (network, auth, limits)."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless asked: the router is the edge, admin included
     port: int = Field(default=30000, ge=1, le=65535)
     shm: str | None = None  # default: "dplb-<port>" (docs/INTERFACES.md)
     workers: int = Field(default=1, ge=1, le=64, description="router processes sharing the segment")
@@ -59,19 +59,19 @@ class RouterSection(_Strict):
 
 
 class BackendServer(_Strict):
-    """One backend. ``endpoint`` ``host:port`` (or a Unix socket path) makes the router mirror it
-    into a slot; entries without ``endpoint`` describe local agents (used by the launch script)."""
+    """A worker agent the router does not find in its segment: ``endpoint`` ``host:port`` (an agent
+    on another node) or an absolute Unix socket path; the router mirrors it into a slot of its own
+    segment (top slot downwards) and refreshes it from the agent's ``GET /dplb/state``. Local
+    agents started by the launch script are found in the segment and need no entry here; their
+    GPUs come from the launcher's ``--gpus``."""
 
-    endpoint: str | None = None
-    gpu_ids: list[int] = Field(default_factory=list)
+    endpoint: str
     weight: float = Field(default=1.0, gt=0, le=100)
     model: str | None = None
 
     @field_validator("endpoint")
     @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
+    def _endpoint(cls, v: str) -> str:
         v = v.strip()
         for prefix in ("http://", "https://"):
             if v.startswith(prefix):
@@ -87,7 +87,7 @@ class BackendServer(_Strict):
 
 
 class HealthCheck(_Strict):
-    """Active probes of ``GET /health`` on every worker (DESIGN.md: 200 ms / 50 ms / 3 failures)."""
+    """Active probes of ``GET /health`` on every worker (docs/DESIGN.md "Router": 200 ms / 50 ms / 3 failures)."""
 
     interval_ms: int = Field(default=200, ge=10)
     timeout_ms: int = Field(default=50, ge=1)
@@ -97,7 +97,7 @@ class HealthCheck(_Strict):
 
 
 class RoutingPolicy(_Strict):
-    """Policy choice and its parameters. Weights are those of DESIGN.md's score formula."""
+    """Policy choice and its parameters. Weights are those of docs/DESIGN.md "Scoring"."""
 
     policy: Literal["dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"] = "dplb"
     w_pending: float = Field(default=0.4, ge=0)
@@ -105,6 +105,8 @@ class RoutingPolicy(_Strict):
     w_latency: float = Field(default=0.2, ge=0)
     w_length: float = Field(default=0.1, ge=0)
     enable_length_compatibility: bool = True
+    # age at which TTFT/TPOT/e2e samples leave the slots' latency windows; the launcher passes it to
+    # every agent as --latency-window-s (the agents own those windows)
     latency_window_sec: float = Field(default=10.0, gt=0)
     latency_scale_ms: float = Field(default=100.0, gt=0)
     kv_cache_threshold: float = Field(default=0.8, gt=0, le=1)

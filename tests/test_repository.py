@@ -46,3 +46,23 @@ def test_default_trace_lives_in_the_repository_and_is_whole():
 
 def test_trace_is_tracked_by_git():
     assert "bench/data/mooncake/conversation_trace.jsonl" in _tracked_files()
+
+
+def _imports(path) -> set[str]:
+    import ast
+
+    mods: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module)
+    return mods
+
+
+@pytest.mark.parametrize("package", ["bench", "launcher", "router", "worker_agent", "sim_engine", "dplb_shm"])
+def test_installed_packages_never_import_the_tests(package):
+    # an installed DPLB has no tests/: bench.faults and bench.soak could not even import before
+    offenders = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted((ROOT / package).rglob("*.py"))
+                 for m in _imports(p) if m == "tests" or m.startswith("tests.")]
+    assert not offenders, "\n".join(offenders)

@@ -35,7 +35,7 @@ class AgentConfig:
     ``max_num_seqs`` engine batch cap published in the slot; ``run_dir`` for engine sockets and
     logs; ``engine_python`` interpreter that runs the engine; ``engine_start_timeout_s``,
     ``drain_timeout_s`` bounds of start-up and drain; ``weight`` static slot weight;
-    ``latency_window_s`` age beyond which latency samples leave the slot's windows (DESIGN.md
+    ``latency_window_s`` age beyond which latency samples leave the slot's windows (docs/DESIGN.md
     ``routing_policy.latency_window_sec``, 10); ``engine_args`` passed through verbatim.
     """
 

@@ -1,7 +1,7 @@
 """dplb: the native kernel's weighted score plus a router-computed prefix-affinity bonus.
 
 Score of eligible worker i (computed by the kernel, ``seg.pick``/``seg.pick_explain``, from the
-live segment; DESIGN.md "Scoring")::
+live segment; docs/DESIGN.md "Scoring")::
 
     score_i = weight_i · ( 0.4·(1 − pending_i/max_queue)      # queue room
                          + 0.3·(1 − kv_usage_i)               # KV-cache room

@@ -27,7 +27,7 @@ def test_create_mode_0600_and_unlink_leaves_nothing(shm_name):
         st = os.stat(f"/dev/shm/{shm_name}")
         assert stat.S_IMODE(st.st_mode) == 0o600
         assert seg.num_slots == 8 and seg.version == LAYOUT_VERSION and seg.generation == 0
-        assert st.st_size == 128 + 8 * 1344
+        assert st.st_size == 128 + 8 * 1408
     finally:
         seg.close()
         seg.unlink()

@@ -1,10 +1,10 @@
 """Fault-injection suite of issue 8 (``make test-faults`` = ``pytest -m faults tests``).
 
 Every scenario runs real processes on loopback (router, worker agents with sim engines or the fake
-workers of ``tests/fakes.py``), injects one fault under bounded traffic and counts each request as
-ok / failed honestly / lost (:mod:`tests.faults.load`). Scenario code lives in
-:mod:`tests.faults.scen_workers` (1-5) and :mod:`tests.faults.scen_clients` (6-11), re-exported by
-:mod:`tests.faults.scenarios`; ``bench/faults.py`` runs the same functions for the report
+workers of ``bench/fakes.py``), injects one fault under bounded traffic and counts each request as
+ok / failed honestly / lost (:mod:`bench.faultsuite.load`). Scenario code lives in
+:mod:`bench.faultsuite.scen_workers` (1-5) and :mod:`bench.faultsuite.scen_clients` (6-11), re-exported by
+:mod:`bench.faultsuite.scenarios`; ``bench/faults.py`` runs the same functions for the report
 ``bench/results/faults.md``; ``bench/soak.py`` is scenario 12 (not part of ``make test``).
 
 ===========================  =====================================================================

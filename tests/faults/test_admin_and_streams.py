@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults import scenarios as sc
-from tests.faults.load import lost_details
+from bench.faultsuite import scenarios as sc
+from bench.faultsuite.load import lost_details
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.faults import scenarios as sc
+from bench.faultsuite import scenarios as sc
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -39,8 +39,8 @@ def test_fuzzed_bodies_never_get_a_5xx():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st_
 
-    from tests.faults.cluster import Stack
-    from tests.faults.load import openai_error
+    from bench.faultsuite.cluster import Stack
+    from bench.faultsuite.load import openai_error
 
     json_values = st_.recursive(st_.none() | st_.booleans() | st_.integers(-(2**63), 2**63 - 1)
                                 | st_.floats(allow_nan=False, allow_infinity=False)

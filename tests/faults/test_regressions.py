@@ -8,9 +8,9 @@ import signal
 import httpx
 import pytest
 
+from bench.faultsuite.cluster import MODEL_SIM, Stack
+from bench.faultsuite.load import chat, send, sse_events
 from router.config import BackendServer
-from tests.faults.cluster import MODEL_SIM, Stack
-from tests.faults.load import chat, send, sse_events
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.faultsuite import scenarios as sc
+from bench.faultsuite.load import lost_details
 from router.config import Config
-from tests.faults import scenarios as sc
-from tests.faults.load import lost_details
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 

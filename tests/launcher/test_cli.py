@@ -123,3 +123,50 @@ def test_router_flags_passed_through(tmp_path):
     assert doc["url"] == "http://127.0.0.1:30000"  # what a client on this machine uses
     a = doc["workers"][1]["argv"]
     assert a[a.index("--state-interval-ms") + 1] == "100"
+
+
+def test_model_without_gpu_exits_2_and_says_why():
+    cp = launch("-n", "2", "--gpus", "none", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--dry-run")
+    assert cp.returncode == 2 and "--engine sim" in cp.stderr and "needs GPUs" in cp.stderr, cp.stderr
+    doc = plan("-n", "2", "--gpus", "none", "--engine", "sim", "--model", "my-name")
+    assert doc["engine"] == "sim" and doc["model"] == "my-name"
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_config_file_router_fields_apply_to_the_launch(tmp_path):
+    # regression (issue 11): a config with port 31000 still bound 30000 (the launcher always passed
+    # its own --host/--port/--shm defaults, which override the file)
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text("router: {host: '::1', port: 31000, shm: my-seg}\nrouting_policy: {latency_window_sec: 3.5}\n")
+    doc = plan("-n", "2", "--config", str(cfg))
+    r = doc["router"]["argv"]
+    assert (_flag(r, "--host"), _flag(r, "--port"), _flag(r, "--shm")) == ("::1", "31000", "my-seg")
+    assert doc["shm"] == "my-seg" and doc["url"] == "http://[::1]:31000"
+    assert doc["run_dir"].endswith("dplb-31000") or "DPLB_RUN_DIR" in os.environ
+    for w in doc["workers"]:
+        assert _flag(w["argv"], "--shm") == "my-seg" and _flag(w["argv"], "--latency-window-s") == "3.5"
+
+
+def test_flags_override_the_config_file(tmp_path):
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text("router: {host: '::1', port: 31000, shm: my-seg}\n")
+    doc = plan("-n", "1", "--config", str(cfg), "--port", "31001", "--shm", "other", "--host", "127.0.0.1")
+    r = doc["router"]["argv"]
+    assert (_flag(r, "--host"), _flag(r, "--port"), _flag(r, "--shm")) == ("127.0.0.1", "31001", "other")
+
+
+def test_built_in_defaults_without_config():
+    doc = plan("-n", "1")
+    r = doc["router"]["argv"]
+    assert (_flag(r, "--host"), _flag(r, "--port"), _flag(r, "--shm")) == ("127.0.0.1", "30000", "dplb-30000")
+    assert _flag(doc["workers"][0]["argv"], "--latency-window-s") == "10"
+
+
+def test_invalid_config_field_is_a_usage_error(tmp_path):
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text("router: {port: 70000}\n")
+    cp = launch("-n", "1", "--config", str(cfg), "--dry-run")
+    assert cp.returncode == 2 and "router.port" in cp.stderr, cp.stderr

@@ -76,7 +76,8 @@ def test_parse_gpu_list_errors(text, msg):
 @pytest.mark.parametrize("engine,gpus,model,want", [
     (None, True, "meta-llama/Llama-3.1-8B", "vllm"),
     (None, True, None, "sim"),
-    (None, False, "m", "sim"),
+    (None, False, None, "sim"),
+    ("sim", False, "meta-llama/Llama-3.1-8B", "sim"),
     ("sglang", True, "m", "sglang"),
     ("sim", True, "m", "sim"),
 ])
@@ -89,6 +90,14 @@ def test_choose_engine_errors():
         choose_engine("vllm", True, None)
     with pytest.raises(UsageError, match="one of"):
         choose_engine("trt", True, "m")
+
+
+@pytest.mark.parametrize("explicit,why", [(False, "no GPU was found by NVML"), (True, "--gpus none was given")])
+def test_model_without_gpu_is_an_error_unless_sim_is_asked_for(explicit, why):
+    # regression (issue 11): --model M on a GPU-less machine started sim engines answering as M
+    with pytest.raises(UsageError, match="--engine sim") as e:
+        choose_engine(None, False, "meta-llama/Llama-3.1-8B", gpus_explicit=explicit)
+    assert why in str(e.value) and "meta-llama/Llama-3.1-8B" in str(e.value)
 
 
 def _fake_smi(tmp_path, text: str, rc: int = 0) -> str:

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from tests.fakes import start_fake, start_router
+from bench.fakes import start_fake, start_router
 from tests.helpers import Procs, unique_shm_name
 
 

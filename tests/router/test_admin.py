@@ -6,7 +6,7 @@ from collections import Counter
 
 import httpx
 
-from tests.fakes import start_fake
+from bench.fakes import start_fake
 from tests.helpers import free_port, wait_until
 
 MODEL = "fake-model"

@@ -25,7 +25,7 @@ class ScriptedTransport:
     async def get(self, endpoint: str, path: str, timeout_s: float):
         self.calls += 1
         if self.delay:
-            time.sleep(self.delay)  # blocks the loop, as a starved router would be
+            time.sleep(self.delay)  # noqa: ASYNC251 - blocks the loop, as a starved router would be
         if self.outcome == "ok":
             return 200, b"{}"
         if self.outcome == "503":

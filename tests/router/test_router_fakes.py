@@ -1,4 +1,4 @@
-"""The router against fake workers (tests/fakes.py): endpoints, pass-through, accounting, faults."""
+"""The router against fake workers (bench/fakes.py): endpoints, pass-through, accounting, faults."""
 from __future__ import annotations
 
 import asyncio

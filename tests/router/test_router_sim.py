@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 
 import httpx
 import openai
 import pytest
 
-from tests.fakes import start_router
+from bench.fakes import start_router
+from launcher.stack import agent_argv
 from tests.helpers import Procs, unique_shm_name, wait_until
 
 pytestmark = pytest.mark.slow
@@ -29,9 +29,8 @@ def sim2():
     seg = Segment.create(shm, num_slots=16)
     try:
         for i in range(2):
-            procs.start([sys.executable, "-m", "worker_agent", "--worker-id", str(i), "--shm", shm,
-                         "--uds", os.path.join(d, f"agent-{i}.sock"), "--engine", "sim", "--state-interval-ms", "100",
-                         "--run-dir", d, "--", "--time-scale", "20"], log=os.path.join(d, f"agent-{i}.log"))
+            procs.start(agent_argv(i, shm, os.path.join(d, f"agent-{i}.sock"), engine="sim", state_interval_ms=100,
+                                   run_dir=d, engine_args=["--time-scale", "20"]), log=os.path.join(d, f"agent-{i}.log"))
         wait_until(lambda: all(seg.read_slot(i).state.name == "READY" for i in range(2)), 90, what="2 agents READY")
         base = start_router(procs, shm, d, {"router": {"log_level": "warning"}}, ready_workers=2, timeout=60)
         yield base, seg

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from launcher.stack import agent_argv
 from tests.helpers import wait_until
 
 
@@ -45,11 +45,8 @@ def start_agent(procs, segment, run_dir):
               wait_ready: bool = True, interval_ms: int = 100, env: dict | None = None) -> AgentProc:
         uds = os.path.join(run_dir, f"agent-{worker_id}.sock")
         log = os.path.join(run_dir, f"agent-{worker_id}.log")
-        argv = [sys.executable, "-m", "worker_agent", "--worker-id", str(worker_id), "--shm", segment.name,
-                "--uds", uds, "--engine", engine, "--state-interval-ms", str(interval_ms), "--run-dir", run_dir,
-                *args]
-        if engine_args:
-            argv += ["--", *engine_args]
+        argv = agent_argv(worker_id, segment.name, uds, engine=engine, state_interval_ms=interval_ms,
+                          run_dir=run_dir, extra=args, engine_args=engine_args or ())
         p = procs.start(argv, log=log, env=env)
         a = AgentProc(p, uds, worker_id, run_dir, log)
         if wait_ready:

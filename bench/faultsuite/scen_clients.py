@@ -1,5 +1,5 @@
 """Scenarios 6-11 of issue 8 (client disconnects, streaming fidelity, ties and bursts, router
-restart, bad input, security); see :mod:`tests.faults.scenarios`."""
+restart, bad input, security); see :mod:`bench.faultsuite.scenarios`."""
 from __future__ import annotations
 
 import asyncio
@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 
-from tests.faults.cluster import MODEL_SIM, Stack
-from tests.faults.common import (
+from bench.faultsuite.cluster import MODEL_SIM, Stack
+from bench.faultsuite.common import (
     Result,
     wait_time,
 )
-from tests.faults.load import Outcome, chat, steady
+from bench.faultsuite.load import Outcome, chat, steady
 
 # ------------------------------------------------------------------------------------ scenario 6
 
@@ -67,8 +67,8 @@ def run_stream_fidelity() -> Result:
     (b) an event split inside a 4-byte UTF-8 character across two writes arrives intact;
     (c) the usage chunk and ``data: [DONE]`` are preserved; (d) ``stream_options`` and other
     optional body fields, ``Authorization`` and ``X-Request-Id`` reach the worker unchanged."""
-    from tests.fakes import UTF8_TEXT
-    from tests.faults.load import send, sse_events
+    from bench.fakes import UTF8_TEXT
+    from bench.faultsuite.load import send, sse_events
 
     res = Result("7 streaming fidelity", "engine streams 1 chunk/100 ms; UTF-8 char split across reads; usage chunk")
     with Stack() as st:
@@ -127,7 +127,7 @@ def run_ties_and_bursts(n_dry: int = 40, n_seq: int = 12, burst: int = 40) -> Re
     """Scenario 8: four identical idle workers. (a) ``n_dry`` dry runs and ``n_seq`` sequential
     requests (each on idle workers) must not all go to one worker (never a bias towards worker 0);
     (b) a burst of ``burst`` concurrent 0.5 s requests must spread (no worker above 40 %)."""
-    from tests.faults.load import send
+    from bench.faultsuite.load import send
 
     res = Result("8 ties and bursts", f"4 idle identical workers; {n_seq} sequential requests, a burst of {burst}")
     with Stack() as st:
@@ -253,7 +253,7 @@ def run_bad_input() -> Result:
     error shape was wrong; ``extra['worker']`` shows the worker's breaker and failure counters."""
     import orjson
 
-    from tests.faults.load import openai_error
+    from bench.faultsuite.load import openai_error
 
     res = Result("10 bad input", f"{len(BAD_INPUTS)} malformed requests (JSON, types, UTF-8, sizes, content type)")
     with Stack() as st:
@@ -307,11 +307,11 @@ def run_security() -> Result:
     import subprocess
     import sys
 
-    from tests.faults.load import openai_error
-    from tests.helpers import ROOT, unique_shm_name
+    from bench.faultsuite.load import openai_error
+    from launcher.stack import ROOT, unique_shm_name
 
     res = Result("11 security", "umask 000; requests without/with wrong admin token and API key; foreign URL schemes")
-    name = unique_shm_name()
+    name = unique_shm_name("dplb-test")
     try:
         subprocess.run([sys.executable, "-m", "dplb_shm", "create", "--name", name, "--slots", "4"], check=True,
                        cwd=str(ROOT), umask=0, capture_output=True, timeout=60)

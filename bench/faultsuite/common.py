@@ -9,9 +9,9 @@ from typing import Any, Self
 
 import httpx
 
-from tests.faults.cluster import Stack
-from tests.faults.load import Outcome, tally
-from tests.helpers import wait_until
+from bench.faultsuite.cluster import Stack
+from bench.faultsuite.load import Outcome, tally
+from launcher.stack import wait_for
 
 
 @dataclass
@@ -84,7 +84,7 @@ def eligible(st: Stack, base: str, wid: int) -> bool:
 
 def wait_time(pred: Callable[[], Any], t0: float, timeout: float, what: str) -> float:
     """Wait for ``pred`` (polled every 10 ms) and return the seconds since ``t0`` at which it held."""
-    wait_until(pred, timeout, interval=0.01, what=what)
+    wait_for(pred, timeout, what, interval=0.01)
     return time.monotonic() - t0
 
 

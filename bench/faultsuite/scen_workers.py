@@ -1,5 +1,5 @@
 """Scenarios 1-5 of issue 8 (workers die, hang, fail, all go away, are drained and removed);
-see :mod:`tests.faults.scenarios`."""
+see :mod:`bench.faultsuite.scenarios`."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from tests.faults.cluster import MODEL_SIM, Stack
-from tests.faults.common import (
+from bench.faultsuite.cluster import MODEL_SIM, Stack
+from bench.faultsuite.common import (
     DispatchWatch,
     Result,
     admin_call,
@@ -19,7 +19,7 @@ from tests.faults.common import (
     eligible,
     wait_time,
 )
-from tests.faults.load import Outcome, chat, steady
+from bench.faultsuite.load import Outcome, chat, steady
 
 # ------------------------------------------------------------------------------------ scenario 1
 
@@ -160,7 +160,7 @@ def run_breaker(n_fail: int = 30, open_time_s: float = 2.5) -> Result:
         t1 = time.monotonic()
 
         async def until_closed() -> list[Outcome]:
-            from tests.faults.load import send
+            from bench.faultsuite.load import send
             got: list[Outcome] = []
             async with httpx.AsyncClient(base_url=base, timeout=15) as c:
                 while circuit_of(st, base, 0) != "closed" and time.monotonic() - t1 < open_time_s + 15:
@@ -281,8 +281,8 @@ def run_remote_rejoin() -> Result:
     """Scenario 4 for a remote worker (``host:port`` in ``backend_servers``, mirrored into a slot):
     it is killed, the router answers 503 + Retry-After, it is restarted on the same address and
     rejoins without a router restart. Detection: kill → ``/health`` 503; recovery: restart → a 200."""
-    from tests.fakes import start_fake
-    from tests.helpers import free_port
+    from bench.fakes import start_fake
+    from launcher.stack import free_port
 
     res = Result("4b remote worker dead, back on the same address", "kill -9 of the only (TCP, mirrored) worker, "
                  "restarted on the same port")

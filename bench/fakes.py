@@ -1,4 +1,4 @@
-"""Small fake workers for router and fault-injection tests (``python -m tests.fakes``).
+"""Small fake workers for router and fault-injection tests (``python -m bench.fakes``).
 
 A fake agent is a real HTTP server on a Unix socket (or loopback TCP) that, unless ``--no-shm``,
 claims slot ``--worker-id`` of segment ``--shm``, publishes READY with its socket as endpoint,
@@ -246,7 +246,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one fake agent until SIGTERM/SIGINT (releasing its slot on the way out)."""
-    p = argparse.ArgumentParser(prog="python -m tests.fakes")
+    p = argparse.ArgumentParser(prog="python -m bench.fakes")
     p.add_argument("--worker-id", type=int, default=0)
     p.add_argument("--shm", help="segment to claim a slot in (omit with --no-shm behaviour)")
     p.add_argument("--uds")
@@ -320,10 +320,10 @@ class FakeClient:
 
 def start_fake(procs: Any, shm: str | None, worker_id: int, run_dir: str, *args: str, port: int | None = None,
                wait: bool = True) -> FakeHandle:
-    """Start ``python -m tests.fakes`` through ``procs`` (killed at teardown) and wait for its socket."""
-    from tests.helpers import ROOT, wait_for_port, wait_for_unix_socket
+    """Start ``python -m bench.fakes`` through ``procs`` (killed at teardown) and wait for its socket."""
+    from launcher.stack import ROOT, wait_for_port, wait_for_unix_socket
 
-    argv = [sys.executable, "-m", "tests.fakes", "--worker-id", str(worker_id)]
+    argv = [sys.executable, "-m", "bench.fakes", "--worker-id", str(worker_id)]
     if shm:
         argv += ["--shm", shm]
     if port is None:
@@ -349,7 +349,7 @@ def start_router(procs: Any, shm: str, run_dir: str, config: dict[str, Any] | No
     import httpx
     import yaml
 
-    from tests.helpers import ROOT, free_port, wait_until
+    from launcher.stack import ROOT, free_port, router_argv, wait_for
 
     port = free_port()
     cfg = dict(config or {})
@@ -358,8 +358,7 @@ def start_router(procs: Any, shm: str, run_dir: str, config: dict[str, Any] | No
     cfg["router"] = r
     path = Path(run_dir) / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "router", "--config", str(path), "--host", "127.0.0.1", "--port", str(port),
-            "--shm", shm, *args]
+    argv = router_argv(port=port, shm=shm, config=path, extra=args)
     procs.start(argv, log=os.path.join(run_dir, f"router-{port}.log"), cwd=str(ROOT))
     base = f"http://127.0.0.1:{port}"
 
@@ -367,7 +366,7 @@ def start_router(procs: Any, shm: str, run_dir: str, config: dict[str, Any] | No
         rows = httpx.get(base + "/dplb/status", timeout=2).json()["workers"]
         return sum(1 for w in rows if w["eligible"]) >= ready_workers
 
-    wait_until(ready, timeout, what=f"router {base} with {ready_workers} ready workers")
+    wait_for(ready, timeout, f"router {base} with {ready_workers} ready workers")
     return base
 
 

@@ -1,6 +1,6 @@
 """Fault scenarios of issue 8 as plain functions that run real processes and return counted results.
 
-Each ``run_*`` function builds its own :class:`tests.faults.cluster.Stack`, injects one fault,
+Each ``run_*`` function builds its own :class:`bench.faultsuite.cluster.Stack`, injects one fault,
 drives bounded traffic through the router, tears everything down and returns a :class:`Result`
 (what was injected, requests sent / ok / failed honestly / lost, detection and recovery times,
 plus scenario-specific figures in ``extra``). The pytest files in ``tests/faults`` assert on these
@@ -8,8 +8,8 @@ results; ``bench/faults.py`` runs the same functions and writes ``bench/results/
 """
 from __future__ import annotations
 
-from tests.faults.common import DispatchWatch, Result
-from tests.faults.scen_clients import (
+from bench.faultsuite.common import DispatchWatch, Result
+from bench.faultsuite.scen_clients import (
     BAD_ENDPOINTS,
     BAD_INPUTS,
     run_bad_input,
@@ -19,7 +19,7 @@ from tests.faults.scen_clients import (
     run_stream_fidelity,
     run_ties_and_bursts,
 )
-from tests.faults.scen_workers import (
+from bench.faultsuite.scen_workers import (
     run_all_dead,
     run_breaker,
     run_drain_remove_cycles,

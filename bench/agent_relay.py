@@ -1,6 +1,6 @@
 """Relay overhead of the agent: latency added per request and requests/s, against an instant engine.
 
-``python -m worker_agent.bench [--requests 2000] [--concurrency 1,16] [--stream-tokens 16]``
+``python -m bench.agent_relay [--requests 2000] [--concurrency 1,16] [--stream-tokens 16]``
 
 Starts an "instant engine" (a minimal aiohttp server on a Unix socket that answers a completion
 immediately, or streams ``--stream-tokens`` SSE events back to back), a scratch segment and one
@@ -25,6 +25,8 @@ import time
 
 import httpx
 import orjson
+
+from launcher.stack import agent_argv
 
 MODEL = "instant"
 
@@ -95,7 +97,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table; returns 0."""
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m worker_agent.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.agent_relay", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--stream-tokens", type=int, default=16)
@@ -113,11 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     seg = Segment.create(name, num_slots=1, replace=True)
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "worker_agent.bench", "--serve-instant-engine", eng_uds,
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.agent_relay", "--serve-instant-engine", eng_uds,
                                        "--stream-tokens", str(a.stream_tokens)]))
-        procs.append(subprocess.Popen([sys.executable, "-m", "worker_agent", "--worker-id", "0", "--shm", name,
-                                       "--uds", agent_uds, "--engine", "openai", "--engine-url", f"unix:{eng_uds}",
-                                       "--log-level", "warning"]))
+        procs.append(subprocess.Popen(agent_argv(0, name, agent_uds, engine="openai", engine_url=f"unix:{eng_uds}",
+                                                 log_level="warning")))
         deadline = time.monotonic() + 30
         while seg.read_slot(0).state.name != "READY":
             if time.monotonic() > deadline or any(pr.poll() is not None for pr in procs):

@@ -1,0 +1,167 @@
+"""The estimated-TTFT kernel (``dplb_pick_ttft``): native equals the Python reference on random
+states, and each term moves the choice the way its formula says (csrc/dplb_kernel.h)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dplb_shm import Segment, SlotFieldError, TtftParams, WorkerState, reference
+from tests.helpers import unique_shm_name
+
+NOW = 10 ** 15
+N = 8
+
+
+@pytest.fixture(scope="module")
+def seg():
+    name = unique_shm_name()
+    s = Segment.create(name, num_slots=N)
+    try:
+        yield s
+    finally:
+        s.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def put(seg: Segment, i: int, *, state=WorkerState.READY, kv=0.1, weight=1.0, queue=0, dreq=0, dctx=0,
+        rate=0.0, circuit=0, hb_age_ns=0) -> None:
+    """Write slot ``i`` (agent fields) and set its router line to exactly the given accounting."""
+    w = seg.writer(i)
+    w.claim(i, endpoint=f"/tmp/dplb-ttft/{i}.sock", weight=weight)
+    w.publish(state=state, kv_cache_usage=kv, heartbeat_ns=NOW - hb_age_ns)
+    seg.router_reset(i)
+    seg.prefill_add(i, queue)
+    seg.decode_add(i, dreq, dctx)
+    if rate > 0:
+        seg.prefill_rate_observe(i, rate)  # the first sample is taken whole
+    seg.circuit_set(i, circuit)
+
+
+def clear(seg: Segment) -> None:
+    for i in range(N):
+        put(seg, i, state=WorkerState.EMPTY)
+
+
+slot_st = st.fixed_dictionaries({
+    "state": st.sampled_from([WorkerState.READY] * 6 + [WorkerState.EMPTY, WorkerState.DRAINING, WorkerState.DEAD]),
+    "kv": st.sampled_from([-1.0, 0.0, 0.5, 0.79, 0.8, 0.8000001, 0.995, 1.0]) | st.floats(0.0, 1.0),
+    "weight": st.sampled_from([0.0, 0.5, 1.0, 1.0, 3.0]) | st.floats(0.0, 10.0),
+    "queue": st.sampled_from([0, 0, 512, 100_000]) | st.integers(-100, 10 ** 7),
+    "dreq": st.sampled_from([0, 1, 64]) | st.integers(-3, 600),
+    "dctx": st.sampled_from([0, 6000, 10 ** 6]) | st.integers(-100, 10 ** 8),
+    "rate": st.sampled_from([0.0, 0.0, 1000.0, 30769.0]) | st.floats(1.0, 1e6),
+    "circuit": st.sampled_from([0, 0, 1, 2]),
+    "hb_age_ns": st.sampled_from([0, 999_999_999, 1_000_000_001]),
+})
+
+params_st = st.builds(
+    TtftParams,
+    prefill_rate=st.sampled_from([30_769.0, 1.0, 1e6]),
+    step_tokens=st.sampled_from([8192.0, 1.0, 512.0]),
+    step_base_s=st.sampled_from([0.005, 0.0]),
+    decode_seq_s=st.sampled_from([5e-5, 0.0, 0.01]),
+    decode_ctx_s=st.sampled_from([3.9e-8, 0.0]),
+    kv_barrier_s=st.sampled_from([0.15, 0.0, 10.0]),
+    kv_cache_threshold=st.sampled_from([0.8, 1.0]),
+    heartbeat_timeout_ms=st.sampled_from([1000.0, 50.0]),
+)
+
+uncached_st = st.none() | st.lists(st.sampled_from([-1.0, 0.0, 100.0, 6600.0]) | st.floats(-10.0, 1e6),
+                                   max_size=N)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(slots=st.lists(slot_st, min_size=N, max_size=N), params=params_st,
+       prompt_len=st.sampled_from([0, 1, 6600, 85_000]) | st.integers(0, 2 ** 31),
+       uncached=uncached_st, rng_u=st.floats(0.0, 1.0, exclude_max=True))
+def test_native_equals_reference(seg, slots, params, prompt_len, uncached, rng_u):
+    for i, f in enumerate(slots):
+        put(seg, i, **f)
+    native = seg.pick_ttft_explain(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u)
+    ref = reference.pick_ttft(seg.snapshot(), params, prompt_len, uncached, NOW, rng_u)
+    assert native == ref
+    assert seg.pick_ttft(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u) == native[0]
+
+
+def _pick(seg, uncached=None, prompt_len=6000, params=TtftParams()):
+    return seg.pick_ttft_explain(params, prompt_len, uncached, now_ns=NOW, rng_u=0.0)
+
+
+# (name, per-slot settings for slots 0 and 1, uncached tokens per slot, expected winner)
+CASES = [
+    ("idle: the cached prefix wins", [{}, {}], [6000.0, 1000.0], 1),
+    ("queued prefill outweighs a cache hit", [{"queue": 50_000}, {}], [1000.0, 6000.0], 1),
+    ("a cache hit outweighs a short queue", [{"queue": 2000}, {}], [1000.0, 6000.0], 0),
+    ("a slower learned rate is avoided", [{"rate": 5000.0}, {"queue": 4000}], [6000.0, 6000.0], 1),
+    ("decoding load costs every step", [{"dreq": 200, "dctx": 2_000_000}, {}], [6000.0, 6000.0], 1),
+    ("the KV barrier prefers room", [{"kv": 0.75}, {"kv": 0.1}], [6000.0, 6000.0], 1),
+    ("KV above the threshold is not eligible", [{"kv": 0.81}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
+    ("weight 2 halves the estimate", [{"weight": 2.0, "queue": 5000}, {}], [6000.0, 6000.0], 0),
+    ("a negative entry rules a slot out", [{}, {"queue": 10 ** 6}], [-1.0, 6000.0], 1),
+    ("an open circuit is not eligible", [{"circuit": 1}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
+    ("a stale heartbeat is not eligible", [{"hb_age_ns": 2 * 10 ** 9}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
+]
+
+
+@pytest.mark.parametrize("name,slots,uncached,winner", CASES, ids=[c[0] for c in CASES])
+def test_each_term_moves_the_choice(seg, name, slots, uncached, winner):
+    clear(seg)
+    for i, f in enumerate(slots):
+        put(seg, i, **f)
+    chosen, terms = _pick(seg, uncached)
+    assert chosen == winner, [t.to_dict() for t in terms]
+
+
+def test_terms_are_seconds_and_add_up(seg):
+    clear(seg)
+    put(seg, 0, queue=10_000, dreq=10, dctx=50_000, rate=20_000.0, kv=0.5, weight=1.0)
+    p = TtftParams()
+    _, [t] = _pick(seg, [2000.0], prompt_len=5000, params=p)
+    assert t.queue_tokens == 10_000 and t.uncached_tokens == 2000 and t.rate == 20_000.0
+    assert t.steps == 2.0  # 12,000 tokens at 8,192 per step: this request's last chunk is in step 2
+    assert t.prefill_s == pytest.approx(12_000 / 20_000)
+    assert t.decode_s == pytest.approx(2 * (0.005 + 10 * 5e-5 + 50_000 * 3.9e-8))
+    assert t.kv_s == pytest.approx(0.15)
+    assert t.est_s == pytest.approx(t.prefill_s + t.decode_s + t.kv_s)
+
+
+def test_missing_uncached_entries_mean_the_whole_prompt(seg):
+    clear(seg)
+    put(seg, 0)
+    put(seg, 1)
+    _, terms = _pick(seg, [100.0], prompt_len=7000)
+    assert [t.uncached_tokens for t in terms] == [100.0, 7000.0]
+
+
+def test_ties_break_at_random_never_towards_slot_0(seg):
+    clear(seg)
+    for i in range(4):
+        put(seg, i)
+    p = TtftParams()
+    got = {seg.pick_ttft(p, 1000, None, now_ns=NOW, rng_u=u) for u in (0.0, 0.3, 0.6, 0.99)}
+    assert got == {0, 1, 2, 3}
+
+
+def test_prefill_rate_is_a_clipped_shared_average(seg):
+    clear(seg)
+    put(seg, 0)
+    assert seg.prefill_rate_observe(0, 10_000.0) == 10_000.0       # the first sample is taken whole
+    assert seg.prefill_rate_observe(0, 1e9, alpha=0.5, clip=4.0) == pytest.approx(25_000.0)  # clipped to 4x
+    assert seg.router_line(0)["prefill_rate_n"] == 2
+    with pytest.raises(SlotFieldError):
+        seg.prefill_rate_observe(0, 0.0)
+    seg.router_reset(0)
+    assert seg.router_line(0)["prefill_rate"] == 0.0
+
+
+def test_params_validation():
+    with pytest.raises(SlotFieldError):
+        TtftParams(prefill_rate=0.0)
+    with pytest.raises(SlotFieldError):
+        TtftParams(step_base_s=float("nan"))
+    with pytest.raises(SlotFieldError):
+        TtftParams(decode_seq_s=-1.0)
