@@ -45,11 +45,13 @@ def _probe_row(x: float, fig: dict[str, Any], ok: bool) -> dict[str, Any]:
 
 def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, start: float = 1.0,
                   tolerance: float = 0.05, max_scale: float = 1024.0,
-                  on_probe: Callable[[float, bool], None] | None = None) -> dict[str, Any]:
+                  on_probe: Callable[[float, bool], None] | None = None,
+                  known: dict[float, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Highest rate multiple within ``slo`` (see the module docstring). ``run(settings)`` returns the
     figures of one run (:func:`simulate.stats.summarize`). Returns ``capacity_rate_scale`` (None when
     even ``1/max_scale`` fails), ``capacity_requests_per_s``, ``bound`` (``"found"``, ``"above"``: still
-    passing at ``max_scale``, ``"below"``), ``probes`` and ``figures`` of the best passing run."""
+    passing at ``max_scale``, ``"below"``), ``probes`` and ``figures`` of the best passing run.
+    ``known``: figures of complete runs already made, by rate multiple (not run again)."""
     if tolerance <= 0:
         raise ValueError("tolerance must be > 0")
     probes: list[dict[str, Any]] = []
@@ -60,7 +62,8 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
         nonlocal best
         if x in cache:
             return cache[x]
-        fig = run(replace(base, rate_scale=x, abort_on=slo))
+        # a complete run at this rate (the table's) decides as well as an SLO-bounded one
+        fig = (known or {}).get(x) or run(replace(base, rate_scale=x, abort_on=slo))
         ok = meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)
         probes.append(_probe_row(x, fig, ok))
         if on_probe is not None:
@@ -99,7 +102,7 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
                 hi = mid
     figures = None
     if best is not None:
-        figures = {k: v for k, v in best.items() if k != "_x"}
+        figures = {k: v for k, v in best.items() if k not in ("_x", "load_over_time")}
     return {
         "capacity_rate_scale": None if lo is None else round(lo, 4),
         "capacity_requests_per_s": None if lo is None or rate is None else round(lo * rate, 4),

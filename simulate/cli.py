@@ -234,7 +234,7 @@ def _main(ns: argparse.Namespace) -> int:
                 return f
 
             row["capacity"] = find_capacity(cap_run, settings, slo, rate, start=ns.rate_scale,
-                                            tolerance=ns.capacity_tolerance)
+                                            tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
         if ns.min_engines:
             def eng_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
                 f, _ = run(st, f"{_name} {len(st.engines)} engines")
