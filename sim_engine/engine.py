@@ -180,25 +180,32 @@ class EngineCore:
         plan = StepPlan()
         running = self.running
         i = 0
+        scheduled = plan.scheduled
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = -(-(req.num_computed_tokens + n) // bs) - len(req.blocks)
-            victim = None
-            while need > kv.num_free:
-                victim = running.pop()
-                self._preempt(victim)
-                plan.preempted.append(victim)
+            done = req.num_computed_tokens
+            n = req.num_tokens - done
+            if n > budget:
+                n = budget
+            upto = done + n
+            need = -(-upto // bs) - len(req.blocks)
+            if need > 0:  # (a decode step mostly needs no new block)
+                victim = None
+                while need > kv.num_free:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is req:
+                        break
                 if victim is req:
                     break
-            if victim is req:
-                break
-            if need > 0:
                 got = kv.allocate(need)
                 assert got is not None  # need <= num_free was just ensured
                 req.blocks += got
-            self._register(req, req.num_computed_tokens + n)
-            plan.scheduled.append((req, n))
+            nreg = req.num_registered
+            if upto // bs > nreg and len(req.hashes) > nreg:
+                self._register(req, upto)
+            scheduled.append((req, n))
             budget -= n
             i += 1
         if not plan.preempted:
@@ -254,17 +261,19 @@ class EngineCore:
         """Apply a scheduled step that ended at ``now``. Returns the requests that emitted a token
         this step (each exactly one: ``req.output[-1]``); finished ones have ``finish_reason`` set."""
         stats, words = self.stats, self.words
+        table, table_n = words.table, words.TABLE
+        running_st = Status.RUNNING
         stats.steps += 1
         stats.busy_time += plan.duration
         produced: list[SimRequest] = []
         finished = False
         for req, n in plan.scheduled:
-            if req.status != Status.RUNNING:
+            if req.status != running_st:
                 continue  # aborted during the step
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that does not finish the prompt
-            word = words.word(req.word_offset + len(req.output))
+            word = table[(req.word_offset + len(req.output)) % table_n]  # WordSource.word, inlined
             req.append_output(word)
             stats.generation_tokens += 1
             if req.first_token_time is None:
