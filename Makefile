@@ -34,6 +34,9 @@ test-faults: install build
 test-vllm: install build
 	bash scripts/test_vllm.sh
 
+test-fidelity: install build
+	bash scripts/test_fidelity.sh
+
 bench-kernel: install build
 	$(PY) -m bench.kernel
 
