@@ -115,8 +115,8 @@ def engine_configs(ns: argparse.Namespace) -> list[EngineConfig]:
     out = [replace(base) for _ in range(ns.engines)]
     if ns.engine_slowdown:
         sl = parse_floats("--engine-slowdown", ns.engine_slowdown)
-        for k, e in enumerate(out):
-            e.slowdown = sl[k % len(sl)]
+        for k, ecfg in enumerate(out):
+            ecfg.slowdown = sl[k % len(sl)]
     for ov in ns.engine_override:
         head, sep, flags = ov.partition(":")
         if not sep or not head.strip().isdigit() or not 0 <= int(head) < ns.engines:

@@ -367,16 +367,16 @@ class Simulation:
                             ttft[i] = ft
                             queue[i] = req.first_scheduled - arr[i]
                             cached[i] = req.num_cached_tokens
-                            lease.first_token()  # type: ignore[union-attr]
+                            lease.first_token()
                             if ttft_lim is not None and ft > ttft_lim:
                                 over_ttft += 1
                         if req.finish_reason is not None:
                             total = t - arr[i]
-                            ft = ttft[i]  # type: ignore[assignment]
+                            ft = ttft[i]
                             tpot = (total - ft) / (n_out - 1) if n_out > 1 else None
                             e.agent.on_finish(prompt_tok[i], ft * ms, None if tpot is None else tpot * ms,
                                               total * ms, "ok")
-                            lease.release()  # type: ignore[union-attr]
+                            lease.release()
                             leases[i] = None
                             e2e[i] = total
                             out_tok[i] = n_out

@@ -17,7 +17,7 @@ Definitions (the same as ``dplb-replay`` and ``bench/``, see :mod:`bench.stats`)
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from bench.stats import percentile
 from simulate.cluster import OK, RunResult
@@ -34,18 +34,19 @@ def _pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
 def summarize(res: RunResult, n_engines: int) -> dict[str, Any]:
     """The figures of ``res`` as a JSON-ready dict (see the module docstring for each one)."""
     served = [i for i, s in enumerate(res.status) if s == OK]
-    ttft = [res.ttft[i] for i in served]
-    e2e = [res.e2e[i] for i in served]
-    queue = [res.queue[i] for i in served]
-    tpot = [(res.e2e[i] - res.ttft[i]) / (res.output_tokens[i] - 1)  # type: ignore[operator]
-            for i in served if res.output_tokens[i] > 1]
+    # a served request has all three times
+    ttft = cast(list[float], [res.ttft[i] for i in served])
+    e2e = cast(list[float], [res.e2e[i] for i in served])
+    queue = cast(list[float], [res.queue[i] for i in served])
+    tpot = [(e2e[j] - ttft[j]) / (res.output_tokens[i] - 1) for j, i in enumerate(served)
+            if res.output_tokens[i] > 1]
     rejected: dict[str, int] = {}
     for s in res.status:
         if s not in (OK, 0):
             rejected[str(s)] = rejected.get(str(s), 0) + 1
     out_tokens = sum(res.output_tokens[i] for i in served)
     if served:
-        t_end = max(res.arrival[i] + res.e2e[i] for i in served)  # type: ignore[operator]
+        t_end = max(res.arrival[i] + e2e[j] for j, i in enumerate(served))
         span = t_end - res.arrival[0]
     else:
         span = 0.0
@@ -55,7 +56,7 @@ def summarize(res: RunResult, n_engines: int) -> dict[str, Any]:
     for i in served:
         counts[res.worker[i]] += 1
     total = sum(counts)
-    shares = [_r(c / total, 4) if total else None for c in counts]
+    shares = [round(c / total, 4) for c in counts] if total else []
     return {
         "requests": len(res.status),
         "served": len(served),
@@ -74,9 +75,9 @@ def summarize(res: RunResult, n_engines: int) -> dict[str, Any]:
         "preemptions": sum(s["preemptions"] for s in res.engine_stats),
         "per_engine": {
             "requests": counts,
-            "share": shares,
-            "max_share": max(shares) if total else None,
-            "min_share": min(shares) if total else None,
+            "share": shares if total else [None] * n_engines,
+            "max_share": max(shares) if shares else None,
+            "min_share": min(shares) if shares else None,
             "max_min_ratio": _r(max(counts) / min(counts), 4) if total and min(counts) > 0 else None,
             "busy_s": [_r(s["busy_time_s"], 3) for s in res.engine_stats],
             "preemptions": [s["preemptions"] for s in res.engine_stats],

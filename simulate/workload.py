@@ -303,7 +303,7 @@ class RenderedPrompt(Sequence):
             return TEXTS.get(self.hash_ids[w // BLOCK_TOKENS]).split(" ")[w % BLOCK_TOKENS]
         return self.tail[w - self.words]
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return [self._token(p) for p in range(*i.indices(self.n))]
         if i < 0:
