@@ -20,6 +20,9 @@ utf8     SSE: ``chunks`` chunks, then one event (text :data:`UTF8_TEXT`) written
          ``delay`` seconds apart, split inside a 4-byte UTF-8 character
 ======== ===============================================================================
 
+Header ``X-Fake-First-Delay: S`` (streams): send the response head at once, then wait S seconds
+before the first chunk (an engine in a long prefill).
+
 Every non-stream JSON answer carries ``"fake": {"worker_id", "path", "headers", "body"}`` — the
 headers and the parsed body exactly as received. ``GET /fake/stats`` returns counters (requests,
 by path, active, disconnects) and the last request seen; ``GET /health`` answers 200 (503 when the
@@ -133,6 +136,9 @@ def build_app(agent: FakeAgent):
                 resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                                    "x-fake-worker": str(agent.worker_id)})
                 await resp.prepare(request)
+                first_delay = float(request.headers.get("x-fake-first-delay", 0))
+                if first_delay > 0:   # StreamResponse.prepare sent the head already
+                    await asyncio.sleep(first_delay)
                 n = 2 if mode == "break" else max(1, chunks)
                 for i in range(n):
                     if i and mode == "stream":

@@ -1,6 +1,6 @@
-"""Fault-injection report: run the scenarios of issue 8 with counting and write a Markdown table.
+"""Fault-injection report: run the scenarios of issues 8 and 15 with counting and write a Markdown table.
 
-Usage: ``python -m bench.faults [--only 1,5,10] [--out bench/results/faults.md]``
+Usage: ``python -m bench.faults [--only 1,5,10,13] [--out bench/results/faults.md]``
 
 Each scenario (the same functions the ``tests/faults`` suite asserts on, in
 :mod:`bench.faultsuite.scenarios`) starts real processes on loopback — router, worker agents with sim
@@ -11,8 +11,11 @@ engines or fake workers — injects one fault under bounded traffic, and counts 
     | # | scenario | injected | sent | ok | failed honestly | lost | detection | recovery | notes |
 
 *detection*: fault → the router stops sending to the worker (scenarios 1-3), → ``/health`` 503
-(4), disconnect → the engine drops the request (6); *recovery*: worker back → eligible or serving
-again (2-4), kill → new router ready (9), disconnect → slot in-flight back to 0 (6). Times are
+(4), disconnect → the engine drops the request (6), second crash → ``gave_up`` in ``/dplb/status``
+(13), kill → ``dead`` in the metrics (14); *recovery*: worker back → eligible or serving again
+(1a: the agent restarted the engine; 2-4), kill → new router ready (9), disconnect → slot in-flight
+back to 0 (6), admin restart → eligible (13). Rows ``2a+``/``2b+`` run 2a/2b with
+``retries.retry_on_timeout`` (the operator's opt-in to re-running timed-out requests elsewhere). Times are
 wall-clock seconds on the machine that ran it; the file says which machine (CPU count) and when.
 Exit status 1 when a scenario lost a request it should not have: every scenario but 9, where the
 requests a ``kill -9``-ed lone router held or missed while down are lost by construction (counted).
@@ -39,10 +42,13 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         return lambda r: "; ".join(f"{k}={r.extra.get(k)}" for k in keys if k in r.extra)
 
     return [
-        ("1a", lambda: sc.run_kill_engine("engine"), kv("by_worker", "slot0_state")),
-        ("1b", lambda: sc.run_kill_engine("worker"), kv("by_worker")),
-        ("2a", sc.run_hung_worker, kv("slowest_s", "timed_out_then_retried", "eligible_while_hung")),
-        ("2b", sc.run_engine_hang, kv("tried_on_hung", "circuit0")),
+        ("1a", lambda: sc.run_kill_engine("engine"), kv("dead_s", "states0", "ready_gauge0", "failed_in_flight",
+                                                        "served_by_0_after_back", "by_worker")),
+        ("1b", lambda: sc.run_kill_engine("worker"), kv("failed_in_flight", "by_worker")),
+        ("2a", sc.run_hung_worker, kv("status_504_on_0", "slowest_s", "eligible_while_hung")),
+        ("2a+", lambda: sc.run_hung_worker(retry_on_timeout=True), kv("slowest_s", "timed_out", "eligible_while_hung")),
+        ("2b", sc.run_engine_hang, kv("statuses", "tried_on_hung", "circuit0")),
+        ("2b+", lambda: sc.run_engine_hang(retry_on_timeout=True), kv("served", "tried_on_hung", "circuit0")),
         ("2c", sc.run_long_prefill_default, kv("min_latency_s")),
         ("3", sc.run_breaker, kv("requests_to_0_500", "circuit_after_500s", "circuit_after_recovery",
                                  "circuit_after_400", "circuit_after_429")),
@@ -56,6 +62,16 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
                                         "not_ok_after_restart", "workers_seen_by_new_router", "router_inflight_after")),
         ("10", sc.run_bad_input, kv("mismatches", "worker")),
         ("11", sc.run_security, kv("segment_mode", "agent_socket_mode", "engine_socket_mode", "claimed_slots")),
+        # issue 15: stays up and tells the truth
+        ("13", sc.run_crash_loop_gave_up_then_admin_restart, kv("first_restart_s", "row_gave_up", "metrics_gave_up",
+                                                                "served_while_dead", "served_after")),
+        ("14", sc.run_dead_and_departed_workers_in_plain_sight, kv("seen", "after_leave")),
+        ("15", sc.run_slow_request_one_504, kv("status", "elapsed_s", "requests_per_worker", "stream_status",
+                                               "lone_hung_worker")),
+        ("16", sc.run_first_byte_vs_idle_timeout, kv("prefill_stream", "stalled_stream", "stalled_error", "errors")),
+        ("17", sc.run_round_robin_per_model, kv("model_a", "model_b")),
+        ("18", sc.run_header_limits, kv("codes", "forwarded", "before_body", "flood")),
+        ("19", sc.run_admin_exposure, kv("no_token", "with_token", "open_host_no_token", "mismatches")),
     ]
 
 
@@ -71,7 +87,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     """The Markdown report for ``rows`` (dicts with the table's columns)."""
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        "# DPLB fault-injection report (issue 8)",
+        "# DPLB fault-injection report (issues 8 and 15)",
         "",
         f"Generated {now} by `python -m bench.faults` on a {os.cpu_count()}-CPU machine (loopback only).",
         "Counts: *ok* = complete answer; *failed honestly* = OpenAI-shaped error status or SSE error event;",
@@ -97,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     lost = 0
     for sid, run, notes in _scenarios():
-        if want and sid not in want and sid.rstrip("abc") not in want:
+        if want and sid not in want and sid.rstrip("abc+") not in want:
             continue
         t0 = time.monotonic()
         try:

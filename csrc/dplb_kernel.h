@@ -204,9 +204,13 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  * tokens, not requests (one Mooncake request is 300 tokens, another 85,000). For eligible slot i
  * (same eligibility as dplb_pick), with the router line read by relaxed atomic loads:
  *
- *   W_i     = max(0, prefill_tokens_i)      uncached prompt tokens already dispatched to i whose
- *                                           first token has not come back: the prefill queue ahead
- *                                           (continuous batching serves it first, FCFS)
+ *   W_i     = max(prefill_tokens_i, num_waiting_i * waiting_tokens, 0)
+ *             prefill_tokens_i: uncached prompt tokens dispatched to i by the routers whose first
+ *             token has not come back: the prefill queue ahead (continuous batching serves it
+ *             first, FCFS); num_waiting_i * waiting_tokens: the engine's own queue as its agent
+ *             last published it (requests that did not come through these routers, e.g. sent
+ *             before a router restart), priced at waiting_tokens each. The larger of the two, so
+ *             requests both counts see are not counted twice.
  *   u_i     = uncached[i] when given (the router's prefix index: prompt tokens not cached on i),
  *             else prompt_len; uncached[i] < 0 excludes slot i (the router rules it out)
  *   r_i     = prefill_rate_i when > 0 (learned online from observed TTFTs), else p->prefill_rate
@@ -220,7 +224,14 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  *   kv_s      = kv_barrier_s * k / (1 - k), k = min(kv_cache_usage, 0.99) (unknown -1 -> 0):
  *             a convex barrier as the KV cache fills (SGLang gateway least_load's 0.15 s * k/(1-k));
  *             above kv_cache_threshold the worker is not eligible at all
- *   est_i     = ((prefill_s + decode_s) + kv_s) / weight_i
+ *   batch_s   = w_decode * out_tokens * (decode_seq_s * B_i + decode_ctx_s * C_i)
+ *             what the batch already on i adds to this request's own decode (out_tokens steps, each
+ *             slowed by every request in the batch and its context): B_i = max(router_inflight_i,
+ *             num_running_i + num_waiting_i), the requests sharing i's steps. TTFT alone would
+ *             pile a burst that shares a cached prefix onto one worker (each costs it ~0 prefill),
+ *             where every TPOT suffers; this term prices that. out_tokens is the request's expected
+ *             output (its max_tokens, capped); w_decode = 0 turns the term off.
+ *   est_i     = (((prefill_s + decode_s) + kv_s) + batch_s) / weight_i
  *
  * Pick the smallest est_i; ties (est <= best + 1e-9 s) break uniformly at random in slot order.
  * The prefix-cache bonus is exactly the prefill time a hit saves (u_i smaller), so a hot prefix
@@ -229,11 +240,13 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  */
 typedef struct dplb_ttft_params {
     double prefill_rate;        /* tokens/s used until a worker has learned its own */
+    double waiting_tokens;      /* prompt tokens assumed per request waiting in the engine */
     double step_tokens;         /* max_num_batched_tokens: prompt tokens per engine step */
     double step_base_s;         /* fixed cost of one engine step, s */
     double decode_seq_s;        /* per decoding request per step, s */
     double decode_ctx_s;        /* per context token of decoding requests per step, s */
     double kv_barrier_s;        /* scale of the KV barrier, s */
+    double w_decode;            /* weight of batch_s (0 = TTFT only) */
     double kv_cache_threshold;
     double heartbeat_timeout_ms;
 } dplb_ttft_params_t;
@@ -248,12 +261,14 @@ typedef struct dplb_ttft_terms {
     double prefill_s;
     double decode_s;
     double kv_s;
+    double batch_s;
     double decode_reqs;
+    double batch;
     double weight;
 } dplb_ttft_terms_t;
 
 static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p,
-                                 int64_t prompt_len, const double *uncached, uint32_t n_unc,
+                                 int64_t prompt_len, double out_tokens, const double *uncached, uint32_t n_unc,
                                  int64_t now_ns, double rng_u, double *ests, dplb_ttft_terms_t *terms,
                                  int *n_terms) {
     dplb_slot_t s;
@@ -262,12 +277,15 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
     int any = 0, nt = 0;
     for (uint32_t i = 0; i < num_slots; i++) {
         dplb_slot_t *src = dplb_slot_at((void *)base, i);
-        ests[i] = 1.0 / 0.0;
+        /* NaN, not +inf: an eligible worker's estimate may itself be +inf (a denormal weight), and
+         * "est <= best + eps" must never admit an ineligible slot into the ties */
+        ests[i] = __builtin_nan("");
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
         double u = uncached && i < n_unc ? uncached[i] : (double)prompt_len;
         if (u < 0.0) continue;
         if (dplb_seqlock_read_hot(src, &s, 0, DPLB_KERNEL_MAX_SPINS) < 0) continue;
         int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
+        int64_t rinfl = __atomic_load_n(&src->router.router_inflight, __ATOMIC_RELAXED);
         int64_t w_tok = __atomic_load_n(&src->router.prefill_tokens, __ATOMIC_RELAXED);
         int64_t d_req = __atomic_load_n(&src->router.decode_reqs, __ATOMIC_RELAXED);
         int64_t d_ctx = __atomic_load_n(&src->router.decode_ctx_tokens, __ATOMIC_RELAXED);
@@ -282,6 +300,8 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
         memcpy(&learned, &rate_bits, sizeof learned);
         double rate = learned > 0.0 ? learned : p->prefill_rate;
         double queue = w_tok > 0 ? (double)w_tok : 0.0;
+        double engine_q = s.num_waiting > 0 ? (double)s.num_waiting * p->waiting_tokens : 0.0;
+        if (engine_q > queue) queue = engine_q;
         double dreq = d_req > 0 ? (double)d_req : 0.0;
         double dctx = d_ctx > 0 ? (double)d_ctx : 0.0;
         double tokens = queue + u;
@@ -290,7 +310,11 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
         double decode_s = steps * ((p->step_base_s + p->decode_seq_s * dreq) + p->decode_ctx_s * dctx);
         double k = s.kv_cache_usage < 0.0 ? 0.0 : (s.kv_cache_usage > 0.99 ? 0.99 : s.kv_cache_usage);
         double kv_s = p->kv_barrier_s * k / (1.0 - k);
-        double est = ((prefill_s + decode_s) + kv_s) / s.weight;
+        int64_t engine = (int64_t)s.num_running + (int64_t)s.num_waiting;
+        int64_t b = rinfl > engine ? rinfl : engine;
+        double batch = b > 0 ? (double)b : 0.0;
+        double batch_s = p->w_decode * out_tokens * (p->decode_seq_s * batch + p->decode_ctx_s * dctx);
+        double est = (((prefill_s + decode_s) + kv_s) + batch_s) / s.weight;
         ests[i] = est;
         if (!any || est < best) best = est;
         any = 1;
@@ -305,7 +329,9 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
             t->prefill_s = prefill_s;
             t->decode_s = decode_s;
             t->kv_s = kv_s;
+            t->batch_s = batch_s;
             t->decode_reqs = dreq;
+            t->batch = batch;
             t->weight = s.weight;
         }
         nt++;

@@ -23,6 +23,8 @@ cdef extern from "dplb_shm.h" nogil:
     const int DPLB_STATE_READY
     const int DPLB_STATE_DRAINING
     const int DPLB_STATE_DEAD
+    const int DPLB_REASON_NONE
+    const int DPLB_REASON_GAVE_UP
 
     ctypedef struct dplb_header_t:
         uint64_t magic
@@ -86,6 +88,11 @@ cdef extern from "dplb_shm.h" nogil:
         float e2e_ring[32]
         char endpoint[128]
         char model[120]
+        uint32_t restarts
+        int32_t last_exit_code
+        uint32_t state_reason
+        uint32_t reserved2
+        int64_t next_restart_ns
         dplb_router_line_t router
         dplb_router_stats_t rstats
 
@@ -128,11 +135,13 @@ cdef extern from "dplb_kernel.h" nogil:
                   double *scores, dplb_terms_t *terms, int *n_terms)
     ctypedef struct dplb_ttft_params_t:
         double prefill_rate
+        double waiting_tokens
         double step_tokens
         double step_base_s
         double decode_seq_s
         double decode_ctx_s
         double kv_barrier_s
+        double w_decode
         double kv_cache_threshold
         double heartbeat_timeout_ms
 
@@ -146,11 +155,13 @@ cdef extern from "dplb_kernel.h" nogil:
         double prefill_s
         double decode_s
         double kv_s
+        double batch_s
         double decode_reqs
+        double batch
         double weight
 
     int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p, int64_t prompt_len,
-                       const double *uncached, uint32_t n_unc, int64_t now_ns, double rng_u,
+                       double out_tokens, const double *uncached, uint32_t n_unc, int64_t now_ns, double rng_u,
                        double *ests, dplb_ttft_terms_t *terms, int *n_terms)
     uint64_t dplb_splitmix64(uint64_t *state)
     double dplb_rng_u(uint64_t *state)

@@ -21,7 +21,8 @@ import posix_ipc
 from dplb_shm.errors import (LayoutMismatchError, SegmentClosedError, SegmentError,
                              SegmentExistsError, SegmentNotFoundError, SlotFieldError,
                              SlotIndexError)
-from dplb_shm.types import ScoreTerms, ScoringParams, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
+from dplb_shm.types import (ScoreTerms, ScoringParams, StateReason, TtftParams, TtftTerms, WorkerSnapshot,
+                            WorkerState)
 
 cdef extern from *:
     """
@@ -221,7 +222,16 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         completed=s.completed, failed=s.failed, circuit=r["circuit"], seq=s.seq,
         prefill_tokens=r["prefill_tokens"], decode_reqs=r["decode_reqs"],
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
-        router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"])
+        router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"],
+        restarts=s.restarts, last_exit_code=s.last_exit_code, state_reason=_reason(s.state_reason),
+        next_restart_ns=s.next_restart_ns)
+
+
+cdef object _reason(uint32_t r):
+    try:
+        return StateReason(r)
+    except ValueError:
+        return StateReason.NONE
 
 
 cdef extern from "<stdint.h>" nogil:
@@ -316,6 +326,18 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
             s.failed = <uint64_t>_i(v, key, 0, 2**63 - 1)
         elif key == "heartbeat_ns":
             s.heartbeat_ns = _i(v, key, 0, 2**63 - 1)
+        elif key == "restarts":
+            s.restarts = <uint32_t>_i(v, key, 0, 2**32 - 1)
+        elif key == "last_exit_code":
+            s.last_exit_code = <int32_t>_i(v, key, -2**31, 2**31 - 1)
+        elif key == "state_reason":
+            try:
+                r = StateReason(v)
+            except ValueError:
+                raise SlotFieldError(f"unknown state reason {v!r}", field="state_reason")
+            s.state_reason = <uint32_t>int(r)
+        elif key == "next_restart_ns":
+            s.next_restart_ns = _i(v, key, 0, 2**63 - 1)
         else:
             raise SlotFieldError(f"unknown slot field {key!r}", field=str(key))
     return 0

@@ -481,11 +481,13 @@ cdef class Segment:
             if not isinstance(params, TtftParams):
                 raise SlotFieldError(f"params must be a TtftParams, got {type(params).__name__}", field="params")
             self.tparams.prefill_rate = params.prefill_rate
+            self.tparams.waiting_tokens = params.waiting_tokens
             self.tparams.step_tokens = params.step_tokens
             self.tparams.step_base_s = params.step_base_s
             self.tparams.decode_seq_s = params.decode_seq_s
             self.tparams.decode_ctx_s = params.decode_ctx_s
             self.tparams.kv_barrier_s = params.kv_barrier_s
+            self.tparams.w_decode = params.w_decode
             self.tparams.kv_cache_threshold = params.kv_cache_threshold
             self.tparams.heartbeat_timeout_ms = params.heartbeat_timeout_ms
             self.tparams_obj = params
@@ -505,26 +507,30 @@ cdef class Segment:
         n_unc[0] = <uint32_t>n
         return 0
 
-    def pick_ttft(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None):
+    def pick_ttft(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None,
+                  double out_tokens=0.0):
         """Choose the worker with the smallest estimated time to first token (csrc/dplb_kernel.h,
         ``dplb_pick_ttft``).
 
         ``params``: :class:`TtftParams`; ``prompt_len``: prompt tokens; ``uncached``: per slot, the
         prompt tokens not cached there (missing entries: ``prompt_len``; a negative entry rules the
         slot out); ``now_ns``/``rng_u``: override the clock and the tie-breaking draw (tests,
-        virtual time). Returns the slot index, or -1 when none is eligible.
+        virtual time); ``out_tokens``: the request's expected output tokens (the batch term). Returns ``(slot, estimated TTFT in s)``, or ``(-1, inf)`` when none is eligible.
         """
         cdef uint32_t n_unc
         cdef int64_t now
         cdef double u
+        cdef int chosen
         self._check_open()
         self._load_ttft(params, uncached, &n_unc)
         now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
         u = self._draw(rng_u)
-        return dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len,
-                              self.aff if n_unc else NULL, n_unc, now, u, self.scores, NULL, NULL)
+        chosen = dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len, out_tokens,
+                                self.aff if n_unc else NULL, n_unc, now, u, self.scores, NULL, NULL)
+        return chosen, (self.scores[chosen] if chosen >= 0 else float("inf"))
 
-    def pick_ttft_explain(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None):
+    def pick_ttft_explain(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None,
+                          double out_tokens=0.0):
         """Like :meth:`pick_ttft`, also returning the :class:`TtftTerms` of every eligible worker
         (slot order). Returns ``(chosen, terms)``."""
         cdef uint32_t n_unc
@@ -536,15 +542,15 @@ cdef class Segment:
         self._load_ttft(params, uncached, &n_unc)
         now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
         u = self._draw(rng_u)
-        chosen = dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len,
+        chosen = dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len, out_tokens,
                                 self.aff if n_unc else NULL, n_unc, now, u, self.scores, self.tterms, &nt)
         out = []
         for k in range(nt):
             t = &self.tterms[k]
             out.append(TtftTerms(worker_id=t.worker_id, est_s=t.est_s, queue_tokens=t.queue_tokens,
                                  uncached_tokens=t.uncached_tokens, rate=t.rate, steps=t.steps,
-                                 prefill_s=t.prefill_s, decode_s=t.decode_s, kv_s=t.kv_s,
-                                 decode_reqs=t.decode_reqs, weight=t.weight))
+                                 prefill_s=t.prefill_s, decode_s=t.decode_s, kv_s=t.kv_s, batch_s=t.batch_s,
+                                 decode_reqs=t.decode_reqs, batch=t.batch, weight=t.weight))
         return chosen, out
 
     # ---- diagnostics ---------------------------------------------------------------------------
@@ -583,6 +589,7 @@ cdef class Segment:
                        or s.ttft_p99_ms != <double>v or s.tpot_p99_ms != <double>v
                        or s.e2e_p99_ms != <double>v or s.completed != <uint64_t>v
                        or s.failed != <uint64_t>v or s.ttft_n != <uint32_t>v
+                       or s.restarts != <uint32_t>v or s.next_restart_ns != v
                        or s.tpot_n != <uint32_t>v or s.e2e_n != <uint32_t>v
                        or s.num_gpus != (v & 15) or s.state != (v & 3))
                 for k in range(DPLB_HIST_BINS):

@@ -76,7 +76,15 @@
  *   840   128  e2e_ring[32]
  *   968   128  endpoint                  NUL-terminated: Unix socket path (<= 107 bytes) or host:port
  *  1096   120  model                     NUL-terminated served model name (<= 119 bytes)
- *  1216    64  reserved (zero)           room for fields in later layout versions
+ *  1216     4  restarts                  u32: engine restarts by this slot's agent since it claimed
+ *                                        the slot (crash restarts and on-demand ones)
+ *  1220     4  last_exit_code            i32: exit status of the engine's last exit (negative: killed
+ *                                        by that signal), 0 while it never exited
+ *  1224     4  state_reason              DPLB_REASON_*: why the slot is in its state (DEAD/STARTING)
+ *  1228     4  reserved2
+ *  1232     8  next_restart_ns           CLOCK_MONOTONIC ns at which the agent restarts its engine,
+ *                                        0 when none is scheduled
+ *  1240    40  reserved (zero)           room for fields in later layout versions
  *  ---- line 20: router line (atomics, outside the seqlock) -----------------------------------
  *  1280     8  router_inflight           i64: dispatched by any router, not yet finished
  *  1288     8  dispatched                u64: total dispatched by routers
@@ -111,7 +119,7 @@
 
 /* "DPLBSHM\0" read as a little-endian u64 */
 #define DPLB_MAGIC 0x004D4853424C5044ULL
-#define DPLB_LAYOUT_VERSION 3
+#define DPLB_LAYOUT_VERSION 4
 #define DPLB_CACHE_LINE 64
 #define DPLB_HEADER_SIZE 128
 #define DPLB_SLOT_SIZE 1408
@@ -131,6 +139,15 @@ enum {
     DPLB_STATE_READY = 2,
     DPLB_STATE_DRAINING = 3,
     DPLB_STATE_DEAD = 4,
+};
+
+/* state_reason: why a slot is DEAD or (re)STARTING; NONE once READY after a clean start */
+enum {
+    DPLB_REASON_NONE = 0,
+    DPLB_REASON_ENGINE_EXITED = 1, /* the engine exited unexpectedly; restarted after a backoff */
+    DPLB_REASON_START_FAILED = 2,  /* the engine did not become ready; restarted after a backoff */
+    DPLB_REASON_GAVE_UP = 3,       /* too many failures in the window: DEAD until an admin restart */
+    DPLB_REASON_ADMIN_RESTART = 4, /* restarted on an operator's request */
 };
 
 enum { DPLB_CIRCUIT_CLOSED = 0, DPLB_CIRCUIT_OPEN = 1, DPLB_CIRCUIT_HALF_OPEN = 2 };
@@ -206,7 +223,12 @@ typedef struct dplb_slot {
     float e2e_ring[DPLB_WINDOW];
     char endpoint[DPLB_ENDPOINT_LEN];
     char model[DPLB_MODEL_LEN];
-    uint8_t reserved1[DPLB_DATA_END - 1216];
+    uint32_t restarts;
+    int32_t last_exit_code;
+    uint32_t state_reason;
+    uint32_t reserved2;
+    int64_t next_restart_ns;
+    uint8_t reserved1[DPLB_DATA_END - 1240];
     /* router lines: atomics, outside the seqlock */
     dplb_router_line_t router;
     dplb_router_stats_t rstats;
@@ -235,7 +257,9 @@ DPLB_ASSERT_OFF(dplb_slot_t, gpu_ids, 552);
 DPLB_ASSERT_OFF(dplb_slot_t, ttft_ring, 584);
 DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 968);
 DPLB_ASSERT_OFF(dplb_slot_t, model, 1096);
-DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1216);
+DPLB_ASSERT_OFF(dplb_slot_t, restarts, 1216);
+DPLB_ASSERT_OFF(dplb_slot_t, next_restart_ns, 1232);
+DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1240);
 DPLB_ASSERT_OFF(dplb_slot_t, router, DPLB_DATA_END);
 DPLB_ASSERT_OFF(dplb_slot_t, router.circuit, DPLB_DATA_END + 16);
 DPLB_ASSERT_OFF(dplb_slot_t, router.prefill_tokens, DPLB_DATA_END + 24);
@@ -445,8 +469,9 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, ttft_n), DPLB_F(dplb_slot_t, tpot_n), DPLB_F(dplb_slot_t, e2e_n),
     DPLB_F(dplb_slot_t, reserved0), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
     DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
-    DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router),
-    DPLB_F(dplb_slot_t, rstats),
+    DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, restarts), DPLB_F(dplb_slot_t, last_exit_code),
+    DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, reserved2), DPLB_F(dplb_slot_t, next_restart_ns),
+    DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router), DPLB_F(dplb_slot_t, rstats),
     { 0, 0, 0 },
 };
 

@@ -166,8 +166,9 @@ cdef class SlotWriter:
         queued_prompt_tokens, max_num_seqs, kv_cache_usage (0..1, above 1 stored as 1, or -1), gpu_mem_used_bytes,
         gpu_mem_total_bytes, ttft_ms, tpot_ms, e2e_ms, ttft_p99_ms, tpot_p99_ms, e2e_p99_ms
         (set the window summaries directly, e.g. a router mirroring a remote agent),
-        prompt_len_hist (32 counts), completed, failed, heartbeat_ns. Unknown names raise
-        :class:`SlotFieldError`.
+        prompt_len_hist (32 counts), completed, failed, heartbeat_ns, restarts, last_exit_code,
+        state_reason (a ``StateReason``), next_restart_ns (CLOCK_MONOTONIC ns, 0 = none).
+        Unknown names raise :class:`SlotFieldError`.
         """
         cdef dplb_slot_t tmp
         self._live()
@@ -296,6 +297,8 @@ cdef class SlotWriter:
         self.st.weight = self.st.kv_cache_usage = self.st.ttft_ms = self.st.tpot_ms = <double>v
         self.st.e2e_ms = self.st.ttft_p99_ms = self.st.tpot_p99_ms = self.st.e2e_p99_ms = <double>v
         self.st.completed = self.st.failed = <uint64_t>v
+        self.st.restarts = <uint32_t>v
+        self.st.next_restart_ns = v
         self.st.ttft_n = self.st.tpot_n = self.st.e2e_n = <uint32_t>v
         self.st.num_gpus = <int32_t>(v & 15)
         self.st.state = <int32_t>(v & 3)

@@ -100,7 +100,12 @@ class Slot(ctypes.Structure):
         ("e2e_ring", ctypes.c_float * WINDOW),
         ("endpoint", ctypes.c_char * 128),
         ("model", ctypes.c_char * 120),
-        ("reserved1", ctypes.c_uint8 * 64),
+        ("restarts", ctypes.c_uint32),
+        ("last_exit_code", ctypes.c_int32),
+        ("state_reason", ctypes.c_uint32),
+        ("reserved2", ctypes.c_uint32),
+        ("next_restart_ns", ctypes.c_int64),
+        ("reserved1", ctypes.c_uint8 * 40),
         ("router", RouterLine),
         ("rstats", RouterStats),
     ]

@@ -118,7 +118,7 @@ def pick(snapshots: Sequence[WorkerSnapshot], params: ScoringParams, prompt_len:
 
 
 def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached: float | None,
-               now_ns: int) -> TtftTerms | None:
+               now_ns: int, out_tokens: float = 0.0) -> TtftTerms | None:
     """Estimated-TTFT terms of one worker (``dplb_pick_ttft`` in csrc/dplb_kernel.h), or None when
     it is not eligible. ``uncached``: this request's prompt tokens not cached there (None:
     ``prompt_len``; negative: ruled out by the router)."""
@@ -137,6 +137,8 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
         return None
     rate = s.prefill_rate if s.prefill_rate > 0.0 else params.prefill_rate
     queue = float(s.prefill_tokens) if s.prefill_tokens > 0 else 0.0
+    engine_q = float(s.num_waiting) * params.waiting_tokens if s.num_waiting > 0 else 0.0
+    queue = max(queue, engine_q)
     dreq = float(s.decode_reqs) if s.decode_reqs > 0 else 0.0
     dctx = float(s.decode_ctx_tokens) if s.decode_ctx_tokens > 0 else 0.0
     tokens = queue + u
@@ -145,20 +147,24 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
     decode_s = steps * ((params.step_base_s + params.decode_seq_s * dreq) + params.decode_ctx_s * dctx)
     k = 0.0 if s.kv_cache_usage < 0.0 else min(s.kv_cache_usage, 0.99)
     kv_s = params.kv_barrier_s * k / (1.0 - k)
-    est = ((prefill_s + decode_s) + kv_s) / s.weight
+    b = max(s.router_inflight, s.num_running + s.num_waiting)
+    batch = float(b) if b > 0 else 0.0
+    batch_s = params.w_decode * out_tokens * (params.decode_seq_s * batch + params.decode_ctx_s * dctx)
+    est = (((prefill_s + decode_s) + kv_s) + batch_s) / s.weight
     return TtftTerms(worker_id=s.worker_id, est_s=est, queue_tokens=queue, uncached_tokens=u, rate=rate,
-                     steps=steps, prefill_s=prefill_s, decode_s=decode_s, kv_s=kv_s, decode_reqs=dreq,
-                     weight=s.weight)
+                     steps=steps, prefill_s=prefill_s, decode_s=decode_s, kv_s=kv_s, batch_s=batch_s,
+                     decode_reqs=dreq, batch=batch, weight=s.weight)
 
 
 def pick_ttft(snapshots: Sequence[WorkerSnapshot], params: TtftParams, prompt_len: int,
-              uncached: Sequence[float] | None, now_ns: int, rng_u: float) -> tuple[int, list[TtftTerms]]:
+              uncached: Sequence[float] | None, now_ns: int, rng_u: float,
+              out_tokens: float = 0.0) -> tuple[int, list[TtftTerms]]:
     """Reference of ``Segment.pick_ttft``: the smallest estimated TTFT, ties (within 1e-9 s)
     broken by ``ties[int(rng_u * len(ties))]`` in slot order. Returns ``(slot or -1, terms)``."""
     terms: list[TtftTerms] = []
     for i, s in enumerate(snapshots):
         u = float(uncached[i]) if uncached is not None and i < len(uncached) else None
-        t = ttft_terms(s, params, prompt_len, u, now_ns)
+        t = ttft_terms(s, params, prompt_len, u, now_ns, out_tokens)
         if t is not None:
             terms.append(t)
     if not terms:

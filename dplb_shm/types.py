@@ -22,6 +22,19 @@ class WorkerState(enum.IntEnum):
     DEAD = 4
 
 
+class StateReason(enum.IntEnum):
+    """Why a slot is in its state (``state_reason`` field, ``DPLB_REASON_*`` in csrc/dplb_shm.h).
+
+    Set by the agent when its engine fails or is restarted; back to NONE once the engine is READY
+    after a clean start (the ``restarts`` and ``last_exit_code`` fields keep the history)."""
+
+    NONE = 0
+    ENGINE_EXITED = 1   # the engine exited unexpectedly; it is restarted after a backoff
+    START_FAILED = 2    # the engine did not become ready; it is restarted after a backoff
+    GAVE_UP = 3         # too many failures within the window: DEAD until an admin restart
+    ADMIN_RESTART = 4   # restarted on an operator's request
+
+
 class Circuit(enum.IntEnum):
     """Router-side circuit breaker state stored in a slot's router line."""
 
@@ -44,6 +57,10 @@ class WorkerSnapshot:
     not come back), ``decode_reqs``/``decode_ctx_tokens`` (requests past their first token and
     their prompt tokens), ``prefill_rate`` (learned, tokens/s, 0 = none yet), ``router_ttft_s`` /
     ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample).
+    ``restarts``: engine restarts by the slot's agent since it claimed the slot;
+    ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
+    never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
+    ns of the next scheduled engine restart, 0 when none (agent fields, seqlock-guarded).
     """
 
     worker_id: int
@@ -83,14 +100,20 @@ class WorkerSnapshot:
     prefill_rate: float = 0.0
     router_ttft_s: float = 0.0
     router_tpot_s: float = 0.0
+    restarts: int = 0
+    last_exit_code: int = 0
+    state_reason: StateReason = StateReason.NONE
+    next_restart_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
 
-        ``state`` becomes its lower-case name (``"ready"``); every other field keeps its name.
+        ``state`` and ``state_reason`` become their lower-case names (``"ready"``,
+        ``"engine_exited"``); every other field keeps its name.
         """
         d = asdict(self)
         d["state"] = self.state.name.lower()
+        d["state_reason"] = StateReason(self.state_reason).name.lower()
         return d
 
     @classmethod
@@ -105,6 +128,11 @@ class WorkerSnapshot:
             kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as e:
             raise SlotFieldError(f"unknown worker state {st!r}", field="state") from e
+        r = kw.get("state_reason", 0)
+        try:
+            kw["state_reason"] = StateReason[r.upper()] if isinstance(r, str) else StateReason(int(r))
+        except (KeyError, ValueError, TypeError):
+            kw["state_reason"] = StateReason.NONE  # a newer agent's reason: not fatal
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in kw.items() if k in names}
         try:
@@ -185,21 +213,26 @@ class TtftParams:
 
     ``prefill_rate``: prompt tokens/s a worker is assumed to prefill until it has learned its own
     (default 30,769 = 1 / 0.0325 ms per token, the sim engine's Llama-3.1-8B-on-H100 model,
-    sim_engine/config.py); ``step_tokens``: prompt tokens per engine step (vLLM's
+    sim_engine/config.py); ``waiting_tokens``: prompt tokens assumed for each request waiting in
+    the engine that the routers did not dispatch themselves (1024); ``step_tokens``: prompt tokens
+    per engine step (vLLM's
     ``max_num_batched_tokens``, 8192); ``step_base_s`` (5 ms), ``decode_seq_s`` (50 µs per
     decoding request) and ``decode_ctx_s`` (39 ns per context token) price what every step costs
     besides our prefill (the same sim engine constants); ``kv_barrier_s``: scale of the convex KV
-    barrier ``kv_barrier_s·k/(1−k)`` (0.15 s, SGLang gateway's ``least_load``);
+    barrier ``kv_barrier_s·k/(1−k)`` (0.15 s, SGLang gateway's ``least_load``); ``w_decode``: weight
+    of the batch term (what the batch already on a worker adds to this request's own decode);
     ``kv_cache_threshold`` and ``heartbeat_timeout_ms`` as in :class:`ScoringParams`.
     Raises :class:`SlotFieldError` on a non-finite value or a non-positive rate, step size or timeout.
     """
 
     prefill_rate: float = 30_769.0
+    waiting_tokens: float = 1024.0
     step_tokens: float = 8192.0
     step_base_s: float = 0.005
     decode_seq_s: float = 0.00005
     decode_ctx_s: float = 3.9e-8
     kv_barrier_s: float = 0.15
+    w_decode: float = 1.0
     kv_cache_threshold: float = 0.8
     heartbeat_timeout_ms: float = 1000.0
 
@@ -211,7 +244,7 @@ class TtftParams:
         for name in ("prefill_rate", "step_tokens", "heartbeat_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise SlotFieldError(f"TtftParams.{name} must be > 0", field=name)
-        for name in ("step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s"):
+        for name in ("waiting_tokens", "step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s", "w_decode"):
             if getattr(self, name) < 0:
                 raise SlotFieldError(f"TtftParams.{name} must be >= 0", field=name)
 
@@ -220,7 +253,8 @@ class TtftParams:
 class TtftTerms:
     """Every term of one eligible worker's estimated TTFT (seconds unless named otherwise).
 
-    ``est_s = ((prefill_s + decode_s) + kv_s) / weight``; ``queue_tokens``: outstanding prefill
+    ``est_s = (((prefill_s + decode_s) + kv_s) + batch_s) / weight``; ``batch``: requests sharing the
+    worker's steps; ``queue_tokens``: outstanding prefill
     tokens ahead; ``uncached_tokens``: this request's prompt tokens not cached there; ``rate``:
     the prefill rate used (tokens/s); ``steps``: engine steps until its last prompt chunk;
     ``decode_reqs``: decoding requests sharing those steps; ``weight``: the slot's static weight.
@@ -235,7 +269,9 @@ class TtftTerms:
     prefill_s: float
     decode_s: float
     kv_s: float
+    batch_s: float
     decode_reqs: float
+    batch: float
     weight: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -243,4 +279,5 @@ class TtftTerms:
         return asdict(self)
 
 
-__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "TtftParams", "TtftTerms", "WorkerSnapshot", "WorkerState"]
+__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "StateReason", "TtftParams", "TtftTerms", "WorkerSnapshot",
+           "WorkerState"]

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url", action="append", default=[], dest="engine_urls",
                    help="--engine openai: the URL of an OpenAI-compatible server, once per worker")
     p.add_argument("--host", default=None,
-                   help="router address, 0.0.0.0 to serve other machines (default: the config's router.host, "
+                   help="router address, 0.0.0.0 to serve other machines (then the config needs router.admin_token; "
+                        "default: the config's router.host, "
                         "else 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port, else 30000)")
     p.add_argument("--config", default=None,

@@ -18,7 +18,10 @@ why, after undoing the steps before it):
 Ctrl-C, SIGTERM or SIGHUP stop every child and its descendants (engines included, see
 :mod:`launcher.children`), unlink the segment and remove the sockets; logs stay in the run dir.
 After start-up an agent that dies is reported (the router stops sending to it once its
-heartbeat goes stale); a router that dies ends the launch with status 1.
+heartbeat goes stale); a router that dies ends the launch with status 1. Each engine failure and
+restart an agent records in its slot (``state_reason``, ``last_exit_code``, ``restarts``) is
+printed (:meth:`Supervisor.report_engines`): the exit code and when the agent restarts it, each
+restart, the return to READY, and an agent that gave up (with the admin call that restarts it).
 """
 from __future__ import annotations
 
@@ -152,6 +155,7 @@ class Supervisor:
         self.agents: list[Child] = []
         self._stop_sig: int | None = None
         self._reported_dead: set[str] = set()
+        self._engines: dict[int, tuple[str, int, str]] = {}  # worker -> (state, restarts, reason) last seen
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
 
     # ----------------------------------------------------------------- public
@@ -246,7 +250,40 @@ class Supervisor:
             rc = self._check_children(starting=False)
             if rc is not None:
                 return rc
+            self.report_engines()
             self._sleep(0.5)
+
+    def report_engines(self) -> None:
+        """Print what changed in the workers' engines since the last call (from the slots): an
+        engine that died (exit code, restart delay, log), each restart, READY again, gave up."""
+        try:
+            snaps = self.segment.snapshot()
+        except Exception:  # noqa: BLE001 - a torn read is retried on the next call
+            return
+        now = _now_ns()
+        for k in range(min(self.cfg.num_workers, len(snaps))):
+            s = snaps[k]
+            state = getattr(getattr(s, "state", None), "name", "?")
+            restarts = int(getattr(s, "restarts", 0) or 0)
+            reason = getattr(getattr(s, "state_reason", None), "name", "NONE")
+            cur = (state, restarts, reason)
+            prev = self._engines.get(k)
+            self._engines[k] = cur
+            if prev is None or prev == cur:
+                continue
+            log = self.cfg.run_dir / f"engine-{k}.log"
+            if restarts > prev[1]:
+                self._say(f"dplb: worker {k}: engine restart {restarts} ({reason.lower()})")
+            if reason == "GAVE_UP" and prev[2] != "GAVE_UP":
+                self._say(f"dplb: worker {k}: engine failed too often (last exit code {s.last_exit_code}); it stays "
+                          f"DEAD until `curl -X POST {self.cfg.url}/dplb/workers/{k}/restart`; see {log}")
+            elif state == "DEAD" and (prev[0] != "DEAD" or restarts > prev[1]):
+                nxt = int(getattr(s, "next_restart_ns", 0) or 0)
+                when = f"in {max(0.0, (nxt - now) / 1e9):.1f}s" if nxt else "after a backoff"
+                self._say(f"dplb: worker {k}: engine exited with code {s.last_exit_code} ({reason.lower()}); "
+                          f"its agent restarts it {when}; see {log}")
+            elif state == "READY" and prev[0] != "READY" and restarts:
+                self._say(f"dplb: worker {k}: READY again after engine restart {restarts}")
 
     def shutdown(self) -> None:
         """Stop every child tree, unlink the segment, remove sockets. Safe to call twice."""
@@ -376,6 +413,11 @@ class Supervisor:
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+
+def _now_ns() -> int:
+    """CLOCK_MONOTONIC in ns (the slots' clock)."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
 def dump_command() -> str:

@@ -48,11 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dplb-router: {e}", file=sys.stderr)
         return 2
+    if cfg.admin_exposed():
+        print(f"dplb-router: refusing to listen on {cfg.router.host} without router.admin_token: anyone reaching "
+              "the port could drain, remove or add workers. Set router.admin_token (--admin-token) or listen on "
+              "127.0.0.1 (behind a reverse proxy, set the token too: every proxied client looks like loopback)",
+              file=sys.stderr)
+        return 2
     import uvicorn
 
     logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from router.server import ENV_BYTES, ENV_COUNT, LimitedHttpToolsProtocol
+
+    # read by router.server.LimitedHttpToolsProtocol at import in every --workers process
+    os.environ[ENV_BYTES] = str(cfg.router.max_header_bytes)
+    os.environ[ENV_COUNT] = str(cfg.router.max_headers)
+    LimitedHttpToolsProtocol.max_header_bytes = cfg.router.max_header_bytes   # this process imported it already
+    LimitedHttpToolsProtocol.max_headers = cfg.router.max_headers
     common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",
-                              "http": "httptools", "log_level": cfg.router.log_level, "access_log": False,
+                              "http": "router.server:LimitedHttpToolsProtocol", "log_level": cfg.router.log_level, "access_log": False,
                               "server_header": False, "date_header": False, "timeout_keep_alive": 30,
                               "backlog": 4096, "timeout_graceful_shutdown": 10,
                               # the router is the edge: no X-Forwarded-* rewriting middleware per request

@@ -4,11 +4,17 @@
     DELETE /dplb/workers/{id}            remote mirror: slot released; local agent: no longer routed to
     POST   /dplb/workers/{id}/drain      no new requests; in-flight ones finish
     POST   /dplb/workers/{id}/undrain    back in rotation
+    POST   /dplb/workers/{id}/restart    the worker's agent restarts its engine (202; also lifts a
+                                         ``gave_up`` after too many crashes)
     GET    /dplb/workers                 same rows as /dplb/status
 
 Protection: by default only loopback clients may call these (403 otherwise;
 ``router.admin_loopback_only``), and when ``router.admin_token`` is set every call needs
-``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise).
+``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise). The router
+refuses to start on a non-loopback address without a token (``router.__main__``). The client
+address is the socket's, never a header's: a request carrying forwarding headers (``Forwarded``,
+``X-Forwarded-For``, ``X-Real-IP``, ``Via``, ...) came through a proxy, where every client looks
+like loopback, so it is not let in as loopback: it needs the token (403 when none is set).
 
 Several router processes share the admin state through ``<state_dir>/admin.json`` (written
 atomically, re-read by every process's health tick when its mtime changes). It is run-time state:
@@ -25,9 +31,20 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from router.config import BackendServer
-from router.errors import BadRequest, Forbidden, NotFound, Unauthorized
+from router.errors import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    NotSupported,
+    TransportError,
+    Unauthorized,
+    UpstreamError,
+)
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+#: headers that reverse proxies add; their presence means the socket address is the proxy's
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+                      "via", "x-client-ip", "true-client-ip", "cf-connecting-ip")
 
 
 class AdminStore:
@@ -71,12 +88,22 @@ class AdminStore:
         return True
 
 
+def forwarded(request: Request) -> bool:
+    """True when the request carries a header a proxy adds (it came through one)."""
+    h = request.headers
+    return any(k in h for k in FORWARDING_HEADERS)
+
+
 def check_admin(request: Request, cfg: Any) -> None:
-    """Raise Forbidden (non-loopback client while loopback-only) or Unauthorized (bad token)."""
+    """Raise Forbidden (non-loopback client while loopback-only; a proxied request without a
+    configured token) or Unauthorized (missing or wrong token)."""
     client = request.client.host if request.client else ""
     if cfg.router.admin_loopback_only and client not in LOOPBACK:
         raise Forbidden("admin endpoints accept loopback clients only (router.admin_loopback_only)")
     tok = cfg.router.admin_token
+    if not tok and forwarded(request):
+        raise Forbidden("admin call through a proxy (forwarding headers present): set router.admin_token; "
+                        "behind a proxy every client looks like loopback")
     if tok:
         given = request.headers.get("x-dplb-admin-token")
         auth = request.headers.get("authorization", "")
@@ -152,6 +179,34 @@ def admin_router(state: Any) -> APIRouter:
         await state.mirrors.tick()
         state.monitor.sync()
         return _json({"worker_id": wid, "removed": True})
+
+    @r.post("/dplb/workers/{wid}/restart")
+    async def restart_worker(wid: int, request: Request) -> Response:
+        """Ask worker ``wid``'s agent to restart its engine (``POST /dplb/restart`` on the agent).
+
+        202 with the agent's answer; 404 unknown worker; 501 when the endpoint has no restart API
+        (not a DPLB agent); 502 when the agent does not answer (the agent process itself is gone:
+        restart it, e.g. the launcher)."""
+        check_admin(request, state.cfg)
+        h = state.registry.handles.get(wid)
+        if h is None:
+            raise NotFound(f"no worker with id {wid}", param="id")
+        try:
+            status, body = await state.transport.get(h.endpoint, "/dplb/restart", 10.0, method="POST")
+        except TransportError as e:
+            raise UpstreamError(f"worker {wid}'s agent at {h.endpoint} did not answer ({e.kind}); "
+                                "the agent process itself may be gone", worker_id=wid) from None
+        if status in (404, 405):
+            raise NotSupported(f"worker {wid} at {h.endpoint} has no restart API (not a DPLB agent)")
+        try:
+            d = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            d = {}
+        if status != 202:
+            raise UpstreamError(f"worker {wid}'s agent refused the restart ({status}): "
+                                f"{(d.get('error') or {}).get('message', body[:200])}", worker_id=wid)
+        return _json({"worker_id": wid, "restarting": True, "state": d.get("state"),
+                      "restarts": d.get("restarts")}, 202)
 
     @r.post("/dplb/workers/{wid}/drain")
     async def drain_worker(wid: int, request: Request) -> Response:

@@ -24,10 +24,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.accounting import LearnSettings
 from router.admin import AdminStore, admin_router
 from router.config import Config, config_from_json
 from router.errors import (
     BadRequest,
+    HeadersTooLarge,
     NoEligibleWorker,
     RouterError,
     Unauthorized,
@@ -37,9 +39,10 @@ from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.parsing import parse_request
-from router.policies import build_policy, scoring_params
-from router.proxy import Proxy
+from router.policies import build_policy
+from router.proxy import Proxy, send_error
 from router.scheduling import Scheduler
+from router.server import check_headers
 from router.transport import Transport
 from router.workers import Registry
 
@@ -74,6 +77,39 @@ def remove_state_dir(path: str) -> None:
         os.rmdir(path)
 
 
+def ttft_params(cfg: Config) -> Any:
+    """The estimated-TTFT kernel's parameters (``dplb_shm.TtftParams``) from the config."""
+    from dplb_shm import TtftParams
+
+    rp = cfg.routing_policy
+    return TtftParams(prefill_rate=rp.prefill_tokens_per_s, waiting_tokens=float(rp.waiting_tokens),
+                      step_tokens=float(rp.step_tokens),
+                      step_base_s=rp.step_base_ms / 1e3, decode_seq_s=rp.decode_seq_ms / 1e3,
+                      decode_ctx_s=rp.decode_ctx_ns / 1e9, kv_barrier_s=rp.kv_barrier_s, w_decode=rp.w_decode,
+                      kv_cache_threshold=rp.kv_cache_threshold,
+                      heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms))
+
+
+def scoring_params(cfg: Config) -> Any:
+    """The weighted kernel's parameters (``dplb_shm.ScoringParams``) from the config."""
+    from dplb_shm import ScoringParams
+
+    rp = cfg.routing_policy
+    return ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
+                         w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
+                         max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
+                         heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
+                         latency_scale_ms=rp.latency_scale_ms)
+
+
+def learn_settings(cfg: Config) -> LearnSettings:
+    """How observed TTFTs teach each worker's prefill rate (:class:`router.accounting.LearnSettings`)."""
+    rp = cfg.routing_policy
+    return LearnSettings(alpha=rp.rate_alpha, clip=rp.rate_clip, min_tokens=rp.rate_min_tokens,
+                         step_tokens=float(rp.step_tokens), step_base_s=rp.step_base_ms / 1e3,
+                         decode_seq_s=rp.decode_seq_ms / 1e3, decode_ctx_s=rp.decode_ctx_ns / 1e9)
+
+
 class RouterState:
     """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
     from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
@@ -100,10 +136,14 @@ class RouterState:
             self._hold_router_lock()
         rp = cfg.routing_policy
         self.params = scoring_params(cfg)
-        self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params)
-        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.request_timeout_s)
-        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit)
-        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics)
+        self.ttft_params = ttft_params(cfg)
+        self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params, ttft_params=self.ttft_params)
+        self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.first_byte_timeout_s,
+                                   cfg.router.idle_timeout_s)
+        self.registry = Registry(self.seg, cfg, on_leave=self._on_leave, on_circuit=self._on_circuit,
+                                 on_reset=self._on_reset)
+        self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
+                                   default_rate=rp.prefill_tokens_per_s)
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
                                      hc.max_failures, probes=hc.enabled)
@@ -112,7 +152,7 @@ class RouterState:
         self.mirrors = MirrorManager(self.seg, self.transport, cfg.state_dir,
                                      timeout_s=max(0.2, hc.interval_ms / 1000.0), max_failures=hc.max_failures)
         self.apply_admin()
-        self.monitor.extra = [self._admin_tick, self.mirrors.tick]
+        self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep]
         await self.mirrors.tick()
         self.monitor.start()
         self.proxy = Proxy(self)
@@ -167,6 +207,10 @@ class RouterState:
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
 
+    async def _sweep(self) -> None:
+        """Health-tick extra: non-streamed requests past their estimated TTFT leave prefill."""
+        self.scheduler.sweep()
+
     async def _admin_tick(self) -> None:
         if self.admin.reload_if_changed():
             self.apply_admin()
@@ -175,8 +219,13 @@ class RouterState:
 
     def _on_leave(self, wid: int, endpoint: str) -> None:
         self.policy.forget(wid)
+        self.metrics.forget_worker(wid)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self.transport.forget(endpoint))
+
+    def _on_reset(self, wid: int) -> None:
+        """Worker ``wid``'s engine died or was restarted: its prefix cache is gone."""
+        self.policy.forget(wid)
 
     def _on_circuit(self, wid: int, state: int) -> None:
         try:
@@ -286,13 +335,22 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
 
 class DPLBApp:
-    """ASGI entry: hot proxy paths to :class:`Proxy`, everything else to FastAPI."""
+    """ASGI entry: request-head limits first (431, :mod:`router.server`), then hot proxy paths to
+    :class:`Proxy`, everything else to FastAPI."""
 
     def __init__(self, state: RouterState, fastapi_app: FastAPI) -> None:
         self.state = state
         self.fastapi = fastapi_app
+        self.max_header_bytes = state.cfg.router.max_header_bytes
+        self.max_headers = state.cfg.router.max_headers
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            try:  # ~1 µs for an ordinary request
+                check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
+            except HeadersTooLarge as too_large:
+                await send_error(send, too_large)
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             p = scope["path"]
             if p.startswith("/v1/") or p == "/generate":

@@ -19,13 +19,36 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from router.errors import ConfigError
 
 #: a host name, an IPv4 literal or an IPv6 literal (bare or in brackets)
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*")
-POLICIES = ("dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware")
+POLICIES = ("dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
+            "least_load", "lmetric", "kv_cost", "session")  # == router.policies.POLICY_NAMES (tested)
+PolicyName = Literal["dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
+                     "least_load", "lmetric", "kv_cost", "session"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback host: ``localhost``, 127.0.0.0/8, ``::1`` (brackets allowed)."""
+    import ipaddress
+
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 class _Strict(BaseModel):
@@ -35,7 +58,7 @@ class _Strict(BaseModel):
 class RouterSection(_Strict):
     """Process-level settings of the router (network, auth, limits)."""
 
-    host: str = "127.0.0.1"  # loopback unless asked: the router is the edge, admin included
+    host: str = "127.0.0.1"  # loopback unless asked; beyond loopback the router requires admin_token
     port: int = Field(default=30000, ge=1, le=65535)
     shm: str | None = None  # default: "dplb-<port>" (docs/INTERFACES.md)
     workers: int = Field(default=1, ge=1, le=64, description="router processes sharing the segment")
@@ -44,11 +67,26 @@ class RouterSection(_Strict):
     api_key: str | None = None
     # 64 MiB: a 128k-token prompt is ~0.5 MB of text; chat bodies with images can be tens of MB.
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # request head limits (431 beyond them, checked before the body is read; router/server.py):
+    # total bytes of header names + values, and the number of header fields
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=16 * 1024 * 1024)
+    max_headers: int = Field(default=100, ge=8, le=10_000)
     connect_timeout_s: float = Field(default=2.0, gt=0)
-    # time until the worker sends its response headers (non-streamed completions arrive whole)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    # longest wait from dispatch to the first response body byte: a stream's first token after a
+    # long prefill, or a whole non-streamed generation (vLLM/SGLang send those at the end)
+    first_byte_timeout_s: float = Field(default=600.0, gt=0)
+    # longest gap between two body chunks once the first arrived (a stalled stream)
+    idle_timeout_s: float = Field(default=120.0, gt=0)
+    # deprecated alias of first_byte_timeout_s (one timeout used to cover both waits)
+    request_timeout_s: float | None = Field(default=None, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     state_dir: str | None = None  # admin state shared by router processes; default /tmp/dplb-router-<port>
+
+    @model_validator(mode="after")
+    def _alias(self) -> RouterSection:
+        if self.request_timeout_s is not None and "first_byte_timeout_s" not in self.model_fields_set:
+            object.__setattr__(self, "first_byte_timeout_s", self.request_timeout_s)
+        return self
 
     @field_validator("shm")
     @classmethod
@@ -97,9 +135,38 @@ class HealthCheck(_Strict):
 
 
 class RoutingPolicy(_Strict):
-    """Policy choice and its parameters. Weights are those of docs/DESIGN.md "Scoring"."""
+    """Policy choice and its parameters (docs/DESIGN.md "Scoring"; each policy's module docstring
+    gives its formula)."""
 
-    policy: Literal["dplb", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"] = "dplb"
+    policy: PolicyName = "dplb"
+    # dplb (estimated TTFT, csrc/dplb_kernel.h): a worker's prefill speed until it has learned its
+    # own, and what each engine step costs besides our prefill. Defaults: the sim engine's model
+    # of Llama-3.1-8B on one H100 (sim_engine/config.py: 0.0325 ms per prefill token, 5 ms per
+    # step, 0.05 ms per decoding request, 39 ns per context token; vLLM's max_num_batched_tokens)
+    prefill_tokens_per_s: float = Field(default=30_769.0, gt=0)
+    # prompt tokens assumed per request waiting in an engine that the routers did not send
+    waiting_tokens: int = Field(default=1024, ge=0)
+    step_tokens: int = Field(default=8192, ge=1)
+    step_base_ms: float = Field(default=5.0, ge=0)
+    decode_seq_ms: float = Field(default=0.05, ge=0)
+    decode_ctx_ns: float = Field(default=39.0, ge=0)
+    # convex barrier kv_barrier_s·k/(1−k) as the KV cache fills (SGLang gateway least_load's 0.15 s)
+    kv_barrier_s: float = Field(default=0.15, ge=0)
+    # weight of the batch term (what a worker's batch adds to this request's decode; 0 = TTFT only)
+    # and the output length assumed when a request has no max_tokens
+    w_decode: float = Field(default=1.0, ge=0)
+    default_output_tokens: int = Field(default=256, ge=1)
+    # learning each worker's prefill rate from observed TTFTs (router/accounting.py)
+    rate_alpha: float = Field(default=0.1, gt=0, le=1)
+    rate_clip: float = Field(default=4.0, ge=1)
+    rate_min_tokens: int = Field(default=1024, ge=1)
+    # session: consistent hashing with bounded load
+    session_header: str = Field(default="x-session-id", min_length=1)
+    max_load_skew: float = Field(default=1.5, ge=1)
+    # kv_cost (Dynamo KV router): weight of prefill blocks against decode blocks, KV block size
+    overlap_weight: float = Field(default=1.0, ge=0)
+    kv_block_size: int = Field(default=16, ge=1)
+    # weighted (the seeds' formula)
     w_pending: float = Field(default=0.4, ge=0)
     w_kv: float = Field(default=0.3, ge=0)
     w_latency: float = Field(default=0.2, ge=0)
@@ -142,12 +209,22 @@ class CircuitBreaker(_Strict):
 
 
 class Retries(_Strict):
-    """Retries before the first response byte, with jittered exponential backoff."""
+    """Retries on another worker, before the first response byte, with jittered exponential backoff.
+
+    By default only failures that cost the worker nothing are retried: a refused connection
+    (nothing listens) and the statuses in ``retry_on_status`` (429 and 503: refused before any
+    work began). A timeout is not retried (the request may still be running there, and would
+    likely time out again elsewhere: up to ``max_attempts`` × the timeout of GPU time) unless
+    ``retry_on_timeout``; a connection dropped after the request was sent (the worker died with
+    it) is not retried (a request that crashes engines would crash the next one too) unless
+    ``retry_on_disconnect``."""
 
     max_attempts: int = Field(default=3, ge=1, le=16)
     backoff_base_ms: float = Field(default=5.0, ge=0)
     backoff_max_ms: float = Field(default=200.0, ge=0)
-    retry_on_status: list[int] = Field(default_factory=lambda: [429, 500, 502, 503, 504])
+    retry_on_status: list[int] = Field(default_factory=lambda: [429, 503])
+    retry_on_timeout: bool = False
+    retry_on_disconnect: bool = False
 
 
 class Config(_Strict):
@@ -164,6 +241,11 @@ class Config(_Strict):
     def shm_name(self) -> str:
         """Segment name: ``router.shm`` or ``dplb-<port>``."""
         return self.router.shm or f"dplb-{self.router.port}"
+
+    def admin_exposed(self) -> bool:
+        """True when the router listens beyond loopback and no ``admin_token`` is set: anyone who
+        reaches the port could drain, remove or add workers (``router.__main__`` refuses to start)."""
+        return not self.router.admin_token and not is_loopback(self.router.host)
 
     @property
     def state_dir(self) -> str:

@@ -9,8 +9,11 @@ Tree (HTTP status in brackets; the mapping happens only at the edge, in :func:`e
     ├── NotFound            [404]       unknown model, unknown worker id, unknown path
     ├── BodyTooLarge        [413]       request body above ``max_body_bytes``
     ├── UnsupportedMediaType [415]      a Content-Type other than application/json
+    ├── HeadersTooLarge     [431]       request headers above ``max_header_bytes`` / ``max_headers``
+    ├── NotSupported        [501]       the worker has no such API (admin restart of a non-agent)
     ├── NoEligibleWorker    [503]       no ready worker can take the request (Retry-After)
-    ├── UpstreamError       [502]       every attempt failed before the first byte
+    ├── UpstreamError       [502]       the worker failed (refused, dropped, 5xx) and no retry helped
+    ├── GatewayTimeout      [504]       the worker did not answer within the first-byte timeout
     └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
 
 OpenAI's error body is ``{"error": {"message", "type", "param", "code"}}`` (see
@@ -86,6 +89,22 @@ class UnsupportedMediaType(RouterError):
     type = "invalid_request_error"
 
 
+class HeadersTooLarge(RouterError):
+    """Request headers larger in total than ``router.max_header_bytes`` or more numerous than
+    ``router.max_headers`` (431 Request Header Fields Too Large, RFC 6585 §5)."""
+
+    status = 431
+    type = "invalid_request_error"
+
+
+class NotSupported(RouterError):
+    """The worker does not offer the requested operation (501), e.g. an admin restart of an
+    endpoint that is not a DPLB agent."""
+
+    status = 501
+    type = "not_implemented"
+
+
 class NoEligibleWorker(RouterError):
     """No worker can take the request now (503 + ``Retry-After``).
 
@@ -107,6 +126,19 @@ class UpstreamError(RouterError):
 
     status = 502
     type = "upstream_error"
+
+    def __init__(self, message: str, *, worker_id: int | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.worker_id = worker_id
+
+
+class GatewayTimeout(RouterError):
+    """The worker sent no first byte within ``router.first_byte_timeout_s`` (504). Not retried on
+    another worker unless ``retries.retry_on_timeout``: the work may still be running there.
+    ``worker_id``: the worker that timed out."""
+
+    status = 504
+    type = "timeout_error"
 
     def __init__(self, message: str, *, worker_id: int | None = None, **kw: Any) -> None:
         super().__init__(message, **kw)
@@ -137,9 +169,12 @@ class TransportError(Exception):
     """Forwarding to a worker failed. ``kind``: ``connect`` (refused, reset, closed before the
     response head), ``timeout`` (connect or read timeout) or ``stream_broken`` (after the head);
     ``endpoint``: the worker's socket path or host:port; ``refused``: True when nothing accepted the
-    connection at all (refused, socket file missing) — the worker is down, not merely slow."""
+    connection at all (refused, socket file missing) — the worker is down, not merely slow;
+    ``unsent``: the worker's process never read the request (refused, or reset / broken pipe before
+    any response byte), so trying another worker costs it nothing."""
 
     refused = False
+    unsent = False
 
     def __init__(self, kind: str, endpoint: str, detail: str = "") -> None:
         super().__init__(f"{kind} error talking to {endpoint}: {detail}")

@@ -13,7 +13,8 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
 3. reloads the admin state file when it changed (drain/remove made through another process);
 4. refreshes remote mirror slots (only in the process holding the mirror lock, see
    :mod:`router.mirror`);
-5. updates the per-worker gauges (KV use, ready, circuit).
+5. updates the per-worker gauges of every listed worker, dead ones included (KV use, ready,
+   circuit, slot state, engine restarts).
 
 Heartbeat staleness and slot state are checked on every decision from the live segment, not here.
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 from router.errors import TransportError
 from router.transport import Transport
-from router.workers import Registry, WorkerHandle
+from router.workers import STATE_NAMES, Registry, WorkerHandle
 
 log = logging.getLogger("dplb.router.health")
 
@@ -101,13 +102,12 @@ class HealthMonitor:
             await asyncio.gather(*(self.probe(h) for h in handles))
         m = self.metrics
         if m is not None:
-            for h in handles:
-                w = str(h.worker_id)
+            reg = self.registry
+            for h in list(reg.handles.values()):
                 s = h.snap
-                if s is not None:
-                    m.kv.labels(w).set(float(s.kv_cache_usage))
-                m.ready.labels(w).set(1.0 if s is not None and self.registry.live(s) and h.router_eligible() else 0.0)
-                m.circuit.labels(w).set(h.breaker.state)
+                state = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
+                m.set_worker(h.worker_id, state, reg.routing_state(h) == "eligible", h.breaker.state,
+                             None if s is None else float(s.kv_cache_usage), int(getattr(s, "restarts", 0) or 0))
                 m.set_inflight(h.worker_id, h.local_inflight)  # sampled per tick, not per request
 
     async def _run(self) -> None:

@@ -12,8 +12,16 @@
 | dplb_router_routing_decisions_total         | counter   | policy, reason    |
 | dplb_router_retries_total                   | counter   | reason            |
 | dplb_router_circuit_state                   | gauge     | worker (0 closed, 1 open, 2 half-open) |
+| dplb_router_worker_state                    | gauge     | worker, state (1 for the slot's state) |
+| dplb_router_worker_engine_restarts          | gauge     | worker            |
 
-``kind`` is one of connect, timeout, status_5xx, stream_broken, client_disconnect. Histogram
+``kind`` is one of connect, timeout, status_5xx, stream_broken, client_disconnect.
+
+Every slot that is not EMPTY has series (a DEAD worker reads ``ready 0`` and ``state{state="dead"}
+1``); a worker that leaves (slot emptied, removed by an admin, taken by a new process) has its
+per-worker gauges removed — in multiprocess mode, where a removed series cannot be withdrawn from
+another process's file, they are set to 0 instead. ``worker_engine_restarts`` is the slot's
+``restarts`` field (engine restarts by its agent since it claimed the slot). Histogram
 buckets follow vLLM's TTFT/e2e buckets (``vllm/v1/metrics/loggers.py``), trimmed at the low end
 for sub-millisecond proxying. With ``--workers`` > 1 the router runs prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by ``router.__main__``): counters and
@@ -22,6 +30,7 @@ report the latest value (``livemostrecent``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 from prometheus_client import (
@@ -33,6 +42,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+WORKER_STATES = ("empty", "starting", "ready", "draining", "dead")
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0, 640.0)
 
@@ -64,6 +74,12 @@ class Metrics:
                                ["reason"], registry=r)
         self.circuit = Gauge("dplb_router_circuit_state", "Circuit state (0 closed, 1 open, 2 half-open)",
                              ["worker"], registry=r, multiprocess_mode="livemostrecent")
+        self.state = Gauge("dplb_router_worker_state",
+                           "1 for the state the worker's slot is in (empty, starting, ready, draining, dead)",
+                           ["worker", "state"], registry=r, multiprocess_mode="livemostrecent")
+        self.restarts = Gauge("dplb_router_worker_engine_restarts",
+                              "Engine restarts by the worker's agent since it claimed its slot (from the segment)",
+                              ["worker"], registry=r, multiprocess_mode="livemostrecent")
         self._req_children: dict[tuple[str, int], object] = {}
         self._dec_children: dict[tuple[str, str], object] = {}
         self._dur: dict[str, object] = {}
@@ -95,6 +111,39 @@ class Metrics:
         if g is None:
             g = self._inflight[worker_id] = self.inflight.labels(str(worker_id))
         g.set(n)  # type: ignore[attr-defined]
+
+    def set_worker(self, worker_id: int, state: str, ready: bool, circuit: int, kv: float | None,
+                   restarts: int) -> None:
+        """Per-worker gauges of one health tick: the slot ``state`` name (one-hot over
+        ``WORKER_STATES``), ``ready`` (eligible for routing), ``circuit``, ``kv`` (0..1, -1 unknown;
+        None: not read) and the slot's engine ``restarts``."""
+        w = str(worker_id)
+        for name in WORKER_STATES:
+            self.state.labels(w, name).set(1.0 if name == state else 0.0)
+        self.ready.labels(w).set(1.0 if ready else 0.0)
+        self.circuit.labels(w).set(circuit)
+        if kv is not None:
+            self.kv.labels(w).set(kv)
+        self.restarts.labels(w).set(restarts)
+
+    def forget_worker(self, worker_id: int) -> None:
+        """The worker left: remove its per-worker gauges (multiprocess mode: set them to 0)."""
+        w = str(worker_id)
+        self._inflight.pop(worker_id, None)
+        multi = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        per_worker = (self.ready, self.circuit, self.kv, self.inflight, self.restarts)
+        for g in per_worker:
+            if multi:
+                g.labels(w).set(0.0)
+            else:
+                with contextlib.suppress(KeyError):
+                    g.remove(w)
+        for name in WORKER_STATES:
+            if multi:
+                self.state.labels(w, name).set(0.0)
+            else:
+                with contextlib.suppress(KeyError):
+                    self.state.remove(w, name)
 
     def decision(self, policy: str, reason: str) -> None:
         """Count one routing decision."""

@@ -27,8 +27,9 @@ log = logging.getLogger("dplb.router.mirror")
 # fields of /dplb/state that a mirror copies into its slot (SlotWriter.publish names)
 COPIED = ("num_running", "num_waiting", "inflight", "queued_prompt_tokens", "max_num_seqs", "kv_cache_usage",
           "gpu_mem_used_bytes", "gpu_mem_total_bytes", "ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms",
-          "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist")
+          "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist", "restarts", "last_exit_code", "state_reason")
 STATES = {"empty": 0, "starting": 1, "ready": 2, "draining": 3, "dead": 4}
+REASONS = {"none": 0, "engine_exited": 1, "start_failed": 2, "gave_up": 3, "admin_restart": 4}
 
 
 class MirrorManager:
@@ -98,6 +99,8 @@ class MirrorManager:
                 fields["model"] = spec.get("model") or d.get("model")
             fields["weight"] = float(spec.get("weight", d.get("weight", 1.0)))
             fields["state"] = STATES.get(str(d.get("state", "ready")).lower(), 2)
+            if "state_reason" in fields:
+                fields["state_reason"] = REASONS.get(str(fields["state_reason"]).lower(), 0)
             w.publish(**fields)
             self.failures[endpoint] = 0
         except (TransportError, orjson.JSONDecodeError, ValueError, TypeError) as e:

@@ -95,5 +95,11 @@ def parse_request(path: str, body: bytes, needs_text: bool = True) -> RequestInf
             n_tokens = len(ids)
         else:
             raise BadRequest("'/generate' needs 'text' (string) or 'input_ids' (list)", param="text")
+    user = d.get("user")
+    mt = d.get("max_completion_tokens", d.get("max_tokens"))
+    if mt is None and path == GENERATE and isinstance(d.get("sampling_params"), dict):
+        mt = d["sampling_params"].get("max_new_tokens")
     return RequestInfo(path, model, stream, text if needs_text else "",
-                       n_tokens if n_tokens >= 0 else _approx_tokens(text))
+                       n_tokens if n_tokens >= 0 else _approx_tokens(text),
+                       user if isinstance(user, str) and user else None,
+                       mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None)

@@ -7,13 +7,21 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    404 if no worker serves the named model;
 3. pick a worker through the scheduling pipeline and take its :class:`~router.scheduling.Lease`;
 4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent);
-5. before the first byte reaches the client, a connect error, timeout or a status in
-   ``retries.retry_on_status`` sends the request to another worker (bounded attempts, jittered
-   exponential backoff); after it, never: a broken stream ends with an SSE error event;
-6. relay the response (whole for non-streamed bodies, chunk by chunk for streams) with
-   ``X-DPLB-Worker-ID``; release the lease exactly once in ``finally`` — on success, error or
-   client disconnect (a watcher on ``receive()`` cancels the work and closes the upstream
-   connection, which makes the worker abort the generation).
+5. wait for the worker's response head and first body byte (``router.first_byte_timeout_s``
+   from dispatch: a long prefill, or a whole non-streamed generation); nothing reaches the client
+   before that byte, so until then a failure can still be answered with a clean status;
+6. retry on another worker (bounded attempts, jittered exponential backoff) only failures that
+   cost the worker nothing: a refused connection and a status in ``retries.retry_on_status``
+   (429, 503). A timeout is answered **504** on the worker that timed out (retried only with
+   ``retries.retry_on_timeout``), a dropped connection or broken body **502** (retried only with
+   ``retries.retry_on_disconnect``); both errors name the worker in ``X-DPLB-Worker-ID``;
+7. relay the response (whole for non-streamed bodies, chunk by chunk for streams, each gap
+   bounded by ``router.idle_timeout_s``) with ``X-DPLB-Worker-ID``; a stream that breaks or
+   stalls after its first byte ends with an SSE error event (504 ``timeout_error`` for a stall,
+   counted as kind ``timeout``; 502 otherwise, kind ``stream_broken``); release the lease
+   exactly once in ``finally`` — on success, error or client disconnect (a watcher on
+   ``receive()`` cancels the work and closes the upstream connection, which makes the worker
+   abort the generation).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from typing import Any
 
 from router.errors import (
     BodyTooLarge,
+    GatewayTimeout,
     NoEligibleWorker,
     NotFound,
     RouterError,
@@ -57,12 +66,13 @@ async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Any, e: RouterError, request_id: bytes | None = None) -> None:
-    """Render a RouterError at the edge (status, OpenAI body, its headers, request id)."""
+async def send_error(send: Any, e: RouterError, request_id: bytes | None = None, worker: bytes = _NONE) -> None:
+    """Render a RouterError at the edge (status, OpenAI body, its headers, request id;
+    ``worker``: the ``X-DPLB-Worker-ID`` of the worker the error is about, ``none`` otherwise)."""
     hs = [(k.encode(), v.encode()) for k, v in e.headers.items()]
     if request_id:
         hs.append((_XRID, request_id))
-    await send_json(send, e.status, e.body(), hs)
+    await send_json(send, e.status, e.body(), hs, worker)
 
 
 async def read_body(receive: Any, limit: int, declared: int | None) -> bytes:
@@ -102,7 +112,12 @@ class Proxy:
         self.retry_status = frozenset(r.retry_on_status)
         self.backoff_base = r.backoff_base_ms / 1000.0
         self.backoff_max = r.backoff_max_ms / 1000.0
+        self.retry_on_timeout = r.retry_on_timeout
+        self.retry_on_disconnect = r.retry_on_disconnect
+        self.first_byte_timeout_s = cfg.router.first_byte_timeout_s
+        self.idle_timeout_s = cfg.router.idle_timeout_s
         self.needs_text = bool(getattr(state.policy, "needs_text", True))
+        self.session_header = cfg.routing_policy.session_header.lower().encode("latin-1")
         # minted request ids: a random per-process prefix + a counter (one urandom call per process)
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
@@ -114,6 +129,8 @@ class Proxy:
         auth = None
         ctype = None
         fwd: list[tuple[str, str]] = []
+        session = None
+        sh = self.session_header
         for k, v in scope["headers"]:
             if k == b"content-type":
                 ctype = v
@@ -126,6 +143,8 @@ class Proxy:
                 auth = v
             elif k == _XRID:
                 rid = v
+            elif k == sh:
+                session = v
             if k not in HOP_BY_HOP:
                 fwd.append((k.decode("latin-1"), v.decode("latin-1")))
         if rid is None:
@@ -143,6 +162,8 @@ class Proxy:
                                            "as JSON with 'Content-Type: application/json'")
             body = await read_body(receive, self.limit, declared)
             info = parse_request(path, body, self.needs_text)
+            if session:
+                info.session = session.decode("latin-1")
             st = self.state
             st.monitor.sync_if_changed()
             if not st.registry.knows_model(info.model):
@@ -182,14 +203,41 @@ class Proxy:
             watch.remove_done_callback(on_message)
             watch.cancel()
 
+    def retryable(self, e: Any) -> bool:
+        """May a request that failed with TransportError ``e`` before its first byte reached the
+        client go to another worker? Never read by the worker (refused, reset before reading):
+        always; timeout / dropped after sending: only when configured."""
+        if e.kind == "timeout":
+            return self.retry_on_timeout
+        if e.kind == "connect" and (e.refused or e.unsent):
+            return True
+        return self.retry_on_disconnect
+
+    def final_error(self, e: Exception | None, wid: int | None, tried: int, mid_body: bool = False) -> RouterError:
+        """The error a client gets when no attempt succeeded: 504 after a timeout, else 502
+        (``mid_body``: a non-streamed body stalled or broke after its first byte)."""
+        if isinstance(e, TransportError) and e.kind == "timeout" and mid_body:
+            return GatewayTimeout(f"worker {wid} stalled mid-response: no data within the idle timeout "
+                                  f"(router.idle_timeout_s={self.idle_timeout_s:g})", worker_id=wid)
+        if isinstance(e, TransportError) and e.kind == "timeout":
+            return GatewayTimeout(f"worker {wid} sent no response within the first-byte timeout "
+                                  f"(router.first_byte_timeout_s={self.first_byte_timeout_s:g}); a timed-out "
+                                  "request is not retried on another worker (retries.retry_on_timeout)",
+                                  worker_id=wid)
+        if tried > 1:
+            return UpstreamError(f"all {tried} worker(s) tried failed before the first byte: {e}", worker_id=wid)
+        return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
+
     async def forward(self, method: str, route: str, target: str, headers: list[tuple[str, str]], body: bytes,
                       info: Any, rid: bytes, send: Any, t0: float) -> None:
-        """Choose, send, retry before the first byte, relay. Never raises RouterError to the caller."""
+        """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
+        raises RouterError to the caller."""
         st = self.state
         metrics = st.metrics
         tried: set[int] = set()
         last: Exception | None = None
         last_wid: int | None = None
+        mid_body = False
         for attempt in range(self.max_attempts):
             if attempt:
                 delay = min(self.backoff_max, self.backoff_base * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
@@ -218,8 +266,10 @@ class Proxy:
                     metrics.errors.labels(str(wid), e.kind).inc()
                     last, last_wid = e, wid
                     tried.add(wid)
-                    metrics.retries.labels(e.kind).inc()
-                    continue
+                    if self.retryable(e):
+                        metrics.retries.labels(e.kind).inc()
+                        continue
+                    break
                 status = up.status
                 if status < 500:
                     h.last_head_at = time.monotonic()  # liveness evidence for the health monitor
@@ -233,28 +283,39 @@ class Proxy:
                     tried.add(wid)
                     metrics.retries.labels(f"status_{status}").inc()
                     continue
+                # the first body byte, within the first-byte deadline, before anything reaches the client
+                try:
+                    first = await up.first_chunk()
+                except TransportError as e:
+                    outcome = False
+                    up.release(abort=True)
+                    metrics.errors.labels(str(wid), e.kind).inc()
+                    last, last_wid = e, wid
+                    tried.add(wid)
+                    if self.retryable(e):
+                        metrics.retries.labels(e.kind).inc()
+                        continue
+                    break
                 resp_headers = up.headers
                 if not any(k == _XRID for k, _ in resp_headers):
                     resp_headers.append((_XRID, rid))
                 resp_headers.append((_XWID, wid_b))
                 if not up.is_stream:
                     try:
-                        data = await up.read()
-                    except TransportError as e:
+                        data = await up.read(first)
+                    except TransportError as e:  # after the first byte: never retried
                         outcome = False
                         metrics.errors.labels(str(wid), e.kind).inc()
-                        last, last_wid = e, wid
+                        last, last_wid, mid_body = e, wid, True
                         tried.add(wid)
-                        metrics.retries.labels(e.kind).inc()
-                        continue
+                        break
                     outcome = status < 500
-                    lease.first_token()
                     resp_headers.append((b"content-length", str(len(data)).encode()))
                     await send({"type": "http.response.start", "status": status, "headers": resp_headers})
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                     metrics.observe_request(str(wid), status, route, time.perf_counter() - t0)
                     return
-                ok = await self.relay_stream(up, status, resp_headers, send, route, t0, wid, lease)
+                ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease)
                 outcome = ok and status < 500
                 return
             except asyncio.CancelledError:
@@ -267,38 +328,45 @@ class Proxy:
                     h.breaker.abandon()
                 else:
                     h.breaker.record(outcome)
-        msg = f"all {len(tried)} worker(s) tried failed before the first byte: {last}"
-        err = UpstreamError(msg, worker_id=last_wid)
-        await send_error(send, err, rid)
+        err = self.final_error(last, last_wid, len(tried), mid_body)
+        wb = str(last_wid).encode() if last_wid is not None else _NONE
+        await send_error(send, err, rid, wb)
         metrics.observe_request(str(last_wid) if last_wid is not None else "none", err.status, route,
                                 time.perf_counter() - t0)
 
-    async def relay_stream(self, up: Any, status: int, headers: list, send: Any, route: str, t0: float,
-                           wid: int, lease: Any = None) -> bool:
-        """Relay a streamed body chunk by chunk; a broken upstream ends with an SSE error event.
-        The first chunk marks ``lease``'s first token. Returns False when the stream broke (a
-        breaker failure)."""
+    async def relay_stream(self, up: Any, first: bytes, status: int, headers: list, send: Any, route: str,
+                           t0: float, wid: int, lease: Any = None) -> bool:
+        """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
+        stalled upstream ends with an SSE error event. The first chunk ends the request's prefill
+        in the lease's accounting. Returns False when the stream broke (a breaker failure)."""
         metrics = self.state.metrics
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        first = True
         ok = True
         complete = False
+        final = status
         try:
-            async for chunk in up.chunks():
-                if first:
-                    metrics.observe_ttft(route, time.perf_counter() - t0)
-                    if lease is not None:
-                        lease.first_token()
-                    first = False
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if first:
+                metrics.observe_ttft(route, time.perf_counter() - t0)
+                if lease is not None:
+                    lease.first_token()
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                async for chunk in up.chunks():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
         except TransportError as e:
             ok = False
-            metrics.errors.labels(str(wid), "stream_broken").inc()
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": sse_error_event(f"worker {wid} stream broke: {e.kind}", "upstream_error", 502)})
+            if e.kind == "timeout":
+                final = 504
+                metrics.errors.labels(str(wid), "timeout").inc()
+                ev = sse_error_event(f"worker {wid} stream stalled: no data within the idle timeout "
+                                     f"(router.idle_timeout_s={self.idle_timeout_s:g})", "timeout_error", 504)
+            else:
+                final = 502
+                metrics.errors.labels(str(wid), "stream_broken").inc()
+                ev = sse_error_event(f"worker {wid} stream broke: {e.kind}", "upstream_error", 502)
+            await send({"type": "http.response.body", "more_body": True, "body": ev})
         finally:
             up.release(abort=not complete)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        metrics.observe_request(str(wid), status if ok else 502, route, time.perf_counter() - t0)
+        metrics.observe_request(str(wid), final, route, time.perf_counter() - t0)
         return ok

@@ -10,27 +10,18 @@ the live segment), the baselines get freshly read slots. After a policy picks, t
 breaker must admit it (a half-open breaker admits one probe); otherwise the pipeline tries again
 without it.
 
-A :class:`Lease` is the router-side load guard (SGLang's RAII load guard) and the one place that
-keeps the router's per-request accounting. Its three moments, called by the live proxy
-(:mod:`router.proxy`) and by the virtual-time simulator (``simulate/``) alike:
-
-* dispatch (``Lease(handle, seg)``, taken by :meth:`Scheduler.select`): bumps the shared
-  ``router_inflight`` and ``dispatched`` atomics in the segment (so every router process and the
-  kernel see the dispatch at once) and this process's count;
-* :meth:`Lease.first_token`: the first output token reached the router (first streamed chunk; for
-  a non-streamed answer, the whole body) — the worker's prefill of this request is over;
-* :meth:`Lease.release`: the response ended (success, error or disconnect): undoes the dispatch
-  counts, exactly once; a request released without a first token passes that moment then.
-
-Router-side state that changes at these moments belongs here, so both callers stay in step. (The
-per-worker in-flight gauge is sampled from the local count by the health tick, not per request.)
+A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): taking it records the
+request in the worker's router line (:mod:`router.accounting`: in-flight, outstanding prefill
+tokens, later decoding requests) so every router process and the kernel see the dispatch at
+once, and bumps this process's count; :meth:`Lease.release` undoes both exactly once. (The
+per-worker in-flight gauge is sampled from that count by the health tick, not per request.)
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
+from router.accounting import LearnSettings, RequestAccount
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
 from router.policies.base import Decision, Policy, RequestInfo
@@ -38,61 +29,41 @@ from router.workers import Registry, WorkerHandle
 
 
 class Lease:
-    """Router-side accounting for one dispatched request on ``handle`` (see the module docstring):
-    taken at dispatch, :meth:`first_token` once, :meth:`release` exactly once.
+    """One dispatched request on ``handle``: its :class:`~router.accounting.RequestAccount` in the
+    segment (router in-flight, outstanding prefill tokens, decoding requests) and this process's
+    in-flight count. :meth:`first_token` once prefill is done, :meth:`release` exactly once at the
+    end (idempotent). ``deadline``: when a request whose first token the router cannot see (not
+    streamed) is assumed past prefill (dispatch + its estimated TTFT; :meth:`Scheduler.sweep`)."""
 
-    ``req``: the request's :class:`RequestInfo` (prompt length, text) for accounting that needs it;
-    ``clock``: the routing clock in ns (None: CLOCK_MONOTONIC via ``time.monotonic_ns``).
-    ``dispatched_ns`` is the dispatch time and ``ttft_ns`` the router-observed time to first token
-    (None until :meth:`first_token`, and when the request ended without one)."""
+    __slots__ = ("account", "deadline", "handle")
 
-    __slots__ = ("_clock", "_first", "_released", "_seg", "dispatched_ns", "handle", "req", "ttft_ns")
-
-    def __init__(self, handle: WorkerHandle, seg: Any, req: RequestInfo | None = None,
-                 clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, handle: WorkerHandle, seg: Any, prompt_tokens: int = 0, uncached_tokens: int | None = None,
+                 now: float | None = None, learn: LearnSettings | None = None, deadline: float | None = None) -> None:
         self.handle = handle
-        self._seg = seg
-        self.req = req
-        self._clock = clock or time.monotonic_ns
-        self._released = False
-        self._first = False
-        self.dispatched_ns = self._clock()
-        self.ttft_ns: int | None = None
-        seg.router_inflight_add(handle.worker_id, 1)
-        seg.dispatched_add(handle.worker_id, 1)
+        t = time.monotonic() if now is None else now
+        self.account = RequestAccount(seg, handle.worker_id, prompt_tokens,
+                                      prompt_tokens if uncached_tokens is None else uncached_tokens, t, learn)
+        self.deadline = deadline
         handle.local_inflight += 1
 
     @property
     def released(self) -> bool:
         """True once :meth:`release` ran."""
-        return self._released
+        return not self.account.open
 
-    @property
-    def first_token_seen(self) -> bool:
-        """True once :meth:`first_token` ran (or the lease was released without one)."""
-        return self._first
+    def first_token(self, now: float | None = None, observed: bool = True) -> float | None:
+        """Prefill is done (the first content came back, or is assumed to have); returns the TTFT
+        in s the first time, None after. See :meth:`RequestAccount.first_token`."""
+        return self.account.first_token(time.monotonic() if now is None else now, observed)
 
-    def first_token(self) -> bool:
-        """The first output token reached the router: the worker finished this request's prefill.
-        Returns False (and does nothing) the second time or after :meth:`release`."""
-        if self._first or self._released:
+    def release(self, now: float | None = None, output_tokens: int | None = None) -> bool:
+        """Give the request's load back; returns False (and does nothing) when already released."""
+        if not self.account.open:
             return False
-        self._first = True
-        self.ttft_ns = self._clock() - self.dispatched_ns
-        return True
-
-    def release(self) -> bool:
-        """Give the request's load back; returns False (and does nothing) when already released.
-        A request that never produced a first token (error, disconnect) passes that moment here."""
-        if self._released:
-            return False
-        self._first = True  # the first-token moment passes without a token (ttft_ns stays None)
-        self._released = True
-        h = self.handle
         try:
-            self._seg.router_inflight_add(h.worker_id, -1)
+            self.account.finish(time.monotonic() if now is None else now, output_tokens)
         finally:
-            h.local_inflight -= 1
+            self.handle.local_inflight -= 1
         return True
 
 
@@ -100,12 +71,15 @@ class Scheduler:
     """Runs the pipeline for ``policy`` over ``registry`` (see module docstring)."""
 
     def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None,
-                 clock: Callable[[], int] | None = None) -> None:
+                 learn: LearnSettings | None = None, default_rate: float = 30_769.0) -> None:
         self.registry = registry
         self.policy = policy
         self.seg = seg
         self.metrics = metrics
-        self.clock = clock  # the routing clock handed to every Lease (None: CLOCK_MONOTONIC)
+        self.learn = learn if learn is not None else LearnSettings()
+        self.default_rate = default_rate
+        #: leases of requests whose first token the router cannot see (non-streamed), until swept
+        self.blind: set[Lease] = set()
         # what eligibility reads: the kernel re-reads live slots itself; load-blind baselines use
         # the last tick's snapshots; load-aware ones re-read every slot
         self.fresh: str = ("kernel" if getattr(policy, "uses_kernel", False) else
@@ -133,16 +107,46 @@ class Scheduler:
         raise NoEligibleWorker("no worker can take the request now" if handles else "no worker is registered",
                                reason=reason)
 
-    def select(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[Lease, Decision]:
-        """Choose, admit through the breaker, take a :class:`Lease` and tell the policy."""
+    def select(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset(),
+               now: float | None = None) -> tuple[Lease, Decision]:
+        """Choose, admit through the breaker, take a :class:`Lease` and tell the policy.
+
+        The lease is charged ``d.uncached_tokens`` (the policy's estimate of what the worker must
+        compute; the whole prompt when the policy has none). For a request the router will not see
+        the first token of (not streamed), the lease is also registered for :meth:`sweep`."""
         excl = set(exclude)
+        t = time.monotonic() if now is None else now
         while True:
             h, d = self.decide(req, excl)
             if not h.breaker.allow():
                 excl.add(h.worker_id)
                 continue
-            lease = Lease(h, self.seg, req, self.clock)
+            u = req.prompt_len if d.uncached_tokens is None else d.uncached_tokens
+            deadline = None
+            if not req.stream:
+                est = d.est_s
+                if est is None or not est < float("inf"):
+                    est = u / self.default_rate
+                deadline = t + est
+            lease = Lease(h, self.seg, req.prompt_len, u, t, self.learn, deadline)
+            if deadline is not None:
+                self.blind.add(lease)
             self.policy.on_dispatch(h.worker_id, req)
             if self.metrics is not None:
                 self.metrics.decision(self.policy.name, d.reason)
             return lease, d
+
+    def sweep(self, now: float | None = None) -> int:
+        """Move non-streamed requests past their estimated TTFT from prefill to decode (the router
+        never sees their first token; without this their prompt would count as queued prefill
+        until the whole answer is back). Forgets released leases. Returns how many moved."""
+        t = time.monotonic() if now is None else now
+        moved = 0
+        for lease in list(self.blind):
+            if lease.released or lease.account.first_seen:
+                self.blind.discard(lease)
+            elif lease.deadline is not None and t >= lease.deadline:
+                lease.first_token(t, observed=False)
+                self.blind.discard(lease)
+                moved += 1
+        return moved

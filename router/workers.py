@@ -9,6 +9,13 @@ A worker is *router-eligible* when: its slot is READY, its heartbeat is younger 
 ``heartbeat_timeout_ms``, its probes have not failed ``max_failures`` times in a row, it is not
 drained or removed by an admin, its breaker lets requests through, it serves the requested model
 (or announces none), and this request has not already tried it.
+
+Every slot that is not EMPTY (and not removed by an admin) has a handle, DEAD and STARTING ones
+included, so that listings and metrics show a dead worker as dead rather than dropping it. A
+handle leaves only when its slot empties, is removed, or is taken by another process (new pid or
+endpoint). When a slot's engine dies or is restarted (``restarts`` moved, or the slot turned DEAD)
+the handle stays but ``on_reset`` runs (policies forget the worker's prefixes: its cache is gone)
+and its breaker closes (it is a new engine).
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from router.config import Config
 
 READY = 2  # dplb_shm.WorkerState.READY
 DRAINING = 3
+DEAD = 4
+STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "draining", 4: "dead"}
 
 
 class WorkerHandle:
@@ -36,6 +45,7 @@ class WorkerHandle:
         "pid",
         "probe_failures",
         "probe_ok",
+        "restarts",
         "snap",
         "worker_id",
     )
@@ -53,6 +63,7 @@ class WorkerHandle:
         self.snap: Any = None
         self.mirror = False
         self.pid = pid
+        self.restarts = 0  # the slot's engine restart count at the last sync (not at fresh reads)
 
     def serves(self, model: str | None) -> bool:
         """True when this worker can serve ``model`` (None = any; an empty worker model = any)."""
@@ -68,20 +79,21 @@ class Registry:
 
     ``seg``: a ``dplb_shm.Segment``; ``on_leave(worker_id, endpoint)`` is called when a worker
     leaves or its slot is reused by another process (policies forget it, pools are closed).
-    ``clock``: the routing clock (ns, heartbeat domain) that heartbeat ages are judged against;
-    None (live) = the age the snapshot computed when it was read (CLOCK_MONOTONIC). A virtual-time
-    simulator passes its own clock, the same one its slot writers and the kernel use.
     """
 
     def __init__(self, seg: Any, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
                  on_circuit: Callable[[int, int], None] | None = None,
+                 on_reset: Callable[[int], None] | None = None,
                  clock: Callable[[], int] | None = None) -> None:
         self.seg = seg
-        self.clock = clock
         self.cfg = cfg
+        # the routing clock (ns, heartbeat domain) heartbeat ages are judged on; None (live): the
+        # age each snapshot computed when read. The simulator passes its virtual clock.
+        self.clock = clock
         self.handles: dict[int, WorkerHandle] = {}
         self.on_leave = on_leave
         self.on_circuit = on_circuit
+        self.on_reset = on_reset
         self.drained: set[int] = set()
         self.removed: set[int] = set()
         self.hb_timeout_ms = float(cfg.health_check.heartbeat_timeout_ms)
@@ -97,12 +109,13 @@ class Registry:
                               cb.window_size, cb.open_time_s, on_change=changed)
 
     def sync(self, snaps: Iterable[Any]) -> None:
-        """Reconcile handles with ``snaps`` (every slot): new live slots get a handle, slots that
-        became EMPTY/DEAD or changed endpoint/pid lose theirs."""
+        """Reconcile handles with ``snaps`` (every slot): new non-empty slots get a handle, slots
+        that became EMPTY, were removed or changed endpoint/pid lose theirs; an engine that died or
+        was restarted resets its handle (see the module docstring)."""
         seen = set()
         for s in snaps:
             st = int(s.state)
-            if st in (0, 4) or not s.endpoint or s.worker_id in self.removed:
+            if st == 0 or not s.endpoint or s.worker_id in self.removed:
                 continue
             wid = s.worker_id
             seen.add(wid)
@@ -110,13 +123,24 @@ class Registry:
             if h is not None and (h.endpoint != s.endpoint or h.pid != s.pid):
                 self._leave(h)
                 h = None
+            restarts = int(getattr(s, "restarts", 0) or 0)
             if h is None:
                 h = self.handles[wid] = WorkerHandle(wid, s.endpoint, s.model, self._breaker(wid), s.pid)
+            elif restarts != h.restarts or (st == DEAD and h.snap is not None and int(h.snap.state) != DEAD):
+                self._reset(h)
+            h.restarts = restarts
             h.model = s.model
             h.snap = s
             h.drained = wid in self.drained
         for wid in [w for w in self.handles if w not in seen]:
             self._leave(self.handles[wid])
+
+    def _reset(self, h: WorkerHandle) -> None:
+        """The worker's engine died or was restarted: a new engine, an empty cache."""
+        h.breaker.reset()
+        h.probe_failures = 0
+        if self.on_reset is not None:
+            self.on_reset(h.worker_id)
 
     def _leave(self, h: WorkerHandle) -> None:
         self.handles.pop(h.worker_id, None)
@@ -162,7 +186,7 @@ class Registry:
                     continue
                 h.snap = s
                 out.append(s)
-            elif h.snap is not None:
+            elif h.snap is not None and int(h.snap.state) != DEAD:
                 out.append(h.snap)
         return out
 
@@ -183,28 +207,50 @@ class Registry:
                 return True
         return False
 
+    def routing_state(self, h: WorkerHandle) -> str:
+        """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
+        the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
+        ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
+        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``."""
+        s = h.snap
+        if s is None:
+            return "unknown"
+        st = int(s.state)
+        if st != READY:
+            return STATE_NAMES.get(st, "unknown")
+        if not self.live(s):
+            return "stale"
+        if h.drained:
+            return "drained"
+        if not h.probe_ok:
+            return "unhealthy"
+        if not h.breaker.available():
+            return "circuit_open"
+        return "eligible"
+
     def status_rows(self) -> list[dict[str, Any]]:
-        """Per-worker rows of ``GET /dplb/status``."""
-        from router.breaker import STATE_NAMES
+        """Per-worker rows of ``GET /dplb/status`` and ``GET /dplb/workers``: every slot that is
+        not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
+        ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict
+        (:meth:`routing_state`); ``restarts``, ``last_exit_code``, ``state_reason`` and
+        ``restart_in_s`` (seconds until the agent's next engine restart, None when none is
+        scheduled) come from the slot."""
+        from dplb_shm import now_ns
+        from router.breaker import STATE_NAMES as CIRCUIT_NAMES
 
         rows = []
+        now = now_ns()
         for wid in sorted(self.handles):
             h = self.handles[wid]
             s = h.snap
-            eligible = s is not None and self.live(s) and h.router_eligible()
-            if h.drained:
-                st = "draining"
-            elif s is None:
-                st = "unknown"
-            else:
-                st = s.state.name.lower() if hasattr(s.state, "name") else str(s.state)
-            if st == "ready" and not h.probe_ok:
-                st = "unhealthy"
-            if st == "ready" and s is not None and not self.live(s):
-                st = "stale"
+            routing = self.routing_state(h)
+            st = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
+            reason = getattr(s, "state_reason", None)
+            nxt = int(getattr(s, "next_restart_ns", 0) or 0)
             rows.append({
-                "id": wid, "worker_id": wid, "state": st, "eligible": eligible, "endpoint": h.endpoint,
-                "model": h.model, "remote": h.mirror,
+                "id": wid, "worker_id": wid, "state": st, "eligible": routing == "eligible", "routing": routing,
+                "drained": h.drained, "endpoint": h.endpoint, "model": h.model, "remote": h.mirror,
+                "pid": getattr(s, "pid", None),
                 "inflight": getattr(s, "inflight", None), "router_inflight": getattr(s, "router_inflight", None),
                 "local_inflight": h.local_inflight,
                 "running": getattr(s, "num_running", None), "waiting": getattr(s, "num_waiting", None),
@@ -212,7 +258,11 @@ class Registry:
                 "latency_ms": {"ttft": getattr(s, "ttft_ms", None), "tpot": getattr(s, "tpot_ms", None),
                                "e2e": getattr(s, "e2e_ms", None)},
                 "heartbeat_age_ms": getattr(s, "heartbeat_age_ms", None),
-                "circuit": STATE_NAMES[h.breaker.state], "failure_rate": round(h.breaker.failure_rate, 4),
+                "circuit": CIRCUIT_NAMES[h.breaker.state], "failure_rate": round(h.breaker.failure_rate, 4),
                 "probe_failures": h.probe_failures, "weight": getattr(s, "weight", None),
+                "restarts": getattr(s, "restarts", 0),
+                "last_exit_code": getattr(s, "last_exit_code", 0),
+                "state_reason": str(getattr(reason, "name", "none")).lower(),
+                "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
             })
         return rows

@@ -49,10 +49,11 @@ from typing import Any
 
 from bench.trace import TraceRequest
 from dplb_shm import Segment, WorkerState
+from router.app import learn_settings, scoring_params, ttft_params
 from router.config import Config
 from router.errors import NoEligibleWorker
 from router.parsing import CHAT, COMPLETIONS
-from router.policies import RequestInfo, build_policy, scoring_params
+from router.policies import RequestInfo, build_policy
 from router.scheduling import Lease, Scheduler
 from router.workers import Registry
 from sim_engine.config import EngineConfig
@@ -266,12 +267,12 @@ class Simulation:
                 self.hashers[key] = EngineHasher(ecfg.block_size, s.api)
             engines.append(_Engine(k, core, agent, self.hashers[key]))
         # the router: its real pipeline over that segment, on the virtual clock
-        params = scoring_params(cfg)
-        policy = build_policy(s.policy, cfg.routing_policy, kernel=seg, params=params,
-                              rng=random.Random(rng.getrandbits(64)), clock=now_ns)
+        policy = build_policy(s.policy, cfg.routing_policy, kernel=seg, params=scoring_params(cfg),
+                              ttft_params=ttft_params(cfg), rng=random.Random(rng.getrandbits(64)), clock=now_ns)
         registry = Registry(seg, cfg, clock=now_ns)
         registry.sync(seg.snapshot())
-        scheduler = Scheduler(registry, policy, seg, metrics=None, clock=now_ns)
+        scheduler = Scheduler(registry, policy, seg, metrics=None, learn=learn_settings(cfg),
+                              default_rate=cfg.routing_policy.prefill_tokens_per_s)
         needs_text = bool(getattr(policy, "needs_text", True))
         path = CHAT if s.api == "chat" else COMPLETIONS
         model = s.engines[0].model
@@ -367,7 +368,7 @@ class Simulation:
                             ttft[i] = ft
                             queue[i] = req.first_scheduled - arr[i]
                             cached[i] = req.num_cached_tokens
-                            lease.first_token()
+                            lease.first_token(now=t)
                             if ttft_lim is not None and ft > ttft_lim:
                                 over_ttft += 1
                         if req.finish_reason is not None:
@@ -376,7 +377,7 @@ class Simulation:
                             tpot = (total - ft) / (n_out - 1) if n_out > 1 else None
                             e.agent.on_finish(prompt_tok[i], ft * ms, None if tpot is None else tpot * ms,
                                               total * ms, "ok")
-                            lease.release()
+                            lease.release(now=t)   # as the live proxy: without the output count
                             leases[i] = None
                             e2e[i] = total
                             out_tok[i] = n_out
@@ -422,9 +423,10 @@ class Simulation:
                 events += 1
                 r = reqs[i]
                 text = router_text(r, s.api) if needs_text else ""
-                info = RequestInfo(path, model, True, text, r.input_length)
+                info = RequestInfo(path, model, True, text, r.input_length,
+                                   max_tokens=r.output_length if r.output_length > 0 else None)
                 try:
-                    lease, d = scheduler.select(info)
+                    lease, d = scheduler.select(info, now=t)
                 except NoEligibleWorker as err:
                     status[i] = err.status
                     done += 1
@@ -441,7 +443,7 @@ class Simulation:
                 except SimEngineError as err:
                     status[i] = err.status
                     e.agent.on_finish(r.input_length, None, None, None, "ok" if err.status < 500 else "failed")
-                    lease.release()
+                    lease.release(now=t)
                     done += 1
                     continue
                 leases[i] = lease
@@ -454,7 +456,7 @@ class Simulation:
         # whatever is still in flight after an abort gives its lease back
         for lease in leases:
             if lease is not None:
-                lease.release()
+                lease.release(now=clock.t)
         load = {"t": load_t, "queue": load_q, "running": load_r, "kv": load_kv}
         stats = []
         for e in engines:

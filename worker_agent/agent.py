@@ -3,11 +3,24 @@
 Lifecycle written to the slot::
 
     claim ─► STARTING ──engine healthy + warm-up answered──► READY ──SIGTERM──► DRAINING ──► EMPTY
-                 │                                             │                 (in-flight done
-                 └──────────── engine exits / fails ──────────►┴──► DEAD          or deadline)
+               ▲ │                                             │                 (in-flight done
+               │ └──────────── engine exits / fails ──────────►┴──► DEAD          or deadline)
+               └──── backoff elapsed (restart n) ◄─────────────────── │
+                                                                       └─ too many failures: DEAD
+                                                                          (gave_up) until an admin
+                                                                          restart
 
-- DEAD: the engine exited unexpectedly (exit code logged) or never became ready. The agent keeps
-  running, heartbeating and answering 503 so routers see the state; SIGTERM then ends it (EMPTY).
+- DEAD: the engine exited unexpectedly or never became ready. The agent logs the exit code and
+  the last lines of the engine's log, keeps running, heartbeating and answering 503 so routers
+  see the state, and restarts the engine after an exponential backoff (``--restart-backoff``,
+  doubled per failure up to ``--restart-backoff-max``). At most ``--restart-max`` failures are
+  restarted within ``--restart-window`` seconds; one more leaves the slot DEAD with reason
+  ``gave_up`` until ``POST /dplb/restart``. The slot carries ``restarts``, ``last_exit_code``,
+  ``state_reason`` and ``next_restart_ns`` so every router, the launcher and ``dplb-shm-dump``
+  see the history. SIGTERM ends the agent from any state (EMPTY).
+- ``POST /dplb/restart`` (control path on the agent's socket; the router's admin API calls it):
+  stop taking requests (STARTING, reason ``admin_restart``), let in-flight ones finish (up to
+  ``--drain-timeout``), stop the engine and start it again; also lifts a ``gave_up``. 202 at once.
 - DRAINING: new requests get 503 with ``Retry-After``; in-flight ones run to completion until
   ``--drain-timeout``; then the engine is stopped, the slot released (EMPTY) and the agent exits 0.
 
@@ -27,6 +40,8 @@ import logging
 import os
 import signal
 import socket
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +50,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from dplb_shm import Segment, WorkerState
+from dplb_shm import Segment, StateReason, WorkerState, now_ns
 
 from .adapters import EngineAdapter, build_adapter
 from .config import AgentConfig
@@ -90,6 +105,62 @@ def bind_unix_socket(path: str, mode: int = 0o660) -> socket.socket:
     return sock
 
 
+class RestartPolicy:
+    """Bounded engine restarts with exponential backoff.
+
+    Args:
+        max_restarts: failures that are restarted within any ``window_s`` seconds (0: none).
+        window_s: length of the counting window, seconds.
+        backoff_s: wait before the restart after the first failure in the window, seconds.
+        backoff_max_s: upper bound of the wait, seconds.
+        clock: monotonic clock in seconds (injectable for tests).
+
+    The n-th failure within the window waits ``min(backoff_max_s, backoff_s * 2**(n-1))``.
+    """
+
+    def __init__(self, max_restarts: int = 5, window_s: float = 600.0, backoff_s: float = 1.0,
+                 backoff_max_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
+        self._failures: deque[float] = deque()
+
+    def failures_in_window(self) -> int:
+        """Failures recorded within the last ``window_s`` seconds."""
+        cutoff = self.clock() - self.window_s
+        while self._failures and self._failures[0] < cutoff:
+            self._failures.popleft()
+        return len(self._failures)
+
+    def failure(self) -> float | None:
+        """Record one engine failure now; return the seconds to wait before restarting it, or
+        None when this failure exceeds ``max_restarts`` within the window (give up)."""
+        self._failures.append(self.clock())
+        n = self.failures_in_window()
+        if n > self.max_restarts:
+            return None
+        return min(self.backoff_max_s, self.backoff_s * (2 ** (n - 1)))
+
+    def reset(self) -> None:
+        """Forget every failure (an operator asked for a restart)."""
+        self._failures.clear()
+
+
+def file_tail(path: str, lines: int = 10, max_bytes: int = 8192) -> str:
+    """The last ``lines`` lines of the text file ``path`` (at most ``max_bytes`` read), or ``""``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
 class Agent:
     """One worker agent.
 
@@ -113,6 +184,10 @@ class Agent:
         self.state = WorkerState.EMPTY
         self.inflight = 0
         self.exit_code: int | None = None
+        self.restarts = 0
+        self.restart_policy = RestartPolicy(cfg.restart_max, cfg.restart_window_s, cfg.restart_backoff_s,
+                                            cfg.restart_backoff_max_s)
+        self._restart_req = asyncio.Event()
         self._engine_metrics_seen = False
         self._stop = asyncio.Event()
         self._stopping = False
@@ -217,39 +292,135 @@ class Agent:
                 log.exception("worker %d: %s failed; restarting it", self.worker_id, loop_fn.__name__)
                 await asyncio.sleep(self.cfg.state_interval_s)
 
-    async def _watch_engine(self) -> None:
-        rc = await self.adapter.wait_exit()
-        if self._stopping:
-            return
-        log.error("worker %d: engine %s exited unexpectedly with code %s (log: %s)",
-                  self.worker_id, self.adapter.name, rc, self.adapter.log_path)
-        self.exit_code = rc
-        self.set_state(WorkerState.DEAD)
+    def _set(self, state: WorkerState, **fields: Any) -> None:
+        """Change the lifecycle state and the given slot fields in one slot write."""
+        if state != self.state:
+            log.info("worker %d: %s -> %s", self.worker_id, self.state.name, state.name)
+        self.state = state
+        self.writer.publish(state=state, **fields)
 
-    async def _start_engine(self) -> None:
+    async def _start_engine(self) -> StateReason:
+        """Start the engine once and wait until it is ready (READY in the slot).
+
+        Returns ``StateReason.NONE`` when it became ready, ``START_FAILED`` when it did not
+        (logged with the engine log's last lines; ``exit_code`` set when it exited)."""
         try:
             await self.adapter.start()
-            if self.adapter.proc is not None:
-                self._tasks.append(asyncio.create_task(self._watch_engine()))
             model = await self.adapter.wait_ready(self.cfg.engine_start_timeout_s)
         except EngineExitedError as e:
             if not self._stopping:
-                log.error("worker %d: %s (log: %s)", self.worker_id, e, self.adapter.log_path)
-                self.set_state(WorkerState.DEAD)
-            return
+                self.exit_code = e.exit_code
+                log.error("worker %d: %s (log: %s); last lines:\n%s", self.worker_id, e, self.adapter.log_path,
+                          file_tail(self.adapter.log_path))
+            return StateReason.START_FAILED
         except AgentError as e:
             if not self._stopping:
-                log.error("worker %d: engine did not start: %s (log: %s)", self.worker_id, e,
-                          self.adapter.log_path)
-                self.set_state(WorkerState.DEAD)
-            return
-        if self._stopping or self.state == WorkerState.DEAD:
-            return
+                log.error("worker %d: engine did not start: %s (log: %s); last lines:\n%s", self.worker_id, e,
+                          self.adapter.log_path, file_tail(self.adapter.log_path))
+            return StateReason.START_FAILED
+        if self._stopping:
+            return StateReason.NONE
         if model:
             log.info("worker %d: engine serves model %r", self.worker_id, model)
             # the slot holds at most 119 bytes of UTF-8
             self.writer.publish(model=model.encode()[:119].decode("utf-8", "ignore"))
-        self.set_state(WorkerState.READY)
+        self._set(WorkerState.READY, state_reason=StateReason.NONE, next_restart_ns=0)
+        if self.restarts:
+            log.warning("worker %d: engine READY again after restart %d", self.worker_id, self.restarts)
+        return StateReason.NONE
+
+    async def _run_until_exit(self) -> StateReason | None:
+        """While the engine serves: wait for its exit (→ ``ENGINE_EXITED``, logged with exit code
+        and log tail) or an admin restart (→ ``ADMIN_RESTART``); None when the agent is stopping."""
+        exit_task = asyncio.ensure_future(self.adapter.wait_exit())
+        req_task = asyncio.ensure_future(self._restart_req.wait())
+        try:
+            await asyncio.wait({exit_task, req_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (exit_task, req_task):
+                if not t.done():
+                    t.cancel()
+        if self._stopping:
+            return None
+        if exit_task.done() and not exit_task.cancelled():
+            rc = exit_task.result()
+            self.exit_code = rc
+            log.error("worker %d: engine %s exited unexpectedly with code %s (log: %s); last lines:\n%s",
+                      self.worker_id, self.adapter.name, rc, self.adapter.log_path,
+                      file_tail(self.adapter.log_path))
+            return StateReason.ENGINE_EXITED
+        return StateReason.ADMIN_RESTART
+
+    async def _supervise_engine(self) -> None:
+        """Start the engine, and restart it when it fails or an admin asks (module docstring)."""
+        reason = await self._start_engine()
+        while not self._stopping:
+            if reason == StateReason.NONE:
+                got = await self._run_until_exit()
+                if got is None:
+                    return
+                reason = got
+            if reason == StateReason.ADMIN_RESTART:
+                await self._admin_stop_engine()
+            else:
+                await self._fail_and_wait(reason)
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.warning("worker %d: restarting engine %s (restart %d, reason %s)", self.worker_id,
+                        self.adapter.name, self.restarts, reason.name.lower())
+            self._set(WorkerState.STARTING, restarts=self.restarts, next_restart_ns=0,
+                      state_reason=StateReason.ADMIN_RESTART if self._restart_req.is_set() else reason)
+            self._restart_req.clear()
+            reason = await self._start_engine()
+
+    async def _admin_stop_engine(self) -> None:
+        """An admin restart of a running engine: stop taking requests, let in-flight ones finish
+        (up to ``--drain-timeout``), stop the engine; the failure window is cleared."""
+        log.warning("worker %d: restart requested; stopping engine %s (%d in flight)", self.worker_id,
+                    self.adapter.name, self.inflight)
+        self._set(WorkerState.STARTING, state_reason=StateReason.ADMIN_RESTART)
+        if self.inflight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), self.cfg.drain_timeout_s)
+        rc = await self.adapter.stop()
+        self.restart_policy.reset()
+        log.info("worker %d: engine stopped for restart (exit code %s)", self.worker_id, rc)
+
+    async def _fail_and_wait(self, reason: StateReason) -> None:
+        """The engine failed (``reason``): DEAD with the exit code, reap it, then wait the backoff
+        — or, past the restart budget, stay DEAD (``gave_up``) until an admin restart."""
+        # what the dead engine last reported is no longer true: nothing runs, its cache is gone
+        self._set(WorkerState.DEAD, state_reason=reason, last_exit_code=int(self.exit_code or 0),
+                  num_running=0, num_waiting=0, kv_cache_usage=-1.0)
+        await self.adapter.stop(timeout_s=5.0)   # whatever is left of its process group; closes its pool
+        if self._stopping:
+            return
+        delay = self.restart_policy.failure()
+        if delay is None:
+            p = self.restart_policy
+            log.error("worker %d: engine failed %d times within %.0fs (--restart-max %d): giving up; the "
+                      "worker stays DEAD until an admin restart (POST /dplb/workers/%d/restart on the router)",
+                      self.worker_id, p.failures_in_window(), p.window_s, p.max_restarts, self.worker_id)
+            self.writer.publish(state_reason=StateReason.GAVE_UP, next_restart_ns=0)
+            await self._restart_req.wait()
+            self.restart_policy.reset()
+            return
+        log.warning("worker %d: restarting engine in %.1fs (failure %d of %d allowed within %.0fs)",
+                    self.worker_id, delay, self.restart_policy.failures_in_window(), self.restart_policy.max_restarts,
+                    self.restart_policy.window_s)
+        self.writer.publish(next_restart_ns=now_ns() + int(delay * 1e9))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._restart_req.wait(), delay)   # an admin restart skips the wait
+        if self._restart_req.is_set():
+            self.restart_policy.reset()
+
+    def request_restart(self) -> bool:
+        """Ask for an engine restart now (admin); False when the agent is stopping."""
+        if self._stopping:
+            return False
+        self._restart_req.set()
+        return True
 
     def request_stop(self, sig: int | None = None) -> None:
         """Begin draining (signal handler target); a second SIGINT skips the drain."""
@@ -276,6 +447,17 @@ class Agent:
             """The slot as JSON (``WorkerSnapshot.to_dict()``)."""
             return json(self.slot_dict())
 
+        @app.post("/dplb/restart")
+        async def restart() -> Response:
+            """Restart the engine now (202): drain in-flight requests, stop, start; lifts ``gave_up``.
+            409 while the agent is shutting down."""
+            prev = self.state.name.lower()
+            if not self.request_restart():
+                return json({"error": {"message": f"worker {self.worker_id} is shutting down", "type": "conflict",
+                                       "param": None, "code": 409}}, 409)
+            return json({"worker_id": self.worker_id, "restarting": True, "state": prev,
+                         "restarts": self.restarts}, 202)
+
         return app
 
     # -- main ----------------------------------------------------------------------------
@@ -299,7 +481,7 @@ class Agent:
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self._tasks += [asyncio.create_task(self._guard(self._heartbeat_loop)),
                         asyncio.create_task(self._guard(self._probe_loop))]
-        starter = asyncio.create_task(self._start_engine())
+        starter = asyncio.create_task(self._supervise_engine())
         try:
             await self._stop.wait()
             self._stopping = True

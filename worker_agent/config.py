@@ -37,6 +37,12 @@ class AgentConfig:
     ``drain_timeout_s`` bounds of start-up and drain; ``weight`` static slot weight;
     ``latency_window_s`` age beyond which latency samples leave the slot's windows (docs/DESIGN.md
     ``routing_policy.latency_window_sec``, 10); ``engine_args`` passed through verbatim.
+
+    Engine restarts (a crashed engine, or one that failed to become ready, is started again):
+    ``restart_max`` failures are restarted within any ``restart_window_s`` seconds (0: never
+    restart); one more and the slot stays DEAD (reason ``gave_up``) until an admin restart. The
+    n-th failure in the window waits ``min(restart_backoff_max_s, restart_backoff_s * 2**(n-1))``
+    seconds before the restart.
     """
 
     worker_id: int
@@ -56,6 +62,10 @@ class AgentConfig:
     drain_timeout_s: float = 30.0
     weight: float = 1.0
     latency_window_s: float = 10.0
+    restart_max: int = 5
+    restart_window_s: float = 600.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
     log_level: str = "info"
     engine_args: list[str] = field(default_factory=list)
 
@@ -115,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-window-s", type=float, default=10.0,
                    help="latency samples older than this leave the slot's TTFT/TPOT/e2e windows "
                         "(default: 10; 0 = the last 32 samples whatever their age)")
+    p.add_argument("--restart-max", type=int, default=5,
+                   help="engine failures restarted within --restart-window; one more leaves the worker "
+                        "DEAD until an admin restart (default: 5; 0 = never restart)")
+    p.add_argument("--restart-window", type=float, default=600.0,
+                   help="seconds over which engine failures are counted (default: 600)")
+    p.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart; doubles with each failure in the window (default: 1)")
+    p.add_argument("--restart-backoff-max", type=float, default=60.0,
+                   help="longest wait before a restart, seconds (default: 60)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -151,6 +170,12 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         raise ConfigError("--state-interval-ms", ns.state_interval_ms, "must be >= 10")
     if ns.latency_window_s < 0:
         raise ConfigError("--latency-window-s", ns.latency_window_s, "must be >= 0")
+    if ns.restart_max < 0:
+        raise ConfigError("--restart-max", ns.restart_max, "must be >= 0")
+    for flag, v in (("--restart-window", ns.restart_window), ("--restart-backoff", ns.restart_backoff),
+                    ("--restart-backoff-max", ns.restart_backoff_max)):
+        if not v >= 0:
+            raise ConfigError(flag, v, "must be >= 0 seconds")
     if ns.max_queue < 0:
         raise ConfigError("--max-queue", ns.max_queue, "must be >= 0")
     tp = ns.tp_size or max(1, len(gpus))
@@ -178,5 +203,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         state_interval_ms=ns.state_interval_ms, max_queue=ns.max_queue, max_num_seqs=max_num_seqs,
         run_dir=run_dir, engine_python=ns.engine_python, engine_start_timeout_s=ns.engine_start_timeout,
         drain_timeout_s=ns.drain_timeout, weight=ns.weight, latency_window_s=ns.latency_window_s,
+        restart_max=ns.restart_max, restart_window_s=ns.restart_window, restart_backoff_s=ns.restart_backoff,
+        restart_backoff_max_s=ns.restart_backoff_max,
         log_level=ns.log_level, engine_args=extra,
     )

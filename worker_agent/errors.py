@@ -8,7 +8,8 @@ status and an OpenAI-shaped body happens once, at the edge (:func:`worker_agent.
     ├── EngineError                 something about the engine; .engine
     │   ├── EngineStartError        the engine did not become ready (exited, timed out, warm-up failed)
     │   ├── EngineExitedError       the engine process exited unexpectedly; .exit_code
-    │   └── UpstreamError           a request to the engine failed at the transport level (503)
+    │   └── UpstreamError           a request to the engine failed at the transport level (502)
+    │       └── EngineUnavailableError  nothing accepted the connection: no work began (503)
     ├── NotReadyError               the agent is starting, draining or dead; .state (answered 503)
     ├── QueueFullError              --max-queue reached (answered 429 with Retry-After)
     └── BadRequestError             the request body cannot be read (answered 400)
@@ -77,6 +78,15 @@ class UpstreamError(EngineError):
 
     http_status = 502
     error_type = "bad_gateway"
+
+
+class EngineUnavailableError(UpstreamError):
+    """The engine refused the connection (not listening: dead or restarting), so nothing reached
+    it and the request cost it nothing; answered 503 with ``Retry-After`` so that a router may try
+    another worker."""
+
+    http_status = 503
+    error_type = "service_unavailable"
 
 
 class NotReadyError(AgentError):

@@ -26,7 +26,13 @@ from typing import Any, Protocol
 
 import orjson
 
-from .errors import AgentError, BadRequestError, PayloadTooLargeError, UpstreamError
+from .errors import (
+    AgentError,
+    BadRequestError,
+    EngineUnavailableError,
+    PayloadTooLargeError,
+    UpstreamError,
+)
 from .meter import RequestMeter, estimate_prompt_tokens
 from .upstream import Upstream
 
@@ -157,7 +163,7 @@ class RelayApp:
             return
         upstream = self.get_upstream()
         if upstream is None:
-            await error_response(send, UpstreamError("no engine to relay to", worker_id=self.sink.worker_id))
+            await error_response(send, EngineUnavailableError("no engine to relay to", worker_id=self.sink.worker_id))
             return
         prompt = estimate_prompt_tokens(body) if counted else 0
         qs = scope.get("query_string", b"")

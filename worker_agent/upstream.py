@@ -10,19 +10,23 @@ abort the request (both watch ``request.is_disconnected()``).
 """
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import aiohttp
 from yarl import URL
 
-from .errors import UpstreamError
+from .errors import EngineUnavailableError, UpstreamError
 
 #: hop-by-hop headers (RFC 9110 §7.6.1); never relayed in either direction
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "transfer-encoding", "upgrade",
 })
+#: errors that mean the peer process never read the request (it was gone or going): connection
+#: reset (RST: data arrived at a closed socket) and broken pipe (written after the peer closed)
+UNREAD_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 #: request headers the client library recomputes for the engine hop
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
 
@@ -118,13 +122,25 @@ class Upstream:
             body: the request body, unchanged.
 
         Raises:
-            UpstreamError: connection refused/reset or the engine closed before answering.
+            EngineUnavailableError: the connection was refused (nothing listens: the engine is
+                dead or restarting) or reset before the engine read the request; it never saw it.
+            UpstreamError: the connection broke or the engine closed it before answering (the
+                engine may have begun the work).
         """
         hdrs = [(k, v) for k, v in headers if k.lower() not in REQUEST_DROP]
         try:
             # encoded=True: the path and query go out byte for byte, not re-quoted
             resp = await self._get_session().request(method, URL(self.address.base + path, encoded=True), headers=hdrs,
                                                      data=body if body else None, allow_redirects=False)
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError, FileNotFoundError) as e:
+            raise EngineUnavailableError(f"engine at {self.address} is not accepting connections: {e}") from e
+        except aiohttp.ClientOSError as e:
+            if e.errno in UNREAD_ERRNOS:
+                # reset: our bytes reached a socket its process no longer reads (a pooled connection
+                # of an engine that just died): the engine never saw the request
+                raise EngineUnavailableError(f"engine at {self.address} reset the connection before reading "
+                                             f"the request: {e}") from e
+            raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
         except (aiohttp.ClientError, ConnectionError, OSError) as e:
             raise UpstreamError(f"cannot reach engine at {self.address}: {e}") from e
         return UpstreamResponse(resp)

@@ -364,5 +364,5 @@ def run_security() -> Result:
         res.extra["checks"] = checks
         res.extra["bad_endpoints"] = bad
         res.extra["claimed_slots"] = [s.worker_id for s in st.seg.snapshot() if int(s.state) != 0]
-        res.extra["drained_after"] = st.row(base, 0)["state"]
+        res.extra["drained_after"] = st.row(base, 0)["routing"]
     return res

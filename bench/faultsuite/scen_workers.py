@@ -14,6 +14,7 @@ from bench.faultsuite.cluster import MODEL_SIM, Stack
 from bench.faultsuite.common import (
     DispatchWatch,
     Result,
+    StatusWatch,
     admin_call,
     circuit_of,
     eligible,
@@ -24,11 +25,19 @@ from bench.faultsuite.load import Outcome, chat, steady
 # ------------------------------------------------------------------------------------ scenario 1
 
 
-def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 30.0, duration: float = 3.0,
+def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 25.0, duration: float | None = None,
                     kill_at: float = 1.2, max_tokens: int = 48) -> Result:
     """Scenario 1: ``kill -9`` worker 0's engine (``target="engine"``: the sim engine under the
-    agent) or the whole worker (``target="worker"``: agent and engine) under steady load of
-    alternating streamed / non-streamed chats through real agents and sim engines (time scale 1)."""
+    agent, which restarts it after its backoff, default 1 s) or the whole worker (``target="worker"``:
+    agent and engine; nothing restarts an agent) under steady load of alternating streamed /
+    non-streamed chats through real agents and sim engines (time scale 1).
+
+    Counted: only requests in flight on worker 0 at the kill may fail, honestly (a 502 or an SSE
+    error event naming worker 0); every other request — those not yet started, and those that
+    reached worker 0's agent after its engine died (refused: 503, retried) — must succeed. Worker
+    0's timeline in ``/dplb/status`` and ``dplb_router_worker_ready`` is recorded (``extra``)."""
+    if duration is None:
+        duration = 9.0 if target == "engine" else 3.0
     res = Result(f"1 kill -9 {target}", f"SIGKILL of worker 0's {'sim engine' if target == 'engine' else 'agent + engine'}"
                  f" at t={kill_at}s under {rate:.0f} req/s")
     box: dict[str, float] = {}
@@ -48,20 +57,32 @@ def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 30.0
             else:
                 st.kill(a0.proc)
 
-        with DispatchWatch(st.seg, 0) as watch:
+        with DispatchWatch(st.seg, 0) as watch, StatusWatch(base, 0) as status:
             outs = asyncio.run(steady(base, rate, duration,
                                       lambda i: chat(stream=i % 2 == 0, max_tokens=max_tokens, model=MODEL_SIM, tag=i),
                                       events={kill_at: kill}, timeout=30))
             time.sleep(0.3)
         res.add(outs)
         t_kill = box["t"]
-        res.detection_s = watch.detection_after(t_kill)
-        res.extra["after_kill_served_by_0"] = sum(1 for o in outs if o.t_start > t_kill + 0.6 and o.worker == "0")
-        res.extra["failed_not_flowing"] = [o.detail for o in outs if o.kind != "ok" and
-                                           not (o.stream and o.worker == "0" and o.t_start < t_kill)]
+        t_back = status.first(lambda smp: smp[2] == "eligible", after=status.first(
+            lambda smp: smp[1] != "ready", after=t_kill) or float("inf"))
+        # the slot left DEAD (restart began) here: dispatches after it are the worker coming back
+        t_restart = watch.state_at("STARTING", t_kill)
+        res.detection_s = watch.detection_after(t_kill, until=t_restart)
+        res.recovery_s = None if t_back is None else round(t_back - t_kill, 3)
+        res.extra["after_kill_served_by_0"] = sum(1 for o in outs if t_kill + 0.6 < o.t_start and
+                                                  (t_restart is None or o.t_start < t_restart) and o.worker == "0")
+        res.extra["dead_s"] = None if t_restart is None else round(t_restart - t_kill, 3)
+        res.extra["served_by_0_after_back"] = sum(1 for o in outs if t_back is not None and o.t_start > t_back
+                                                  and o.worker == "0" and o.kind == "ok")
+        res.extra["failed_not_in_flight_on_0"] = [o.detail for o in outs if o.kind != "ok" and
+                                                  not (o.worker == "0" and o.t_start < t_kill)]
+        res.extra["failed_in_flight"] = sum(1 for o in outs if o.kind != "ok")
         res.extra["by_worker"] = dict(sorted(Counter(o.worker for o in outs).items(), key=str))
+        res.extra["states0"] = status.states()
+        res.extra["ready_gauge0"] = status.gauges()
         res.extra["row0"] = st.row(base, 0)
-        res.extra["slot0_state"] = st.seg.read_slot(0).state.name
+        res.extra["slot0"] = st.seg.read_slot(0)
     return res
 
 
@@ -69,18 +90,23 @@ def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 30.0
 
 
 def run_hung_worker(rate: float = 20.0, duration: float = 3.0, stop_at: float = 0.8,
-                    request_timeout_s: float = 1.0) -> Result:
+                    first_byte_timeout_s: float = 1.0, retry_on_timeout: bool = False) -> Result:
     """Scenario 2a: worker 0 is frozen with SIGSTOP (its socket still accepts, nothing answers)
-    under steady load; the router's ``request_timeout_s`` is set to ``request_timeout_s``.
-    Detection: until the router stops dispatching to it; recovery: SIGCONT until it is eligible."""
-    res = Result("2a hung worker (SIGSTOP)", f"SIGSTOP of worker 0 at t={stop_at}s, request_timeout_s={request_timeout_s}")
+    under steady load; the router's ``first_byte_timeout_s`` is ``first_byte_timeout_s``. The
+    requests caught on it time out once: 504 naming worker 0 (default), or run again elsewhere
+    with ``retry_on_timeout``. Detection: until the router stops dispatching to it; recovery:
+    SIGCONT until it is eligible."""
+    res = Result("2a hung worker (SIGSTOP)" + (", retry_on_timeout" if retry_on_timeout else ""),
+                 f"SIGSTOP of worker 0 at t={stop_at}s, first_byte_timeout_s={first_byte_timeout_s}"
+                 + (", retries.retry_on_timeout" if retry_on_timeout else ""))
     import signal
 
     box: dict[str, float] = {}
     with Stack() as st:
         for i in range(3):
             st.fake(i)
-        base = st.router({"router": {"request_timeout_s": request_timeout_s}}, ready=3)
+        base = st.router({"router": {"first_byte_timeout_s": first_byte_timeout_s},
+                          "retries": {"retry_on_timeout": retry_on_timeout}}, ready=3)
         p0 = st.fakes[0].proc
 
         def freeze() -> None:
@@ -89,26 +115,33 @@ def run_hung_worker(rate: float = 20.0, duration: float = 3.0, stop_at: float = 
         try:
             with DispatchWatch(st.seg, 0) as watch:
                 outs = asyncio.run(steady(base, rate, duration, lambda i: chat(tag=i), events={stop_at: freeze},
-                                          timeout=request_timeout_s * 4 + 10))
+                                          timeout=first_byte_timeout_s * 4 + 10))
             res.add(outs)
             res.detection_s = watch.detection_after(box["t"])
             res.extra["eligible_while_hung"] = eligible(st, base, 0)
             res.extra["slowest_s"] = round(max(o.t_end - o.t_start for o in outs), 3)
-            res.extra["timed_out_then_retried"] = sum(1 for o in outs if o.t_end - o.t_start >= request_timeout_s)
+            res.extra["timed_out"] = sum(1 for o in outs if o.t_end - o.t_start >= first_byte_timeout_s)
+            res.extra["status_504_on_0"] = sum(1 for o in outs if o.status == 504 and o.worker == "0")
+            res.extra["failed_not_504_on_0"] = [o.detail for o in outs if o.kind != "ok" and
+                                                not (o.status == 504 and o.worker == "0")]
         finally:
             t_cont = st.kill(p0, signal.SIGCONT)
         res.recovery_s = wait_time(lambda: eligible(st, base, 0), t_cont, 20, "worker 0 back after SIGCONT")
     return res
 
 
-def run_engine_hang(n: int = 16, request_timeout_s: float = 0.5) -> Result:
+def run_engine_hang(n: int = 16, first_byte_timeout_s: float = 0.5, retry_on_timeout: bool = False) -> Result:
     """Scenario 2b: worker 0's agent answers probes but its requests hang (a hung engine). Requests
-    time out after ``request_timeout_s`` and are retried on worker 1; worker 0's breaker opens."""
-    res = Result("2b hung engine (probes pass)", f"worker 0 never answers requests, request_timeout_s={request_timeout_s}")
+    sent to it time out after ``first_byte_timeout_s``: answered 504 (default) or retried on
+    worker 1 (``retry_on_timeout``); either way worker 0's breaker opens and takes it out."""
+    res = Result("2b hung engine (probes pass)" + (", retry_on_timeout" if retry_on_timeout else ""),
+                 f"worker 0 never answers requests, first_byte_timeout_s={first_byte_timeout_s}"
+                 + (", retries.retry_on_timeout" if retry_on_timeout else ""))
     with Stack() as st:
         st.fake(0, "--mode", "hang")
         st.fake(1)
-        base = st.router({"router": {"request_timeout_s": request_timeout_s},
+        base = st.router({"router": {"first_byte_timeout_s": first_byte_timeout_s},
+                          "retries": {"retry_on_timeout": retry_on_timeout},
                           "routing_policy": {"policy": "round_robin"},
                           "circuit_breaker": {"minimum_requests": 4, "open_time_s": 60}}, ready=2)
         t0 = time.monotonic()
@@ -118,6 +151,7 @@ def run_engine_hang(n: int = 16, request_timeout_s: float = 0.5) -> Result:
         res.extra["circuit0"] = circuit_of(st, base, 0)
         res.extra["served"] = dict(Counter(o.worker for o in outs))
         res.extra["tried_on_hung"] = st.fakes[0].client().stats()["requests"]
+        res.extra["statuses"] = dict(Counter(o.status for o in outs))
         # load start → last request sent to the hung worker (its breaker opened after that one)
         res.detection_s = None if res.extra["circuit0"] != "open" else round(watch.detection_after(t0), 3)
     return res
@@ -147,7 +181,9 @@ def run_breaker(n_fail: int = 30, open_time_s: float = 2.5) -> Result:
     with Stack() as st:
         f0 = st.fake(0, "--mode", "500")
         st.fake(1)
-        base = st.router({"circuit_breaker": {"minimum_requests": 6, "open_time_s": open_time_s}}, ready=2)
+        # the operator opts into retrying 500s (the default retries only 429/503: what cost nothing)
+        base = st.router({"circuit_breaker": {"minimum_requests": 6, "open_time_s": open_time_s},
+                          "retries": {"retry_on_status": [429, 500, 503]}}, ready=2)
         t0 = time.monotonic()
         with DispatchWatch(st.seg, 0) as watch:
             outs = asyncio.run(steady(base, 20.0, n_fail / 20.0, lambda i: chat(tag=i), timeout=15))

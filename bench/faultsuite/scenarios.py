@@ -1,4 +1,4 @@
-"""Fault scenarios of issue 8 as plain functions that run real processes and return counted results.
+"""Fault scenarios of issues 8 and 15 (13-19: :mod:`bench.faultsuite.scen_issue15`) as plain functions that run real processes and return counted results.
 
 Each ``run_*`` function builds its own :class:`bench.faultsuite.cluster.Stack`, injects one fault,
 drives bounded traffic through the router, tears everything down and returns a :class:`Result`
@@ -8,7 +8,7 @@ results; ``bench/faults.py`` runs the same functions and writes ``bench/results/
 """
 from __future__ import annotations
 
-from bench.faultsuite.common import DispatchWatch, Result
+from bench.faultsuite.common import DispatchWatch, Result, StatusWatch
 from bench.faultsuite.scen_clients import (
     BAD_ENDPOINTS,
     BAD_INPUTS,
@@ -18,6 +18,15 @@ from bench.faultsuite.scen_clients import (
     run_security,
     run_stream_fidelity,
     run_ties_and_bursts,
+)
+from bench.faultsuite.scen_issue15 import (
+    run_admin_exposure,
+    run_crash_loop_gave_up_then_admin_restart,
+    run_dead_and_departed_workers_in_plain_sight,
+    run_first_byte_vs_idle_timeout,
+    run_header_limits,
+    run_round_robin_per_model,
+    run_slow_request_one_504,
 )
 from bench.faultsuite.scen_workers import (
     run_all_dead,
@@ -30,7 +39,9 @@ from bench.faultsuite.scen_workers import (
     run_remote_rejoin,
 )
 
-__all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "run_all_dead", "run_bad_input", "run_breaker",
-           "run_client_disconnect", "run_drain_remove_cycles", "run_engine_hang", "run_hung_worker",
-           "run_kill_engine", "run_long_prefill_default", "run_remote_rejoin", "run_router_restart", "run_security",
-           "run_stream_fidelity", "run_ties_and_bursts"]
+__all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "StatusWatch", "run_admin_exposure", "run_all_dead",
+           "run_bad_input", "run_breaker", "run_client_disconnect", "run_crash_loop_gave_up_then_admin_restart",
+           "run_dead_and_departed_workers_in_plain_sight", "run_drain_remove_cycles", "run_engine_hang",
+           "run_first_byte_vs_idle_timeout", "run_header_limits", "run_hung_worker", "run_kill_engine",
+           "run_long_prefill_default", "run_remote_rejoin", "run_round_robin_per_model", "run_router_restart",
+           "run_security", "run_slow_request_one_504", "run_stream_fidelity", "run_ties_and_bursts"]

@@ -9,7 +9,7 @@ network and never raise for an empty list (the pipeline guarantees at least one 
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,7 +20,10 @@ class RequestInfo:
 
     ``text``: prompt text used for prefix matching (chat: the messages' text contents joined;
     ``""`` when the prompt is token ids). ``prompt_len``: approximate prompt length in tokens
-    (whitespace-separated words of ``text``, or the number of token ids).
+    (whitespace-separated words of ``text``, or the number of token ids). ``session``: a session
+    key for session affinity (the ``X-Session-Id`` header, else the body's ``user``), or None.
+    ``max_tokens``: the output limit the client asked for (``max_tokens``/``max_completion_tokens``,
+    SGLang's ``sampling_params.max_new_tokens``), or None.
     """
 
     path: str = "/v1/chat/completions"
@@ -28,16 +31,24 @@ class RequestInfo:
     stream: bool = False
     text: str = ""
     prompt_len: int = 0
+    session: str | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(slots=True)
 class Decision:
     """A policy's choice: ``worker_id``, a short ``reason`` (metric label) and, when asked to
-    explain, ``scores``: one dict per eligible worker with ``worker_id``, ``score`` and each term."""
+    explain, ``scores``: one dict per eligible worker with ``worker_id``, ``score`` and each term.
+
+    ``uncached_tokens``: the policy's estimate of the prompt tokens the chosen worker must compute
+    (None: the whole prompt; the lease charges it as outstanding prefill); ``est_s``: its
+    estimated TTFT there, s (None when the policy does not estimate one)."""
 
     worker_id: int
     reason: str
     scores: list[dict[str, Any]] = field(default_factory=list)
+    uncached_tokens: int | None = None
+    est_s: float | None = None
 
 
 class Snap(Protocol):
@@ -93,6 +104,13 @@ def least_loaded(workers: Sequence[Any], rng: _random.Random) -> Any:
     return best[0] if len(best) == 1 else rng.choice(best)
 
 
+def pick_min(costs: dict[int, float], rng: _random.Random, eps: float = 1e-12) -> int:
+    """The worker id with the smallest cost; ties (within ``eps``) broken at random."""
+    best = min(costs.values())
+    tied = [wid for wid, c in costs.items() if c <= best + eps]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
 def load_scores(workers: Sequence[Any]) -> list[dict[str, Any]]:
     """Explanation rows for load-based baselines: score = -pending (higher is better)."""
     return [{"worker_id": w.worker_id, "score": float(-pending(w)), "pending": pending(w),
@@ -101,23 +119,13 @@ def load_scores(workers: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 class BasePolicy:
-    """Default no-op hooks; ``rng`` is injectable so tests are deterministic.
-
-    ``clock``: the routing clock, a callable returning ns in the segment's heartbeat domain
-    (CLOCK_MONOTONIC); ``None`` (live router) = the real clock. A virtual-time simulator
-    (``simulate/``) passes its own, so a policy that reads time (the kernel's heartbeat check,
-    time windows) must read it through :meth:`now_ns` and never call ``time`` directly."""
+    """Default no-op hooks; ``rng`` is injectable so tests are deterministic."""
 
     name = "base"
     needs_text = False
 
-    def __init__(self, rng: _random.Random | None = None, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, rng: _random.Random | None = None) -> None:
         self.rng = rng or _random.Random()
-        self.clock = clock
-
-    def now_ns(self) -> int | None:
-        """The routing clock's time in ns, or None for "the real clock" (the kernel then reads it)."""
-        return None if self.clock is None else self.clock()
 
     def on_dispatch(self, worker_id: int, req: RequestInfo) -> None:
         """Called once the request is sent to ``worker_id`` (prefix policies index it here)."""

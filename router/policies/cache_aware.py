@@ -37,8 +37,8 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
     needs_text = True
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, index: PrefixIndex | None = None, rng=None, clock=None) -> None:
-        super().__init__(rng, clock)
+                 balance_rel_threshold: float = 1.5, index: PrefixIndex | None = None, rng=None) -> None:
+        super().__init__(rng)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -48,7 +48,7 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
         loads = {w.worker_id: pending(w) for w in workers}
         mx, mn = max(loads.values()), min(loads.values())
-        hashes = self.index.hashes(req.text)
+        hashes = self.index.hashes(req.text, req.model)
         self._pending_hashes = (id(req), hashes)
         matches = self.index.match(hashes) if hashes else {}
         n_chars = max(len(req.text), 1)

@@ -1,36 +1,41 @@
-"""dplb: the native kernel's weighted score plus a router-computed prefix-affinity bonus.
+"""dplb (default): the worker with the smallest estimated time to first token, counted in tokens.
 
-Score of eligible worker i (computed by the kernel, ``seg.pick``/``seg.pick_explain``, from the
-live segment; docs/DESIGN.md "Scoring")::
+For every eligible worker i the native kernel (``Segment.pick_ttft``, ``dplb_pick_ttft`` in
+csrc/dplb_kernel.h) estimates, in seconds::
 
-    score_i = weight_i · ( 0.4·(1 − pending_i/max_queue)      # queue room
-                         + 0.3·(1 − kv_usage_i)               # KV-cache room
-                         + 0.2·1/(1 + latency_ms_i/100)       # recent latency
-                         + 0.1·length_compatibility_i )       # prompt length fits the queued ones
-              + affinity_i
+    est_i = ( (W_i + u_i) / r_i                                        # prefill queue + own prefill
+            + steps_i · (step_base + decode_seq·D_i + decode_ctx·C_i)   # decodes sharing those steps
+            + kv_barrier · k_i / (1 − k_i)                              # KV cache filling up
+            + w_decode · out · (decode_seq·B_i + decode_ctx·C_i) ) / weight_i   # the batch, on our decode
 
-The router supplies ``affinity_i``:
+* ``W_i``: outstanding prefill tokens on i (uncached prompt tokens dispatched by any router whose
+  first token has not come back; :mod:`router.accounting`), fresh at every dispatch;
+* ``u_i``: this request's prompt tokens *not* cached on i, from the router's prefix index
+  (:func:`router.policies.prefix_index.uncached_tokens`): a cache hit is worth exactly the
+  prefill time it saves, so a hot prefix escapes to another worker exactly when queueing there
+  costs more than recomputing the prefix elsewhere. A block every request shares (a system prompt)
+  is indexed on every worker that served it and discounts them all alike, so it pulls nothing;
+* ``r_i``: i's prefill rate learned from its observed TTFTs (seeded by ``prefill_tokens_per_s``);
+* ``D_i``, ``C_i``: decoding requests on i and their context tokens; ``steps_i = 1 +
+  floor((W_i + u_i) / step_tokens)``;
+* ``k_i``: KV-cache usage (above ``kv_cache_threshold`` the worker is not eligible at all);
+* ``B_i``: requests in i's batch (router in-flight, or the engine's running + waiting when larger),
+  ``out``: the request's ``max_tokens`` (256 when absent, capped at 4,096). Without this term a
+  burst sharing a cached prefix would pile onto its holder (each request costs it ~0 prefill)
+  while every TPOT there suffers; with it, one more request in the batch costs what it costs.
 
-* workers the router itself rules out (probe-failed, circuit open, drained, other model, already
-  tried by this request) get ``EXCLUDED`` (−1e9), so the kernel never picks them while others remain;
-* with a prefix match (see :mod:`router.policies.prefix_index`) of fraction ``m_i`` of the prompt::
+Ties break at random. The field's versions of the same idea, for comparison (each is a policy of
+its own here): SGLang gateway's ``least_load`` (queued tokens / throughput + the same KV barrier,
+no prefix term), Dynamo's KV router (``kv_cost``: uncached prefill blocks + active decode blocks)
+and LMetric (``lmetric``: new prefill tokens × (batch + 1)).
 
-      bonus_i = w_affinity · m_i · max(0, 1 − (pending_i − min_pending) / affinity_max_imbalance)
-
-  and 0 when worker i is *overloaded* (pending ≥ its max_queue, or SGLang's imbalance rule:
-  pending_i − min_pending > balance_abs_threshold and pending_i > balance_rel_threshold·min_pending).
-  The linear fade is the escape hatch: a hot prefix cannot pile a burst onto one worker, because
-  every request it takes shrinks its bonus until the least-loaded worker wins again.
-
-Without any prefix match the decision is one native ``seg.pick`` call. With a match the kernel's
-per-worker terms (``pick_explain``) are combined with the bonus in Python (argmax, random ties).
-If the kernel finds no eligible worker (e.g. every KV cache above ``kv_cache_threshold``) the
-least-loaded router-eligible worker is taken (reason ``fallback``) rather than refusing service.
+If the kernel finds no eligible worker (every KV cache above the threshold) the least-loaded
+router-eligible worker is taken (reason ``fallback``) rather than refusing service.
 
 Config::
 
-    routing_policy: {policy: dplb, w_pending: 0.4, w_kv: 0.3, w_latency: 0.2, w_length: 0.1,
-                     w_affinity: 0.3, kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
+    routing_policy: {policy: dplb, prefill_tokens_per_s: 30769, step_tokens: 8192, kv_barrier_s: 0.15,
+                     kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
 """
 from __future__ import annotations
 
@@ -44,116 +49,65 @@ from router.policies.base import (
     least_loaded,
     pending,
 )
-from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy
+from router.policies.prefix_index import (
+    PrefixIndex,
+    PrefixIndexedPolicy,
+    uncached_tokens,
+)
 
-EXCLUDED = -1.0e9
-TERM_FIELDS = ("score", "pending", "pending_term", "kv_term", "latency_term", "length_term", "affinity", "weight")
-
-
-def terms_row(t: Any, bonus: float = 0.0) -> dict[str, Any]:
-    """One ``/dplb/route`` explanation row from a kernel ``ScoreTerms`` (plus the router's bonus)."""
-    row: dict[str, Any] = {"worker_id": int(t.worker_id)}
-    for f in TERM_FIELDS:
-        row[f] = getattr(t, f, None)
-    row["affinity"] = bonus
-    row["score"] = float(t.score) + bonus
-    return row
+EXCLUDED = -1.0  # an uncached-token entry below 0 rules the slot out in the kernel
 
 
 class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
-    """Kernel score + prefix affinity with escape.
+    """Estimated-TTFT routing over the native kernel (see the module docstring).
 
-    ``kernel``: object with ``num_slots``, ``pick(params, prompt_len, affinity, now_ns=) -> int`` and
-    ``pick_explain(params, prompt_len, affinity, now_ns=) -> (int, list[ScoreTerms])`` (a
-    ``dplb_shm.Segment``; ``now_ns`` is the routing clock, None = CLOCK_MONOTONIC);
-    ``params``: the ``ScoringParams`` handed to it. Returned worker id −1 means "none eligible".
+    ``kernel``: object with ``num_slots``, ``pick_ttft(params, prompt_len, uncached) -> (int, est)``
+    and ``pick_ttft_explain(...) -> (int, list[TtftTerms])`` (a ``dplb_shm.Segment``); ``params``: the
+    ``dplb_shm.TtftParams`` handed to it; ``clock``: optional ``() -> ns`` for the kernel's heartbeat
+    check (the simulator passes its virtual clock; None = the kernel's own CLOCK_MONOTONIC).
     """
 
     name = "dplb"
     needs_text = True
     uses_kernel = True
 
-    def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, w_affinity: float = 0.3,
-                 affinity_max_imbalance: float = 8.0, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, rng=None, clock=None) -> None:
-        super().__init__(rng, clock)
+    def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, rng=None,
+                 clock: Any = None, default_output_tokens: int = 256, max_output_tokens: int = 4096) -> None:
+        super().__init__(rng)
         self.kernel = kernel
         self.params = params
+        self.default_output_tokens = default_output_tokens
+        self.max_output_tokens = max_output_tokens
         self.index = index or PrefixIndex()
-        self.w_affinity = w_affinity
-        self.affinity_max_imbalance = max(affinity_max_imbalance, 1e-9)
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+        self.clock = clock
         self._pending_hashes: tuple[int, list[int]] | None = None
 
-    def _clock_kw(self) -> dict[str, int]:
-        """``now_ns=`` for the kernel when a routing clock was given (virtual time), else nothing."""
-        now = self.now_ns()
-        return {} if now is None else {"now_ns": now}
-
-    def _base_affinity(self, workers: Sequence[Any]) -> list[float]:
-        aff = [EXCLUDED] * int(self.kernel.num_slots)
+    def uncached_vector(self, workers: Sequence[Any], req: RequestInfo) -> tuple[list[float], dict[int, int]]:
+        """Per slot, the prompt tokens to compute there (``EXCLUDED`` for workers not offered), and
+        the prefix matches (``{worker_id: chunks}``)."""
+        matches = self.matches(req) if req.text else {}
+        vec = [EXCLUDED] * int(self.kernel.num_slots)
         for w in workers:
-            aff[w.worker_id] = 0.0
-        return aff
-
-    def bonus(self, match_frac: float, p: int, min_p: int, max_queue: int) -> float:
-        """Affinity bonus for a worker with prefix match ``match_frac`` (0..1), ``p`` pending,
-        ``min_p`` the least pending among eligible workers, ``max_queue`` its queue capacity."""
-        if match_frac <= 0 or self.w_affinity <= 0:
-            return 0.0
-        if max_queue > 0 and p >= max_queue:
-            return 0.0
-        if p - min_p > self.balance_abs_threshold and p > self.balance_rel_threshold * min_p:
-            return 0.0
-        return self.w_affinity * match_frac * max(0.0, 1.0 - (p - min_p) / self.affinity_max_imbalance)
+            vec[w.worker_id] = float(uncached_tokens(self.index, matches, req.text, req.prompt_len, w.worker_id))
+        return vec, matches
 
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
-        hashes = self.index.hashes(req.text) if self.w_affinity > 0 else []
-        self._pending_hashes = (id(req), hashes)
-        matches = self.index.match(hashes) if hashes else {}
-        eligible = {w.worker_id: w for w in workers}
-        matches = {k: v for k, v in matches.items() if k in eligible}
-        aff = self._base_affinity(workers)
-        if not matches and not explain:
-            wid = int(self.kernel.pick(self.params, req.prompt_len, aff, **self._clock_kw()))
-            if wid in eligible:
-                return Decision(wid, "score")
-            return Decision(least_loaded(workers, self.rng).worker_id, "fallback")
-        _, terms = self.kernel.pick_explain(self.params, req.prompt_len, aff, **self._clock_kw())
-        terms = [t for t in terms if int(t.worker_id) in eligible]
-        if not terms:
-            return Decision(least_loaded(workers, self.rng).worker_id, "fallback",
-                            [{"worker_id": w.worker_id, "score": None, "pending": pending(w)} for w in workers]
-                            if explain else [])
-        n_chars = max(len(req.text), 1)
-        cc = self.index.chunk_chars
-        min_p = min(int(t.pending) for t in terms)
-        bonuses = {}
-        escaped = False
-        for t in terms:
-            wid = int(t.worker_id)
-            n = matches.get(wid, 0)
-            if n:
-                w = eligible[wid]
-                mq = int(getattr(w, "max_num_seqs", 0) or 0)  # the engine's batch capacity
-                b = self.bonus(min(1.0, n * cc / n_chars), int(t.pending), min_p, mq)
-                escaped = escaped or b == 0.0
-                bonuses[wid] = b
-        best: list[int] = []
-        best_s = None
-        for t in terms:
-            s = float(t.score) + bonuses.get(int(t.worker_id), 0.0)
-            if best_s is None or s > best_s + 1e-12:
-                best, best_s = [int(t.worker_id)], s
-            elif abs(s - best_s) <= 1e-12:
-                best.append(int(t.worker_id))
-        wid = best[0] if len(best) == 1 else self.rng.choice(best)
-        if bonuses.get(wid, 0.0) > 0:
-            reason = "affinity"
-        elif escaped and matches:
-            reason = "escape"
+        vec, matches = self.uncached_vector(workers, req)
+        now = self.clock() if self.clock is not None else None
+        rows: list[dict[str, Any]] = []
+        out = float(min(req.max_tokens or self.default_output_tokens, self.max_output_tokens))
+        if explain:
+            wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, vec, now_ns=now, out_tokens=out)
+            rows = [{"worker_id": int(t.worker_id), "score": -float(t.est_s), **t.to_dict()} for t in terms]
+            est = next((float(t.est_s) for t in terms if int(t.worker_id) == wid), None)
         else:
-            reason = "score"
-        rows = [terms_row(t, bonuses.get(int(t.worker_id), 0.0)) for t in terms] if explain else []
-        return Decision(wid, reason, rows)
+            wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, vec, now_ns=now, out_tokens=out)
+        wid = int(wid)
+        if wid < 0:
+            w = least_loaded(workers, self.rng)
+            if explain and not rows:
+                rows = [{"worker_id": x.worker_id, "score": None, "pending": pending(x)} for x in workers]
+            return Decision(w.worker_id, "fallback", rows, uncached_tokens=int(vec[w.worker_id]))
+        least = min((matches.get(w.worker_id, 0) for w in workers), default=0)
+        reason = "prefix" if matches.get(wid, 0) > least else "ttft"
+        return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est)

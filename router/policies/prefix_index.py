@@ -4,8 +4,10 @@ The router has no tokenizer, so, like llm-d's approximate prefix-cache scorer an
 character radix tree, it works on text: the prompt is cut into chunks of ``chunk_chars``
 characters (64 characters ≈ 16 tokens, one vLLM KV block) and each full chunk gets a rolling hash
 chained on its predecessor (vLLM's block hash scheme: hash(parent, block)), so equal hashes mean
-equal prefixes. The index maps hash → set of worker ids, with one global LRU bound of
-``max_entries`` hashes; memory is about ``max_entries`` × ~250 bytes (a set per entry).
+equal prefixes. The chain starts from the model's name, so the same text sent for two models (two
+different KV caches) never matches across them: the index is per model. It maps hash → set of
+worker ids, with one global LRU bound of ``max_entries`` hashes; memory is about ``max_entries`` ×
+~250 bytes (a set per entry).
 
     match(hashes)  -> {worker_id: number of leading chunks it holds}
     insert(hashes, worker_id)
@@ -34,12 +36,13 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def hashes(self, text: str) -> list[int]:
-        """Chained hashes of the full ``chunk_chars`` chunks of ``text`` (a partial tail is ignored)."""
+    def hashes(self, text: str, model: str | None = None) -> list[int]:
+        """Chained hashes of the full ``chunk_chars`` chunks of ``text`` (a partial tail is ignored),
+        for requests naming ``model`` (None: requests that name none)."""
         c = self.chunk_chars
         n = min(len(text) // c, self.max_chunks)
         out = []
-        h = 0
+        h = 0 if model is None else hash(model)
         for i in range(n):
             h = hash((h, text[i * c:(i + 1) * c]))
             out.append(h)
@@ -107,20 +110,37 @@ class PrefixIndex:
             del self._entries[h]
 
 
+def uncached_tokens(index: PrefixIndex, matches: dict[int, int], text: str, prompt_len: int, worker_id: int) -> int:
+    """Prompt tokens worker ``worker_id`` is expected to compute: ``prompt_len`` minus the part its
+    matched prefix covers (``matches[worker_id]`` chunks of ``index.chunk_chars`` characters out of
+    ``len(text)``; tokens are assumed spread evenly over the characters)."""
+    n = matches.get(worker_id, 0)
+    if not n or not text:
+        return prompt_len
+    frac = min(1.0, n * index.chunk_chars / len(text))
+    return max(0, round(prompt_len * (1.0 - frac)))
+
+
 class PrefixIndexedPolicy:
     """Mixin for policies that keep a :class:`PrefixIndex` in ``self.index``: indexes each
     dispatched request's prefix under its worker and forgets workers that leave.
 
     ``choose`` stores ``(id(req), hashes)`` in ``self._pending_hashes`` so the hashes of the prompt
-    are computed once per request, not again at dispatch."""
+    are computed once per request, not again at dispatch (:meth:`matches` does both)."""
 
     index: PrefixIndex
     _pending_hashes: tuple[int, list[int]] | None
 
+    def matches(self, req) -> dict[int, int]:
+        """Hash ``req.text`` (kept for :meth:`on_dispatch`) and match it: ``{worker_id: chunks}``."""
+        hashes = self.index.hashes(req.text, req.model)
+        self._pending_hashes = (id(req), hashes)
+        return self.index.match(hashes) if hashes else {}
+
     def on_dispatch(self, worker_id: int, req) -> None:
         """Index the request's prefix under ``worker_id`` (reuses the hashes computed in choose)."""
         ph = self._pending_hashes
-        hashes = ph[1] if ph is not None and ph[0] == id(req) else self.index.hashes(req.text)
+        hashes = ph[1] if ph is not None and ph[0] == id(req) else self.index.hashes(req.text, req.model)
         self._pending_hashes = None
         if hashes:
             self.index.insert(hashes, worker_id)

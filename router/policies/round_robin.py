@@ -1,7 +1,10 @@
 """round_robin: each request goes to the next eligible worker in id order.
 
-Reads: only the eligible worker ids. Formula: ``workers[counter % len(workers)]``, counter +1 per
-decision. Each router process keeps its own counter (a baseline; it ignores load).
+Reads: only the eligible worker ids. Formula: ``workers[counter[model] % len(workers)]``, that
+model's counter +1 per decision. One counter per model (requests for two models alternating do
+not each land on the same worker: the eligible set differs per model, and one shared counter
+would step through it in lockstep). Each router process keeps its own counters (a baseline; it
+ignores load).
 
 Config: ``routing_policy: {policy: round_robin}``
 """
@@ -14,19 +17,28 @@ from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
 
 
 class RoundRobinPolicy(BasePolicy):
-    """Rotate over eligible workers sorted by id; the counter starts at a random offset so that
-    several router processes do not all start at worker 0."""
+    """Rotate over eligible workers sorted by id, one position per model (``req.model``; None is
+    a model of its own); each counter starts at a random offset so that several router processes
+    do not all start at worker 0. At most ``max_models`` counters are kept (least recently used
+    dropped), so a client naming random models cannot grow the state without bound."""
 
     name = "round_robin"
     reads_load = False  # eligibility from the last tick's snapshots (no per-request slot reads)
+    max_models = 1024
 
-    def __init__(self, rng=None, clock=None) -> None:
-        super().__init__(rng, clock)
-        self._n = self.rng.randrange(1 << 16)
+    def __init__(self, rng=None) -> None:
+        super().__init__(rng)
+        self._n: dict[str | None, int] = {}
 
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
         ordered = sorted(workers, key=lambda w: w.worker_id)
-        w = ordered[self._n % len(ordered)]
-        if not explain:  # a dry run (/dplb/route) shows the next choice without consuming it
-            self._n += 1
+        key = req.model
+        n = self._n.pop(key, None)
+        if n is None:
+            n = self.rng.randrange(1 << 16)
+            if len(self._n) >= self.max_models:
+                del self._n[next(iter(self._n))]   # dicts keep insertion order: the least recently used
+        w = ordered[n % len(ordered)]
+        # a dry run (/dplb/route) shows the next choice without consuming it
+        self._n[key] = n if explain else n + 1
         return Decision(w.worker_id, "rotate", load_scores(workers) if explain else [])

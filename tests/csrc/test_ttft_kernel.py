@@ -28,11 +28,11 @@ def seg():
 
 
 def put(seg: Segment, i: int, *, state=WorkerState.READY, kv=0.1, weight=1.0, queue=0, dreq=0, dctx=0,
-        rate=0.0, circuit=0, hb_age_ns=0) -> None:
+        rate=0.0, circuit=0, hb_age_ns=0, waiting=0) -> None:
     """Write slot ``i`` (agent fields) and set its router line to exactly the given accounting."""
     w = seg.writer(i)
     w.claim(i, endpoint=f"/tmp/dplb-ttft/{i}.sock", weight=weight)
-    w.publish(state=state, kv_cache_usage=kv, heartbeat_ns=NOW - hb_age_ns)
+    w.publish(state=state, kv_cache_usage=kv, heartbeat_ns=NOW - hb_age_ns, num_waiting=waiting)
     seg.router_reset(i)
     seg.prefill_add(i, queue)
     seg.decode_add(i, dreq, dctx)
@@ -56,16 +56,19 @@ slot_st = st.fixed_dictionaries({
     "rate": st.sampled_from([0.0, 0.0, 1000.0, 30769.0]) | st.floats(1.0, 1e6),
     "circuit": st.sampled_from([0, 0, 1, 2]),
     "hb_age_ns": st.sampled_from([0, 999_999_999, 1_000_000_001]),
+    "waiting": st.sampled_from([0, 0, 3]) | st.integers(0, 1000),
 })
 
 params_st = st.builds(
     TtftParams,
     prefill_rate=st.sampled_from([30_769.0, 1.0, 1e6]),
+    waiting_tokens=st.sampled_from([1024.0, 0.0, 5000.0]),
     step_tokens=st.sampled_from([8192.0, 1.0, 512.0]),
     step_base_s=st.sampled_from([0.005, 0.0]),
     decode_seq_s=st.sampled_from([5e-5, 0.0, 0.01]),
     decode_ctx_s=st.sampled_from([3.9e-8, 0.0]),
     kv_barrier_s=st.sampled_from([0.15, 0.0, 10.0]),
+    w_decode=st.sampled_from([1.0, 0.0, 0.3]),
     kv_cache_threshold=st.sampled_from([0.8, 1.0]),
     heartbeat_timeout_ms=st.sampled_from([1000.0, 50.0]),
 )
@@ -77,18 +80,24 @@ uncached_st = st.none() | st.lists(st.sampled_from([-1.0, 0.0, 100.0, 6600.0]) |
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(slots=st.lists(slot_st, min_size=N, max_size=N), params=params_st,
        prompt_len=st.sampled_from([0, 1, 6600, 85_000]) | st.integers(0, 2 ** 31),
-       uncached=uncached_st, rng_u=st.floats(0.0, 1.0, exclude_max=True))
-def test_native_equals_reference(seg, slots, params, prompt_len, uncached, rng_u):
+       uncached=uncached_st, rng_u=st.floats(0.0, 1.0, exclude_max=True),
+       out_tokens=st.sampled_from([0.0, 256.0]) | st.floats(0.0, 1e5))
+def test_native_equals_reference(seg, slots, params, prompt_len, uncached, rng_u, out_tokens):
     for i, f in enumerate(slots):
         put(seg, i, **f)
-    native = seg.pick_ttft_explain(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u)
-    ref = reference.pick_ttft(seg.snapshot(), params, prompt_len, uncached, NOW, rng_u)
+    native = seg.pick_ttft_explain(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u, out_tokens=out_tokens)
+    ref = reference.pick_ttft(seg.snapshot(), params, prompt_len, uncached, NOW, rng_u, out_tokens)
     assert native == ref
-    assert seg.pick_ttft(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u) == native[0]
+    chosen, est = seg.pick_ttft(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u, out_tokens=out_tokens)
+    assert chosen == native[0]
+    assert est == (next(t.est_s for t in native[1] if t.worker_id == chosen) if chosen >= 0 else float("inf"))
 
 
-def _pick(seg, uncached=None, prompt_len=6000, params=TtftParams()):
-    return seg.pick_ttft_explain(params, prompt_len, uncached, now_ns=NOW, rng_u=0.0)
+DEFAULT = TtftParams()
+
+
+def _pick(seg, uncached=None, prompt_len=6000, params=DEFAULT, out_tokens=0.0):
+    return seg.pick_ttft_explain(params, prompt_len, uncached, now_ns=NOW, rng_u=0.0, out_tokens=out_tokens)
 
 
 # (name, per-slot settings for slots 0 and 1, uncached tokens per slot, expected winner)
@@ -102,6 +111,9 @@ CASES = [
     ("KV above the threshold is not eligible", [{"kv": 0.81}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
     ("weight 2 halves the estimate", [{"weight": 2.0, "queue": 5000}, {}], [6000.0, 6000.0], 0),
     ("a negative entry rules a slot out", [{}, {"queue": 10 ** 6}], [-1.0, 6000.0], 1),
+    ("the engine's own queue counts when larger", [{"waiting": 30}, {"queue": 20_000}], [6000.0, 6000.0], 1),
+    ("the larger of the two queues, not their sum", [{"waiting": 10, "queue": 9000}, {"queue": 12_000}],
+     [6000.0, 6000.0], 0),
     ("an open circuit is not eligible", [{"circuit": 1}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
     ("a stale heartbeat is not eligible", [{"hb_age_ns": 2 * 10 ** 9}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
 ]
@@ -114,6 +126,18 @@ def test_each_term_moves_the_choice(seg, name, slots, uncached, winner):
         put(seg, i, **f)
     chosen, terms = _pick(seg, uncached)
     assert chosen == winner, [t.to_dict() for t in terms]
+
+
+def test_batch_term_spreads_a_burst_that_shares_a_cached_prefix(seg):
+    clear(seg)
+    put(seg, 0)
+    put(seg, 1)
+    seg.router_inflight_add(0, 3)  # three requests already in worker 0's batch
+    # worker 0 holds the prefix: 350 tokens less to compute (11 ms at 30,769 tokens/s)
+    assert _pick(seg, [5.0, 355.0], out_tokens=0.0)[0] == 0            # TTFT alone: pile on
+    chosen, terms = _pick(seg, [5.0, 355.0], out_tokens=256.0)         # 3 x 256 x 50 us = 38 ms > 11 ms
+    assert chosen == 1 and terms[0].batch == 3 and terms[0].batch_s == pytest.approx(256 * 3 * 5e-5)
+    seg.router_inflight_add(0, -3)
 
 
 def test_terms_are_seconds_and_add_up(seg):
@@ -142,7 +166,7 @@ def test_ties_break_at_random_never_towards_slot_0(seg):
     for i in range(4):
         put(seg, i)
     p = TtftParams()
-    got = {seg.pick_ttft(p, 1000, None, now_ns=NOW, rng_u=u) for u in (0.0, 0.3, 0.6, 0.99)}
+    got = {seg.pick_ttft(p, 1000, None, now_ns=NOW, rng_u=u)[0] for u in (0.0, 0.3, 0.6, 0.99)}
     assert got == {0, 1, 2, 3}
 
 

@@ -1,4 +1,4 @@
-"""Fault-injection suite of issue 8 (``make test-faults`` = ``pytest -m faults tests``).
+"""Fault-injection suite of issues 8 and 15 (``make test-faults`` = ``pytest -m faults tests``).
 
 Every scenario runs real processes on loopback (router, worker agents with sim engines or the fake
 workers of ``bench/fakes.py``), injects one fault under bounded traffic and counts each request as
@@ -16,5 +16,11 @@ test_admin_and_streams.py    5 drain/remove/re-add, 6 client disconnect, 7 strea
                              8 ties and bursts, 9 router restart
 test_input_and_security.py   10 bad input (+ fuzzing), 11 modes, tokens, admin endpoint schemes
 test_regressions.py          one test per bug the suite found (named after it)
+test_stays_up.py             issue 15, one test per failure (13 crash loop → gave up → admin
+                             restart, 14 dead/draining/departed workers in plain sight, 15 one 504
+                             on one worker, 16 first-byte vs idle timeout, 17 round robin per
+                             model, 18 header limits, 19 admin behind a proxy); scenario code in
+                             :mod:`bench.faultsuite.scen_issue15`. The kill -9 "Shows" test is
+                             scenario 1 in test_workers_fail.py
 ===========================  =====================================================================
 """

@@ -29,7 +29,7 @@ def test_files_sockets_tokens_and_admin_endpoints_are_locked_down():
         assert code == want, (label, code)
     assert r.extra["bad_endpoints"] == {ep: 400 for ep in sc.BAD_ENDPOINTS}
     assert r.extra["claimed_slots"] == [0]           # no mirror slot was claimed for a refused endpoint
-    assert r.extra["drained_after"] == "ready"       # the unauthenticated drain did nothing
+    assert r.extra["drained_after"] == "eligible"    # the unauthenticated drain did nothing
 
 
 def test_fuzzed_bodies_never_get_a_5xx():

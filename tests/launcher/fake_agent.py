@@ -3,7 +3,9 @@
 Claims its slot, starts an "engine" (a sleeping grandchild in a session of its own, pid written to
 ``<run-dir>/engine-K.pid``) and turns READY after a short delay, then heartbeats. Behaviour per
 worker id from the environment: ``FAKE_FAIL=K`` makes worker K print an error and exit 3;
-``FAKE_NEVER=K`` keeps worker K in STARTING; ``FAKE_DEAD=K`` marks worker K DEAD and lives on; ``FAKE_DIE_AFTER_READY=K`` exits 4 after 1 s of READY.
+``FAKE_NEVER=K`` keeps worker K in STARTING; ``FAKE_DEAD=K`` marks worker K DEAD and lives on; ``FAKE_DIE_AFTER_READY=K`` exits 4 after 1 s of READY;
+``FAKE_RESTART_AFTER_READY=K`` records in the slot, after 1 s of READY, what a real agent does for
+a killed engine: DEAD (engine exited, code -9, restart in 0.5 s), then restart 1, then READY.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from dplb_shm import Segment, WorkerState
+from dplb_shm import Segment, StateReason, WorkerState, now_ns
 
 
 def main() -> int:
@@ -47,8 +49,19 @@ def main() -> int:
     elif os.environ.get("FAKE_NEVER") != str(k):
         w.set_state(WorkerState.READY)
     ready_at = time.monotonic()
+    restart_step = 0 if os.environ.get("FAKE_RESTART_AFTER_READY") == str(k) else -1
     while True:
         w.heartbeat()
+        if restart_step == 0 and time.monotonic() - ready_at > 1.0:
+            w.publish(state=WorkerState.DEAD, state_reason=StateReason.ENGINE_EXITED, last_exit_code=-9,
+                      next_restart_ns=now_ns() + 500_000_000)
+            restart_step, t_step = 1, time.monotonic()
+        elif restart_step == 1 and time.monotonic() - t_step > 0.6:
+            w.publish(state=WorkerState.STARTING, restarts=1, next_restart_ns=0)
+            restart_step, t_step = 2, time.monotonic()
+        elif restart_step == 2 and time.monotonic() - t_step > 0.6:
+            w.publish(state=WorkerState.READY, state_reason=StateReason.NONE)
+            restart_step = 3
         if os.environ.get("FAKE_DIE_AFTER_READY") == str(k) and time.monotonic() - ready_at > 1.0:
             print(f"fake agent {k}: crashing", flush=True)
             os._exit(4)

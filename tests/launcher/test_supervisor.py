@@ -104,6 +104,18 @@ def test_worker_dying_after_ready_is_reported_and_launch_keeps_serving(procs, ru
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
 
 
+def test_engine_restart_by_an_agent_is_printed(procs, run_dir, port):
+    """The launcher printed nothing when an agent's engine crashed and came back (issue 15)."""
+    p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_RESTART_AFTER_READY": "1"})
+    wait_until(lambda: "READY again after engine restart 1" in log.read_text(), timeout=90, what="restart report")
+    out = log.read_text()
+    assert "worker 1: engine exited with code -9 (engine_exited); its agent restarts it in" in out
+    assert "worker 1: engine restart 1" in out and "engine-1.log" in out
+    assert "worker 0: engine" not in out
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0
+
+
 def test_stale_segment_is_replaced(procs, run_dir, port):
     from dplb_shm import Segment
 

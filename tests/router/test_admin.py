@@ -37,7 +37,9 @@ def test_drain_and_undrain(make_cluster):
     r = httpx.post(c.base + "/dplb/workers/0/drain", headers=h)
     assert r.status_code == 200 and r.json()["draining"] is True
     rows = {w["id"]: w for w in httpx.get(c.base + "/dplb/status").json()["workers"]}
-    assert rows[0]["state"] == "draining" and not rows[0]["eligible"]
+    # the slot is still READY (the dump agrees); the router's own verdict says why it is out
+    assert rows[0]["state"] == "ready" and rows[0]["routing"] == "drained" and rows[0]["drained"]
+    assert not rows[0]["eligible"]
     assert set(served_by(c.base, 10)) == {"1"}
     assert httpx.post(c.base + "/dplb/workers/0/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/9/drain", headers=h).status_code == 404

@@ -9,18 +9,23 @@ import pytest
 
 from router.config import RoutingPolicy
 from router.policies import (
+    POLICY_NAMES,
     CacheAwarePolicy,
-    DplbPolicy,
+    KvCostPolicy,
+    LeastLoadPolicy,
+    LMetricPolicy,
     PowerOfTwoPolicy,
     PrefixIndex,
     RandomPolicy,
     RequestInfo,
     RoundRobinPolicy,
+    SessionPolicy,
     ShortestQueuePolicy,
+    WeightedPolicy,
     build_policy,
     pending,
 )
-from router.policies.dplb import EXCLUDED
+from router.policies.weighted import EXCLUDED
 
 
 @dataclass
@@ -35,6 +40,10 @@ class S:
     kv_cache_usage: float = 0.0
     max_num_seqs: int = 256
     weight: float = 1.0
+    prefill_tokens: int = 0
+    decode_reqs: int = 0
+    decode_ctx_tokens: int = 0
+    prefill_rate: float = 0.0
 
 
 def req(text: str = "", plen: int = 0) -> RequestInfo:
@@ -196,9 +205,9 @@ class FakeKernel:
     # kernel finds nobody eligible (e.g. all KV above threshold): least-loaded fallback
     {"base": {}, "pend": {}, "index": {}, "want": 1, "reason": "fallback", "loads": [5, 1]},
 ])
-def test_dplb_affinity_and_escape(case):
+def test_weighted_affinity_and_escape(case):
     kern = FakeKernel(case["base"], case["pend"])
-    pol = DplbPolicy(kern, params=None, index=PrefixIndex(64), w_affinity=0.3, affinity_max_imbalance=16,
+    pol = WeightedPolicy(kern, params=None, index=PrefixIndex(64), w_affinity=0.3, affinity_max_imbalance=16,
                      rng=random.Random(4))
     for wid, t in case["index"].items():
         pol.index.insert(pol.index.hashes(t), wid)
@@ -208,17 +217,17 @@ def test_dplb_affinity_and_escape(case):
     assert (d.worker_id, d.reason) == (case["want"], case["reason"])
 
 
-def test_dplb_excludes_router_ineligible_workers_through_affinity():
+def test_weighted_excludes_router_ineligible_workers_through_affinity():
     kern = FakeKernel({0: 0.99, 1: 0.5, 2: 0.4}, {})
-    pol = DplbPolicy(kern, None, PrefixIndex(64), rng=random.Random(1))
+    pol = WeightedPolicy(kern, None, PrefixIndex(64), rng=random.Random(1))
     d = pol.choose([S(1), S(2)], req("hi"))       # worker 0 is e.g. probe-failed
     assert d.worker_id == 1
     aff = kern.calls[-1]
     assert aff[0] == EXCLUDED and aff[1] == 0.0 and aff[2] == 0.0 and aff[3] == EXCLUDED
 
 
-def test_dplb_bonus_formula():
-    pol = DplbPolicy(FakeKernel({}, {}), None, w_affinity=0.3, affinity_max_imbalance=16)
+def test_weighted_bonus_formula():
+    pol = WeightedPolicy(FakeKernel({}, {}), None, w_affinity=0.3, affinity_max_imbalance=16)
     assert pol.bonus(1.0, 0, 0, 256) == pytest.approx(0.3)
     assert pol.bonus(0.5, 8, 0, 256) == pytest.approx(0.3 * 0.5 * 0.5)
     assert pol.bonus(1.0, 16, 0, 256) == 0.0
@@ -226,9 +235,9 @@ def test_dplb_bonus_formula():
     assert pol.bonus(0.0, 0, 0, 256) == 0.0
 
 
-def test_dplb_explain_rows_carry_every_term():
+def test_weighted_explain_rows_carry_every_term():
     kern = FakeKernel({0: 0.9, 1: 0.8}, {0: 1, 1: 0})
-    pol = DplbPolicy(kern, None, PrefixIndex(64), rng=random.Random(1))
+    pol = WeightedPolicy(kern, None, PrefixIndex(64), rng=random.Random(1))
     d = pol.choose([S(0), S(1)], req("hello"), explain=True)
     assert {r["worker_id"] for r in d.scores} == {0, 1}
     for r in d.scores:
@@ -238,10 +247,94 @@ def test_dplb_explain_rows_carry_every_term():
 
 def test_build_policy_names():
     rp = RoutingPolicy()
-    for name in ("round_robin", "random", "shortest_queue", "power_of_two", "cache_aware"):
-        assert build_policy(name, rp).name == name
-    assert build_policy("dplb", rp, kernel=FakeKernel({}, {}), params=None).name == "dplb"
-    with pytest.raises(ValueError):
-        build_policy("dplb", rp)
+    for name in POLICY_NAMES:
+        kernel = FakeKernel({}, {}) if name in ("dplb", "weighted") else None
+        assert build_policy(name, rp, kernel=kernel).name == name
+    for name in ("dplb", "weighted"):
+        with pytest.raises(ValueError):
+            build_policy(name, rp)
     with pytest.raises(ValueError, match="unknown routing policy"):
         build_policy("fastest", rp)
+
+
+def test_config_names_every_policy():
+    from router.config import POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+
+
+# ---- the field's policies (issue 13): one table each ------------------------------------------
+
+@pytest.mark.parametrize("name,workers,want", [
+    ("the shortest prefill queue wins", [S(0, prefill_tokens=9000), S(1, prefill_tokens=3000)], 1),
+    ("a faster learned rate offsets a longer queue",
+     [S(0, prefill_tokens=9000, prefill_rate=90_000.0), S(1, prefill_tokens=3000, prefill_rate=10_000.0)], 0),
+    ("the KV barrier: 0.15 s at k = 0.5 outweighs 3,000 tokens at 30,769/s (0.0975 s)",
+     [S(0, kv_cache_usage=0.5), S(1, prefill_tokens=3000)], 1),
+])
+def test_least_load(name, workers, want):
+    assert LeastLoadPolicy(rng=random.Random(0)).choose(workers, req("x", 10)).worker_id == want
+
+
+def test_least_load_cost_formula():
+    pol = LeastLoadPolicy(prefill_rate=10_000.0, kv_barrier_s=0.15)
+    assert pol.cost(S(0, prefill_tokens=5000, kv_cache_usage=0.5)) == pytest.approx(0.5 + 0.15)
+
+
+def _with_prefix(pol, wid: int, text: str):
+    pol.index.insert(pol.index.hashes(text), wid)
+    return pol
+
+
+@pytest.mark.parametrize("name,workers,cached_on,want", [
+    ("uncached × (batch + 1): the cache holder wins at equal batch", [S(0), S(1)], 1, 1),
+    ("a busy cache holder loses: 2,400 words x 41 > 4,800 x 1", [S(0), S(1, num_running=40)], 1, 0),
+])
+def test_lmetric(name, workers, cached_on, want):
+    pol = _with_prefix(LMetricPolicy(PrefixIndex(64), rng=random.Random(0)), cached_on, LONG)
+    d = pol.choose(workers, req(LONG + " " + LONG, 4800))
+    assert d.worker_id == want
+    if want == cached_on:  # half the prompt is cached, up to the index's 64-character chunking
+        assert 2400 <= d.uncached_tokens < 2600
+    else:
+        assert d.uncached_tokens == 4800
+
+
+@pytest.mark.parametrize("name,workers,cached_on,want", [
+    ("fewer prefill blocks: the cache holder", [S(0), S(1)], 1, 1),
+    ("decode blocks held elsewhere decide", [S(0), S(1, decode_ctx_tokens=100_000)], 1, 0),
+    ("queued prefill counts like uncached prompt", [S(0, prefill_tokens=50_000), S(1)], None, 1),
+])
+def test_kv_cost(name, workers, cached_on, want):
+    pol = KvCostPolicy(PrefixIndex(64), overlap_weight=1.0, block_size=16, rng=random.Random(0))
+    if cached_on is not None:
+        _with_prefix(pol, cached_on, LONG)
+    assert pol.choose(workers, req(LONG + " " + LONG, 4800)).worker_id == want
+
+
+def test_session_sticks_spills_and_moves_only_its_own_keys():
+    pol = SessionPolicy(max_load_skew=1.5, rng=random.Random(0))
+    ws = [S(i) for i in range(4)]
+
+    def route(key: str, workers=ws) -> int:
+        return pol.choose(workers, RequestInfo(session=key, text="x", prompt_len=1)).worker_id
+
+    keys = [f"user-{k}" for k in range(200)]
+    home = {k: route(k) for k in keys}
+    assert all(route(k) == home[k] for k in keys)                          # sticky
+    assert len(set(home.values())) == 4                                     # spread over the ring
+    # a worker leaves: only its own sessions move
+    rest = [w for w in ws if w.worker_id != 2]
+    moved = [k for k in keys if route(k, rest) != home[k]]
+    assert moved and all(home[k] == 2 for k in moved)
+    # bounded load: the home worker far above the mean passes the session on along the ring
+    k0 = keys[0]
+    busy = [S(i, num_running=30 if i == home[k0] else 0) for i in range(4)]
+    d = pol.choose(busy, RequestInfo(session=k0, text="x", prompt_len=1))
+    assert d.worker_id != home[k0] and d.reason == "session_spill"
+
+
+def test_session_without_key_goes_to_the_least_loaded():
+    pol = SessionPolicy(rng=random.Random(0))
+    d = pol.choose([S(0, num_running=3), S(1)], RequestInfo(text="x", prompt_len=1))
+    assert (d.worker_id, d.reason) == (1, "no_session")

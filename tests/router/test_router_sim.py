@@ -74,9 +74,9 @@ def test_prefix_affinity_and_route_agreement_with_sim(sim2):
     home = first.headers["x-dplb-worker-id"]
     body["messages"][1]["content"] = "second question"
     d = httpx.post(base + "/dplb/route", json=body, timeout=30).json()
-    assert str(d["worker_id"]) == home and d["reason"] == "affinity"
-    bonus = {s["worker_id"]: s["affinity"] for s in d["scores"]}
-    assert bonus[int(home)] > 0 and bonus[1 - int(home)] == 0
+    assert str(d["worker_id"]) == home and d["reason"] == "prefix"
+    uncached = {s["worker_id"]: s["uncached_tokens"] for s in d["scores"]}
+    assert uncached[int(home)] < 10 < uncached[1 - int(home)]   # the cached system prompt is priced there
     r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
     assert r.headers["x-dplb-worker-id"] == home
 

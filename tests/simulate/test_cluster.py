@@ -154,13 +154,14 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
     seen = []
     real_select = cl.Scheduler.select
 
-    def select(self, req, exclude=frozenset()):
-        now = self.policy.now_ns()
+    def select(self, req, exclude=frozenset(), now=None):
+        now_s = now
+        now = cl.OFFSET_NS + round(now_s * 1e9)
         i = sum(1 for x in seen if x[1] == 0)   # decisions so far = index of this request
         for s in self.seg.snapshot():
             seen.append((now, s.worker_id, (s.num_running, s.num_waiting, round(s.kv_cache_usage, 9)),
                          s.inflight, i))
-        return real_select(self, req, exclude)
+        return real_select(self, req, exclude, now=now_s)
 
     monkeypatch.setattr(cl.Agent, "_publish_engine", publish)
     monkeypatch.setattr(cl.Scheduler, "select", select)

@@ -82,7 +82,7 @@ async def test_cancelled_streams_return_inflight_to_zero_and_abort_in_engine(sta
 
 
 def test_heartbeat_advances_and_engine_death_marks_slot_dead(start_agent, segment):
-    a = start_agent(2, interval_ms=100)
+    a = start_agent(2, "--restart-max", "0", interval_ms=100)   # no restart: DEAD stays
     h1 = segment.read_slot(2).heartbeat_ns
     time.sleep(0.35)
     s = segment.read_slot(2)
@@ -166,7 +166,7 @@ async def test_max_queue_refuses_with_429(start_agent, segment, limit):
 
 
 def test_engine_death_mid_stream_ends_with_error_event_and_counts_failed(start_agent, segment):
-    a = start_agent(6, engine_args=SLOW, interval_ms=100)
+    a = start_agent(6, "--restart-max", "0", engine_args=SLOW, interval_ms=100)
     engine = psutil.Process(a.proc.pid).children()[0]
     with a.client() as c, c.stream("POST", "/v1/completions", json=completion(2000)) as r:
         it = r.iter_raw()
@@ -183,8 +183,10 @@ def test_engine_death_mid_stream_ends_with_error_event_and_counts_failed(start_a
 
 
 def test_engine_that_fails_to_start_marks_slot_dead(start_agent, segment):
-    a = start_agent(7, engine_args=["--no-such-flag"], wait_ready=False, interval_ms=100)
-    s = slot_wait(segment, 7, lambda s: s.state.name == "DEAD", 30, "slot DEAD after a failed start")
+    a = start_agent(7, "--restart-max", "0", engine_args=["--no-such-flag"], wait_ready=False, interval_ms=100)
+    s = slot_wait(segment, 7, lambda s: s.state.name == "DEAD" and s.state_reason.name == "GAVE_UP", 30,
+                  "slot DEAD (gave up) after a failed start")
+    assert s.last_exit_code == 2 and s.restarts == 0
     assert s.pid == a.proc.pid and a.proc.poll() is None
     assert oct(os.stat(a.uds).st_mode & 0o777) == oct(0o660)    # agent socket: owner and group only
     with a.client() as c:

@@ -70,11 +70,13 @@ async def test_body_over_limit_is_413_and_not_counted():
     assert sink.started == []
 
 
-async def test_no_engine_is_502_and_a_bug_is_a_shaped_500():
+async def test_no_engine_is_503_retryable_and_a_bug_is_a_shaped_500():
+    """No engine to relay to: nothing began, so 503 + Retry-After (a router may try another worker)."""
     sink = Sink()
     async with client(RelayApp(sink, lambda: None, control)) as c:
         r = await c.post("/v1/completions", json={"prompt": "a"})
-    assert_openai_error(r, 502, "bad_gateway")
+    assert_openai_error(r, 503, "service_unavailable")
+    assert r.headers["retry-after"]
 
     def broken():
         raise RuntimeError("boom")

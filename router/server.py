@@ -1,0 +1,99 @@
+"""Request-head limits of the router: an exact ASGI check and a protocol guard for memory.
+
+uvicorn's httptools protocol has no bound on a request head (``h11_max_incomplete_event_size``
+applies to h11 only), and the httptools binding accumulates a header's name and value until the
+header ends: one unfinished 64 MB header costs the router 64 MB. Two layers bound it:
+
+1. :func:`check_headers` (called first thing by :class:`router.app.DPLBApp`, before any body
+   byte is read): the total size of the header names and values must not exceed
+   ``router.max_header_bytes`` and their count ``router.max_headers``; otherwise 431 Request
+   Header Fields Too Large (RFC 6585 §5) with an OpenAI-shaped body.
+2. :class:`LimitedHttpToolsProtocol` (uvicorn's ``http=``): while a request head is incomplete,
+   the raw bytes it has taken are counted (every chunk after which the head is still incomplete
+   is head bytes); past :func:`raw_head_limit` (twice ``max_header_bytes`` plus 16 KiB for the
+   request line) it answers the same 431 itself and closes the connection. Memory per connection
+   stays bounded by that limit plus one read, whatever a client sends.
+
+The protocol reads its limits from ``$DPLB_ROUTER_MAX_HEADER_BYTES`` / ``$DPLB_ROUTER_MAX_HEADERS``
+(set by ``router.__main__`` before uvicorn starts, so every ``--workers`` process sees them).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.errors import HeadersTooLarge, error_body
+
+ENV_BYTES = "DPLB_ROUTER_MAX_HEADER_BYTES"
+ENV_COUNT = "DPLB_ROUTER_MAX_HEADERS"
+DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+DEFAULT_MAX_HEADERS = 100
+REQUEST_LINE_ALLOWANCE = 16 * 1024
+
+
+def raw_head_limit(max_header_bytes: int) -> int:
+    """Raw bytes an incomplete request head may take before the protocol refuses it: the header
+    limit twice over (the exact check is the ASGI one) plus 16 KiB for the request line."""
+    return 2 * max_header_bytes + REQUEST_LINE_ALLOWANCE
+
+
+def check_headers(headers: list[tuple[bytes, bytes]], max_bytes: int, max_count: int) -> None:
+    """Raise :class:`HeadersTooLarge` (431) when ``headers`` (ASGI ``scope["headers"]``) hold more
+    than ``max_count`` fields or more than ``max_bytes`` bytes of names plus values."""
+    if len(headers) > max_count:
+        raise HeadersTooLarge(f"the request has {len(headers)} header fields; the limit is {max_count} "
+                              "(router.max_headers)")
+    total = 0
+    for k, v in headers:
+        total += len(k) + len(v)
+    if total > max_bytes:
+        raise HeadersTooLarge(f"the request headers hold {total} bytes; the limit is {max_bytes} "
+                              "(router.max_header_bytes)")
+
+
+def _431(message: str) -> bytes:
+    body = error_body(message, HeadersTooLarge.type, 431)
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n"
+            b"x-dplb-worker-id: none\r\n\r\n" + body)
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on the raw size of an incomplete request head
+    (module docstring). Limits: class attributes, from the environment at import."""
+
+    max_header_bytes = int(os.environ.get(ENV_BYTES, DEFAULT_MAX_HEADER_BYTES))
+    max_headers = int(os.environ.get(ENV_COUNT, DEFAULT_MAX_HEADERS))
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._in_head = False
+        self._head_raw = 0
+        self._refused = False
+        self._raw_limit = raw_head_limit(self.max_header_bytes)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_raw = 0
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._in_head and self.parser is not None:
+            # the head is still incomplete after this chunk: every byte of it was head
+            self._head_raw += len(data)
+            if self._head_raw > self._raw_limit:
+                self._refused = True
+                self.logger.warning("refused a request head of more than %d bytes from %s", self._raw_limit,
+                                    self.client)
+                self.transport.write(_431(f"the request head exceeds {self._raw_limit} bytes "
+                                          f"(router.max_header_bytes={self.max_header_bytes})"))
+                self.transport.close()

@@ -1,0 +1,158 @@
+"""The default ``dplb`` policy (estimated TTFT) on a real segment and kernel, and the router-owned
+accounting it reads (router/accounting.py, router/scheduling.py)."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from dplb_shm import Segment, TtftParams, WorkerState
+from router.accounting import LearnSettings, RequestAccount
+from router.policies import DplbPolicy, PrefixIndex, RequestInfo
+from tests.helpers import unique_shm_name
+
+NOW_NS = 10 ** 15
+WORDS = " ".join(f"w{i}" for i in range(3000))  # 3,000 "tokens" of shared history
+
+
+@pytest.fixture
+def seg():
+    name = unique_shm_name()
+    s = Segment.create(name, num_slots=8)
+    try:
+        for i in range(4):
+            w = s.writer(i)
+            w.claim(i, endpoint=f"/tmp/dplb-dp/{i}.sock")
+            w.publish(state=WorkerState.READY, kv_cache_usage=0.1, heartbeat_ns=NOW_NS)
+        yield s
+    finally:
+        s.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def policy(seg) -> DplbPolicy:
+    return DplbPolicy(seg, TtftParams(), PrefixIndex(64), rng=random.Random(0), clock=lambda: NOW_NS)
+
+
+def info(text: str) -> RequestInfo:
+    return RequestInfo(text=text, prompt_len=len(text.split()), stream=True)
+
+
+def snaps(seg, ids=range(4)):
+    return [seg.read_slot(i) for i in ids]
+
+
+def test_follow_up_turn_goes_to_the_worker_that_holds_its_history(seg):
+    pol = policy(seg)
+    pol.on_dispatch(2, info(WORDS))
+    d = pol.choose(snaps(seg), info(WORDS + " and one more question"))
+    assert d.worker_id == 2 and d.reason == "prefix"
+    assert d.uncached_tokens < 100 and d.est_s is not None and d.est_s > 0
+
+
+def test_hot_prefix_escapes_when_queueing_there_costs_more_than_recomputing(seg):
+    pol = policy(seg)
+    pol.on_dispatch(2, info(WORDS))
+    seg.prefill_add(2, 200_000)  # 6.5 s of queued prefill on the holder; recomputing 3k tokens ~0.1 s
+    d = pol.choose(snaps(seg), info(WORDS + " another"))
+    assert d.worker_id != 2 and d.uncached_tokens == len((WORDS + " another").split())
+
+
+def test_a_prefix_every_worker_has_pulls_nothing(seg):
+    pol = policy(seg)
+    system = " ".join(f"s{i}" for i in range(600))
+    for i in range(4):
+        pol.on_dispatch(i, info(system))
+    seg.prefill_add(0, 5000)
+    seg.prefill_add(1, 5000)
+    seg.prefill_add(3, 5000)
+    d = pol.choose(snaps(seg), info(system + " " + " ".join(f"q{i}" for i in range(200))))
+    assert d.worker_id == 2  # the only one without queued prefill
+
+
+def test_workers_not_offered_are_excluded_in_the_kernel(seg):
+    pol = policy(seg)
+    for _ in range(20):
+        d = pol.choose(snaps(seg, [1, 3]), info("hello there"))
+        assert d.worker_id in (1, 3)
+
+
+def test_explain_rows_show_each_term_in_seconds(seg):
+    pol = policy(seg)
+    seg.prefill_add(1, 30_769)
+    d = pol.choose(snaps(seg), info("a b c"), explain=True)
+    rows = {r["worker_id"]: r for r in d.scores}
+    assert set(rows) == {0, 1, 2, 3}
+    assert rows[1]["prefill_s"] == pytest.approx((30_769 + 3) / 30_769)
+    for r in rows.values():
+        assert {"est_s", "prefill_s", "decode_s", "kv_s", "queue_tokens", "uncached_tokens", "rate"} <= set(r)
+        assert r["est_s"] == pytest.approx(r["prefill_s"] + r["decode_s"] + r["kv_s"])
+
+
+def test_kv_above_threshold_falls_back_to_least_loaded(seg):
+    for i in range(4):
+        seg.writer(i).publish(kv_cache_usage=0.95, heartbeat_ns=NOW_NS)
+    d = policy(seg).choose(snaps(seg), info("x y"))
+    assert d.reason == "fallback"
+
+
+# ---- accounting ------------------------------------------------------------------------------
+
+def line(seg, i):
+    return seg.router_line(i)
+
+
+def test_account_moves_tokens_from_prefill_to_decode_and_back_to_zero(seg):
+    a = RequestAccount(seg, 1, prompt_tokens=5000, uncached_tokens=4000, now=10.0)
+    assert (line(seg, 1)["router_inflight"], line(seg, 1)["prefill_tokens"]) == (1, 4000)
+    b = RequestAccount(seg, 1, prompt_tokens=100, uncached_tokens=100, now=10.1)
+    assert b.queue_ahead == 4000
+    assert a.first_token(10.5) == pytest.approx(0.5)
+    assert a.first_token(10.6) is None                                   # exactly once
+    ln = line(seg, 1)
+    assert (ln["prefill_tokens"], ln["decode_reqs"], ln["decode_ctx_tokens"]) == (100, 1, 5000)
+    assert a.finish(11.0) and not a.finish(11.1)                         # exactly once
+    assert b.finish(11.2)                                                # finished without a first token
+    ln = line(seg, 1)
+    assert (ln["router_inflight"], ln["prefill_tokens"], ln["decode_reqs"], ln["decode_ctx_tokens"]) == (0, 0, 0, 0)
+
+
+def test_rate_is_learned_from_observed_ttft_only(seg):
+    ls = LearnSettings(min_tokens=1000, step_base_s=0.0, decode_seq_s=0.0, decode_ctx_s=0.0)
+    a = RequestAccount(seg, 0, 8000, 8000, now=0.0, learn=ls)
+    a.first_token(0.8)                                   # 8,000 tokens in 0.8 s: 10,000 tokens/s
+    assert line(seg, 0)["prefill_rate"] == pytest.approx(10_000.0)
+    assert line(seg, 0)["router_ttft_s"] == pytest.approx(0.8)
+    b = RequestAccount(seg, 0, 8000, 8000, now=1.0, learn=ls)
+    b.first_token(1.001, observed=False)                 # inferred (non-streamed): teaches nothing
+    c = RequestAccount(seg, 0, 500, 500, now=2.0, learn=ls)
+    c.first_token(2.5)                                   # too few tokens to be a prefill sample
+    assert line(seg, 0)["prefill_rate_n"] == 1
+    for x in (a, b, c):
+        x.finish(3.0)
+
+
+def test_scheduler_sweep_moves_blind_requests_past_their_estimate(seg):
+    from router.config import load_config
+    from router.metrics import Metrics
+    from router.scheduling import Scheduler
+    from router.workers import Registry
+
+    cfg = load_config(None, {"routing_policy.policy": "round_robin"})
+    reg = Registry(seg, cfg)
+    reg.sync(seg.snapshot())
+    from router.policies import RoundRobinPolicy
+
+    sch = Scheduler(reg, RoundRobinPolicy(rng=random.Random(0)), seg, Metrics(), default_rate=1000.0)
+    r = RequestInfo(text="a " * 500, prompt_len=500, stream=False)
+    lease, _ = sch.select(r, now=100.0)
+    wid = lease.handle.worker_id
+    assert line(seg, wid)["prefill_tokens"] == 500
+    assert sch.sweep(now=100.4) == 0                     # 500 tokens at 1,000/s: 0.5 s estimated
+    assert sch.sweep(now=100.6) == 1
+    assert line(seg, wid)["prefill_tokens"] == 0 and line(seg, wid)["decode_reqs"] == 1
+    lease.release(now=101.0)
+    assert line(seg, wid)["decode_reqs"] == 0 and line(seg, wid)["router_inflight"] == 0
+    assert not sch.blind
