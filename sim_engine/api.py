@@ -162,18 +162,23 @@ async def _sse(
     usage_chunk: Callable[[], dict] | None,
 ) -> AsyncIterator[bytes]:
     """SSE body: ``first`` chunks, then one chunk per token, then usage (if asked), then [DONE].
+    The ``first`` chunks (chat's ``delta: {"role": "assistant"}``) leave with the first tokens, as
+    vLLM sends them with its first output (after prefill), not at once: a router that reads the
+    first chunk as the end of prefill (DPLB's Lease.first_token) must see it then.
     Cancellation (client gone) aborts the unfinished choices in ``finally``."""
     try:
-        if first:
-            yield b"".join(_chunk(c) for c in first)
+        head = b"".join(_chunk(c) for c in first) if first else b""
         ch = gen.channel
         while not ch.done:
             items = await ch.drain()
-            out = []
+            out = [head] if head else []
+            head = b""
             for idx, req, k in items:
                 text, fr = gen.delta(req, k)
                 out.append(make_chunk(idx, text, fr))
             yield b"".join(out)
+        if head:  # finished without any event (cannot happen: an abort pushes one)
+            yield head
         if usage_chunk is not None:
             yield _chunk(usage_chunk())
         yield b"data: [DONE]\n\n"
