@@ -57,7 +57,7 @@ bench-quick: install build
 
 lint: install
 	$(PIP) install -q ruff
-	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher simulate tests
+	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher simulate tests deploy
 
 typecheck: install
 	$(PIP) install -q mypy

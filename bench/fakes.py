@@ -21,7 +21,9 @@ utf8     SSE: ``chunks`` chunks, then one event (text :data:`UTF8_TEXT`) written
 ======== ===============================================================================
 
 Header ``X-Fake-First-Delay: S`` (streams): send the response head at once, then wait S seconds
-before the first chunk (an engine in a long prefill).
+before the first chunk (an engine in a long prefill). Header ``X-Fake-Role-First: 1`` (chat
+streams): send a role-only event (``delta: {"role": "assistant", "content": ""}``) with the head,
+before that wait, as some servers do before the prefill.
 
 Every non-stream JSON answer carries ``"fake": {"worker_id", "path", "headers", "body"}`` — the
 headers and the parsed body exactly as received. ``GET /fake/stats`` returns counters (requests,
@@ -136,6 +138,11 @@ def build_app(agent: FakeAgent):
                 resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                                    "x-fake-worker": str(agent.worker_id)})
                 await resp.prepare(request)
+                if request.headers.get("x-fake-role-first") == "1" and path == "/v1/chat/completions":
+                    role = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": agent.model,
+                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None, "logprobs": None}]}
+                    await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
                 first_delay = float(request.headers.get("x-fake-first-delay", 0))
                 if first_delay > 0:   # StreamResponse.prepare sent the head already
                     await asyncio.sleep(first_delay)
@@ -205,8 +212,14 @@ def build_app(agent: FakeAgent):
                  "weight": 1.0}
         return web.Response(body=orjson.dumps(d), content_type="application/json")
 
+    async def engine_metrics(_: web.Request) -> web.Response:
+        text = ("# HELP fake_requests_total Requests the fake answered.\n# TYPE fake_requests_total counter\n"
+                f'fake_requests_total{{model_name="{agent.model}"}} {agent.stats["requests"]}\n')
+        return web.Response(text=text, content_type="text/plain")
+
     app = web.Application(client_max_size=1 << 30)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", engine_metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/fake/stats", stats)
     app.router.add_post("/fake/mode", set_mode)

@@ -1,6 +1,7 @@
 """Command line of the launcher (``scripts/launch_dplb.sh`` execs ``python -m launcher``).
 
 ``launch_dplb.sh --num-workers N [--gpus LIST] [--engine sim|vllm|sglang|openai] [--model M]
+[--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
 [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
@@ -22,12 +23,20 @@ import orjson
 from launcher.errors import LaunchError, UsageError
 from launcher.gpus import (
     ENGINES,
+    GpuPlan,
     choose_engine,
     discover_gpus,
     parse_gpu_list,
     plan_gpus,
 )
-from launcher.supervisor import LaunchConfig, Supervisor
+from launcher.specs import (
+    WorkerPlan,
+    WorkerSpec,
+    parse_worker_spec,
+    plan_workers,
+    spec_from_config,
+)
+from launcher.supervisor import LaunchConfig, Supervisor, describe_workers
 
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.
 START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
@@ -51,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a DPLB endpoint: one router in front of N engines (one per GPU group).",
         epilog="Arguments after -- are passed to every engine. Example: launch_dplb.sh --num-workers 4",
         formatter_class=_DefaultsFormatter)
-    p.add_argument("--num-workers", "-n", type=int, required=True, help="number of workers (engines)")
+    p.add_argument("--num-workers", "-n", type=int, default=None,
+                   help="number of workers (engines), all serving --model (not needed with --worker)")
+    p.add_argument("--worker", action="append", default=[], dest="worker_specs", metavar="SPEC",
+                   help="one group of workers, repeatable (several models on one box): key=value pairs "
+                        "model=M,gpus=0-3,count=2,engine=vllm,args='--max-model-len 8192',url=URL,weight=W "
+                        "(or the config file's workers: section)")
     p.add_argument("--gpus", default=None,
                    help="GPU ids to use, e.g. 0,1,2,3 or 0-7 (default: every GPU NVML or nvidia-smi sees)")
     p.add_argument("--engine", choices=ENGINES, default=None,
@@ -110,14 +124,22 @@ def router_settings(args: argparse.Namespace) -> Any:
         raise UsageError(f"{'--config ' + args.config + ': ' if args.config else ''}{e}") from None
 
 
+def worker_specs(args: argparse.Namespace, rcfg: Any) -> list[WorkerSpec]:
+    """The per-worker specs of this launch: ``--worker`` flags, else the config file's ``workers:``
+    section, else none (``--num-workers`` workers of ``--model``)."""
+    if args.worker_specs:
+        return [parse_worker_spec(t) for t in args.worker_specs]
+    return [spec_from_config(e, i) for i, e in enumerate(rcfg.workers)]
+
+
 def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> LaunchConfig:
     """Validate flags, read the router's config file and plan GPUs; raises :class:`UsageError` /
     :class:`GpuPlanError`.
 
     Precedence, for every field the launcher and the router share (host, port, shm, policy,
-    router processes, log level): built-in default < ``--config`` file < command-line flag."""
-    if args.num_workers < 1:
-        raise UsageError(f"--num-workers must be at least 1 (got {args.num_workers})")
+    router processes, log level): built-in default < ``--config`` file < command-line flag.
+    Workers: ``--worker`` specs (or the file's ``workers:``) plan each group of workers
+    (:mod:`launcher.specs`); otherwise ``--num-workers`` workers of ``--model`` share ``--gpus``."""
     if args.port is not None and not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be in 1..65535 (got {args.port})")
     rcfg = router_settings(args)
@@ -125,40 +147,68 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         raise UsageError(f"--state-interval-ms must be positive (got {args.state_interval_ms})")
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be positive (got {args.time_scale})")
-    explicit = args.gpus is not None
-    gpus = parse_gpu_list(args.gpus) if explicit else discover_gpus()
-    engine = choose_engine(args.engine, bool(gpus), args.model, gpus_explicit=explicit)
-    if engine == "sim" and not explicit:
-        gpus = []  # the simulator needs no GPU: do not refuse a launch over an uneven split it won't use
-    if engine == "openai" and len(args.engine_urls) != args.num_workers:
-        raise UsageError(f"--engine openai needs one --engine-url per worker ({args.num_workers}), "
-                         f"got {len(args.engine_urls)}")
-    if engine != "openai" and args.engine_urls:
-        raise UsageError("--engine-url is only for --engine openai")
-    if args.time_scale is not None and engine != "sim":
+    specs = worker_specs(args, rcfg)
+    workers: list[WorkerPlan] = []
+    if specs:
+        if args.gpus is not None:
+            raise UsageError("--gpus and per-worker specs: give each spec its gpus=... instead")
+        if args.engine_urls:
+            raise UsageError("--engine-url and per-worker specs: give each spec its url=... instead")
+        workers = plan_workers(specs, default_engine=args.engine, default_model=args.model,
+                               discovered_gpus=discover_gpus() if len(specs) == 1 else [], engine_args=engine_args)
+        if args.num_workers is not None and args.num_workers != len(workers):
+            raise UsageError(f"--num-workers {args.num_workers} but the worker specs start {len(workers)} worker(s)")
+        num_workers = len(workers)
+        engines = {w.engine for w in workers}
+        engine = engines.pop() if len(engines) == 1 else "mixed"
+        models = {w.model for w in workers}
+        model = models.pop() if len(models) == 1 else None
+        plan = GpuPlan(num_workers=num_workers, groups=[w.gpus for w in workers],
+                       tp_size=workers[0].tp_size if len({w.tp_size for w in workers}) == 1 else 0)
+    else:
+        if args.num_workers is None:
+            raise UsageError("give --num-workers N (N workers of --model), or --worker specs (one per group of "
+                             "workers: model=...,gpus=...)")
+        if args.num_workers < 1:
+            raise UsageError(f"--num-workers must be at least 1 (got {args.num_workers})")
+        num_workers = args.num_workers
+        explicit = args.gpus is not None
+        gpus = parse_gpu_list(args.gpus) if explicit else discover_gpus()
+        engine = choose_engine(args.engine, bool(gpus), args.model, gpus_explicit=explicit)
+        if engine == "sim" and not explicit:
+            gpus = []  # the simulator needs no GPU: do not refuse a launch over an uneven split it won't use
+        if engine == "openai" and len(args.engine_urls) != num_workers:
+            raise UsageError(f"--engine openai needs one --engine-url per worker ({num_workers}), "
+                             f"got {len(args.engine_urls)}")
+        if engine != "openai" and args.engine_urls:
+            raise UsageError("--engine-url is only for --engine openai")
+        plan = plan_gpus(gpus, num_workers)
+        model = args.model
+    kinds = {w.engine for w in workers} or {engine}
+    if args.time_scale is not None and "sim" not in kinds:
         raise UsageError("--time-scale only applies to --engine sim")
-    plan = plan_gpus(gpus, args.num_workers)
     port = rcfg.router.port
     run_dir = Path(args.run_dir or os.environ.get("DPLB_RUN_DIR")
                    or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dplb-{port}"))
     return LaunchConfig(
-        num_workers=args.num_workers, plan=plan, engine=engine, model=args.model, host=rcfg.router.host, port=port,
+        num_workers=num_workers, plan=plan, engine=engine, model=model, host=rcfg.router.host, port=port,
         config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
         policy=args.policy, time_scale=args.time_scale, router_workers=args.router_workers,
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
-        start_timeout_s=args.start_timeout or START_TIMEOUTS[engine])
+        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers)
 
 
 def plan_document(cfg: LaunchConfig) -> dict:
-    """The ``--dry-run --json`` document: engine, tp size, and per worker GPUs, env and argv."""
+    """The ``--dry-run --json`` document: engine, tp size, models, and per worker its engine, model,
+    GPUs, env and argv (``engine`` is ``mixed`` and ``tp_size`` 0 when the workers differ)."""
     return {
-        "engine": cfg.engine, "model": cfg.model, "num_workers": cfg.num_workers, "tp_size": cfg.plan.tp_size,
-        "shm": cfg.shm_name, "run_dir": str(cfg.run_dir), "url": cfg.url,
-        "workers": [{"worker_id": k, "gpus": cfg.plan.groups[k],
-                     "cuda_visible_devices": cfg.plan.cuda_visible_devices(k), "argv": cfg.agent_argv(k)}
-                    for k in range(cfg.num_workers)],
+        "engine": cfg.engine, "model": cfg.model, "models": cfg.models, "num_workers": cfg.num_workers,
+        "tp_size": cfg.plan.tp_size, "shm": cfg.shm_name, "run_dir": str(cfg.run_dir), "url": cfg.url,
+        "workers": [{"worker_id": k, "engine": w.engine, "model": w.model, "gpus": w.gpus, "tp_size": w.tp_size,
+                     "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k)}
+                    for k, w in enumerate(cfg.workers)],
         "router": {"argv": cfg.router_argv()},
     }
 
@@ -174,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
             else:
-                print(f"engine {cfg.engine}, {cfg.num_workers} worker(s), tp {cfg.plan.tp_size}")
+                print(f"{cfg.num_workers} worker(s): {describe_workers(cfg.workers)}")
                 for w in doc["workers"]:
                     print(f"worker {w['worker_id']}: CUDA_VISIBLE_DEVICES={w['cuda_visible_devices'] or '(unset)'} "
                           + " ".join(w["argv"]))

@@ -50,6 +50,7 @@ from launcher.children import (
 )
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
 from launcher.gpus import GpuPlan
+from launcher.specs import WorkerPlan
 from launcher.stack import agent_argv, router_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,29 @@ class LaunchConfig:
     python: str = sys.executable
     agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
     router_module: str = "router"
+    #: every worker's plan (:class:`launcher.specs.WorkerPlan`); empty: one model for all, from
+    #: ``plan``/``engine``/``model``/``engine_urls``/``engine_args``
+    workers: list[WorkerPlan] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            self.workers = [
+                WorkerPlan(engine=self.engine, model=self.model, gpus=list(self.plan.groups[k]),
+                           tp_size=self.plan.tp_size if self.plan.groups[k] else 1,
+                           engine_url=self.engine_urls[k] if self.engine == "openai" else None,
+                           engine_args=list(self.engine_args))
+                for k in range(self.num_workers)]
+        self.num_workers = len(self.workers)
+
+    @property
+    def models(self) -> list[str]:
+        """The models served, in worker order, each once (the sim default for a sim worker naming none)."""
+        out: list[str] = []
+        for w in self.workers:
+            m = w.model or (DEFAULT_SIM_MODEL if w.engine == "sim" else "")
+            if m and m not in out:
+                out.append(m)
+        return out
 
     def agent_socket(self, k: int) -> Path:
         """Unix socket worker ``k``'s agent serves on."""
@@ -98,16 +122,15 @@ class LaunchConfig:
 
     def agent_argv(self, k: int) -> list[str]:
         """Command line of worker ``k``'s agent (:func:`launcher.stack.agent_argv`)."""
-        extra = list(self.engine_args)
-        if self.engine == "sim" and self.time_scale is not None:
+        w = self.workers[k]
+        extra = list(w.engine_args)
+        if w.engine == "sim" and self.time_scale is not None:
             extra = ["--time-scale", f"{self.time_scale:g}", *extra]
-        gpus = self.plan.groups[k]
-        return agent_argv(k, self.shm_name, self.agent_socket(k), engine=self.engine, model=self.model,
-                          gpus=gpus, tp_size=self.plan.tp_size if gpus else None,
-                          engine_url=self.engine_urls[k] if self.engine == "openai" else None,
+        return agent_argv(k, self.shm_name, self.agent_socket(k), engine=w.engine, model=w.model,
+                          gpus=w.gpus, tp_size=w.tp_size if w.gpus else None, engine_url=w.engine_url,
                           state_interval_ms=self.state_interval_ms, run_dir=self.run_dir,
                           latency_window_s=self.latency_window_s, engine_args=extra, python=self.python,
-                          module=self.agent_module)
+                          module=self.agent_module, extra=["--weight", f"{w.weight:g}"] if w.weight != 1.0 else ())
 
     def router_argv(self) -> list[str]:
         """Command line of the router (:func:`launcher.stack.router_argv`)."""
@@ -121,7 +144,7 @@ class LaunchConfig:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         if k is not None:
-            cvd = self.plan.cuda_visible_devices(k)
+            cvd = self.workers[k].cuda_visible_devices()
             if cvd is not None:
                 env["CUDA_VISIBLE_DEVICES"] = cvd
         return env
@@ -196,9 +219,7 @@ class Supervisor:
         become_subreaper()
         seg_cls = self._segment_api or _segment_class()
         self.segment = seg_cls.create(cfg.shm_name, num_slots=cfg.num_slots, replace=True)
-        gpu_note = (f"GPUs {cfg.plan.groups} (tp {cfg.plan.tp_size})" if any(cfg.plan.groups) else "no GPU")
-        self._say(f"dplb: {cfg.num_workers} worker(s), engine {cfg.engine}"
-                  f"{' model ' + cfg.model if cfg.model else ''}, {gpu_note}; segment {cfg.shm_name}; "
+        self._say(f"dplb: {cfg.num_workers} worker(s), {describe_workers(cfg.workers)}; segment {cfg.shm_name}; "
                   f"logs in {cfg.run_dir}")
         for k in range(cfg.num_workers):
             self._check_stop()
@@ -318,13 +339,21 @@ class Supervisor:
             out.append("-" if name == "EMPTY" else name)
         return out
 
+    def served_models(self) -> list[str]:
+        """Model names the workers serve (from their slots, in worker order), else the planned ones."""
+        out: list[str] = []
+        for k in range(self.cfg.num_workers):
+            try:
+                m = str(self.segment.read_slot(k).model or "")
+            except Exception:  # noqa: BLE001 - the banner must not fail over a torn read
+                m = ""
+            if m and m not in out:
+                out.append(m)
+        return out or self.cfg.models or [DEFAULT_SIM_MODEL]
+
     def served_model(self) -> str:
-        """Model name the workers serve (from slot 0), else ``--model``, else the sim default."""
-        try:
-            m = self.segment.read_slot(0).model
-        except Exception:  # noqa: BLE001 - the banner must not fail over a torn read
-            m = ""
-        return str(m) if m else (self.cfg.model or DEFAULT_SIM_MODEL)
+        """The first model served (the banner's example request)."""
+        return self.served_models()[0]
 
     def print_banner(self) -> None:
         """The ready banner: URL, a curl line, the segment dump command, logs, how to stop."""
@@ -333,12 +362,16 @@ class Supervisor:
                              "max_tokens": 32}).decode()
         lines = [
             "",
-            f"DPLB ready: {cfg.num_workers} worker(s) ({cfg.engine}), router on {cfg.url}",
+            (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
+            f"router on {cfg.url}"),
             f"  OpenAI base URL  {cfg.url}/v1",
+            f"  models           {', '.join(self.served_models())}",
             (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
              f"-d {shlex.quote(body)}"),
             f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
             f"  router status    curl -s {cfg.url}/dplb/status",
+            (f"  metrics          {cfg.url}/metrics (router and workers), {cfg.url}/dplb/prometheus/targets "
+            "(engines, Prometheus http_sd)"),
             f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",
             "Press Ctrl-C to stop every worker, engine and the router.",
         ]
@@ -413,6 +446,24 @@ class Supervisor:
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+
+def describe_workers(workers: list[WorkerPlan]) -> str:
+    """One line of what runs where: per run of workers with the same engine and model, their ids,
+    engine, model and GPU groups (tensor parallel size)."""
+    parts: list[str] = []
+    k = 0
+    while k < len(workers):
+        w = workers[k]
+        j = k
+        while j + 1 < len(workers) and (workers[j + 1].engine, workers[j + 1].model) == (w.engine, w.model):
+            j += 1
+        ids = str(k) if j == k else f"{k}-{j}"
+        groups = [x.gpus for x in workers[k:j + 1]]
+        gpu = f"GPUs {groups} (tp {w.tp_size})" if any(groups) else "no GPU"
+        parts.append(f"worker {ids}: engine {w.engine}{' model ' + w.model if w.model else ''}, {gpu}")
+        k = j + 1
+    return "; ".join(parts)
 
 
 def _now_ns() -> int:

@@ -31,8 +31,11 @@ from router.errors import (
     BadRequest,
     HeadersTooLarge,
     NoEligibleWorker,
+    NotFound,
     RouterError,
+    TransportError,
     Unauthorized,
+    UpstreamError,
     error_body,
 )
 from router.health import HealthMonitor
@@ -49,6 +52,8 @@ from router.workers import Registry
 log = logging.getLogger("dplb.router")
 CONFIG_ENV = "DPLB_ROUTER_CONFIG_JSON"
 POST_ONLY = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+ENGINE_METRICS_TIMEOUT_S = 5.0
+PROM_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def attach_segment(name: str, wait_s: float = 10.0) -> Any:
@@ -155,6 +160,7 @@ class RouterState:
         self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep]
         await self.mirrors.tick()
         self.monitor.start()
+        self.metrics.attach(self)
         self.proxy = Proxy(self)
 
     def _hold_router_lock(self) -> None:
@@ -232,7 +238,6 @@ class RouterState:
             self.seg.circuit_set(wid, state)
         except Exception:  # noqa: BLE001 - slot may be gone
             log.debug("circuit_set(%d) failed", wid)
-        self.metrics.circuit.labels(str(wid)).set(state)
         if state == 1:
             log.warning("circuit of worker %d opened", wid)
 
@@ -303,6 +308,14 @@ def build_fastapi(state: RouterState) -> FastAPI:
                 for m in state.registry.models()]
         return _json({"object": "list", "data": data})
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        check_key(request)
+        if model_id not in state.registry.models():
+            served = ", ".join(state.registry.models()) or "none"
+            raise NotFound(f"the model '{model_id}' does not exist (served: {served})", param="model")
+        return _json({"id": model_id, "object": "model", "created": state.started, "owned_by": "dplb"})
+
     @app.get("/dplb/status")
     async def status() -> Response:
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
@@ -329,6 +342,33 @@ def build_fastapi(state: RouterState) -> FastAPI:
     async def metrics() -> Response:
         body, ctype = state.metrics.render()
         return Response(body, media_type=ctype)
+
+    @app.get("/dplb/workers/{wid}/metrics")
+    async def worker_metrics(wid: int) -> Response:
+        """The engine's own Prometheus page of worker ``wid`` (its agent relays ``GET /metrics``
+        to the engine), so a Prometheus server that reaches the router scrapes every engine."""
+        h = state.registry.handles.get(wid)
+        if h is None:
+            raise NotFound(f"no worker with id {wid}", param="id")
+        try:
+            status, body = await state.transport.get(h.endpoint, "/metrics", ENGINE_METRICS_TIMEOUT_S)
+        except TransportError as e:
+            raise UpstreamError(f"worker {wid} at {h.endpoint} did not answer GET /metrics ({e.kind})",
+                                worker_id=wid) from None
+        if status != 200:
+            raise UpstreamError(f"worker {wid}'s engine answered GET /metrics with {status}", worker_id=wid)
+        return Response(body, media_type=PROM_TEXT, headers={"x-dplb-worker-id": str(wid)})
+
+    @app.get("/dplb/prometheus/targets")
+    async def prometheus_targets(request: Request) -> Response:
+        """Prometheus HTTP service discovery (``http_sd_configs``): one target per listed worker,
+        scraped at ``/dplb/workers/<id>/metrics`` on this router (the address the request came
+        to), labelled ``worker`` and ``model``."""
+        host = request.headers.get("host") or f"{state.cfg.router.host}:{state.cfg.router.port}"
+        groups = [{"targets": [host], "labels": {"__metrics_path__": f"/dplb/workers/{wid}/metrics",
+                                                 "worker": str(wid), "model": h.model or ""}}
+                  for wid, h in sorted(state.registry.handles.items())]
+        return _json(groups)
 
     app.include_router(admin_router(state))
     return app

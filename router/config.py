@@ -227,6 +227,33 @@ class Retries(_Strict):
     retry_on_disconnect: bool = False
 
 
+class LaunchWorker(_Strict):
+    """One entry of ``workers``: ``count`` workers the launcher starts, all serving ``model`` with
+    ``engine`` (default: the launcher's ``--engine`` rule) on ``gpus`` (``"0-3"``, ``"4,5"`` or a
+    list; split evenly among the ``count`` workers, tensor parallel = GPUs per worker), with
+    ``engine_args`` added after the launcher's own; ``engine_url`` attaches ``--engine openai`` to a
+    running server (``count`` 1); ``weight`` is the routing weight. The router does not read this
+    section (it routes by each request's ``model``); ``launch_dplb.sh --worker`` says the same on
+    the command line."""
+
+    model: str | None = None
+    engine: Literal["sim", "vllm", "sglang", "openai"] | None = None
+    gpus: str | None = None
+    count: int = Field(default=1, ge=1, le=64)
+    engine_url: str | None = None
+    engine_args: list[str] = Field(default_factory=list)
+    weight: float = Field(default=1.0, gt=0, le=100)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return ",".join(str(x) for x in v)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return str(v)
+        return v
+
+
 class Config(_Strict):
     """Whole router configuration (the ``dplb.yaml`` file)."""
 
@@ -236,6 +263,8 @@ class Config(_Strict):
     routing_policy: RoutingPolicy = Field(default_factory=lambda: RoutingPolicy())
     circuit_breaker: CircuitBreaker = Field(default_factory=lambda: CircuitBreaker())
     retries: Retries = Field(default_factory=lambda: Retries())
+    # what the launcher starts (several models on one box); empty: --num-workers/--model decide
+    workers: list[LaunchWorker] = Field(default_factory=list)
 
     @property
     def shm_name(self) -> str:

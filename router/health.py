@@ -12,9 +12,10 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
    Refused connections, error statuses and hung workers (no response heads either) still count;
 3. reloads the admin state file when it changed (drain/remove made through another process);
 4. refreshes remote mirror slots (only in the process holding the mirror lock, see
-   :mod:`router.mirror`);
-5. updates the per-worker gauges of every listed worker, dead ones included (KV use, ready,
-   circuit, slot state, engine restarts).
+   :mod:`router.mirror`).
+
+The per-worker gauges are not sampled here: ``/metrics`` reads the segment when it is scraped
+(:class:`router.metrics.SegmentCollector`), so a burst between two ticks is not missed.
 
 Heartbeat staleness and slot state are checked on every decision from the live segment, not here.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from router.errors import TransportError
 from router.transport import Transport
-from router.workers import STATE_NAMES, Registry, WorkerHandle
+from router.workers import Registry, WorkerHandle
 
 log = logging.getLogger("dplb.router.health")
 
@@ -90,7 +91,8 @@ class HealthMonitor:
         return ok
 
     async def tick(self) -> None:
-        """One round: sync, extras, probes, gauges."""
+        """One round: sync, extras, probes (the per-worker gauges are read from the segment when
+        ``/metrics`` is scraped, :class:`router.metrics.SegmentCollector`)."""
         self.sync()
         for fn in self.extra:
             try:
@@ -100,15 +102,6 @@ class HealthMonitor:
         handles = list(self.registry.handles.values())
         if self.probes and handles:
             await asyncio.gather(*(self.probe(h) for h in handles))
-        m = self.metrics
-        if m is not None:
-            reg = self.registry
-            for h in list(reg.handles.values()):
-                s = h.snap
-                state = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
-                m.set_worker(h.worker_id, state, reg.routing_state(h) == "eligible", h.breaker.state,
-                             None if s is None else float(s.kv_cache_usage), int(getattr(s, "restarts", 0) or 0))
-                m.set_inflight(h.worker_id, h.local_inflight)  # sampled per tick, not per request
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

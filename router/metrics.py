@@ -1,54 +1,216 @@
-"""Prometheus families of the router (``GET /metrics``), in their own registry.
+"""Prometheus families of the router (``GET /metrics``).
 
-| family                                      | type      | labels            |
-|---------------------------------------------|-----------|-------------------|
-| dplb_router_requests_total                  | counter   | worker, status    |
-| dplb_router_request_errors_total            | counter   | worker, kind      |
-| dplb_router_request_duration_seconds        | histogram | route             |
-| dplb_router_time_to_first_token_seconds     | histogram | route             |
-| dplb_router_worker_inflight                 | gauge     | worker            |
-| dplb_router_worker_kv_cache_usage           | gauge     | worker            |
-| dplb_router_worker_ready                    | gauge     | worker            |
-| dplb_router_routing_decisions_total         | counter   | policy, reason    |
-| dplb_router_retries_total                   | counter   | reason            |
-| dplb_router_circuit_state                   | gauge     | worker (0 closed, 1 open, 2 half-open) |
-| dplb_router_worker_state                    | gauge     | worker, state (1 for the slot's state) |
-| dplb_router_worker_engine_restarts          | gauge     | worker            |
+Two sources, one page:
 
-``kind`` is one of connect, timeout, status_5xx, stream_broken, client_disconnect.
+**Counted by this router** (its own registry; with ``--workers`` > 1 prometheus_client's
+multiprocess mode sums them over the router processes):
 
-Every slot that is not EMPTY has series (a DEAD worker reads ``ready 0`` and ``state{state="dead"}
-1``); a worker that leaves (slot emptied, removed by an admin, taken by a new process) has its
-per-worker gauges removed — in multiprocess mode, where a removed series cannot be withdrawn from
-another process's file, they are set to 0 instead. ``worker_engine_restarts`` is the slot's
-``restarts`` field (engine restarts by its agent since it claimed the slot). Histogram
-buckets follow vLLM's TTFT/e2e buckets (``vllm/v1/metrics/loggers.py``), trimmed at the low end
-for sub-millisecond proxying. With ``--workers`` > 1 the router runs prometheus_client's
-multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by ``router.__main__``): counters and
-histograms are summed over the processes, the in-flight gauge too (``livesum``), the other gauges
-report the latest value (``livemostrecent``).
+| family                                      | type      | labels          |
+|---------------------------------------------|-----------|-----------------|
+| dplb_router_requests_total                  | counter   | worker, status  |
+| dplb_router_request_errors_total            | counter   | worker, kind    |
+| dplb_router_request_duration_seconds        | histogram | route           |
+| dplb_router_time_to_first_token_seconds     | histogram | route           |
+| dplb_router_request_phase_seconds           | histogram | phase, model    |
+| dplb_router_prompt_tokens_total             | counter   | worker, model   |
+| dplb_router_generation_tokens_total         | counter   | worker, model   |
+| dplb_router_routing_decisions_total         | counter   | policy, reason  |
+| dplb_router_retries_total                   | counter   | reason          |
+
+``kind`` is one of connect, timeout, status_5xx, stream_broken, client_disconnect. The TTFT
+histogram times a stream from the request's arrival to the first chunk that carries content
+(:mod:`router.stream_meter`; a chat stream's role-only chunk does not count). ``phase``:
+``routing`` (arrival → dispatch to the worker, retries included), ``queue_prefill`` (dispatch →
+first content: the engine's queue and the prefill), ``decode`` (first content → last byte); streams
+only (a non-streamed answer shows no first token). Tokens: the answer's ``usage`` when it has one,
+else one per content event (output) and the router's estimate (prompt).
+
+**Read from the segment at scrape time** (:class:`SegmentCollector`: one fresh read of every
+listed slot per scrape, never a sample of some earlier tick; the segment is one truth for every
+router process, so the process answering the scrape reports it once, nothing is summed):
+
+| family                                        | type    | what (labels worker, model)                   |
+|-----------------------------------------------|---------|-----------------------------------------------|
+| dplb_build_info                               | gauge   | 1; labels version, layout_version, policy     |
+| dplb_worker_info                              | gauge   | 1; plus labels gpus, endpoint, remote         |
+| dplb_worker_state                             | gauge   | 1 for the slot's state (label state)          |
+| dplb_worker_ready                             | gauge   | 1 when this router routes to it (eligible)    |
+| dplb_worker_heartbeat_age_seconds             | gauge   | age of the agent's last heartbeat             |
+| dplb_worker_requests_running                  | gauge   | in the engine's running batch                 |
+| dplb_worker_requests_waiting                  | gauge   | queued in the engine                          |
+| dplb_worker_requests_in_flight                | gauge   | dispatched by all routers, not yet answered   |
+| dplb_worker_prefill_outstanding_tokens        | gauge   | uncached prompt tokens before first token     |
+| dplb_worker_decode_requests                   | gauge   | requests past their first token               |
+| dplb_worker_kv_cache_usage_ratio              | gauge   | 0..1 (absent while unknown)                   |
+| dplb_worker_recent_ttft_seconds               | gauge   | routers' TTFT EWMA (absent before a sample)   |
+| dplb_worker_recent_tpot_seconds               | gauge   | routers' TPOT EWMA (absent before a sample)   |
+| dplb_worker_prefill_rate_tokens_per_second    | gauge   | learned prefill rate (absent before learning) |
+| dplb_worker_gpu_memory_used_bytes             | gauge   | NVML, summed over the worker's GPUs           |
+| dplb_worker_gpu_memory_total_bytes            | gauge   | (both absent while unknown)                   |
+| dplb_worker_circuit_state                     | gauge   | 0 closed, 1 open, 2 half-open                 |
+| dplb_worker_engine_restarts_total             | counter | engine restarts by its agent since the claim  |
+| dplb_worker_requests_completed_total          | counter | answered by the agent                         |
+| dplb_worker_requests_failed_total             | counter | failed at the agent                           |
+
+Every slot that is not EMPTY (and not removed by an admin) is listed, dead ones included (a DEAD
+worker reads ``ready 0`` and ``state{state="dead"} 1``); a worker that leaves loses its series at
+the next scrape. Histogram buckets follow vLLM's TTFT/e2e buckets (``vllm/v1/metrics/loggers.py``),
+trimmed at the low end for sub-millisecond proxying.
 """
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
+import platform
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-WORKER_STATES = ("empty", "starting", "ready", "draining", "dead")
+log = logging.getLogger("dplb.router.metrics")
+
+WORKER_STATES = ("starting", "ready", "draining", "dead")
+ERROR_KINDS = ("connect", "timeout", "status_5xx", "stream_broken", "client_disconnect")
+RETRY_REASONS = ("connect", "timeout", "stream_broken")  # plus status_<code> per retries.retry_on_status
+PHASES = ("routing", "queue_prefill", "decode")
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0, 640.0)
 
 
+def build_version() -> str:
+    """DPLB's installed version (package metadata), ``unknown`` when not installed."""
+    try:
+        from importlib.metadata import version
+
+        return version("dplb")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        return "unknown"
+
+
+class SegmentCollector:
+    """Per-worker series read from the segment when ``/metrics`` is scraped (module docstring).
+
+    ``state``: the :class:`router.app.RouterState` (its ``registry``, ``seg`` and ``policy`` are
+    read at collect time; before the router started only ``dplb_build_info`` is reported)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.version = build_version()
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the live workers; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.state
+        policy = getattr(getattr(st, "policy", None), "name", "") or ""
+        try:
+            from dplb_shm import LAYOUT_VERSION
+
+            layout = str(LAYOUT_VERSION)
+        except Exception:  # noqa: BLE001 - the extension is missing: the router would not run anyway
+            layout = "unknown"
+        info = GaugeMetricFamily("dplb_build_info", "DPLB build: version, segment layout version, routing policy",
+                                 labels=["version", "layout_version", "policy", "python"])
+        info.add_metric([self.version, layout, policy, platform.python_version()], 1.0)
+        yield info
+        reg = getattr(st, "registry", None)
+        seg = getattr(st, "seg", None)
+        if reg is None or seg is None:
+            return
+        m = getattr(st, "metrics", None)
+        if m is not None:
+            for wid in list(reg.handles):
+                m.see_worker(wid)
+        yield from self._workers(reg, seg)
+
+    def _workers(self, reg: Any, seg: Any) -> Iterator[Metric]:
+        L = ["worker", "model"]
+
+        def g(name: str, doc: str, labels: list[str] = L) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        def c(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=L)
+
+        winfo = g("dplb_worker_info", "1 per listed worker; its GPUs, endpoint and whether it is a remote mirror",
+                  ["worker", "model", "gpus", "endpoint", "remote"])
+        state = g("dplb_worker_state", "1 for the state the worker's slot is in (starting, ready, draining, dead)",
+                  ["worker", "model", "state"])
+        ready = g("dplb_worker_ready", "1 when this router sends requests to the worker (eligible for routing)")
+        hb = g("dplb_worker_heartbeat_age_seconds", "Age of the agent's last heartbeat in the segment")
+        running = g("dplb_worker_requests_running", "Requests in the engine's running batch (engine /metrics)")
+        waiting = g("dplb_worker_requests_waiting", "Requests queued in the engine, not yet scheduled (engine /metrics)")
+        inflight = g("dplb_worker_requests_in_flight",
+                     "Requests dispatched to the worker by all router processes and not yet answered")
+        prefill = g("dplb_worker_prefill_outstanding_tokens",
+                    "Uncached prompt tokens dispatched to the worker whose first token has not come back")
+        decode = g("dplb_worker_decode_requests", "Requests on the worker past their first token (router accounting)")
+        kv = g("dplb_worker_kv_cache_usage_ratio", "KV-cache usage of the engine, 0..1 (absent while unknown)")
+        ttft = g("dplb_worker_recent_ttft_seconds",
+                 "Recent time to first token on the worker as the routers saw it (EWMA, dispatch to first content)")
+        tpot = g("dplb_worker_recent_tpot_seconds", "Recent time per output token on the worker (routers' EWMA)")
+        rate = g("dplb_worker_prefill_rate_tokens_per_second", "Prefill rate the routers learned for the worker")
+        mem_used = g("dplb_worker_gpu_memory_used_bytes", "GPU memory used on the worker's GPUs (NVML; absent if unknown)")
+        mem_total = g("dplb_worker_gpu_memory_total_bytes", "GPU memory of the worker's GPUs (NVML; absent if unknown)")
+        circuit = g("dplb_worker_circuit_state", "Circuit breaker of the worker: 0 closed, 1 open, 2 half-open")
+        restarts = c("dplb_worker_engine_restarts", "Engine restarts by the worker's agent since it claimed its slot")
+        done = c("dplb_worker_requests_completed", "Requests the worker's agent answered")
+        failed = c("dplb_worker_requests_failed", "Requests that failed at the worker's agent")
+        from router.workers import STATE_NAMES
+
+        for wid in sorted(reg.handles):
+            h = reg.handles.get(wid)
+            if h is None:
+                continue
+            try:
+                s = seg.read_slot(wid)
+            except Exception:  # noqa: BLE001 - a slot read mid-release: report what the last tick saw
+                s = h.snap
+            if s is None or int(s.state) == 0:
+                continue
+            w, model = str(wid), str(s.model or h.model or "")
+            lv = [w, model]
+            st_name = STATE_NAMES.get(int(s.state), "unknown")
+            winfo.add_metric([w, model, ",".join(str(x) for x in (s.gpu_ids or [])), str(s.endpoint or h.endpoint),
+                              "true" if h.mirror else "false"], 1.0)
+            for name in WORKER_STATES:
+                state.add_metric([w, model, name], 1.0 if name == st_name else 0.0)
+            ready.add_metric(lv, 1.0 if reg.routing_state(h, s) == "eligible" else 0.0)
+            hb.add_metric(lv, max(0.0, float(s.heartbeat_age_ms)) / 1e3)
+            running.add_metric(lv, float(s.num_running))
+            waiting.add_metric(lv, float(s.num_waiting))
+            inflight.add_metric(lv, float(max(0, s.router_inflight)))
+            prefill.add_metric(lv, float(max(0, getattr(s, "prefill_tokens", 0))))
+            decode.add_metric(lv, float(max(0, getattr(s, "decode_reqs", 0))))
+            if 0.0 <= float(s.kv_cache_usage) <= 1.0:
+                kv.add_metric(lv, float(s.kv_cache_usage))
+            if getattr(s, "router_ttft_s", 0.0) > 0:
+                ttft.add_metric(lv, float(s.router_ttft_s))
+            if getattr(s, "router_tpot_s", 0.0) > 0:
+                tpot.add_metric(lv, float(s.router_tpot_s))
+            if getattr(s, "prefill_rate", 0.0) > 0:
+                rate.add_metric(lv, float(s.prefill_rate))
+            if s.gpu_mem_total_bytes >= 0 and s.gpu_mem_used_bytes >= 0:
+                mem_used.add_metric(lv, float(s.gpu_mem_used_bytes))
+                mem_total.add_metric(lv, float(s.gpu_mem_total_bytes))
+            circuit.add_metric(lv, float(int(s.circuit)))
+            restarts.add_metric(lv, float(int(getattr(s, "restarts", 0) or 0)))
+            done.add_metric(lv, float(s.completed))
+            failed.add_metric(lv, float(s.failed))
+        yield from (winfo, state, ready, hb, running, waiting, inflight, prefill, decode, kv, ttft, tpot, rate,
+                    mem_used, mem_total, circuit, restarts, done, failed)
+
+
 class Metrics:
-    """All router metric families; ``render()`` returns (body bytes, content type)."""
+    """All router metric families; ``render()`` returns (body bytes, content type).
+    :meth:`attach` adds the per-worker series of a started router (:class:`SegmentCollector`)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -60,31 +222,42 @@ class Metrics:
                                   "Time from request received to last byte sent", ["route"], buckets=BUCKETS,
                                   registry=r)
         self.ttft = Histogram("dplb_router_time_to_first_token_seconds",
-                              "Time from request received to first response body byte (streams)", ["route"],
-                              buckets=BUCKETS, registry=r)
-        self.inflight = Gauge("dplb_router_worker_inflight", "Requests in flight per worker (this router)",
-                              ["worker"], registry=r, multiprocess_mode="livesum")
-        self.kv = Gauge("dplb_router_worker_kv_cache_usage", "KV-cache usage 0..1 as last read from the segment",
-                        ["worker"], registry=r, multiprocess_mode="livemostrecent")
-        self.ready = Gauge("dplb_router_worker_ready", "1 when the worker is eligible for routing", ["worker"],
-                           registry=r, multiprocess_mode="livemostrecent")
+                              "Time from request received to the first response chunk carrying content (streams)",
+                              ["route"], buckets=BUCKETS, registry=r)
+        self.phase = Histogram("dplb_router_request_phase_seconds",
+                               "Time of a streamed request in each phase: routing (received to dispatched), "
+                               "queue_prefill (dispatched to first content), decode (first content to last byte)",
+                               ["phase", "model"], buckets=BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dplb_router_prompt_tokens", "Prompt tokens of the requests answered, per worker",
+                                     ["worker", "model"], registry=r)
+        self.generation_tokens = Counter("dplb_router_generation_tokens",
+                                         "Tokens generated in the answers relayed, per worker", ["worker", "model"],
+                                         registry=r)
         self.decisions = Counter("dplb_router_routing_decisions", "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
         self.retries = Counter("dplb_router_retries", "Requests retried on another worker before the first byte",
                                ["reason"], registry=r)
-        self.circuit = Gauge("dplb_router_circuit_state", "Circuit state (0 closed, 1 open, 2 half-open)",
-                             ["worker"], registry=r, multiprocess_mode="livemostrecent")
-        self.state = Gauge("dplb_router_worker_state",
-                           "1 for the state the worker's slot is in (empty, starting, ready, draining, dead)",
-                           ["worker", "state"], registry=r, multiprocess_mode="livemostrecent")
-        self.restarts = Gauge("dplb_router_worker_engine_restarts",
-                              "Engine restarts by the worker's agent since it claimed its slot (from the segment)",
-                              ["worker"], registry=r, multiprocess_mode="livemostrecent")
+        self.collector: SegmentCollector | None = None
         self._req_children: dict[tuple[str, int], object] = {}
         self._dec_children: dict[tuple[str, str], object] = {}
         self._dur: dict[str, object] = {}
         self._ttft: dict[str, object] = {}
-        self._inflight: dict[int, object] = {}
+        self._phase: dict[tuple[str, str], object] = {}
+        self._tok: dict[tuple[int, str], tuple[Any, Any]] = {}
+        self._seen: set[int] = set()
+
+    def attach(self, state: Any) -> SegmentCollector:
+        """Report the per-worker series of ``state`` (a :class:`router.app.RouterState`) on every
+        scrape, and start every retry reason the config allows at 0 (a series that exists before
+        its first event lets ``rate()`` and the dashboards show 0 rather than nothing)."""
+        cfg = getattr(state, "cfg", None)
+        statuses = list(getattr(getattr(cfg, "retries", None), "retry_on_status", []) or [])
+        for reason in (*RETRY_REASONS, *(f"status_{s}" for s in statuses)):
+            self.retries.labels(reason)
+        self.collector = SegmentCollector(state)
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.registry.register(self.collector)
+        return self.collector
 
     def observe_request(self, worker: str, status: int, route: str, seconds: float) -> None:
         """Count one answered request and its duration (children cached: ~1 µs per call)."""
@@ -99,51 +272,47 @@ class Metrics:
         h.observe(seconds)  # type: ignore[attr-defined]
 
     def observe_ttft(self, route: str, seconds: float) -> None:
-        """Time to the first relayed body byte of a stream."""
+        """Time to the first relayed chunk carrying content of a stream."""
         h = self._ttft.get(route)
         if h is None:
             h = self._ttft[route] = self.ttft.labels(route)
         h.observe(seconds)  # type: ignore[attr-defined]
 
-    def set_inflight(self, worker_id: int, n: int) -> None:
-        """Set this process's in-flight gauge of ``worker_id``."""
-        g = self._inflight.get(worker_id)
-        if g is None:
-            g = self._inflight[worker_id] = self.inflight.labels(str(worker_id))
-        g.set(n)  # type: ignore[attr-defined]
+    def observe_phase(self, phase: str, model: str, seconds: float) -> None:
+        """Time one streamed request spent in ``phase`` (``PHASES``)."""
+        key = (phase, model)
+        h = self._phase.get(key)
+        if h is None:
+            h = self._phase[key] = self.phase.labels(phase, model)
+        h.observe(seconds)  # type: ignore[attr-defined]
 
-    def set_worker(self, worker_id: int, state: str, ready: bool, circuit: int, kv: float | None,
-                   restarts: int) -> None:
-        """Per-worker gauges of one health tick: the slot ``state`` name (one-hot over
-        ``WORKER_STATES``), ``ready`` (eligible for routing), ``circuit``, ``kv`` (0..1, -1 unknown;
-        None: not read) and the slot's engine ``restarts``."""
+    def count_tokens(self, worker_id: int, model: str, prompt: int, generated: int) -> None:
+        """Count one answered request's prompt and generated tokens on ``worker_id``."""
+        key = (worker_id, model)
+        pair = self._tok.get(key)
+        if pair is None:
+            w = str(worker_id)
+            pair = self._tok[key] = (self.prompt_tokens.labels(w, model), self.generation_tokens.labels(w, model))
+        if prompt > 0:
+            pair[0].inc(prompt)
+        if generated > 0:
+            pair[1].inc(generated)
+
+    def see_worker(self, worker_id: int) -> None:
+        """Start worker ``worker_id``'s error counters at 0, every kind (once per worker)."""
+        if worker_id in self._seen:
+            return
+        self._seen.add(worker_id)
         w = str(worker_id)
-        for name in WORKER_STATES:
-            self.state.labels(w, name).set(1.0 if name == state else 0.0)
-        self.ready.labels(w).set(1.0 if ready else 0.0)
-        self.circuit.labels(w).set(circuit)
-        if kv is not None:
-            self.kv.labels(w).set(kv)
-        self.restarts.labels(w).set(restarts)
+        for kind in ERROR_KINDS:
+            self.errors.labels(w, kind)
 
     def forget_worker(self, worker_id: int) -> None:
-        """The worker left: remove its per-worker gauges (multiprocess mode: set them to 0)."""
-        w = str(worker_id)
-        self._inflight.pop(worker_id, None)
-        multi = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        per_worker = (self.ready, self.circuit, self.kv, self.inflight, self.restarts)
-        for g in per_worker:
-            if multi:
-                g.labels(w).set(0.0)
-            else:
-                with contextlib.suppress(KeyError):
-                    g.remove(w)
-        for name in WORKER_STATES:
-            if multi:
-                self.state.labels(w, name).set(0.0)
-            else:
-                with contextlib.suppress(KeyError):
-                    self.state.remove(w, name)
+        """The worker left: drop this process's cached children for it (its segment series go by
+        themselves; its counters stay, as counters of a finished target do)."""
+        for key in [k for k in self._tok if k[0] == worker_id]:
+            self._tok.pop(key, None)
+        self._seen.discard(worker_id)
 
     def decision(self, policy: str, reason: str) -> None:
         """Count one routing decision."""
@@ -160,5 +329,7 @@ class Metrics:
 
             reg = CollectorRegistry()
             multiprocess.MultiProcessCollector(reg)
+            if self.collector is not None:
+                reg.register(self.collector)
             return generate_latest(reg), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -33,6 +33,7 @@ import uuid
 from typing import Any
 
 from router.errors import (
+    BadRequest,
     BodyTooLarge,
     GatewayTimeout,
     NoEligibleWorker,
@@ -45,6 +46,13 @@ from router.errors import (
     sse_error_event,
 )
 from router.parsing import parse_request
+from router.stream_meter import (
+    StreamMeter,
+    is_event_stream,
+    on_answer,
+    on_first_content,
+    on_stream_end,
+)
 from router.transport import HOP_BY_HOP
 
 log = logging.getLogger("dplb.router.proxy")
@@ -166,6 +174,9 @@ class Proxy:
                 info.session = session.decode("latin-1")
             st = self.state
             st.monitor.sync_if_changed()
+            if info.model is None and len(st.registry.models()) > 1:
+                raise BadRequest(f"name the model: this endpoint serves {', '.join(st.registry.models())}",
+                                 param="model")
             if not st.registry.knows_model(info.model):
                 raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(st.registry.models()) or 'none'})",
                                param="model")
@@ -310,6 +321,7 @@ class Proxy:
                         tried.add(wid)
                         break
                     outcome = status < 500
+                    on_answer(metrics, lease, data)
                     resp_headers.append((b"content-length", str(len(data)).encode()))
                     await send({"type": "http.response.start", "status": status, "headers": resp_headers})
                     await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -337,20 +349,23 @@ class Proxy:
     async def relay_stream(self, up: Any, first: bytes, status: int, headers: list, send: Any, route: str,
                            t0: float, wid: int, lease: Any = None) -> bool:
         """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
-        stalled upstream ends with an SSE error event. The first chunk ends the request's prefill
-        in the lease's accounting. Returns False when the stream broke (a breaker failure)."""
+        stalled upstream ends with an SSE error event. The first chunk that carries content
+        (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
+        accounting. Returns False when the stream broke (a breaker failure)."""
         metrics = self.state.metrics
+        meter = StreamMeter(is_event_stream(headers))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         ok = True
         complete = False
         final = status
         try:
             if first:
-                metrics.observe_ttft(route, time.perf_counter() - t0)
-                if lease is not None:
-                    lease.first_token()
+                if meter.feed(first):
+                    on_first_content(metrics, route, t0, lease)
                 await send({"type": "http.response.body", "body": first, "more_body": True})
                 async for chunk in up.chunks():
+                    if meter.feed(chunk):
+                        on_first_content(metrics, route, t0, lease)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
         except TransportError as e:
@@ -367,6 +382,7 @@ class Proxy:
             await send({"type": "http.response.body", "more_body": True, "body": ev})
         finally:
             up.release(abort=not complete)
+            on_stream_end(metrics, meter, lease, complete)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         metrics.observe_request(str(wid), final, route, time.perf_counter() - t0)
         return ok

@@ -14,7 +14,9 @@ A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): takin
 request in the worker's router line (:mod:`router.accounting`: in-flight, outstanding prefill
 tokens, later decoding requests) so every router process and the kernel see the dispatch at
 once, and bumps this process's count; :meth:`Lease.release` undoes both exactly once. (The
-per-worker in-flight gauge is sampled from that count by the health tick, not per request.)
+per-worker gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
+:meth:`Lease.first_token` at a stream's first chunk that carries content
+(:mod:`router.stream_meter`), not at its first byte.
 """
 from __future__ import annotations
 

@@ -207,12 +207,13 @@ class Registry:
                 return True
         return False
 
-    def routing_state(self, h: WorkerHandle) -> str:
+    def routing_state(self, h: WorkerHandle, snap: Any = None) -> str:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
         the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
         ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
-        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``."""
-        s = h.snap
+        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
+        fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
+        s = h.snap if snap is None else snap
         if s is None:
             return "unknown"
         st = int(s.state)

@@ -1,5 +1,7 @@
 """Generation endpoints: ``/v1/completions``, ``/v1/chat/completions`` (vLLM's OpenAI shapes) and
-SGLang's ``/generate``; streaming as Server-Sent Events, one token per chunk, ``data: [DONE]`` last.
+SGLang's ``/generate``; streaming as Server-Sent Events, one event per token written as the step
+that computed it ends (so a client measures the model's inter-token latency), ``data: [DONE]`` last.
+A chat stream's role-only event comes with the first token, after the prefill, as in vLLM.
 
 Route handlers only parse, submit to the :class:`~sim_engine.runner.EngineRunner` and format; a
 client that disconnects (stream or not) aborts its requests, which frees their KV blocks at once.
@@ -158,27 +160,23 @@ def chunk_writer(base: dict, kind: str) -> Callable[[int, str, str | None], byte
 async def _sse(
     gen: Generation,
     make_chunk: Callable[[int, str, str | None], bytes],
-    first: list[dict],
+    role_chunk: Callable[[int], bytes] | None,
     usage_chunk: Callable[[], dict] | None,
 ) -> AsyncIterator[bytes]:
-    """SSE body: ``first`` chunks, then one chunk per token, then usage (if asked), then [DONE].
-    The ``first`` chunks (chat's ``delta: {"role": "assistant"}``) leave with the first tokens, as
-    vLLM sends them with its first output (after prefill), not at once: a router that reads the
-    first chunk as the end of prefill (DPLB's Lease.first_token) must see it then.
-    Cancellation (client gone) aborts the unfinished choices in ``finally``."""
+    """SSE body: one event per token, each its own write, as the engine's steps produce them;
+    then usage (if asked), then [DONE]. ``role_chunk(index)`` (chat): the role-only event each
+    choice sends just before its first token, as vLLM does (its first output after the prefill),
+    never before the prefill. Cancellation (client gone) aborts the unfinished choices in ``finally``."""
     try:
-        head = b"".join(_chunk(c) for c in first) if first else b""
         ch = gen.channel
+        started: set[int] = set()
         while not ch.done:
-            items = await ch.drain()
-            out = [head] if head else []
-            head = b""
-            for idx, req, k in items:
+            for idx, req, k in await ch.drain():
+                if role_chunk is not None and idx not in started:
+                    started.add(idx)
+                    yield role_chunk(idx)
                 text, fr = gen.delta(req, k)
-                out.append(make_chunk(idx, text, fr))
-            yield b"".join(out)
-        if head:  # finished without any event (cannot happen: an abort pushes one)
-            yield head
+                yield make_chunk(idx, text, fr)
         if usage_chunk is not None:
             yield _chunk(usage_chunk())
         yield b"data: [DONE]\n\n"
@@ -241,7 +239,7 @@ def build_router(server: SimServer) -> Routes:
         if params.stream:
             mk = chunk_writer(base, "text")
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
-            return EngineStream(server, gen, _sse(gen, mk, [], uc))
+            return EngineStream(server, gen, _sse(gen, mk, None, uc))
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
@@ -265,22 +263,13 @@ def build_router(server: SimServer) -> Routes:
         if params.stream:
             base = {"id": gen.rid, "object": "chat.completion.chunk", "created": gen.created, "model": model}
             mk = chunk_writer(base, "chat")
-            first = [
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                for i in range(len(gen.reqs))
-            ]
+
+            def role(i: int) -> bytes:
+                return _chunk({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+
             uc = (lambda: {**base, "choices": [], "usage": gen.usage()}) if params.include_usage else None
-            return EngineStream(server, gen, _sse(gen, mk, first, uc))
+            return EngineStream(server, gen, _sse(gen, mk, role, uc))
         async with server.load():
             if not await gen.wait_all(request):
                 return Response(status_code=499)
@@ -336,14 +325,11 @@ def build_router(server: SimServer) -> Routes:
                 try:
                     ch = gen.channel
                     while not ch.done:
-                        items = await ch.drain()
-                        out = []
-                        for idx, q, k in items:
+                        for idx, q, k in await ch.drain():
                             text = "".join(" " + w for w in q.output[:k])
                             if (k < 0 or k == len(q.output)) and q.finish_reason is not None:
                                 text = gen.final_text(q)
-                            out.append(_chunk({"text": text, "index": idx, "meta_info": meta(q)}))
-                        yield b"".join(out)
+                            yield _chunk({"text": text, "index": idx, "meta_info": meta(q)})
                     yield b"data: [DONE]\n\n"
                 finally:
                     gen.abort()

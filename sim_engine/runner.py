@@ -4,8 +4,9 @@ One task, no threads. Each iteration runs one *burst*: ``schedule`` + ``complete
 of several back to back when ``--time-scale`` makes a step shorter than ``MIN_SLICE_S`` (1 ms, the
 resolution of uvloop's timers), each step at its own simulated time — then sleeps until the burst's
 modelled end (``sum(duration) / time_scale`` wall seconds after it started, so the loop's own CPU
-time is absorbed), then hands the burst's tokens to their requests' :class:`OutputChannel` (one
-wake-up per request per burst). Simulated time follows the model while busy and the wall clock
+time is absorbed), handing each step's tokens to their requests' :class:`OutputChannel` when that
+step's modelled end has passed (one wake-up per request per step: a stream carries one token per
+write at the pace the model computes them). Simulated time follows the model while busy and the wall clock
 (times ``time_scale``) while idle: see :meth:`EngineRunner.now`.
 """
 
@@ -142,7 +143,8 @@ class EngineRunner:
         core, mono, scale = self.core, time.monotonic, self.time_scale
         deadline = 0.0  # wall time at which the previous burst was due to end
         idle = True
-        events: list[tuple[OutputChannel, int, SimRequest, int]] = []
+        # per step of the current burst: (wall time its tokens are due, its tokens)
+        steps: list[tuple[float, list[tuple[OutputChannel, int, SimRequest, int]]]] = []
         while True:
             if not core.has_work():
                 self._wake.clear()
@@ -169,9 +171,11 @@ class EngineRunner:
                     break
                 sim_t += plan.duration
                 wall += plan.duration / scale
+                events = []
                 for req in core.complete(plan, sim_t):
                     ch, idx = req.sink
                     events.append((ch, idx, req, len(req.output)))
+                steps.append((base + wall, events))
                 if wall >= self.MIN_SLICE_S or not core.has_work():
                     break
             self._sim_last = sim_t
@@ -185,12 +189,15 @@ class EngineRunner:
                 continue
             t_mid = mono()
             deadline = base + wall
-            await asyncio.sleep(max(0.0, deadline - t_mid))  # sleep(0) lets handlers run when CPU-bound
-            # the burst's tokens leave when its modelled time has passed
-            t_c = mono()
-            for ch, idx, req, k in events:
-                ch.push(idx, req, k)
-            events.clear()
-            t_end = mono()
-            self.wall_busy += (t_mid - t_start) + (t_end - t_c)
-            self.wall_active += t_end - t_start
+            self.wall_busy += t_mid - t_start
+            # each step's tokens leave when its modelled time has passed (one wake-up of the
+            # consumers per step, so a stream gets one token per write at the model's pace; the
+            # sleep(0) of an overdue step still lets handlers run when CPU-bound)
+            for due, events in steps:
+                await asyncio.sleep(max(0.0, due - mono()))
+                t_c = mono()
+                for ch, idx, req, k in events:
+                    ch.push(idx, req, k)
+                self.wall_busy += mono() - t_c
+            steps.clear()
+            self.wall_active += mono() - t_start

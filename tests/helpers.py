@@ -61,3 +61,23 @@ def shm_leftovers(prefix: str = "dplb-test") -> list[str]:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """Sum of the samples ``name`` whose labels include ``labels`` in Prometheus exposition
+    ``text``; None when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total = (total or 0.0) + float(s.value)
+    return total
+
+
+def promtool() -> str | None:
+    """Path of Prometheus's ``promtool`` (Debian package ``prometheus``; ``.ci/run`` installs it)."""
+    import shutil
+
+    return shutil.which("promtool")

@@ -276,6 +276,8 @@ class Agent:
             if self.nvml.available:
                 used, total = await asyncio.to_thread(self.nvml.read)
                 fields.update(gpu_mem_used_bytes=used, gpu_mem_total_bytes=total)
+            elif (sim := self.adapter.simulated_gpu_memory()) is not None:
+                fields.update(gpu_mem_used_bytes=sim[0], gpu_mem_total_bytes=sim[1])
             if not self._engine_metrics_seen:
                 fields.update(num_running=self.inflight, num_waiting=0)
             self.writer.publish(**fields)  # always: refreshes the heartbeat

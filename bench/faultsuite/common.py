@@ -101,7 +101,7 @@ class StatusWatch:
                 try:
                     rows = c.get("/dplb/status").json()["workers"]
                     row = next((w for w in rows if w["id"] == self.wid), None)
-                    gauge = metric_value(c.get("/metrics").text, "dplb_router_worker_ready", worker=str(self.wid))
+                    gauge = metric_value(c.get("/metrics").text, "dplb_worker_ready", worker=str(self.wid))
                     self.samples.append((time.monotonic(), row and row["state"], row and row["routing"], gauge))
                 except (httpx.HTTPError, ValueError, KeyError):
                     pass

@@ -75,9 +75,9 @@ def run_crash_loop_gave_up_then_admin_restart() -> Result:
         res.extra["listed_in_workers"] = _row(base, 0, "/dplb/workers") is not None
         text = httpx.get(base + "/metrics", timeout=10).text
         res.extra["metrics_gave_up"] = {
-            "ready": metric_value(text, "dplb_router_worker_ready", worker="0"),
-            "dead": metric_value(text, "dplb_router_worker_state", worker="0", state="dead"),
-            "restarts": metric_value(text, "dplb_router_worker_engine_restarts", worker="0")}
+            "ready": metric_value(text, "dplb_worker_ready", worker="0"),
+            "dead": metric_value(text, "dplb_worker_state", worker="0", state="dead"),
+            "restarts": metric_value(text, "dplb_worker_engine_restarts_total", worker="0")}
         outs = asyncio.run(_some(base, 10))
         res.add(outs)
         res.extra["served_while_dead"] = dict(Counter(o.worker for o in outs))
@@ -131,8 +131,8 @@ def run_dead_and_departed_workers_in_plain_sight() -> Result:
                 "workers": {w["id"]: w["state"] for w in httpx.get(base + "/dplb/workers", timeout=10).json()["workers"]},
                 "dump": {w["worker_id"]: w["state"] for w in orjson.loads(dump.stdout)["workers"]},
                 "metric_state": {w: next((s for s in ("starting", "ready", "draining", "dead") if metric_value(
-                    text, "dplb_router_worker_state", worker=str(w), state=s) == 1.0), None) for w in (0, 1, 2)},
-                "ready_gauge": {w: metric_value(text, "dplb_router_worker_ready", worker=str(w)) for w in (0, 1, 2)},
+                    text, "dplb_worker_state", worker=str(w), state=s) == 1.0), None) for w in (0, 1, 2)},
+                "ready_gauge": {w: metric_value(text, "dplb_worker_ready", worker=str(w)) for w in (0, 1, 2)},
             }
 
         wait_until(lambda: states()["metric_state"] == {0: "dead", 1: "ready", 2: "draining"}, 20,
@@ -153,10 +153,10 @@ def run_dead_and_departed_workers_in_plain_sight() -> Result:
         res.extra["after_leave"] = {
             "rows": sorted(w["id"] for w in httpx.get(base + "/dplb/status", timeout=10).json()["workers"]),
             "series_0": [ln for ln in text.splitlines() if 'worker="0"' in ln and ln.startswith(
-                ("dplb_router_worker_", "dplb_router_circuit"))],
+                ("dplb_worker_",))],
             "series_2": [ln for ln in text.splitlines() if 'worker="2"' in ln and ln.startswith(
-                ("dplb_router_worker_", "dplb_router_circuit"))],
-            "ready_1": metric_value(text, "dplb_router_worker_ready", worker="1")}
+                ("dplb_worker_",))],
+            "ready_1": metric_value(text, "dplb_worker_ready", worker="1")}
     return res
 
 

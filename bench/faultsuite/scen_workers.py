@@ -35,7 +35,7 @@ def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 25.0
     Counted: only requests in flight on worker 0 at the kill may fail, honestly (a 502 or an SSE
     error event naming worker 0); every other request — those not yet started, and those that
     reached worker 0's agent after its engine died (refused: 503, retried) — must succeed. Worker
-    0's timeline in ``/dplb/status`` and ``dplb_router_worker_ready`` is recorded (``extra``)."""
+    0's timeline in ``/dplb/status`` and ``dplb_worker_ready`` is recorded (``extra``)."""
     if duration is None:
         duration = 9.0 if target == "engine" else 3.0
     res = Result(f"1 kill -9 {target}", f"SIGKILL of worker 0's {'sim engine' if target == 'engine' else 'agent + engine'}"

@@ -29,8 +29,10 @@ its own here): SGLang gateway's ``least_load`` (queued tokens / throughput + the
 no prefix term), Dynamo's KV router (``kv_cost``: uncached prefill blocks + active decode blocks)
 and LMetric (``lmetric``: new prefill tokens × (batch + 1)).
 
-If the kernel finds no eligible worker (every KV cache above the threshold) the least-loaded
-router-eligible worker is taken (reason ``fallback``) rather than refusing service.
+If every offered worker's KV cache is above ``kv_cache_threshold`` (overload), the estimate still
+decides among them, with the threshold lifted (reason ``kv_full``; the KV barrier ranks them);
+only when the kernel finds nobody at all (stale heartbeats) the least-loaded router-eligible
+worker is taken (reason ``fallback``) rather than refusing service.
 
 Config::
 
@@ -40,6 +42,7 @@ Config::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from router.policies.base import (
@@ -80,6 +83,9 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         self.max_output_tokens = max_output_tokens
         self.index = index or PrefixIndex()
         self.clock = clock
+        #: the same parameters without the KV threshold, for when every worker is above it
+        self._relaxed = (replace(params, kv_cache_threshold=1.0)
+                         if params is not None and params.kv_cache_threshold < 1.0 else None)
         self._pending_hashes: tuple[int, list[int]] | None = None
 
     def uncached_vector(self, workers: Sequence[Any], req: RequestInfo) -> tuple[list[float], dict[int, int]]:
@@ -103,6 +109,13 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         else:
             wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, vec, now_ns=now, out_tokens=out)
         wid = int(wid)
+        if wid < 0 and self._relaxed is not None:
+            # every offered worker's KV cache is above the threshold (overload): still route by the
+            # estimate, whose KV barrier ranks them, not by request counts
+            wid, est = self.kernel.pick_ttft(self._relaxed, req.prompt_len, vec, now_ns=now, out_tokens=out)
+            wid = int(wid)
+            if wid >= 0:
+                return Decision(wid, "kv_full", rows, uncached_tokens=int(vec[wid]), est_s=est)
         if wid < 0:
             w = least_loaded(workers, self.rng)
             if explain and not rows:

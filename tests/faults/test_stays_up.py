@@ -53,7 +53,7 @@ def test_slow_request_is_answered_504_once_on_one_worker_not_run_on_every_worker
     assert r.extra["worker_header"] == str(r.extra["requests_per_worker"].index(1))
     assert sum(r.extra["disconnects_per_worker"]) == 1     # the worker was told to stop (connection closed)
     assert 1.0 <= r.extra["elapsed_s"] < 1.0 + 2.5          # one timeout, not three
-    assert r.extra["timeout_errors"] == 1.0 and r.extra["retries"] is None
+    assert r.extra["timeout_errors"] == 1.0 and not r.extra["retries"]  # the series starts at 0: no retry
     # a stream whose head came at once but whose first token is late: still a clean 504
     assert r.extra["stream_status"] == 504 and r.extra["stream_elapsed_s"] < 1.0 + 2.5
     # a lone hung worker, nothing else to try: 504 naming it, not 502

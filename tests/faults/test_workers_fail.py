@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
 def test_kill9_of_an_engine_under_load_it_comes_back_ready_by_itself_and_nothing_is_lost():
     """The issue 15 "Shows": the agent restarts the killed engine within its backoff; the dead
-    interval is visible in /dplb/status and dplb_router_worker_ready; only requests in flight on
+    interval is visible in /dplb/status and dplb_worker_ready; only requests in flight on
     the killed engine fail (honestly); the rest — queued or arriving meanwhile — all succeed."""
     r = sc.run_kill_engine("engine")
     assert r.lost == 0, lost_details(r.outcomes)

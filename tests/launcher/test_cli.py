@@ -170,3 +170,53 @@ def test_invalid_config_field_is_a_usage_error(tmp_path):
     cfg.write_text("router: {port: 70000}\n")
     cp = launch("-n", "1", "--config", str(cfg), "--dry-run")
     assert cp.returncode == 2 and "router.port" in cp.stderr, cp.stderr
+
+
+# ------------------------------------------------------------------ several models on one box (issue 16)
+def test_worker_specs_two_models_on_eight_gpus():
+    doc = plan("--worker", "model=org/A,gpus=0-3,count=2",
+               "--worker", "model=org/B,gpus=4,5,6,7,args=--max-model-len 8192", "--", "--seed", "1")
+    assert doc["num_workers"] == 3 and doc["engine"] == "vllm" and doc["models"] == ["org/A", "org/B"]
+    ws = doc["workers"]
+    assert [(w["model"], w["cuda_visible_devices"], w["tp_size"]) for w in ws] == [
+        ("org/A", "0,1", 2), ("org/A", "2,3", 2), ("org/B", "4,5,6,7", 4)]
+    a2 = ws[2]["argv"]
+    assert a2[a2.index("--model") + 1] == "org/B" and a2[a2.index("--tp-size") + 1] == "4"
+    # the launcher's engine args first, then the spec's
+    assert a2[a2.index("--") + 1:] == ["--seed", "1", "--max-model-len", "8192"]
+    assert ws[0]["argv"][ws[0]["argv"].index("--") + 1:] == ["--seed", "1"]
+
+
+def test_worker_specs_from_the_config_file(tmp_path):
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text("workers:\n"
+                   "  - {model: alpha, engine: sim, count: 2}\n"
+                   "  - {model: beta, engine: sim, weight: 2, engine_args: ['--max-num-seqs', '8']}\n")
+    doc = plan("--config", str(cfg), "--time-scale", "5")
+    assert [(w["engine"], w["model"], w["gpus"]) for w in doc["workers"]] == [
+        ("sim", "alpha", []), ("sim", "alpha", []), ("sim", "beta", [])]
+    b = doc["workers"][2]["argv"]
+    assert b[b.index("--weight") + 1] == "2"
+    assert b[b.index("--") + 1:] == ["--time-scale", "5", "--max-num-seqs", "8"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--worker", "model=A,gpus=0-3", "--worker", "model=B,gpus=3-4"], "GPU 3 is given to worker spec 1"),
+    (["--worker", "model=A,gpus=0-2,count=2"], "cannot split 3 GPU(s)"),
+    (["--worker", "model=A,colour=red"], "unknown key 'colour'"),
+    (["--worker", "model=A,engine=vllm", "--worker", "model=B,engine=vllm,gpus=0"], "needs gpus="),
+    (["--worker", "model=A,engine=sim", "--gpus", "0"], "give each spec its gpus"),
+    (["--worker", "model=A,engine=sim,count=2", "-n", "3"], "--num-workers 3 but the worker specs start 2"),
+    ([], "give --num-workers N"),
+])
+def test_worker_spec_errors_are_usage_errors(args, msg):
+    cp = launch(*args, "--dry-run")
+    assert cp.returncode == 2 and msg in cp.stderr, cp.stderr
+
+
+def test_worker_spec_parsing():
+    from launcher.specs import parse_worker_spec
+
+    s = parse_worker_spec("model=m,gpus=0,1,2,3,count=2,args=--x a,b --y 'c d',weight=0.5")
+    assert s.model == "m" and s.gpus == "0,1,2,3" and s.count == 2 and s.weight == 0.5
+    assert s.engine_args == ("--x", "a,b", "--y", "c d")

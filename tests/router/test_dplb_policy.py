@@ -91,10 +91,22 @@ def test_explain_rows_show_each_term_in_seconds(seg):
         assert r["est_s"] == pytest.approx(r["prefill_s"] + r["decode_s"] + r["kv_s"])
 
 
-def test_kv_above_threshold_falls_back_to_least_loaded(seg):
+def test_kv_above_threshold_everywhere_still_routes_by_estimate(seg):
+    # overload: every KV cache above the threshold; the estimate (not request counts) decides
     for i in range(4):
         seg.writer(i).publish(kv_cache_usage=0.95, heartbeat_ns=NOW_NS)
+    seg.writer(2).publish(kv_cache_usage=0.85, heartbeat_ns=NOW_NS)
+    seg.router_inflight_add(2, 5)   # more requests there, but far less KV pressure
     d = policy(seg).choose(snaps(seg), info("x y"))
+    assert (d.worker_id, d.reason) == (2, "kv_full")
+    seg.router_inflight_add(2, -5)
+
+
+def test_no_live_worker_in_the_kernel_falls_back_to_least_loaded(seg):
+    for i in range(4):  # stale heartbeats: the kernel sees nobody, the router still has candidates
+        seg.writer(i).publish(heartbeat_ns=NOW_NS - 10 ** 10)
+    ws = snaps(seg)
+    d = policy(seg).choose(ws, info("x y"))
     assert d.reason == "fallback"
 
 

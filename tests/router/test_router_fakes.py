@@ -91,8 +91,8 @@ def test_status_health_and_metrics(cluster4):
     text = httpx.get(cluster4.base + "/metrics").text
     for fam in ("dplb_router_requests_total", "dplb_router_request_errors_total",
                 "dplb_router_request_duration_seconds_bucket", "dplb_router_time_to_first_token_seconds",
-                "dplb_router_worker_inflight", "dplb_router_worker_kv_cache_usage",
-                "dplb_router_routing_decisions_total", "dplb_router_retries_total", "dplb_router_circuit_state"):
+                "dplb_worker_requests_in_flight", "dplb_worker_kv_cache_usage_ratio", "dplb_build_info",
+                "dplb_router_routing_decisions_total", "dplb_router_retries_total", "dplb_worker_circuit_state"):
         assert fam in text, fam
     assert 'dplb_router_routing_decisions_total{policy="dplb",reason="ttft"}' in text
 

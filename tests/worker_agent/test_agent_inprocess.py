@@ -58,3 +58,15 @@ async def test_missing_nvml_is_unknown_and_agent_still_ready(segment, run_dir, m
         finally:
             await stop(agent, task)
     assert len([r for r in caplog.records if "NVML unavailable" in r.message]) == 1
+
+
+async def test_sim_engine_without_gpus_publishes_the_simulated_device(segment, run_dir):
+    # no --gpus: the simulated engine's device (80 GiB, 90 % held as vLLM holds it), so the GPU
+    # memory series have data without a GPU; with --gpus NVML is read (tests above)
+    agent, task = await run_agent(segment, run_dir)
+    try:
+        s = await aslot_wait(segment, 0, lambda s: s.state.name == "READY" and s.gpu_mem_total_bytes > 0, 30,
+                             "READY with memory")
+        assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (int(0.9 * 80 * GiB), 80 * GiB)
+    finally:
+        await stop(agent, task)

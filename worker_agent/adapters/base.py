@@ -88,6 +88,11 @@ class EngineAdapter(ABC):
         """argv that starts the engine, or None for adapters that attach to a running server."""
         return None
 
+    def simulated_gpu_memory(self) -> tuple[int, int] | None:
+        """``(used, total)`` bytes of a simulated device, for an engine without a GPU (the sim
+        engine); None for real engines (their memory comes from NVML or is unknown)."""
+        return None
+
     def env_overrides(self) -> dict[str, str]:
         """Environment variables set for the engine on top of the agent's own environment."""
         env: dict[str, str] = {}

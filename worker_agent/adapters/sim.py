@@ -4,7 +4,8 @@ Command::
 
     <engine-python> -m sim_engine --uds <run-dir>/engine-<K>.sock [--model M] [pass-through args]
 
-The simulator serves vLLM's API and vLLM's metric names, so the state probe is vLLM's.
+The simulator serves vLLM's API and vLLM's metric names, so the state probe is vLLM's. Without
+``--gpus`` the agent publishes the simulated device's memory (80 GiB, 90 % held, as vLLM holds it).
 """
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ class SimAdapter(EngineAdapter):
     name: ClassVar[str] = "sim"
     metric_names: ClassVar[MetricNames | None] = VLLM
     poll_interval_s: ClassVar[float] = 0.05
+
+    #: the simulated device (sim_engine/config.py: one H100 80 GB), its memory held as vLLM holds
+    #: it: ``--gpu-memory-utilization`` 0.9 of it allocated at start-up (weights + KV cache)
+    SIM_GPU_TOTAL_BYTES: ClassVar[int] = 80 * 1024**3
+    SIM_GPU_UTILIZATION: ClassVar[float] = 0.9
+
+    def simulated_gpu_memory(self) -> tuple[int, int] | None:
+        """The simulated device's memory when the agent has no GPU (with ``--gpus`` NVML reads the
+        real ones): 80 GiB, 90 % in use, so the GPU memory series and panels have data on a laptop."""
+        if self.cfg.gpus:
+            return None
+        total = self.SIM_GPU_TOTAL_BYTES
+        return int(total * self.SIM_GPU_UTILIZATION), total
 
     @property
     def socket_path(self) -> str:

@@ -1,0 +1,231 @@
+"""What the router reads from a relayed answer: the first chunk that carries content, and tokens.
+
+The proxy relays bodies byte for byte; this module only watches them (issue 16):
+
+- **First content.** A stream's time to first token is the time to the first SSE event that
+  carries generated content (``choices[].delta.content`` / ``reasoning_content`` / ``tool_calls``,
+  ``choices[].text``, ``token_ids``, or SGLang's ``text`` / ``output_ids``), not to the first
+  byte: a chat stream starts with a role-only event (``delta: {"role": "assistant"}``), which vLLM
+  sends just before the first token and other servers may send before the prefill. The agent's
+  meter (``worker_agent/meter.py``) uses the same definition, as do vLLM's and SGLang's benchmark
+  clients. A chunked body that is not an event stream counts its first byte.
+- **Tokens.** Output tokens are ``usage.completion_tokens`` (OpenAI, when the client asked for
+  ``stream_options.include_usage``, and every non-streamed answer) or ``meta_info.completion_tokens``
+  (SGLang) when the answer carries them, else one per content event (vLLM streams one event per
+  engine step: one token, unless speculative decoding or ``stream_interval`` > 1). Prompt tokens
+  are ``usage.prompt_tokens`` / ``meta_info.prompt_tokens`` when present, else None (the caller
+  falls back on the router's estimate).
+
+Cost: the events up to the first content one and the last few are JSON-parsed; the events in
+between are counted with ``bytes.count`` on the separators (a few hundred ns per chunk).
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import orjson
+
+_SEP = b"\n\n"
+_TAIL = 4096  # bytes of the stream's end kept to read its last events
+_HEAD_MAX = 1 << 20  # stop looking for content after this much of a stream without any
+_USAGE = re.compile(rb'"(prompt|completion)_tokens"\s*:\s*(\d+)')
+
+
+def event_json(event: bytes) -> dict | None:
+    """The JSON object of one SSE event's ``data:`` line; None for ``[DONE]``, comments, non-JSON."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if not payload or payload == b"[DONE]":
+                return None
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return None
+            return obj if isinstance(obj, dict) else None
+    return None
+
+
+def has_content(obj: dict) -> bool:
+    """Whether an OpenAI or SGLang stream event carries generated content."""
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            delta = c.get("delta")
+            if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
+                                            or delta.get("tool_calls")):
+                return True
+            if c.get("text") or c.get("token_ids"):
+                return True
+        return False
+    return bool(obj.get("text") or obj.get("output_ids"))
+
+
+def usage_of(obj: dict | None) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of an event's ``usage`` or ``meta_info``."""
+    if not obj:
+        return None, None
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        u = obj.get("meta_info")
+    if not isinstance(u, dict):
+        return None, None
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
+
+
+def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of a whole (non-streamed) answer: the sums of every
+    ``"prompt_tokens": N`` / ``"completion_tokens": N`` key in it (one ``usage`` object for OpenAI,
+    one ``meta_info`` per item of an SGLang batch); None where there is none. A key inside a
+    generated string is escaped (``\\"``) and never matches."""
+    p = c = None
+    for kind, n in _USAGE.findall(body):
+        if kind == b"prompt":
+            p = (p or 0) + int(n)
+        else:
+            c = (c or 0) + int(n)
+    return p, c
+
+
+class StreamMeter:
+    """Watches one relayed stream. ``sse``: the body is ``text/event-stream`` (else its first
+    byte is its first content). Call :meth:`feed` with every chunk in order."""
+
+    __slots__ = ("_carry", "_events_after", "_head", "_tail", "first_seen", "sse")
+
+    def __init__(self, sse: bool = True) -> None:
+        self.sse = sse
+        self.first_seen = False
+        self._head = b""          # bytes not yet split into events, before the first content
+        self._events_after = 0    # complete events after the first content event
+        self._tail = b""
+        self._carry = b""         # last byte of the previous chunk (a separator can straddle)
+
+    def feed(self, chunk: bytes) -> bool:
+        """Account one chunk; True exactly once: when this chunk completed the first content."""
+        if not chunk:
+            return False
+        if self.first_seen:
+            n = chunk.count(_SEP)
+            if self._carry == b"\n" and chunk[:1] == b"\n" and chunk[:2] != _SEP:
+                n += 1  # a separator straddling the previous chunk and this one
+            self._events_after += n
+            self._carry = chunk[-1:]
+            tail = self._tail + chunk
+            self._tail = tail if len(tail) <= _TAIL else tail[-_TAIL:]
+            return False
+        if not self.sse:
+            self.first_seen = True
+            self._tail = chunk[-_TAIL:]
+            return True
+        head = self._head + chunk
+        start = 0
+        while True:
+            i = head.find(_SEP, start)
+            if i < 0:
+                # no content yet; a stream that never carries any is not buffered without bound
+                self._head = head[start:] if len(head) - start <= _HEAD_MAX else b""
+                self._tail = (self._tail + chunk)[-_TAIL:]
+                return False
+            obj = event_json(head[start:i])
+            start = i + 2
+            if obj is not None and has_content(obj):
+                self.first_seen = True
+                rest = head[start:]
+                self._head = b""
+                self._events_after = rest.count(_SEP)
+                self._carry = rest[-1:]
+                self._tail = (self._tail + chunk)[-_TAIL:]
+                return True
+
+    def usage(self) -> tuple[int | None, int | None]:
+        """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any."""
+        for obj in reversed(self._last_events()):
+            p, c = usage_of(obj)
+            if c is not None or p is not None:
+                return p, c
+        if not self.sse:
+            return usage_from_body(self._tail)
+        return None, None
+
+    def _last_events(self) -> list[dict | None]:
+        events = [e for e in self._tail.split(_SEP) if e.strip()]
+        return [event_json(e) for e in events[-3:]]
+
+    def output_tokens(self) -> int:
+        """Output tokens of the stream so far: the reported ``completion_tokens`` when the stream
+        carries it, else one per content event (0 before the first content)."""
+        if not self.first_seen:
+            return 0
+        _, c = self.usage()
+        if c is not None:
+            return c
+        if not self.sse:
+            return 0
+        # the first content event + complete events after it, minus trailing events without
+        # content ([DONE], a finish_reason-only or usage event)
+        n = 1 + self._events_after
+        for obj in reversed(self._last_events()):
+            if obj is None or not has_content(obj):
+                n -= 1
+            else:
+                break
+        return max(1, n)
+
+
+
+
+def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether response ``headers`` (lower-case names) say ``text/event-stream``."""
+    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+# ---- what the proxy calls (kept here so that router/proxy.py changes by a few lines) ----------
+def on_first_content(metrics: Any, route: str, t0: float, lease: Any) -> None:
+    """A stream's first content reached the client: the router's TTFT histogram (from the request's
+    arrival, ``t0`` on ``time.perf_counter``), the lease leaves prefill (router accounting, learned
+    prefill rate, TTFT EWMA), and the request's routing and queueing/prefill phases."""
+    now = time.perf_counter()
+    ttft = now - t0
+    metrics.observe_ttft(route, ttft)
+    if lease is None:
+        return
+    since_dispatch = lease.first_token()
+    if since_dispatch is not None:
+        model = lease.handle.model or ""
+        metrics.observe_phase("routing", model, max(0.0, ttft - since_dispatch))
+        metrics.observe_phase("queue_prefill", model, since_dispatch)
+
+
+def on_stream_end(metrics: Any, meter: StreamMeter, lease: Any, complete: bool) -> None:
+    """A relayed stream ended: count its tokens on the worker, the decode phase of a complete one,
+    and release the lease with the output token count (the router's TPOT EWMA learns from it)."""
+    if lease is None:
+        return
+    out = meter.output_tokens()
+    prompt, _ = meter.usage()
+    h = lease.handle
+    model = h.model or ""
+    metrics.count_tokens(h.worker_id, model, lease.account.prompt_tokens if prompt is None else prompt, out)
+    t_first = lease.account.t_first
+    if complete and t_first is not None:
+        metrics.observe_phase("decode", model, max(0.0, time.monotonic() - t_first))
+    lease.release(output_tokens=out if complete else None)
+
+
+def on_answer(metrics: Any, lease: Any, body: bytes) -> None:
+    """A non-streamed answer was relayed: count its tokens on the worker (its ``usage``; the
+    router's prompt estimate when it has none)."""
+    prompt, out = usage_from_body(body)
+    h = lease.handle
+    metrics.count_tokens(h.worker_id, h.model or "", lease.account.prompt_tokens if prompt is None else prompt,
+                         out or 0)
+
+
+__all__ = ["StreamMeter", "event_json", "has_content", "is_event_stream", "on_answer", "on_first_content",
+           "on_stream_end", "usage_from_body", "usage_of"]
