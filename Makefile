@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.dplb-installed
 
-.PHONY: install build test test-fast test-faults test-vllm bench-kernel bench bench-quick bench-faults soak lint typecheck clean
+.PHONY: install build test test-fast test-faults test-vllm test-fidelity bench-kernel bench bench-quick bench-faults bench-simulate soak lint typecheck clean
 
 install: $(STAMP)
 
@@ -34,8 +34,14 @@ test-faults: install build
 test-vllm: install build
 	bash scripts/test_vllm.sh
 
+test-fidelity: install build
+	bash scripts/test_fidelity.sh
+
 bench-kernel: install build
 	$(PY) -m bench.kernel
+
+bench-simulate: install build
+	$(PY) -m simulate.bench
 
 bench-faults: install build
 	$(PY) -m bench.faults
@@ -51,11 +57,11 @@ bench-quick: install build
 
 lint: install
 	$(PIP) install -q ruff
-	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher tests deploy
+	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher simulate tests deploy
 
 typecheck: install
 	$(PIP) install -q mypy
-	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine launcher
+	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine launcher simulate
 
 clean:
 	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so .pytest_cache .hypothesis .mypy_cache

@@ -57,6 +57,7 @@ cdef class SlotWriter:
     cdef bint fed[3]              # ring fed by record_latency (its summary is ours to expire)
     cdef int64_t window_ns
     cdef int64_t next_expiry
+    cdef int64_t fixed_now        # > 0: the writer's clock (virtual time); 0: CLOCK_MONOTONIC
 
     @staticmethod
     cdef SlotWriter _new(Segment seg, int slot, int64_t window_ns):
@@ -64,6 +65,7 @@ cdef class SlotWriter:
         w.seg = seg
         w.slot_index = slot
         w.window_ns = window_ns
+        w.fixed_now = 0
         w._forget_samples()
         w.slot = dplb_slot_at(seg.base, slot)
         if dplb_seqlock_read(w.slot, &w.st, DPLB_DATA_END, DPLB_READ_MAX_SPINS) < 0:
@@ -79,8 +81,11 @@ cdef class SlotWriter:
     cdef inline void _write(self) noexcept:
         dplb_seqlock_write(self.slot, &self.st)
 
+    cdef inline int64_t _now(self) noexcept:
+        return self.fixed_now if self.fixed_now > 0 else dplb_now_ns()
+
     cdef inline void _write_now(self) noexcept:
-        cdef int64_t now = dplb_now_ns()
+        cdef int64_t now = self._now()
         self.st.heartbeat_ns = now
         if now >= self.next_expiry:
             self._resummarize(now)
@@ -109,6 +114,21 @@ cdef class SlotWriter:
                            &self.st.e2e_ms, &self.st.e2e_p99_ms)
             nxt = e if e < nxt else nxt
         self.next_expiry = nxt
+
+    @property
+    def now_override_ns(self):
+        """The writer's clock: 0 (default) = CLOCK_MONOTONIC; a value > 0 = every later write
+        (heartbeat, latency sample times and their expiry) uses this time instead, in the same ns
+        domain. A simulator in virtual time (``simulate/``) sets it before each write, so the
+        heartbeat and the latency window follow simulated time; readers must then pass the same
+        clock to the kernel (``pick(..., now_ns=)``)."""
+        return self.fixed_now
+
+    @now_override_ns.setter
+    def now_override_ns(self, int64_t v):
+        if v < 0:
+            raise SlotFieldError("now_override_ns must be >= 0", field="now_override_ns", name=self.seg.name)
+        self.fixed_now = v
 
     @property
     def latency_window_s(self):
@@ -225,7 +245,7 @@ cdef class SlotWriter:
             c = _f(e2e_ms, "e2e_ms")
         if (ttft_ms is not None and a < 0) or (tpot_ms is not None and b < 0) or (e2e_ms is not None and c < 0):
             raise SlotFieldError("latency samples must be >= 0", field="latency", name=self.seg.name)
-        now = dplb_now_ns()
+        now = self._now()
         if ttft_ms is not None:
             self.st.ttft_ring[self.st.ttft_n % DPLB_WINDOW] = <float>a
             self.ts_ttft[self.st.ttft_n % DPLB_WINDOW] = now

@@ -237,7 +237,7 @@ class TtftParams:
     decode_seq_s: float = 0.00005
     decode_ctx_s: float = 3.9e-8
     kv_barrier_s: float = 0.15
-    w_decode: float = 1.0
+    w_decode: float = 0.25
     kv_cache_threshold: float = 0.8
     heartbeat_timeout_ms: float = 1000.0
 

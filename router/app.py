@@ -95,6 +95,18 @@ def ttft_params(cfg: Config) -> Any:
                       heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms))
 
 
+def scoring_params(cfg: Config) -> Any:
+    """The weighted kernel's parameters (``dplb_shm.ScoringParams``) from the config."""
+    from dplb_shm import ScoringParams
+
+    rp = cfg.routing_policy
+    return ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
+                         w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
+                         max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
+                         heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
+                         latency_scale_ms=rp.latency_scale_ms)
+
+
 def learn_settings(cfg: Config) -> LearnSettings:
     """How observed TTFTs teach each worker's prefill rate (:class:`router.accounting.LearnSettings`)."""
     rp = cfg.routing_policy
@@ -118,8 +130,6 @@ class RouterState:
 
     async def start(self) -> None:
         """Attach, build the pipeline, start the health monitor."""
-        from dplb_shm import ScoringParams
-
         cfg = self.cfg
         if self.seg is None:
             try:
@@ -130,11 +140,7 @@ class RouterState:
                 raise
             self._hold_router_lock()
         rp = cfg.routing_policy
-        self.params = ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
-                                    w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
-                                    max_queue=rp.max_queue, kv_cache_threshold=rp.kv_cache_threshold,
-                                    heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms),
-                                    latency_scale_ms=rp.latency_scale_ms)
+        self.params = scoring_params(cfg)
         self.ttft_params = ttft_params(cfg)
         self.policy = build_policy(rp.policy, rp, kernel=self.seg, params=self.params, ttft_params=self.ttft_params)
         self.transport = Transport(cfg.router.connect_timeout_s, cfg.router.first_byte_timeout_s,

@@ -156,7 +156,7 @@ class RoutingPolicy(_Strict):
     kv_barrier_s: float = Field(default=0.15, ge=0)
     # weight of the batch term (what a worker's batch adds to this request's decode; 0 = TTFT only)
     # and the output length assumed when a request has no max_tokens
-    w_decode: float = Field(default=1.0, ge=0)
+    w_decode: float = Field(default=0.25, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     # learning each worker's prefill rate from observed TTFTs (router/accounting.py)
     rate_alpha: float = Field(default=0.1, gt=0, le=1)

@@ -220,8 +220,14 @@ class Scheduler:
 
     # -- eligibility: the one definition (module docstring) -----------------------------------
     def live(self, s: Any) -> bool:
-        """Slot READY with a fresh heartbeat (``heartbeat_age_ms`` is computed at read time)."""
-        return int(s.state) == READY and float(s.heartbeat_age_ms) <= self.registry.hb_timeout_ms
+        """Slot READY with a fresh heartbeat: ``heartbeat_age_ms`` (computed at read time), or the
+        age on the registry's routing clock when it has one (the simulator's virtual clock)."""
+        clock = self.registry.clock
+        if clock is None:
+            age_ms = float(s.heartbeat_age_ms)
+        else:
+            age_ms = (clock() - int(s.heartbeat_ns)) / 1e6 if int(s.heartbeat_ns) > 0 else -1.0
+        return int(s.state) == READY and age_ms <= self.registry.hb_timeout_ms
 
     @staticmethod
     def eligible_handle(h: WorkerHandle) -> bool:

@@ -84,11 +84,15 @@ class Registry:
     def __init__(self, seg: Any, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
                  on_circuit: Callable[[int, int], None] | None = None,
                  on_reset: Callable[[int], None] | None = None,
-                 is_mirror: Callable[[str], bool] | None = None) -> None:
+                 is_mirror: Callable[[str], bool] | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.seg = seg
         #: is this control address a remote agent this router mirrors? (the ``remote`` column)
         self.is_mirror = is_mirror
         self.cfg = cfg
+        # the routing clock (ns, heartbeat domain) heartbeat ages are judged on; None (live): the
+        # age each snapshot computed when read. The simulator passes its virtual clock.
+        self.clock = clock
         self.handles: dict[int, WorkerHandle] = {}
         self.on_leave = on_leave
         self.on_circuit = on_circuit

@@ -32,6 +32,7 @@ class EngineConfig:
     max_model_len: int = 131_072
     default_max_tokens: int = 256
     enable_prefix_caching: bool = True
+    reserve_full_prompt: bool = True
     base_step_ms: float = 5.0
     per_seq_ms: float = 0.05
     per_context_token_ns: float = 39.0
@@ -130,6 +131,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="enable_prefix_caching",
         action="store_false",
         help="Disable automatic prefix caching (vLLM's --no-enable-prefix-caching).",
+    )
+    g.add_argument(
+        "--no-reserve-full-prompt",
+        dest="reserve_full_prompt",
+        action="store_false",
+        help="Admit a waiting request when its first prefill chunk fits, not its whole prompt "
+        "(vLLM before scheduler_reserve_full_isl; with it, the default of vLLM 0.32, the whole "
+        "prompt's blocks must be free at admission).",
     )
     g.add_argument(
         "--vocab-size",

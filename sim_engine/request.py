@@ -22,6 +22,10 @@ class SimRequest:
     ``prompt``: prompt tokens (words); ``max_tokens``: output tokens to generate (>= 1);
     ``stop``: stop strings (generation ends when the output text contains one, which is cut off);
     ``arrival``: simulated seconds. ``sink`` is an opaque slot for the server's output channel.
+    ``prompt`` may be any sequence of words supporting ``len`` and slicing (a lazy view of a long
+    prompt). ``hashes``: the chained hashes of the prompt's full blocks when the caller already
+    has them (a simulator caching them per shared prefix); they must be equal exactly when the
+    prefixes are equal, as :func:`sim_engine.kv_cache.chain_hashes` would give (default: computed).
     """
 
     __slots__ = (
@@ -62,6 +66,7 @@ class SimRequest:
         stop: list[str] | None = None,
         arrival: float = 0.0,
         sink: Any = None,
+        hashes: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -75,7 +80,7 @@ class SimRequest:
         self.num_computed_tokens = 0
         self.blocks: list[int] = []
         self._block_size = block_size
-        self.hashes: list[int] = chain_hashes(prompt, block_size)
+        self.hashes: list[int] = chain_hashes(prompt, block_size) if hashes is None else hashes
         self.num_registered = 0  # leading blocks already registered in the prefix cache
         self.status = Status.WAITING
         self.finish_reason: str | None = None
@@ -108,7 +113,7 @@ class SimRequest:
             if start >= p:
                 toks = self.output[start - p :]
             else:
-                toks = self.prompt[start:] + self.output
+                toks = list(self.prompt[start:]) + self.output
             parent = self.hashes[-1] if self.hashes else ROOT_HASH
             self.hashes.append(hash((parent, *toks)))
 

@@ -64,8 +64,8 @@ def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng
 
     ``kernel`` (a ``dplb_shm.Segment``) is required for the kernel policies: ``weighted`` also
     needs ``params`` (its ``ScoringParams``), ``dplb`` needs ``ttft_params`` (``TtftParams``).
-    ``clock``: optional ``() -> ns`` for the kernel's heartbeat check (virtual time in the
-    simulator). Raises ``ValueError`` for an unknown name or a missing kernel.
+    ``clock``: optional ``() -> ns`` for the kernel policies' heartbeat check (virtual time in the
+    simulator; the other policies read no time). Raises ``ValueError`` for an unknown name or a missing kernel.
     """
     def index() -> PrefixIndex:
         return PrefixIndex(rp.prefix_chunk_chars, rp.prefix_max_chunks, rp.prefix_index_max_entries)
@@ -79,7 +79,7 @@ def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng
         return WeightedPolicy(kernel, params, index(), w_affinity=rp.w_affinity,
                               affinity_max_imbalance=rp.affinity_max_imbalance,
                               balance_abs_threshold=rp.balance_abs_threshold,
-                              balance_rel_threshold=rp.balance_rel_threshold, rng=rng)
+                              balance_rel_threshold=rp.balance_rel_threshold, rng=rng, clock=clock)
     if name == "cache_aware":
         return CacheAwarePolicy(rp.cache_threshold, rp.balance_abs_threshold, rp.balance_rel_threshold,
                                 index(), rng=rng)

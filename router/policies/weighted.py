@@ -77,8 +77,9 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
 
     def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, w_affinity: float = 0.3,
                  affinity_max_imbalance: float = 8.0, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, rng=None) -> None:
+                 balance_rel_threshold: float = 1.5, rng=None, clock: Any = None) -> None:
         super().__init__(rng)
+        self.clock = clock  # optional () -> ns for the kernel's heartbeat check (the simulator's)
         self.kernel = kernel
         self.params = params
         self.index = index or PrefixIndex()
@@ -87,6 +88,10 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self._pending_hashes: tuple[int, list[int]] | None = None
+
+    def _clock_kw(self) -> dict[str, int]:
+        """``now_ns=`` for the kernel when a clock was given (virtual time), else nothing."""
+        return {} if self.clock is None else {"now_ns": self.clock()}
 
     def _base_affinity(self, workers: Sequence[Any]) -> list[float]:
         aff = [EXCLUDED] * int(self.kernel.num_slots)
@@ -113,11 +118,11 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
         matches = {k: v for k, v in matches.items() if k in eligible}
         aff = self._base_affinity(workers)
         if not matches and not explain:
-            wid = int(self.kernel.pick(self.params, req.prompt_len, aff))
+            wid = int(self.kernel.pick(self.params, req.prompt_len, aff, **self._clock_kw()))
             if wid in eligible:
                 return Decision(wid, "score")
             return Decision(least_loaded(workers, self.rng).worker_id, "fallback")
-        _, terms = self.kernel.pick_explain(self.params, req.prompt_len, aff)
+        _, terms = self.kernel.pick_explain(self.params, req.prompt_len, aff, **self._clock_kw())
         terms = [t for t in terms if int(t.worker_id) in eligible]
         if not terms:
             return Decision(least_loaded(workers, self.rng).worker_id, "fallback",

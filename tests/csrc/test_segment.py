@@ -313,3 +313,32 @@ def test_snapshot_dict_round_trip(segment):
         WorkerSnapshot.from_dict(dict(d, state="sleepy"))
     with pytest.raises(SlotFieldError):
         WorkerSnapshot.from_dict({"state": "ready"})
+
+
+def test_writer_clock_override_drives_heartbeat_and_latency_window(segment):
+    """A virtual-time simulator sets the writer's clock: heartbeats and window expiry follow it,
+    and the kernel judges staleness against the ``now_ns`` it is given."""
+    w = segment.writer(5, latency_window_s=10.0)
+    w.claim(5, endpoint="/tmp/x.sock")
+    w.set_state(WorkerState.READY)
+    assert w.now_override_ns == 0
+    w.now_override_ns = 7_000_000_000
+    w.record_latency(ttft_ms=400.0)
+    s = segment.read_slot(5)
+    assert (s.heartbeat_ns, s.ttft_ms) == (7_000_000_000, 400.0)
+    w.now_override_ns = 16_999_999_999          # 9.99 s later: the sample is still in the window
+    w.heartbeat()
+    assert segment.read_slot(5).ttft_ms == 400.0
+    w.now_override_ns = 17_000_000_001          # 10 s + 1 ns later: it left
+    w.heartbeat()
+    s = segment.read_slot(5)
+    assert (s.heartbeat_ns, s.ttft_ms) == (17_000_000_001, -1.0)
+    p = ScoringParams(heartbeat_timeout_ms=1000)
+    assert segment.pick(p, 10, now_ns=17_500_000_000) == 5
+    assert segment.pick(p, 10, now_ns=18_000_000_002) == -1      # stale in virtual time
+    with pytest.raises(SlotFieldError):
+        w.now_override_ns = -1
+    w.now_override_ns = 0                        # back to CLOCK_MONOTONIC
+    t0 = now_ns()
+    w.heartbeat()
+    assert t0 <= segment.read_slot(5).heartbeat_ns <= now_ns()

@@ -135,8 +135,11 @@ def test_batch_term_spreads_a_burst_that_shares_a_cached_prefix(seg):
     seg.router_inflight_add(0, 3)  # three requests already in worker 0's batch
     # worker 0 holds the prefix: 350 tokens less to compute (11 ms at 30,769 tokens/s)
     assert _pick(seg, [5.0, 355.0], out_tokens=0.0)[0] == 0            # TTFT alone: pile on
-    chosen, terms = _pick(seg, [5.0, 355.0], out_tokens=256.0)         # 3 x 256 x 50 us = 38 ms > 11 ms
+    full = TtftParams(w_decode=1.0)
+    chosen, terms = _pick(seg, [5.0, 355.0], out_tokens=256.0, params=full)  # 3 x 256 x 50 us = 38 ms > 11 ms
     assert chosen == 1 and terms[0].batch == 3 and terms[0].batch_s == pytest.approx(256 * 3 * 5e-5)
+    _, terms = _pick(seg, [5.0, 355.0], out_tokens=256.0)                  # default weight 0.25
+    assert terms[0].batch_s == pytest.approx(0.25 * 256 * 3 * 5e-5)
     seg.router_inflight_add(0, -3)
 
 

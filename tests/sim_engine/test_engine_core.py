@@ -233,3 +233,17 @@ def test_abort_during_the_step_withdraws_blocks_it_published():
     b = add(core, "b", p, 1, now=1.0)
     run_until_idle(core, 1.0)
     assert b.num_cached_tokens == 0  # nothing was computed for "a", so nothing to reuse
+
+
+@pytest.mark.parametrize("reserve,admitted_second", [(True, False), (False, True)])
+def test_admission_reserves_the_whole_prompt_like_vllm(reserve, admitted_second):
+    """vLLM 0.32's scheduler_reserve_full_isl: a waiting request is admitted only when its whole
+    prompt's blocks are free, not only its first chunk (otherwise it is preempted later)."""
+    core = make(block_size=16, num_gpu_blocks=40, max_num_batched_tokens=64, max_num_seqs=8,
+                reserve_full_prompt=reserve)
+    add(core, "a", words("a", 320), 40)         # 20 blocks (+ 3 while decoding), running
+    for _ in range(6):                          # its prompt is done: it decodes, 1 token a step
+        core.step(0.0)
+    add(core, "b", words("b", 400), 4)          # 25 blocks: fewer are free, its first chunk (4) fits
+    plan = core.schedule(1.0)
+    assert ("b" in [r.request_id for r, _ in plan.scheduled]) is admitted_second

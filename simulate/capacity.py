@@ -1,0 +1,157 @@
+"""Capacity planning: the highest arrival rate a policy serves within an SLO, and the fewest engines.
+
+Goodput (DistServe, Zhong et al. OSDI'24; the figure used to rank policies from issue 12 on): the
+highest request rate at which the SLO still holds. In an open-loop replay every policy that keeps up
+serves the same tokens/s, so tokens/s alone cannot rank policies; goodput can.
+
+* :func:`find_capacity`: the rate, as a multiple ``x`` of the trace's own rate (arrival times
+  divided by ``x``), by bracketing (×2 / ÷2 from ``start``) then geometric bisection until
+  ``hi / lo <= 1 + tolerance``. ``x`` passes when TTFT p99 ≤ ``slo.ttft_p99_s`` and (if given)
+  TPOT p99 ≤ ``slo.tpot_p99_s``, with no request left unserved by an early stop. Requests/s =
+  ``x`` × the trace's own rate (requests / span of the window's arrivals). A failing run stops as
+  soon as the SLO is certainly missed (more than 1 % of the requests above the bound), so the
+  overloaded probes are cheap.
+* :func:`min_engines`: the fewest engines (copies of the configured engine list, cycled) whose run
+  at the given rate meets the SLO: doubling, then integer bisection.
+
+Both assume the figure is monotone in the rate / the engine count; with simulated noise near the
+boundary the answer is the boundary the bisection found, and every probe is reported.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from bench.trace import TraceRequest
+from sim_engine.config import EngineConfig
+from simulate.cluster import SLO, SimSettings
+from simulate.stats import meets
+
+RunFn = Callable[[SimSettings], dict[str, Any]]
+
+
+def trace_rate(reqs: Sequence[TraceRequest]) -> float | None:
+    """The window's own arrival rate, requests per second (None for a single instant)."""
+    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000.0
+    return len(reqs) / span if span > 0 else None
+
+
+def _probe_row(x: float, fig: dict[str, Any], ok: bool) -> dict[str, Any]:
+    return {"x": round(x, 6), "ok": ok, "ttft_p99_s": fig["ttft_s"]["p99"], "tpot_p99_s": fig["tpot_s"]["p99"],
+            "aborted_early": fig["aborted_early"]}
+
+
+def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, start: float = 1.0,
+                  tolerance: float = 0.05, max_scale: float = 1024.0,
+                  on_probe: Callable[[float, bool], None] | None = None,
+                  known: dict[float, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Highest rate multiple within ``slo`` (see the module docstring). ``run(settings)`` returns the
+    figures of one run (:func:`simulate.stats.summarize`). Returns ``capacity_rate_scale`` (None when
+    even ``1/max_scale`` fails), ``capacity_requests_per_s``, ``bound`` (``"found"``, ``"above"``: still
+    passing at ``max_scale``, ``"below"``), ``probes`` and ``figures`` of the best passing run.
+    ``known``: figures of complete runs already made, by rate multiple (not run again)."""
+    if tolerance <= 0:
+        raise ValueError("tolerance must be > 0")
+    probes: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    cache: dict[float, bool] = {}
+
+    def ok_at(x: float) -> bool:
+        nonlocal best
+        if x in cache:
+            return cache[x]
+        # a complete run at this rate (the table's) decides as well as an SLO-bounded one
+        fig = (known or {}).get(x) or run(replace(base, rate_scale=x, abort_on=slo))
+        ok = meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)
+        probes.append(_probe_row(x, fig, ok))
+        if on_probe is not None:
+            on_probe(x, ok)
+        if ok and (best is None or x > best["_x"]):
+            best = {**fig, "_x": x}
+        cache[x] = ok
+        return ok
+
+    x = start
+    if ok_at(x):
+        lo, hi = x, None
+        while lo < max_scale:
+            x = min(lo * 2, max_scale)
+            if ok_at(x):
+                lo = x
+            else:
+                hi = x
+                break
+        bound = "above" if hi is None else "found"
+    else:
+        lo, hi = None, x
+        while hi > 1.0 / max_scale:
+            x = hi / 2
+            if ok_at(x):
+                lo = x
+                break
+            hi = x
+        bound = "below" if lo is None else "found"
+    if lo is not None and hi is not None:
+        while hi / lo > 1 + tolerance:
+            mid = math.sqrt(lo * hi)
+            if ok_at(mid):
+                lo = mid
+            else:
+                hi = mid
+    figures = None
+    if best is not None:
+        figures = {k: v for k, v in best.items() if k not in ("_x", "load_over_time")}
+    return {
+        "capacity_rate_scale": None if lo is None else round(lo, 4),
+        "capacity_requests_per_s": None if lo is None or rate is None else round(lo * rate, 4),
+        "bound": bound,
+        "slo": {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s},
+        "tolerance": tolerance,
+        "trace_requests_per_s": None if rate is None else round(rate, 6),
+        "probes": probes,
+        "figures": figures,
+    }
+
+
+def engines_of(base: Sequence[EngineConfig], n: int) -> list[EngineConfig]:
+    """``n`` engines: the configured list cycled (so a heterogeneous pattern repeats)."""
+    return [replace(base[k % len(base)]) for k in range(n)]
+
+
+def min_engines(run: RunFn, base: SimSettings, slo: SLO, max_engines: int = 64,
+                on_probe: Callable[[int, bool], None] | None = None) -> dict[str, Any]:
+    """Fewest engines meeting ``slo`` at ``base.rate_scale`` (see the module docstring). Returns
+    ``min_engines`` (None when ``max_engines`` do not suffice) and the probes."""
+    pattern = list(base.engines)
+    probes: list[dict[str, Any]] = []
+    cache: dict[int, bool] = {}
+
+    def ok_at(n: int) -> bool:
+        if n in cache:
+            return cache[n]
+        fig = run(replace(base, engines=engines_of(pattern, n), abort_on=slo))
+        ok = meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)
+        probes.append({"engines": n, "ok": ok, "ttft_p99_s": fig["ttft_s"]["p99"],
+                       "tpot_p99_s": fig["tpot_s"]["p99"], "aborted_early": fig["aborted_early"]})
+        if on_probe is not None:
+            on_probe(n, ok)
+        cache[n] = ok
+        return ok
+
+    lo, hi = 0, 1       # lo fails (0 engines serve nothing), hi is the candidate
+    while not ok_at(hi):
+        lo = hi
+        if hi >= max_engines:
+            return {"min_engines": None, "max_engines": max_engines, "rate_scale": base.rate_scale,
+                    "slo": {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s}, "probes": probes}
+        hi = min(hi * 2, max_engines)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok_at(mid):
+            hi = mid
+        else:
+            lo = mid
+    return {"min_engines": hi, "max_engines": max_engines, "rate_scale": base.rate_scale,
+            "slo": {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s}, "probes": probes}

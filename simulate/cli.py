@@ -1,0 +1,265 @@
+"""``dplb-simulate``: replay a trace through N simulated engines and the router's real policies in
+virtual time; compare policies; find capacity.
+
+    dplb-simulate --trace bench/data/mooncake/conversation_trace.jsonl --engines 8 \\
+        --policy round_robin,cache_aware,dplb --rate-scale 2 --json-out sim.json --plot-dir plots/
+    dplb-simulate --engines 8 --policy round_robin,cache_aware,dplb --find-capacity --slo-ttft-p99 10
+
+Exit status: 0 done, 2 bad command line, trace or config (the message names the flag, file or line),
+130 interrupted (the private segments are unlinked in every case).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import asdict, fields, replace
+from typing import Any
+
+from bench.errors import TraceFormatError
+from bench.trace import DEFAULT_TRACE, TraceRequest
+from router.config import POLICIES, Config, load_config
+from router.errors import ConfigError
+from sim_engine.config import EngineConfig, add_engine_args, config_from_args
+from simulate.capacity import find_capacity, min_engines, trace_rate
+from simulate.cluster import SLO, SimSettings, Simulation
+from simulate.report import (
+    Progress,
+    capacity_table,
+    plot,
+    progress_enabled,
+    table,
+    write_json,
+)
+from simulate.stats import summarize
+from simulate.workload import APIS, EngineHasher, load_workload
+
+#: engine fields that do not apply in virtual time (or are names, not model constants)
+_NOT_SETTINGS = ("time_scale",)
+
+
+class UsageError(Exception):
+    """A bad flag value; the message names the flag."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dplb-simulate", allow_abbrev=False,
+        description="Simulate the whole DPLB cluster (router policies, agents, engines) in virtual time.")
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default=str(DEFAULT_TRACE),
+                   help="Mooncake JSONL or Azure LLM inference CSV (default: the conversation trace)")
+    g.add_argument("--trace-format", choices=("auto", "mooncake", "azure"), default="auto")
+    g.add_argument("--start", type=int, default=0, help="first request of the window (0-based)")
+    g.add_argument("--requests", type=int, default=None, help="requests in the window (default: all)")
+    g.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply the arrival rate (arrival times are divided by it; 2 = twice as fast)")
+    g.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="cap every request's output length (as dplb-replay --max-tokens-cap)")
+    g.add_argument("--api", choices=APIS, default="chat",
+                   help="what dplb-replay would send: a chat message (default) or a completions prompt")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--engines", type=int, default=8, help="number of engines (default: 8)")
+    c.add_argument("--engine-slowdown", default=None,
+                   help="per-engine step-time factors, comma-separated, cycled over the engines (1,1,1,3)")
+    c.add_argument("--engine-override", action="append", default=[], metavar="K:FLAGS",
+                   help="engine flags for engine K only, e.g. '3:--num-gpu-blocks 9000 --slowdown 2' (repeatable)")
+    c.add_argument("--state-interval-ms", type=int, default=200,
+                   help="agents' publication period of engine state (dplb-worker-agent's default: 200)")
+    c.add_argument("--latency-window-s", type=float, default=10.0,
+                   help="age at which latency samples leave the slot windows (agent default: 10)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--policy", default=None,
+                   help=f"comma-separated policies to compare (of {', '.join(POLICIES)}; default: the config's)")
+    r.add_argument("--config", default=None, help="router config (dplb.yaml): weights, thresholds, health interval")
+    o = p.add_argument_group("output")
+    o.add_argument("--json-out", default=None, help="write one JSON object per policy (a JSON array)")
+    o.add_argument("--plot-dir", default=None, help="write ttft_cdf.png and queue_<policy>.png here")
+    o.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    o.add_argument("--load-points", type=int, default=300, help="samples of load over time per engine (300)")
+    k = p.add_argument_group("capacity")
+    k.add_argument("--find-capacity", action="store_true",
+                   help="per policy, the highest rate multiple served within the SLO (bisection)")
+    k.add_argument("--min-engines", action="store_true",
+                   help="per policy, the fewest engines meeting the SLO at --rate-scale")
+    k.add_argument("--slo-ttft-p99", type=float, default=None, help="TTFT p99 bound, seconds")
+    k.add_argument("--slo-tpot-p99", type=float, default=None, help="TPOT p99 bound, seconds")
+    k.add_argument("--capacity-tolerance", type=float, default=0.05,
+                   help="stop bisecting when hi/lo <= 1 + this (default 0.05)")
+    k.add_argument("--max-engines", type=int, default=64, help="upper bound of --min-engines (64)")
+    add_engine_args(p)  # every dplb-sim-engine engine flag (--seed also seeds the router and agents)
+    return p
+
+
+def parse_floats(flag: str, text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated numbers like 1,1,1,3") from None
+    if not vals or any(not v > 0 for v in vals):
+        raise UsageError(f"{flag} {text!r}: every factor must be > 0")
+    return vals
+
+
+def engine_configs(ns: argparse.Namespace) -> list[EngineConfig]:
+    """One :class:`EngineConfig` per engine: the shared engine flags, ``--engine-slowdown`` (cycled),
+    then each ``--engine-override K:FLAGS`` parsed by the same engine flag parser."""
+    if ns.engines < 1:
+        raise UsageError(f"--engines {ns.engines}: must be >= 1")
+    try:
+        base = config_from_args(ns)
+    except ValueError as e:
+        raise UsageError(f"engine flags: {e}") from None
+    out = [replace(base) for _ in range(ns.engines)]
+    if ns.engine_slowdown:
+        sl = parse_floats("--engine-slowdown", ns.engine_slowdown)
+        for k, ecfg in enumerate(out):
+            ecfg.slowdown = sl[k % len(sl)]
+    for ov in ns.engine_override:
+        head, sep, flags = ov.partition(":")
+        if not sep or not head.strip().isdigit() or not 0 <= int(head) < ns.engines:
+            raise UsageError(f"--engine-override {ov!r}: expected K:FLAGS with 0 <= K < {ns.engines}")
+        k = int(head)
+        sub = add_engine_args(argparse.ArgumentParser(prog=f"engine {k}", allow_abbrev=False, add_help=False))
+        defaults = asdict(out[k])
+        sub.set_defaults(**defaults)
+        try:
+            sub_ns = sub.parse_args(flags.split())
+            out[k] = config_from_args(sub_ns)
+        except (SystemExit, ValueError) as e:
+            raise UsageError(f"--engine-override {ov!r}: invalid engine flags ({e})") from None
+    return out
+
+
+def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list[EngineConfig],
+                 cfg: Config) -> dict[str, Any]:
+    """The settings of the run, as they appear in the JSON (what to pass to get the same run)."""
+    e0 = {f.name: getattr(engines[0], f.name) for f in fields(EngineConfig) if f.name not in _NOT_SETTINGS}
+    per_engine = []
+    for k, e in enumerate(engines):
+        diff = {f.name: getattr(e, f.name) for f in fields(EngineConfig)
+                if f.name not in _NOT_SETTINGS and getattr(e, f.name) != e0[f.name]}
+        if diff:
+            per_engine.append({"engine": k, **diff})
+    return {
+        "trace": ns.trace, "trace_format": ns.trace_format, "start": ns.start, "requests": len(reqs),
+        "max_tokens_cap": ns.max_tokens_cap, "rate_scale": ns.rate_scale, "engines": len(engines),
+        "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
+        "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
+        "api": ns.api, "config": ns.config, "routing_policy": cfg.routing_policy.model_dump(),
+        "health_check_interval_ms": cfg.health_check.interval_ms,
+        "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
+    }
+
+
+def _policies(ns: argparse.Namespace, cfg: Config) -> list[str]:
+    names = [x.strip() for x in (ns.policy or cfg.routing_policy.policy).split(",") if x.strip()]
+    bad = [x for x in names if x not in POLICIES]
+    if bad or not names:
+        raise UsageError(f"--policy {ns.policy!r}: unknown {', '.join(bad) or 'empty list'}; "
+                         f"one of {', '.join(POLICIES)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--policy {ns.policy!r}: a policy is named twice")
+    return names
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    ns = p.parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: finally blocks unlink the private segments
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(ns)
+    except (UsageError, ConfigError, TraceFormatError, ValueError, FileNotFoundError) as e:
+        print(f"dplb-simulate: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndplb-simulate: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(ns: argparse.Namespace) -> int:
+    cfg = load_config(ns.config) if ns.config else Config()
+    policies = _policies(ns, cfg)
+    if ns.rate_scale <= 0:
+        raise UsageError(f"--rate-scale {ns.rate_scale}: must be > 0")
+    if ns.state_interval_ms < 10:
+        raise UsageError(f"--state-interval-ms {ns.state_interval_ms}: must be >= 10 (as the agent's)")
+    if ns.latency_window_s < 0:
+        raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
+    if (ns.find_capacity or ns.min_engines) and ns.slo_ttft_p99 is None and ns.slo_tpot_p99 is None:
+        raise UsageError("--find-capacity / --min-engines need --slo-ttft-p99 and/or --slo-tpot-p99")
+    engines = engine_configs(ns)
+    reqs = load_workload(ns.trace, ns.trace_format, ns.start, ns.requests, ns.max_tokens_cap)
+    settings_json = run_settings(ns, reqs, engines, cfg)
+    show = progress_enabled(ns.progress)
+    hashers: dict[tuple[int, str], EngineHasher] = {}
+
+    def run(settings: SimSettings, label: str) -> tuple[dict[str, Any], list[float]]:
+        bar = Progress(label, show)
+        t0 = time.perf_counter()
+        try:
+            res = Simulation(reqs, settings, hashers).run(bar)
+        finally:
+            bar.close()
+        fig = summarize(res, len(settings.engines))
+        fig["_wall_s"] = time.perf_counter() - t0
+        return fig, [x for x in res.ttft if x is not None]
+
+    base = SimSettings(engines=engines, router=cfg, state_interval_ms=ns.state_interval_ms,
+                       latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
+                       seed=ns.seed, load_points=ns.load_points)
+    slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
+    rows: list[dict[str, Any]] = []
+    ttfts: dict[str, list[float]] = {}
+    walls: list[str] = []
+    for name in policies:
+        settings = replace(base, policy=name)
+        fig, samples = run(settings, f"{name} x{ns.rate_scale:g}")
+        walls.append(f"{name} {fig.pop('_wall_s'):.1f} s")
+        ttfts[name] = samples
+        row: dict[str, Any] = {"policy": name, "settings": settings_json, **fig}
+        if ns.find_capacity:
+            rate = trace_rate(reqs)
+
+            def cap_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
+                f, _ = run(st, f"{_name} capacity x{st.rate_scale:.3g}")
+                f.pop("_wall_s", None)
+                return f
+
+            row["capacity"] = find_capacity(cap_run, settings, slo, rate, start=ns.rate_scale,
+                                            tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
+        if ns.min_engines:
+            def eng_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
+                f, _ = run(st, f"{_name} {len(st.engines)} engines")
+                f.pop("_wall_s", None)
+                return f
+
+            row["min_engines"] = min_engines(eng_run, settings, slo, ns.max_engines)
+        rows.append(row)
+    print(f"trace {ns.trace}: {len(reqs)} requests from #{ns.start}, rate x{ns.rate_scale:g}, "
+          f"{len(engines)} engines, seed {ns.seed} (times in s, TPOT in ms)")
+    print(table(rows))
+    if ns.find_capacity or ns.min_engines:
+        slo_txt = ", ".join(x for x in (f"TTFT p99 <= {ns.slo_ttft_p99} s" if ns.slo_ttft_p99 is not None else "",
+                                        f"TPOT p99 <= {ns.slo_tpot_p99} s" if ns.slo_tpot_p99 is not None else "")
+                            if x)
+        print(f"\ncapacity within {slo_txt} (x = multiple of the trace's own rate)")
+        print(capacity_table(rows))
+    print("wall: " + ", ".join(walls), file=sys.stderr)
+    if ns.json_out:
+        write_json(ns.json_out, rows)
+    if ns.plot_dir:
+        for path in plot(rows, ttfts, ns.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
