@@ -4,6 +4,8 @@ Two shapes:
 
 - open loop (:func:`run_open`): request ``i`` leaves at ``start + spec.at`` whatever happens to
   the others (trace replay, Poisson arrivals, a burst at t=0);
+- sessions (:func:`run_sessions`): each conversation's first turn leaves at its ``at``, every later
+  turn ``think`` seconds after the previous turn's answer ended (closed loop per user);
 - closed loop (:func:`run_closed`): ``concurrency`` clients each send the next request as soon as
   their previous one ended (router overhead, scaling).
 
@@ -35,7 +37,9 @@ class RequestSpec:
 
     ``at``: send offset in seconds from the run's start (open loop; ignored in closed loop);
     ``path``: e.g. ``/v1/chat/completions``; ``body``: the JSON body already encoded;
-    ``stream``: whether the body asks for SSE; ``tag``: free label (e.g. ``"long"``) for analysis.
+    ``stream``: whether the body asks for SSE; ``tag``: free label (e.g. ``"long"``) for analysis;
+    ``session``: conversation id for :func:`run_sessions` (−1: none); ``think``: seconds between
+    the previous turn's end and this turn's send in :func:`run_sessions` (0 for a first turn).
     """
 
     at: float
@@ -43,6 +47,8 @@ class RequestSpec:
     body: bytes
     stream: bool
     tag: str = ""
+    session: int = -1
+    think: float = 0.0
 
 
 @dataclass
@@ -168,4 +174,33 @@ async def run_closed(base: str, specs: Sequence[RequestSpec], concurrency: int,
                 results[i] = await _one(session, base, specs[i], t0, timeout_s)
 
         await asyncio.gather(*(loop() for _ in range(min(concurrency, len(specs)) or 1)))
+        return [r for r in results if r is not None], time.perf_counter() - t0
+
+
+async def run_sessions(base: str, specs: Sequence[RequestSpec], timeout_s: float = 600.0) -> tuple[list[Result], float]:
+    """Replay conversations closed-loop; return ``(results in spec order, wall seconds)``.
+
+    Specs with the same ``session`` form one conversation, in list order. Its first turn is sent
+    at ``start + at``; each later turn ``think`` seconds after the previous one finished (an
+    error ends nothing: the user still sends the next turn). Specs with ``session`` −1 are sent
+    open-loop at their offset. Wall seconds run from the start to the last completion.
+    """
+    results: list[Result | None] = [None] * len(specs)
+    convs: dict[int, list[int]] = {}
+    for i, s in enumerate(specs):
+        convs.setdefault(s.session if s.session >= 0 else -1 - i, []).append(i)
+
+    async with _session() as session:
+        t0 = time.perf_counter()
+
+        async def user(idx: list[int]) -> None:
+            delay = t0 + specs[idx[0]].at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for k, i in enumerate(idx):
+                if k and specs[i].think > 0:
+                    await asyncio.sleep(specs[i].think)
+                results[i] = await _one(session, base, specs[i], t0, timeout_s)
+
+        await asyncio.gather(*(user(idx) for idx in convs.values()))
         return [r for r in results if r is not None], time.perf_counter() - t0

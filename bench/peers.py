@@ -7,10 +7,19 @@ Peers (facts from ``docs/peers-and-engines.md``, checked on this kind of machine
 - ``vllm``: ``pip install vllm-router`` (Rust fork of SGLang's, about 130 MB), started with
   ``python -m vllm_router.launch_router``; log levels ``debug|info|warning|error|critical``; it
   waits at start until every worker answers ``GET /health``.
+- ``smg``: ``pip install smg`` (SGLang's new gateway, "Shepherd Model Gateway"; Rust, one abi3
+  wheel; the venv is about 155 MB, 102 MB of it the extension), started with
+  ``python -m smg.launch_router`` (the console script spells it ``smg launch``); the same main
+  flags as ``sglang``, log levels ``debug|info|warn|error``. It takes the sim engines for vLLM
+  (``GET /version`` answers) and polls every worker's load from ``GET /metrics`` (vLLM gauges)
+  every 10 s, whatever the policy. On SIGTERM it keeps its listener open for
+  min(grace / 2, 5 s) before draining (grace: ``--shutdown-grace-period-secs``, default 180), so
+  it gets ``--shutdown-grace-period-secs 2`` and exits within the harness's 3 s stop grace.
 
-Both are pointed at the engines directly (that is how they are deployed), bound to loopback with
-``--host 127.0.0.1 --prometheus-host 127.0.0.1``, and run at warn level: their default
-per-request info logging costs them about 20 % throughput on this machine.
+All are pointed at the engines directly (that is how they are deployed), bound to loopback with
+``--host 127.0.0.1 --prometheus-host 127.0.0.1`` (smg's defaults for both are ``0.0.0.0``), and run
+at warn level: their default per-request info logging costs them about 20 % throughput on this
+machine.
 
 Installation happens on first use (:func:`ensure_peer`) with pip from the configured index; a
 failed install raises :class:`bench.errors.PeerInstallError` naming pip's log.
@@ -32,7 +41,8 @@ class PeerSpec:
     """How to install and start one peer router.
 
     ``package``/``version``: the PyPI distribution pinned for repeatable runs; ``module``: the
-    launcher module; ``warn_level``: its spelling of the warning log level.
+    launcher module (run as ``python -m module``); ``warn_level``: its spelling of the warning log
+    level; ``extra``: flags appended after the common ones (:func:`peer_command`), verbatim.
     """
 
     name: str
@@ -40,11 +50,15 @@ class PeerSpec:
     version: str
     module: str
     warn_level: str
+    extra: tuple[str, ...] = ()
 
 
 PEERS: dict[str, PeerSpec] = {
     "sglang": PeerSpec("sglang", "sglang-router", "0.3.2", "sglang_router.launch_router", "warn"),
     "vllm": PeerSpec("vllm", "vllm-router", "0.1.17", "vllm_router.launch_router", "warning"),
+    # SIGTERM: listener held open min(grace / 2, 5 s), then drained; 2 s keeps its stop under 3 s
+    "smg": PeerSpec("smg", "smg", "1.13.0", "smg.launch_router", "warn",
+                    extra=("--shutdown-grace-period-secs", "2")),
 }
 
 
@@ -107,7 +121,8 @@ def peer_command(name: str, policy: str, port: int, prometheus_port: int, worker
                  root: Path = PEERS_DIR) -> list[str]:
     """Command line that starts peer ``name`` with ``policy`` in front of ``worker_urls``.
 
-    Loopback only (``--host``/``--prometheus-host 127.0.0.1``) and warn-level logging.
+    Loopback only (``--host``/``--prometheus-host 127.0.0.1``), warn-level logging, then the
+    peer's own :attr:`PeerSpec.extra` flags. Raises ``KeyError`` for an unknown peer.
     """
     spec = PEERS[name]
     return [str(peer_python(name, root)), "-m", spec.module,
@@ -115,4 +130,5 @@ def peer_command(name: str, policy: str, port: int, prometheus_port: int, worker
             "--worker-urls", *worker_urls,
             "--policy", policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
-            "--log-level", spec.warn_level]
+            "--log-level", spec.warn_level,
+            *spec.extra]

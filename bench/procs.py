@@ -21,7 +21,8 @@ from bench.errors import StartupError
 from launcher.children import Child
 from launcher.stack import LOOPBACK, ProcessGroup, free_port
 
-__all__ = ["LOOPBACK", "Child", "ProcessSet", "cpu_seconds", "free_port", "wait_until"]
+__all__ = ["LOOPBACK", "Child", "CorePlan", "ProcessSet", "core_plan", "cpu_seconds", "free_port", "pin",
+           "wait_until"]
 
 
 
@@ -68,6 +69,69 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             except psutil.Error:
                 pass
     return total
+
+
+class CorePlan:
+    """Which CPUs the routing side and the rest get (issue 17: the router, and DPLB's agents, on
+    one core; the load generator and the engines on the others, so the load generator does not
+    steal the router's core). ``router``/``rest``: CPU ids; both empty means "do not pin"."""
+
+    def __init__(self, router: frozenset[int], rest: frozenset[int]) -> None:
+        self.router = router
+        self.rest = rest
+
+    @property
+    def active(self) -> bool:
+        """True when pinning is on."""
+        return bool(self.router and self.rest)
+
+    def describe(self) -> str:
+        """One line for the report."""
+        if not self.active:
+            return "not pinned (fewer than 2 CPUs available, or --no-pin)"
+        return (f"router processes (and DPLB's agents) on CPU {sorted(self.router)}; load generator and "
+                f"engines on CPU {sorted(self.rest)}")
+
+
+def core_plan(enabled: bool = True) -> CorePlan:
+    """The :class:`CorePlan` for this machine: the lowest allowed CPU for routing, the others for
+    the rest; inactive when ``enabled`` is False or fewer than two CPUs are allowed."""
+    cpus = sorted(psutil.Process().cpu_affinity() or [])
+    if not enabled or len(cpus) < 2:
+        return CorePlan(frozenset(), frozenset())
+    return CorePlan(frozenset(cpus[:1]), frozenset(cpus[1:]))
+
+
+def pin(pids: Sequence[int], cpus: frozenset[int]) -> int:
+    """Set the CPU affinity of every thread of ``pids`` and of their live descendants to ``cpus``.
+
+    Each thread is pinned (``/proc/<pid>/task``): a Rust router's worker threads already exist
+    when it is ready, and threads started later inherit their creator's mask. Returns how many
+    threads were pinned; processes that went away are skipped. No-op for an empty ``cpus``.
+    """
+    import os
+
+    if not cpus:
+        return 0
+    n = 0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                tids = [t.id for t in p.threads()]
+            except psutil.Error:
+                continue
+            for tid in tids:
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                    n += 1
+                except OSError:
+                    pass
+    return n
 
 
 def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1,

@@ -1,12 +1,17 @@
 """Writing a benchmark run out: ``latest.json``, ``latest.md`` and PNG plots (matplotlib, Agg).
 
-``latest.json``: the list of rows, each with exactly the keys of :data:`bench.stats.ROW_KEYS`.
+``latest.json``: the list of rows (one per run of a workload: every repeat), each with exactly the
+keys of :data:`bench.stats.ROW_KEYS`; ``goodput.json``: the goodput searches.
 
-``latest.md``: the goals of issue 7 checked (DPLB's best policy against the best peer per
-workload, "best" meaning lowest TTFT p99 on that workload), then every row, machine, versions,
-settings, the command line and notes. Ratios are DPLB / peer, so TTFT p99 wants ≤ 0.8 and
-output tokens/s wants ≥ 1.1. Added latency on (f) = e2e p50 of the system − e2e p50 of the
-direct run. Scaling efficiency(N) = output tok/s(N) / (N × output tok/s(1)).
+``latest.md`` opens with one table (issue 17): per workload, DPLB's default policy against the best
+peer (lowest median of the figure among sglang-router, vllm-router and smg), each figure as the
+median over the repeats with its [min–max], the ratio DPLB/peer with an interval, "no difference"
+where the ranges overlap, and the verdict against the open issues' goals. Then a table per
+workload for every system, goodput, overhead, scaling, every raw row, settings, machine, versions
+and notes. Output tokens/s is not a ranking figure: in an open-loop replay every system that keeps
+up serves the offered load; goodput (highest rate within the SLO) is. Added latency on (f) = e2e
+p50 of the system − median e2e p50 of the direct run. Scaling efficiency(N) = output tok/s(N) /
+(N × output tok/s(1)).
 """
 from __future__ import annotations
 
@@ -21,43 +26,28 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench.peers import peer_version
-from bench.stats import ROW_KEYS
+from bench.peers import PEERS, peer_version
+from bench.stats import ROW_KEYS, Spread, ratio_interval, spread, summarize
 
 Row = dict[str, Any]
-GOAL_WORKLOADS = ("a_mooncake", "b_shared_prefix", "c_mixed_lengths", "d_heterogeneous")
+Key = tuple[str, str, str, int]
+PEERS_KINDS = ("sglang", "vllm", "smg")
+#: workloads whose TTFT p99 is compared in the summary, in order
+TTFT_WORKLOADS = ("a_mooncake", "s_sessions", "b_shared_prefix", "c_mixed_lengths", "d_heterogeneous")
+DEFAULT = ("dplb", "dplb")
 
 
-def _label(r: Row) -> str:
-    return str(r["system"]) if r["system"] == "direct" else f"{r['system']}/{r['policy']}"
-
-
-def _valid(r: Row) -> bool:
-    return r["requests"] > 0 and r["errors"] < r["requests"] and r["ttft_p99_ms"] is not None
-
-
-def best(rows: Iterable[Row], workload: str, dplb: bool) -> Row | None:
-    """Lowest-TTFT-p99 row on ``workload`` among DPLB's rows (``dplb=True``) or the peers'.
-
-    Rows with any error rank after rows without (a system that drops requests is not "best").
-    """
-    cands = [r for r in rows if r["workload"] == workload and _valid(r)
-             and ((r["system"] == "dplb") == dplb) and r["system"] != "direct"]
-    if not cands:
-        return None
-    return min(cands, key=lambda r: (r["errors"] > 0, r["ttft_p99_ms"]))
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
+def _label(r: Row | Key) -> str:
+    system, policy = (r["system"], r["policy"]) if isinstance(r, dict) else (r[0], r[1])
+    return str(system) if system == "direct" else f"{system}/{policy}"
 
 
 def _fmt(x: Any, nd: int = 2) -> str:
     if x is None:
         return "—"
     if isinstance(x, float):
+        if x == float("inf"):
+            return "inf"
         return f"{x:.{nd}f}"
     return str(x)
 
@@ -66,77 +56,232 @@ def _verdict(ok: bool | None) -> str:
     return "—" if ok is None else ("met" if ok else "**not met**")
 
 
-def _compare(w: str, d: Row | None, p: Row | None) -> str:
-    """One goals-table line: DPLB row ``d`` against peer row ``p`` on workload ``w``."""
-    if not d or not p:
-        return f"| {w} | {_label(d) if d else '—'} | {_label(p) if p else '—'} | — | — | — | no data |"
-    tr = _ratio(d["ttft_p99_ms"], p["ttft_p99_ms"])
-    sr = _ratio(d["output_tok_s"], p["output_tok_s"])
-    dh, ph = d["prefix_hit_rate"], p["prefix_hit_rate"]
-    ok = [tr is not None and tr <= 0.8, sr is not None and sr >= 1.1,
-          dh is not None and ph is not None and dh >= ph - 1e-9]
-    miss = [n for n, k in zip(("TTFT", "tok/s", "hit rate"), ok, strict=True) if not k]
-    if d["errors"]:
-        miss.append(f"{d['errors']} errors")
-    return (f"| {w} | {_label(d)} | {_label(p)} | {_fmt(tr)} | {_fmt(sr)} | {_fmt(dh, 3)} / {_fmt(ph, 3)} "
-            f"| {'met' if not miss else 'not met: ' + ', '.join(miss)} |")
+def fmt_spread(sp: Spread | None, nd: int = 1) -> str:
+    """``median [min–max]`` (or ``—``)."""
+    if sp is None or sp.median is None:
+        return "—"
+    if sp.n == 1 or sp.lo == sp.hi:
+        return _fmt(float(sp.median), nd)
+    return f"{_fmt(float(sp.median), nd)} [{_fmt(float(sp.lo), nd)}–{_fmt(float(sp.hi), nd)}]"  # type: ignore[arg-type]
 
 
-def goals(rows: list[Row]) -> list[str]:
-    """Markdown lines checking every goal of issue 7 against ``rows``."""
-    head = [("| workload | DPLB | best peer | TTFT p99 ratio (≤ 0.8) | output tok/s ratio (≥ 1.1) "
-            "| prefix hit DPLB / peer (≥) | verdict |"), "|---|---|---|---|---|---|---|"]
-    out = ["DPLB's best policy per workload (lowest TTFT p99) against the best peer:", "", *head]
-    out += [_compare(w, best(rows, w, True), best(rows, w, False)) for w in GOAL_WORKLOADS]
-    out += ["", "DPLB's own policy (`dplb`) against the best peer:", "", *head]
-    for w in GOAL_WORKLOADS:
-        own = next((r for r in rows if r["workload"] == w and r["system"] == "dplb" and r["policy"] == "dplb"
-                    and _valid(r)), None)
-        out.append(_compare(w, own, best(rows, w, False)))
-    out.append("")
-    # (e) burst share
-    e_rows = [r for r in rows if r["workload"] == "e_burst" and r["max_share"] is not None]
-    if e_rows:
-        out += ["(e) burst of 200 at t=0, max/min per-worker share (goal for DPLB ≤ 1.3):", "",
-                "| system | max share | min share | max/min | verdict |", "|---|---|---|---|---|"]
-        for r in e_rows:
-            mm = r["max_share"] / r["min_share"] if r["min_share"] else float("inf")
-            v = _verdict(mm <= 1.3) if r["system"] == "dplb" else ""
-            out.append(f"| {_label(r)} | {_fmt(r['max_share'], 3)} | {_fmt(r['min_share'], 3)} | {_fmt(mm)} | {v} |")
-        out.append("")
-    # (f) overhead
-    direct = next((r for r in rows if r["workload"] == "f_overhead" and r["system"] == "direct" and _valid(r)), None)
-    f_rows = [r for r in rows if r["workload"] == "f_overhead" and r["system"] != "direct" and _valid(r)]
-    if direct and f_rows:
-        base = direct["e2e_p50_ms"]
-        out += [(f"(f) router overhead, tiny non-streaming requests; direct e2e p50 = {_fmt(base, 3)} ms "
-                "(goal: DPLB's added p50 no worse than sglang-router's):"), "",
-                "| system | e2e p50 ms | added p50 ms | e2e p99 ms | req/s | routing CPU s / 1k req |",
-                "|---|---|---|---|---|---|"]
-        for r in f_rows:
-            out.append(f"| {_label(r)} | {_fmt(r['e2e_p50_ms'], 3)} | {_fmt(r['e2e_p50_ms'] - base, 3)} | "
-                       f"{_fmt(r['e2e_p99_ms'], 3)} | {_fmt(r['req_s'], 1)} | {_fmt(r['router_cpu_s_per_1k'], 3)} |")
-        dp = [r["e2e_p50_ms"] for r in f_rows if r["system"] == "dplb"]
-        sp = [r["e2e_p50_ms"] for r in f_rows if r["system"] == "sglang"]
-        if dp and sp:
-            out += ["", (f"Best DPLB added p50 {min(dp) - base:.3f} ms vs best sglang-router {min(sp) - base:.3f} ms: "
-                    f"{_verdict(min(dp) <= min(sp))}.")]
-        out.append("")
-    # scaling, per DPLB policy that ran it (the goal is judged on the first one, DPLB's own by default)
+def difference(a: Spread, b: Spread, lower_is_better: bool = True) -> str:
+    """``DPLB better`` / ``peer better`` when the min–max ranges of ``a`` (DPLB) and ``b`` (peer)
+    do not overlap, else ``no difference``."""
+    if a.median is None or b.median is None:
+        return "no data"
+    if a.overlaps(b):
+        return "no difference"
+    a_low = a.hi < b.lo  # type: ignore[operator]
+    return "DPLB better" if a_low == lower_is_better else "peer better"
+
+
+def best_peer(summary: dict[Key, dict[str, Spread]], workload: str, figure: str,
+              kinds: tuple[str, ...] = PEERS_KINDS) -> Key | None:
+    """The peer system with the lowest median ``figure`` on ``workload``; systems whose repeats
+    had errors rank after error-free ones (a system that drops requests is not "best")."""
+    cands = [k for k, v in summary.items() if k[2] == workload and k[0] in kinds and v[figure].median is not None]
+    if not cands:
+        return None
+    return min(cands, key=lambda k: ((summary[k]["errors"].hi or 0) > 0, summary[k][figure].median))
+
+
+def best(rows: Iterable[Row], workload: str, dplb: bool) -> Row | None:
+    """Lowest-TTFT-p99 single row on ``workload`` among DPLB's rows (``dplb=True``) or the peers';
+    rows with errors rank after rows without."""
+    cands = [r for r in rows if r["workload"] == workload and _valid(r)
+             and ((r["system"] == "dplb") == dplb) and r["system"] != "direct"]
+    if not cands:
+        return None
+    return min(cands, key=lambda r: (r["errors"] > 0, r["ttft_p99_ms"]))
+
+
+def _valid(r: Row) -> bool:
+    return r["requests"] > 0 and r["errors"] < r["requests"] and r["ttft_p99_ms"] is not None
+
+
+def _key(summary: dict[Key, dict[str, Spread]], system: str, policy: str, workload: str) -> Key | None:
+    return next((k for k in summary if k[:3] == (system, policy, workload)), None)
+
+
+def _cmp_line(summary: dict[Key, dict[str, Spread]], workload: str, figure: str, name: str, goal: str,
+              peer_kinds: tuple[str, ...] = PEERS_KINDS, nd: int = 1) -> str:
+    d = _key(summary, *DEFAULT, workload)
+    p = best_peer(summary, workload, figure, peer_kinds)
+    if d is None or p is None:
+        return (f"| {workload} | {name} | {fmt_spread(summary[d][figure], nd) if d else '—'} | "
+                f"{_label(p) if p else '—'} | — | no data | {goal + ': no data' if goal else ''} |")
+    ds, ps = summary[d][figure], summary[p][figure]
+    r, lo, hi = ratio_interval(ds, ps)
+    diff = difference(ds, ps)
+    errs = summary[d]["errors"].hi or 0
+    met = diff == "DPLB better" and not errs
+    g = f"{goal}: {_verdict(met)}" if goal else ""
+    if errs:
+        g += f" ({int(errs)} errors in a repeat)"
+    return (f"| {workload} | {name} | {fmt_spread(ds, nd)} | {_label(p)} {fmt_spread(ps, nd)} | "
+            f"{_fmt(r)} [{_fmt(lo)}–{_fmt(hi)}] | {diff} | {g} |")
+
+
+def summary_lines(rows: list[Row], goodput: list[dict[str, Any]]) -> list[str]:
+    """The table ``latest.md`` opens with: per workload, ``dplb/dplb`` against the best peer
+    (``sglang``, ``vllm``, ``smg``; lowest median), each figure as median [min–max] over the
+    repeats, the ratio DPLB/peer with its interval (lo = DPLB min / peer max, hi = DPLB max / peer
+    min), "no difference" when the ranges overlap, and the verdict against the open issues' goals.
+    """
+    sm = summarize(rows)
+    out = ["| workload | figure | DPLB `dplb` | best peer | ratio [interval] | difference | goal |",
+           "|---|---|---|---|---|---|---|"]
+    goal_of = {"a_mooncake": "below the best peer (issue 13)"}
+    for w in TTFT_WORKLOADS:
+        if any(k[2] == w for k in sm):
+            out.append(_cmp_line(sm, w, "ttft_p99_ms", "TTFT p99 ms", goal_of.get(w, "")))
+    if any(k[2] == "a_mooncake" for k in sm):
+        out.append(_cmp_line(sm, "a_mooncake", "tpot_p99_ms", "TPOT p99 ms", ""))
+    for w in ("a_mooncake", "b_shared_prefix"):
+        gp = {(g["system"], g["policy"]): g for g in goodput if g["workload"] == w}
+        d = gp.get(DEFAULT)
+        peers = [g for k, g in gp.items() if k[0] in PEERS_KINDS]
+        if d is None or not peers:
+            continue
+        p = max(peers, key=lambda g: g["goodput_mult"])
+        r = (d["goodput_mult"] / p["goodput_mult"]) if p["goodput_mult"] else None
+        diff = ("no difference" if d["goodput_mult"] == p["goodput_mult"]
+                else "DPLB better" if d["goodput_mult"] > p["goodput_mult"] else "peer better")
+        out.append(f"| {w} | goodput (× own rate, one ladder) | {_fmt(d['goodput_mult'])} | {_label(p)} "
+                   f"{_fmt(p['goodput_mult'])} | {_fmt(r)} | {diff} (ladder step resolution) | ≥ best peer (issue 17) "
+                   f"{_verdict(d['goodput_mult'] >= p['goodput_mult'])} |")
+    e = _key(sm, *DEFAULT, "e_burst")
+    if e is not None:
+        mx, mn = sm[e]["max_share"], sm[e]["min_share"]
+        ratios = [a / b if b else float("inf") for a, b in zip(_vals(rows, e, "max_share"), _vals(rows, e, "min_share"),
+                                                               strict=True)]
+        rs = spread(ratios)
+        out.append(f"| e_burst | max/min share | {fmt_spread(rs, 2)} (max {fmt_spread(mx, 3)}, min {fmt_spread(mn, 3)}) "
+                   f"| — | — | — | ≤ 1.3 in every repeat (issue 13): {_verdict(rs.hi is not None and rs.hi <= 1.3)} |")
+    out += _overhead_summary(rows, sm)
     pols = scaling_policies(rows)
-    for k, pol in enumerate(pols):
-        eff = scaling_efficiency(rows, pol)
-        goal = "; goal: efficiency at 8 ≥ 0.97" if k == 0 else "; for comparison"
-        out += [f"Scaling of dplb/{pol} (closed loop, concurrency ∝ engines{goal}):", "",
-                "| engines | output tok/s | efficiency | max share | min share |", "|---|---|---|---|---|"]
-        shares_by_n = {int(r["workers"]): r for r in rows if r["workload"] == "scaling" and r["policy"] == pol}
-        for n, (tps, e) in sorted(eff.items()):
-            r = shares_by_n[n]
-            out.append(f"| {n} | {_fmt(tps, 1)} | {_fmt(e, 3)} | {_fmt(r['max_share'], 3)} | {_fmt(r['min_share'], 3)} |")
-        if k == 0 and 8 in eff and eff[8][1] is not None:
-            out += ["", f"Efficiency of dplb/{pol} at 8 engines: {eff[8][1]:.3f}: {_verdict(eff[8][1] >= 0.97)}."]
+    if pols:
+        eff = scaling_efficiency_spread(rows, pols[0])
+        if 8 in eff:
+            sp = eff[8]
+            out.append(f"| scaling | efficiency at 8 engines, dplb/{pols[0]} | {fmt_spread(sp, 3)} | — | — | — | "
+                       f"seeds' claim 0.97: {_verdict(sp.median is not None and sp.median >= 0.97)} |")
+    return out
+
+
+def _vals(rows: list[Row], key: Key, figure: str) -> list[Any]:
+    return [r[figure] for r in rows if (r["system"], r["policy"], r["workload"], r["workers"]) == key]
+
+
+def _overhead_summary(rows: list[Row], sm: dict[Key, dict[str, Spread]]) -> list[str]:
+    """Summary lines of issue 14's goals: added latency and router CPU against sglang-router."""
+    out = []
+    direct = _key(sm, "direct", "none", "f_overhead")
+    d = _key(sm, *DEFAULT, "f_overhead")
+    sg = best_peer(sm, "f_overhead", "e2e_p50_ms", ("sglang",))
+    if direct and d and sg:
+        base = sm[direct]["e2e_p50_ms"].median
+        added_d = spread([x - base for x in _vals(rows, d, "e2e_p50_ms") if x is not None])
+        added_s = spread([x - base for x in _vals(rows, sg, "e2e_p50_ms") if x is not None])
+        r, lo, hi = ratio_interval(added_d, added_s)
+        out.append(f"| f_overhead | added p50 ms over direct | {fmt_spread(added_d, 3)} | {_label(sg)} "
+                   f"{fmt_spread(added_s, 3)} | {_fmt(r)} [{_fmt(lo)}–{_fmt(hi)}] | {difference(added_d, added_s)} | "
+                   f"≤ sglang-router's (issue 14): {_verdict(added_d.median is not None and added_s.median is not None and added_d.median <= added_s.median)} |")
+    for w, name in (("f_overhead", "routing CPU s / 1k tiny req"), ("a_mooncake", "routing CPU s / 1k streamed req")):
+        d = _key(sm, *DEFAULT, w)
+        sg = best_peer(sm, w, "router_cpu_s_per_1k", ("sglang",))
+        if d and sg:
+            ds, ps = sm[d]["router_cpu_s_per_1k"], sm[sg]["router_cpu_s_per_1k"]
+            r, lo, hi = ratio_interval(ds, ps)
+            out.append(f"| {w} | {name} | {fmt_spread(ds, 2)} | {_label(sg)} {fmt_spread(ps, 2)} | "
+                       f"{_fmt(r)} [{_fmt(lo)}–{_fmt(hi)}] | {difference(ds, ps)} | ≤ 1.5× sglang-router's (issue 14): "
+                       f"{_verdict(r is not None and r <= 1.5)} |")
+    return out
+
+
+FIG_COLUMNS = (("ttft_p50_ms", "TTFT p50 ms", 1), ("ttft_p99_ms", "TTFT p99 ms", 1), ("tpot_p99_ms", "TPOT p99 ms", 2),
+               ("e2e_p99_ms", "e2e p99 ms", 0), ("prefix_hit_rate", "prefix hit", 3), ("max_share", "max share", 3),
+               ("min_share", "min share", 3), ("router_cpu_s_per_1k", "routing CPU s/1k", 2), ("errors", "errors", 0))
+
+
+def workload_tables(rows: list[Row]) -> list[str]:
+    """One table per workload: every system, each figure as median [min–max] over the repeats."""
+    sm = summarize(rows)
+    out: list[str] = []
+    workloads: list[str] = []
+    for r in rows:
+        if r["workload"] not in workloads and r["workload"] != "scaling":
+            workloads.append(r["workload"])
+    for w in workloads:
+        keys = [k for k in sm if k[2] == w]
+        n = max(sm[k]["errors"].n for k in keys)
+        out += [f"### {w} ({n} repeats)", "", "| system | " + " | ".join(c[1] for c in FIG_COLUMNS) + " |",
+                "|---|" + "---|" * len(FIG_COLUMNS)]
+        for k in keys:
+            out.append(f"| {_label(k)} | " + " | ".join(fmt_spread(sm[k][f], nd) for f, _, nd in FIG_COLUMNS) + " |")
         out.append("")
     return out
+
+
+def goodput_lines(goodput: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """The goodput table: the highest multiplier of each workload's own rate within the SLO."""
+    if not goodput:
+        return []
+    slo = meta.get("goodput_slo", {})
+    out = ["SLO per workload (simulated seconds; wall × the engines' time scale): "
+           + "; ".join(f"{w}: TTFT p99 ≤ {v['ttft_p99_s']} s, TPOT p99 ≤ {v['tpot_p99_s']} s (scaling {v['scaled']})"
+                       for w, v in slo.items()) + ". Ladder: " + ", ".join(str(x) for x in meta.get("goodput_ladder", []))
+           + " (down: " + ", ".join(str(x) for x in meta.get("goodput_ladder_down", [])) + "); each step on fresh "
+           "engines, once.", "",
+           "| workload | system | goodput (× own rate) | req/s at that rate (wall) | steps: multiplier ok TTFT/TPOT p99 ms |",
+           "|---|---|---|---|---|"]
+    for g in goodput:
+        steps = "; ".join(f"×{m} {'✓' if ok else '✗'} {_fmt(t, 0)}/{_fmt(p, 1)}" for m, ok, t, p in g["steps"])
+        out.append(f"| {g['workload']} | {_label((g['system'], g['policy'], '', 0))} | {_fmt(g['goodput_mult'])} | "
+                   f"{_fmt(g['goodput_req_s'])} | {steps} |")
+    return out + [""]
+
+
+def overhead_lines(rows: list[Row], router_only: dict[tuple[str, str], list[float]]) -> list[str]:
+    """(f): added p50 over the direct run, per system, median [min–max] over repeats."""
+    sm = summarize(rows)
+    direct = _key(sm, "direct", "none", "f_overhead")
+    keys = [k for k in sm if k[2] == "f_overhead" and k[0] != "direct"]
+    if not direct or not keys:
+        return []
+    base = sm[direct]["e2e_p50_ms"].median
+    out = [f"(f) tiny non-streaming requests, concurrency 1; direct e2e p50 = {_fmt(base, 3)} ms:", "",
+           "| system | e2e p50 ms | added p50 ms | e2e p99 ms | req/s | routing CPU s / 1k req | router alone CPU s / 1k |",
+           "|---|---|---|---|---|---|---|"]
+    for k in keys:
+        added = spread([x - base for x in _vals(rows, k, "e2e_p50_ms") if x is not None])
+        ro = spread(router_only.get((_label(k), "f_overhead"), []))
+        out.append(f"| {_label(k)} | {fmt_spread(sm[k]['e2e_p50_ms'], 3)} | {fmt_spread(added, 3)} | "
+                   f"{fmt_spread(sm[k]['e2e_p99_ms'], 3)} | {fmt_spread(sm[k]['req_s'], 1)} | "
+                   f"{fmt_spread(sm[k]['router_cpu_s_per_1k'], 3)} | {fmt_spread(ro, 3)} |")
+    return out + [""]
+
+
+def scaling_lines(rows: list[Row]) -> list[str]:
+    """Scaling tables (output tok/s and efficiency as median [min–max]) per DPLB policy."""
+    out: list[str] = []
+    for k, pol in enumerate(scaling_policies(rows)):
+        tps = {n: spread([r["output_tok_s"] for r in rows if r["workload"] == "scaling" and r["policy"] == pol
+                          and int(r["workers"]) == n]) for n in SIZES if _has(rows, pol, n)}
+        eff = scaling_efficiency_spread(rows, pol)
+        out += [f"Scaling of dplb/{pol} (closed loop, concurrency ∝ engines{'' if k == 0 else '; for comparison'}):", "",
+                "| engines | output tok/s | efficiency |", "|---|---|---|"]
+        out += [f"| {n} | {fmt_spread(tps[n], 1)} | {fmt_spread(eff.get(n), 3)} |" for n in sorted(tps)]
+        out.append("")
+    return out
+
+
+SIZES = (1, 2, 4, 8)
+
+
+def _has(rows: list[Row], pol: str, n: int) -> bool:
+    return any(r["workload"] == "scaling" and r["policy"] == pol and int(r["workers"]) == n for r in rows)
 
 
 def scaling_policies(rows: list[Row]) -> list[str]:
@@ -149,14 +294,30 @@ def scaling_policies(rows: list[Row]) -> list[str]:
 
 
 def scaling_efficiency(rows: list[Row], policy: str | None = None) -> dict[int, tuple[float | None, float | None]]:
-    """``{engines: (output tok/s, efficiency)}`` from the ``scaling`` rows of ``policy`` (default:
-    the first policy that ran the scaling workload); efficiency = tok/s(N) / (N × tok/s(1))."""
+    """``{engines: (median output tok/s, efficiency of the medians)}`` from the ``scaling`` rows of
+    ``policy`` (default: the first policy that ran it); efficiency = tok/s(N) / (N × tok/s(1))."""
     if policy is None:
         pols = scaling_policies(rows)
         policy = pols[0] if pols else None
-    sc = {int(r["workers"]): r["output_tok_s"] for r in rows if r["workload"] == "scaling" and r["policy"] == policy}
+    sc = {n: spread([r["output_tok_s"] for r in rows if r["workload"] == "scaling" and r["policy"] == policy
+                     and int(r["workers"]) == n]).median for n in SIZES if _has(rows, str(policy), n)}
     one = sc.get(1)
     return {n: (t, (t / (n * one)) if (t is not None and one) else None) for n, t in sc.items()}
+
+
+def scaling_efficiency_spread(rows: list[Row], policy: str) -> dict[int, Spread]:
+    """Efficiency(N) per repeat (tok/s of repeat k at N / (N × median tok/s at 1)), folded."""
+    base = scaling_efficiency(rows, policy).get(1, (None, None))[0]
+    if not base:
+        return {}
+    return {n: spread([r["output_tok_s"] / (n * base) for r in rows if r["workload"] == "scaling"
+                       and r["policy"] == policy and int(r["workers"]) == n and r["output_tok_s"] is not None])
+            for n in SIZES if _has(rows, policy, n)}
+
+
+def goals(rows: list[Row], goodput: list[dict[str, Any]] | None = None) -> list[str]:
+    """Markdown lines of the summary (see :func:`summary_lines`)."""
+    return summary_lines(rows, goodput or [])
 
 
 def _versions() -> list[str]:
@@ -166,8 +327,8 @@ def _versions() -> list[str]:
             out.append(f"{dist} {metadata.version(dist)}")
         except metadata.PackageNotFoundError:
             pass
-    out.append(f"sglang-router {peer_version('sglang')}")
-    out.append(f"vllm-router {peer_version('vllm')}")
+    for name, spec in PEERS.items():
+        out.append(f"{spec.package} {peer_version(name)}")
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent).stdout.strip()
@@ -197,28 +358,54 @@ def _machine() -> list[str]:
             "GPU: none (simulated engines)"]
 
 
-def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_only: dict[tuple[str, str], float]) -> str:
-    """The whole ``latest.md`` text."""
+def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_only: dict[tuple[str, str], list[float]],
+             goodput: list[dict[str, Any]] | None = None) -> str:
+    """The whole ``latest.md`` text: the summary table first, then per-workload tables, goodput,
+    overhead, scaling, every raw row, settings, machine, versions, plots and notes."""
+    goodput = goodput or []
     lines = ["# DPLB benchmark: latest run", "",
-             (f"Run {meta.get('run_id')} ({meta.get('profile')} profile), finished "
+             (f"Run {meta.get('run_id')} ({meta.get('profile')} profile, {meta.get('repeats', 1)} repeats), finished "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, took {meta.get('elapsed_s')} s."), "",
              f"Command line: `{meta.get('command')}` (from the repository root, in `.venv`).", "",
-             "## Goals of issue 7", "", *goals(rows), "## All rows", "",
-             "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]
+             "## Summary: DPLB's default policy against the best peer", "",
+             ("Each figure is the median over the repeats with [min–max]; the ratio is DPLB / peer with the "
+              "interval [DPLB min / peer max – DPLB max / peer min]; \"no difference\" where the two ranges overlap. "
+              "Times are wall milliseconds (the engines run at the time scales under Settings)."), "",
+             *summary_lines(rows, goodput), "", "## Per workload", "", *workload_tables(rows)]
+    gl = goodput_lines(goodput, meta)
+    if gl:
+        lines += ["## Goodput at an SLO", "", *gl]
+    ol = overhead_lines(rows, router_only)
+    if ol:
+        lines += ["## Router overhead", "", *ol]
+    sl = scaling_lines(rows)
+    if sl:
+        lines += ["## Scaling", "", *sl]
+    lines += ["## All rows (one per run)", "", "| " + " | ".join(ROW_KEYS) + " |", "|" + "---|" * len(ROW_KEYS)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r[k], 3 if isinstance(r[k], float) and abs(r[k]) < 10 else 1)
                                          for k in ROW_KEYS) + " |")
+    chunks = meta.get("chunks_per_router_cpu_s") or {}
+    if chunks:
+        lines += ["", ("SSE chunks relayed per router CPU-second on the streamed trace workloads (output tokens / CPU "
+                  "seconds of the router process alone; one chunk per token), median [min–max] over repeats:"), "",
+                  "| system | workload | chunks per router CPU-second |", "|---|---|---|"]
+        lines += [f"| {k.split('|')[0]} | {k.split('|')[1]} | {fmt_spread(spread(v), 0)} |" for k, v in sorted(chunks.items())]
     lines += ["", ("`router_cpu_s_per_1k` for DPLB counts the router and its worker agents (the agents keep the "
               "engines off the request path and scrape their metrics every 200 ms); the router process alone:"), ""]
     dplb_only = {k: v for k, v in router_only.items() if k[0].startswith("dplb/")}
     if dplb_only:
         lines += ["| system | workload | router-only CPU s / 1k req |", "|---|---|---|"]
-        lines += [f"| {s} | {w} | {v:.3f} |" for (s, w), v in sorted(dplb_only.items())]
+        lines += [f"| {s} | {w} | {fmt_spread(spread(v), 3)} |" for (s, w), v in sorted(dplb_only.items())]
     lines += ["", "## Settings", "",
               (f"- engines per system: {meta.get('num_engines')} fresh `python -m sim_engine` processes per system "
-              f"(same flags for all: `{meta.get('engine_flags')}`); (d) runs on a separate set with one engine at "
+              f"and engine set (same flags for all: `{meta.get('engine_flags')}`); (a) and (s) run on the `trace` set at "
+              f"`--time-scale {meta.get('trace_time_scale')}`; (d) on a set with one engine at "
               f"`--slowdown {meta.get('hetero_slowdown')}`; (f) on a set at `--time-scale "
               f"{meta.get('fast_time_scale')}` so that engine time is negligible"),
+              (f"- repeats: {meta.get('repeats')} per workload and system, in order on the same engines; repeat k has "
+              "its own seed (for (a)/(s) its own trace window, `mooncake_stride` lines further)"),
+              f"- cores: {meta.get('cores')}",
               f"- workload sizes: `{meta.get('profile_values')}`",
               ("- DPLB: one router + one worker agent per engine (`--engine openai --engine-url ...`), fresh segment; "
               "peers: pointed at the engines directly, `--host 127.0.0.1 --prometheus-host 127.0.0.1`, warn-level "
@@ -230,8 +417,9 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
               (f"- load average at the start: {meta.get('load_start', '?')} (other work on this machine shares "
               "the cores; compare figures within one run)"), "", "## Versions", "",
               *[f"- {v}" for v in _versions()], "", "## Plots", "",
-              "- `ttft_cdf_a.png`: TTFT CDF per system on (a)", "- `share_e.png`: per-worker share on (e)",
-              "- `scaling.png`: DPLB output tokens/s and efficiency at 1, 2, 4, 8 engines", "", "## Notes", ""]
+              "- `ttft_cdf_a.png`: TTFT CDF per system on (a), all repeats pooled",
+              "- `share_e.png`: per-worker share on (e), first repeat",
+              "- `scaling.png`: DPLB output tokens/s and efficiency at 1, 2, 4, 8 engines (medians)", "", "## Notes", ""]
     lines += [f"- {n}" for n in notes] or ["- none"]
     return "\n".join(lines) + "\n"
 
@@ -321,15 +509,17 @@ def plots(out: Path, rows: list[Row], ttft_a: dict[str, list[float]], share_e: d
 
 
 def write_all(out: Path, rows: list[Row], meta: dict[str, Any], notes: list[str], ttft_a: dict[str, list[float]],
-              share_e: dict[str, list[float]], router_only: dict[tuple[str, str], float]) -> None:
-    """Write ``latest.json``, the plots and ``latest.md`` into ``out`` (created if missing)."""
+              share_e: dict[str, list[float]], router_only: dict[tuple[str, str], list[float]],
+              goodput: list[dict[str, Any]] | None = None) -> None:
+    """Write ``latest.json`` (rows), ``goodput.json``, the plots and ``latest.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     for r in rows:
         if tuple(r) != ROW_KEYS:
             raise ValueError(f"row keys {tuple(r)} differ from {ROW_KEYS}")
     (out / "latest.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "goodput.json").write_text(json.dumps(goodput or [], indent=1) + "\n")
     try:
         plots(out, rows, ttft_a, share_e)
     except ImportError:
         notes = notes + ["matplotlib is missing (`pip install -e '.[bench]'`): no plots written"]
-    (out / "latest.md").write_text(markdown(rows, meta, notes, router_only))
+    (out / "latest.md").write_text(markdown(rows, meta, notes, router_only, goodput))

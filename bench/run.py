@@ -2,10 +2,17 @@
 
 For each system (:func:`bench.systems.all_systems`) the harness starts fresh sim engines with the
 same flags for everyone, starts the system in front of them, waits until a request gets through,
-runs the workloads of :mod:`bench.workloads` one after another (waiting for idle engines in
-between), reads the engines' counters and the routing processes' CPU time around each workload,
-and stops everything it started. Workload (d) gets its own engine set with one engine at
-``--slowdown 3``. Then DPLB's scaling run on 1, 2, 4, 8 engines.
+runs the workloads of :mod:`bench.workloads` one after another, ``--repeats`` times (3: each
+repeat has its own seed, for the trace its own window; waiting for idle engines in between),
+reads the engines' counters and the routing processes' CPU time around each run, and stops
+everything it started. (a) and (s) run on the ``trace`` engine set, (d) on a set with one engine
+at ``--slowdown 3``. Then the goodput search on (a) and (b) (:meth:`Harness.run_goodput`: fresh
+engines and system per step, the highest rate multiplier that meets the SLO), the overhead run
+(f), and the scaling run on 1, 2, 4, 8 engines, all with repeats.
+
+Cores (issue 17): with two or more CPUs the routing processes (router, DPLB's agents) are pinned
+to one core and the engines and the load generator to the others (:func:`bench.procs.core_plan`),
+so that the load generator does not steal from the router; ``--no-pin`` turns it off.
 
 Output (``--out``, default ``bench/results``): ``latest.json`` (rows with exactly the keys of
 :data:`bench.stats.ROW_KEYS`), ``latest.md`` (tables, machine, versions, command line) and PNG
@@ -32,8 +39,8 @@ from pathlib import Path
 from bench import report
 from bench.engines import EngineFlags, counter_delta, scrape, start_engines, wait_idle
 from bench.errors import BenchError
-from bench.loadgen import RequestSpec, Result, run_closed, run_open
-from bench.procs import ProcessSet, cpu_seconds
+from bench.loadgen import RequestSpec, Result, run_closed, run_open, run_sessions
+from bench.procs import CorePlan, ProcessSet, core_plan, cpu_seconds, pin
 from bench.stats import make_row
 from bench.systems import (
     MODEL,
@@ -43,7 +50,7 @@ from bench.systems import (
     start_system,
     stop_system,
 )
-from bench.workloads import FULL, QUICK, WORKLOADS, Profile, scaling
+from bench.workloads import FULL, QUICK, WORKLOADS, Profile, mooncake, scaling
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: simulated seconds per wall second given to every engine (``sim_engine --time-scale``) of the
@@ -53,20 +60,51 @@ TIME_SCALE = 0.5
 #: ``--time-scale`` of the ``fast`` set used by (f): a 5 ms step takes 0.05 ms of wall time, so
 #: the engine adds next to nothing and the router's own added latency shows.
 FAST_TIME_SCALE = 100.0
+#: ``--time-scale`` of the ``trace`` and ``sessions`` sets that (a) and (s) run on: the 500-request
+#: window takes about 40 s of wall time at load 1.0 instead of 300 s at 0.5. Measured at 3.0: the
+#: two cores stayed about 60 % idle (pinned as below), so the engines, not the CPU, set the pace.
+TRACE_TIME_SCALE = 4.0
 NUM_ENGINES = 4
 HETERO_SLOWDOWN = 3.0
+#: every workload runs this many times per system (``--repeats``)
+REPEATS = 3
 
 
-def engine_sets(time_scale: float, seed: int, n: int = NUM_ENGINES) -> dict[str, tuple[EngineFlags, tuple[float, ...]]]:
+def engine_sets(time_scale: float, seed: int, n: int = NUM_ENGINES,
+                trace_time_scale: float = TRACE_TIME_SCALE) -> dict[str, tuple[EngineFlags, tuple[float, ...]]]:
     """The engine sets by name: ``(flags, per-engine slowdowns)``; every system gets the same."""
     flags = EngineFlags(time_scale=time_scale, seed=seed)
     return {"main": (flags, tuple([1.0] * n)),
+            "trace": (EngineFlags(time_scale=trace_time_scale, seed=seed), tuple([1.0] * n)),
+            # (s) on engines of its own, so that it does not start on caches (a) warmed with the same window
+            "sessions": (EngineFlags(time_scale=trace_time_scale, seed=seed), tuple([1.0] * n)),
             "hetero": (flags, tuple([1.0] * (n - 1) + [HETERO_SLOWDOWN])),
             "fast": (EngineFlags(time_scale=FAST_TIME_SCALE, seed=seed), tuple([1.0] * n))}
 SCALING_SIZES = (1, 2, 4, 8)
-#: ``--quick`` runs DPLB's main policy and one baseline, each peer's cache-aware policy and the
-#: direct run (every workload, plot and the scaling run; the full run has all ten systems)
-QUICK_SYSTEMS = ("dplb/dplb", "dplb/round_robin", "sglang/cache_aware", "vllm/cache_aware", "direct")
+#: ``--quick`` runs DPLB's main policy, the best peers and the direct run (every workload, plot
+#: and the scaling run, with repeats, on smaller sizes)
+QUICK_SYSTEMS = ("dplb/dplb", "sglang/cache_aware", "smg/cache_aware", "smg/least_load", "direct")
+#: the full run: DPLB's default and every peer's best policies on everything; the field's
+#: policies inside DPLB (the same ideas as smg's least_load, Dynamo's cost, LMetric, session
+#: affinity) on the trace (a), beside the Rust routers. Within the 60-minute budget of
+#: ``make bench``; any other system runs with ``--systems``.
+FULL_SYSTEMS = ("dplb/dplb", "sglang/cache_aware", "vllm/cache_aware", "smg/cache_aware", "smg/least_load",
+                "dplb/least_load", "dplb/kv_cost", "dplb/lmetric", "dplb/session", "direct")
+#: systems that, in the default full run, take only the trace replay (a) (no goodput, no overhead
+#: run): policies there for comparison on the trace. ``--systems`` runs what it names on every
+#: workload.
+TRACE_ONLY = frozenset({"dplb/least_load", "dplb/lmetric", "dplb/kv_cost", "dplb/session"})
+#: workloads with a goodput search: (Profile field scaled, SLO TTFT p99 and TPOT p99 in
+#: *simulated* seconds). (a): a 10 s TTFT p99 as in ``dplb-simulate --find-capacity``; (b): the
+#: interactive chat target. TPOT 0.2 s: 5 tokens/s, slower than reading.
+GOODPUT: dict[str, tuple[str, float, float]] = {
+    "a_mooncake": ("mooncake_load", 10.0, 0.2),
+    "b_shared_prefix": ("gsp_rate", 1.0, 0.2),
+}
+#: rate multipliers the goodput search tries above 1.0 (stops at the first failure) and below it
+#: (when 1.0 already fails)
+LADDER_UP = (1.5, 2.0, 3.0, 4.0)
+LADDER_DOWN = (0.75, 0.5)
 
 
 def _run_async(coro):  # type: ignore[no-untyped-def]
@@ -78,10 +116,17 @@ def _run_async(coro):  # type: ignore[no-untyped-def]
         return asyncio.run(coro)
 
 
-def send(base_url: str, specs: list[RequestSpec], closed_concurrency: int | None) -> tuple[list[Result], float]:
-    """Run one workload's requests against ``base_url``; ``(results, wall seconds)``."""
+def send(base_url: str, specs: list[RequestSpec], closed_concurrency: int | None,
+         mode: str = "open") -> tuple[list[Result], float]:
+    """Run one workload's requests against ``base_url``; ``(results, wall seconds)``.
+
+    ``closed_concurrency`` set: closed loop; else ``mode`` ``sessions`` (conversations with think
+    times) or ``open`` (each spec at its offset).
+    """
     if closed_concurrency:
         return _run_async(run_closed(base_url, specs, closed_concurrency))
+    if mode == "sessions":
+        return _run_async(run_sessions(base_url, specs))
     return _run_async(run_open(base_url, specs))
 
 
@@ -123,11 +168,11 @@ class Measured:
 
 
 def measure(running, engine_urls: list[str], specs: list[RequestSpec],  # type: ignore[no-untyped-def]
-            closed_concurrency: int | None) -> Measured:
+            closed_concurrency: int | None, mode: str = "open") -> Measured:
     """Send ``specs`` through ``running``; engine counters and routing CPU read around it."""
     before = scrape(engine_urls)
     cpu0, rcpu0 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
-    results, wall = send(running.base_url, specs, closed_concurrency)
+    results, wall = send(running.base_url, specs, closed_concurrency, mode)
     wait_idle(engine_urls, 60)
     cpu1, rcpu1 = cpu_seconds(running.route_pids), cpu_seconds(running.router_pids)
     after = scrape(engine_urls)
@@ -139,10 +184,13 @@ def measure(running, engine_urls: list[str], specs: list[RequestSpec],  # type: 
 class Harness:
     """One benchmark run: settings, the rows gathered so far, raw samples for plots, notes."""
 
-    def __init__(self, profile: Profile, flags: EngineFlags, out: Path, log_dir: Path, verbose: bool = True):
+    def __init__(self, profile: Profile, flags: EngineFlags, out: Path, log_dir: Path, verbose: bool = True,
+                 repeats: int = 1, cores: CorePlan | None = None):
         self.profile = profile
         self.flags = flags
-        self.sets = engine_sets(flags.time_scale, flags.seed)
+        self.repeats = max(1, repeats)
+        self.cores = cores or CorePlan(frozenset(), frozenset())
+        self.sets = engine_sets(flags.time_scale, flags.seed, trace_time_scale=profile.trace_time_scale)
         self.out = out
         self.log_dir = log_dir
         self.verbose = verbose
@@ -150,22 +198,31 @@ class Harness:
         self.notes: list[str] = []
         self.ttft_a: dict[str, list[float]] = {}
         self.share_e: dict[str, list[float]] = {}
-        self.router_only_cpu: dict[tuple[str, str], float] = {}
-        self._specs: dict[str, list[RequestSpec]] = {}
+        self.router_only_cpu: dict[tuple[str, str], list[float]] = {}
+        self.goodput: list[dict[str, object]] = []
+        self.chunks_per_cpu: dict[str, list[float]] = {}
+        self._specs: dict[tuple[str, int], list[RequestSpec]] = {}
 
     def log(self, msg: str) -> None:
         """Progress line on stderr (timestamped)."""
         if self.verbose:
             print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    def specs(self, workload: str) -> list[RequestSpec]:
-        """The (cached) request list of ``workload`` — the same bytes for every system."""
-        if workload not in self._specs:
-            self._specs[workload] = WORKLOADS[workload].build(self.profile, MODEL)
-        return self._specs[workload]
+    def specs(self, workload: str, rep: int = 0) -> list[RequestSpec]:
+        """The (cached) request list of ``workload``'s repeat ``rep`` — the same bytes for every system."""
+        if (workload, rep) not in self._specs:
+            self._specs[(workload, rep)] = WORKLOADS[workload].build(self.profile, MODEL, rep)
+        return self._specs[(workload, rep)]
 
-    def _failed_row(self, spec: SystemSpec, workload: str, workers: int, n: int) -> dict[str, object]:
-        row = make_row(spec.kind, spec.policy, workload, workers, [], 0.0, None, None)
+    def pin_system(self, running, engines) -> None:  # type: ignore[no-untyped-def]
+        """Pin ``running``'s routing processes and ``engines`` per :attr:`cores` (no-op when off)."""
+        if not self.cores.active:
+            return
+        pin(running.route_pids, self.cores.router)
+        pin([c.pid for c in engines.children], self.cores.rest)
+
+    def _failed_row(self, spec: SystemSpec, workload: str, workers: int, n: int, rep: int = 0) -> dict[str, object]:
+        row = make_row(spec.kind, spec.policy, workload, workers, [], 0.0, None, None, rep)
         row["requests"] = n
         row["errors"] = n
         return row
@@ -184,72 +241,81 @@ class Harness:
                 self.log(f"{spec.label}: starting {n} engines ({engine_set} set)")
                 engines = start_engines(procs, n, flags, slow, tag="engine")
                 running = start_system(spec, procs, engines, self.log_dir / tag / "run")
+                self.pin_system(running, engines)
                 for _ in range(2 * n):  # warm-up: connections, first-request paths (not counted)
                     probe(running.base_url)
-                for w in workloads:
-                    self.run_workload(spec, w, running, engines.urls, procs)
+                for rep in range(self.repeats):
+                    for w in workloads:
+                        self.run_workload(spec, w, running, engines.urls, procs, rep)
             except BenchError as e:
                 self.log(f"{spec.label}: FAILED: {e}")
                 self.notes.append(f"{spec.label} ({engine_set} engine set): "
                                   f"{str(e).splitlines()[0]}")
-                done = {(r["system"], r["policy"], r["workload"]) for r in self.rows}
-                for w in workloads:
-                    if (spec.kind, spec.policy, w) not in done:
-                        self.rows.append(self._failed_row(spec, w, n, len(self.specs(w))))
+                done = {(r["system"], r["policy"], r["workload"], r["repeat"]) for r in self.rows}
+                for rep in range(self.repeats):
+                    for w in workloads:
+                        if (spec.kind, spec.policy, w, rep) not in done:
+                            self.rows.append(self._failed_row(spec, w, n, len(self.specs(w, rep)), rep))
             finally:
                 if running is not None:
                     stop_system(running, procs)
 
     def run_workload(self, spec: SystemSpec, workload: str, running, engine_urls: list[str],  # type: ignore[no-untyped-def]
-                     procs: ProcessSet) -> dict[str, object]:
-        """Run one workload on a started system and append its row."""
-        specs = self.specs(workload)
+                     procs: ProcessSet, rep: int = 0) -> dict[str, object]:
+        """Run repeat ``rep`` of one workload on a started system and append its row."""
+        specs = self.specs(workload, rep)
         if not wait_idle(engine_urls, 180):
             self.notes.append(f"{spec.label}/{workload}: engines still busy before the start")
-        conc = self.profile.overhead_concurrency if WORKLOADS[workload].closed else None
-        self.log(f"{spec.label}: {workload} ({len(specs)} requests)")
-        m = measure(running, engine_urls, specs, conc)
-        return self.record(spec, workload, m)
+        wl = WORKLOADS[workload]
+        conc = self.profile.overhead_concurrency if wl.closed else None
+        self.log(f"{spec.label}: {workload} repeat {rep + 1}/{self.repeats} ({len(specs)} requests)")
+        m = measure(running, engine_urls, specs, conc, wl.mode)
+        return self.record(spec, workload, m, rep)
 
-    def record(self, spec: SystemSpec, workload: str, m: Measured) -> dict[str, object]:
-        """Turn a :class:`Measured` into a row (appended) and keep what the plots need."""
+    def record(self, spec: SystemSpec, workload: str, m: Measured, rep: int = 0,
+               keep: bool = True) -> dict[str, object]:
+        """Turn a :class:`Measured` into a row (appended when ``keep``) and keep what the plots need."""
         deltas = m.deltas
         if spec.kind == "direct":  # one engine took everything; share over the others is meaningless
             deltas = deltas[:1]
-        row = make_row(spec.kind, spec.policy, workload, len(deltas), m.results, m.wall, deltas, m.cpu)
+        row = make_row(spec.kind, spec.policy, workload, len(deltas), m.results, m.wall, deltas, m.cpu, rep)
+        if not keep:
+            return row
         self.rows.append(row)
         if m.router_cpu is not None:
-            self.router_only_cpu[(spec.label, workload)] = m.router_cpu * 1000.0 / max(1, len(m.results))
+            self.router_only_cpu.setdefault((spec.label, workload), []).append(
+                m.router_cpu * 1000.0 / max(1, len(m.results)))
+            if WORKLOADS[workload].engines in ("trace", "sessions") and m.router_cpu > 0:
+                toks = sum(r.output_tokens for r in m.results if r.ok)
+                self.chunks_per_cpu.setdefault(f"{spec.label}|{workload}", []).append(toks / m.router_cpu)
         if workload == "a_mooncake":
-            self.ttft_a[spec.label] = [r.ttft for r in m.results if r.ok and r.ttft is not None]
-        if workload == "e_burst":
+            self.ttft_a.setdefault(spec.label, []).extend(r.ttft for r in m.results if r.ok and r.ttft is not None)
+        if workload == "e_burst" and rep == 0:
             done = [d["vllm:request_success_total"] for d in deltas]
             tot = sum(done) or 1.0
             self.share_e[spec.label] = [x / tot for x in done]
         errs = [r.error for r in m.results if not r.ok]
         if errs:
             self.notes.append(f"{spec.label}/{workload}: {len(errs)} errors, first: {errs[0][:200]}")
-        self.log(f"  -> {spec.label}/{workload}: ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, "
+        self.log(f"  -> {spec.label}/{workload}#{rep}: ttft p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, "
+                 f"tpot p99 {row['tpot_p99_ms']} ms, "
                  f"e2e p50 {row['e2e_p50_ms']} ms, {row['output_tok_s']} tok/s, hit {row['prefix_hit_rate']}, "
                  f"share {row['max_share']}/{row['min_share']}, errors {row['errors']}")
         return row
 
     def run_overhead(self, systems: list[SystemSpec], workload: str = "f_overhead") -> None:
-        """(f) for every system at once, interleaved, on one ``fast`` engine set.
+        """(f) for every system at once, interleaved, on one ``fast`` engine set, ``repeats`` times.
 
         All systems are started side by side in front of the same fast engines (they add next to
         no time and tiny prompts leave no prefix state), then the requests go out in rounds: each
         round gives every system, in a shuffled order, the next batch of ``overhead_batch``
         requests at ``overhead_concurrency``. So a burst of background load on this shared
         machine hits every system alike instead of whichever ran at that moment. Routing CPU is
-        summed over the system's own batches only.
+        summed over the system's own batches only. Each repeat (its own requests and shuffle
+        seed) gives one row per system.
         """
         flags, slow = self.sets["fast"]
         flags = with_load_format(flags, systems)
-        specs = self.specs(workload)
-        batch = max(1, min(self.profile.overhead_batch, len(specs)))
-        chunks = [specs[i:i + batch] for i in range(0, len(specs), batch)]
-        rng = random.Random(self.flags.seed)
         with ProcessSet(self.log_dir / workload) as procs:
             runnings = []
             try:
@@ -261,21 +327,30 @@ class Harness:
                     except BenchError as e:
                         self.log(f"{spec.label}: FAILED: {e}")
                         self.notes.append(f"{spec.label} ({workload}): {str(e).splitlines()[0]}")
-                        self.rows.append(self._failed_row(spec, workload, engines.n, len(specs)))
+                        for rep in range(self.repeats):
+                            self.rows.append(self._failed_row(spec, workload, engines.n,
+                                                              len(self.specs(workload, rep)), rep))
                         continue
                     runnings.append(r)
+                    self.pin_system(r, engines)
                     for _ in range(2 * engines.n):
                         probe(r.base_url)
-                acc = {r.spec.label: Measured([], 0.0, [], 0.0 if r.route_pids else None,
-                                              0.0 if r.router_pids else None) for r in runnings}
-                for k, chunk in enumerate(chunks):
-                    order = list(runnings)
-                    rng.shuffle(order)
-                    self.log(f"{workload}: round {k + 1}/{len(chunks)} ({len(chunk)} requests per system)")
-                    for r in order:
-                        acc[r.spec.label].add(measure(r, engines.urls, chunk, self.profile.overhead_concurrency))
-                for r in runnings:
-                    self.record(r.spec, workload, acc[r.spec.label])
+                for rep in range(self.repeats):
+                    specs = self.specs(workload, rep)
+                    batch = max(1, min(self.profile.overhead_batch, len(specs)))
+                    chunks = [specs[i:i + batch] for i in range(0, len(specs), batch)]
+                    rng = random.Random(self.flags.seed * 1000 + rep)
+                    acc = {r.spec.label: Measured([], 0.0, [], 0.0 if r.route_pids else None,
+                                                  0.0 if r.router_pids else None) for r in runnings}
+                    for k, chunk in enumerate(chunks):
+                        order = list(runnings)
+                        rng.shuffle(order)
+                        self.log(f"{workload} repeat {rep + 1}/{self.repeats}: round {k + 1}/{len(chunks)} "
+                                 f"({len(chunk)} requests per system)")
+                        for r in order:
+                            acc[r.spec.label].add(measure(r, engines.urls, chunk, self.profile.overhead_concurrency))
+                    for r in runnings:
+                        self.record(r.spec, workload, acc[r.spec.label], rep)
             except BenchError as e:
                 self.log(f"{workload}: FAILED: {e}")
                 self.notes.append(f"{workload}: {str(e).splitlines()[0]}")
@@ -283,34 +358,113 @@ class Harness:
                 for r in runnings:
                     stop_system(r, procs)
 
+    def _goodput_specs(self, workload: str, mult: float) -> list[RequestSpec]:
+        field_name = GOODPUT[workload][0]
+        p = replace(self.profile, **{field_name: getattr(self.profile, field_name) * mult})
+        if workload == "a_mooncake":  # a window of its own, after the repeats' windows
+            return mooncake(p, MODEL, rep=self.repeats, n=self.profile.goodput_requests)
+        return WORKLOADS[workload].build(p, MODEL, self.repeats)
+
+    def _goodput_step(self, spec: SystemSpec, workload: str, mult: float) -> tuple[bool, dict[str, object]]:
+        """One rate of the search on fresh engines and a fresh ``spec``: ``(meets the SLO, row)``."""
+        engine_set = WORKLOADS[workload].engines
+        flags, slow = self.sets[engine_set]
+        flags = with_load_format(flags, [spec])
+        specs = self._goodput_specs(workload, mult)
+        tag = f"goodput-{spec.label.replace('/', '-')}-{workload}-{mult}"
+        _, slo_ttft, slo_tpot = GOODPUT[workload]
+        with ProcessSet(self.log_dir / tag) as procs:
+            running = None
+            try:
+                engines = start_engines(procs, len(slow), flags, slow, tag="engine")
+                running = start_system(spec, procs, engines, self.log_dir / tag / "run")
+                self.pin_system(running, engines)
+                for _ in range(2 * engines.n):
+                    probe(running.base_url)
+                m = measure(running, engines.urls, specs, None, WORKLOADS[workload].mode)
+            finally:
+                if running is not None:
+                    stop_system(running, procs)
+        row = self.record(spec, workload, m, keep=False)
+        ts = flags.time_scale
+        ttft, tpot = row["ttft_p99_ms"], row["tpot_p99_ms"]
+        ok = (row["errors"] == 0 and ttft is not None and tpot is not None
+              and ttft * ts / 1000.0 <= slo_ttft and tpot * ts / 1000.0 <= slo_tpot)  # type: ignore[operator]
+        self.log(f"  goodput {spec.label}/{workload} ×{mult}: ttft p99 {ttft} ms, tpot p99 {tpot} ms (wall, "
+                 f"time scale {ts}) -> {'meets' if ok else 'misses'} the SLO")
+        return ok, row
+
+    def run_goodput(self, spec: SystemSpec, workload: str) -> dict[str, object]:
+        """The highest rate multiplier of ``workload`` that ``spec`` serves within its SLO.
+
+        Starts at 1.0 (the workload's own rate); climbs :data:`LADDER_UP` while the SLO holds and
+        stops at the first miss, or walks :data:`LADDER_DOWN` when 1.0 misses. Each step runs on
+        fresh engines and a fresh system (no prefix cache carried from the step before). The SLO
+        (:data:`GOODPUT`): no error, TTFT p99 and TPOT p99 under the targets in simulated seconds
+        (wall × the engines' time scale). Returns (and records) ``{system, policy, workload,
+        goodput_mult, goodput_req_s, steps: [[mult, ok, ttft_p99_ms, tpot_p99_ms], ...]}``, with
+        ``goodput_mult`` 0 when no step meets the SLO.
+        """
+        steps: list[list[object]] = []
+        best: float = 0.0
+        best_rate: float | None = None
+        ladder = [1.0, *LADDER_UP]
+        try:
+            for k, mult in enumerate(ladder):
+                ok, row = self._goodput_step(spec, workload, mult)
+                steps.append([mult, ok, row["ttft_p99_ms"], row["tpot_p99_ms"]])
+                if not ok:
+                    if k == 0:
+                        for low in LADDER_DOWN:
+                            ok, row = self._goodput_step(spec, workload, low)
+                            steps.append([low, ok, row["ttft_p99_ms"], row["tpot_p99_ms"]])
+                            if ok:
+                                best, best_rate = low, row["req_s"]  # type: ignore[assignment]
+                                break
+                    break
+                best, best_rate = mult, row["req_s"]  # type: ignore[assignment]
+        except BenchError as e:
+            self.log(f"goodput {spec.label}/{workload}: FAILED: {e}")
+            self.notes.append(f"goodput {spec.label}/{workload}: {str(e).splitlines()[0]}")
+        out: dict[str, object] = {"system": spec.kind, "policy": spec.policy, "workload": workload,
+                                  "goodput_mult": best, "goodput_req_s": best_rate, "steps": steps}
+        self.goodput.append(out)
+        return out
+
     def run_scaling(self, policy: str) -> None:
-        """DPLB ``policy`` on 1, 2, 4, 8 engines, closed loop with concurrency ∝ engines."""
+        """DPLB ``policy`` on 1, 2, 4, 8 engines, closed loop with concurrency ∝ engines, ``repeats`` times."""
         spec = SystemSpec("dplb", policy)
         for n in SCALING_SIZES:
-            specs = scaling(self.profile, MODEL, n)
             tag = f"scaling-{policy}-{n}"
             with ProcessSet(self.log_dir / tag) as procs:
                 running = None
+                rep = 0
                 try:
-                    self.log(f"scaling: dplb/{policy} on {n} engines ({len(specs)} requests)")
                     engines = start_engines(procs, n, self.flags, tag="engine")
                     running = start_system(spec, procs, engines, self.log_dir / tag / "run")
+                    self.pin_system(running, engines)
                     for _ in range(2 * n):
                         probe(running.base_url)
-                    wait_idle(engines.urls, 60)
-                    before = scrape(engines.urls)
-                    cpu0 = cpu_seconds(running.route_pids)
-                    results, wall = send(running.base_url, specs, self.profile.scaling_concurrency_per_engine * n)
-                    wait_idle(engines.urls, 60)
-                    deltas = counter_delta(before, scrape(engines.urls))
-                    row = make_row("dplb", policy, "scaling", n, results, wall, deltas,
-                                   cpu_seconds(running.route_pids) - cpu0)
-                    self.rows.append(row)
-                    self.log(f"  -> {row['output_tok_s']} tok/s, errors {row['errors']}")
+                    for rep in range(self.repeats):
+                        specs = scaling(self.profile, MODEL, n, rep)
+                        self.log(f"scaling: dplb/{policy} on {n} engines, repeat {rep + 1}/{self.repeats} "
+                                 f"({len(specs)} requests)")
+                        wait_idle(engines.urls, 60)
+                        before = scrape(engines.urls)
+                        cpu0 = cpu_seconds(running.route_pids)
+                        results, wall = send(running.base_url, specs, self.profile.scaling_concurrency_per_engine * n)
+                        wait_idle(engines.urls, 60)
+                        deltas = counter_delta(before, scrape(engines.urls))
+                        row = make_row("dplb", policy, "scaling", n, results, wall, deltas,
+                                       cpu_seconds(running.route_pids) - cpu0, rep)
+                        self.rows.append(row)
+                        self.log(f"  -> {row['output_tok_s']} tok/s, errors {row['errors']}")
                 except BenchError as e:
                     self.log(f"scaling {n}: FAILED: {e}")
                     self.notes.append(f"scaling dplb/{policy} on {n} engines: {str(e).splitlines()[0]}")
-                    self.rows.append(self._failed_row(spec, "scaling", n, len(specs)))
+                    for r in range(rep, self.repeats):
+                        self.rows.append(self._failed_row(spec, "scaling", n,
+                                                          self.profile.scaling_requests_per_engine * n, r))
                 finally:
                     if running is not None:
                         stop_system(running, procs)
@@ -321,14 +475,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small request counts (make bench-quick, < 10 min)")
     ap.add_argument("--systems", default=None,
-                    help="comma list of systems (dplb/dplb, sglang/cache_aware, vllm/power_of_two, direct, ...) or "
-                         "'all'; default: all, or with --quick: " + ",".join(QUICK_SYSTEMS))
+                    help="comma list of systems (dplb/dplb, sglang/cache_aware, smg/least_load, direct, ...) or "
+                         "'all'; default: " + ",".join(FULL_SYSTEMS) + "; with --quick: " + ",".join(QUICK_SYSTEMS))
     ap.add_argument("--workloads", default="all", help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 1/2/4/8-engine scaling run")
+    ap.add_argument("--no-goodput", action="store_true",
+                    help="skip the goodput search on (a) and (b) (--quick always skips it)")
+    ap.add_argument("--repeats", type=int, default=REPEATS,
+                    help=f"runs of every workload per system, each with its own seed (default {REPEATS})")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="do not pin the routing processes to one core and the rest to the others")
     ap.add_argument("--scaling-policy", default="dplb,round_robin",
                     help="comma list of DPLB policies for the scaling run; the first is judged against the "
                          "goal, the others are for comparison (round_robin separates policy from machine)")
-    ap.add_argument("--time-scale", type=float, default=TIME_SCALE, help="sim_engine --time-scale for every engine")
+    ap.add_argument("--time-scale", type=float, default=TIME_SCALE,
+                    help="sim_engine --time-scale for the main and hetero engine sets")
+    ap.add_argument("--trace-time-scale", type=float, default=TRACE_TIME_SCALE,
+                    help="sim_engine --time-scale for the trace set ((a), (s))")
     ap.add_argument("--seed", type=int, default=1234, help="base seed of the engines")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override one workload size of the profile (bench.workloads.Profile), e.g. "
@@ -341,7 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def select(args: argparse.Namespace) -> tuple[list[SystemSpec], list[str]]:
     """The systems and workloads the flags ask for; ``SystemExit`` (code 2) naming unknown ones."""
     systems = all_systems()
-    chosen = args.systems or (",".join(QUICK_SYSTEMS) if args.quick else "all")
+    chosen = args.systems or ",".join(QUICK_SYSTEMS if args.quick else FULL_SYSTEMS)
     if chosen != "all":
         want = [s.strip() for s in chosen.split(",") if s.strip()]
         by = {s.label: s for s in systems}
@@ -386,32 +549,47 @@ def main(argv: list[str] | None = None) -> int:
     systems, workloads = select(args)
     # SIGTERM unwinds like Ctrl-C, so every ProcessSet stops its children and segments are unlinked
     signal.signal(signal.SIGTERM, _terminate)
-    profile = apply_overrides(replace(QUICK if args.quick else FULL, time_scale=args.time_scale), args.set)
+    profile = apply_overrides(replace(QUICK if args.quick else FULL, time_scale=args.time_scale,
+                                      trace_time_scale=args.trace_time_scale), args.set)
     flags = EngineFlags(time_scale=args.time_scale, seed=args.seed)
     run_id = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.out / "tmp" / run_id
-    h = Harness(profile, flags, args.out, log_dir, verbose=not args.quiet)
+    cores = core_plan(not args.no_pin)
+    if cores.active:  # the load generator (this process) and everything it starts stay off the router's core
+        os.sched_setaffinity(0, cores.rest)
+    h = Harness(profile, flags, args.out, log_dir, verbose=not args.quiet, repeats=args.repeats, cores=cores)
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     t0 = time.monotonic()
     for w in workloads:  # build every request list first: a missing trace fails before anything starts
-        h.specs(w)
+        for rep in range(h.repeats):
+            h.specs(w, rep)
     cmdline = " ".join(["python -m bench.run", *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
+    trace_only = TRACE_ONLY if args.systems is None and not args.quick else frozenset()
     for spec in systems:  # each system alone on fresh engines; the direct run only takes part in (f)
-        mine = [w for w in workloads if spec.kind != "direct" and WORKLOADS[w].engines != "fast"]
-        for name in ("main", "hetero"):
+        mine = [w for w in workloads if spec.kind != "direct" and WORKLOADS[w].engines != "fast"
+                and (spec.label not in trace_only or w == "a_mooncake")]
+        for name in ("trace", "sessions", "main", "hetero"):
             h.run_group(spec, [w for w in mine if WORKLOADS[w].engines == name], name)
+    if not args.no_goodput and not args.quick:
+        for w in (w for w in workloads if w in GOODPUT):
+            for spec in systems:
+                if spec.kind != "direct" and spec.label not in trace_only:
+                    h.run_goodput(spec, w)
     for w in (w for w in workloads if WORKLOADS[w].engines == "fast"):
-        h.run_overhead(systems, w)
+        h.run_overhead([s for s in systems if s.label not in trace_only], w)
     if not args.no_scaling:
         for pol in (p.strip() for p in args.scaling_policy.split(",") if p.strip()):
             h.run_scaling(pol)
     elapsed = time.monotonic() - t0
     meta = {"command": cmdline, "elapsed_s": round(elapsed, 1), "profile": "quick" if args.quick else "full",
             "engine_flags": asdict(flags), "fast_time_scale": FAST_TIME_SCALE, "num_engines": NUM_ENGINES,
-            "hetero_slowdown": HETERO_SLOWDOWN,
+            "hetero_slowdown": HETERO_SLOWDOWN, "repeats": h.repeats, "trace_time_scale": profile.trace_time_scale,
+            "chunks_per_router_cpu_s": h.chunks_per_cpu, "cores": cores.describe(),
+            "goodput_slo": {w: {"scaled": f, "ttft_p99_s": t, "tpot_p99_s": p} for w, (f, t, p) in GOODPUT.items()},
+            "goodput_ladder": [1.0, *LADDER_UP], "goodput_ladder_down": list(LADDER_DOWN),
             "profile_values": asdict(profile), "run_id": run_id, "log_dir": str(log_dir),
             "load_start": load_start}
-    report.write_all(args.out, h.rows, meta, h.notes, h.ttft_a, h.share_e, h.router_only_cpu)
+    report.write_all(args.out, h.rows, meta, h.notes, h.ttft_a, h.share_e, h.router_only_cpu, h.goodput)
     h.log(f"done in {elapsed:.0f} s; wrote {args.out}/latest.json, latest.md and plots")
     return 0
 

@@ -5,7 +5,10 @@
   peers get, with the same flags), and one router process. Routing CPU = router + agents (the
   agents keep the engines off the request path since issue 14 — the router forwards straight to
   each engine — and scrape their metrics every 200 ms; the router alone is recorded too).
-- ``sglang/<policy>``, ``vllm/<policy>``: the peer router pointed at the engines' URLs directly.
+- ``sglang/<policy>``, ``vllm/<policy>``, ``smg/<policy>``: the peer router pointed at the
+  engines' URLs directly (see :mod:`bench.peers`). smg's ``least_load`` and its ``cache_aware``
+  fallback read the engines' ``GET /metrics`` (vLLM gauges), polled every 10 s; smg counts as
+  started once it holds a load report for every engine (:func:`smg_loads_known`, up to 10 s).
 - ``direct``: no router; the client talks to engine 0 (baseline for added latency).
 
 A started system is a :class:`Running`: the client's base URL plus the PIDs whose CPU time is
@@ -30,13 +33,15 @@ from bench.procs import LOOPBACK, Child, ProcessSet, free_port, wait_until
 from launcher.stack import agent_argv, router_argv
 
 MODEL = "sim-llama-3.1-8b"
-DPLB_POLICIES = ("dplb", "cache_aware", "round_robin", "shortest_queue", "power_of_two")
-PEER_POLICIES = {"sglang": ("cache_aware", "round_robin"), "vllm": ("cache_aware", "power_of_two")}
+DPLB_POLICIES = ("dplb", "least_load", "cache_aware", "round_robin", "lmetric", "kv_cost", "session", "shortest_queue",
+                 "power_of_two")
+PEER_POLICIES = {"sglang": ("cache_aware", "round_robin"), "vllm": ("cache_aware", "power_of_two"),
+                 "smg": ("cache_aware", "least_load")}
 
 
 @dataclass(frozen=True)
 class SystemSpec:
-    """Which system: ``kind`` in ``dplb|sglang|vllm|direct`` and its routing ``policy``."""
+    """Which system: ``kind`` in ``dplb|sglang|vllm|smg|direct`` and its routing ``policy``."""
 
     kind: str
     policy: str
@@ -103,12 +108,30 @@ def start_system(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_di
     raise StartupError(spec.label, f"unknown system kind {spec.kind!r}")
 
 
+def smg_loads_known(base_url: str, n: int) -> bool:
+    """True once the smg router at ``base_url`` holds a load report for ``n`` workers.
+
+    Reads smg's ``GET /workers`` (``{"workers": [{..., "engine_load": {"loads": [...]}}]}``). smg
+    polls each worker's load every 10 s and a worker registered after the first tick waits for
+    the next one; until then ``least_load`` (and ``cache_aware``'s fallback) scores it as the best
+    reporting peer plus its own in-flight, so nearly every request goes to the reporting workers.
+    """
+    status, body = http_get(base_url + "/workers", 2.0)
+    if status != 200:
+        return False
+    workers = orjson.loads(body).get("workers", [])
+    return sum(1 for w in workers if (w.get("engine_load") or {}).get("loads")) >= n
+
+
 def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout: float) -> Running:
     ensure_peer(spec.kind)
     port, prom = free_port(), free_port()
     child = procs.start(peer_command(spec.kind, spec.policy, port, prom, engines.urls), name=f"{spec.kind}-{spec.policy}")
     base = f"http://{LOOPBACK}:{port}"
     wait_until(lambda: probe(base), timeout, f"{spec.label} router at {base}", interval=0.25, children=[child])
+    if spec.kind == "smg":  # ready = a load report for every engine (as DPLB waits for every worker)
+        wait_until(lambda: smg_loads_known(base, engines.n), timeout, f"{spec.label}: load reports for "
+                   f"{engines.n} engines", interval=0.5, children=[child])
     return Running(spec, base, [child.pid], [child.pid], [child])
 
 

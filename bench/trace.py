@@ -65,20 +65,22 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace; the first ``limit`` requests (all when None).
+def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None, start: int = 0) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace; ``limit`` requests (all when None) from the ``start``-th on.
+
+    ``index`` counts from the start of the file, so a window keeps the trace's own numbering.
 
     Blank lines are skipped. Raises :class:`bench.errors.TraceFormatError` (naming the file and
     line) for invalid JSON, a missing or mistyped field, a negative length, or timestamps that go
     backwards; ``FileNotFoundError`` when ``path`` does not exist.
     """
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0 (got {limit})")
+    if (limit is not None and limit < 0) or start < 0:
+        raise ValueError(f"limit and start must be >= 0 (got {limit}, {start})")
     out: list[TraceRequest] = []
     last_ts = 0.0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
+            if limit is not None and len(out) >= start + limit:
                 break
             if not line.strip():
                 continue
@@ -90,7 +92,7 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> li
             if out[-1].timestamp_ms < last_ts:
                 raise TraceFormatError(str(path), lineno, "timestamp goes backwards")
             last_ts = out[-1].timestamp_ms
-    return out
+    return out[start:]
 
 
 def _parse(obj: object, path: str, lineno: int, index: int) -> TraceRequest:
@@ -141,3 +143,33 @@ def shared_prefix_blocks(a: TraceRequest, b: TraceRequest) -> int:
             break
         n += 1
     return n
+
+
+def sessions(reqs: list[TraceRequest], min_blocks: int = 2) -> list[int]:
+    """Conversation id of each request of ``reqs`` (same order), derived from shared block prefixes.
+
+    A request continues the conversation of the latest earlier request with which it shares the
+    longest prefix of at least ``min_blocks`` block ids (a chat turn resends the whole history, so
+    its blocks start with the previous turn's full blocks; the last, partial block of the previous
+    prompt changes when the answer is appended, hence "longest shared prefix", not "previous prompt
+    is a prefix"). Requests with no such predecessor start a new conversation. The default of two
+    blocks skips the conversation trace's first block, which every request carries (a shared
+    system prompt, not a conversation). Ids are 0, 1, 2, ... in order of first appearance.
+    """
+    latest: dict[tuple[int, ...], int] = {}
+    out: list[int] = []
+    nxt = 0
+    for i, r in enumerate(reqs):
+        h = r.hash_ids
+        sid = None
+        for k in range(len(h), min_blocks - 1, -1):
+            j = latest.get(h[:k])
+            if j is not None:
+                sid = out[j]
+                break
+        if sid is None:
+            sid, nxt = nxt, nxt + 1
+        for k in range(min_blocks, len(h) + 1):
+            latest[h[:k]] = i
+        out.append(sid)
+    return out

@@ -4,12 +4,16 @@ Each workload is deterministic (seeded), so every system sees exactly the same r
 same offsets. Tokens are whitespace-separated words (the simulated engine's tokenizer), so a
 prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
 
-(a) ``a_mooncake``: replay of the first ``mooncake_requests`` lines of the Mooncake conversation
-    trace (``bench/data/mooncake/``, via :mod:`bench.trace`) at ``mooncake_load`` × the trace's
-    own rate *in simulated time*: wall offset = timestamp / (``mooncake_load`` × ``time_scale``).
-    At load 1.0, four simulated H100s get the production trace's request rate; by the engines'
-    cost model that keeps them about 70-80 % busy (prefill ≈ 0.53 of capacity before prefix
-    hits, decode steps on ~14k-token contexts the rest). ``max_tokens`` = ``output_length``.
+(a) ``a_mooncake``: replay of ``mooncake_requests`` (500) consecutive lines of the Mooncake
+    conversation trace (``bench/data/mooncake/``, via :mod:`bench.trace`) from line
+    ``mooncake_start`` (2,000: past the first ten minutes, where conversations continue and
+    prefixes are reused; repeat k takes the window ``mooncake_stride`` lines later), at
+    ``mooncake_load`` × the trace's own rate *in simulated time* on the ``trace`` engine set:
+    wall offset = timestamp / (``mooncake_load`` × ``trace_time_scale``). At load 1.0, four
+    simulated H100s get the production trace's request rate; by the engines' cost model that
+    keeps them about 70-80 % busy. ``max_tokens`` = ``output_length``.
+(s) ``s_sessions``: the first ``session_requests`` (300) of that window as closed-loop conversations (:func:`sessions`): a turn leaves
+    a think time after the previous turn's answer, never by the clock alone.
 (b) ``b_shared_prefix``: SGLang's generated-shared-prefix shape (``bench_serving.py
     --dataset-name generated-shared-prefix``: ``gsp_num_groups`` groups, ``gsp_prompts_per_group``
     questions each, ``gsp_system_prompt_len`` system prompt, ``gsp_question_len`` question,
@@ -71,25 +75,38 @@ class Profile:
     scaling_concurrency_per_engine: int
     scaling_prompt_len: int
     scaling_output_len: int
+    #: first trace line of (a)'s window for repeat 0; repeat k starts ``k × mooncake_stride`` later
+    #: (past the trace's first minutes, where conversations continue and prefixes are reused)
+    mooncake_start: int = 2000
+    mooncake_stride: int = 500
+    #: (s) closed-loop sessions: mean think time between an answer's end and the next turn, in
+    #: simulated seconds (exponential, seeded per repeat)
+    session_think_s: float = 10.0
+    #: requests of (s), from the same window as (a)
+    session_requests: int = 300
+    #: requests per step of the goodput search on (a) (a window of the same trace)
+    goodput_requests: int = 200
     #: the engines' ``--time-scale`` (filled in by ``bench.run``), used to express the trace's rate
     time_scale: float = 0.5
+    #: ``--time-scale`` of the ``trace`` engine set on which (a) and (s) run (filled in by ``bench.run``)
+    trace_time_scale: float = 4.0
 
 
 FULL = Profile(
-    mooncake_requests=120, mooncake_load=1.0,
+    mooncake_requests=500, mooncake_load=1.0,
     gsp_num_groups=12, gsp_prompts_per_group=16, gsp_system_prompt_len=2048, gsp_question_len=128,
     gsp_output_len=128, gsp_rate=8.0,
     mixed_requests=160, mixed_output_len=64, mixed_rate=12.0,
     hetero_requests=120, hetero_output_len=128, hetero_rate=8.0,
     burst_requests=200, burst_prompt_len=512, burst_output_len=64,
     overhead_requests=1000, overhead_concurrency=1, overhead_batch=100,
-    scaling_requests_per_engine=32, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
+    scaling_requests_per_engine=16, scaling_concurrency_per_engine=4, scaling_prompt_len=256,
     scaling_output_len=64,
 )
 
 QUICK = replace(
-    FULL, mooncake_requests=30, gsp_num_groups=4, gsp_prompts_per_group=10, mixed_requests=48,
-    hetero_requests=32, overhead_requests=400, scaling_requests_per_engine=8,
+    FULL, mooncake_requests=100, session_requests=100, goodput_requests=80, gsp_num_groups=4, gsp_prompts_per_group=10,
+    mixed_requests=48, hetero_requests=32, overhead_requests=400, scaling_requests_per_engine=8,
 )
 
 _VOCAB: tuple[str, ...] | None = None
@@ -125,25 +142,68 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def mooncake(p: Profile, model: str) -> list[RequestSpec]:
-    """(a) Mooncake replay: ``p.mooncake_requests`` trace lines at ``p.mooncake_load`` × the trace's
-    rate in simulated time (wall offset = timestamp / (load × time_scale))."""
-    from bench.trace import load_trace, prompt_for
+def _trace_window(p: Profile, rep: int, n: int):  # type: ignore[no-untyped-def]
+    from bench.trace import load_trace
 
-    reqs = load_trace(limit=p.mooncake_requests)
+    reqs = load_trace(limit=n, start=p.mooncake_start + rep * p.mooncake_stride)
     if not reqs:
-        raise WorkloadError("the Mooncake trace gave no requests")
-    if p.mooncake_load <= 0 or p.time_scale <= 0:
-        raise WorkloadError(f"mooncake_load and time_scale must be > 0, got {p.mooncake_load}, {p.time_scale}")
-    speedup = p.mooncake_load * p.time_scale
-    return [RequestSpec(r.timestamp_ms / 1000.0 / speedup, CHAT,
-                        chat_body(model, _user(prompt_for(r)), r.output_length, True), True, "trace")
-            for r in reqs]
+        raise WorkloadError(f"the Mooncake trace has no requests from line {p.mooncake_start + rep * p.mooncake_stride}")
+    if p.mooncake_load <= 0 or p.trace_time_scale <= 0:
+        raise WorkloadError(f"mooncake_load and trace_time_scale must be > 0, got {p.mooncake_load}, "
+                            f"{p.trace_time_scale}")
+    return reqs
 
 
-def shared_prefix(p: Profile, model: str, seed: int = 2) -> list[RequestSpec]:
+def mooncake(p: Profile, model: str, rep: int = 0, n: int | None = None) -> list[RequestSpec]:
+    """(a) Mooncake replay: ``n`` (default ``p.mooncake_requests``) consecutive trace lines from
+    line ``p.mooncake_start + rep × p.mooncake_stride``, at ``p.mooncake_load`` × the trace's rate in
+    simulated time (wall offset = (timestamp − window's first timestamp) / (load × trace_time_scale))."""
+    from bench.trace import prompt_for
+    from bench.trace import sessions as conversation_ids
+
+    reqs = _trace_window(p, rep, p.mooncake_requests if n is None else n)
+    speedup = p.mooncake_load * p.trace_time_scale
+    t0 = reqs[0].timestamp_ms
+    return [RequestSpec((r.timestamp_ms - t0) / 1000.0 / speedup, CHAT,
+                        chat_body(model, _user(prompt_for(r)), r.output_length, True, user=f"conv-{rep}-{sid}"),
+                        True, "trace")
+            for r, sid in zip(reqs, conversation_ids(reqs), strict=True)]
+
+
+def sessions(p: Profile, model: str, rep: int = 0, seed: int = 8) -> list[RequestSpec]:
+    """(s) the window of (a) replayed as closed-loop conversations.
+
+    Conversations come from shared block prefixes (:func:`bench.trace.sessions`). A conversation's
+    first turn leaves at its trace offset (as in (a)); each later turn leaves a think time after the
+    previous turn's answer ended, drawn from an exponential with mean ``p.session_think_s``
+    simulated seconds (seeded by ``seed`` and ``rep``). So a user never sends a turn before seeing
+    the answer, and the bursts that timestamp replay makes when answers are slow go away. Each
+    spec carries ``session`` (conversation id) and ``think`` (wall seconds after the previous
+    turn's end; 0 for a first turn).
+    """
+    from bench.trace import prompt_for
+    from bench.trace import sessions as conversation_ids
+
+    reqs = _trace_window(p, rep, p.session_requests)
+    sids = conversation_ids(reqs)
+    rng = random.Random(seed * 1000 + rep)
+    speedup = p.mooncake_load * p.trace_time_scale
+    t0 = reqs[0].timestamp_ms
+    seen: set[int] = set()
+    out = []
+    for r, sid in zip(reqs, sids, strict=True):
+        think = rng.expovariate(1.0 / p.session_think_s) / p.trace_time_scale if sid in seen else 0.0
+        seen.add(sid)
+        out.append(RequestSpec((r.timestamp_ms - t0) / 1000.0 / speedup, CHAT,
+                               chat_body(model, _user(prompt_for(r)), r.output_length, True,
+                                         user=f"conv-{rep}-{sid}"), True, "session",
+                               session=sid, think=think))
+    return out
+
+
+def shared_prefix(p: Profile, model: str, rep: int = 0, seed: int = 2) -> list[RequestSpec]:
     """(b) generated-shared-prefix: groups × questions over a few long system prompts."""
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1000 + rep)
     systems = [words(rng, p.gsp_system_prompt_len, f"sys{g}") for g in range(p.gsp_num_groups)]
     pairs = [(g, words(rng, p.gsp_question_len, f"q{g}x{i}"))
              for g in range(p.gsp_num_groups) for i in range(p.gsp_prompts_per_group)]
@@ -155,9 +215,9 @@ def shared_prefix(p: Profile, model: str, seed: int = 2) -> list[RequestSpec]:
             for t, (g, q) in zip(at, pairs)]
 
 
-def mixed_lengths(p: Profile, model: str, seed: int = 3) -> list[RequestSpec]:
+def mixed_lengths(p: Profile, model: str, rep: int = 0, seed: int = 3) -> list[RequestSpec]:
     """(c) 128- and 4,096-word unique prompts interleaved, Poisson arrivals."""
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1000 + rep)
     at = _poisson_offsets(rng, p.mixed_requests, p.mixed_rate)
     out = []
     for i, t in enumerate(at):
@@ -167,33 +227,33 @@ def mixed_lengths(p: Profile, model: str, seed: int = 3) -> list[RequestSpec]:
     return out
 
 
-def heterogeneous(p: Profile, model: str, seed: int = 4) -> list[RequestSpec]:
+def heterogeneous(p: Profile, model: str, rep: int = 0, seed: int = 4) -> list[RequestSpec]:
     """(d) unique 256..2,048-word prompts, Poisson arrivals (run on the heterogeneous engine set)."""
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1000 + rep)
     at = _poisson_offsets(rng, p.hetero_requests, p.hetero_rate)
     return [RequestSpec(t, CHAT, chat_body(model, _user(words(rng, rng.randint(256, 2048), f"ht{i}")),
                                            p.hetero_output_len, True), True, "hetero")
             for i, t in enumerate(at)]
 
 
-def burst(p: Profile, model: str, seed: int = 5) -> list[RequestSpec]:
+def burst(p: Profile, model: str, rep: int = 0, seed: int = 5) -> list[RequestSpec]:
     """(e) ``p.burst_requests`` unique prompts, all at t=0."""
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1000 + rep)
     return [RequestSpec(0.0, CHAT, chat_body(model, _user(words(rng, p.burst_prompt_len, f"bu{i}")),
                                              p.burst_output_len, True), True, "burst")
             for i in range(p.burst_requests)]
 
 
-def overhead(p: Profile, model: str, seed: int = 6) -> list[RequestSpec]:
+def overhead(p: Profile, model: str, rep: int = 0, seed: int = 6) -> list[RequestSpec]:
     """(f) tiny non-streaming requests (8 words, 1 output token), for a closed loop."""
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1000 + rep)
     return [RequestSpec(0.0, CHAT, chat_body(model, _user(words(rng, 8, f"oh{i}")), 1, False), False, "tiny")
             for i in range(p.overhead_requests)]
 
 
-def scaling(p: Profile, model: str, engines: int, seed: int = 7) -> list[RequestSpec]:
+def scaling(p: Profile, model: str, engines: int, rep: int = 0, seed: int = 7) -> list[RequestSpec]:
     """Scaling run on ``engines`` engines: ``p.scaling_requests_per_engine × engines`` requests."""
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1000 + rep)
     return [RequestSpec(0.0, CHAT, chat_body(model, _user(words(rng, p.scaling_prompt_len, f"sc{i}")),
                                              p.scaling_output_len, True), True, "scale")
             for i in range(p.scaling_requests_per_engine * engines)]
@@ -203,24 +263,33 @@ def scaling(p: Profile, model: str, engines: int, seed: int = 7) -> list[Request
 class Workload:
     """A named workload: how to build its requests and how to send them.
 
-    ``build(profile, model)``: the request list; ``closed``: closed loop at
-    ``profile.overhead_concurrency`` clients instead of sending at each spec's offset;
-    ``engines``: which engine set it runs on (see ``bench.run.ENGINE_SETS``): ``main`` (4 equal
-    engines), ``hetero`` (one of them 3× slower) or ``fast`` (engines whose steps take almost no
+    ``build(profile, model, rep)``: the request list of repeat ``rep`` (each repeat has its own
+    seed, or for the trace its own window); ``mode``: ``open`` (each spec at its offset),
+    ``closed`` (``profile.overhead_concurrency`` clients back to back) or ``sessions``
+    (conversations with think times, :func:`bench.loadgen.run_sessions`);
+    ``engines``: which engine set it runs on (see :func:`bench.run.engine_sets`): ``main`` (4 equal
+    engines), ``trace`` and ``sessions`` (4 equal engines at the trace's time scale, a fresh set
+    each), ``hetero`` (one of them 3× slower) or ``fast`` (engines whose steps take almost no
     wall time, so that the router's own latency is what (f) measures).
     """
 
     name: str
-    build: Callable[[Profile, str], list[RequestSpec]]
+    build: Callable[..., list[RequestSpec]]
     engines: str = "main"
-    closed: bool = False
+    mode: str = "open"
+
+    @property
+    def closed(self) -> bool:
+        """True for the closed-loop workload (f)."""
+        return self.mode == "closed"
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("a_mooncake", mooncake),
+    Workload("a_mooncake", mooncake, engines="trace"),
+    Workload("s_sessions", sessions, engines="sessions", mode="sessions"),
     Workload("b_shared_prefix", shared_prefix),
     Workload("c_mixed_lengths", mixed_lengths),
     Workload("d_heterogeneous", heterogeneous, engines="hetero"),
     Workload("e_burst", burst),
-    Workload("f_overhead", overhead, engines="fast", closed=True),
+    Workload("f_overhead", overhead, engines="fast", mode="closed"),
 )}

@@ -103,3 +103,20 @@ async def test_closed_loop_bounds_concurrency(server):
 def test_chat_body_shape():
     b = orjson.loads(chat_body("m", [{"role": "user", "content": "x"}], 4, True))
     assert b["model"] == "m" and b["max_tokens"] == 4 and b["stream_options"] == {"include_usage": True}
+
+
+async def test_sessions_wait_for_the_answer_then_think(server):
+    # conversation 7: two turns; the second leaves 0.2 s after the first answer ended, never before
+    specs = [
+        RequestSpec(0.0, CHAT, chat_body("m", [{"role": "user", "content": "t1"}], 5, True), True, "a", session=7),
+        RequestSpec(0.0, CHAT, chat_body("m", [{"role": "user", "content": "solo"}], 1, False), False, "b", session=9),
+        RequestSpec(0.0, CHAT, chat_body("m", [{"role": "user", "content": "t2"}], 1, False), False, "c",
+                    session=7, think=0.2),
+    ]
+    from bench.loadgen import run_sessions
+    results, wall = await run_sessions(server, specs)
+    assert [r.tag for r in results] == ["a", "b", "c"] and all(r.ok for r in results)
+    first, _, second = results
+    # the second turn was sent after the first turn's end plus the think time
+    assert second.sent_at >= first.sent_at + first.e2e + 0.2
+    assert wall >= second.sent_at + second.e2e - 1e-6

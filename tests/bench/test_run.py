@@ -10,9 +10,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.run import Harness, apply_overrides, engine_sets, parse_args, select
+from bench.run import (
+    FULL_SYSTEMS,
+    QUICK_SYSTEMS,
+    Harness,
+    apply_overrides,
+    engine_sets,
+    parse_args,
+    select,
+)
 from bench.stats import ROW_KEYS
-from bench.systems import SystemSpec
+from bench.systems import SystemSpec, all_systems
 from bench.workloads import QUICK
 from tests.helpers import ROOT
 
@@ -41,7 +49,7 @@ def _dplb_segments(pid: int) -> set[str]:
 def test_direct_and_dplb_rows_and_cleanup(tmp_path):
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "bench.run", "--systems", "direct,dplb/round_robin",
-           "--workloads", "e_burst,f_overhead", "--no-scaling", "--out", str(out), "-q",
+           "--workloads", "e_burst,f_overhead", "--no-scaling", "--out", str(out), "-q", "--repeats", "2",
            "--set", "burst_requests=24", "--set", "overhead_requests=40"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -53,9 +61,11 @@ def test_direct_and_dplb_rows_and_cleanup(tmp_path):
     assert p.returncode == 0, err[-3000:]
     rows = json.loads((out / "latest.json").read_text())
     assert all(tuple(row) == ROW_KEYS for row in rows)
-    by = {(row["system"], row["workload"]): row for row in rows}
-    # direct runs only the overhead workload, on one engine
+    by = {(row["system"], row["workload"]): row for row in rows if row["repeat"] == 0}
+    # direct runs only the overhead workload, on one engine; every workload twice (--repeats 2)
     assert set(by) == {("direct", "f_overhead"), ("dplb", "e_burst"), ("dplb", "f_overhead")}
+    assert sorted((r["system"], r["workload"], r["repeat"]) for r in rows) == sorted(
+        (s, w, k) for s, w in by for k in (0, 1))
     assert by[("direct", "f_overhead")]["router_cpu_s_per_1k"] is None
     burst = by[("dplb", "e_burst")]
     assert burst["requests"] == 24 and burst["errors"] == 0
@@ -65,7 +75,7 @@ def test_direct_and_dplb_rows_and_cleanup(tmp_path):
     assert by[("dplb", "f_overhead")]["requests"] == 40 and by[("dplb", "f_overhead")]["errors"] == 0
     assert by[("dplb", "f_overhead")]["router_cpu_s_per_1k"] > 0
     md = (out / "latest.md").read_text()
-    assert "python -m bench.run --systems direct,dplb/round_robin" in md and "(f) router overhead" in md
+    assert "python -m bench.run --systems direct,dplb/round_robin" in md and "## Router overhead" in md and "(f) tiny non-streaming" in md
     assert (out / "share_e.png").exists()
     # everything it started is gone, and so is the segment
     pids = _started_pids(out / "tmp")
@@ -94,12 +104,13 @@ def test_selection_flags():
     with pytest.raises(SystemExit):
         select(parse_args(["--workloads", "z_unknown"]))
     quick = [s.label for s in select(parse_args(["--quick"]))[0]]
-    assert quick == ["dplb/dplb", "dplb/round_robin", "sglang/cache_aware", "vllm/cache_aware", "direct"]
-    assert len(select(parse_args(["--quick", "--systems", "all"]))[0]) == 10
+    assert quick == list(QUICK_SYSTEMS) and "smg/least_load" in quick
+    assert len(select(parse_args(["--quick", "--systems", "all"]))[0]) == len(all_systems())
     labels = [s.label for s in select(parse_args([]))[0]]
-    assert labels == ["dplb/dplb", "dplb/cache_aware", "dplb/round_robin", "dplb/shortest_queue",
-                      "dplb/power_of_two", "sglang/cache_aware", "sglang/round_robin", "vllm/cache_aware",
-                      "vllm/power_of_two", "direct"]
+    assert labels == list(FULL_SYSTEMS)
+    # DPLB's field policies run beside the Rust routers that ship the same idea
+    assert {"dplb/least_load", "smg/least_load", "sglang/cache_aware", "smg/cache_aware", "dplb/kv_cost",
+            "dplb/lmetric", "dplb/session"} <= set(labels)
 
 
 def test_measured_add_accumulates_batches():

@@ -1,0 +1,97 @@
+"""Issue 17: conversations from block prefixes, repeats folded into median and spread, the
+summary's verdicts (no difference where ranges overlap), and per-repeat workload windows."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import orjson
+import pytest
+
+from bench.report import best_peer, difference, summary_lines
+from bench.stats import ROW_KEYS, Spread, ratio_interval, spread, summarize
+from bench.trace import TraceRequest, sessions
+from bench.workloads import QUICK, mooncake
+from bench.workloads import sessions as session_workload
+
+
+def _req(i: int, blocks: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(index=i, timestamp_ms=float(i), input_length=len(blocks) * 512, output_length=4,
+                        hash_ids=blocks)
+
+
+def test_sessions_follow_the_longest_shared_prefix_not_the_common_first_block():
+    reqs = [
+        _req(0, (0, 1, 2)),        # conversation A, turn 1
+        _req(1, (0, 5, 6)),        # B: shares only block 0 (everyone's system prompt) with A
+        _req(2, (0, 1, 3, 4)),     # A, turn 2: the partial last block 2 became 3 once the answer was added
+        _req(3, (0, 5, 6, 7, 8)),  # B, turn 2
+        _req(4, (9,)),             # C: one block, nothing to share
+        _req(5, (0, 1, 3, 4, 10)), # A, turn 3
+    ]
+    assert sessions(reqs) == [0, 1, 0, 1, 2, 0]
+
+
+def test_spread_and_ratio_interval():
+    a, b = spread([3.0, 1.0, 2.0]), spread([4.0, None, 8.0, 6.0])
+    assert (a.median, a.lo, a.hi, a.n) == (2.0, 1.0, 3.0, 3)
+    assert (b.median, b.lo, b.hi, b.n) == (6.0, 4.0, 8.0, 3)
+    r, lo, hi = ratio_interval(a, b)
+    assert r == pytest.approx(1 / 3) and lo == pytest.approx(1 / 8) and hi == pytest.approx(3 / 4)
+    assert spread([]).median is None and ratio_interval(a, spread([])) == (None, None, None)
+
+
+def test_difference_only_when_ranges_do_not_overlap():
+    low, high, mid = Spread(2.0, 1.0, 3.0, 3), Spread(6.0, 4.0, 8.0, 3), Spread(3.5, 2.5, 5.0, 3)
+    assert difference(low, high) == "DPLB better"
+    assert difference(high, low) == "peer better"
+    assert difference(low, mid) == "no difference" and difference(mid, high) == "no difference"
+    assert difference(high, low, lower_is_better=False) == "DPLB better"
+
+
+def _row(system, policy, workload, rep, ttft_p99, errors=0):
+    r = dict.fromkeys(ROW_KEYS)
+    r.update(system=system, policy=policy, workload=workload, workers=4, repeat=rep, requests=500, errors=errors,
+             ttft_p50_ms=ttft_p99 / 4, ttft_p99_ms=ttft_p99, tpot_p99_ms=30.0, e2e_p50_ms=100.0, output_tok_s=1.0,
+             prefix_hit_rate=0.3, max_share=0.3, min_share=0.2, router_cpu_s_per_1k=10.0)
+    return r
+
+
+def test_summary_picks_the_best_error_free_peer_and_says_no_difference_on_overlap():
+    rows = [_row("dplb", "dplb", "a_mooncake", k, v) for k, v in enumerate((700.0, 800.0, 750.0))]
+    rows += [_row("smg", "least_load", "a_mooncake", k, v) for k, v in enumerate((900.0, 1000.0, 950.0))]
+    # vllm is faster but dropped requests in one repeat: not "best"
+    rows += [_row("vllm", "cache_aware", "a_mooncake", k, v, errors=int(k == 1)) for k, v in enumerate((500.0,) * 3)]
+    rows += [_row("dplb", "dplb", "b_shared_prefix", k, v) for k, v in enumerate((100.0, 300.0, 200.0))]
+    rows += [_row("sglang", "cache_aware", "b_shared_prefix", k, v) for k, v in enumerate((150.0, 250.0, 200.0))]
+    sm = summarize(rows)
+    assert best_peer(sm, "a_mooncake", "ttft_p99_ms")[:2] == ("smg", "least_load")
+    text = "\n".join(summary_lines(rows, []))
+    a = next(line for line in text.splitlines() if line.startswith("| a_mooncake | TTFT p99"))
+    assert "750.0 [700.0–800.0]" in a and "smg/least_load 950.0 [900.0–1000.0]" in a
+    assert "DPLB better" in a and a.endswith("issue 13): met |")
+    b = next(line for line in text.splitlines() if line.startswith("| b_shared_prefix | TTFT p99"))
+    assert "no difference" in b
+
+
+def test_goodput_line_compares_multipliers():
+    rows = [_row("dplb", "dplb", "a_mooncake", 0, 1.0)]
+    gp = [{"system": "dplb", "policy": "dplb", "workload": "a_mooncake", "goodput_mult": 1.5, "goodput_req_s": 3.0,
+           "steps": []},
+          {"system": "smg", "policy": "cache_aware", "workload": "a_mooncake", "goodput_mult": 2.0,
+           "goodput_req_s": 4.0, "steps": []}]
+    line = next(x for x in summary_lines(rows, gp) if "goodput" in x)
+    assert "| 1.50 | smg/cache_aware 2.00 | 0.75 | peer better" in line and line.endswith("**not met** |")
+
+
+def test_repeats_take_their_own_trace_window_and_name_the_conversation():
+    p = replace(QUICK, mooncake_requests=20, session_requests=20, mooncake_start=100, mooncake_stride=50)
+    a0, a1 = mooncake(p, "m", 0), mooncake(p, "m", 1)
+    assert len(a0) == len(a1) == 20 and a0[0].at == 0.0 and a1[0].at == 0.0
+    assert [s.body for s in a0] != [s.body for s in a1]
+    assert orjson.loads(a0[0].body)["user"].startswith("conv-0-")
+    s0 = session_workload(p, "m", 0)
+    assert [s.body for s in s0] == [s.body for s in a0]  # the same window, sent closed-loop
+    firsts = {}
+    for s in s0:
+        firsts.setdefault(s.session, s)
+        assert (s.think == 0.0) == (firsts[s.session] is s)
