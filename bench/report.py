@@ -230,10 +230,10 @@ def goodput_lines(goodput: list[dict[str, Any]], meta: dict[str, Any]) -> list[s
         return []
     slo = meta.get("goodput_slo", {})
     out = ["SLO per workload (simulated seconds; wall × the engines' time scale): "
-           + "; ".join(f"{w}: TTFT p99 ≤ {v['ttft_p99_s']} s, TPOT p99 ≤ {v['tpot_p99_s']} s (scaling {v['scaled']})"
-                       for w, v in slo.items()) + ". Ladder: " + ", ".join(str(x) for x in meta.get("goodput_ladder", []))
-           + " (down: " + ", ".join(str(x) for x in meta.get("goodput_ladder_down", [])) + "); each step on fresh "
-           "engines, once.", "",
+           + "; ".join(f"{w}: TTFT p99 ≤ {v['ttft_p99_s']} s, TPOT p99 ≤ {v['tpot_p99_s']} s (scaling {v['scaled']}, "
+                       f"ladder {v.get('ladder')}, down {v.get('down')})" for w, v in slo.items())
+           + "; each step on fresh engines, once; `dplb/dplb` and the two peers with the lowest median TTFT p99 "
+           "on the workload.", "",
            "| workload | system | goodput (× own rate) | req/s at that rate (wall) | steps: multiplier ok TTFT/TPOT p99 ms |",
            "|---|---|---|---|---|"]
     for g in goodput:

@@ -83,28 +83,31 @@ def engine_sets(time_scale: float, seed: int, n: int = NUM_ENGINES,
 SCALING_SIZES = (1, 2, 4, 8)
 #: ``--quick`` runs DPLB's main policy, the best peers and the direct run (every workload, plot
 #: and the scaling run, with repeats, on smaller sizes)
-QUICK_SYSTEMS = ("dplb/dplb", "sglang/cache_aware", "smg/cache_aware", "smg/least_load", "direct")
+QUICK_SYSTEMS = ("dplb/dplb", "sglang/cache_aware", "smg/least_load", "direct")
 #: the full run: DPLB's default and every peer's best policies on everything; the field's
 #: policies inside DPLB (the same ideas as smg's least_load, Dynamo's cost, LMetric, session
 #: affinity) on the trace (a), beside the Rust routers. Within the 60-minute budget of
 #: ``make bench``; any other system runs with ``--systems``.
 FULL_SYSTEMS = ("dplb/dplb", "sglang/cache_aware", "vllm/cache_aware", "smg/cache_aware", "smg/least_load",
                 "dplb/least_load", "dplb/kv_cost", "dplb/lmetric", "dplb/session", "direct")
-#: systems that, in the default full run, take only the trace replay (a) (no goodput, no overhead
-#: run): policies there for comparison on the trace. ``--systems`` runs what it names on every
+#: systems that, in the default full run, take only the named workload (no goodput, no overhead
+#: run): the field's policies inside DPLB, there for comparison with the same idea in a Rust
+#: router; session affinity on the conversation replay. ``--systems`` runs what it names on every
 #: workload.
-TRACE_ONLY = frozenset({"dplb/least_load", "dplb/lmetric", "dplb/kv_cost", "dplb/session"})
+TRACE_ONLY: dict[str, str] = {"dplb/least_load": "a_mooncake", "dplb/kv_cost": "a_mooncake",
+                              "dplb/lmetric": "a_mooncake", "dplb/session": "s_sessions"}
+#: the goodput search runs for ``dplb/dplb`` and this many peers: those with the lowest median
+#: TTFT p99 on the workload's repeats (the search is the costliest part of the run)
+GOODPUT_PEERS = 2
 #: workloads with a goodput search: (Profile field scaled, SLO TTFT p99 and TPOT p99 in
-#: *simulated* seconds). (a): a 10 s TTFT p99 as in ``dplb-simulate --find-capacity``; (b): the
-#: interactive chat target. TPOT 0.2 s: 5 tokens/s, slower than reading.
-GOODPUT: dict[str, tuple[str, float, float]] = {
-    "a_mooncake": ("mooncake_load", 10.0, 0.2),
-    "b_shared_prefix": ("gsp_rate", 1.0, 0.2),
+#: *simulated* seconds, rate multipliers climbed while the SLO holds, multipliers tried downwards
+#: when the first one misses). (a): a 10 s TTFT p99 as in ``dplb-simulate --find-capacity``; (b):
+#: the interactive chat target, its ladder starting at 2× (its own rate is light). TPOT 0.2 s: 5
+#: tokens/s, slower than reading.
+GOODPUT: dict[str, tuple[str, float, float, tuple[float, ...], tuple[float, ...]]] = {
+    "a_mooncake": ("mooncake_load", 10.0, 0.2, (1.0, 1.5, 2.0, 3.0), (0.75, 0.5)),
+    "b_shared_prefix": ("gsp_rate", 1.0, 0.2, (2.0, 4.0, 6.0, 8.0), (1.0, 0.5)),
 }
-#: rate multipliers the goodput search tries above 1.0 (stops at the first failure) and below it
-#: (when 1.0 already fails)
-LADDER_UP = (1.5, 2.0, 3.0, 4.0)
-LADDER_DOWN = (0.75, 0.5)
 
 
 def _run_async(coro):  # type: ignore[no-untyped-def]
@@ -372,7 +375,7 @@ class Harness:
         flags = with_load_format(flags, [spec])
         specs = self._goodput_specs(workload, mult)
         tag = f"goodput-{spec.label.replace('/', '-')}-{workload}-{mult}"
-        _, slo_ttft, slo_tpot = GOODPUT[workload]
+        _, slo_ttft, slo_tpot, _, _ = GOODPUT[workload]
         with ProcessSet(self.log_dir / tag) as procs:
             running = None
             try:
@@ -397,8 +400,8 @@ class Harness:
     def run_goodput(self, spec: SystemSpec, workload: str) -> dict[str, object]:
         """The highest rate multiplier of ``workload`` that ``spec`` serves within its SLO.
 
-        Starts at 1.0 (the workload's own rate); climbs :data:`LADDER_UP` while the SLO holds and
-        stops at the first miss, or walks :data:`LADDER_DOWN` when 1.0 misses. Each step runs on
+        Climbs the workload's ladder (:data:`GOODPUT`) while the SLO holds and stops at the first
+        miss, or walks its downward ladder when the first step misses. Each step runs on
         fresh engines and a fresh system (no prefix cache carried from the step before). The SLO
         (:data:`GOODPUT`): no error, TTFT p99 and TPOT p99 under the targets in simulated seconds
         (wall × the engines' time scale). Returns (and records) ``{system, policy, workload,
@@ -408,14 +411,14 @@ class Harness:
         steps: list[list[object]] = []
         best: float = 0.0
         best_rate: float | None = None
-        ladder = [1.0, *LADDER_UP]
+        _, _, _, ladder, down = GOODPUT[workload]
         try:
             for k, mult in enumerate(ladder):
                 ok, row = self._goodput_step(spec, workload, mult)
                 steps.append([mult, ok, row["ttft_p99_ms"], row["tpot_p99_ms"]])
                 if not ok:
                     if k == 0:
-                        for low in LADDER_DOWN:
+                        for low in down:
                             ok, row = self._goodput_step(spec, workload, low)
                             steps.append([low, ok, row["ttft_p99_ms"], row["tpot_p99_ms"]])
                             if ok:
@@ -470,6 +473,27 @@ class Harness:
                         stop_system(running, procs)
 
 
+def goodput_systems(systems: list[SystemSpec], rows: list[dict[str, object]], workload: str,
+                    skip: dict[str, str]) -> list[SystemSpec]:
+    """Who gets the goodput search on ``workload``: every DPLB system not in ``skip`` and the
+    :data:`GOODPUT_PEERS` peers with the lowest median TTFT p99 on ``workload``'s repeats (error-free
+    systems first); all peers when none has rows yet."""
+    from bench.stats import spread
+
+    dplb = [s for s in systems if s.kind == "dplb" and s.label not in skip]
+    peers = [s for s in systems if s.kind not in ("dplb", "direct")]
+
+    def rank(s: SystemSpec) -> tuple[bool, float]:
+        mine = [r for r in rows if (r["system"], r["policy"], r["workload"]) == (s.kind, s.policy, workload)]
+        med = spread([r["ttft_p99_ms"] for r in mine]).median  # type: ignore[misc]
+        errs = any(r["errors"] for r in mine)
+        return (errs or med is None, float("inf") if med is None else float(med))
+
+    if any(rank(s)[1] != float("inf") for s in peers):
+        peers = sorted(peers, key=rank)[:GOODPUT_PEERS]
+    return dplb + peers
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags of ``python -m bench.run``."""
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.run", description=__doc__.split("\n\n")[0])
@@ -485,7 +509,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"runs of every workload per system, each with its own seed (default {REPEATS})")
     ap.add_argument("--no-pin", action="store_true",
                     help="do not pin the routing processes to one core and the rest to the others")
-    ap.add_argument("--scaling-policy", default="dplb,round_robin",
+    ap.add_argument("--scaling-policy", default=None,
                     help="comma list of DPLB policies for the scaling run; the first is judged against the "
                          "goal, the others are for comparison (round_robin separates policy from machine)")
     ap.add_argument("--time-scale", type=float, default=TIME_SCALE,
@@ -564,29 +588,29 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(h.repeats):
             h.specs(w, rep)
     cmdline = " ".join(["python -m bench.run", *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
-    trace_only = TRACE_ONLY if args.systems is None and not args.quick else frozenset()
+    trace_only = TRACE_ONLY if args.systems is None and not args.quick else {}
     for spec in systems:  # each system alone on fresh engines; the direct run only takes part in (f)
         mine = [w for w in workloads if spec.kind != "direct" and WORKLOADS[w].engines != "fast"
-                and (spec.label not in trace_only or w == "a_mooncake")]
+                and trace_only.get(spec.label, w) == w]
         for name in ("trace", "sessions", "main", "hetero"):
             h.run_group(spec, [w for w in mine if WORKLOADS[w].engines == name], name)
     if not args.no_goodput and not args.quick:
         for w in (w for w in workloads if w in GOODPUT):
-            for spec in systems:
-                if spec.kind != "direct" and spec.label not in trace_only:
-                    h.run_goodput(spec, w)
+            for spec in goodput_systems(systems, h.rows, w, trace_only):
+                h.run_goodput(spec, w)
     for w in (w for w in workloads if WORKLOADS[w].engines == "fast"):
         h.run_overhead([s for s in systems if s.label not in trace_only], w)
     if not args.no_scaling:
-        for pol in (p.strip() for p in args.scaling_policy.split(",") if p.strip()):
+        scaling_pols = args.scaling_policy or ("dplb" if args.quick else "dplb,round_robin")
+        for pol in (p.strip() for p in scaling_pols.split(",") if p.strip()):
             h.run_scaling(pol)
     elapsed = time.monotonic() - t0
     meta = {"command": cmdline, "elapsed_s": round(elapsed, 1), "profile": "quick" if args.quick else "full",
             "engine_flags": asdict(flags), "fast_time_scale": FAST_TIME_SCALE, "num_engines": NUM_ENGINES,
             "hetero_slowdown": HETERO_SLOWDOWN, "repeats": h.repeats, "trace_time_scale": profile.trace_time_scale,
             "chunks_per_router_cpu_s": h.chunks_per_cpu, "cores": cores.describe(),
-            "goodput_slo": {w: {"scaled": f, "ttft_p99_s": t, "tpot_p99_s": p} for w, (f, t, p) in GOODPUT.items()},
-            "goodput_ladder": [1.0, *LADDER_UP], "goodput_ladder_down": list(LADDER_DOWN),
+            "goodput_slo": {w: {"scaled": f, "ttft_p99_s": t, "tpot_p99_s": p, "ladder": list(up), "down": list(dn)}
+                            for w, (f, t, p, up, dn) in GOODPUT.items()},
             "profile_values": asdict(profile), "run_id": run_id, "log_dir": str(log_dir),
             "load_start": load_start}
     report.write_all(args.out, h.rows, meta, h.notes, h.ttft_a, h.share_e, h.router_only_cpu, h.goodput)

@@ -12,7 +12,7 @@ prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
     wall offset = timestamp / (``mooncake_load`` × ``trace_time_scale``). At load 1.0, four
     simulated H100s get the production trace's request rate; by the engines' cost model that
     keeps them about 70-80 % busy. ``max_tokens`` = ``output_length``.
-(s) ``s_sessions``: the first ``session_requests`` (300) of that window as closed-loop conversations (:func:`sessions`): a turn leaves
+(s) ``s_sessions``: the first ``session_requests`` (200) of that window as closed-loop conversations (:func:`sessions`): a turn leaves
     a think time after the previous turn's answer, never by the clock alone.
 (b) ``b_shared_prefix``: SGLang's generated-shared-prefix shape (``bench_serving.py
     --dataset-name generated-shared-prefix``: ``gsp_num_groups`` groups, ``gsp_prompts_per_group``
@@ -83,7 +83,7 @@ class Profile:
     #: simulated seconds (exponential, seeded per repeat)
     session_think_s: float = 10.0
     #: requests of (s), from the same window as (a)
-    session_requests: int = 300
+    session_requests: int = 200
     #: requests per step of the goodput search on (a) (a window of the same trace)
     goodput_requests: int = 200
     #: the engines' ``--time-scale`` (filled in by ``bench.run``), used to express the trace's rate
@@ -105,8 +105,8 @@ FULL = Profile(
 )
 
 QUICK = replace(
-    FULL, mooncake_requests=100, session_requests=100, goodput_requests=80, gsp_num_groups=4, gsp_prompts_per_group=10,
-    mixed_requests=48, hetero_requests=32, overhead_requests=400, scaling_requests_per_engine=8,
+    FULL, mooncake_requests=60, session_requests=60, goodput_requests=60, gsp_num_groups=4, gsp_prompts_per_group=10,
+    mixed_requests=48, hetero_requests=24, overhead_requests=200, scaling_requests_per_engine=8,
 )
 
 _VOCAB: tuple[str, ...] | None = None

@@ -95,3 +95,18 @@ def test_repeats_take_their_own_trace_window_and_name_the_conversation():
     for s in s0:
         firsts.setdefault(s.session, s)
         assert (s.think == 0.0) == (firsts[s.session] is s)
+
+
+def test_goodput_goes_to_dplb_and_the_two_best_error_free_peers():
+    from bench.run import goodput_systems
+    from bench.systems import SystemSpec
+
+    systems = [SystemSpec("dplb", "dplb"), SystemSpec("dplb", "kv_cost"), SystemSpec("sglang", "cache_aware"),
+               SystemSpec("vllm", "cache_aware"), SystemSpec("smg", "least_load"), SystemSpec("direct", "none")]
+    rows = [_row("sglang", "cache_aware", "a_mooncake", k, 900.0) for k in range(3)]
+    rows += [_row("vllm", "cache_aware", "a_mooncake", k, 500.0, errors=int(k == 2)) for k in range(3)]
+    rows += [_row("smg", "least_load", "a_mooncake", k, 950.0) for k in range(3)]
+    got = [s.label for s in goodput_systems(systems, rows, "a_mooncake", {"dplb/kv_cost": "a_mooncake"})]
+    assert got == ["dplb/dplb", "sglang/cache_aware", "smg/least_load"]
+    # before any peer has rows, every peer is searched
+    assert len(goodput_systems(systems, [], "a_mooncake", {})) == 5
