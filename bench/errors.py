@@ -40,9 +40,9 @@ class ReplayError(BenchError):
 
 
 class PeerInstallError(BenchError):
-    """Installing a peer router (``sglang-router`` / ``vllm-router``) into its own venv failed.
+    """Installing a peer router (``sglang-router`` / ``vllm-router`` / ``smg``) into its own venv failed.
 
-    Attributes: ``peer`` (``"sglang"`` or ``"vllm"``), ``log`` (path of pip's output).
+    Attributes: ``peer`` (``"sglang"``, ``"vllm"`` or ``"smg"``), ``log`` (path of pip's output).
     """
 
     def __init__(self, peer: str, log: str, reason: str) -> None:

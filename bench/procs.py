@@ -45,13 +45,9 @@ class ProcessSet(ProcessGroup):
         self.close()
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds used so far by ``pids`` and their live descendants.
-
-    Processes that have gone away count as 0 (their time is lost, which is why the harness reads
-    this while the system is still running).
-    """
-    total = 0.0
+def process_trees(pids: Sequence[int]) -> list[psutil.Process]:
+    """``pids`` and their live descendants, each once; processes that have gone away are skipped."""
+    out: list[psutil.Process] = []
     seen: set[int] = set()
     for pid in pids:
         try:
@@ -60,14 +56,25 @@ def cpu_seconds(pids: Sequence[int]) -> float:
         except psutil.Error:
             continue
         for p in procs:
-            if p.pid in seen:
-                continue
-            seen.add(p.pid)
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
+            if p.pid not in seen:
+                seen.add(p.pid)
+                out.append(p)
+    return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` and their live descendants.
+
+    Processes that have gone away count as 0 (their time is lost, which is why the harness reads
+    this while the system is still running).
+    """
+    total = 0.0
+    for p in process_trees(pids):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
     return total
 
 
@@ -114,23 +121,17 @@ def pin(pids: Sequence[int], cpus: frozenset[int]) -> int:
     if not cpus:
         return 0
     n = 0
-    for pid in pids:
+    for p in process_trees(pids):
         try:
-            root = psutil.Process(pid)
-            procs = [root] + root.children(recursive=True)
+            tids = [t.id for t in p.threads()]
         except psutil.Error:
             continue
-        for p in procs:
+        for tid in tids:
             try:
-                tids = [t.id for t in p.threads()]
-            except psutil.Error:
-                continue
-            for tid in tids:
-                try:
-                    os.sched_setaffinity(tid, cpus)
-                    n += 1
-                except OSError:
-                    pass
+                os.sched_setaffinity(tid, cpus)
+                n += 1
+            except OSError:
+                pass
     return n
 
 

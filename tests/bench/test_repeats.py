@@ -110,3 +110,33 @@ def test_goodput_goes_to_dplb_and_the_two_best_error_free_peers():
     assert got == ["dplb/dplb", "sglang/cache_aware", "smg/least_load"]
     # before any peer has rows, every peer is searched
     assert len(goodput_systems(systems, [], "a_mooncake", {})) == 5
+
+
+def test_core_plan_and_pinning_every_thread_of_a_tree():
+    import os
+    import subprocess
+    import sys
+
+    from bench.procs import core_plan, pin
+
+    assert not core_plan(False).active
+    allowed = os.sched_getaffinity(0)
+    plan = core_plan(True)
+    if len(allowed) < 2:
+        assert not plan.active
+        return
+    assert plan.active and plan.router | plan.rest == frozenset(allowed) and not plan.router & plan.rest
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "ts = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(3)]\n"
+                              "[t.start() for t in ts]; print('up', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        n = pin([child.pid], plan.router)
+        assert n >= 4  # the main thread and the three sleepers
+        for tid in os.listdir(f"/proc/{child.pid}/task"):
+            assert os.sched_getaffinity(int(tid)) == set(plan.router)
+    finally:
+        child.kill()
+        child.wait()
+    assert pin([child.pid], plan.router) == 0  # gone: nothing pinned, no error
