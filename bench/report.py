@@ -424,6 +424,34 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
     return "\n".join(lines) + "\n"
 
 
+def _replace_block(md: str, start: str, end: str, new: str) -> str:
+    """``md`` with the text from the line starting with ``start`` up to (not including) the next
+    occurrence of ``end`` after it replaced by ``new``; ``ValueError`` when ``start`` is missing."""
+    i = md.index(start)
+    j = md.find(end, i + len(start))
+    return md[:i] + new + (md[j:] if j >= 0 else "")
+
+
+def update_goodput(out: Path, goodput: list[dict[str, Any]], slo: dict[str, Any], note: str) -> None:
+    """Put a new goodput search into an existing run in ``out`` (``python -m bench.run --goodput-only``).
+
+    Reads the rows of ``latest.json``, writes ``goodput.json``, and in ``latest.md`` replaces the
+    summary table (its goodput lines change) and the "Goodput at an SLO" section, and adds ``note``
+    to the notes. Raises ``FileNotFoundError`` when ``out`` holds no run.
+    """
+    rows = json.loads((out / "latest.json").read_text())
+    (out / "goodput.json").write_text(json.dumps(goodput, indent=1) + "\n")
+    md = (out / "latest.md").read_text()
+    md = _replace_block(md, "| workload | figure |", "\n\n", "\n".join(summary_lines(rows, goodput)))
+    section = "## Goodput at an SLO\n\n" + "\n".join(goodput_lines(goodput, {"goodput_slo": slo}))
+    if "## Goodput at an SLO" in md:
+        md = _replace_block(md, "## Goodput at an SLO", "\n## ", section)
+    else:
+        md = _replace_block(md, "## Router overhead", "\n## Router overhead", section + "\n")
+    md = md.replace("## Notes\n\n- none\n", "## Notes\n\n").rstrip("\n") + f"\n- {note}\n"
+    (out / "latest.md").write_text(md)
+
+
 def ensure_matplotlib() -> None:
     """Import matplotlib, installing the ``bench`` extra's pin (``matplotlib>=3.7``) into the running
     interpreter's environment with pip when it is missing. Raises ``ImportError`` if that fails."""

@@ -140,3 +140,26 @@ def test_core_plan_and_pinning_every_thread_of_a_tree():
         child.kill()
         child.wait()
     assert pin([child.pid], plan.router) == 0  # gone: nothing pinned, no error
+
+
+def test_a_later_goodput_search_replaces_the_summary_lines_and_its_section(tmp_path):
+    from bench.report import update_goodput, write_all
+
+    rows = [_row("dplb", "dplb", "a_mooncake", k, 700.0 + k) for k in range(3)]
+    rows += [_row("sglang", "cache_aware", "a_mooncake", k, 900.0 + k) for k in range(3)]
+    first = [{"system": "dplb", "policy": "dplb", "workload": "a_mooncake", "goodput_mult": 0.5, "goodput_req_s": 1.0,
+              "steps": [[1.0, False, 1.0, 1.0], [0.5, True, 1.0, 1.0]]},
+             {"system": "sglang", "policy": "cache_aware", "workload": "a_mooncake", "goodput_mult": 1.0,
+              "goodput_req_s": 2.0, "steps": [[1.0, True, 1.0, 1.0]]}]
+    slo = {"a_mooncake": {"scaled": "mooncake_load", "ttft_p99_s": 10.0, "tpot_p99_s": 0.2, "ladder": [1.0],
+                          "down": [0.5]}}
+    write_all(tmp_path, rows, {"command": "python -m bench.run", "goodput_slo": slo}, [], {}, {}, {}, first)
+    assert "| 0.50 | sglang/cache_aware 1.00 | 0.50 | peer better" in (tmp_path / "latest.md").read_text()
+    second = [dict(first[0], goodput_mult=2.0, steps=[[1.0, True, 1.0, 1.0], [2.0, True, 1.0, 1.0]]), first[1]]
+    update_goodput(tmp_path, second, dict(slo, a_mooncake=dict(slo["a_mooncake"], tpot_p99_s=0.5)), "second search")
+    md = (tmp_path / "latest.md").read_text()
+    assert "| 2.00 | sglang/cache_aware 1.00 | 2.00 | DPLB better" in md and "peer better" not in md
+    assert md.count("## Goodput at an SLO") == 1 and "TPOT p99 ≤ 0.5 s" in md and "TPOT p99 ≤ 0.2 s" not in md
+    assert md.count("| workload | figure |") == 1 and md.rstrip().endswith("- second search")
+    assert "## Per workload" in md and "## All rows" in md
+    assert orjson.loads((tmp_path / "goodput.json").read_bytes())[0]["goodput_mult"] == 2.0
