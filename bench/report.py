@@ -448,7 +448,8 @@ def update_goodput(out: Path, goodput: list[dict[str, Any]], slo: dict[str, Any]
         md = _replace_block(md, "## Goodput at an SLO", "\n## ", section)
     else:
         md = _replace_block(md, "## Router overhead", "\n## Router overhead", section + "\n")
-    md = md.replace("## Notes\n\n- none\n", "## Notes\n\n").rstrip("\n") + f"\n- {note}\n"
+    md = md.replace("## Notes\n\n- none\n", "## Notes\n\n")
+    md = (md if md.endswith("\n\n") else md.rstrip("\n") + "\n") + f"- {note}\n"
     (out / "latest.md").write_text(md)
 
 
