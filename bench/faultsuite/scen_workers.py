@@ -92,7 +92,7 @@ def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 25.0
 def run_hung_worker(rate: float = 20.0, duration: float = 3.0, stop_at: float = 0.8,
                     first_byte_timeout_s: float = 1.0, retry_on_timeout: bool = False) -> Result:
     """Scenario 2a: worker 0 is frozen with SIGSTOP (its socket still accepts, nothing answers)
-    under steady load; the router's ``first_byte_timeout_s`` is ``first_byte_timeout_s``. The
+    under steady load spread round robin; the router's ``first_byte_timeout_s`` is ``first_byte_timeout_s``. The
     requests caught on it time out once: 504 naming worker 0 (default), or run again elsewhere
     with ``retry_on_timeout``. Detection: until the router stops dispatching to it; recovery:
     SIGCONT until it is eligible."""
@@ -105,8 +105,12 @@ def run_hung_worker(rate: float = 20.0, duration: float = 3.0, stop_at: float = 
     with Stack() as st:
         for i in range(3):
             st.fake(i)
+        # round robin: a third of the requests land on worker 0 whatever the load on this machine
+        # (the router stops dispatching to a frozen worker within about 0.1 s, so with instant
+        # answers and a load-aware policy nothing may be in flight there to test)
         base = st.router({"router": {"first_byte_timeout_s": first_byte_timeout_s},
-                          "retries": {"retry_on_timeout": retry_on_timeout}}, ready=3)
+                          "retries": {"retry_on_timeout": retry_on_timeout},
+                          "routing_policy": {"policy": "round_robin"}}, ready=3)
         p0 = st.fakes[0].proc
 
         def freeze() -> None:
@@ -114,7 +118,9 @@ def run_hung_worker(rate: float = 20.0, duration: float = 3.0, stop_at: float = 
 
         try:
             with DispatchWatch(st.seg, 0) as watch:
+                # every answer takes 0.25 s, so requests are in flight on worker 0 when it freezes
                 outs = asyncio.run(steady(base, rate, duration, lambda i: chat(tag=i), events={stop_at: freeze},
+                                          headers={"X-Fake-Mode": "slow", "X-Fake-Delay": "0.25"},
                                           timeout=first_byte_timeout_s * 4 + 10))
             res.add(outs)
             res.detection_s = watch.detection_after(box["t"])

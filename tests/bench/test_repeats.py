@@ -126,9 +126,10 @@ def test_core_plan_and_pinning_every_thread_of_a_tree():
         assert not plan.active
         return
     assert plan.active and plan.router | plan.rest == frozenset(allowed) and not plan.router & plan.rest
-    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
-                              "ts = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(3)]\n"
-                              "[t.start() for t in ts]; print('up', flush=True); time.sleep(30)"],
+    code = ("import threading, time\n"
+            "ts = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(3)]\n"
+            "[t.start() for t in ts]; print('up', flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "up"
