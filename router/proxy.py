@@ -160,18 +160,6 @@ class Proxy:
         self.transport = transport
         self.metrics = metrics
         self.settings = settings
-        self.limit = settings.max_body_bytes
-        self.api_key = settings.api_key
-        self.max_attempts = settings.max_attempts
-        self.retry_status = settings.retry_status
-        self.backoff_base = settings.backoff_base_s
-        self.backoff_max = settings.backoff_max_s
-        self.retry_on_timeout = settings.retry_on_timeout
-        self.retry_on_disconnect = settings.retry_on_disconnect
-        self.first_byte_timeout_s = settings.first_byte_timeout_s
-        self.idle_timeout_s = settings.idle_timeout_s
-        self.needs_text = settings.needs_text
-        self.session_header = settings.session_header
         # minted request ids: a random per-process prefix + a counter (one urandom call per process)
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
@@ -184,7 +172,7 @@ class Proxy:
         ctype = None
         fwd: list[tuple[bytes, bytes]] = []
         session = None
-        sh = self.session_header
+        sh = self.settings.session_header
         for k, v in scope["headers"]:
             if k == b"content-type":
                 ctype = v
@@ -208,14 +196,14 @@ class Proxy:
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
         try:
-            if self.api_key is not None and auth != self.api_key:
+            if self.settings.api_key is not None and auth != self.settings.api_key:
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
             if ctype is not None and ctype.split(b";", 1)[0].strip().lower() != b"application/json":
                 # a body sent as a form or text (curl -d, a misconfigured client); no header at all is accepted
                 raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
                                            "as JSON with 'Content-Type: application/json'")
-            body = await read_body(receive, self.limit, declared)
-            info = parse_request(path, body, self.needs_text)
+            body = await read_body(receive, self.settings.max_body_bytes, declared)
+            info = parse_request(path, body, self.settings.needs_text)
             if session:
                 info.session = session.decode("latin-1")
             sched = self.scheduler
@@ -265,20 +253,20 @@ class Proxy:
         client go to another worker? Never read by the worker (refused, reset before reading):
         always; timeout / dropped after sending: only when configured."""
         if e.kind == "timeout":
-            return self.retry_on_timeout
+            return self.settings.retry_on_timeout
         if e.kind == "connect" and (e.refused or e.unsent):
             return True
-        return self.retry_on_disconnect
+        return self.settings.retry_on_disconnect
 
     def final_error(self, e: Exception | None, wid: int | None, tried: int, mid_body: bool = False) -> RouterError:
         """The error a client gets when no attempt succeeded: 504 after a timeout, else 502
         (``mid_body``: a non-streamed body stalled or broke after its first byte)."""
         if isinstance(e, TransportError) and e.kind == "timeout" and mid_body:
             return GatewayTimeout(f"worker {wid} stalled mid-response: no data within the idle timeout "
-                                  f"(router.idle_timeout_s={self.idle_timeout_s:g})", worker_id=wid)
+                                  f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})", worker_id=wid)
         if isinstance(e, TransportError) and e.kind == "timeout":
             return GatewayTimeout(f"worker {wid} sent no response within the first-byte timeout "
-                                  f"(router.first_byte_timeout_s={self.first_byte_timeout_s:g}); a timed-out "
+                                  f"(router.first_byte_timeout_s={self.settings.first_byte_timeout_s:g}); a timed-out "
                                   "request is not retried on another worker (retries.retry_on_timeout)",
                                   worker_id=wid)
         if tried > 1:
@@ -295,9 +283,9 @@ class Proxy:
         last: Exception | None = None
         last_wid: int | None = None
         mid_body = False
-        for attempt in range(self.max_attempts):
+        for attempt in range(self.settings.max_attempts):
             if attempt:
-                delay = min(self.backoff_max, self.backoff_base * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
+                delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
                 if delay > 0:
                     await asyncio.sleep(delay)
             try:
@@ -329,7 +317,7 @@ class Proxy:
                 status = up.status
                 if status < 500:
                     lease.head_seen()  # liveness evidence for the health monitor
-                if status in self.retry_status and attempt + 1 < self.max_attempts and \
+                if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \
                         sched.has_candidates(info.model, tried | {wid}):
                     outcome = status < 500
                     up.release(abort=True)
@@ -415,7 +403,7 @@ class Proxy:
                 final = 504
                 metrics.errors.labels(str(wid), "timeout").inc()
                 ev = sse_error_event(f"worker {wid} stream stalled: no data within the idle timeout "
-                                     f"(router.idle_timeout_s={self.idle_timeout_s:g})", "timeout_error", 504)
+                                     f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})", "timeout_error", 504)
             else:
                 final = 502
                 metrics.errors.labels(str(wid), "stream_broken").inc()
