@@ -213,7 +213,14 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  *             requests both counts see are not counted twice.
  *   u_i     = uncached[i] when given (the router's prefix index: prompt tokens not cached on i),
  *             else prompt_len; uncached[i] < 0 excludes slot i (the router rules it out)
- *   r_i     = prefill_rate_i when > 0 (learned online from observed TTFTs), else p->prefill_rate
+ *   r_i     = prefill_rate_i when > 0 (learned online from observed TTFTs), else p->prefill_rate;
+ *             then, with rate_band > 0, pooled: let m = the median of r over the eligible workers;
+ *             a worker whose r_i lies within [m / (1 + rate_band), m * (1 + rate_band)] is priced
+ *             at m. Learned rates of identical engines drift apart by the noise of their samples
+ *             (a busy host, the mix of prompts each happened to get); priced as they stand, a
+ *             burst on idle workers follows that noise (a 1.4x drift gave a 0.305/0.215 share in
+ *             the benchmark). Within the band the workers count as equally fast; a worker outside
+ *             it (a slower GPU, another model, a degraded engine) keeps its own rate.
  *   steps_i = 1 + floor((W_i + u_i) / step_tokens)   engine steps until our last prompt chunk
  *             (chunked prefill: at most step_tokens = max_num_batched_tokens per step)
  *   prefill_s = (W_i + u_i) / r_i
@@ -249,6 +256,7 @@ typedef struct dplb_ttft_params {
     double w_decode;            /* weight of batch_s (0 = TTFT only) */
     double kv_cache_threshold;
     double heartbeat_timeout_ms;
+    double rate_band;           /* learned rates within this fraction of the median count as the median; 0 = off */
 } dplb_ttft_params_t;
 
 typedef struct dplb_ttft_terms {
@@ -257,6 +265,7 @@ typedef struct dplb_ttft_terms {
     double queue_tokens;
     double uncached_tokens;
     double rate;
+    double own_rate;            /* the worker's own rate (learned or seed) before pooling */
     double steps;
     double prefill_s;
     double decode_s;
@@ -267,19 +276,54 @@ typedef struct dplb_ttft_terms {
     double weight;
 } dplb_ttft_terms_t;
 
+/* The k-th smallest (0-based) of a[0..n), in place (Hoare's selection; a is reordered). */
+static inline double dplb_select_kth(double *a, int n, int k) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        double pivot = a[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < pivot) i++;
+            while (a[j] > pivot) j--;
+            if (i <= j) {
+                double t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else break;
+    }
+    return a[k];
+}
+
+/* The median of a[0..n), n > 0: the middle value, or the mean of the two middle values (a is
+ * reordered). */
+static inline double dplb_median(double *a, int n) {
+    int k = n / 2;
+    double hi = dplb_select_kth(a, n, k);
+    if (n % 2) return hi;
+    double lo = a[0];  /* a[0..k) now holds the k smallest: the largest of them is the (k-1)-th */
+    for (int i = 1; i < k; i++)
+        if (a[i] > lo) lo = a[i];
+    return (lo + hi) / 2.0;
+}
+
+/* terms: required, num_slots entries (filled for the eligible workers, slot order; *n_terms
+ * tells how many); ests: num_slots entries, NaN for the ineligible. */
 static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p,
                                  int64_t prompt_len, double out_tokens, const double *uncached, uint32_t n_unc,
                                  int64_t now_ns, double rng_u, double *ests, dplb_ttft_terms_t *terms,
                                  int *n_terms) {
     dplb_slot_t s;
     const int64_t hb_timeout_ns = (int64_t)(p->heartbeat_timeout_ms * 1e6);
-    double best = 0.0;
-    int any = 0, nt = 0;
+    int nt = 0;
+    /* pass 1: every eligible worker's terms, priced at its own rate */
     for (uint32_t i = 0; i < num_slots; i++) {
         dplb_slot_t *src = dplb_slot_at((void *)base, i);
-        /* NaN, not +inf: an eligible worker's estimate may itself be +inf (a denormal weight), and
-         * "est <= best + eps" must never admit an ineligible slot into the ties */
-        ests[i] = __builtin_nan("");
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
         double u = uncached && i < n_unc ? uncached[i] : (double)prompt_len;
         if (u < 0.0) continue;
@@ -305,39 +349,49 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
         double dreq = d_req > 0 ? (double)d_req : 0.0;
         double dctx = d_ctx > 0 ? (double)d_ctx : 0.0;
         double tokens = queue + u;
-        double steps = 1.0 + floor(tokens / p->step_tokens);
-        double prefill_s = tokens / rate;
-        double decode_s = steps * ((p->step_base_s + p->decode_seq_s * dreq) + p->decode_ctx_s * dctx);
         double k = s.kv_cache_usage < 0.0 ? 0.0 : (s.kv_cache_usage > 0.99 ? 0.99 : s.kv_cache_usage);
-        double kv_s = p->kv_barrier_s * k / (1.0 - k);
         int64_t engine = (int64_t)s.num_running + (int64_t)s.num_waiting;
         int64_t b = rinfl > engine ? rinfl : engine;
         double batch = b > 0 ? (double)b : 0.0;
-        double batch_s = p->w_decode * out_tokens * (p->decode_seq_s * batch + p->decode_ctx_s * dctx);
-        double est = (((prefill_s + decode_s) + kv_s) + batch_s) / s.weight;
-        ests[i] = est;
-        if (!any || est < best) best = est;
-        any = 1;
-        if (terms) {
-            dplb_ttft_terms_t *t = &terms[nt];
-            t->worker_id = (int32_t)i;
-            t->est_s = est;
-            t->queue_tokens = queue;
-            t->uncached_tokens = u;
-            t->rate = rate;
-            t->steps = steps;
-            t->prefill_s = prefill_s;
-            t->decode_s = decode_s;
-            t->kv_s = kv_s;
-            t->batch_s = batch_s;
-            t->decode_reqs = dreq;
-            t->batch = batch;
-            t->weight = s.weight;
-        }
-        nt++;
+        dplb_ttft_terms_t *t = &terms[nt++];
+        t->worker_id = (int32_t)i;
+        t->queue_tokens = queue;
+        t->uncached_tokens = u;
+        t->rate = rate;
+        t->own_rate = rate;
+        t->steps = 1.0 + floor(tokens / p->step_tokens);
+        t->decode_s = t->steps * ((p->step_base_s + p->decode_seq_s * dreq) + p->decode_ctx_s * dctx);
+        t->kv_s = p->kv_barrier_s * k / (1.0 - k);
+        t->batch_s = p->w_decode * out_tokens * (p->decode_seq_s * batch + p->decode_ctx_s * dctx);
+        t->decode_reqs = dreq;
+        t->batch = batch;
+        t->weight = s.weight;
     }
     if (n_terms) *n_terms = nt;
-    if (!any) return -1;
+    for (uint32_t i = 0; i < num_slots; i++)
+        /* NaN, not +inf: an eligible worker's estimate may itself be +inf (a denormal weight), and
+         * "est <= best + eps" must never admit an ineligible slot into the ties */
+        ests[i] = __builtin_nan("");
+    if (nt == 0) return -1;
+    /* pooling: rates within the band around the median count as the median */
+    if (p->rate_band > 0.0 && nt > 1) {
+        for (int j = 0; j < nt; j++) ests[j] = terms[j].own_rate;  /* scratch */
+        double m = dplb_median(ests, nt);
+        double lo = m / (1.0 + p->rate_band), hi = m * (1.0 + p->rate_band);
+        for (int j = 0; j < nt; j++) {
+            if (terms[j].own_rate >= lo && terms[j].own_rate <= hi) terms[j].rate = m;
+            ests[j] = __builtin_nan("");
+        }
+    }
+    /* pass 2: estimates */
+    double best = 0.0;
+    for (int j = 0; j < nt; j++) {
+        dplb_ttft_terms_t *t = &terms[j];
+        t->prefill_s = (t->queue_tokens + t->uncached_tokens) / t->rate;
+        t->est_s = (((t->prefill_s + t->decode_s) + t->kv_s) + t->batch_s) / t->weight;
+        ests[t->worker_id] = t->est_s;
+        if (j == 0 || t->est_s < best) best = t->est_s;
+    }
     const double ceil_ = best + DPLB_TIE_EPS;
     int k = 0;
     for (uint32_t i = 0; i < num_slots; i++) k += ests[i] <= ceil_;

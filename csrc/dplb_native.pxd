@@ -145,6 +145,7 @@ cdef extern from "dplb_kernel.h" nogil:
         double w_decode
         double kv_cache_threshold
         double heartbeat_timeout_ms
+        double rate_band
 
     ctypedef struct dplb_ttft_terms_t:
         int32_t worker_id
@@ -152,6 +153,7 @@ cdef extern from "dplb_kernel.h" nogil:
         double queue_tokens
         double uncached_tokens
         double rate
+        double own_rate
         double steps
         double prefill_s
         double decode_s

@@ -490,6 +490,7 @@ cdef class Segment:
             self.tparams.w_decode = params.w_decode
             self.tparams.kv_cache_threshold = params.kv_cache_threshold
             self.tparams.heartbeat_timeout_ms = params.heartbeat_timeout_ms
+            self.tparams.rate_band = params.rate_band
             self.tparams_obj = params
         if uncached is None:
             n_unc[0] = 0
@@ -526,7 +527,7 @@ cdef class Segment:
         now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
         u = self._draw(rng_u)
         chosen = dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len, out_tokens,
-                                self.aff if n_unc else NULL, n_unc, now, u, self.scores, NULL, NULL)
+                                self.aff if n_unc else NULL, n_unc, now, u, self.scores, self.tterms, NULL)
         return chosen, (self.scores[chosen] if chosen >= 0 else float("inf"))
 
     def pick_ttft_explain(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None,
@@ -548,7 +549,8 @@ cdef class Segment:
         for k in range(nt):
             t = &self.tterms[k]
             out.append(TtftTerms(worker_id=t.worker_id, est_s=t.est_s, queue_tokens=t.queue_tokens,
-                                 uncached_tokens=t.uncached_tokens, rate=t.rate, steps=t.steps,
+                                 uncached_tokens=t.uncached_tokens, rate=t.rate, own_rate=t.own_rate,
+                                 steps=t.steps,
                                  prefill_s=t.prefill_s, decode_s=t.decode_s, kv_s=t.kv_s, batch_s=t.batch_s,
                                  decode_reqs=t.decode_reqs, batch=t.batch, weight=t.weight))
         return chosen, out

@@ -22,7 +22,9 @@ Ties (score >= best - 1e-9) break by ``ties[int(rng_u * len(ties))]`` in slot or
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 
 from dplb_shm.types import (
@@ -119,9 +121,9 @@ def pick(snapshots: Sequence[WorkerSnapshot], params: ScoringParams, prompt_len:
 
 def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached: float | None,
                now_ns: int, out_tokens: float = 0.0) -> TtftTerms | None:
-    """Estimated-TTFT terms of one worker (``dplb_pick_ttft`` in csrc/dplb_kernel.h), or None when
-    it is not eligible. ``uncached``: this request's prompt tokens not cached there (None:
-    ``prompt_len``; negative: ruled out by the router)."""
+    """Estimated-TTFT terms of one worker at its own rate (pass 1 of ``dplb_pick_ttft`` in
+    csrc/dplb_kernel.h), or None when it is not eligible. ``uncached``: this request's prompt
+    tokens not cached there (None: ``prompt_len``; negative: ruled out by the router)."""
     if s.state != WorkerState.READY:
         return None
     u = float(prompt_len) if uncached is None else float(uncached)
@@ -143,17 +145,22 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
     dctx = float(s.decode_ctx_tokens) if s.decode_ctx_tokens > 0 else 0.0
     tokens = queue + u
     steps = 1.0 + math.floor(tokens / params.step_tokens)
-    prefill_s = tokens / rate
     decode_s = steps * ((params.step_base_s + params.decode_seq_s * dreq) + params.decode_ctx_s * dctx)
     k = 0.0 if s.kv_cache_usage < 0.0 else min(s.kv_cache_usage, 0.99)
     kv_s = params.kv_barrier_s * k / (1.0 - k)
     b = max(s.router_inflight, s.num_running + s.num_waiting)
     batch = float(b) if b > 0 else 0.0
     batch_s = params.w_decode * out_tokens * (params.decode_seq_s * batch + params.decode_ctx_s * dctx)
-    est = (((prefill_s + decode_s) + kv_s) + batch_s) / s.weight
-    return TtftTerms(worker_id=s.worker_id, est_s=est, queue_tokens=queue, uncached_tokens=u, rate=rate,
-                     steps=steps, prefill_s=prefill_s, decode_s=decode_s, kv_s=kv_s, batch_s=batch_s,
-                     decode_reqs=dreq, batch=batch, weight=s.weight)
+    return priced(TtftTerms(worker_id=s.worker_id, est_s=0.0, queue_tokens=queue, uncached_tokens=u, rate=rate,
+                            own_rate=rate, steps=steps, prefill_s=0.0, decode_s=decode_s, kv_s=kv_s,
+                            batch_s=batch_s, decode_reqs=dreq, batch=batch, weight=s.weight), rate)
+
+
+def priced(t: TtftTerms, rate: float) -> TtftTerms:
+    """``t`` with its prefill priced at ``rate`` tokens/s (pass 2 of ``dplb_pick_ttft``)."""
+    prefill_s = (t.queue_tokens + t.uncached_tokens) / rate
+    est = (((prefill_s + t.decode_s) + t.kv_s) + t.batch_s) / t.weight
+    return dataclasses.replace(t, rate=rate, prefill_s=prefill_s, est_s=est)
 
 
 def pick_ttft(snapshots: Sequence[WorkerSnapshot], params: TtftParams, prompt_len: int,
@@ -169,6 +176,10 @@ def pick_ttft(snapshots: Sequence[WorkerSnapshot], params: TtftParams, prompt_le
             terms.append(t)
     if not terms:
         return -1, terms
+    if params.rate_band > 0.0 and len(terms) > 1:
+        m = statistics.median(t.own_rate for t in terms)
+        lo, hi = m / (1.0 + params.rate_band), m * (1.0 + params.rate_band)
+        terms = [priced(t, m) if lo <= t.own_rate <= hi else t for t in terms]
     best = min(t.est_s for t in terms)
     ties = [t.worker_id for t in terms if t.est_s <= best + TIE_EPS]
     j = min(len(ties) - 1, max(0, int(rng_u * len(ties))))

@@ -226,7 +226,10 @@ class TtftParams:
     besides our prefill (the same sim engine constants); ``kv_barrier_s``: scale of the convex KV
     barrier ``kv_barrier_s·k/(1−k)`` (0.15 s, SGLang gateway's ``least_load``); ``w_decode``: weight
     of the batch term (what the batch already on a worker adds to this request's own decode);
-    ``kv_cache_threshold`` and ``heartbeat_timeout_ms`` as in :class:`ScoringParams`.
+    ``kv_cache_threshold`` and ``heartbeat_timeout_ms`` as in :class:`ScoringParams`;
+    ``rate_band``: learned prefill rates within this fraction of the eligible workers' median
+    count as the median (0.25: identical engines whose learned rates drifted apart by sampling
+    noise are priced alike; a worker more than 25 % off keeps its own rate; 0 turns pooling off).
     Raises :class:`SlotFieldError` on a non-finite value or a non-positive rate, step size or timeout.
     """
 
@@ -240,6 +243,7 @@ class TtftParams:
     w_decode: float = 0.25
     kv_cache_threshold: float = 0.8
     heartbeat_timeout_ms: float = 1000.0
+    rate_band: float = 0.25
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -249,7 +253,8 @@ class TtftParams:
         for name in ("prefill_rate", "step_tokens", "heartbeat_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise SlotFieldError(f"TtftParams.{name} must be > 0", field=name)
-        for name in ("waiting_tokens", "step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s", "w_decode"):
+        for name in ("waiting_tokens", "step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s", "w_decode",
+                     "rate_band"):
             if getattr(self, name) < 0:
                 raise SlotFieldError(f"TtftParams.{name} must be >= 0", field=name)
 
@@ -261,7 +266,8 @@ class TtftTerms:
     ``est_s = (((prefill_s + decode_s) + kv_s) + batch_s) / weight``; ``batch``: requests sharing the
     worker's steps; ``queue_tokens``: outstanding prefill
     tokens ahead; ``uncached_tokens``: this request's prompt tokens not cached there; ``rate``:
-    the prefill rate used (tokens/s); ``steps``: engine steps until its last prompt chunk;
+    the prefill rate used (tokens/s; the pool's median when ``own_rate``, the worker's learned or
+    seed rate, lies within :attr:`TtftParams.rate_band` of it); ``steps``: engine steps until its last prompt chunk;
     ``decode_reqs``: decoding requests sharing those steps; ``weight``: the slot's static weight.
     """
 
@@ -270,6 +276,7 @@ class TtftTerms:
     queue_tokens: float
     uncached_tokens: float
     rate: float
+    own_rate: float
     steps: float
     prefill_s: float
     decode_s: float

@@ -162,6 +162,9 @@ class RoutingPolicy(_Strict):
     rate_alpha: float = Field(default=0.1, gt=0, le=1)
     rate_clip: float = Field(default=4.0, ge=1)
     rate_min_tokens: int = Field(default=1024, ge=1)
+    # learned rates within this fraction of the workers' median count as the median (sampling
+    # noise between identical engines must not steer a burst; csrc/dplb_kernel.h); 0 = off
+    rate_band: float = Field(default=0.25, ge=0)
     # session: consistent hashing with bounded load
     session_header: str = Field(default="x-session-id", min_length=1)
     max_load_skew: float = Field(default=1.5, ge=1)

@@ -71,6 +71,7 @@ params_st = st.builds(
     w_decode=st.sampled_from([1.0, 0.0, 0.3]),
     kv_cache_threshold=st.sampled_from([0.8, 1.0]),
     heartbeat_timeout_ms=st.sampled_from([1000.0, 50.0]),
+    rate_band=st.sampled_from([0.25, 0.0, 1.0]),
 )
 
 uncached_st = st.none() | st.lists(st.sampled_from([-1.0, 0.0, 100.0, 6600.0]) | st.floats(-10.0, 1e6),
@@ -173,6 +174,43 @@ def test_ties_break_at_random_never_towards_slot_0(seg):
     assert got == {0, 1, 2, 3}
 
 
+def _burst_shares(seg, params, n=200, tokens=650):
+    """Send a burst of ``n`` ``tokens``-token prompts at once (no first token comes back): shares."""
+    counts = [0] * 4
+    for _ in range(n):
+        chosen, _ = seg.pick_ttft(params, tokens, None, now_ns=NOW, rng_u=0.5)
+        counts[chosen] += 1
+        seg.prefill_add(chosen, tokens)
+    return counts
+
+
+def test_learned_rates_that_drifted_apart_do_not_steer_a_burst(seg):
+    """Identical engines whose learned rates drifted by sampling noise (within 25 % of their
+    median) share a burst evenly; priced at their own rates they would not (the control)."""
+    drifted = [33_000.0, 26_000.0, 30_000.0, 29_000.0]
+    for band, even in ((0.25, True), (0.0, False)):
+        clear(seg)
+        for i, r in enumerate(drifted):
+            put(seg, i, rate=r)
+        counts = _burst_shares(seg, TtftParams(rate_band=band))
+        ratio = max(counts) / min(counts)
+        assert (ratio <= 1.05) == even, (band, counts)
+        _, terms = _pick(seg, params=TtftParams(rate_band=band))
+        assert [t.own_rate for t in terms] == drifted
+        assert {t.rate for t in terms} == ({29_500.0} if band else set(drifted))  # median of the four
+
+
+def test_a_worker_outside_the_band_keeps_its_own_rate(seg):
+    """A 3x slower engine is priced at its own rate: it gets about a third of a fast one's share."""
+    clear(seg)
+    for i, r in enumerate([30_000.0, 31_000.0, 29_000.0, 10_000.0]):
+        put(seg, i, rate=r)
+    counts = _burst_shares(seg, TtftParams())
+    _, terms = _pick(seg)
+    assert [t.rate for t in terms] == [29_500.0, 29_500.0, 29_500.0, 10_000.0]
+    assert 0.25 < counts[3] / (sum(counts[:3]) / 3) < 0.45, counts
+
+
 def test_prefill_rate_is_a_clipped_shared_average(seg):
     clear(seg)
     put(seg, 0)
@@ -192,3 +230,5 @@ def test_params_validation():
         TtftParams(step_base_s=float("nan"))
     with pytest.raises(SlotFieldError):
         TtftParams(decode_seq_s=-1.0)
+    with pytest.raises(SlotFieldError):
+        TtftParams(rate_band=-0.1)
