@@ -104,8 +104,31 @@ def _key(summary: dict[Key, dict[str, Spread]], system: str, policy: str, worklo
     return next((k for k in summary if k[:3] == (system, policy, workload)), None)
 
 
+def paired_ratios(rows: list[Row], d: Key, p: Key, figure: str) -> list[float]:
+    """DPLB / peer for each repeat both ran (same repeat index: the same input, seed and trace
+    window), in repeat order; repeats where either figure is missing or the peer's is 0 are left out."""
+    def by_repeat(key: Key) -> dict[int, Any]:
+        return {r["repeat"]: r.get(figure) for r in rows if (r["system"], r["policy"], r["workload"], r["workers"]) == key}
+    dv, pv = by_repeat(d), by_repeat(p)
+    return [dv[i] / pv[i] for i in sorted(dv) if i in pv and dv[i] is not None and pv[i]]
+
+
+def paired_difference(ratios: list[float]) -> str:
+    """``DPLB better (paired n/n)`` when DPLB's figure is lower in every repeat (of at least two),
+    ``peer better (paired n/n)`` when higher in every one, else ``no difference``. The repeats differ
+    in their input (seed, trace window), so the min–max ranges of the two systems can overlap only
+    because one window is harder than another; compared repeat by repeat on the same input, the
+    window's difficulty cancels."""
+    n = len(ratios)
+    if n >= 2 and all(r < 1.0 for r in ratios):
+        return f"DPLB better (paired {n}/{n})"
+    if n >= 2 and all(r > 1.0 for r in ratios):
+        return f"peer better (paired {n}/{n})"
+    return "no difference"
+
+
 def _cmp_line(summary: dict[Key, dict[str, Spread]], workload: str, figure: str, name: str, goal: str,
-              peer_kinds: tuple[str, ...] = PEERS_KINDS, nd: int = 1) -> str:
+              peer_kinds: tuple[str, ...] = PEERS_KINDS, nd: int = 1, rows: list[Row] | None = None) -> str:
     d = _key(summary, *DEFAULT, workload)
     p = best_peer(summary, workload, figure, peer_kinds)
     if d is None or p is None:
@@ -114,20 +137,28 @@ def _cmp_line(summary: dict[Key, dict[str, Spread]], workload: str, figure: str,
     ds, ps = summary[d][figure], summary[p][figure]
     r, lo, hi = ratio_interval(ds, ps)
     diff = difference(ds, ps)
+    paired = ""
+    if rows is not None:
+        pr = paired_ratios(rows, d, p, figure)
+        if pr:
+            paired = "; per repeat " + ", ".join(_fmt(x) for x in pr)
+        if diff == "no difference":
+            diff = paired_difference(pr)
     errs = summary[d]["errors"].hi or 0
-    met = diff == "DPLB better" and not errs
+    met = diff.startswith("DPLB better") and not errs
     g = f"{goal}: {_verdict(met)}" if goal else ""
     if errs:
         g += f" ({int(errs)} errors in a repeat)"
     return (f"| {workload} | {name} | {fmt_spread(ds, nd)} | {_label(p)} {fmt_spread(ps, nd)} | "
-            f"{_fmt(r)} [{_fmt(lo)}–{_fmt(hi)}] | {diff} | {g} |")
+            f"{_fmt(r)} [{_fmt(lo)}–{_fmt(hi)}]{paired} | {diff} | {g} |")
 
 
 def summary_lines(rows: list[Row], goodput: list[dict[str, Any]]) -> list[str]:
     """The table ``latest.md`` opens with: per workload, ``dplb/dplb`` against the best peer
     (``sglang``, ``vllm``, ``smg``; lowest median), each figure as median [min–max] over the
     repeats, the ratio DPLB/peer with its interval (lo = DPLB min / peer max, hi = DPLB max / peer
-    min), "no difference" when the ranges overlap, and the verdict against the open issues' goals.
+    min) and per repeat (same input), the difference (ranges apart; else DPLB lower or higher in
+    every paired repeat; else "no difference"), and the verdict against the open issues' goals.
     """
     sm = summarize(rows)
     out = ["| workload | figure | DPLB `dplb` | best peer | ratio [interval] | difference | goal |",
@@ -135,9 +166,9 @@ def summary_lines(rows: list[Row], goodput: list[dict[str, Any]]) -> list[str]:
     goal_of = {"a_mooncake": "below the best peer (issue 13)"}
     for w in TTFT_WORKLOADS:
         if any(k[2] == w for k in sm):
-            out.append(_cmp_line(sm, w, "ttft_p99_ms", "TTFT p99 ms", goal_of.get(w, "")))
+            out.append(_cmp_line(sm, w, "ttft_p99_ms", "TTFT p99 ms", goal_of.get(w, ""), rows=rows))
     if any(k[2] == "a_mooncake" for k in sm):
-        out.append(_cmp_line(sm, "a_mooncake", "tpot_p99_ms", "TPOT p99 ms", ""))
+        out.append(_cmp_line(sm, "a_mooncake", "tpot_p99_ms", "TPOT p99 ms", "", rows=rows))
     for w in ("a_mooncake", "b_shared_prefix"):
         gp = {(g["system"], g["policy"]): g for g in goodput if g["workload"] == w}
         d = gp.get(DEFAULT)
@@ -369,7 +400,10 @@ def markdown(rows: list[Row], meta: dict[str, Any], notes: list[str], router_onl
              f"Command line: `{meta.get('command')}` (from the repository root, in `.venv`).", "",
              "## Summary: DPLB's default policy against the best peer", "",
              ("Each figure is the median over the repeats with [min–max]; the ratio is DPLB / peer with the "
-              "interval [DPLB min / peer max – DPLB max / peer min]; \"no difference\" where the two ranges overlap. "
+              "interval [DPLB min / peer max – DPLB max / peer min], then per repeat (repeat k of both systems ran "
+              "the same input: seed, trace window). A difference is called when the two ranges are apart, or, "
+              "when they overlap, when DPLB is lower (or higher) in every paired repeat (the windows differ in "
+              "difficulty; paired, that cancels); else \"no difference\". "
               "Times are wall milliseconds (the engines run at the time scales under Settings)."), "",
              *summary_lines(rows, goodput), "", "## Per workload", "", *workload_tables(rows)]
     gl = goodput_lines(goodput, meta)

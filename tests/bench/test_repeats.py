@@ -7,7 +7,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from bench.report import best_peer, difference, summary_lines
+from bench.report import best_peer, difference, paired_difference, summary_lines
 from bench.stats import ROW_KEYS, Spread, ratio_interval, spread, summarize
 from bench.trace import TraceRequest, sessions
 from bench.workloads import QUICK, mooncake
@@ -71,6 +71,21 @@ def test_summary_picks_the_best_error_free_peer_and_says_no_difference_on_overla
     assert "DPLB better" in a and a.endswith("issue 13): met |")
     b = next(line for line in text.splitlines() if line.startswith("| b_shared_prefix | TTFT p99"))
     assert "no difference" in b
+
+
+def test_overlapping_ranges_are_compared_repeat_by_repeat_on_the_same_input():
+    """Windows differ in difficulty: DPLB 1844/1821/2424 against 2359/2924/3008 overlap as ranges
+    (2424 > 2359) but DPLB is lower on every window: a paired difference. One repeat the other way
+    round and there is none."""
+    rows = [_row("dplb", "dplb", "a_mooncake", k, v) for k, v in enumerate((1844.0, 1821.0, 2424.0))]
+    rows += [_row("sglang", "cache_aware", "a_mooncake", k, v) for k, v in enumerate((2359.0, 2924.0, 3008.0))]
+    a = next(x for x in summary_lines(rows, []) if x.startswith("| a_mooncake | TTFT p99"))
+    assert "per repeat 0.78, 0.62, 0.81" in a and "DPLB better (paired 3/3)" in a and a.endswith("issue 13): met |")
+    rows[1] = _row("dplb", "dplb", "a_mooncake", 1, 3000.0)
+    a = next(x for x in summary_lines(rows, []) if x.startswith("| a_mooncake | TTFT p99"))
+    assert "| no difference |" in a and a.endswith("**not met** |")
+    assert paired_difference([1.1, 1.3]) == "peer better (paired 2/2)"
+    assert paired_difference([0.5]) == "no difference"  # one repeat is not a pattern
 
 
 def test_goodput_line_compares_multipliers():
