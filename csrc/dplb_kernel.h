@@ -204,13 +204,20 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  * tokens, not requests (one Mooncake request is 300 tokens, another 85,000). For eligible slot i
  * (same eligibility as dplb_pick), with the router line read by relaxed atomic loads:
  *
- *   W_i     = max(prefill_tokens_i, num_waiting_i * waiting_tokens, 0)
+ *   X_i     = max(0, num_running_i + num_waiting_i - inflight_i): requests in the engine that no
+ *             router here dispatched (sent around the routers, or before a router restart). The
+ *             agent takes the engine's counts and the routers' in-flight count (inflight_i) at the
+ *             same scrape, so X_i is not skewed by the scrape's age: requests that finished or
+ *             were dispatched since leave it unchanged. Between two scrapes everything the
+ *             routers dispatched is in their live counters below.
+ *   W_i     = max(prefill_tokens_i, 0) + min(X_i, num_waiting_i) * waiting_tokens
  *             prefill_tokens_i: uncached prompt tokens dispatched to i by the routers whose first
  *             token has not come back: the prefill queue ahead (continuous batching serves it
- *             first, FCFS); num_waiting_i * waiting_tokens: the engine's own queue as its agent
- *             last published it (requests that did not come through these routers, e.g. sent
- *             before a router restart), priced at waiting_tokens each. The larger of the two, so
- *             requests both counts see are not counted twice.
+ *             first, FCFS), live; plus the outside requests still waiting in the engine, priced
+ *             at waiting_tokens each. (Taking the engine's stale num_waiting * waiting_tokens
+ *             when larger, as before, priced the routers' own short requests at 1,024 tokens
+ *             each until the next scrape: a burst split 0.28/0.16 and 8 engines in a closed loop
+ *             got min shares of 0.09.)
  *   u_i     = uncached[i] when given (the router's prefix index: prompt tokens not cached on i),
  *             else prompt_len; uncached[i] < 0 excludes slot i (the router rules it out)
  *   r_i     = prefill_rate_i when > 0 (learned online from observed TTFTs), else p->prefill_rate;
@@ -233,8 +240,8 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  *             above kv_cache_threshold the worker is not eligible at all
  *   batch_s   = w_decode * out_tokens * (decode_seq_s * B_i + decode_ctx_s * C_i)
  *             what the batch already on i adds to this request's own decode (out_tokens steps, each
- *             slowed by every request in the batch and its context): B_i = max(router_inflight_i,
- *             num_running_i + num_waiting_i), the requests sharing i's steps. TTFT alone would
+ *             slowed by every request in the batch and its context): B_i = max(router_inflight_i, 0)
+ *             + X_i, the requests sharing i's steps. TTFT alone would
  *             pile a burst that shares a cached prefix onto one worker (each costs it ~0 prefill),
  *             where every TPOT suffers; this term prices that. out_tokens is the request's expected
  *             output (its max_tokens, capped); w_decode = 0 turns the term off.
@@ -273,6 +280,7 @@ typedef struct dplb_ttft_terms {
     double batch_s;
     double decode_reqs;
     double batch;
+    double outside_reqs;        /* X_i: requests in the engine no router here dispatched */
     double weight;
 } dplb_ttft_terms_t;
 
@@ -343,16 +351,15 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
         double learned;
         memcpy(&learned, &rate_bits, sizeof learned);
         double rate = learned > 0.0 ? learned : p->prefill_rate;
-        double queue = w_tok > 0 ? (double)w_tok : 0.0;
-        double engine_q = s.num_waiting > 0 ? (double)s.num_waiting * p->waiting_tokens : 0.0;
-        if (engine_q > queue) queue = engine_q;
+        int64_t waiting = s.num_waiting > 0 ? (int64_t)s.num_waiting : 0;
+        int64_t ext = (int64_t)(s.num_running > 0 ? s.num_running : 0) + waiting - (int64_t)s.inflight;
+        if (ext < 0) ext = 0;
+        double queue = (w_tok > 0 ? (double)w_tok : 0.0) + (double)(ext < waiting ? ext : waiting) * p->waiting_tokens;
         double dreq = d_req > 0 ? (double)d_req : 0.0;
         double dctx = d_ctx > 0 ? (double)d_ctx : 0.0;
         double tokens = queue + u;
         double k = s.kv_cache_usage < 0.0 ? 0.0 : (s.kv_cache_usage > 0.99 ? 0.99 : s.kv_cache_usage);
-        int64_t engine = (int64_t)s.num_running + (int64_t)s.num_waiting;
-        int64_t b = rinfl > engine ? rinfl : engine;
-        double batch = b > 0 ? (double)b : 0.0;
+        double batch = (double)((rinfl > 0 ? rinfl : 0) + ext);
         dplb_ttft_terms_t *t = &terms[nt++];
         t->worker_id = (int32_t)i;
         t->queue_tokens = queue;
@@ -365,6 +372,7 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
         t->batch_s = p->w_decode * out_tokens * (p->decode_seq_s * batch + p->decode_ctx_s * dctx);
         t->decode_reqs = dreq;
         t->batch = batch;
+        t->outside_reqs = (double)ext;
         t->weight = s.weight;
     }
     if (n_terms) *n_terms = nt;

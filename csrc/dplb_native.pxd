@@ -161,6 +161,7 @@ cdef extern from "dplb_kernel.h" nogil:
         double batch_s
         double decode_reqs
         double batch
+        double outside_reqs
         double weight
 
     int dplb_pick_ttft(const void *base, uint32_t num_slots, const dplb_ttft_params_t *p, int64_t prompt_len,

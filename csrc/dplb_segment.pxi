@@ -552,7 +552,8 @@ cdef class Segment:
                                  uncached_tokens=t.uncached_tokens, rate=t.rate, own_rate=t.own_rate,
                                  steps=t.steps,
                                  prefill_s=t.prefill_s, decode_s=t.decode_s, kv_s=t.kv_s, batch_s=t.batch_s,
-                                 decode_reqs=t.decode_reqs, batch=t.batch, weight=t.weight))
+                                 decode_reqs=t.decode_reqs, batch=t.batch, outside_reqs=t.outside_reqs,
+                                 weight=t.weight))
         return chosen, out
 
     # ---- diagnostics ---------------------------------------------------------------------------

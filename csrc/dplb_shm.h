@@ -43,7 +43,7 @@
  *    24     8  heartbeat_ns              CLOCK_MONOTONIC ns of the last write
  *    32     4  num_running               engine: requests being decoded/prefilled
  *    36     4  num_waiting               engine: requests queued in the engine
- *    40     4  inflight                  agent: requests accepted and not finished
+ *    40     4  inflight                  agent: routers' in-flight count when running/waiting were read
  *    44     4  max_num_seqs              engine batch limit (max_queue default)
  *    48     8  kv_cache_usage            0..1, -1 = unknown
  *    56     8  ttft_ms                   mean of the TTFT window, -1 = no sample

@@ -138,9 +138,9 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
     if not s.weight > 0.0:
         return None
     rate = s.prefill_rate if s.prefill_rate > 0.0 else params.prefill_rate
-    queue = float(s.prefill_tokens) if s.prefill_tokens > 0 else 0.0
-    engine_q = float(s.num_waiting) * params.waiting_tokens if s.num_waiting > 0 else 0.0
-    queue = max(queue, engine_q)
+    waiting = max(0, s.num_waiting)
+    ext = max(0, max(0, s.num_running) + waiting - s.inflight)
+    queue = (float(s.prefill_tokens) if s.prefill_tokens > 0 else 0.0) + float(min(ext, waiting)) * params.waiting_tokens
     dreq = float(s.decode_reqs) if s.decode_reqs > 0 else 0.0
     dctx = float(s.decode_ctx_tokens) if s.decode_ctx_tokens > 0 else 0.0
     tokens = queue + u
@@ -148,12 +148,12 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
     decode_s = steps * ((params.step_base_s + params.decode_seq_s * dreq) + params.decode_ctx_s * dctx)
     k = 0.0 if s.kv_cache_usage < 0.0 else min(s.kv_cache_usage, 0.99)
     kv_s = params.kv_barrier_s * k / (1.0 - k)
-    b = max(s.router_inflight, s.num_running + s.num_waiting)
-    batch = float(b) if b > 0 else 0.0
+    batch = float(max(0, s.router_inflight) + ext)
     batch_s = params.w_decode * out_tokens * (params.decode_seq_s * batch + params.decode_ctx_s * dctx)
     return priced(TtftTerms(worker_id=s.worker_id, est_s=0.0, queue_tokens=queue, uncached_tokens=u, rate=rate,
                             own_rate=rate, steps=steps, prefill_s=0.0, decode_s=decode_s, kv_s=kv_s,
-                            batch_s=batch_s, decode_reqs=dreq, batch=batch, weight=s.weight), rate)
+                            batch_s=batch_s, decode_reqs=dreq, batch=batch, outside_reqs=float(ext),
+                            weight=s.weight), rate)
 
 
 def priced(t: TtftTerms, rate: float) -> TtftTerms:

@@ -268,7 +268,9 @@ class TtftTerms:
     tokens ahead; ``uncached_tokens``: this request's prompt tokens not cached there; ``rate``:
     the prefill rate used (tokens/s; the pool's median when ``own_rate``, the worker's learned or
     seed rate, lies within :attr:`TtftParams.rate_band` of it); ``steps``: engine steps until its last prompt chunk;
-    ``decode_reqs``: decoding requests sharing those steps; ``weight``: the slot's static weight.
+    ``decode_reqs``: decoding requests sharing those steps; ``outside_reqs``: requests in the engine
+    that no router dispatched, as of the agent's last scrape (``running + waiting − inflight``, ≥ 0;
+    counted in ``batch`` and, while waiting, in ``queue_tokens``); ``weight``: the slot's static weight.
     """
 
     worker_id: int
@@ -284,6 +286,7 @@ class TtftTerms:
     batch_s: float
     decode_reqs: float
     batch: float
+    outside_reqs: float
     weight: float
 
     def to_dict(self) -> dict[str, Any]:

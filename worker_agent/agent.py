@@ -38,8 +38,8 @@ Slot updates (one writer: this process, from its event loop thread only), every
 ``--state-interval-ms``: engine running/waiting/KV usage from its ``/metrics`` (a separate loop, so
 a slow scrape never delays the heartbeat), the engine's own latency histograms (TTFT, inter-token,
 end-to-end: the mean of what finished since the last scrape becomes one sample of the slot's
-windows) and finished-request counter (``completed``), NVML memory of the agent's GPUs, the router
-in-flight count as of this tick (``inflight``), heartbeat. Per-request accounting (in flight,
+windows) and finished-request counter (``completed``), the routers' in-flight count taken at the
+same scrape as the engine's counts (``inflight``), NVML memory of the agent's GPUs, heartbeat. Per-request accounting (in flight,
 outstanding prefill, decoding requests, the routers' TTFT/TPOT) is the routers' own, in the router line.
 """
 from __future__ import annotations
@@ -273,7 +273,12 @@ class Agent:
         if lat:
             self.writer.record_latency(**lat)
 
-    def _publish_engine(self, m: EngineMetrics) -> None:
+    def _publish_engine(self, m: EngineMetrics, inflight: int | None = None) -> None:
+        """Publish one scrape of the engine. With the engine's request counts goes the routers'
+        in-flight count taken at the same scrape (``inflight``: the larger of the counts read just
+        before and just after it; None: read now), so that ``running + waiting − inflight`` is
+        what the engine holds that no router dispatched, whatever the publication's age
+        (csrc/dplb_kernel.h, ``X_i``)."""
         if m.totals:
             self._publish_latency(m)
         fields: dict[str, Any] = {}
@@ -281,6 +286,8 @@ class Agent:
             fields["num_running"] = m.num_running
         if m.num_waiting is not None:
             fields["num_waiting"] = m.num_waiting
+        if fields:
+            fields["inflight"] = max(self.inflight, inflight or 0)
         if m.kv_cache_usage is not None:
             fields["kv_cache_usage"] = m.kv_cache_usage
         if fields:
@@ -293,14 +300,15 @@ class Agent:
         while True:
             if self.state in (WorkerState.READY, WorkerState.DRAINING):
                 try:
-                    self._publish_engine(await self.adapter.probe())
+                    before = self.inflight
+                    self._publish_engine(await self.adapter.probe(), inflight=before)
                 except UpstreamError as e:
                     log.debug("engine probe failed: %s", e)
             await asyncio.sleep(interval)
 
     async def _heartbeat_loop(self) -> None:
-        """NVML memory, the routers' in-flight count as of this tick, heartbeat (and that count as
-        the engine's running requests when the engine has no metrics)."""
+        """NVML memory, heartbeat, and, while the engine has published no metrics, the routers'
+        in-flight count as its running requests."""
         interval = self.cfg.state_interval_s
         while True:
             fields: dict[str, Any] = {}
@@ -309,10 +317,12 @@ class Agent:
                 fields.update(gpu_mem_used_bytes=used, gpu_mem_total_bytes=total)
             elif (sim := self.adapter.simulated_gpu_memory()) is not None:
                 fields.update(gpu_mem_used_bytes=sim[0], gpu_mem_total_bytes=sim[1])
-            n = self.inflight
-            fields["inflight"] = n   # the kernel adds what routers dispatched since (router_inflight - inflight)
             if not self._engine_metrics_seen:
-                fields.update(num_running=n, num_waiting=0)
+                # no engine counts: the routers' count stands for them (published with it, so
+                # nothing looks dispatched from outside); otherwise the probe loop publishes the
+                # engine's counts together with the routers' count of the same moment
+                n = self.inflight
+                fields.update(num_running=n, num_waiting=0, inflight=n)
             self.writer.publish(**fields)  # always: refreshes the heartbeat
             await asyncio.sleep(interval)
 

@@ -28,14 +28,18 @@ def seg():
 
 
 def put(seg: Segment, i: int, *, state=WorkerState.READY, kv=0.1, weight=1.0, queue=0, dreq=0, dctx=0,
-        rate=0.0, circuit=0, hb_age_ns=0, waiting=0) -> None:
-    """Write slot ``i`` (agent fields) and set its router line to exactly the given accounting."""
+        rate=0.0, circuit=0, hb_age_ns=0, waiting=0, running=0, inflight=0, rinfl=0) -> None:
+    """Write slot ``i`` (agent fields: the engine's ``running``/``waiting`` and the routers'
+    ``inflight`` at that scrape) and set its router line to exactly the given accounting
+    (``rinfl``: the routers' live in-flight count)."""
     w = seg.writer(i)
     w.claim(i, endpoint=f"/tmp/dplb-ttft/{i}.sock", weight=weight)
-    w.publish(state=state, kv_cache_usage=kv, heartbeat_ns=NOW - hb_age_ns, num_waiting=waiting)
+    w.publish(state=state, kv_cache_usage=kv, heartbeat_ns=NOW - hb_age_ns, num_waiting=waiting,
+              num_running=running, inflight=inflight)
     seg.router_reset(i)
     seg.prefill_add(i, queue)
     seg.decode_add(i, dreq, dctx)
+    seg.router_inflight_add(i, rinfl - seg.router_line(i)["router_inflight"])  # not zeroed by router_reset
     if rate > 0:
         seg.prefill_rate_observe(i, rate)  # the first sample is taken whole
     seg.circuit_set(i, circuit)
@@ -57,6 +61,9 @@ slot_st = st.fixed_dictionaries({
     "circuit": st.sampled_from([0, 0, 1, 2]),
     "hb_age_ns": st.sampled_from([0, 999_999_999, 1_000_000_001]),
     "waiting": st.sampled_from([0, 0, 3]) | st.integers(0, 1000),
+    "running": st.sampled_from([0, 5]) | st.integers(0, 1000),
+    "inflight": st.sampled_from([0, 5]) | st.integers(0, 2000),
+    "rinfl": st.sampled_from([0, 3]) | st.integers(-2, 2000),
 })
 
 params_st = st.builds(
@@ -112,9 +119,11 @@ CASES = [
     ("KV above the threshold is not eligible", [{"kv": 0.81}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
     ("weight 2 halves the estimate", [{"weight": 2.0, "queue": 5000}, {}], [6000.0, 6000.0], 0),
     ("a negative entry rules a slot out", [{}, {"queue": 10 ** 6}], [-1.0, 6000.0], 1),
-    ("the engine's own queue counts when larger", [{"waiting": 30}, {"queue": 20_000}], [6000.0, 6000.0], 1),
-    ("the larger of the two queues, not their sum", [{"waiting": 10, "queue": 9000}, {"queue": 12_000}],
-     [6000.0, 6000.0], 0),
+    ("requests sent around the routers queue too", [{"waiting": 30}, {"queue": 20_000}], [6000.0, 6000.0], 1),
+    ("outside requests add to the routers' queue", [{"waiting": 3, "queue": 9000}, {"queue": 11_000}],
+     [6000.0, 6000.0], 1),
+    ("the routers' own waiting requests are not counted twice",
+     [{"waiting": 10, "inflight": 10, "queue": 9000}, {"queue": 12_000}], [6000.0, 6000.0], 0),
     ("an open circuit is not eligible", [{"circuit": 1}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
     ("a stale heartbeat is not eligible", [{"hb_age_ns": 2 * 10 ** 9}, {"queue": 10 ** 6}], [0.0, 6000.0], 1),
 ]
@@ -142,6 +151,19 @@ def test_batch_term_spreads_a_burst_that_shares_a_cached_prefix(seg):
     _, terms = _pick(seg, [5.0, 355.0], out_tokens=256.0)                  # default weight 0.25
     assert terms[0].batch_s == pytest.approx(0.25 * 256 * 3 * 5e-5)
     seg.router_inflight_add(0, -3)
+
+
+def test_engine_counts_older_than_the_routers_counters_are_not_load(seg):
+    """The agent published running=8 with the routers' inflight=8 at the same scrape; since then 6
+    of those finished (the routers' live count is 2). Only the live count is load: a stale engine
+    count paired with its own inflight adds nothing. Requests no router sent (running 8 against
+    inflight 5) are added on top."""
+    clear(seg)
+    put(seg, 0, running=8, inflight=8, rinfl=2)
+    put(seg, 1, running=8, inflight=5, rinfl=2)
+    _, terms = _pick(seg, [100.0, 100.0], out_tokens=256.0)
+    assert [t.batch for t in terms] == [2.0, 5.0] and [t.outside_reqs for t in terms] == [0.0, 3.0]
+    assert [t.queue_tokens for t in terms] == [0.0, 0.0]  # outside requests are running, not waiting
 
 
 def test_terms_are_seconds_and_add_up(seg):

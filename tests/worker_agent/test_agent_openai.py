@@ -55,6 +55,11 @@ async def test_with_metrics_slot_shows_engine_figures(procs, start_agent, segmen
         await open_streams(client, 2, max_tokens=400, stack=stack)
         s = await aslot_wait(segment, 1, lambda s: s.num_running == 2, 2, "engine running count")
         assert s.kv_cache_usage == pytest.approx(0.25)
+        assert s.inflight == 0          # no router sent these two: both are outside requests
+        segment.router_inflight_add(1, 2)   # as if routers had sent them: published with the next scrape
+        s = await aslot_wait(segment, 1, lambda s: s.inflight == 2, 2, "the routers' count at the scrape")
+        assert s.num_running == 2
+        segment.router_inflight_add(1, -2)
     await aslot_wait(segment, 1, lambda s: s.num_running == 0 and s.kv_cache_usage == 0.0, 5, "engine idle")
 
 
