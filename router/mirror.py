@@ -34,7 +34,7 @@ from router.transport import Transport
 log = logging.getLogger("dplb.router.mirror")
 
 # fields of /dplb/state that a mirror copies into its slot (SlotWriter.publish names)
-COPIED = ("num_running", "num_waiting", "inflight", "queued_prompt_tokens", "max_num_seqs", "kv_cache_usage",
+COPIED = ("num_running", "num_waiting", "queued_prompt_tokens", "max_num_seqs", "kv_cache_usage",
           "gpu_mem_used_bytes", "gpu_mem_total_bytes", "ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms",
           "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist", "restarts", "last_exit_code", "state_reason")
 STATES = {"empty": 0, "starting": 1, "ready": 2, "draining": 3, "dead": 4}
@@ -119,6 +119,7 @@ class MirrorManager:
         """Pull one remote agent's state (``endpoint``: its control address) into its slot,
         claiming the slot first (again when the engine's address changed)."""
         w = self.writers.get(endpoint)
+        before = self._router_inflight(w)
         try:
             status, body = await self.transport.get(endpoint, "/dplb/state", self.timeout_s)
             if status != 200:
@@ -140,6 +141,11 @@ class MirrorManager:
             if w is None or self.seg.read_slot(w.slot_index).endpoint != data:
                 w = self.writers[endpoint] = self._claim(endpoint, spec, data)
             fields = {k: d[k] for k in COPIED if k in d and d[k] is not None}
+            if "num_running" in fields or "num_waiting" in fields:
+                # the remote engine's counts go with the in-flight count of THIS node's routers at
+                # the same fetch: what the engine holds beyond it (the remote node's own routers'
+                # requests, anything else) is outside load to us (csrc/dplb_kernel.h, X_i)
+                fields["inflight"] = max(before, self._router_inflight(w))
             if spec.get("model") or d.get("model"):
                 fields["model"] = spec.get("model") or d.get("model")
             wt = spec.get("weight", d.get("weight"))
@@ -156,6 +162,12 @@ class MirrorManager:
             if n == self.max_failures:
                 log.warning("remote worker %s unreachable (%s): marking it dead", endpoint, e)
                 w.publish(state=4)
+
+    def _router_inflight(self, w: Any) -> int:
+        """This node's routers' in-flight count on ``w``'s slot (0 before it has one)."""
+        if w is None:
+            return 0
+        return max(0, int(self.seg.router_line(w.slot_index)["router_inflight"]))
 
     async def tick(self) -> None:
         """Mirror every wanted endpoint (leader only) and release slots no longer wanted."""

@@ -60,3 +60,5 @@ def test_remote_agent_is_mirrored_over_tcp_and_served_in_one_hop():
                                                              "stream": True, "ignore_eos": True}) as s:
             next(s.iter_raw())
             wait_for(lambda: node_a.seg.read_slot(wid).num_running >= 1, 10, "remote running count mirrored")
+            # sent around A's routers: published with A's in-flight count (0), so A prices it as outside load
+            assert node_a.seg.read_slot(wid).inflight == 0
