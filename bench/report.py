@@ -140,7 +140,7 @@ def _cmp_line(summary: dict[Key, dict[str, Spread]], workload: str, figure: str,
     paired = ""
     if rows is not None:
         pr = paired_ratios(rows, d, p, figure)
-        if pr:
+        if len(pr) >= 2:
             paired = "; per repeat " + ", ".join(_fmt(x) for x in pr)
         if diff == "no difference":
             diff = paired_difference(pr)
