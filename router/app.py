@@ -286,7 +286,10 @@ def build_fastapi(state: RouterState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> Response:
         errs = e.errors()
-        loc = ".".join(str(x) for x in errs[0].get("loc", ())) if errs else None
+        parts = [str(x) for x in errs[0].get("loc", ())] if errs else []
+        if parts and parts[0] in ("path", "query", "body", "header"):
+            parts = parts[1:]   # FastAPI's location kind is not part of the parameter's name
+        loc = ".".join(parts) or None
         return _error(BadRequest(f"invalid request: {errs[0].get('msg') if errs else e}", param=loc))
 
     @app.exception_handler(Exception)

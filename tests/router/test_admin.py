@@ -81,6 +81,8 @@ def test_bad_admin_bodies(make_cluster):
     for body, code in ((b"{", 400), (b"[]", 400), (b'{"endpoint": "nohost"}', 400), (b'{"weight": 1}', 400)):
         r = httpx.post(c.base + "/dplb/workers", content=body)
         assert r.status_code == code and r.json()["error"]["code"] == code
+    r = httpx.post(c.base + "/dplb/workers/abc/drain")   # the error names the parameter, not FastAPI's "path.wid"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "wid"
 
 
 def test_api_key(make_cluster):
