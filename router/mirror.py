@@ -167,7 +167,7 @@ class MirrorManager:
         """This node's routers' in-flight count on ``w``'s slot (0 before it has one)."""
         if w is None:
             return 0
-        return max(0, int(self.seg.router_line(w.slot_index)["router_inflight"]))
+        return max(0, int(self.seg.router_inflight_get(w.slot_index)))
 
     async def tick(self) -> None:
         """Mirror every wanted endpoint (leader only) and release slots no longer wanted."""

@@ -39,8 +39,9 @@ Slot updates (one writer: this process, from its event loop thread only), every
 a slow scrape never delays the heartbeat), the engine's own latency histograms (TTFT, inter-token,
 end-to-end: the mean of what finished since the last scrape becomes one sample of the slot's
 windows) and finished-request counter (``completed``), the routers' in-flight count taken at the
-same scrape as the engine's counts (``inflight``), NVML memory of the agent's GPUs, heartbeat. Per-request accounting (in flight,
-outstanding prefill, decoding requests, the routers' TTFT/TPOT) is the routers' own, in the router line.
+same scrape as the engine's counts (``inflight``), NVML memory of the agent's GPUs, heartbeat.
+Per-request accounting (in flight, outstanding prefill, decoding requests, the routers' TTFT/TPOT)
+is the routers' own, in the router line.
 """
 from __future__ import annotations
 
