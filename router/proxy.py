@@ -52,6 +52,7 @@ from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
 from router.scheduling import Lease, Scheduler
+from router.server import ClientGone, chunked_writer
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,
@@ -236,13 +237,14 @@ class Proxy:
         watch = asyncio.ensure_future(receive())
         watch.add_done_callback(on_message)
         try:
-            await self.forward(scope["method"], route, target, fwd, body, info, rid, send, t0)
+            await self.forward(scope["method"], route, target, fwd, body, info, rid, send, t0, scope)
         except asyncio.CancelledError:
             if not gone:
                 raise
         except OSError:
-            # uvicorn's send raises once the client socket is gone (upstream errors arrive wrapped as
-            # TransportError); the lease and the upstream connection were released on the way out
+            # ClientGone from a piped stream, or uvicorn's send once the client socket is gone (upstream
+            # errors arrive wrapped as TransportError); the lease and the upstream connection were
+            # released on the way out
             pass
         finally:
             watch.remove_done_callback(on_message)
@@ -274,9 +276,11 @@ class Proxy:
         return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
 
     async def forward(self, method: str, route: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
-                      info: RequestInfo, rid: bytes, send: Send, t0: float) -> None:
+                      info: RequestInfo, rid: bytes, send: Send, t0: float,
+                      scope: MutableMapping[str, Any] | None = None) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
-        raises RouterError to the caller."""
+        raises RouterError to the caller. ``scope``: the request's ASGI scope (lets a stream's
+        chunks bypass ``send``, :func:`router.server.chunked_writer`)."""
         sched = self.scheduler
         metrics = self.metrics
         tried: set[int] = set()
@@ -360,10 +364,10 @@ class Proxy:
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                     metrics.observe_request(str(wid), status, route, time.perf_counter() - t0)
                     return
-                ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease)
+                ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope)
                 outcome = ok and status < 500
                 return
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ClientGone):
                 metrics.errors.labels(str(wid), "client_disconnect").inc()
                 outcome = None
                 raise
@@ -376,11 +380,17 @@ class Proxy:
                                 time.perf_counter() - t0)
 
     async def relay_stream(self, up: Upstream, first: bytes, status: int, headers: list[tuple[bytes, bytes]],
-                           send: Send, route: str, t0: float, wid: int, lease: Lease | None = None) -> bool:
+                           send: Send, route: str, t0: float, wid: int, lease: Lease | None = None,
+                           scope: MutableMapping[str, Any] | None = None) -> bool:
         """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
         stalled upstream ends with an SSE error event. The first chunk that carries content
         (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
-        accounting. Returns False when the stream broke (a breaker failure)."""
+        accounting. Returns False when the stream broke (a breaker failure).
+
+        When the router's own uvicorn protocol serves the request (``scope``), the chunks after
+        the first are written to the client from the upstream connection's callback
+        (:meth:`Upstream.pipe` into :class:`router.server.ChunkedWriter`): no ASGI message and no
+        task wake-up per chunk. Otherwise each chunk goes through ``send``."""
         metrics = self.metrics
         meter = StreamMeter(is_event_stream(headers))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -392,10 +402,21 @@ class Proxy:
                 if meter.feed(first):
                     on_first_content(metrics, route, t0, lease)
                 await send({"type": "http.response.body", "body": first, "more_body": True})
-                async for chunk in up.chunks():
-                    if meter.feed(chunk):
-                        on_first_content(metrics, route, t0, lease)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                writer = chunked_writer(scope) if scope is not None else None
+                if writer is not None:
+                    write = writer.write
+
+                    def sink(chunk: bytes) -> bool:
+                        if meter.feed(chunk):
+                            on_first_content(metrics, route, t0, lease)
+                        return write(chunk)
+
+                    await up.pipe(sink, writer.drain)
+                else:
+                    async for chunk in up.chunks():
+                        if meter.feed(chunk):
+                            on_first_content(metrics, route, t0, lease)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
         except TransportError as e:
             ok = False

@@ -14,12 +14,20 @@ header ends: one unfinished 64 MB header costs the router 64 MB. Two layers boun
    request line) it answers the same 431 itself and closes the connection. Memory per connection
    stays bounded by that limit plus one read, whatever a client sends.
 
+The protocol also lends the proxy a way around the ASGI ``send`` for a streamed body's chunks
+(:func:`chunked_writer`): each chunk an engine sends is written to the client's transport from the
+upstream connection's callback, framed as uvicorn frames it, instead of one ASGI message and one
+task wake-up per chunk (``bench/results/router_profile.md``). The response head and the final
+empty chunk still go through ``send``, so uvicorn keeps its own bookkeeping (keep-alive, the
+response's end).
+
 The protocol reads its limits from ``$DPLB_ROUTER_MAX_HEADER_BYTES`` / ``$DPLB_ROUTER_MAX_HEADERS``
 (set by ``router.__main__`` before uvicorn starts, so every ``--workers`` process sees them).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -61,6 +69,68 @@ def _431(message: str) -> bytes:
             b"x-dplb-worker-id: none\r\n\r\n" + body)
 
 
+#: the ``scope["extensions"]`` key under which the protocol puts the request's uvicorn cycle
+CYCLE_KEY = "dplb.uvicorn_cycle"
+
+
+class ClientGone(ConnectionResetError):
+    """The client's connection closed while the router was writing its response."""
+
+
+class ChunkedWriter:
+    """Writes body chunks of a started chunked response straight to the client's transport (one
+    HTTP/1.1 chunk per call, the framing uvicorn's ``send`` would write). Made by
+    :func:`chunked_writer`; only between the ASGI ``http.response.start`` and the final
+    ``http.response.body`` message, which must still go through ``send``."""
+
+    __slots__ = ("_cycle", "_flow", "_write")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._flow = cycle.flow
+        self._write = cycle.transport.write
+
+    def write(self, data: bytes) -> bool:
+        """Write ``data`` (non-empty) as one chunk; False when the client's transport is above its
+        high-water mark (call :meth:`drain` before writing more) or the client left (nothing is
+        written then)."""
+        if self._cycle.disconnected:
+            return False
+        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+        return not self._flow.write_paused
+
+    @property
+    def gone(self) -> bool:
+        """The client's connection closed."""
+        return bool(self._cycle.disconnected)
+
+    async def drain(self) -> None:
+        """Until the client's transport can take more. Raises :class:`ClientGone` when the client
+        left (before or while waiting)."""
+        if self._flow.write_paused and not self._cycle.disconnected:
+            await self._flow.drain()
+        if self._cycle.disconnected:
+            raise ClientGone("the client closed the connection")
+
+
+def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
+    """A :class:`ChunkedWriter` for the request of ``scope`` once its response head went out with
+    chunked framing (a stream without Content-Length to an HTTP/1.1 client); None otherwise (an
+    HTTP/1.0 client, a server other than :class:`LimitedHttpToolsProtocol`, a cycle of another
+    uvicorn version without these attributes): the caller then sends every chunk through ASGI."""
+    ext = scope.get("extensions")
+    cycle = ext.get(CYCLE_KEY) if ext else None
+    if cycle is None:
+        return None
+    try:
+        if (not cycle.response_started or cycle.response_complete or cycle.chunked_encoding is not True
+                or cycle.disconnected or cycle.scope is not scope):
+            return None
+        return ChunkedWriter(cycle)
+    except AttributeError:
+        return None
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a bound on the raw size of an incomplete request head
     (module docstring). Limits: class attributes, from the environment at import."""
@@ -83,6 +153,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            scope: Any = self.scope   # uvicorn types "extensions" as dict[str, dict[object, object]]
+            ext = scope.get("extensions")
+            if ext is None:
+                scope["extensions"] = {CYCLE_KEY: cycle}
+            else:
+                ext[CYCLE_KEY] = cycle
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

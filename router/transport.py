@@ -39,7 +39,7 @@ import asyncio
 import errno
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import httptools
@@ -68,8 +68,8 @@ class _Conn(asyncio.Protocol):
     ``status``/``headers``, then ``body`` (bytes not yet taken by the reader); ``waiter`` is the
     future the reader sleeps on."""
 
-    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "idle_since", "keep", "last_rx",
-                 "lost", "parser", "paused", "status", "timer", "transport", "waiter")
+    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "held", "idle_since", "keep",
+                 "last_rx", "lost", "parser", "paused", "sink", "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         self.transport: Any = None
@@ -79,6 +79,7 @@ class _Conn(asyncio.Protocol):
         self.last_rx = 0.0
         self.lost = False
         self.idle_since = 0.0
+        self.sink: Callable[[bytes], bool] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -92,6 +93,7 @@ class _Conn(asyncio.Protocol):
         self.got_any = False
         self.error: BaseException | None = None
         self.paused = False
+        self.held = False     # reading paused because the sink's client was slow (see Upstream.pipe)
 
     def start(self) -> None:
         """A new request goes out on this connection: a fresh parser and state."""
@@ -114,6 +116,15 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self.error = e
             self.transport.close()
+        s = self.sink
+        if s is not None:
+            # piped: hand the body on from here, without waking the reader per chunk
+            if self.body and not s(self.take()):
+                self.held = True
+                self.transport.pause_reading()
+            if self.done or self.held or self.error is not None:
+                self._wake()
+            return
         self._wake()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -295,6 +306,44 @@ class Upstream:
                 parts.append(chunk)
         finally:
             self.release()
+
+    async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """Relay the rest of the body through ``sink(bytes) -> bool``, called from the
+        connection's ``data_received`` with everything one network read brought (de-chunked):
+        no task wakes up per chunk. ``sink`` returns False when its client cannot take more for
+        now; reading then pauses until ``drain()`` returns. Returns once the body ended; raises
+        TransportError (``stream_broken``, or ``timeout`` when a gap exceeded the idle timeout)
+        like :meth:`chunks`. The caller still calls :meth:`release`."""
+        c = self._conn
+        data = c.take()
+        if data and not sink(data):
+            await drain()
+        c.sink = sink
+        try:
+            while True:
+                if c.held:
+                    await drain()
+                    c.held = False
+                    c.last_rx = time.monotonic()   # the pause was the client's, not the engine's gap
+                    c.transport.resume_reading()
+                data = c.take()
+                if data and not sink(data):
+                    c.held = True
+                    c.transport.pause_reading()
+                    continue
+                if c.done:
+                    self._first = False
+                    return
+                if c.error is not None:
+                    c.transport.close()
+                    raise TransportError("stream_broken", self.endpoint, repr(c.error))
+                if self.idle_s is None:
+                    await c.wait(None)
+                elif not await c.wait_idle(self.idle_s):
+                    c.transport.close()
+                    raise TransportError("timeout", self.endpoint, "no idle gap between chunks within the timeout")
+        finally:
+            c.sink = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (everything that arrived by one wake-up at once; no

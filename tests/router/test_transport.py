@@ -60,6 +60,15 @@ class Server(asyncio.Protocol):
             loop.call_later(0.1, self.t.write, b"0\r\n\r\n")
         elif path == b"/drop":
             self.t.close()
+        elif path == b"/big":   # 64 chunks of 64 KiB written at once (4 MiB: more than a socket buffers)
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(64):
+                self.t.write(b"10000\r\n" + bytes([65 + i % 26]) * 0x10000 + b"\r\n")
+            self.t.write(b"0\r\n\r\n")
+        elif path == b"/break":  # one event, then the worker dies mid-stream
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"9\r\ndata: 0\n\n\r\n")
+            asyncio.get_running_loop().call_later(0.05, self.t.close)
 
 
 @pytest.fixture
@@ -134,3 +143,75 @@ async def test_failures_are_classified(server, tmp_path):
     assert ei.value.kind == "connect" and not ei.value.refused and not ei.value.unsent
     await t.close()
     assert not os.path.exists(str(tmp_path / "nobody.sock"))
+
+
+async def test_pipe_hands_the_chunks_to_the_sink_from_the_connection_callback_and_keeps_the_connection(server):
+    t = Transport()
+    up = await t.send(server, "POST", "/stream", [], b"{}")
+    got = [await up.first_chunk()]
+    tasks = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        tasks.append(asyncio.current_task())   # None: called from data_received, not by a woken task
+        return True
+
+    async def drain() -> None:
+        raise AssertionError("the sink never asked to wait")
+
+    await up.pipe(sink, drain)
+    assert up.complete()
+    up.release()
+    assert b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert tasks == [None, None]
+    up = await t.send(server, "POST", "/json", [], b"{}")   # the connection went back to the pool
+    assert await up.read(await up.first_chunk()) == JSON and len(Server.conns) == 1
+    await t.close()
+
+
+async def test_pipe_stops_reading_while_the_sink_is_full_and_loses_nothing(server):
+    t = Transport()
+    up = await t.send(server, "POST", "/big", [], b"{}")
+    got = [await up.first_chunk()]
+    full = asyncio.Event()
+    calls_while_full = []
+
+    def sink(data: bytes) -> bool:
+        if full.is_set():
+            calls_while_full.append(len(data))
+        got.append(data)
+        if len(got) == 2:
+            full.set()
+            return False     # the client's buffer is over its mark
+        return True
+
+    async def drain() -> None:
+        await asyncio.sleep(0.2)                       # the engine keeps writing meanwhile
+        assert not up._conn.transport.is_reading()     # ...but nothing is read from it
+        assert calls_while_full == []
+        full.clear()
+
+    await asyncio.wait_for(up.pipe(sink, drain), 10)
+    up.release()
+    body = b"".join(got)
+    assert len(body) == 64 * 0x10000
+    assert body == b"".join(bytes([65 + i % 26]) * 0x10000 for i in range(64))
+    await t.close()
+
+
+async def test_pipe_raises_on_a_stalled_or_broken_stream(server):
+    t = Transport(idle_timeout_s=0.01)
+    up = await t.send(server, "POST", "/stream", [], b"{}")
+    await up.first_chunk()
+    with pytest.raises(TransportError) as ei:       # 20 ms between events > 10 ms idle timeout
+        await up.pipe(lambda d: True, asyncio.sleep)
+    assert ei.value.kind == "timeout"
+    up.release()
+    t = Transport()
+    up = await t.send(server, "POST", "/break", [], b"{}")
+    assert await up.first_chunk() == b"data: 0\n\n"
+    with pytest.raises(TransportError) as ei:
+        await up.pipe(lambda d: True, asyncio.sleep)
+    assert ei.value.kind == "stream_broken" and not up.complete()
+    up.release()
+    await t.close()
