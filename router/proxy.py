@@ -52,7 +52,7 @@ from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
 from router.scheduling import Lease, Scheduler
-from router.server import ClientGone, chunked_writer
+from router.server import ClientGone, chunked_writer, watch_disconnect
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,
@@ -226,16 +226,23 @@ class Proxy:
         task = asyncio.current_task()
         gone = False
 
-        def on_message(t: asyncio.Task) -> None:
+        def on_gone() -> None:
             nonlocal gone
-            if t.cancelled() or t.exception() is not None:
-                return
-            if t.result().get("type") == "http.disconnect" and task is not None and not task.done():
+            if task is not None and not task.done():
                 gone = True
                 task.cancel()
 
-        watch = asyncio.ensure_future(receive())
-        watch.add_done_callback(on_message)
+        def on_message(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None and t.result().get("type") == "http.disconnect":
+                on_gone()
+
+        # the client leaving cancels the work (and so closes the upstream connection): told by the
+        # router's protocol, else by a task waiting on receive() for http.disconnect
+        unwatch = watch_disconnect(scope, on_gone)
+        watch = None
+        if unwatch is None:
+            watch = asyncio.ensure_future(receive())
+            watch.add_done_callback(on_message)
         try:
             await self.forward(scope["method"], route, target, fwd, body, info, rid, send, t0, scope)
         except asyncio.CancelledError:
@@ -247,8 +254,11 @@ class Proxy:
             # released on the way out
             pass
         finally:
-            watch.remove_done_callback(on_message)
-            watch.cancel()
+            if watch is not None:
+                watch.remove_done_callback(on_message)
+                watch.cancel()
+            elif unwatch is not None:
+                unwatch()
 
     def retryable(self, e: TransportError) -> bool:
         """May a request that failed with TransportError ``e`` before its first byte reached the

@@ -27,7 +27,7 @@ The protocol reads its limits from ``$DPLB_ROUTER_MAX_HEADER_BYTES`` / ``$DPLB_R
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -69,8 +69,9 @@ def _431(message: str) -> bytes:
             b"x-dplb-worker-id: none\r\n\r\n" + body)
 
 
-#: the ``scope["extensions"]`` key under which the protocol puts the request's uvicorn cycle
+#: the ``scope["extensions"]`` keys under which the protocol puts the request's uvicorn cycle and itself
 CYCLE_KEY = "dplb.uvicorn_cycle"
+PROTOCOL_KEY = "dplb.protocol"
 
 
 class ClientGone(ConnectionResetError):
@@ -131,6 +132,33 @@ def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
         return None
 
 
+def watch_disconnect(scope: MutableMapping[str, Any], on_gone: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``on_gone()`` once, from the protocol's ``connection_lost``, if the client's connection
+    closes before the returned ``unwatch()`` is called (at once when it closed already). One
+    callback instead of a task per request waiting on ASGI ``receive()`` for ``http.disconnect``.
+    None when ``scope`` does not come from :class:`LimitedHttpToolsProtocol`: watch ``receive()``
+    then."""
+    ext = scope.get("extensions")
+    proto = ext.get(PROTOCOL_KEY) if ext else None
+    cycle = ext.get(CYCLE_KEY) if ext else None
+    if proto is None or cycle is None:
+        return None
+    if cycle.disconnected:
+        on_gone()
+        return _nothing
+    proto.on_lost = on_gone
+
+    def unwatch() -> None:
+        if proto.on_lost is on_gone:   # not a later pipelined request's
+            proto.on_lost = None
+
+    return unwatch
+
+
+def _nothing() -> None:
+    return None
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a bound on the raw size of an incomplete request head
     (module docstring). Limits: class attributes, from the environment at import."""
@@ -144,6 +172,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_raw = 0
         self._refused = False
         self._raw_limit = raw_head_limit(self.max_header_bytes)
+        self.on_lost: Callable[[], None] | None = None   # see watch_disconnect
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -158,9 +187,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             scope: Any = self.scope   # uvicorn types "extensions" as dict[str, dict[object, object]]
             ext = scope.get("extensions")
             if ext is None:
-                scope["extensions"] = {CYCLE_KEY: cycle}
+                scope["extensions"] = {CYCLE_KEY: cycle, PROTOCOL_KEY: self}
             else:
                 ext[CYCLE_KEY] = cycle
+                ext[PROTOCOL_KEY] = self
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        cb, self.on_lost = self.on_lost, None
+        if cb is not None:
+            cb()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

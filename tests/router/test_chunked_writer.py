@@ -1,7 +1,8 @@
 """The router's uvicorn protocol lends a streamed response's chunks a way around ASGI ``send``
 (router/server.py ``chunked_writer``): real uvicorn protocol on a Unix socket, raw HTTP clients.
 The framing must be what uvicorn writes (keep-alive survives), a response with a Content-Length
-(no chunked framing) gets no writer, and a writer whose client left says so instead of writing."""
+(no chunked framing) gets no writer, and a writer whose client left says so instead of writing.
+The same protocol tells a request that its client left (``watch_disconnect``) with one callback."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,12 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from router.server import ClientGone, LimitedHttpToolsProtocol, chunked_writer
+from router.server import (
+    ClientGone,
+    LimitedHttpToolsProtocol,
+    chunked_writer,
+    watch_disconnect,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,8 +29,20 @@ class App:
     def __init__(self) -> None:
         self.writers: list[bool] = []
         self.after_leave: list[object] = []
+        self.gone: list[str] = []
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["path"] in ("/watch", "/unwatch"):
+            left = asyncio.Event()
+            unwatch = watch_disconnect(scope, lambda: (self.gone.append(scope["path"]), left.set()))
+            assert unwatch is not None
+            if scope["path"] == "/watch":
+                await left.wait()
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            unwatch()
+            return
         hs = [(b"content-type", b"text/event-stream")]
         if scope["path"] == "/sized":
             hs.append((b"content-length", b"8"))
@@ -124,3 +142,20 @@ async def test_a_writer_whose_client_left_writes_nothing_and_its_drain_raises_cl
             break
         await asyncio.sleep(0.02)
     assert app.after_leave[0] is False and isinstance(app.after_leave[1], ClientGone)
+
+
+async def test_the_protocol_calls_back_when_the_client_leaves_and_not_after_unwatch(served):
+    app, path = served
+    r, w = await asyncio.open_unix_connection(path)
+    w.write(b"POST /unwatch HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    await read_until(r, b"ok")
+    w.write(b"POST /watch HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    await asyncio.sleep(0.1)
+    assert app.gone == []             # the answered request's callback was withdrawn; this one waits
+    w.close()
+    for _ in range(200):
+        if app.gone:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    assert app.gone == ["/watch"]     # once, for the request still running when the client left
