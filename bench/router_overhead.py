@@ -237,12 +237,15 @@ STREAM_BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hell
 STREAM_ERRORS: list[str] = []
 
 
-def stream_loop(port: int, streams: int, seconds: float) -> int:
+def stream_loop(port: int, streams: int, seconds: float) -> tuple[int, int]:
     """``streams`` threads, each a keep-alive connection sending streamed requests back to back
-    until ``seconds`` pass; returns the SSE events received (``data:`` lines, [DONE] excluded).
-    A stream answered with anything but 200, or cut, ends its thread; :data:`STREAM_ERRORS` says why."""
+    until ``seconds`` pass; returns the SSE events received (``data:`` lines, [DONE] excluded) and
+    the client's socket reads that brought them (fewer reads than events: the router held events
+    back and sent them together). A stream answered with anything but 200, or cut, ends its
+    thread; :data:`STREAM_ERRORS` says why."""
     stop = time.monotonic() + seconds
     counts = [0] * streams
+    reads = [0] * streams
     req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
            b"content-length: " + str(len(STREAM_BODY)).encode() + b"\r\n\r\n" + STREAM_BODY)
 
@@ -255,6 +258,7 @@ def stream_loop(port: int, streams: int, seconds: float) -> int:
                 buf = b""
                 while not buf.endswith(b"0\r\n\r\n"):   # the chunked body's terminator
                     chunk = s.recv(262144)
+                    reads[k] += 1
                     if not chunk:
                         raise ConnectionError("closed")
                     if not buf and not chunk.startswith(b"HTTP/1.1 200"):
@@ -274,7 +278,7 @@ def stream_loop(port: int, streams: int, seconds: float) -> int:
         t.start()
     for t in ts:
         t.join()
-    return sum(counts)
+    return sum(counts), sum(reads)
 
 
 class Profiler:
@@ -501,12 +505,12 @@ def main(argv: list[str] | None = None) -> int:
             with Profiler(router_pid, prof):
                 c0 = router_cpu()
                 t0 = time.perf_counter()
-                ev = stream_loop(port, a.streams, a.seconds)
+                ev, reads = stream_loop(port, a.streams, a.seconds)
                 wall = time.perf_counter() - t0
                 cpu = router_cpu() - c0
             print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms: {ev / wall:,.0f} "
                   f"events/s measured; router CPU {cpu:.2f} s → {ev / max(cpu, 1e-9):,.0f} SSE chunks relayed "
-                  f"per router core per second")
+                  f"per router core per second; {reads / max(ev, 1):.2f} client reads per event")
             if STREAM_ERRORS:
                 print(f"  {len(STREAM_ERRORS)} stream(s) failed; first: {STREAM_ERRORS[0][:300]}")
                 with open(os.path.join(d, "router.log"), errors="replace") as f:
