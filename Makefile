@@ -64,5 +64,5 @@ typecheck: install
 	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine launcher simulate
 
 clean:
-	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so .pytest_cache .hypothesis .mypy_cache
+	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so router/*.so .pytest_cache .hypothesis .mypy_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -33,8 +33,12 @@ ext = Extension(
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", "-ffp-contract=off"],
 )
 
+# the router's stream relay (router/transport.py, Upstream.pipe); not part of the segment's build hash
+relay = Extension("router._relay", sources=["csrc/dplb_relay.pyx"],
+                  extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"])
+
 setup(
-    ext_modules=cythonize([ext], language_level=3, include_path=["csrc"],
+    ext_modules=cythonize([ext, relay], language_level=3, include_path=["csrc"],
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     cmdclass={"build_ext": BuildExt},
 )

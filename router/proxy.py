@@ -415,13 +415,27 @@ class Proxy:
                 writer = chunked_writer(scope) if scope is not None else None
                 if writer is not None:
                     write = writer.write
+                    relays = []
 
                     def sink(chunk: bytes) -> bool:
                         if meter.feed(chunk):
                             on_first_content(metrics, route, t0, lease)
                         return write(chunk)
 
-                    await up.pipe(sink, writer.drain)
+                    def handoff() -> Any:
+                        # after the first content the meter only counts events and keeps the
+                        # tail, which the native relay does as it writes
+                        if not meter.first_seen:
+                            return None
+                        r = writer.native_relay(meter.carry)
+                        relays.append(r)
+                        return r
+
+                    try:
+                        await up.pipe(sink, writer.drain, handoff)
+                    finally:
+                        for r in relays:
+                            meter.absorb(r.events, r.tail(), r.last_byte())
                 else:
                     async for chunk in up.chunks():
                         if meter.feed(chunk):

@@ -32,6 +32,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router._relay import ChunkRelay
 from router.errors import HeadersTooLarge
 from router.protocol import error_body
 
@@ -99,6 +100,11 @@ class ChunkedWriter:
             return False
         self._write(b"%x\r\n%s\r\n" % (len(data), data))
         return not self._flow.write_paused
+
+    def native_relay(self, carry: bytes = b"") -> ChunkRelay:
+        """A :class:`router._relay.ChunkRelay` writing to this client (``carry``: the stream
+        meter's last byte, see the relay's docstring)."""
+        return ChunkRelay(self._write, self._cycle, self._flow, carry)
 
     @property
     def gone(self) -> bool:

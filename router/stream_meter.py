@@ -143,6 +143,22 @@ class StreamMeter:
                 self._tail = (self._tail + chunk)[-_TAIL:]
                 return True
 
+    @property
+    def carry(self) -> bytes:
+        """The last byte fed after the first content (b"" before): a separator may straddle it."""
+        return self._carry
+
+    def absorb(self, events: int, tail: bytes, last: bytes) -> None:
+        """Account what the native relay (router._relay.ChunkRelay) metered after it took the
+        stream over from :meth:`feed`: ``events`` separators, the last ``tail`` bytes of payload
+        and its ``last`` byte (b"" when it relayed nothing; nothing changes then)."""
+        if not last:
+            return
+        self._events_after += events
+        self._carry = last
+        t = self._tail + tail
+        self._tail = t if len(t) <= _TAIL else t[-_TAIL:]
+
     def usage(self) -> tuple[int | None, int | None]:
         """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any."""
         for obj in reversed(self._last_events()):

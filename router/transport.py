@@ -68,8 +68,9 @@ class _Conn(asyncio.Protocol):
     ``status``/``headers``, then ``body`` (bytes not yet taken by the reader); ``waiter`` is the
     future the reader sleeps on."""
 
-    __slots__ = ("body", "buffered", "done", "error", "got_any", "head_done", "headers", "held", "idle_since", "keep",
-                 "last_rx", "lost", "parser", "paused", "sink", "status", "timer", "transport", "waiter")
+    __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held",
+                 "idle_since", "keep", "keep_hint", "last_rx", "lost", "parser", "paused", "relay", "sink", "status",
+                 "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         self.transport: Any = None
@@ -80,6 +81,8 @@ class _Conn(asyncio.Protocol):
         self.lost = False
         self.idle_since = 0.0
         self.sink: Callable[[bytes], bool] | None = None
+        self.handoff: Callable[[], Any] | None = None   # see Upstream.pipe
+        self.relay: Any = None                          # a router._relay.ChunkRelay while it has the body
         self._reset()
 
     def _reset(self) -> None:
@@ -94,6 +97,8 @@ class _Conn(asyncio.Protocol):
         self.error: BaseException | None = None
         self.paused = False
         self.held = False     # reading paused because the sink's client was slow (see Upstream.pipe)
+        self.keep_hint = False
+        self.boundary = False  # the parser stopped right after a chunk's closing CRLF (see data_received)
 
     def start(self) -> None:
         """A new request goes out on this connection: a fresh parser and state."""
@@ -107,6 +112,22 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_any = True
         self.last_rx = time.monotonic()   # the idle timer measures gaps from here
+        r = self.relay
+        if r is not None:
+            # the native relay has the body: decode, meter and write to the client in one call
+            st = r.feed(data)
+            if r.failed:
+                self.error = ValueError("invalid chunked framing from the worker")
+                self.transport.close()
+            elif r.done:
+                self.keep = self.keep_hint and not r.extra
+                self.done = True
+            if st:
+                self.held = True
+                self.transport.pause_reading()
+            if self.done or self.held or self.error is not None:
+                self._wake()
+            return
         p = self.parser
         if p is None:   # bytes while idle: the peer is confused; never reuse this connection
             self.transport.close()
@@ -116,6 +137,8 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self.error = e
             self.transport.close()
+        if self.boundary and not data.endswith(b"\r\n"):
+            self.boundary = False   # bytes of the next size line follow the chunk's end
         s = self.sink
         if s is not None:
             # piped: hand the body on from here, without waking the reader per chunk
@@ -124,8 +147,19 @@ class _Conn(asyncio.Protocol):
                 self.transport.pause_reading()
             if self.done or self.held or self.error is not None:
                 self._wake()
+            elif self.handoff is not None and self.boundary:
+                self._hand_off()
             return
         self._wake()
+
+    def _hand_off(self) -> None:
+        """At a chunk boundary (``boundary``: the parser's last callback was a chunk's end and the
+        read ended with that chunk's CRLF, so the parser holds no partial size line): give the
+        rest of the body to the native relay if the pipe's ``handoff`` has one ready."""
+        r = self.handoff() if self.handoff is not None else None
+        if r is not None:
+            self.handoff = None
+            self.relay = r
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
@@ -147,9 +181,17 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self.keep_hint = self.parser.should_keep_alive()
         self.head_done = True
 
+    def on_chunk_header(self) -> None:
+        self.boundary = False
+
+    def on_chunk_complete(self) -> None:
+        self.boundary = True
+
     def on_body(self, body: bytes) -> None:
+        self.boundary = False
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused:
@@ -307,18 +349,27 @@ class Upstream:
         finally:
             self.release()
 
-    async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+    async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]],
+                   handoff: Callable[[], Any] | None = None) -> None:
         """Relay the rest of the body through ``sink(bytes) -> bool``, called from the
         connection's ``data_received`` with everything one network read brought (de-chunked):
         no task wakes up per chunk. ``sink`` returns False when its client cannot take more for
         now; reading then pauses until ``drain()`` returns. Returns once the body ended; raises
         TransportError (``stream_broken``, or ``timeout`` when a gap exceeded the idle timeout)
-        like :meth:`chunks`. The caller still calls :meth:`release`."""
+        like :meth:`chunks`. The caller still calls :meth:`release`.
+
+        ``handoff() -> ChunkRelay | None`` (a chunked body only): asked at every chunk boundary
+        until it returns a :class:`router._relay.ChunkRelay`, which then gets every later read
+        (decoded, metered and written to its client natively; ``sink`` is not called again)."""
         c = self._conn
         data = c.take()
         if data and not sink(data):
             await drain()
         c.sink = sink
+        if handoff is not None and any(k == b"transfer-encoding" and b"chunked" in v.lower() for k, v in c.headers):
+            c.handoff = handoff
+            if c.boundary and not c.done and not c.body:
+                c._hand_off()
         try:
             while True:
                 if c.held:
@@ -344,6 +395,8 @@ class Upstream:
                     raise TransportError("timeout", self.endpoint, "no idle gap between chunks within the timeout")
         finally:
             c.sink = None
+            c.handoff = None
+            c.relay = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (everything that arrived by one wake-up at once; no

@@ -1,0 +1,268 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""router._relay: the native half of the router's stream relay (issue 14).
+
+:class:`ChunkRelay` takes the engine's chunked body bytes exactly as one socket read brought them,
+decodes the HTTP/1.1 chunked framing (RFC 9112 §7.1: hex size line with optional extensions, data,
+CRLF; a zero-size chunk, optional trailer lines, CRLF), and writes everything the read carried to
+the client as one chunk, framed as uvicorn frames a body message (``<hex size>\\r\\n<data>\\r\\n``).
+On the way it counts SSE event separators (``\\n\\n``) and keeps the last 4 KiB of the payload, so
+that the router's stream meter (router/stream_meter.py) can count tokens and read the usage at the
+end without seeing each chunk. No Python frame runs per chunk except the protocol's
+``data_received`` that calls :meth:`ChunkRelay.feed`.
+
+The router hands a stream to the relay only at a chunk boundary and only after the stream's first
+content (router/transport.py ``Upstream.pipe``); everything before goes through httptools and the
+meter in Python.
+"""
+from libc.string cimport memcpy, memmove
+from libc.stdlib cimport malloc, realloc, free
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+cdef enum:
+    TAIL = 4096         # payload bytes kept for the meter's last events
+    HEAD_ROOM = 24      # room before the payload for the re-framed size line
+
+cdef const char *HEXD = b"0123456789abcdef"
+
+cdef enum:
+    S_SIZE = 0          # hex digits of a chunk size
+    S_EXT = 1           # chunk extension, up to CR
+    S_SIZE_LF = 2
+    S_DATA = 3
+    S_DATA_CR = 4
+    S_DATA_LF = 5
+    S_TRAILER = 6       # start of a trailer line (or of the final CRLF)
+    S_TRAILER_LINE = 7
+    S_END_LF = 8
+    S_DONE = 9
+
+#: :meth:`ChunkRelay.feed` results
+OK = 0
+CLIENT_FULL = 1         # the client's transport is above its high-water mark: pause reading
+CLIENT_GONE = 2         # the client left: nothing was written
+
+
+cdef inline int _hex(unsigned char c) noexcept:
+    if c >= 48 and c <= 57:
+        return c - 48
+    if c >= 97 and c <= 102:
+        return c - 87
+    if c >= 65 and c <= 70:
+        return c - 55
+    return -1
+
+
+cdef class ChunkRelay:
+    """Relay of one chunked response body from an engine's connection to a client's transport.
+
+    ``write``: the client transport's ``write`` (bytes → None); ``client``: an object whose
+    ``disconnected`` attribute is true once the client left (uvicorn's request cycle); ``flow``: an
+    object whose ``write_paused`` attribute is true while the client's transport is above its
+    high-water mark (uvicorn's flow control). ``carry``: the last payload byte the meter saw before
+    the relay took over (b"" for none), for a separator that straddles the hand-over.
+
+    After :meth:`feed`: ``done`` (the terminating chunk and trailers were read), ``failed`` (the
+    framing was not valid chunked encoding: the connection must be dropped), ``extra`` (bytes
+    followed the end of the body: do not reuse the connection), ``events`` (``\\n\\n`` separators in
+    the relayed payload, counted as ``bytes.count`` counts them per read plus one straddling two
+    reads, the rule of ``StreamMeter.feed``), ``relayed`` (payload bytes written).
+    """
+
+    cdef int state
+    cdef unsigned long long size
+    cdef int digits
+    cdef object _write
+    cdef object _client
+    cdef object _flow
+    cdef unsigned char *buf
+    cdef Py_ssize_t cap
+    cdef unsigned char tailbuf[TAIL]
+    cdef Py_ssize_t tail_len
+    cdef unsigned char last
+    cdef public bint done
+    cdef public bint failed
+    cdef public bint extra
+    cdef public long long events
+    cdef public long long relayed
+
+    def __cinit__(self):
+        self.buf = NULL
+        self.cap = 0
+
+    def __init__(self, write, client, flow, bytes carry=b""):
+        self._write = write
+        self._client = client
+        self._flow = flow
+        self.state = S_SIZE
+        self.size = 0
+        self.digits = 0
+        self.tail_len = 0
+        self.last = <unsigned char>(carry[len(carry) - 1]) if carry else 0
+        self.done = False
+        self.failed = False
+        self.extra = False
+        self.events = 0
+        self.relayed = 0
+
+    def __dealloc__(self):
+        if self.buf != NULL:
+            free(self.buf)
+
+    cdef int _reserve(self, Py_ssize_t n) except -1:
+        cdef unsigned char *p
+        if n <= self.cap:
+            return 0
+        if n < 4096:
+            n = 4096
+        p = <unsigned char *>realloc(self.buf, n)
+        if p == NULL:
+            raise MemoryError()
+        self.buf = p
+        self.cap = n
+        return 0
+
+    cdef Py_ssize_t _decode(self, const unsigned char *src, Py_ssize_t n, unsigned char *dst) noexcept:
+        """Decode ``n`` framed bytes into ``dst`` (payload only); returns the payload length. Sets
+        ``failed``/``done``/``extra``."""
+        cdef Py_ssize_t i = 0, out = 0, take
+        cdef unsigned char c
+        cdef int h, st
+        while i < n:
+            st = self.state
+            if st == S_DATA:
+                take = n - i
+                if <unsigned long long>take > self.size:
+                    take = <Py_ssize_t>self.size
+                memcpy(dst + out, src + i, take)
+                out += take
+                i += take
+                self.size -= take
+                if self.size == 0:
+                    self.state = S_DATA_CR
+                continue
+            c = src[i]
+            i += 1
+            if st == S_SIZE:
+                h = _hex(c)
+                if h >= 0:
+                    if self.digits >= 15:
+                        self.failed = True
+                        return out
+                    self.size = (self.size << 4) | <unsigned long long>h
+                    self.digits += 1
+                elif self.digits == 0:
+                    self.failed = True
+                    return out
+                elif c == 13:       # CR
+                    self.state = S_SIZE_LF
+                elif c == 59 or c == 32 or c == 9:   # ';' extension (or whitespace before it)
+                    self.state = S_EXT
+                else:
+                    self.failed = True
+                    return out
+            elif st == S_EXT:
+                if c == 13:
+                    self.state = S_SIZE_LF
+                elif c == 10:
+                    self.failed = True
+                    return out
+            elif st == S_SIZE_LF:
+                if c != 10:
+                    self.failed = True
+                    return out
+                self.digits = 0
+                self.state = S_DATA if self.size > 0 else S_TRAILER
+            elif st == S_DATA_CR:
+                if c != 13:
+                    self.failed = True
+                    return out
+                self.state = S_DATA_LF
+            elif st == S_DATA_LF:
+                if c != 10:
+                    self.failed = True
+                    return out
+                self.state = S_SIZE
+                self.size = 0
+            elif st == S_TRAILER:
+                if c == 13:
+                    self.state = S_END_LF
+                else:
+                    self.state = S_TRAILER_LINE
+            elif st == S_TRAILER_LINE:
+                if c == 10:
+                    self.state = S_TRAILER
+            elif st == S_END_LF:
+                if c != 10:
+                    self.failed = True
+                    return out
+                self.state = S_DONE
+                self.done = True
+            else:   # S_DONE: bytes after the body
+                self.extra = True
+                return out
+        return out
+
+    cdef void _account(self, const unsigned char *p, Py_ssize_t n) noexcept:
+        cdef Py_ssize_t i = 0, keep
+        cdef long long k = 0
+        if self.last == 10 and p[0] == 10 and not (n >= 2 and p[1] == 10):
+            k += 1          # a separator straddling the previous read and this one
+        while i + 1 < n:
+            if p[i] == 10 and p[i + 1] == 10:
+                k += 1
+                i += 2
+            else:
+                i += 1
+        self.events += k
+        self.last = p[n - 1]
+        if n >= TAIL:
+            memcpy(self.tailbuf, p + n - TAIL, TAIL)
+            self.tail_len = TAIL
+        else:
+            keep = TAIL - n
+            if keep > self.tail_len:
+                keep = self.tail_len
+            memmove(self.tailbuf, self.tailbuf + self.tail_len - keep, keep)
+            memcpy(self.tailbuf + keep, p, n)
+            self.tail_len = keep + n
+
+    def feed(self, bytes data):
+        """Decode one read's bytes and write their payload to the client as one chunk. Returns
+        :data:`OK`, :data:`CLIENT_FULL` (written; pause reading until the client drains) or
+        :data:`CLIENT_GONE` (the client left; nothing written). Check ``done``/``failed`` after."""
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+        cdef Py_ssize_t pay, start
+        cdef unsigned long long v
+        if self.failed or n == 0:
+            return OK
+        self._reserve(n + HEAD_ROOM + 2)
+        pay = self._decode(<const unsigned char *>PyBytes_AS_STRING(data), n, self.buf + HEAD_ROOM)
+        if pay == 0:
+            return OK
+        if self._client.disconnected:
+            return CLIENT_GONE
+        self._account(self.buf + HEAD_ROOM, pay)
+        # the size line, right-aligned before the payload
+        start = HEAD_ROOM - 2
+        self.buf[start] = 13
+        self.buf[start + 1] = 10
+        v = <unsigned long long>pay
+        while True:
+            start -= 1
+            self.buf[start] = <unsigned char>HEXD[v & 15]
+            v >>= 4
+            if v == 0:
+                break
+        self.buf[HEAD_ROOM + pay] = 13
+        self.buf[HEAD_ROOM + pay + 1] = 10
+        self._write(PyBytes_FromStringAndSize(<char *>self.buf + start, HEAD_ROOM + pay + 2 - start))
+        self.relayed += pay
+        return CLIENT_FULL if self._flow.write_paused else OK
+
+    def tail(self):
+        """The last payload bytes relayed (up to 4 KiB)."""
+        return PyBytes_FromStringAndSize(<char *>self.tailbuf, self.tail_len)
+
+    def last_byte(self):
+        """The last payload byte relayed (b"" before any)."""
+        return PyBytes_FromStringAndSize(<char *>&self.last, 1) if self.relayed else b""

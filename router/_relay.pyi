@@ -1,0 +1,18 @@
+"""Type stub of the native stream relay built from csrc/dplb_relay.pyx."""
+from collections.abc import Callable
+from typing import Any
+
+OK: int
+CLIENT_FULL: int
+CLIENT_GONE: int
+
+class ChunkRelay:
+    done: bool
+    failed: bool
+    extra: bool
+    events: int
+    relayed: int
+    def __init__(self, write: Callable[[bytes], Any], client: Any, flow: Any, carry: bytes = ...) -> None: ...
+    def feed(self, data: bytes) -> int: ...
+    def tail(self) -> bytes: ...
+    def last_byte(self) -> bytes: ...

@@ -1,0 +1,122 @@
+"""router._relay.ChunkRelay (csrc/dplb_relay.pyx): the native stream relay decodes chunked framing
+as httptools does, however the bytes are split into reads, re-frames each read as one chunk, and
+counts SSE separators and keeps the tail as router.stream_meter.StreamMeter does."""
+from __future__ import annotations
+
+from itertools import pairwise
+
+import httptools
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router._relay import CLIENT_FULL, CLIENT_GONE, OK, ChunkRelay
+from router.stream_meter import StreamMeter
+
+
+class Client:
+    """A client transport's stand-ins: the writes, ``disconnected``, ``write_paused``."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.disconnected = False
+        self.write_paused = False
+
+    def write(self, b: bytes) -> None:
+        self.out.append(b)
+
+
+def frame(payloads: list[bytes], ext: bool = False, trailers: bool = False) -> bytes:
+    out = b""
+    for p in payloads:
+        out += b"%x%s\r\n%s\r\n" % (len(p), b";x=1" if ext else b"", p)
+    out += b"0\r\n" + (b"x-trailer: 1\r\n" if trailers else b"") + b"\r\n"
+    return out
+
+
+def dechunk_client(writes: list[bytes]) -> bytes:
+    """Each write is exactly one chunk frame; returns the joined payload."""
+    body = b""
+    for w in writes:
+        size, _, rest = w.partition(b"\r\n")
+        n = int(size, 16)
+        assert n > 0 and rest[n:] == b"\r\n" and len(rest) == n + 2
+        body += rest[:n]
+    return body
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    pts = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in pairwise(pts) if b > a]
+
+
+sse_event = st.builds(lambda s: b"data: " + s + b"\n\n", st.binary(min_size=0, max_size=40).map(
+    lambda b: b.replace(b"\n", b"")))
+payload = st.one_of(sse_event, st.binary(min_size=1, max_size=300))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(payload, min_size=0, max_size=12), st.lists(st.integers(0, 10_000), max_size=12),
+       st.booleans(), st.booleans())
+def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_reads_fall(payloads, cuts, ext, trailers):
+    raw = frame(payloads, ext, trailers)
+    c = Client()
+    r = ChunkRelay(c.write, c, c)
+    meter = StreamMeter()
+    meter.first_seen = True   # the relay takes over after the first content
+    for part in split(raw, cuts):
+        assert r.feed(part) == OK
+        assert not r.failed
+    assert r.done and not r.extra
+    body = b"".join(payloads)
+    assert dechunk_client(c.out) == body and r.relayed == len(body)
+
+    # httptools on the same bytes: the same body
+    got: list[bytes] = []
+
+    class P:
+        def on_body(self, b: bytes) -> None:
+            got.append(b)
+
+    hp = httptools.HttpResponseParser(P())
+    hp.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + raw)
+    assert b"".join(got) == body
+
+    # the meter fed the same reads' payloads counts the same separators and keeps the same tail
+    for w in c.out:
+        n, _, rest = w.partition(b"\r\n")
+        meter.feed(rest[:int(n, 16)])
+    assert r.events == meter._events_after
+    assert r.tail() == meter._tail[-4096:]
+
+
+def test_bad_framing_fails_and_bytes_after_the_end_are_flagged():
+    c = Client()
+    r = ChunkRelay(c.write, c, c)
+    r.feed(b"zz\r\n")
+    assert r.failed and c.out == []
+    r = ChunkRelay(c.write, c, c)
+    r.feed(b"3\r\nabcX")            # no CRLF after the data
+    assert r.failed
+    r = ChunkRelay(c.write, c, c)
+    r.feed(b"1" * 16 + b"\r\n")     # a size beyond 15 hex digits
+    assert r.failed
+    r = ChunkRelay(c.write, c, c)
+    r.feed(b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1")
+    assert r.done and r.extra
+
+
+def test_a_full_client_pauses_and_a_gone_client_gets_nothing():
+    c = Client()
+    r = ChunkRelay(c.write, c, c)
+    c.write_paused = True
+    assert r.feed(b"3\r\nabc\r\n") == CLIENT_FULL and c.out == [b"3\r\nabc\r\n"]
+    c.write_paused = False
+    c.disconnected = True
+    assert r.feed(b"2\r\nde\r\n") == CLIENT_GONE and len(c.out) == 1
+
+
+def test_a_separator_straddling_the_hand_over_is_counted_once():
+    c = Client()
+    r = ChunkRelay(c.write, c, c, carry=b"\n")    # the meter's last byte before the relay took over
+    r.feed(b"8\r\n\ndata: x\r\n")
+    assert r.events == 1 and r.last_byte() == b"x"
