@@ -65,6 +65,13 @@ class Server(asyncio.Protocol):
             for i in range(64):
                 self.t.write(b"10000\r\n" + bytes([65 + i % 26]) * 0x10000 + b"\r\n")
             self.t.write(b"0\r\n\r\n")
+        elif path == b"/ticks":  # 40 events 2 ms apart, each its own write (one chunk per read)
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            loop = asyncio.get_running_loop()
+            for i in range(40):
+                ev = b"data: %d\n\n" % i
+                loop.call_later(0.002 * i, self.t.write, b"%x\r\n%s\r\n" % (len(ev), ev))
+            loop.call_later(0.002 * 40, self.t.write, b"0\r\n\r\n")
         elif path == b"/break":  # one event, then the worker dies mid-stream
             self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                          b"9\r\ndata: 0\n\n\r\n")
@@ -213,5 +220,95 @@ async def test_pipe_raises_on_a_stalled_or_broken_stream(server):
     with pytest.raises(TransportError) as ei:
         await up.pipe(lambda d: True, asyncio.sleep)
     assert ei.value.kind == "stream_broken" and not up.complete()
+    up.release()
+    await t.close()
+
+
+class FakeClient:
+    """A client transport for the native relay: its writes (chunk frames), ``disconnected``,
+    ``write_paused``."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.disconnected = False
+        self.write_paused = False
+
+    def write(self, b: bytes) -> None:
+        self.out.append(b)
+
+    def body(self) -> bytes:
+        got = b""
+        for w in self.out:
+            size, _, rest = w.partition(b"\r\n")
+            n = int(size, 16)
+            assert rest[n:] == b"\r\n"
+            got += rest[:n]
+        return got
+
+
+async def test_the_native_relay_takes_over_at_a_chunk_boundary_and_pauses_for_a_full_client(server):
+    from router._relay import ChunkRelay
+
+    t = Transport()
+    up = await t.send(server, "POST", "/ticks", [], b"{}")
+    first = await up.first_chunk()
+    client = FakeClient()
+    sunk: list[bytes] = []
+    relays: list[ChunkRelay] = []
+
+    def sink(data: bytes) -> bool:
+        sunk.append(data)
+        return True
+
+    def handoff() -> ChunkRelay:
+        r = ChunkRelay(client.write, client, client)
+        relays.append(r)
+        return r
+
+    drains = 0
+
+    async def drain() -> None:
+        nonlocal drains
+        drains += 1
+        await asyncio.sleep(0.05)
+        assert not up._conn.transport.is_reading()     # nothing read from the engine meanwhile
+        client.write_paused = False
+
+    orig = client.write
+
+    def write(b: bytes) -> None:   # the client's buffer fills at the first write
+        orig(b)
+        if len(client.out) == 1:
+            client.write_paused = True
+
+    client.write = write  # type: ignore[method-assign]
+    await asyncio.wait_for(up.pipe(sink, drain, handoff), 10)
+    assert up.complete() and len(relays) == 1 and relays[0].done and drains >= 1
+    up.release()
+    body = first + b"".join(sunk) + client.body()
+    assert body == b"".join(b"data: %d\n\n" % i for i in range(40))
+    assert relays[0].events == client.body().count(b"\n\n") >= 1
+    assert relays[0].relayed == len(client.body()) > 0
+    up = await t.send(server, "POST", "/json", [], b"{}")   # the relayed connection was reused
+    assert await up.read(await up.first_chunk()) == JSON and len(Server.conns) == 1
+    await t.close()
+
+
+async def test_the_native_relay_reports_a_worker_that_died_mid_stream(server):
+    from router._relay import ChunkRelay
+
+    t = Transport()
+    up = await t.send(server, "POST", "/break", [], b"{}")
+    assert await up.first_chunk() == b"data: 0\n\n"
+    client = FakeClient()
+    relays: list[ChunkRelay] = []
+
+    def handoff() -> ChunkRelay:
+        relays.append(ChunkRelay(client.write, client, client))
+        return relays[-1]
+
+    with pytest.raises(TransportError) as ei:
+        await up.pipe(lambda d: True, asyncio.sleep, handoff)
+    assert ei.value.kind == "stream_broken" and not up.complete() and len(relays) == 1
     up.release()
     await t.close()
