@@ -70,7 +70,8 @@ cdef class ChunkRelay:
 
     cdef int state
     cdef unsigned long long size
-    cdef int digits
+    cdef int digits         # significant hex digits of the size so far (at most 15)
+    cdef bint saw           # any hex digit in this size line
     cdef object _write
     cdef object _client
     cdef object _flow
@@ -96,6 +97,7 @@ cdef class ChunkRelay:
         self.state = S_SIZE
         self.size = 0
         self.digits = 0
+        self.saw = False
         self.tail_len = 0
         self.last = <unsigned char>(carry[len(carry) - 1]) if carry else 0
         self.done = False
@@ -145,12 +147,14 @@ cdef class ChunkRelay:
             if st == S_SIZE:
                 h = _hex(c)
                 if h >= 0:
-                    if self.digits >= 15:
-                        self.failed = True
-                        return out
+                    self.saw = True
+                    if self.size != 0 or h != 0:   # leading zeros are valid and do not count
+                        if self.digits >= 15:
+                            self.failed = True
+                            return out
+                        self.digits += 1
                     self.size = (self.size << 4) | <unsigned long long>h
-                    self.digits += 1
-                elif self.digits == 0:
+                elif not self.saw:
                     self.failed = True
                     return out
                 elif c == 13:       # CR
@@ -171,6 +175,7 @@ cdef class ChunkRelay:
                     self.failed = True
                     return out
                 self.digits = 0
+                self.saw = False
                 self.state = S_DATA if self.size > 0 else S_TRAILER
             elif st == S_DATA_CR:
                 if c != 13:

@@ -103,6 +103,9 @@ def test_bad_framing_fails_and_bytes_after_the_end_are_flagged():
     r = ChunkRelay(c.write, c, c)
     r.feed(b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1")
     assert r.done and r.extra
+    r = ChunkRelay(c.write, c, c)
+    r.feed(b"0" * 20 + b"5\r\nhello\r\n" + b"0" * 17 + b"\r\n\r\n")   # leading zeros: valid (httptools agrees)
+    assert not r.failed and r.done and c.out[-1] == b"5\r\nhello\r\n"
 
 
 def test_a_full_client_pauses_and_a_gone_client_gets_nothing():
