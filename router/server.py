@@ -106,11 +106,6 @@ class ChunkedWriter:
         meter's last byte, see the relay's docstring)."""
         return ChunkRelay(self._write, self._cycle, self._flow, carry)
 
-    @property
-    def gone(self) -> bool:
-        """The client's connection closed."""
-        return bool(self._cycle.disconnected)
-
     async def drain(self) -> None:
         """Until the client's transport can take more. Raises :class:`ClientGone` when the client
         left (before or while waiting)."""
@@ -122,9 +117,10 @@ class ChunkedWriter:
 
 def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
     """A :class:`ChunkedWriter` for the request of ``scope`` once its response head went out with
-    chunked framing (a stream without Content-Length to an HTTP/1.1 client); None otherwise (an
-    HTTP/1.0 client, a server other than :class:`LimitedHttpToolsProtocol`, a cycle of another
-    uvicorn version without these attributes): the caller then sends every chunk through ASGI."""
+    chunked framing (uvicorn frames every response without a Content-Length that way); None
+    otherwise (a response with a Content-Length, a server other than
+    :class:`LimitedHttpToolsProtocol`, a cycle of another uvicorn version without these
+    attributes): the caller then sends every chunk through ASGI."""
     ext = scope.get("extensions")
     cycle = ext.get(CYCLE_KEY) if ext else None
     if cycle is None:
