@@ -111,3 +111,34 @@ def test_vllm_032_cpu_capture_ignores_waiting_by_reason():
     m = parse_engine_metrics(read("vllm_cpu_0.32_metrics.txt"), VLLM)
     assert (m.num_running, m.num_waiting) == (2, 2)
     assert m.kv_cache_usage == pytest.approx(0.0001220740379039853)
+
+
+@pytest.mark.parametrize("fixture", ["vllm_cpu_0.32_metrics.txt", "vllm_v010_metrics.txt", "vllm_v07_metrics.txt",
+                                     "sglang_metrics.txt"])
+def test_sample_values_agree_with_the_reference_parser_on_real_pages(fixture):
+    """The fast path (labels cut, values read by float) gives the values prometheus_client's
+    parser gives for every sample name on real pages, in order."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker_agent.metrics import sample_values
+
+    text = read(fixture)
+    ref: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            ref.setdefault(s.name, []).append(float(s.value))
+    assert ref
+    got = sample_values(text, tuple(ref))
+    assert got.keys() == ref.keys()
+    for name, vals in ref.items():
+        assert got[name] == pytest.approx(vals, nan_ok=True), name
+
+
+def test_sample_values_handle_braces_and_quotes_inside_label_values():
+    from worker_agent.metrics import sample_values
+
+    text = ('m{a="x}y",b="q\\"{z"} 2.5\n'
+            'm{c=""} +Inf\n'
+            'm_other{a="1"} 9\n'
+            'm 3 1700000000000\n')
+    assert sample_values(text, ("m",)) == {"m": [2.5, float("inf"), 3.0]}
