@@ -1,5 +1,14 @@
 # Included by dplb_native.pyx: the mapped segment, snapshot reads, router atomics, kernel calls.
 
+cdef extern from *:
+    """
+    static inline int32_t dplb_state_relaxed(const dplb_slot_t *s) {
+        return __atomic_load_n(&s->state, __ATOMIC_RELAXED);
+    }
+    """
+    int32_t dplb_state_relaxed(const dplb_slot_t *s) nogil
+
+
 cdef class Segment:
     """A mapped DPLB segment. Build with :meth:`create` or :meth:`attach`, never directly.
 
@@ -271,6 +280,18 @@ cdef class Segment:
         """Every slot (EMPTY ones included) as a list of :class:`WorkerSnapshot`, index == slot."""
         self._check_open()
         return [self.read_slot(i) for i in range(self.num_slots)]
+
+    def occupied(self):
+        """Indexes of the slots whose state is not EMPTY, from one relaxed load of each slot's
+        state (no seqlock: a hint for which slots to :meth:`read_slot`; a slot claimed or
+        released during the scan may be missed or included once)."""
+        cdef uint32_t i
+        cdef list out = []
+        self._check_open()
+        for i in range(self.num_slots):
+            if dplb_state_relaxed(dplb_slot_at(self.base, i)) != DPLB_STATE_EMPTY:
+                out.append(i)
+        return out
 
     def writer(self, int slot, double latency_window_s=10.0):
         """The :class:`SlotWriter` of ``slot``, starting from the slot's current content.

@@ -103,9 +103,12 @@ class Registry:
         self._generation = -1
 
     def refresh(self) -> None:
-        """Reconcile the handles with the segment now (cheap enough to call on demand)."""
-        self._generation = self.seg.generation
-        self.sync(self.seg.snapshot())
+        """Reconcile the handles with the segment now (cheap enough to call on demand): only the
+        occupied slots are read (an EMPTY slot has no handle; a 64-slot segment with 4 workers
+        cost 64 slot reads per health tick before)."""
+        seg = self.seg
+        self._generation = seg.generation
+        self.sync([seg.read_slot(i) for i in seg.occupied()])
 
     def refresh_if_changed(self) -> None:
         """Reconcile only when the segment's membership generation moved (hot path: one load)."""

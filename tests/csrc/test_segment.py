@@ -128,6 +128,18 @@ def test_claim_and_release_bump_generation_and_reset(segment):
     assert s.state == WorkerState.EMPTY and s.num_running == 0 and s.endpoint == ""
 
 
+def test_occupied_lists_exactly_the_slots_that_are_not_empty(segment):
+    assert segment.occupied() == []
+    ws = {i: segment.writer(i) for i in (1, 5, 9)}
+    for i, w in ws.items():
+        w.claim(i, endpoint=f"127.0.0.1:{9000 + i}")   # claimed: STARTING
+    ws[9].set_state(WorkerState.READY)
+    assert segment.occupied() == [1, 5, 9]
+    assert segment.occupied() == [s.worker_id for s in segment.snapshot() if s.state != WorkerState.EMPTY]
+    ws[5].release()
+    assert segment.occupied() == [1, 9]
+
+
 def test_router_atomics_shared_between_mappings(segment, shm_name):
     other = Segment.attach(shm_name)
     try:
