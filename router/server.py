@@ -143,7 +143,7 @@ def watch_disconnect(scope: MutableMapping[str, Any], on_gone: Callable[[], None
     ext = scope.get("extensions")
     proto = ext.get(PROTOCOL_KEY) if ext else None
     cycle = ext.get(CYCLE_KEY) if ext else None
-    if proto is None or cycle is None:
+    if proto is None or cycle is None or not hasattr(cycle, "disconnected"):
         return None
     if cycle.disconnected:
         on_gone()
