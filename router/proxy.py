@@ -16,12 +16,15 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    ``retries.retry_on_timeout``), a dropped connection or broken body **502** (retried only with
    ``retries.retry_on_disconnect``); both errors name the worker in ``X-DPLB-Worker-ID``;
 7. relay the response (whole for non-streamed bodies, chunk by chunk for streams, each gap
-   bounded by ``router.idle_timeout_s``) with ``X-DPLB-Worker-ID``; a stream that breaks or
-   stalls after its first byte ends with an SSE error event (504 ``timeout_error`` for a stall,
-   counted as kind ``timeout``; 502 otherwise, kind ``stream_broken``); release the lease
-   exactly once in ``finally`` — on success, error or client disconnect (a watcher on
-   ``receive()`` cancels the work and closes the upstream connection, which makes the worker
-   abort the generation).
+   bounded by ``router.idle_timeout_s``; after a stream's first chunk, piped from the engine
+   connection's callback and, after its first content, by the native relay: ``relay_stream``)
+   with ``X-DPLB-Worker-ID``; a stream that breaks or stalls after its first byte ends with an
+   SSE error event (504 ``timeout_error`` for a stall, counted as kind ``timeout``; 502
+   otherwise, kind ``stream_broken``); release the lease exactly once in ``finally`` — on
+   success, error or client disconnect (the router's protocol calls back when the client's
+   connection closes, :func:`router.server.watch_disconnect`; behind another server a watcher
+   on ``receive()``; either cancels the work and closes the upstream connection, which makes
+   the worker abort the generation).
 """
 from __future__ import annotations
 

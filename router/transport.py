@@ -5,6 +5,7 @@
     ... up.status, up.headers, up.is_stream
     first = await up.first_chunk()          # the first body bytes (b"" for an empty body)
     ... await up.read() / async for chunk in up.chunks()   # the rest
+    ... or await up.pipe(sink, drain, handoff)              # the rest, from the connection's callback
     up.release()            # always (returns or drops the pooled connection)
     await t.close()
 
