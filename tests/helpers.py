@@ -81,3 +81,27 @@ def promtool() -> str | None:
     import shutil
 
     return shutil.which("promtool")
+
+
+class FakeClient:
+    """A client transport as the native relay (router._relay.ChunkRelay) sees it: ``write`` (its
+    chunk frames collect in ``out``), ``disconnected`` and ``write_paused`` (uvicorn's cycle and
+    flow control)."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.disconnected = False
+        self.write_paused = False
+
+    def write(self, b: bytes) -> None:
+        self.out.append(b)
+
+    def body(self) -> bytes:
+        """The payload of every chunk frame written (each write is exactly one frame)."""
+        got = b""
+        for w in self.out:
+            size, _, rest = w.partition(b"\r\n")
+            n = int(size, 16)
+            assert n > 0 and rest[n:] == b"\r\n" and len(rest) == n + 2
+            got += rest[:n]
+        return got

@@ -11,18 +11,7 @@ from hypothesis import strategies as st
 
 from router._relay import CLIENT_FULL, CLIENT_GONE, OK, ChunkRelay
 from router.stream_meter import StreamMeter
-
-
-class Client:
-    """A client transport's stand-ins: the writes, ``disconnected``, ``write_paused``."""
-
-    def __init__(self) -> None:
-        self.out: list[bytes] = []
-        self.disconnected = False
-        self.write_paused = False
-
-    def write(self, b: bytes) -> None:
-        self.out.append(b)
+from tests.helpers import FakeClient
 
 
 def frame(payloads: list[bytes], ext: bool = False, trailers: bool = False) -> bytes:
@@ -31,17 +20,6 @@ def frame(payloads: list[bytes], ext: bool = False, trailers: bool = False) -> b
         out += b"%x%s\r\n%s\r\n" % (len(p), b";x=1" if ext else b"", p)
     out += b"0\r\n" + (b"x-trailer: 1\r\n" if trailers else b"") + b"\r\n"
     return out
-
-
-def dechunk_client(writes: list[bytes]) -> bytes:
-    """Each write is exactly one chunk frame; returns the joined payload."""
-    body = b""
-    for w in writes:
-        size, _, rest = w.partition(b"\r\n")
-        n = int(size, 16)
-        assert n > 0 and rest[n:] == b"\r\n" and len(rest) == n + 2
-        body += rest[:n]
-    return body
 
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -59,7 +37,7 @@ payload = st.one_of(sse_event, st.binary(min_size=1, max_size=300))
        st.booleans(), st.booleans())
 def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_reads_fall(payloads, cuts, ext, trailers):
     raw = frame(payloads, ext, trailers)
-    c = Client()
+    c = FakeClient()
     r = ChunkRelay(c.write, c, c)
     meter = StreamMeter()
     meter.first_seen = True   # the relay takes over after the first content
@@ -68,7 +46,7 @@ def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_rea
         assert not r.failed
     assert r.done and not r.extra
     body = b"".join(payloads)
-    assert dechunk_client(c.out) == body and r.relayed == len(body)
+    assert c.body() == body and r.relayed == len(body)
 
     # httptools on the same bytes: the same body
     got: list[bytes] = []
@@ -90,7 +68,7 @@ def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_rea
 
 
 def test_bad_framing_fails_and_bytes_after_the_end_are_flagged():
-    c = Client()
+    c = FakeClient()
     r = ChunkRelay(c.write, c, c)
     r.feed(b"zz\r\n")
     assert r.failed and c.out == []
@@ -109,7 +87,7 @@ def test_bad_framing_fails_and_bytes_after_the_end_are_flagged():
 
 
 def test_a_full_client_pauses_and_a_gone_client_gets_nothing():
-    c = Client()
+    c = FakeClient()
     r = ChunkRelay(c.write, c, c)
     c.write_paused = True
     assert r.feed(b"3\r\nabc\r\n") == CLIENT_FULL and c.out == [b"3\r\nabc\r\n"]
@@ -119,7 +97,7 @@ def test_a_full_client_pauses_and_a_gone_client_gets_nothing():
 
 
 def test_a_separator_straddling_the_hand_over_is_counted_once():
-    c = Client()
+    c = FakeClient()
     r = ChunkRelay(c.write, c, c, carry=b"\n")    # the meter's last byte before the relay took over
     r.feed(b"8\r\n\ndata: x\r\n")
     assert r.events == 1 and r.last_byte() == b"x"

@@ -12,6 +12,7 @@ import pytest
 
 from router.errors import TransportError
 from router.transport import Transport
+from tests.helpers import FakeClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,28 +223,6 @@ async def test_pipe_raises_on_a_stalled_or_broken_stream(server):
     assert ei.value.kind == "stream_broken" and not up.complete()
     up.release()
     await t.close()
-
-
-class FakeClient:
-    """A client transport for the native relay: its writes (chunk frames), ``disconnected``,
-    ``write_paused``."""
-
-    def __init__(self) -> None:
-        self.out: list[bytes] = []
-        self.disconnected = False
-        self.write_paused = False
-
-    def write(self, b: bytes) -> None:
-        self.out.append(b)
-
-    def body(self) -> bytes:
-        got = b""
-        for w in self.out:
-            size, _, rest = w.partition(b"\r\n")
-            n = int(size, 16)
-            assert rest[n:] == b"\r\n"
-            got += rest[:n]
-        return got
 
 
 async def test_the_native_relay_takes_over_at_a_chunk_boundary_and_pauses_for_a_full_client(server):
