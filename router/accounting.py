@@ -69,14 +69,16 @@ class RequestAccount:
     ``decode_add``, ``prefill_rate_observe``, ``latency_observe``, ``router_line``);
     ``worker_id``: the slot; ``prompt_tokens``: the prompt's length in tokens; ``uncached_tokens``:
     the part of it the worker is expected to compute (the rest is in its prefix cache);
-    ``now``: dispatch time, s; ``learn``: :class:`LearnSettings`, or None to learn nothing.
+    ``now``: dispatch time, s; ``learn``: :class:`LearnSettings`, or None to learn nothing;
+    ``observed``: False when the router will not see the first token (a non-streamed answer), so
+    nothing is learnt from the TTFT and the worker's decode load at dispatch is not read.
     """
 
     __slots__ = ("_decode_ctx", "_decode_reqs", "_first", "_open", "learn", "prompt_tokens", "queue_ahead",
                  "seg", "t_dispatch", "t_first", "uncached_tokens", "worker_id")
 
     def __init__(self, seg: Any, worker_id: int, prompt_tokens: int, uncached_tokens: int, now: float,
-                 learn: LearnSettings | None = None) -> None:
+                 learn: LearnSettings | None = None, observed: bool = True) -> None:
         self.seg = seg
         self.worker_id = worker_id
         self.prompt_tokens = max(0, int(prompt_tokens))
@@ -93,7 +95,7 @@ class RequestAccount:
         self.queue_ahead = max(0, int(after) - self.uncached_tokens)
         self._decode_reqs = 0.0
         self._decode_ctx = 0.0
-        if learn is not None:
+        if learn is not None and observed:
             line = seg.router_line(worker_id)
             self._decode_reqs = max(0.0, float(line["decode_reqs"]))
             self._decode_ctx = max(0.0, float(line["decode_ctx_tokens"]))

@@ -215,8 +215,10 @@ class RouterState:
         self.mirrors.wanted = wanted
 
     async def _sweep(self) -> None:
-        """Health-tick extra: non-streamed requests past their estimated TTFT leave prefill."""
+        """Health-tick extra: non-streamed requests past their estimated TTFT leave prefill; the
+        coalesced request counters reach prometheus_client (:meth:`Metrics.flush`)."""
         self.scheduler.sweep()
+        self.metrics.flush()
 
     async def _admin_tick(self) -> None:
         if self.admin.reload_if_changed():

@@ -55,7 +55,7 @@ from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
 from router.scheduling import Lease, Scheduler
-from router.server import ClientGone, chunked_writer, watch_disconnect
+from router.server import ClientGone, chunked_writer, watch_disconnect, write_response
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,
@@ -315,7 +315,7 @@ class Proxy:
                 break
             h = lease.handle
             wid = h.worker_id
-            wid_b = str(wid).encode()
+            wid_b = h.label_b
             outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
             try:
                 try:
@@ -358,7 +358,7 @@ class Proxy:
                         continue
                     break
                 resp_headers = up.headers
-                if not any(k == _XRID for k, _ in resp_headers):
+                if up.request_id is None:
                     resp_headers.append((_XRID, rid))
                 resp_headers.append((_XWID, wid_b))
                 if not up.is_stream:
@@ -371,11 +371,13 @@ class Proxy:
                         tried.add(wid)
                         break
                     outcome = status < 500
+                    # one write of head and body where the router's protocol serves the request
+                    if scope is None or not write_response(scope, status, resp_headers, data):
+                        resp_headers.append((b"content-length", b"%d" % len(data)))
+                        await send({"type": "http.response.start", "status": status, "headers": resp_headers})
+                        await send({"type": "http.response.body", "body": data, "more_body": False})
                     on_answer(metrics, lease, data)
-                    resp_headers.append((b"content-length", str(len(data)).encode()))
-                    await send({"type": "http.response.start", "status": status, "headers": resp_headers})
-                    await send({"type": "http.response.body", "body": data, "more_body": False})
-                    metrics.observe_request(str(wid), status, route, time.perf_counter() - t0)
+                    metrics.observe_request(h.label, status, route, time.perf_counter() - t0)
                     return
                 ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope)
                 outcome = ok and status < 500

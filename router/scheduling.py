@@ -79,7 +79,8 @@ class Lease:
         self.judged = False
         t = time.monotonic() if now is None else now
         self.account = RequestAccount(seg, handle.worker_id, prompt_tokens,
-                                      prompt_tokens if uncached_tokens is None else uncached_tokens, t, learn)
+                                      prompt_tokens if uncached_tokens is None else uncached_tokens, t, learn,
+                                      observed=deadline is None)
         self.deadline = deadline
         handle.local_inflight += 1
 

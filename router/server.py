@@ -30,7 +30,8 @@ import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from router._relay import ChunkRelay
 from router.errors import HeadersTooLarge
@@ -132,6 +133,59 @@ def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
         return ChunkedWriter(cycle)
     except AttributeError:
         return None
+
+
+def write_response(scope: MutableMapping[str, Any], status: int, headers: list[tuple[bytes, bytes]],
+                   body: bytes) -> bool:
+    """Write a whole response (status line, ``headers``, a Content-Length and ``body``) to the
+    client of ``scope``'s request in one write, with the bookkeeping uvicorn's ``send`` does for an
+    ``http.response.start`` and a final ``http.response.body`` (keep-alive, the response's end, the
+    next pipelined request). One write instead of two and no per-header checks: ``headers`` come
+    from the engine's response as httptools parsed it (no CR, LF or NUL can be in them) and from
+    the router's constants; they must not hold a Content-Length or Transfer-Encoding.
+
+    Returns True when written (or when the client already left: nothing is written then, as
+    uvicorn's ``send`` does); False when the caller must send the response through ASGI (not
+    :class:`LimitedHttpToolsProtocol`'s request, a response already started, a cycle of another
+    uvicorn version without these attributes)."""
+    ext = scope.get("extensions")
+    cycle = ext.get(CYCLE_KEY) if ext else None
+    if cycle is None:
+        return False
+    try:
+        if cycle.response_started or cycle.scope is not scope:
+            return False
+        if cycle.disconnected:
+            return True
+        if cycle.access_log:
+            cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                                     get_path_with_query_string(scope), scope["http_version"], status)
+        line = STATUS_LINE.get(status)
+        if line is None:
+            return False
+        content = [line]
+        close = not cycle.keep_alive
+        for name, value in (*cycle.default_headers, *headers):
+            if name == b"connection" and b"close" in value.lower():
+                close = True
+            content += (name, b": ", value, b"\r\n")
+        if close:
+            cycle.keep_alive = False
+            content.append(b"connection: close\r\n")
+        content += (b"content-length: %d\r\n\r\n" % len(body), body)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = False
+        cycle.expected_content_length = 0
+        cycle.transport.write(b"".join(content))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if close:
+            cycle.transport.close()
+        cycle.on_response()
+        return True
+    except AttributeError:
+        return False
 
 
 def watch_disconnect(scope: MutableMapping[str, Any], on_gone: Callable[[], None]) -> Callable[[], None] | None:

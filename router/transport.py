@@ -279,7 +279,7 @@ class Upstream:
     longest gap (s) between two later chunks."""
 
     __slots__ = ("_conn", "_first", "_on_done", "_pool", "deadline", "endpoint", "headers", "idle_s", "is_stream",
-                 "status")
+                 "request_id", "status")
 
     def __init__(self, conn: _Conn, pool: _Pool, endpoint: str, on_done: Callable[[], None] | None = None,
                  deadline: float | None = None, idle_s: float | None = None) -> None:
@@ -294,6 +294,7 @@ class Upstream:
         hs = []
         stream = False
         has_len = False
+        rid = None
         for k, v in conn.headers:
             if k == b"content-length":
                 has_len = True
@@ -301,8 +302,12 @@ class Upstream:
                 continue
             if k == b"content-type" and v.startswith(b"text/event-stream"):
                 stream = True
+            elif k == b"x-request-id":
+                rid = v
             hs.append((k, v))
         self.headers = hs
+        #: the engine's ``X-Request-Id`` answer header, None when it sent none
+        self.request_id: bytes | None = rid
         self.is_stream = stream or not has_len
 
     async def _next(self) -> bytes:

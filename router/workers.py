@@ -37,6 +37,8 @@ class WorkerHandle:
         "control",
         "drained",
         "endpoint",
+        "label",
+        "label_b",
         "last_head_at",
         "local_inflight",
         "mirror",
@@ -52,6 +54,9 @@ class WorkerHandle:
     def __init__(self, worker_id: int, endpoint: str, model: str, breaker: CircuitBreaker, pid: int = 0,
                  control: str = "") -> None:
         self.worker_id = worker_id
+        #: ``str(worker_id)``, the ``worker`` metric label, and its bytes (the X-DPLB-Worker-ID header)
+        self.label = str(worker_id)
+        self.label_b = self.label.encode()
         #: the engine's address: requests are forwarded here (one hop), probes go here too
         self.endpoint = endpoint
         #: the agent's control address (``/dplb/state``, ``/dplb/restart``); the endpoint when it has none

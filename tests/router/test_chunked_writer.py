@@ -2,7 +2,9 @@
 (router/server.py ``chunked_writer``): real uvicorn protocol on a Unix socket, raw HTTP clients.
 The framing must be what uvicorn writes (keep-alive survives), a response with a Content-Length
 (no chunked framing) gets no writer, and a writer whose client left says so instead of writing.
-The same protocol tells a request that its client left (``watch_disconnect``) with one callback."""
+The same protocol tells a request that its client left (``watch_disconnect``) with one callback,
+and writes a whole non-streamed response in one write (``write_response``) with uvicorn's
+keep-alive and pipelining bookkeeping intact."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +18,7 @@ from router.server import (
     LimitedHttpToolsProtocol,
     chunked_writer,
     watch_disconnect,
+    write_response,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,8 +33,18 @@ class App:
         self.writers: list[bool] = []
         self.after_leave: list[object] = []
         self.gone: list[str] = []
+        self.whole: list[bool] = []
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["path"].startswith("/whole"):
+            body = b'{"n":%d}' % len(self.whole)
+            if scope["path"] == "/whole-started":   # a response already started: the caller must use send
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+                self.whole.append(write_response(scope, 200, [], b"no"))
+                await send({"type": "http.response.body", "body": b"ok"})
+                return
+            self.whole.append(write_response(scope, 201, [(b"content-type", b"application/json")], body))
+            return
         if scope["path"] in ("/watch", "/unwatch"):
             left = asyncio.Event()
             unwatch = watch_disconnect(scope, lambda: (self.gone.append(scope["path"]), left.set()))
@@ -71,7 +84,7 @@ class App:
 @pytest.fixture
 async def served(tmp_path):
     app = App()
-    cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning")
+    cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning", access_log=False)
     cfg.load()
     state = ServerState()
     path = str(tmp_path / "r.sock")
@@ -159,3 +172,75 @@ async def test_the_protocol_calls_back_when_the_client_leaves_and_not_after_unwa
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.05)
     assert app.gone == ["/watch"]     # once, for the request still running when the client left
+
+
+async def test_a_whole_response_is_one_write_and_pipelined_requests_after_it_are_served(served):
+    app, path = served
+    r, w = await asyncio.open_unix_connection(path)
+    # three requests in one write: each next one starts only once the previous response ended
+    w.write(b"POST /whole HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n" * 3)
+    raw = await read_until(r, b'{"n":2}')
+    answers = raw.split(b"HTTP/1.1 ")[1:]
+    assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"201 Created"] * 3
+    for i, a in enumerate(answers):
+        head, _, body = a.partition(b"\r\n\r\n")
+        assert body == b'{"n":%d}' % i
+        assert head.count(b"content-length: ") == 1 and b"content-length: %d" % len(body) in head
+        assert b"content-type: application/json" in head and b"transfer-encoding" not in head
+    assert app.whole == [True, True, True]
+    w.close()
+
+
+async def test_a_whole_response_to_a_connection_close_request_closes_the_connection(served):
+    app, path = served
+    r, w = await asyncio.open_unix_connection(path)
+    w.write(b"POST /whole HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+    raw = await asyncio.wait_for(r.read(), 10)     # to EOF: the router closed its side
+    assert raw.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in raw and raw.endswith(b'{"n":0}')
+    assert app.whole == [True]
+    w.close()
+
+
+async def test_write_response_declines_a_started_response_and_a_scope_of_another_server(served):
+    app, path = served
+    r, w = await asyncio.open_unix_connection(path)
+    w.write(b"POST /whole-started HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    raw = await read_until(r, b"ok")
+    assert b"no" not in raw.partition(b"\r\n\r\n")[2]
+    assert app.whole == [False]
+    assert write_response({"type": "http", "headers": []}, 200, [], b"x") is False
+    w.close()
+
+
+def test_the_whole_response_leaves_the_protocol_in_one_transport_write():
+    """uvicorn's own send writes the head and the body separately."""
+    loop = asyncio.new_event_loop()
+    writes: list[bytes] = []
+
+    class Transport(asyncio.Transport):
+        def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
+            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+        def write(self, data) -> None:  # type: ignore[no-untyped-def]
+            writes.append(bytes(data))
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        assert write_response(scope, 200, [(b"x-a", b"1")], b"hello")
+
+    try:
+        cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning", access_log=False)
+        cfg.load()
+        proto = LimitedHttpToolsProtocol(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+        proto.connection_made(Transport())
+        proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert writes == [b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 5\r\n\r\nhello"]
+        proto.connection_lost(None)
+    finally:
+        loop.close()
