@@ -1,0 +1,191 @@
+"""The router's CPU per tiny request without sockets: ``python -m bench.router_inproc``.
+
+The router's real uvicorn protocol (:class:`router.server.LimitedHttpToolsProtocol`) and the real
+app (:func:`router.app.create_app`, policy ``dplb`` unless ``--policy``) in this process, on a
+fresh segment with one ready worker (slot 0, heartbeating); the client's transport and the engine
+(:class:`router.transport.Transport`) are fakes that cost next to nothing. Each request is fed to
+the protocol as the bytes a client would send (``bench.router_overhead``'s tiny chat request) and
+answered with that tool's tiny chat completion. What is timed is everything the router's own
+process runs per request except the two sockets and the kernel: uvicorn's parsing and task, the
+proxy, parse, policy, kernel call, lease, accounting, metrics and the response's framing.
+
+Prints µs per request (wall time of a tight loop, so run it on a quiet machine and compare runs
+interleaved) and the client writes per request. ``--profile``: cProfile's Python function calls
+per request (deterministic: the same code makes the same calls, whatever the machine's noise),
+the own time grouped by package, and the top functions.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import os
+import pstats
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from bench.router_overhead import BODY, RESP_BODY, _request
+
+
+class _FakeUpstream:
+    status = 200
+    is_stream = False
+    request_id = None
+
+    def __init__(self) -> None:
+        self.headers = [(b"content-type", b"application/json")]
+
+    async def first_chunk(self) -> bytes:
+        return RESP_BODY
+
+    async def read(self, first: bytes) -> bytes:
+        return first
+
+    def release(self, abort: bool = False) -> None:
+        return None
+
+
+class _FakeEngine:
+    """Stands in for :class:`router.transport.Transport`: every request gets the tiny answer."""
+
+    async def send(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None,
+                   timeout_s: float | None = None) -> _FakeUpstream:
+        return _FakeUpstream()
+
+    async def get(self, *a: Any, **k: Any) -> tuple[int, bytes]:
+        return 200, b""
+
+    async def forget(self, endpoint: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _Client(asyncio.Transport):
+    """The client's side of the router's connection: counts writes, tells when an answer is out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+        self.done: asyncio.Future[None] | None = None
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 30000), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def write(self, data: Any) -> None:
+        self.writes += 1
+        if RESP_BODY in bytes(data) and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+
+async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
+    import uvicorn
+    from uvicorn.lifespan.on import LifespanOn
+    from uvicorn.server import ServerState
+
+    from router.app import create_app
+    from router.config import load_config
+    from router.server import LimitedHttpToolsProtocol
+
+    loop = asyncio.get_running_loop()
+    cfg = load_config(None, {"router.shm": shm, "health_check.enabled": False,
+                             "routing_policy.policy": a.policy})
+    app = create_app(cfg, seg)
+    ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", access_log=False, server_header=False,
+                          date_header=False, log_level="warning", proxy_headers=False, timeout_keep_alive=30)
+    ucfg.load()
+    lifespan = LifespanOn(ucfg)
+    await lifespan.startup()
+    try:
+        assert app.state.proxy is not None
+        app.state.proxy.transport = _FakeEngine()  # type: ignore[assignment]
+        proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
+        client = _Client()
+        proto.connection_made(client)
+        req = _request(b"127.0.0.1:30000")
+        n = 0
+
+        async def one() -> None:
+            nonlocal n
+            n += 1
+            if n % 500 == 0:
+                writer.heartbeat()
+            client.done = loop.create_future()
+            proto.data_received(req)
+            await client.done
+
+        for _ in range(2000):
+            await one()
+        w0 = client.writes
+        t0 = time.perf_counter()
+        for _ in range(a.requests):
+            await one()
+        dt = time.perf_counter() - t0
+        print(f"router in-process, policy={a.policy}: {dt / a.requests * 1e6:.1f} µs per tiny request, "
+              f"{(client.writes - w0) / a.requests:.2f} client writes per request")
+        if a.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.requests):
+                await one()
+            prof.disable()
+            st = pstats.Stats(prof)
+            print(f"Python function calls per request: {st.total_calls / a.requests:.1f}")   # type: ignore[attr-defined]
+            groups: dict[str, float] = defaultdict(float)
+            for (fn, _, _), (_, _, tt, _, _) in st.stats.items():  # type: ignore[attr-defined]
+                key = next((k for k in ("router", "uvicorn", "prometheus_client", "asyncio", "dplb_shm")
+                            if f"/{k}/" in fn), "builtins" if fn == "~" else "other")
+                groups[key] += tt
+            total = sum(groups.values()) or 1.0
+            print("own time under cProfile, by package: " + ", ".join(
+                f"{k} {100 * v / total:.0f} %" for k, v in sorted(groups.items(), key=lambda kv: -kv[1])))
+            st.sort_stats("tottime").print_stats(a.top)
+    finally:
+        await lifespan.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (see the module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.router_inproc", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=20000, help="timed requests (after 2,000 warm-up ones)")
+    ap.add_argument("--policy", default="dplb")
+    ap.add_argument("--profile", action="store_true", help="also run them under cProfile and print calls per request")
+    ap.add_argument("--top", type=int, default=25, help="functions listed with --profile")
+    a = ap.parse_args(argv)
+    import uvloop
+
+    from dplb_shm import Segment, WorkerState
+
+    assert BODY in _request(b"x")
+    shm = f"dplb-bench-{uuid.uuid4().hex[:8]}"
+    seg = Segment.create(shm, num_slots=8)
+    try:
+        writer = seg.writer(0)
+        writer.claim(worker_id=0, pid=os.getpid(), endpoint="127.0.0.1:9", model="bench", max_num_seqs=256)
+        writer.set_state(WorkerState.READY)
+        writer.heartbeat()
+        uvloop.run(_run(a, shm, seg, writer))
+    finally:
+        path = f"/dev/shm/{shm}"
+        if os.path.exists(path):
+            os.unlink(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
