@@ -70,8 +70,10 @@ class RequestAccount:
     ``worker_id``: the slot; ``prompt_tokens``: the prompt's length in tokens; ``uncached_tokens``:
     the part of it the worker is expected to compute (the rest is in its prefix cache);
     ``now``: dispatch time, s; ``learn``: :class:`LearnSettings`, or None to learn nothing;
-    ``observed``: False when the router will not see the first token (a non-streamed answer), so
-    nothing is learnt from the TTFT and the worker's decode load at dispatch is not read.
+    ``observed``: False when the router does not expect to see the first token (a non-streamed
+    request): the worker's decode load at dispatch is not read, and should the first content be
+    seen after all (an engine that streams the answer anyway) the TTFT is still learnt but not the
+    prefill rate, which needs that load.
     """
 
     __slots__ = ("_decode_ctx", "_decode_reqs", "_first", "_open", "learn", "prompt_tokens", "queue_ahead",
@@ -93,7 +95,7 @@ class RequestAccount:
         after = seg.prefill_add(worker_id, self.uncached_tokens)
         #: outstanding prefill tokens ahead of this request when it was dispatched
         self.queue_ahead = max(0, int(after) - self.uncached_tokens)
-        self._decode_reqs = 0.0
+        self._decode_reqs: float | None = None   # None: not read at dispatch (``observed`` False)
         self._decode_ctx = 0.0
         if learn is not None and observed:
             line = seg.router_line(worker_id)
@@ -127,7 +129,7 @@ class RequestAccount:
         if observed and lr is not None and ttft > 0:
             seg.latency_observe(wid, ttft_s=ttft, alpha=lr.latency_alpha)
             tokens = float(self.queue_ahead + self.uncached_tokens)
-            if tokens >= lr.min_tokens:
+            if tokens >= lr.min_tokens and self._decode_reqs is not None:
                 compute = ttft - lr.decode_s(tokens, self._decode_reqs, self._decode_ctx)
                 if compute > 0:
                     seg.prefill_rate_observe(wid, tokens / compute, lr.alpha, lr.clip)

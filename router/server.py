@@ -146,23 +146,28 @@ def write_response(scope: MutableMapping[str, Any], status: int, headers: list[t
 
     Returns True when written (or when the client already left: nothing is written then, as
     uvicorn's ``send`` does); False when the caller must send the response through ASGI (not
-    :class:`LimitedHttpToolsProtocol`'s request, a response already started, a cycle of another
-    uvicorn version without these attributes)."""
+    :class:`LimitedHttpToolsProtocol`'s request, a response already started, the client's
+    transport above its high-water mark, which ``send`` waits out, a cycle of another uvicorn
+    version without these attributes)."""
     ext = scope.get("extensions")
     cycle = ext.get(CYCLE_KEY) if ext else None
     if cycle is None:
         return False
     try:
-        if cycle.response_started or cycle.scope is not scope:
+        if cycle.scope is not scope:
             return False
         if cycle.disconnected:
             return True
-        if cycle.access_log:
-            cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
-                                     get_path_with_query_string(scope), scope["http_version"], status)
+        if cycle.response_started or cycle.flow.write_paused:
+            # paused: the client is not reading; uvicorn's send waits for it to drain before the
+            # head, and so before the next pipelined request is started (memory stays bounded)
+            return False
         line = STATUS_LINE.get(status)
         if line is None:
             return False
+        if cycle.access_log:
+            cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                                     get_path_with_query_string(scope), scope["http_version"], status)
         content = [line]
         close = not cycle.keep_alive
         for name, value in (*cycle.default_headers, *headers):

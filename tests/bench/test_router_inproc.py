@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_router_inproc_answers_every_request_in_one_write_and_cleans_up():
     before = {f for f in os.listdir("/dev/shm") if f.startswith("dplb-bench-")}
     out = subprocess.run([sys.executable, "-m", "bench.router_inproc", "--requests", "300", "--profile", "--top", "3"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=100)
+                         cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     m = re.search(r"([\d.]+) µs per tiny request, ([\d.]+) client writes per request", out.stdout)
     assert m and float(m.group(1)) > 0 and m.group(2) == "1.00", out.stdout

@@ -244,3 +244,39 @@ def test_the_whole_response_leaves_the_protocol_in_one_transport_write():
         proto.connection_lost(None)
     finally:
         loop.close()
+
+
+def test_a_client_that_is_not_reading_gets_no_whole_response_write():
+    """Above the transport's high-water mark the answer goes through ``send``, which waits for the
+    client to drain before starting the next pipelined request: memory stays bounded."""
+    loop = asyncio.new_event_loop()
+    results: list[bool] = []
+
+    class Transport(asyncio.Transport):
+        def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
+            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+        def write(self, data) -> None:  # type: ignore[no-untyped-def]
+            raise AssertionError("nothing may be written while the client is not reading")
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        results.append(write_response(scope, 200, [], b"hello"))
+
+    try:
+        cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning", access_log=False)
+        cfg.load()
+        proto = LimitedHttpToolsProtocol(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+        proto.connection_made(Transport())
+        proto.pause_writing()      # what the transport calls above its high-water mark
+        proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert results == [False]
+        proto.connection_lost(None)
+    finally:
+        loop.close()

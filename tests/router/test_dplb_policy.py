@@ -146,6 +146,16 @@ def test_rate_is_learned_from_observed_ttft_only(seg):
         x.finish(3.0)
 
 
+def test_a_non_streamed_request_answered_as_a_stream_teaches_its_ttft_but_not_the_rate(seg):
+    # its decode load at dispatch was not read (observed=False), and the rate needs it
+    ls = LearnSettings(min_tokens=1000, step_base_s=0.0, decode_seq_s=0.0, decode_ctx_s=0.0)
+    a = RequestAccount(seg, 2, 8000, 8000, now=0.0, learn=ls, observed=False)
+    assert a.first_token(0.8) == pytest.approx(0.8)
+    assert line(seg, 2)["router_ttft_s"] == pytest.approx(0.8)
+    assert line(seg, 2)["prefill_rate_n"] == 0
+    a.finish(1.0)
+
+
 def test_scheduler_sweep_moves_blind_requests_past_their_estimate(seg):
     from router.config import load_config
     from router.metrics import Metrics
