@@ -10,7 +10,8 @@ Behaviour (``mode``), set at start (``--mode``), at run time (``POST /fake/mode`
 ======== ===============================================================================
 ok       answer at once (OpenAI shape; ``stream: true`` → SSE chunks then ``[DONE]``)
 slow     wait ``delay`` seconds, then answer
-500      answer 500 (OpenAI error body);  ``400`` and ``429`` likewise
+500      answer 500 (OpenAI error body);  ``400`` and ``429`` likewise; ``103`` and ``600``: a status
+         that is not a final HTTP status (an interim one, a made-up one)
 hang     never answer (until the client goes away)
 drop     close the connection before sending any byte
 stream   SSE: ``chunks`` chunks, ``delay`` seconds apart (every streamed answer ends with a usage
@@ -130,6 +131,8 @@ def build_app(agent: FakeAgent):
                 await asyncio.sleep(3600)
             if mode == "slow":
                 await asyncio.sleep(delay)
+            if mode in ("103", "600"):
+                return web.Response(status=int(mode), body=b"not final")
             if mode in ("500", "400", "429"):
                 code = int(mode)
                 err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": code}}

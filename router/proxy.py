@@ -332,6 +332,16 @@ class Proxy:
                         continue
                     break
                 status = up.status
+                if not 200 <= status <= 599:
+                    # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
+                    # write a status line above 599, and a client takes a 1xx for "more to come"
+                    outcome = False
+                    up.release(abort=True)
+                    metrics.errors.labels(str(wid), "status_5xx").inc()
+                    last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
+                                                   "not a final status (200-599)", worker_id=wid), wid
+                    tried.add(wid)
+                    break
                 if status < 500:
                     lease.head_seen()  # liveness evidence for the health monitor
                 if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \

@@ -227,6 +227,21 @@ def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(
     assert sum(f.client().stats()["requests"] for f in c.fakes) == 8    # each request ran once
 
 
+@pytest.mark.parametrize("mode", ["103", "600"])
+def test_a_status_that_is_not_final_is_a_502_and_the_connection_stays_usable(cluster4, mode):
+    """An interim (1xx) or made-up (600+) status is no answer: relayed as final it would leave a
+    client waiting for more, and uvicorn cannot write a status line above 599 (it dropped the
+    connection with no answer)."""
+    reset(cluster4)
+    with httpx.Client(base_url=cluster4.base, timeout=30) as hc:
+        r = hc.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG}, headers={"x-fake-mode": mode})
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+        assert f"HTTP status {mode}" in r.json()["error"]["message"]
+        assert r.headers["x-dplb-worker-id"] in {"0", "1", "2", "3"}
+        assert hc.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG}).status_code == 200
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="in-flight back to 0")
+
+
 def test_worker_dropping_the_connection_is_retried_elsewhere_when_configured(make_cluster):
     c = make_cluster(2, {"retries": {"retry_on_disconnect": True}, "routing_policy": {"policy": "round_robin"}})
     bad = c.fakes[1].client()
