@@ -207,10 +207,19 @@ def watch_disconnect(scope: MutableMapping[str, Any], on_gone: Callable[[], None
     if cycle.disconnected:
         on_gone()
         return _nothing
-    proto.on_lost = on_gone
+
+    def lost() -> None:
+        # uvicorn marks only its newest cycle disconnected; with a pipelined request behind this
+        # one that is not this request's, which would then be answered a 500 on a closed
+        # transport (an error logged for every such client)
+        cycle.disconnected = True
+        cycle.message_event.set()
+        on_gone()
+
+    proto.on_lost = lost
 
     def unwatch() -> None:
-        if proto.on_lost is on_gone:   # not a later pipelined request's
+        if proto.on_lost is lost:   # not a later pipelined request's
             proto.on_lost = None
 
     return unwatch

@@ -212,35 +212,54 @@ async def test_write_response_declines_a_started_response_and_a_scope_of_another
     w.close()
 
 
+class RecordingTransport(asyncio.Transport):
+    """The client side of an in-process connection: keeps what the protocol writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
+        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    def write(self, data) -> None:  # type: ignore[no-untyped-def]
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def in_process(app, loop: asyncio.AbstractEventLoop, transport: RecordingTransport) -> LimitedHttpToolsProtocol:  # type: ignore[no-untyped-def]
+    """The router's protocol serving ``app`` on ``transport``, driven by hand on ``loop``."""
+    cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning", access_log=False)
+    cfg.load()
+    proto = LimitedHttpToolsProtocol(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
+    proto.connection_made(transport)
+    return proto
+
+
 def test_the_whole_response_leaves_the_protocol_in_one_transport_write():
     """uvicorn's own send writes the head and the body separately."""
     loop = asyncio.new_event_loop()
-    writes: list[bytes] = []
-
-    class Transport(asyncio.Transport):
-        def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
-            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
-
-        def write(self, data) -> None:  # type: ignore[no-untyped-def]
-            writes.append(bytes(data))
-
-        def is_closing(self) -> bool:
-            return False
-
-        def close(self) -> None:
-            pass
+    t = RecordingTransport()
 
     async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         assert write_response(scope, 200, [(b"x-a", b"1")], b"hello")
 
     try:
-        cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning", access_log=False)
-        cfg.load()
-        proto = LimitedHttpToolsProtocol(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
-        proto.connection_made(Transport())
+        proto = in_process(app, loop, t)
         proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
         loop.run_until_complete(asyncio.sleep(0.05))
-        assert writes == [b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 5\r\n\r\nhello"]
+        assert t.writes == [b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 5\r\n\r\nhello"]
         proto.connection_lost(None)
     finally:
         loop.close()
@@ -251,32 +270,55 @@ def test_a_client_that_is_not_reading_gets_no_whole_response_write():
     client to drain before starting the next pipelined request: memory stays bounded."""
     loop = asyncio.new_event_loop()
     results: list[bool] = []
-
-    class Transport(asyncio.Transport):
-        def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
-            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
-
-        def write(self, data) -> None:  # type: ignore[no-untyped-def]
-            raise AssertionError("nothing may be written while the client is not reading")
-
-        def is_closing(self) -> bool:
-            return False
-
-        def close(self) -> None:
-            pass
+    t = RecordingTransport()
 
     async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
-        results.append(write_response(scope, 200, [], b"hello"))
+        ok = write_response(scope, 200, [], b"hello")
+        results.append(ok)
+        if not ok:   # what the proxy does then
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+            await send({"type": "http.response.body", "body": b"hello"})
 
     try:
-        cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="warning", access_log=False)
-        cfg.load()
-        proto = LimitedHttpToolsProtocol(config=cfg, server_state=ServerState(), app_state={}, _loop=loop)
-        proto.connection_made(Transport())
+        proto = in_process(app, loop, t)
         proto.pause_writing()      # what the transport calls above its high-water mark
         proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
         loop.run_until_complete(asyncio.sleep(0.05))
-        assert results == [False]
+        assert results == [False] and t.writes == []        # waiting for the client to read
+        proto.resume_writing()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert b"".join(t.writes).endswith(b"\r\n\r\nhello")
         proto.connection_lost(None)
     finally:
+        loop.close()
+
+
+def test_a_client_leaving_with_a_pipelined_request_queued_ends_the_running_one_quietly():
+    """uvicorn marks only its newest cycle disconnected; the running request's must be too, or
+    uvicorn answers it a 500 on the closed connection and logs an error for every such client."""
+    import logging
+
+    loop = asyncio.new_event_loop()
+    t = RecordingTransport()
+    records: list[logging.LogRecord] = []
+    app = App()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep(level=logging.ERROR)
+    logging.getLogger("uvicorn.error").addHandler(keep)
+    try:
+        proto = in_process(app, loop, t)
+        proto.data_received(b"POST /watch HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+                            b"POST /whole HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        loop.run_until_complete(asyncio.sleep(0.05))
+        proto.connection_lost(ConnectionResetError(104, "reset by peer"))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert app.gone == ["/watch"]
+        assert [r.getMessage() for r in records] == [] and t.writes == []   # no 500, nothing logged
+        assert app.whole == []                                              # the queued one never ran
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(keep)
         loop.close()
