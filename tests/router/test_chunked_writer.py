@@ -112,6 +112,11 @@ def dechunk(raw: bytes) -> tuple[bytes, bytes]:
         raw = raw[n + 2:]
 
 
+def post(target: str, extra: bytes = b"") -> bytes:
+    """A bodiless POST request to ``target`` (``extra``: more header lines, CRLF-terminated)."""
+    return b"POST " + target.encode() + b" HTTP/1.1\r\nhost: x\r\n" + extra + b"content-length: 0\r\n\r\n"
+
+
 async def read_until(r: asyncio.StreamReader, end: bytes) -> bytes:
     buf = b""
     while not buf.endswith(end):
@@ -125,7 +130,7 @@ async def test_chunks_written_past_send_are_framed_as_uvicorn_frames_them_and_ke
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
     for _ in range(2):   # the second request on the same connection: the response ended cleanly
-        w.write(b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        w.write(post("/stream"))
         raw = await read_until(r, b"0\r\n\r\n")
         head, _, body = raw.partition(b"\r\n\r\n")
         assert b"transfer-encoding: chunked" in head
@@ -137,7 +142,7 @@ async def test_chunks_written_past_send_are_framed_as_uvicorn_frames_them_and_ke
 async def test_a_response_with_a_content_length_gets_no_writer_and_still_the_whole_body(served):
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
-    w.write(b"POST /sized HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    w.write(post("/sized"))
     raw = await read_until(r, b"firstabb")
     assert b"content-length: 8\r\n" in raw and b"transfer-encoding" not in raw
     assert app.writers == [False]
@@ -147,7 +152,7 @@ async def test_a_response_with_a_content_length_gets_no_writer_and_still_the_who
 async def test_a_writer_whose_client_left_writes_nothing_and_its_drain_raises_client_gone(served):
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
-    w.write(b"POST /wait HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    w.write(post("/wait"))
     await read_until(r, b"first\r\n")
     w.close()
     for _ in range(200):
@@ -160,9 +165,9 @@ async def test_a_writer_whose_client_left_writes_nothing_and_its_drain_raises_cl
 async def test_the_protocol_calls_back_when_the_client_leaves_and_not_after_unwatch(served):
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
-    w.write(b"POST /unwatch HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    w.write(post("/unwatch"))
     await read_until(r, b"ok")
-    w.write(b"POST /watch HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    w.write(post("/watch"))
     await asyncio.sleep(0.1)
     assert app.gone == []             # the answered request's callback was withdrawn; this one waits
     w.close()
@@ -178,7 +183,7 @@ async def test_a_whole_response_is_one_write_and_pipelined_requests_after_it_are
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
     # three requests in one write: each next one starts only once the previous response ended
-    w.write(b"POST /whole HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n" * 3)
+    w.write(post("/whole") * 3)
     raw = await read_until(r, b'{"n":2}')
     answers = raw.split(b"HTTP/1.1 ")[1:]
     assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"201 Created"] * 3
@@ -194,7 +199,7 @@ async def test_a_whole_response_is_one_write_and_pipelined_requests_after_it_are
 async def test_a_whole_response_to_a_connection_close_request_closes_the_connection(served):
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
-    w.write(b"POST /whole HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+    w.write(post("/whole", b"connection: close\r\n"))
     raw = await asyncio.wait_for(r.read(), 10)     # to EOF: the router closed its side
     assert raw.startswith(b"HTTP/1.1 201 ") and b"connection: close\r\n" in raw and raw.endswith(b'{"n":0}')
     assert app.whole == [True]
@@ -204,7 +209,7 @@ async def test_a_whole_response_to_a_connection_close_request_closes_the_connect
 async def test_write_response_declines_a_started_response_and_a_scope_of_another_server(served):
     app, path = served
     r, w = await asyncio.open_unix_connection(path)
-    w.write(b"POST /whole-started HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    w.write(post("/whole-started"))
     raw = await read_until(r, b"ok")
     assert b"no" not in raw.partition(b"\r\n\r\n")[2]
     assert app.whole == [False]
@@ -257,7 +262,7 @@ def test_the_whole_response_leaves_the_protocol_in_one_transport_write():
 
     try:
         proto = in_process(app, loop, t)
-        proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        proto.data_received(post("/x"))
         loop.run_until_complete(asyncio.sleep(0.05))
         assert t.writes == [b"HTTP/1.1 200 OK\r\nx-a: 1\r\ncontent-length: 5\r\n\r\nhello"]
         proto.connection_lost(None)
@@ -282,7 +287,7 @@ def test_a_client_that_is_not_reading_gets_no_whole_response_write():
     try:
         proto = in_process(app, loop, t)
         proto.pause_writing()      # what the transport calls above its high-water mark
-        proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        proto.data_received(post("/x"))
         loop.run_until_complete(asyncio.sleep(0.05))
         assert results == [False] and t.writes == []        # waiting for the client to read
         proto.resume_writing()
@@ -311,8 +316,7 @@ def test_a_client_leaving_with_a_pipelined_request_queued_ends_the_running_one_q
     logging.getLogger("uvicorn.error").addHandler(keep)
     try:
         proto = in_process(app, loop, t)
-        proto.data_received(b"POST /watch HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
-                            b"POST /whole HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        proto.data_received(post("/watch") + post("/whole"))
         loop.run_until_complete(asyncio.sleep(0.05))
         proto.connection_lost(ConnectionResetError(104, "reset by peer"))
         loop.run_until_complete(asyncio.sleep(0.05))
