@@ -271,10 +271,7 @@ class Metrics:
         c = self._req_children.get(key)
         if c is None:
             c = self._req_children[key] = self.requests.labels(worker, str(status))
-        p = self._pending
-        p[c] = p.get(c, 0.0) + 1.0
-        if self._direct:
-            self.flush()
+        self._add(c, 1.0)
         h = self._dur.get(route)
         if h is None:
             h = self._dur[route] = self.duration.labels(route)
@@ -302,15 +299,10 @@ class Metrics:
         if pair is None:
             w = str(worker_id)
             pair = self._tok[key] = (self.prompt_tokens.labels(w, model), self.generation_tokens.labels(w, model))
-        p = self._pending
         if prompt > 0:
-            c = pair[0]
-            p[c] = p.get(c, 0.0) + prompt
+            self._add(pair[0], prompt)
         if generated > 0:
-            c = pair[1]
-            p[c] = p.get(c, 0.0) + generated
-        if self._direct:
-            self.flush()
+            self._add(pair[1], generated)
 
     def see_worker(self, worker_id: int) -> None:
         """Start worker ``worker_id``'s error counters at 0, every kind (once per worker)."""
@@ -334,8 +326,12 @@ class Metrics:
         c = self._dec_children.get(key)
         if c is None:
             c = self._dec_children[key] = self.decisions.labels(policy, reason)
+        self._add(c, 1.0)
+
+    def _add(self, child: Any, n: float) -> None:
+        """Count ``n`` on a per-request counter's child: coalesced until :meth:`flush`."""
         p = self._pending
-        p[c] = p.get(c, 0.0) + 1.0
+        p[child] = p.get(child, 0.0) + n
         if self._direct:
             self.flush()
 

@@ -337,7 +337,7 @@ class Proxy:
                     # write a status line above 599, and a client takes a 1xx for "more to come"
                     outcome = False
                     up.release(abort=True)
-                    metrics.errors.labels(str(wid), "status_5xx").inc()
+                    metrics.errors.labels(h.label, "status_5xx").inc()
                     last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
                                                    "not a final status (200-599)", worker_id=wid), wid
                     tried.add(wid)
