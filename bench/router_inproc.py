@@ -50,8 +50,11 @@ class _FakeUpstream:
 class _FakeEngine:
     """Stands in for :class:`router.transport.Transport`: every request gets the tiny answer."""
 
+    def write_pooled(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None) -> Any:
+        return None
+
     async def send(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None,
-                   timeout_s: float | None = None) -> _FakeUpstream:
+                   timeout_s: float | None = None, written: Any = None) -> _FakeUpstream:
         return _FakeUpstream()
 
     async def get(self, *a: Any, **k: Any) -> tuple[int, bytes]:

@@ -5,8 +5,10 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
 1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
 2. read the body once and parse only what routing needs (:mod:`router.protocol`); 400 if malformed,
    404 if no worker serves the named model;
-3. pick a worker through the scheduling pipeline and take its :class:`~router.scheduling.Lease`;
-4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent);
+3. pick a worker through the scheduling pipeline (:meth:`~router.scheduling.Scheduler.admit`);
+4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent) and take
+   the worker's :class:`~router.scheduling.Lease` (on a pooled connection the request is written
+   first, the lease while the engine reads it);
 5. wait for the worker's response head and first body byte (``router.first_byte_timeout_s``
    from dispatch: a long prefill, or a whole non-streamed generation); nothing reaches the client
    before that byte, so until then a failure can still be answered with a clean status;
@@ -306,20 +308,29 @@ class Proxy:
                 if delay > 0:
                     await asyncio.sleep(delay)
             try:
-                lease, _ = sched.select(info, tried)
+                h, d = sched.admit(info, tried)
             except NoEligibleWorker as e:
                 if last is None:
                     await send_error(send, e, rid)
                     metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
                     return
                 break
-            h = lease.handle
+            # the request goes to the engine first (on a pooled connection, without suspending),
+            # the lease, prefix index and counters are written while the engine reads it: no
+            # await in between, so this process's next decision still sees the load
+            written = self.transport.write_pooled(h.endpoint, method, target, headers, body)
+            try:
+                lease = sched.lease(h, d, info)
+            except BaseException:
+                if written is not None:
+                    written.transport.close()
+                raise
             wid = h.worker_id
             wid_b = h.label_b
             outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
             try:
                 try:
-                    up = await self.transport.send(h.endpoint, method, target, headers, body)
+                    up = await self.transport.send(h.endpoint, method, target, headers, body, written=written)
                 except TransportError as e:
                     outcome = False
                     if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)

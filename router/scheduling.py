@@ -1,6 +1,9 @@
 """The one scheduling pipeline, and the only place that decides which workers may take a request.
 
     lease, decision = scheduler.select(req, exclude)   # raises NoEligibleWorker (503)
+    # or, to hand the request to the engine before the bookkeeping:
+    handle, decision = scheduler.admit(req, exclude)   # ... write the request ...
+    lease = scheduler.lease(handle, decision, req)     # before the next await
     ... forward; report what happened to the attempt ...
     lease.head_seen()          # the worker sent a response head (liveness evidence)
     lease.refused()            # nothing accepted the connection (the worker is down)
@@ -177,32 +180,44 @@ class Scheduler:
 
     def select(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset(),
                now: float | None = None) -> tuple[Lease, Decision]:
-        """Choose, admit through the breaker, take a :class:`Lease` and tell the policy.
+        """:meth:`admit` then :meth:`lease`: choose, admit through the breaker, take the lease."""
+        h, d = self.admit(req, exclude)
+        return self.lease(h, d, req, now), d
+
+    def admit(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[WorkerHandle, Decision]:
+        """Choose a worker whose breaker admits the request (a half-open breaker's one probe is
+        taken here); a worker the breaker refuses is left out and the choice made again. Nothing
+        is recorded: :meth:`lease` must follow, before the caller yields to the event loop, so that
+        the next decision of this process sees the load. Raises NoEligibleWorker."""
+        excl = set(exclude)
+        while True:
+            h, d = self.decide(req, excl)
+            if h.breaker.allow():
+                return h, d
+            excl.add(h.worker_id)
+
+    def lease(self, h: WorkerHandle, d: Decision, req: RequestInfo, now: float | None = None) -> Lease:
+        """Record the dispatch of ``req`` to ``h`` as decided by ``d``: take a :class:`Lease`, tell
+        the policy (its prefix index), count the decision.
 
         The lease is charged ``d.uncached_tokens`` (the policy's estimate of what the worker must
         compute; the whole prompt when the policy has none). For a request the router will not see
         the first token of (not streamed), the lease is also registered for :meth:`sweep`."""
-        excl = set(exclude)
         t = time.monotonic() if now is None else now
-        while True:
-            h, d = self.decide(req, excl)
-            if not h.breaker.allow():
-                excl.add(h.worker_id)
-                continue
-            u = req.prompt_len if d.uncached_tokens is None else d.uncached_tokens
-            deadline = None
-            if not req.stream:
-                est = d.est_s
-                if est is None or not est < float("inf"):
-                    est = u / self.default_rate
-                deadline = t + est
-            lease = Lease(h, self.seg, req.prompt_len, u, t, self.learn, deadline, self.health)
-            if deadline is not None:
-                self.blind.add(lease)
-            self.policy.on_dispatch(h.worker_id, req)
-            if self.metrics is not None:
-                self.metrics.decision(self.policy.name, d.reason)
-            return lease, d
+        u = req.prompt_len if d.uncached_tokens is None else d.uncached_tokens
+        deadline = None
+        if not req.stream:
+            est = d.est_s
+            if est is None or not est < float("inf"):
+                est = u / self.default_rate
+            deadline = t + est
+        lease = Lease(h, self.seg, req.prompt_len, u, t, self.learn, deadline, self.health)
+        if deadline is not None:
+            self.blind.add(lease)
+        self.policy.on_dispatch(h.worker_id, req)
+        if self.metrics is not None:
+            self.metrics.decision(self.policy.name, d.reason)
+        return lease
 
     def sweep(self, now: float | None = None) -> int:
         """Move non-streamed requests past their estimated TTFT from prefill to decode (the router

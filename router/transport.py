@@ -518,10 +518,37 @@ class Transport:
             p = self._pools[endpoint] = _Pool(endpoint, self.keepalive_s)
         return p
 
+    def write_pooled(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
+                     body: bytes | None) -> _Conn | None:
+        """Write one request now, without suspending, on an idle pooled connection to ``endpoint``
+        and return that connection (hand it to :meth:`send` as ``written``); None when the pool
+        has none (then :meth:`send` connects and writes). Lets the caller do its bookkeeping
+        while the engine already reads the request. Arguments as for :meth:`send`."""
+        pool = self._pool(endpoint)
+        c = pool.get()
+        if c is not None:
+            self._write(c, pool, method, path, headers, body)
+        return c
+
+    @staticmethod
+    def _write(c: _Conn, pool: _Pool, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
+               body: bytes | None) -> None:
+        c.start()
+        body = body or b""
+        parts = [method.encode("latin-1"), b" ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", pool.host,
+                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        for k, v in headers:
+            parts += (k, b": ", v, b"\r\n")
+        parts.append(b"\r\n")
+        parts.append(body)
+        c.transport.write(b"".join(parts))
+
     async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
-                   body: bytes | None, timeout_s: float | None = None) -> Upstream:
+                   body: bytes | None, timeout_s: float | None = None, written: _Conn | None = None) -> Upstream:
         """Send one request (``path`` includes any query string; ``headers`` lower-case byte
-        pairs, hop-by-hop ones already dropped) and return once the head is in.
+        pairs, hop-by-hop ones already dropped) and return once the head is in. ``written``: the
+        connection :meth:`write_pooled` already wrote this request on (then only the head is
+        awaited).
 
         The head must arrive within the first-byte timeout (``timeout_s``, when given, bounds the
         head instead and the body's gaps too: health probes and control calls). Raises
@@ -533,7 +560,9 @@ class Transport:
         else:
             deadline = loop.time() + self.first_byte_timeout_s
         pool = self._pool(endpoint)
-        c = pool.get()
+        c = written
+        if c is None:
+            c = pool.get()
         if c is None:
             try:
                 c = await pool.connect(min(self.connect_timeout_s, max(0.0, deadline - loop.time())))
@@ -546,15 +575,8 @@ class Transport:
                 err = TransportError("connect", endpoint, repr(e))
                 err.refused = err.unsent = True
                 raise err from None
-        c.start()
-        body = body or b""
-        parts = [method.encode("latin-1"), b" ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", pool.host,
-                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
-        for k, v in headers:
-            parts += (k, b": ", v, b"\r\n")
-        parts.append(b"\r\n")
-        parts.append(body)
-        c.transport.write(b"".join(parts))
+        if c is not written:
+            self._write(c, pool, method, path, headers, body)
         try:
             while not c.head_done:
                 if c.error is not None:

@@ -178,3 +178,99 @@ def test_scheduler_sweep_moves_blind_requests_past_their_estimate(seg):
     lease.release(now=101.0)
     assert line(seg, wid)["decode_reqs"] == 0 and line(seg, wid)["router_inflight"] == 0
     assert not sch.blind
+
+
+class _Written:
+    """A connection the fake transport wrote on; ``closed`` once the proxy gave up on it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.transport = self
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Answer:
+    status = 200
+    is_stream = False
+    request_id = b"r1"
+
+    def __init__(self) -> None:
+        self.headers = [(b"content-type", b"application/json")]
+
+    async def first_chunk(self) -> bytes:
+        return b'{"ok":1}'
+
+    async def read(self, first: bytes) -> bytes:
+        return first
+
+    def release(self, abort: bool = False) -> None:
+        return None
+
+
+class _OrderTransport:
+    """Records the worker's router line at the moment the request is written, and what send got."""
+
+    def __init__(self, seg) -> None:
+        self.seg = seg
+        self.at_write: list[dict] = []
+        self.conns: list[_Written] = []
+        self.sent_written: list[object] = []
+
+    def write_pooled(self, endpoint, method, path, headers, body):
+        wid = int(endpoint.rsplit("/", 1)[1].split(".")[0])
+        self.at_write.append(self.seg.router_line(wid))
+        self.conns.append(_Written())
+        return self.conns[-1]
+
+    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None):
+        self.sent_written.append(written)
+        return _Answer()
+
+
+def _proxy(seg, transport):
+    from router.config import load_config
+    from router.metrics import Metrics
+    from router.proxy import Proxy, ProxySettings
+    from router.scheduling import Scheduler
+    from router.workers import Registry
+
+    reg = Registry(seg, load_config(None, {}))
+    reg.sync(seg.snapshot())
+    sch = Scheduler(reg, policy(seg), seg, Metrics())
+    return Proxy(sch, transport, Metrics(), ProxySettings()), sch
+
+
+async def test_the_request_reaches_the_engine_before_the_lease_and_the_lease_before_any_await(seg):
+    t = _OrderTransport(seg)
+    proxy, sch = _proxy(seg, t)
+    sent: list[dict] = []
+
+    async def send(msg) -> None:
+        sent.append(msg)
+
+    req = info("hello " * 40)
+    await proxy.forward("POST", "/v1/completions", "/v1/completions", [], b"{}", req, b"r1", send, 0.0)
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b'{"ok":1}'
+    assert t.at_write[0]["router_inflight"] == 0 and t.at_write[0]["dispatched"] == 0   # written first
+    assert t.sent_written == [t.conns[0]]                    # send only waits for that connection's head
+    wid = next(i for i in range(4) if line(seg, i)["dispatched"] == 1)    # then the lease was taken
+    assert line(seg, wid)["router_inflight"] == 0 and len(sch.policy.index) > 0   # released; prefix indexed
+
+
+async def test_a_lease_that_fails_after_the_write_closes_that_connection(seg):
+    t = _OrderTransport(seg)
+    proxy, sch = _proxy(seg, t)
+
+    def broken(*a, **k):
+        raise RuntimeError("lease failed")
+
+    sch.lease = broken   # type: ignore[method-assign]
+
+    async def send(msg) -> None:
+        raise AssertionError("nothing is answered from here")
+
+    with pytest.raises(RuntimeError):
+        await proxy.forward("POST", "/v1/completions", "/v1/completions", [], b"{}", info("x y"), b"r1", send, 0.0)
+    assert len(t.conns) == 1 and t.conns[0].closed                     # the engine is told to stop

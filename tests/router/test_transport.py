@@ -28,6 +28,7 @@ class Server(asyncio.Protocol):
     def connection_made(self, transport):  # type: ignore[override]
         self.t = transport
         self.buf = b""
+        self.paths: list[bytes] = []
         self.closed = asyncio.get_running_loop().create_future()
         Server.conns.append(self)
 
@@ -46,6 +47,7 @@ class Server(asyncio.Protocol):
                     n = int(v)
             self.buf = rest[n:]
             path = head.split(b" ")[1]
+            self.paths.append(path)
             self.answer(path)
 
     def answer(self, path: bytes) -> None:
@@ -101,6 +103,21 @@ async def test_keep_alive_reuses_one_connection(server):
     assert len(Server.conns) == 1
     await asyncio.gather(*(t.get(server, "/json", 2.0) for _ in range(8)))
     assert len(Server.conns) == 8          # concurrent requests: one connection each, then pooled
+    await t.close()
+
+
+async def test_write_pooled_writes_at_once_on_an_idle_connection_and_send_takes_it_from_there(server):
+    t = Transport()
+    assert t.write_pooled(server, "POST", "/json", [], b"{}") is None    # nothing pooled yet: send connects
+    up = await t.send(server, "POST", "/json", [], b"{}")
+    assert await up.read(await up.first_chunk()) == JSON
+    c = t.write_pooled(server, "POST", "/json", [(b"x-a", b"1")], b'{"n":2}')
+    assert c is not None
+    await asyncio.sleep(0.05)    # the write left before any await: the server has it without send()
+    assert Server.conns[0].paths == [b"/json", b"/json"]
+    up = await t.send(server, "POST", "/json", [], b"ignored: already written", written=c)
+    assert up.status == 200 and await up.read(await up.first_chunk()) == JSON
+    assert len(Server.conns) == 1 and len(Server.conns[0].paths) == 2   # same connection, not sent again
     await t.close()
 
 
