@@ -33,6 +33,8 @@ class _FakeUpstream:
     status = 200
     is_stream = False
     request_id = None
+    whole = None
+    answered = False
 
     def __init__(self) -> None:
         self.headers = [(b"content-type", b"application/json")]
@@ -54,7 +56,7 @@ class _FakeEngine:
         return None
 
     async def send(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None,
-                   timeout_s: float | None = None, written: Any = None) -> _FakeUpstream:
+                   timeout_s: float | None = None, written: Any = None, on_whole: Any = None) -> _FakeUpstream:
         return _FakeUpstream()
 
     async def get(self, *a: Any, **k: Any) -> tuple[int, bytes]:

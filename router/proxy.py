@@ -17,7 +17,8 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    (429, 503). A timeout is answered **504** on the worker that timed out (retried only with
    ``retries.retry_on_timeout``), a dropped connection or broken body **502** (retried only with
    ``retries.retry_on_disconnect``); both errors name the worker in ``X-DPLB-Worker-ID``;
-7. relay the response (whole for non-streamed bodies, chunk by chunk for streams, each gap
+7. relay the response (whole for non-streamed bodies: one write, from the engine connection's
+   callback when no retry is possible, ``Transport.send(on_whole=...)``; chunk by chunk for streams, each gap
    bounded by ``router.idle_timeout_s``; after a stream's first chunk, piped from the engine
    connection's callback and, after its first content, by the native relay: ``relay_stream``)
    with ``X-DPLB-Worker-ID``; a stream that breaks or stalls after its first byte ends with an
@@ -298,6 +299,7 @@ class Proxy:
         chunks bypass ``send``, :func:`router.server.chunked_writer`)."""
         sched = self.scheduler
         metrics = self.metrics
+        retry_status = self.settings.retry_status
         tried: set[int] = set()
         last: Exception | None = None
         last_wid: int | None = None
@@ -328,9 +330,21 @@ class Proxy:
             wid = h.worker_id
             wid_b = h.label_b
             outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
+            answer = None
+            if scope is not None:
+                def answer(u: Upstream, wid_b: bytes = wid_b) -> bool:
+                    # a whole non-streamed answer that needs no retry leaves from the engine
+                    # connection's callback, in one write (the task does the bookkeeping after)
+                    st = u.status
+                    if not 200 <= st <= 599 or st in retry_status or u.whole is None:
+                        return False
+                    hs = [*u.headers, (_XWID, wid_b)] if u.request_id is not None else \
+                        [*u.headers, (_XRID, rid), (_XWID, wid_b)]
+                    return write_response(scope, st, hs, u.whole)
             try:
                 try:
-                    up = await self.transport.send(h.endpoint, method, target, headers, body, written=written)
+                    up = await self.transport.send(h.endpoint, method, target, headers, body, written=written,
+                                                   on_whole=answer)
                 except TransportError as e:
                     outcome = False
                     if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
@@ -365,9 +379,14 @@ class Proxy:
                     tried.add(wid)
                     metrics.retries.labels(f"status_{status}").inc()
                     continue
+                if up.answered:
+                    outcome = status < 500
+                    on_answer(metrics, lease, up.whole or b"")
+                    metrics.observe_request(h.label, status, route, time.perf_counter() - t0)
+                    return
                 # the first body byte, within the first-byte deadline, before anything reaches the client
                 try:
-                    first = await up.first_chunk()
+                    first = up.whole if up.whole is not None else await up.first_chunk()
                 except TransportError as e:
                     outcome = False
                     up.release(abort=True)

@@ -214,7 +214,10 @@ def watch_disconnect(scope: MutableMapping[str, Any], on_gone: Callable[[], None
         # transport (an error logged for every such client)
         cycle.disconnected = True
         cycle.message_event.set()
-        on_gone()
+        if not cycle.response_complete:
+            # (a whole answer already written, e.g. from the engine connection's callback before a
+            # ``connection: close``, has nothing left to abort: its task only does bookkeeping)
+            on_gone()
 
     proto.on_lost = lost
 

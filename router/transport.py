@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -47,6 +48,8 @@ import httptools
 
 from router.errors import TransportError
 from router.protocol import HOP_BY_HOP
+
+log = logging.getLogger("dplb.router.transport")
 
 #: pause reading a connection once this many body bytes wait for the relay (flow control)
 HIGH_WATER = 1 << 20
@@ -70,8 +73,8 @@ class _Conn(asyncio.Protocol):
     future the reader sleeps on."""
 
     __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held",
-                 "idle_since", "keep", "keep_hint", "last_rx", "lost", "parser", "paused", "relay", "sink", "status",
-                 "timer", "transport", "waiter")
+                 "idle_since", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
+                 "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         self.transport: Any = None
@@ -84,6 +87,7 @@ class _Conn(asyncio.Protocol):
         self.sink: Callable[[bytes], bool] | None = None
         self.handoff: Callable[[], Any] | None = None   # see Upstream.pipe
         self.relay: Any = None                          # a router._relay.ChunkRelay while it has the body
+        self.on_whole: Callable[[_Conn], None] | None = None   # see Transport.send
         self._reset()
 
     def _reset(self) -> None:
@@ -151,6 +155,9 @@ class _Conn(asyncio.Protocol):
             elif self.handoff is not None and self.boundary:
                 self._hand_off()
             return
+        if self.done and self.on_whole is not None and self.error is None:
+            cb, self.on_whole = self.on_whole, None
+            cb(self)
         self._wake()
 
     def _hand_off(self) -> None:
@@ -278,8 +285,8 @@ class Upstream:
     ``deadline``: event-loop time (s) by which the first body byte must arrive; ``idle_s``: the
     longest gap (s) between two later chunks."""
 
-    __slots__ = ("_conn", "_first", "_on_done", "_pool", "deadline", "endpoint", "headers", "idle_s", "is_stream",
-                 "request_id", "status")
+    __slots__ = ("_conn", "_first", "_on_done", "_pool", "answered", "deadline", "endpoint", "headers", "idle_s",
+                 "is_stream", "request_id", "status", "whole")
 
     def __init__(self, conn: _Conn, pool: _Pool, endpoint: str, on_done: Callable[[], None] | None = None,
                  deadline: float | None = None, idle_s: float | None = None) -> None:
@@ -291,6 +298,10 @@ class Upstream:
         self.deadline = deadline
         self.idle_s = idle_s
         self._first = True
+        #: the whole body, when it was in before the caller woke up (``Transport.send``'s ``on_whole``)
+        self.whole: bytes | None = None
+        #: ``on_whole`` answered the client with it already
+        self.answered = False
         hs = []
         stream = False
         has_len = False
@@ -544,11 +555,19 @@ class Transport:
         c.transport.write(b"".join(parts))
 
     async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
-                   body: bytes | None, timeout_s: float | None = None, written: _Conn | None = None) -> Upstream:
+                   body: bytes | None, timeout_s: float | None = None, written: _Conn | None = None,
+                   on_whole: Callable[[Upstream], bool] | None = None) -> Upstream:
         """Send one request (``path`` includes any query string; ``headers`` lower-case byte
         pairs, hop-by-hop ones already dropped) and return once the head is in. ``written``: the
         connection :meth:`write_pooled` already wrote this request on (then only the head is
         awaited).
+
+        ``on_whole(upstream) -> answered``: called from the connection's callback, before the
+        caller wakes up, when the whole response (head and a body with a Content-Length) came in
+        with the head; ``upstream.whole`` then holds the body. It may answer the client at once
+        (saving the task's wake-up on the way back) and returns whether it did; the returned
+        :class:`Upstream` carries ``whole`` and ``answered``, and its connection is already back
+        in the pool. An exception in it is logged and counts as not answered.
 
         The head must arrive within the first-byte timeout (``timeout_s``, when given, bounds the
         head instead and the body's gaps too: health probes and control calls). Raises
@@ -577,6 +596,21 @@ class Transport:
                 raise err from None
         if c is not written:
             self._write(c, pool, method, path, headers, body)
+        up_deadline = deadline if timeout_s is None else None
+        idle = timeout_s if timeout_s is not None else self.idle_timeout_s
+        made: list[Upstream] = []
+        if on_whole is not None:
+            def whole(conn: _Conn) -> None:
+                u = Upstream(conn, pool, endpoint, None, up_deadline, idle)
+                made.append(u)
+                if u.is_stream:
+                    return
+                u.whole = conn.take()
+                try:
+                    u.answered = bool(on_whole(u))
+                except Exception:   # a bug: the caller answers through its own path instead
+                    log.exception("answering from the connection callback failed; answering from the task")
+            c.on_whole = whole
         try:
             while not c.head_done:
                 if c.error is not None:
@@ -592,8 +626,14 @@ class Transport:
         except BaseException:
             c.transport.close()   # cancelled (the client left), timed out or broken: the engine must stop
             raise
-        return Upstream(c, pool, endpoint, None, deadline if timeout_s is None else None,
-                        timeout_s if timeout_s is not None else self.idle_timeout_s)
+        finally:
+            c.on_whole = None
+        if made:
+            up = made[0]
+            if up.whole is not None:
+                up.release()
+            return up
+        return Upstream(c, pool, endpoint, None, up_deadline, idle)
 
     async def get(self, endpoint: str, path: str, timeout_s: float, method: str = "GET") -> tuple[int, bytes]:
         """Small control request (probes, state mirroring, an agent's ``POST /dplb/restart``):

@@ -195,6 +195,8 @@ class _Answer:
     status = 200
     is_stream = False
     request_id = b"r1"
+    whole = None
+    answered = False
 
     def __init__(self) -> None:
         self.headers = [(b"content-type", b"application/json")]
@@ -224,7 +226,7 @@ class _OrderTransport:
         self.conns.append(_Written())
         return self.conns[-1]
 
-    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None):
+    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None, on_whole=None):
         self.sent_written.append(written)
         return _Answer()
 

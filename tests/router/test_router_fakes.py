@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import metric, wait_until
 
 MODEL = "fake-model"
 MSG = [{"role": "user", "content": "hello there"}]
@@ -205,6 +205,48 @@ def test_client_disconnect_while_waiting_for_head_closes_upstream(cluster4):
     wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release after disconnect")
     wait_until(lambda: sum(f.client().stats()["active"] for f in cluster4.fakes) == 0, 10,
                what="hanging upstream request closed")
+
+
+def test_clients_that_close_after_each_answer_get_it_counted_as_served_not_as_gone(cluster4):
+    """A whole answer leaves from the engine connection's callback, before the request's task
+    wakes; a client that closes its connection right after it (``Connection: close``, HTTP/1.0)
+    must not turn the task's bookkeeping into a client disconnect."""
+    reset(cluster4)
+    before = httpx.get(cluster4.base + "/metrics").text
+    for version in (b"1.1", b"1.0"):
+        for _ in range(5):
+            body = b'{"model":"fake-model","messages":[{"role":"user","content":"hi"}]}'
+            raw = _raw(cluster4.base, b"POST /v1/chat/completions HTTP/" + version + b"\r\nhost: x\r\n"
+                       b"connection: close\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                       % (len(body), body))
+            head, _, answer = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower(), head
+            assert b"chat.completion" in answer
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release")
+
+    def served(text: str) -> float:
+        return sum(metric(text, "dplb_router_requests_total", worker=str(w), status="200") or 0 for w in range(4))
+
+    wait_until(lambda: served(httpx.get(cluster4.base + "/metrics").text) - served(before) == 10, 10,
+               what="10 answers counted")
+    after = httpx.get(cluster4.base + "/metrics").text
+    for w in range(4):
+        assert (metric(after, "dplb_router_request_errors_total", worker=str(w), kind="client_disconnect") or 0) == \
+            (metric(before, "dplb_router_request_errors_total", worker=str(w), kind="client_disconnect") or 0)
+
+
+def _raw(base: str, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection to the router and read until it closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
 
 
 # ------------------------------------------------------------------------------------ faults

@@ -121,6 +121,33 @@ async def test_write_pooled_writes_at_once_on_an_idle_connection_and_send_takes_
     await t.close()
 
 
+async def test_a_whole_answer_is_handed_over_from_the_connection_callback_before_the_task_wakes(server):
+    t = Transport()
+    seen: list[tuple[object, bytes | None, int]] = []
+
+    def on_whole(up) -> bool:  # type: ignore[no-untyped-def]
+        seen.append((asyncio.current_task(), up.whole, up.status))
+        return len(seen) == 1            # answered the first time, not the second
+
+    up = await t.send(server, "POST", "/json", [], b"{}", on_whole=on_whole)
+    assert seen == [(None, JSON, 200)]   # no task: called from the protocol's data_received
+    assert up.answered and up.whole == JSON and up.status == 200 and not up.is_stream
+    up = await t.send(server, "POST", "/json", [], b"{}", on_whole=on_whole)
+    assert not up.answered and up.whole == JSON
+    assert await up.read(up.whole) == JSON                       # the caller's own path still works
+
+    def broken(up) -> bool:  # type: ignore[no-untyped-def]
+        raise RuntimeError("bug")
+
+    up = await t.send(server, "POST", "/json", [], b"{}", on_whole=broken)
+    assert not up.answered and up.whole == JSON                  # logged; the caller answers
+    up = await t.send(server, "POST", "/stream", [], b"{}", on_whole=on_whole)
+    assert up.is_stream and up.whole is None and len(seen) == 2  # a stream is never handed over whole
+    up.release(abort=True)
+    assert len(Server.conns) == 1        # each whole answer left its connection in the pool for the next
+    await t.close()
+
+
 async def test_stream_chunks_arrive_dechunked_and_in_order(server):
     t = Transport()
     up = await t.send(server, "POST", "/stream", [], b"{}")
