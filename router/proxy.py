@@ -403,7 +403,8 @@ class Proxy:
                 resp_headers.append((_XWID, wid_b))
                 if not up.is_stream:
                     try:
-                        data = await up.read(first)
+                        # (a whole body taken in the callback: its connection is back in the pool)
+                        data = first if up.whole is not None else await up.read(first)
                     except TransportError as e:  # after the first byte: never retried
                         outcome = False
                         metrics.errors.labels(str(wid), e.kind).inc()
