@@ -33,11 +33,11 @@ class _FakeUpstream:
     status = 200
     is_stream = False
     request_id = None
-    whole = None
-    answered = False
 
     def __init__(self) -> None:
         self.headers = [(b"content-type", b"application/json")]
+        self.whole: bytes | None = None
+        self.answered = False
 
     async def first_chunk(self) -> bytes:
         return RESP_BODY
@@ -57,7 +57,11 @@ class _FakeEngine:
 
     async def send(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None,
                    timeout_s: float | None = None, written: Any = None, on_whole: Any = None) -> _FakeUpstream:
-        return _FakeUpstream()
+        up = _FakeUpstream()
+        if on_whole is not None:   # as the real client does when the whole answer came with its head
+            up.whole = RESP_BODY
+            up.answered = bool(on_whole(up))
+        return up
 
     async def get(self, *a: Any, **k: Any) -> tuple[int, bytes]:
         return 200, b""
