@@ -29,7 +29,9 @@ so there is one definition of each:
   (``ErrorInfo.code: int``); :func:`sse_error_event` wraps it as an SSE ``data:`` event for a stream
   that fails after its first byte. :class:`OpenAIError` is the base of every error rendered so.
 - :data:`HOP_BY_HOP`: header names (lower-case bytes) never forwarded in either direction
-  (RFC 9110 §7.6.1, plus ``host`` and ``content-length``, which the sender recomputes).
+  (RFC 9110 §7.6.1, plus ``host`` and ``content-length``, which the sender recomputes, and
+  ``expect``: the router has the whole body before it forwards, so a ``100-continue`` was already
+  answered to the client and would only make the engine send an interim answer).
 
 This module imports nothing from the rest of DPLB (it is the bottom of the import graph).
 """
@@ -48,7 +50,7 @@ EMBEDDINGS = "/v1/embeddings"
 #: header names never forwarded, request or response (lower-case bytes, as ASGI and the client use)
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                         b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host",
-                        b"content-length"})
+                        b"content-length", b"expect"})
 
 #: template tokens the simulated chat template adds per message (role, end of turn) and at the end
 CHAT_TOKENS_PER_MESSAGE = 2

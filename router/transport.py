@@ -73,7 +73,7 @@ class _Conn(asyncio.Protocol):
     future the reader sleeps on."""
 
     __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held",
-                 "idle_since", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
+                 "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
                  "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
@@ -92,6 +92,7 @@ class _Conn(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
+        self.interim = False   # inside an interim (1xx) answer, which is skipped
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.buffered = 0
@@ -155,10 +156,12 @@ class _Conn(asyncio.Protocol):
             elif self.handoff is not None and self.boundary:
                 self._hand_off()
             return
+        # wake the task first: what the answer's write schedules (the client's next pipelined
+        # request) then runs after the task's bookkeeping (the lease released), not before it
+        self._wake()
         if self.done and self.on_whole is not None and self.error is None:
             cb, self.on_whole = self.on_whole, None
             cb(self)
-        self._wake()
 
     def _hand_off(self) -> None:
         """At a chunk boundary (``boundary``: the parser's last callback was a chunk's end and the
@@ -188,7 +191,14 @@ class _Conn(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # an interim answer (100 Continue, 103 Early Hints): not the response; the final one
+            # follows on the same connection (RFC 9110 §15.2)
+            self.interim = True
+            self.headers.clear()
+            return
+        self.status = status
         self.keep_hint = self.parser.should_keep_alive()
         self.head_done = True
 
@@ -207,6 +217,9 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.keep = self.parser.should_keep_alive()   # read now: the parser forgets it after the message
         self.done = True
 

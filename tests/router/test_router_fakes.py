@@ -7,6 +7,7 @@ from collections import Counter
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.helpers import metric, wait_until
@@ -235,6 +236,29 @@ def test_clients_that_close_after_each_answer_get_it_counted_as_served_not_as_go
             (metric(before, "dplb_router_request_errors_total", worker=str(w), kind="client_disconnect") or 0)
 
 
+def test_a_pipelining_client_keeps_its_prefix_affinity(cluster4):
+    """Each pipelined request is decided after the one before it gave its load back: a client
+    pipelining the same long conversation stays on the worker that holds its prefix."""
+    import socket
+    from urllib.parse import urlsplit
+
+    reset(cluster4)
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "the same long prompt " * 200}]})
+    one = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    u = urlsplit(cluster4.base)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(one * 8)
+        raw = b""
+        while raw.count(b"HTTP/1.1 200") < 8 or not raw.endswith(b"}"):
+            chunk = s.recv(65536)
+            assert chunk, raw[-500:]
+            raw += chunk
+    workers = [line.split(b":", 1)[1].strip() for line in raw.split(b"\r\n")
+               if line.lower().startswith(b"x-dplb-worker-id:")]
+    assert len(workers) == 8 and len(set(workers)) == 1, workers
+
+
 def _raw(base: str, request: bytes) -> bytes:
     """Send ``request`` on a fresh connection to the router and read until it closes."""
     import socket
@@ -269,18 +293,31 @@ def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(
     assert sum(f.client().stats()["requests"] for f in c.fakes) == 8    # each request ran once
 
 
-@pytest.mark.parametrize("mode", ["103", "600"])
-def test_a_status_that_is_not_final_is_a_502_and_the_connection_stays_usable(cluster4, mode):
-    """An interim (1xx) or made-up (600+) status is no answer: relayed as final it would leave a
-    client waiting for more, and uvicorn cannot write a status line above 599 (it dropped the
-    connection with no answer)."""
+def test_a_status_that_is_not_an_http_status_is_a_502_and_the_connection_stays_usable(cluster4):
+    """A made-up status (600+) is no answer: uvicorn cannot write a status line above 599 (it
+    dropped the connection with no answer)."""
     reset(cluster4)
     with httpx.Client(base_url=cluster4.base, timeout=30) as hc:
-        r = hc.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG}, headers={"x-fake-mode": mode})
+        r = hc.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG}, headers={"x-fake-mode": "600"})
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
-        assert f"HTTP status {mode}" in r.json()["error"]["message"]
+        assert "HTTP status 600" in r.json()["error"]["message"]
         assert r.headers["x-dplb-worker-id"] in {"0", "1", "2", "3"}
         assert hc.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG}).status_code == 200
+    wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="in-flight back to 0")
+
+
+def test_an_interim_answer_is_skipped_and_the_final_one_relayed(cluster4):
+    """An engine's 103 Early Hints (or a 100 Continue) is not its answer: the router waits for
+    the final one on the same connection and relays that, streamed or not, without the hints."""
+    reset(cluster4)
+    with httpx.Client(base_url=cluster4.base, timeout=30) as hc:
+        for _ in range(3):
+            r = hc.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                        headers={"x-fake-mode": "103"})
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion" and "link" not in r.headers
+        with hc.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "stream": True},
+                       headers={"x-fake-mode": "103"}) as r:
+            assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
     wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="in-flight back to 0")
 
 

@@ -61,6 +61,13 @@ class Server(asyncio.Protocol):
                 ev = b"data: %d\n\n" % i
                 loop.call_later(0.02 * (i + 1), self.t.write, b"%x\r\n%s\r\n" % (len(ev), ev))
             loop.call_later(0.1, self.t.write, b"0\r\n\r\n")
+        elif path == b"/continue":   # an interim 100, then the answer in a later write
+            self.t.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            asyncio.get_running_loop().call_later(0.02, self.answer, b"/json")
+        elif path == b"/hints":      # an interim 103 with headers and the answer in the same write
+            self.t.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(JSON), JSON))
         elif path == b"/drop":
             self.t.close()
         elif path == b"/big":   # 64 chunks of 64 KiB written at once (4 MiB: more than a socket buffers)
@@ -145,6 +152,21 @@ async def test_a_whole_answer_is_handed_over_from_the_connection_callback_before
     assert up.is_stream and up.whole is None and len(seen) == 2  # a stream is never handed over whole
     up.release(abort=True)
     assert len(Server.conns) == 1        # each whole answer left its connection in the pool for the next
+    await t.close()
+
+
+async def test_interim_answers_are_skipped_and_the_final_one_is_the_response(server):
+    t = Transport()
+    wholes: list[bytes | None] = []
+    for path in ("/continue", "/hints"):
+        for on_whole in (None, lambda u: wholes.append(u.whole) or False):
+            up = await t.send(server, "POST", path, [], b"{}", on_whole=on_whole)
+            assert up.status == 200 and (b"content-type", b"application/json") in up.headers
+            assert all(k != b"link" for k, _ in up.headers)       # the 103's headers are not the answer's
+            body = up.whole if up.whole is not None else await up.read(await up.first_chunk())
+            assert body == JSON
+    assert wholes == [JSON, JSON]
+    assert len(Server.conns) == 1            # each connection went back to the pool after its answer
     await t.close()
 
 
