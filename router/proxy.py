@@ -205,7 +205,8 @@ class Proxy:
         try:
             if self.settings.api_key is not None and auth != self.settings.api_key:
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
-            if ctype is not None and ctype.split(b";", 1)[0].strip().lower() != b"application/json":
+            if ctype is not None and ctype != b"application/json" and \
+                    ctype.split(b";", 1)[0].strip().lower() != b"application/json":
                 # a body sent as a form or text (curl -d, a misconfigured client); no header at all is accepted
                 raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
                                            "as JSON with 'Content-Type: application/json'")

@@ -93,6 +93,11 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         the prefix matches (``{worker_id: chunks}``)."""
         matches = self.matches(req) if req.text else {}
         vec = [EXCLUDED] * int(self.kernel.num_slots)
+        if not matches:   # no prefix held anywhere: the whole prompt everywhere
+            whole = float(req.prompt_len)
+            for w in workers:
+                vec[w.worker_id] = whole
+            return vec, matches
         for w in workers:
             vec[w.worker_id] = float(uncached_tokens(self.index, matches, req.text, req.prompt_len, w.worker_id))
         return vec, matches
@@ -121,6 +126,9 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
             if explain and not rows:
                 rows = [{"worker_id": x.worker_id, "score": None, "pending": pending(x)} for x in workers]
             return Decision(w.worker_id, "fallback", rows, uncached_tokens=int(vec[w.worker_id]))
-        least = min((matches.get(w.worker_id, 0) for w in workers), default=0)
-        reason = "prefix" if matches.get(wid, 0) > least else "ttft"
+        if not matches:
+            reason = "ttft"
+        else:
+            least = min((matches.get(w.worker_id, 0) for w in workers), default=0)
+            reason = "prefix" if matches.get(wid, 0) > least else "ttft"
         return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est)
