@@ -243,7 +243,7 @@ def test_a_pipelining_client_keeps_its_prefix_affinity(cluster4):
     from urllib.parse import urlsplit
 
     reset(cluster4)
-    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "the same long prompt " * 200}]})
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "the same long prompt " * 1000}]})
     one = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(body), body))
     u = urlsplit(cluster4.base)
