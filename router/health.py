@@ -3,8 +3,10 @@
 Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
 
 1. re-reads the segment and reconciles the registry (new workers appear, gone ones leave);
-2. probes ``GET /health`` on every worker's **engine** (the data endpoint requests go to; the
-   agent is off the request path) with ``timeout_ms`` (50 ms): any answer below 500 passes (a
+2. probes ``GET /health`` on every ready or draining worker's **engine** (the data endpoint
+   requests go to; the agent is off the request path; a worker still starting is not in rotation
+   and its engine may not listen yet, so it is not probed and a start logs no failed probes)
+   with ``timeout_ms`` (50 ms): any answer below 500 passes (a
    server without ``/health`` answers 404 and is alive; readiness is the slot's state). ``max_failures``
    (3) failures in a row take the worker out, one success brings it back. A probe that merely timed
    out is not held against a worker that sent a response head to a real request within the last
@@ -34,7 +36,7 @@ from typing import Any
 
 from router.errors import TransportError
 from router.transport import Transport
-from router.workers import Registry, WorkerHandle
+from router.workers import DRAINING, READY, Registry, WorkerHandle
 
 log = logging.getLogger("dplb.router.health")
 
@@ -113,7 +115,8 @@ class HealthMonitor:
                 await fn()
             except Exception:
                 log.exception("health tick extra failed")
-        handles = list(self.registry.handles.values())
+        handles = [h for h in self.registry.handles.values()
+                   if h.snap is not None and int(h.snap.state) in (READY, DRAINING)]
         if self.probes and handles:
             await asyncio.gather(*(self.probe(h) for h in handles))
 

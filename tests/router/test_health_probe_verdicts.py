@@ -142,3 +142,33 @@ def test_lease_reports_outcomes_and_the_monitor_and_breaker_decide():
     assert h2.breaker.allow()                               # the one half-open probe is out
     Lease(h2, seg, health=m).finish(None)                   # the client left: no verdict, probe freed
     assert h2.breaker.available() and seg.v["inflight"] == 0
+
+
+async def test_only_ready_or_draining_workers_are_probed_a_starting_one_logs_no_failures(caplog):
+    from types import SimpleNamespace
+
+    from dplb_shm import WorkerState
+
+    class Reg:
+        def __init__(self, handles) -> None:
+            self.handles = handles
+
+        def refresh(self) -> None:
+            return None
+
+    handles = {}
+    for wid, state in enumerate((WorkerState.STARTING, WorkerState.READY, WorkerState.DRAINING, WorkerState.DEAD)):
+        h = WorkerHandle(wid, f"/tmp/none-{wid}.sock", "m", CircuitBreaker())
+        h.snap = SimpleNamespace(state=int(state))
+        handles[wid] = h
+    t = ScriptedTransport("connect")        # nothing listens anywhere
+    mon = HealthMonitor(registry=Reg(handles), transport=t, metrics=None, interval_ms=200, timeout_ms=50,
+                        max_failures=3)
+    with caplog.at_level("WARNING", logger="dplb.router.health"):
+        for _ in range(3):
+            await mon.tick()
+    assert t.calls == 6                                     # workers 1 and 2, three ticks
+    assert [h.probe_failures for h in handles.values()] == [0, 3, 3, 0]
+    assert handles[0].probe_ok and not handles[1].probe_ok  # the starting engine is not held to probes
+    assert [r.getMessage() for r in caplog.records] == ["worker 1 out: 3 failed probes",
+                                                        "worker 2 out: 3 failed probes"]
