@@ -132,6 +132,14 @@ async def send_error(send: Send, e: RouterError, request_id: bytes | None = None
     await send_json(send, e.status, e.body(), hs, worker)
 
 
+def relayed_headers(up: Upstream, rid: bytes, wid_b: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers a client gets with ``up``'s answer (a new list): the engine's, plus
+    ``X-Request-Id: rid`` when the engine sent none, plus ``X-DPLB-Worker-ID: wid_b``."""
+    if up.request_id is not None:
+        return [*up.headers, (_XWID, wid_b)]
+    return [*up.headers, (_XRID, rid), (_XWID, wid_b)]
+
+
 async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
     """Read the whole request body; BodyTooLarge beyond ``limit`` bytes (checked on the declared
     Content-Length first, then while reading)."""
@@ -339,9 +347,7 @@ class Proxy:
                     st = u.status
                     if not 200 <= st <= 599 or st in retry_status or u.whole is None:
                         return False
-                    hs = [*u.headers, (_XWID, wid_b)] if u.request_id is not None else \
-                        [*u.headers, (_XRID, rid), (_XWID, wid_b)]
-                    return write_response(scope, st, hs, u.whole)
+                    return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
             try:
                 try:
                     up = await self.transport.send(h.endpoint, method, target, headers, body, written=written,
@@ -380,11 +386,6 @@ class Proxy:
                     tried.add(wid)
                     metrics.retries.labels(f"status_{status}").inc()
                     continue
-                if up.answered:
-                    outcome = status < 500
-                    on_answer(metrics, lease, up.whole or b"")
-                    metrics.observe_request(h.label, status, route, time.perf_counter() - t0)
-                    return
                 # the first body byte, within the first-byte deadline, before anything reaches the client
                 try:
                     first = up.whole if up.whole is not None else await up.first_chunk()
@@ -398,10 +399,7 @@ class Proxy:
                         metrics.retries.labels(e.kind).inc()
                         continue
                     break
-                resp_headers = up.headers
-                if up.request_id is None:
-                    resp_headers.append((_XRID, rid))
-                resp_headers.append((_XWID, wid_b))
+                resp_headers = relayed_headers(up, rid, wid_b)
                 if not up.is_stream:
                     try:
                         # (a whole body taken in the callback: its connection is back in the pool)
@@ -414,7 +412,8 @@ class Proxy:
                         break
                     outcome = status < 500
                     # one write of head and body where the router's protocol serves the request
-                    if scope is None or not write_response(scope, status, resp_headers, data):
+                    # (already done from the engine connection's callback when ``up.answered``)
+                    if not up.answered and (scope is None or not write_response(scope, status, resp_headers, data)):
                         resp_headers.append((b"content-length", b"%d" % len(data)))
                         await send({"type": "http.response.start", "status": status, "headers": resp_headers})
                         await send({"type": "http.response.body", "body": data, "more_body": False})
