@@ -395,6 +395,23 @@ class DPLBApp:
         self.max_header_bytes = state.cfg.router.max_header_bytes
         self.max_headers = state.cfg.router.max_headers
 
+    def start_request(self, scope: MutableMapping[str, Any], body: bytes) -> Any:
+        """Start a ``POST`` whose whole ``body`` came in with its head, from the router's protocol
+        callback (:class:`router.server.LimitedHttpToolsProtocol`): a proxied path within the
+        head limits goes to :meth:`Proxy.start`, which writes it to its worker before the event
+        loop turns. Returns the ASGI callable to run as the request's task instead of this app,
+        or None: serve the request through :meth:`__call__` (another path, the router starting,
+        any error to answer)."""
+        p = scope["path"]
+        proxy = self.state.proxy
+        if proxy is None or not (p.startswith("/v1/") or p == "/generate"):
+            return None
+        try:
+            check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
+        except HeadersTooLarge:
+            return None
+        return proxy.start(scope, body)
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             try:  # ~1 µs for an ordinary request

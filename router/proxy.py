@@ -179,8 +179,11 @@ class Proxy:
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
 
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        t0 = time.perf_counter()
+    def _head(self, scope: MutableMapping[str, Any]) -> tuple[bytes, int | None, bytes | None, bytes | None,
+                                                              list[tuple[bytes, bytes]], bytes | None]:
+        """One pass over the request's headers: ``(request id, declared Content-Length,
+        Authorization, Content-Type, headers to forward, session id)``. The request id is the
+        client's ``X-Request-Id`` or a minted one, which is then added to the forwarded headers."""
         rid: bytes | None = None
         declared = None
         auth = None
@@ -208,28 +211,93 @@ class Proxy:
             self._n += 1
             rid = b"%s%08x" % (self._prefix, self._n)
             fwd.append((_XRID, rid))
+        return rid, declared, auth, ctype, fwd, session
+
+    def _check(self, auth: bytes | None, ctype: bytes | None) -> None:
+        """Raise Unauthorized (API key) or UnsupportedMediaType (a body that is not JSON)."""
+        if self.settings.api_key is not None and auth != self.settings.api_key:
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+        if ctype is not None and ctype != b"application/json" and \
+                ctype.split(b";", 1)[0].strip().lower() != b"application/json":
+            # a body sent as a form or text (curl -d, a misconfigured client); no header at all is accepted
+            raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
+                                       "as JSON with 'Content-Type: application/json'")
+
+    def _info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
+        """Parse ``body`` (:func:`router.protocol.parse_request`) and check its model against the
+        served ones. Raises BadRequest (malformed; no model named where several are served) or
+        NotFound (a model no worker serves)."""
+        info = parse_request(path, body, self.settings.needs_text)
+        if session:
+            info.session = session.decode("latin-1")
+        sched = self.scheduler
+        sched.registry.refresh_if_changed()
+        if info.model is None and len(sched.models()) > 1:
+            raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
+                             param="model")
+        if not sched.knows_model(info.model):
+            raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(sched.models()) or 'none'})",
+                           param="model")
+        return info
+
+    def _dispatch(self, info: RequestInfo, tried: set[int], method: str, target: str,
+                  headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[Any, Lease, Any]:
+        """Choose a worker (:meth:`Scheduler.admit`), write the request to it when an idle pooled
+        connection is at hand, then take the lease: ``(worker handle, lease, written connection
+        or None)``. The lease is written while the engine already reads the request, with no
+        await in between, so this process's next decision still sees the load. Raises
+        NoEligibleWorker (nothing written then)."""
+        sched = self.scheduler
+        h, d = sched.admit(info, tried)
+        written = self.transport.write_pooled(h.endpoint, method, target, headers, body)
+        try:
+            lease = sched.lease(h, d, info)
+        except BaseException:
+            if written is not None:
+                written.transport.close()
+            raise
+        return h, lease, written
+
+    def start(self, scope: MutableMapping[str, Any], body: bytes) -> Callable[..., Awaitable[None]] | None:
+        """Start a request whose whole ``body`` came in with its head, without a task: check, parse,
+        choose and write it to its worker now, from the router's protocol callback
+        (:class:`router.server.LimitedHttpToolsProtocol`), before the event loop turns. Returns
+        the ASGI callable that serves the rest (the answer, retries, bookkeeping), to be run as
+        the request's task; None when the request is not a plain success so far (an error to
+        answer, no eligible worker, a body above the limit): then nothing was sent or recorded
+        and the caller serves the request through :meth:`__call__`, which answers the error."""
+        t0 = time.perf_counter()
+        try:
+            rid, _declared, auth, ctype, fwd, session = self._head(scope)
+            self._check(auth, ctype)
+            if len(body) > self.settings.max_body_bytes:
+                return None
+            path = scope["path"]
+            info = self._info(path, body, session)
+            qs = scope.get("query_string")
+            target = path + ("?" + qs.decode("latin-1") if qs else "")
+            method = scope["method"]
+            pre = self._dispatch(info, set(), method, target, fwd, body)
+        except RouterError:
+            return None
+        route = path if path in ROUTES else "/v1/other"
+
+        async def rest(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+            # (run as the request's task in the same turn of the event loop; nothing cancels a task
+            # before its first step but the loop's own shutdown)
+            await self._serve(scope, receive, send, method, route, target, fwd, body, info, rid, t0, pre)
+
+        return rest
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        rid, declared, auth, ctype, fwd, session = self._head(scope)
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
         try:
-            if self.settings.api_key is not None and auth != self.settings.api_key:
-                raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
-            if ctype is not None and ctype != b"application/json" and \
-                    ctype.split(b";", 1)[0].strip().lower() != b"application/json":
-                # a body sent as a form or text (curl -d, a misconfigured client); no header at all is accepted
-                raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
-                                           "as JSON with 'Content-Type: application/json'")
+            self._check(auth, ctype)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
-            info = parse_request(path, body, self.settings.needs_text)
-            if session:
-                info.session = session.decode("latin-1")
-            sched = self.scheduler
-            sched.registry.refresh_if_changed()
-            if info.model is None and len(sched.models()) > 1:
-                raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
-                                 param="model")
-            if not sched.knows_model(info.model):
-                raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(sched.models()) or 'none'})",
-                               param="model")
+            info = self._info(path, body, session)
         except RouterError as e:
             await send_error(send, e, rid)
             self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
@@ -238,6 +306,13 @@ class Proxy:
             return
         qs = scope.get("query_string")
         target = path + ("?" + qs.decode("latin-1") if qs else "")
+        await self._serve(scope, receive, send, scope["method"], route, target, fwd, body, info, rid, t0, None)
+
+    async def _serve(self, scope: MutableMapping[str, Any], receive: Receive, send: Send, method: str, route: str,
+                     target: str, fwd: list[tuple[bytes, bytes]], body: bytes, info: RequestInfo, rid: bytes,
+                     t0: float, pre: tuple[Any, Lease, Any] | None) -> None:
+        """Watch for the client leaving, then :meth:`forward` (``pre``: the first attempt, already
+        dispatched by :meth:`start`)."""
         task = asyncio.current_task()
         gone = False
 
@@ -259,7 +334,7 @@ class Proxy:
             watch = asyncio.ensure_future(receive())
             watch.add_done_callback(on_message)
         try:
-            await self.forward(scope["method"], route, target, fwd, body, info, rid, send, t0, scope)
+            await self.forward(method, route, target, fwd, body, info, rid, send, t0, scope, pre)
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -302,10 +377,11 @@ class Proxy:
 
     async def forward(self, method: str, route: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
                       info: RequestInfo, rid: bytes, send: Send, t0: float,
-                      scope: MutableMapping[str, Any] | None = None) -> None:
+                      scope: MutableMapping[str, Any] | None = None, pre: tuple[Any, Lease, Any] | None = None) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
         raises RouterError to the caller. ``scope``: the request's ASGI scope (lets a stream's
-        chunks bypass ``send``, :func:`router.server.chunked_writer`)."""
+        chunks bypass ``send``, :func:`router.server.chunked_writer`); ``pre``: the first attempt
+        when :meth:`start` dispatched it already (:meth:`_dispatch`'s result)."""
         sched = self.scheduler
         metrics = self.metrics
         retry_status = self.settings.retry_status
@@ -318,24 +394,18 @@ class Proxy:
                 delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
                 if delay > 0:
                     await asyncio.sleep(delay)
-            try:
-                h, d = sched.admit(info, tried)
-            except NoEligibleWorker as e:
-                if last is None:
-                    await send_error(send, e, rid)
-                    metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
-                    return
-                break
-            # the request goes to the engine first (on a pooled connection, without suspending),
-            # the lease, prefix index and counters are written while the engine reads it: no
-            # await in between, so this process's next decision still sees the load
-            written = self.transport.write_pooled(h.endpoint, method, target, headers, body)
-            try:
-                lease = sched.lease(h, d, info)
-            except BaseException:
-                if written is not None:
-                    written.transport.close()
-                raise
+            if pre is not None:
+                h, lease, written = pre
+                pre = None
+            else:
+                try:
+                    h, lease, written = self._dispatch(info, tried, method, target, headers, body)
+                except NoEligibleWorker as e:
+                    if last is None:
+                        await send_error(send, e, rid)
+                        metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+                        return
+                    break
             wid = h.worker_id
             wid_b = h.label_b
             outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
