@@ -23,6 +23,14 @@ write, as an engine emits one per token), ``--chunks`` events per stream, stream
 they end, for ``--seconds``. Prints the events the client received and the router's CPU seconds:
 **SSE chunks relayed per router core per second** = events / router CPU seconds.
 
+``--versus PEER``: DPLB's router and the peer's (bench/peers.py), both pinned to the same core in
+front of the same instant worker (TCP), measured in alternating blocks within one run instead of
+one system per run: ``--blocks`` blocks, each ``--block-requests`` sequential requests straight to
+the worker and through each router (the routers' order alternating from block to block), so the
+machine's drift, which on a shared VM moves a p50 by tens of µs between runs, hits both alike.
+Prints each router's added p50 (median over the blocks) and, per block, DPLB's minus the peer's;
+then ``--rounds`` closed loops per router, alternating, for the CPU per request.
+
 ``--profile FILE``: record the router with py-spy during the closed loop (and the SSE phase, to
 ``FILE`` with ``.sse`` before the suffix) and write the functions with the most samples (own and
 inclusive) as text.
@@ -33,12 +41,14 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Self
 
 from launcher.stack import agent_argv, free_port, router_argv
@@ -346,6 +356,47 @@ def pct(xs: list[float], p: float) -> float:
     return ys[min(len(ys) - 1, max(0, round(p / 100.0 * len(ys) + 0.5) - 1))]
 
 
+def versus(a: argparse.Namespace, launch: Callable[[str | None, str], tuple[int, int]],
+           direct: Callable[[], socket.socket], to_port: Callable[[int], Callable[[], socket.socket]],
+           cpu_of: Callable[[int], Callable[[], float]]) -> int:
+    """``--versus``: DPLB's router and ``a.versus``'s side by side, measured in alternating blocks
+    (module docstring). Prints the figures; returns the exit status."""
+    systems = [("dplb", *launch(None, "router.log")), (a.versus, *launch(a.versus, "peer.log"))]
+    print(f"dplb versus {a.versus}/{a.peer_policy}: both pinned to CPU {a.pin if a.pin >= 0 else 'none'}, "
+          f"worker on TCP; {a.blocks} blocks of {a.block_requests} sequential requests per path")
+    for _, port, _ in systems:
+        sequential(to_port(port), 500)   # warm-up
+    sequential(direct, 500)
+    added: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    for b in range(a.blocks):
+        d_p50 = pct(sequential(direct, a.block_requests), 50)
+        for name, port, _ in (systems if b % 2 == 0 else systems[::-1]):
+            added[name].append(pct(sequential(to_port(port), a.block_requests), 50) - d_p50)
+    mine, peer = added["dplb"], added[a.versus]
+    diff = [x - y for x, y in zip(mine, peer, strict=True)]
+    for name, xs in added.items():
+        print(f"added p50, {name:8s}: {1000 * statistics.median(xs):.0f} µs median of blocks "
+              f"[{1000 * min(xs):.0f}–{1000 * max(xs):.0f}]")
+    print(f"dplb minus {a.versus}, per block: median {1000 * statistics.median(diff):+.0f} µs; dplb at or below "
+          f"in {sum(x <= 0 for x in diff)} of {len(diff)} blocks")
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    for r in range(a.rounds):
+        for name, port, pid in (systems if r % 2 == 0 else systems[::-1]):
+            measure = cpu_of(pid)
+            c0 = measure()
+            n = closed_loop(port, a.conns, a.seconds)
+            cpu[name].append((measure() - c0) * 1e6 / max(n, 1))
+    if a.rounds:
+        for name, xs in cpu.items():
+            print(f"router CPU per request, {name:8s}: {statistics.median(xs):.0f} µs median of {len(xs)} closed "
+                  f"loops [{min(xs):.0f}–{max(xs):.0f}] ({a.conns} connections, {a.seconds:g} s each)")
+        print(f"dplb / {a.versus}: {statistics.median(cpu['dplb']) / statistics.median(cpu[a.versus]):.2f}×")
+    if NON_200:
+        print(f"  INVALID: {len(NON_200)} answers were not 200")
+        return 1
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- main
 
 
@@ -371,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", choices=("sglang", "vllm", "smg"), help="measure this peer router (bench/peers.py) instead of "
                     "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
     ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
+    ap.add_argument("--versus", choices=("sglang", "vllm", "smg"), help="run DPLB's router and this peer's side by "
+                    "side and measure them in alternating blocks (implies --tcp; see the module docstring)")
+    ap.add_argument("--blocks", type=int, default=20, help="alternating blocks of --versus")
+    ap.add_argument("--block-requests", type=int, default=300, help="sequential requests per path and block (--versus)")
     ap.add_argument("--profile", metavar="FILE", help="py-spy the router during the closed loop; top functions to FILE")
     ap.add_argument("--skip-latency", action="store_true", help="skip the sequential latency phase")
     ap.add_argument("--serve-worker", nargs=4, metavar=("SHM", "SOCK", "CHUNKS", "INTERVAL"), help=argparse.SUPPRESS)
@@ -386,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
 
     shm = a.shm or f"dplb-bench-{uuid.uuid4().hex[:8]}"
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
-    tcp = a.tcp or a.peer is not None
+    if a.versus and (a.peer or a.workers or a.through_agent):
+        ap.error("--versus runs DPLB's router beside the peer: not with --peer, --workers or --through-agent")
+    tcp = a.tcp or a.peer is not None or a.versus is not None
     sock = f"127.0.0.1:{free_port()}" if tcp else os.path.join(d, "w0.sock")
     seg = Segment.create(shm, num_slots=8)
     children: list[subprocess.Popen] = []
@@ -407,20 +464,38 @@ def main(argv: list[str] | None = None) -> int:
                 agent_argv(0, shm, os.path.join(d, "agent-0.sock"), engine="openai",
                            engine_url=f"http://{sock}" if tcp else f"unix:{sock}", model="bench", run_dir=d),
                 cwd=root, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        port = free_port()
-        if a.peer:
-            from bench.peers import ensure_peer, peer_command
+        import urllib.error
+        import urllib.request
 
-            ensure_peer(a.peer)
-            rcmd = peer_command(a.peer, a.peer_policy, port, free_port(), [f"http://{sock}"])
-        else:
-            rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning", workers=a.workers or None)
-        rlog = open(os.path.join(d, "router.log"), "wb")  # noqa: SIM115 - closed with the run dir
-        if a.pin >= 0:
-            cpus = f"{a.pin}" if a.workers <= 1 else f"{a.pin}-{a.pin + a.workers - 1}"
-            rcmd = ["taskset", "-c", cpus] + rcmd
-        children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=rlog, stderr=rlog))
-        router_pid = children[-1].pid
+        def launch(peer: str | None, log: str) -> tuple[int, int]:
+            """Start DPLB's router (``peer`` None) or ``peer``'s in front of the worker, pinned as
+            asked; wait until it has a ready worker (GET /health → 200). Returns (port, pid)."""
+            port = free_port()
+            if peer:
+                from bench.peers import ensure_peer, peer_command
+
+                ensure_peer(peer)
+                rcmd = peer_command(peer, a.peer_policy, port, free_port(), [f"http://{sock}"])
+            else:
+                rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning",
+                                   workers=a.workers or None)
+            rlog = open(os.path.join(d, log), "wb")  # noqa: SIM115 - closed with the run dir
+            if a.pin >= 0:
+                cpus = f"{a.pin}" if a.workers <= 1 else f"{a.pin}-{a.pin + a.workers - 1}"
+                rcmd = ["taskset", "-c", cpus] + rcmd
+            children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=rlog, stderr=rlog))
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except (OSError, urllib.error.URLError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("router or worker did not come up")
+                time.sleep(0.2)
+            return port, children[-1].pid
 
         def direct() -> socket.socket:
             if tcp:
@@ -431,37 +506,33 @@ def main(argv: list[str] | None = None) -> int:
             s.connect(sock)
             return s
 
-        def routed() -> socket.socket:
-            s = socket.create_connection(("127.0.0.1", port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return s
+        def to_port(p: int) -> Callable[[], socket.socket]:
+            def connect() -> socket.socket:
+                s = socket.create_connection(("127.0.0.1", p))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return s
+            return connect
 
-        import urllib.error
-        import urllib.request
+        def cpu_of(pid: int) -> Callable[[], float]:
+            proc = psutil.Process(pid)  # taskset execs the router in place: same pid
 
-        deadline = time.monotonic() + 60
-        while True:  # until the router has a ready worker (GET /health → 200)
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("router or worker did not come up")
-            time.sleep(0.2)
-        proc = psutil.Process(router_pid)  # taskset execs the router in place: same pid
+            def router_cpu() -> float:
+                """CPU seconds (user + system) of the router and its --workers processes."""
+                ps = [proc] + proc.children(recursive=True)
+                tot = 0.0
+                for p in ps:
+                    try:
+                        tot += sum(p.cpu_times()[:2])
+                    except psutil.NoSuchProcess:
+                        pass
+                return tot
+            return router_cpu
 
-        def router_cpu() -> float:
-            """CPU seconds (user + system) of the router and its --workers processes."""
-            ps = [proc] + proc.children(recursive=True)
-            tot = 0.0
-            for p in ps:
-                try:
-                    tot += sum(p.cpu_times()[:2])
-                except psutil.NoSuchProcess:
-                    pass
-            return tot
+        if a.versus:
+            return versus(a, launch, direct, to_port, cpu_of)
+        port, router_pid = launch(a.peer, "router.log")
+        routed = to_port(port)
+        router_cpu = cpu_of(router_pid)
 
         hop = a.peer + " router" if a.peer else "router" if not a.through_agent else "router (agent attached)"
         print(f"system={a.peer + '/' + a.peer_policy if a.peer else 'dplb'}  worker on {'TCP' if tcp else 'a Unix socket'}  "

@@ -20,3 +20,26 @@ def test_router_overhead_bench_prints_figures_and_cleans_up(shm_name):
     assert re.search(r"added by router\s*: p50 -?\d+\.\d{3} ms   p99 -?\d+\.\d{3} ms", r.stdout), r.stdout
     assert re.search(r"[\d,]+ req/s per router core", r.stdout), r.stdout
     assert shm_leftovers(shm_name) == []
+
+
+def test_versus_refuses_a_second_peer_or_router_processes():
+    r = subprocess.run([sys.executable, "-m", "bench.router_overhead", "--versus", "sglang", "--peer", "vllm"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "--versus runs DPLB's router beside the peer" in r.stderr
+
+
+def test_versus_measures_both_routers_in_alternating_blocks_and_cleans_up(shm_name):
+    """Only where SGLang's router is installed (bench/.peers, ``make bench`` installs it)."""
+    from bench.peers import PEERS_DIR, peer_python
+
+    if not peer_python("sglang").exists():
+        pytest.skip(f"sglang router not installed in {PEERS_DIR / 'sglang'}")
+    r = subprocess.run([sys.executable, "-m", "bench.router_overhead", "--versus", "sglang", "--blocks", "2",
+                        "--block-requests", "30", "--rounds", "2", "--seconds", "0.5", "--conns", "2", "--pin", "-1",
+                        "--shm", shm_name], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("dplb", "sglang"):
+        assert re.search(rf"added p50, {name}\s*: -?\d+ µs median of blocks", r.stdout), r.stdout
+        assert re.search(rf"router CPU per request, {name}\s*: \d+ µs median of 2 closed loops", r.stdout), r.stdout
+    assert re.search(r"dplb minus sglang, per block: median [+-]\d+ µs; dplb at or below in \d of 2 blocks", r.stdout)
+    assert shm_leftovers(shm_name) == []
