@@ -6,6 +6,7 @@ the test fails.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -105,3 +106,30 @@ class FakeClient:
             assert n > 0 and rest[n:] == b"\r\n" and len(rest) == n + 2
             got += rest[:n]
         return got
+
+
+class RecordingTransport(asyncio.Transport):
+    """The client side of an in-process connection to the router's protocol: keeps what the
+    protocol writes (``writes``, one bytes object per write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
+        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    def write(self, data) -> None:  # type: ignore[no-untyped-def]
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass

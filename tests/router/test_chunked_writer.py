@@ -20,6 +20,7 @@ from router.server import (
     watch_disconnect,
     write_response,
 )
+from tests.helpers import RecordingTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -215,32 +216,6 @@ async def test_write_response_declines_a_started_response_and_a_scope_of_another
     assert app.whole == [False]
     assert write_response({"type": "http", "headers": []}, 200, [], b"x") is False
     w.close()
-
-
-class RecordingTransport(asyncio.Transport):
-    """The client side of an in-process connection: keeps what the protocol writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-
-    def get_extra_info(self, name, default=None):  # type: ignore[no-untyped-def]
-        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
-
-    def write(self, data) -> None:  # type: ignore[no-untyped-def]
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 def in_process(app, loop: asyncio.AbstractEventLoop, transport: RecordingTransport) -> LimitedHttpToolsProtocol:  # type: ignore[no-untyped-def]

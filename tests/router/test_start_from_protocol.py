@@ -19,7 +19,7 @@ from uvicorn.server import ServerState
 
 from dplb_shm import Segment, WorkerState
 from router.server import LimitedHttpToolsProtocol, write_response
-from tests.helpers import unique_shm_name
+from tests.helpers import RecordingTransport, unique_shm_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,33 +34,7 @@ def post(body: bytes, path: bytes = b"/v1/chat/completions", extra: bytes = b"")
     return head, body
 
 
-class Client(asyncio.Transport):
-    """The client's side of a connection: records what the router writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-
-    def get_extra_info(self, name: str, default=None):  # type: ignore[no-untyped-def]
-        return {"sockname": ("127.0.0.1", 30000), "peername": ("127.0.0.1", 40000)}.get(name, default)
-
-    def write(self, data) -> None:  # type: ignore[no-untyped-def]
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-def protocol(app, loop: asyncio.AbstractEventLoop, client: Client) -> LimitedHttpToolsProtocol:  # type: ignore[no-untyped-def]
+def protocol(app, loop: asyncio.AbstractEventLoop, client: RecordingTransport) -> LimitedHttpToolsProtocol:  # type: ignore[no-untyped-def]
     cfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="off", log_level="critical", access_log=False,
                          proxy_headers=False)   # as the router runs it (no middleware around the app)
     cfg.load()
@@ -114,7 +88,7 @@ def turn(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def test_a_whole_request_is_started_inside_the_read_that_brought_it(loop):
-    app, c = RecordingApp(), Client()
+    app, c = RecordingApp(), RecordingTransport()
     proto = protocol(app, loop, c)
     head, body = post(BODY)
     proto.data_received(head + body)
@@ -125,7 +99,7 @@ def test_a_whole_request_is_started_inside_the_read_that_brought_it(loop):
 
 
 def test_a_body_in_a_later_read_is_served_from_the_task(loop):
-    app, c = RecordingApp(), Client()
+    app, c = RecordingApp(), RecordingTransport()
     proto = protocol(app, loop, c)
     head, body = post(BODY)
     proto.data_received(head)
@@ -139,7 +113,7 @@ def test_a_body_in_a_later_read_is_served_from_the_task(loop):
 
 @pytest.mark.parametrize("mode", ["decline", "raise"])
 def test_a_declined_or_failed_start_leaves_the_body_to_the_task(loop, mode):
-    app, c = RecordingApp(mode), Client()
+    app, c = RecordingApp(mode), RecordingTransport()
     proto = protocol(app, loop, c)
     head, body = post(BODY)
     proto.data_received(head + body)
@@ -152,7 +126,7 @@ def test_a_declined_or_failed_start_leaves_the_body_to_the_task(loop, mode):
 def test_a_pipelined_request_waits_for_the_answer_before_it_and_goes_to_the_task(loop):
     """Started from the previous answer's write it would be decided before that request's task
     released its lease (see test_router_fakes' pipelining affinity test); it takes the task path."""
-    app, c = RecordingApp(), Client()
+    app, c = RecordingApp(), RecordingTransport()
     proto = protocol(app, loop, c)
     h1, b1 = post(b'{"n":1}')
     h2, b2 = post(b'{"n":2}')
@@ -171,7 +145,7 @@ def test_only_the_first_request_of_a_turn_of_the_event_loop_is_started_from_its_
     starting each from its read costs about 12 % more CPU per request at saturation
     (bench/results/router_profile.md section 9). The next turn starts its first one again."""
     app = RecordingApp()
-    clients = [Client() for _ in range(3)]
+    clients = [RecordingTransport() for _ in range(3)]
     protos = [protocol(app, loop, c) for c in clients]
     for i, p in enumerate(protos):
         head, body = post(b'{"n":%d}' % i)
@@ -188,7 +162,7 @@ def test_only_the_first_request_of_a_turn_of_the_event_loop_is_started_from_its_
 
 
 def test_other_methods_are_not_deferred(loop):
-    app, c = RecordingApp(), Client()
+    app, c = RecordingApp(), RecordingTransport()
     proto = protocol(app, loop, c)
     proto.data_received(b"PUT /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
     turn(loop)
@@ -266,7 +240,7 @@ def router(loop):
         engine = Engine(seg)
         app.state.proxy.transport = engine   # type: ignore[union-attr,assignment]
 
-        def make(client: Client) -> LimitedHttpToolsProtocol:
+        def make(client: RecordingTransport) -> LimitedHttpToolsProtocol:
             proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
             proto.connection_made(client)
             return proto
@@ -282,7 +256,7 @@ def router(loop):
 
 def test_the_router_writes_a_whole_request_to_its_worker_and_leases_it_within_the_read(router, loop):
     make, engine, seg = router
-    c = Client()
+    c = RecordingTransport()
     proto = make(c)
     head, body = post(BODY)
     proto.data_received(head + body)
@@ -301,7 +275,7 @@ def test_the_router_writes_a_whole_request_to_its_worker_and_leases_it_within_th
                                          (b"", b"400")])
 def test_a_request_the_router_refuses_is_answered_from_its_task_and_never_written(router, loop, body, status):
     make, engine, seg = router
-    c = Client()
+    c = RecordingTransport()
     proto = make(c)
     head, b = post(body, b"/v1/completions")
     proto.data_received(head + b)
@@ -313,7 +287,7 @@ def test_a_request_the_router_refuses_is_answered_from_its_task_and_never_writte
 
 def test_a_request_split_across_reads_reaches_the_worker_from_its_task(router, loop):
     make, engine, _ = router
-    c = Client()
+    c = RecordingTransport()
     proto = make(c)
     head, body = post(BODY)
     proto.data_received(head + body[:10])
