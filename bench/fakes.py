@@ -230,7 +230,7 @@ def build_app(agent: FakeAgent):
     app.router.add_get("/fake/stats", stats)
     app.router.add_post("/fake/mode", set_mode)
     app.router.add_get("/dplb/state", dplb_state)
-    app.router.add_route("POST", "/{tail:.*}", handle)
+    app.router.add_route("POST", r"/{tail:[\s\S]*}", handle)   # any path, line breaks included
     return app
 
 

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                               "http": "router.server:LimitedHttpToolsProtocol", "log_level": cfg.router.log_level, "access_log": False,
                               "server_header": False, "date_header": False, "timeout_keep_alive": 30,
                               "backlog": 4096, "timeout_graceful_shutdown": 10,
+                              # no WebSocket endpoint: a request asking to upgrade is answered over HTTP
+                              # (router.server.LimitedHttpToolsProtocol), not handed to a WebSocket handshake
+                              "ws": "none",
                               # the router is the edge: no X-Forwarded-* rewriting middleware per request
                               "proxy_headers": False}
     if cfg.router.workers > 1:

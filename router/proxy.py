@@ -35,6 +35,7 @@ import asyncio
 import logging
 import random
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -140,6 +141,25 @@ def relayed_headers(up: Upstream, rid: bytes, wid_b: bytes) -> list[tuple[bytes,
     return [*up.headers, (_XRID, rid), (_XWID, wid_b)]
 
 
+_UNSAFE_IN_TARGET = frozenset(b" \r\n\x00")
+
+
+def request_target(scope: MutableMapping[str, Any]) -> str:
+    """The request target to forward to the engine: the path as the client sent it (``raw_path``,
+    still percent-encoded) and its query string. Forwarding the decoded ``path`` instead would
+    turn a client's ``%0d%0a`` into a line break of the engine's request line, i.e. headers or a
+    whole request of the client's choosing. Raises BadRequest when the target holds a space, CR,
+    LF or NUL (a server other than the router's own may hand over what httptools refuses)."""
+    raw = scope.get("raw_path")
+    if raw is None:
+        raw = urllib.parse.quote(scope["path"]).encode("latin-1")
+    qs = scope.get("query_string")
+    target = raw + b"?" + qs if qs else raw
+    if not _UNSAFE_IN_TARGET.isdisjoint(target):
+        raise BadRequest("the request target holds a space, CR, LF or NUL")
+    return target.decode("latin-1")
+
+
 async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
     """Read the whole request body; BodyTooLarge beyond ``limit`` bytes (checked on the declared
     Content-Length first, then while reading)."""
@@ -147,6 +167,8 @@ async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes
         raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     msg = await receive()
     body = msg.get("body", b"")
+    if len(body) > limit:   # a chunked body (no Content-Length) that came in whole
+        raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
     if not msg.get("more_body", False):
         return body
     parts = [body]
@@ -180,10 +202,13 @@ class Proxy:
         self._n = 0
 
     def _head(self, scope: MutableMapping[str, Any]) -> tuple[bytes, int | None, bytes | None, bytes | None,
-                                                              list[tuple[bytes, bytes]], bytes | None]:
+                                                              list[tuple[bytes, bytes]], bytes | None, bytes | None]:
         """One pass over the request's headers: ``(request id, declared Content-Length,
-        Authorization, Content-Type, headers to forward, session id)``. The request id is the
-        client's ``X-Request-Id`` or a minted one, which is then added to the forwarded headers."""
+        Authorization, Content-Type, headers to forward, session id, Upgrade)``. The request id is
+        the client's ``X-Request-Id`` or a minted one, which is then added to the forwarded
+        headers; ``Upgrade`` is its value when ``Connection`` asks for it (else None)."""
+        upgrade = None
+        conn_upgrade = False
         rid: bytes | None = None
         declared = None
         auth = None
@@ -207,16 +232,25 @@ class Proxy:
                 session = v
             if k not in HOP_BY_HOP:
                 fwd.append((k, v))
+            elif k == b"upgrade":
+                upgrade = v
+            elif k == b"connection" and b"upgrade" in v.lower():
+                conn_upgrade = True
         if rid is None:
             self._n += 1
             rid = b"%s%08x" % (self._prefix, self._n)
             fwd.append((_XRID, rid))
-        return rid, declared, auth, ctype, fwd, session
+        return rid, declared, auth, ctype, fwd, session, upgrade if conn_upgrade else None
 
-    def _check(self, auth: bytes | None, ctype: bytes | None) -> None:
-        """Raise Unauthorized (API key) or UnsupportedMediaType (a body that is not JSON)."""
+    def _check(self, auth: bytes | None, ctype: bytes | None, upgrade: bytes | None = None) -> None:
+        """Raise Unauthorized (API key), BadRequest (a request asking to upgrade the connection:
+        HTTP's parser hands whatever follows its head, the body included, to the new protocol,
+        which the router does not speak) or UnsupportedMediaType (a body that is not JSON)."""
         if self.settings.api_key is not None and auth != self.settings.api_key:
             raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+        if upgrade is not None:
+            raise BadRequest(f"the router does not upgrade connections (Upgrade: {upgrade.decode('latin-1')}); "
+                             "send the request over HTTP/1.1 without 'Connection: upgrade'")
         if ctype is not None and ctype != b"application/json" and \
                 ctype.split(b";", 1)[0].strip().lower() != b"application/json":
             # a body sent as a form or text (curl -d, a misconfigured client); no header at all is accepted
@@ -268,14 +302,13 @@ class Proxy:
         and the caller serves the request through :meth:`__call__`, which answers the error."""
         t0 = time.perf_counter()
         try:
-            rid, _declared, auth, ctype, fwd, session = self._head(scope)
-            self._check(auth, ctype)
+            rid, _declared, auth, ctype, fwd, session, upgrade = self._head(scope)
+            self._check(auth, ctype, upgrade)
             if len(body) > self.settings.max_body_bytes:
                 return None
             path = scope["path"]
             info = self._info(path, body, session)
-            qs = scope.get("query_string")
-            target = path + ("?" + qs.decode("latin-1") if qs else "")
+            target = request_target(scope)
             method = scope["method"]
             pre = self._dispatch(info, set(), method, target, fwd, body)
         except RouterError:
@@ -291,11 +324,11 @@ class Proxy:
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
-        rid, declared, auth, ctype, fwd, session = self._head(scope)
+        rid, declared, auth, ctype, fwd, session, upgrade = self._head(scope)
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
         try:
-            self._check(auth, ctype)
+            self._check(auth, ctype, upgrade)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
             info = self._info(path, body, session)
         except RouterError as e:
@@ -304,8 +337,12 @@ class Proxy:
             return
         except asyncio.CancelledError:
             return
-        qs = scope.get("query_string")
-        target = path + ("?" + qs.decode("latin-1") if qs else "")
+        try:
+            target = request_target(scope)
+        except BadRequest as e:
+            await send_error(send, e, rid)
+            self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+            return
         await self._serve(scope, receive, send, scope["method"], route, target, fwd, body, info, rid, t0, None)
 
     async def _serve(self, scope: MutableMapping[str, Any], receive: Receive, send: Send, method: str, route: str,

@@ -331,6 +331,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.flow.resume_reading()               # as receive() does
         super()._start_asgi_task(cycle, started)
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # (uvicorn's own warning blames a missing WebSocket library.) The router upgrades nothing
+        # (``ws="none"``); the request is answered over HTTP (the proxy refuses one asking to
+        # upgrade, 400), and since the parser takes every byte after this head for the other
+        # protocol, the connection closes after that answer instead of hanging on the next request
+        self.logger.debug("a request asked to upgrade the connection to %r; answered over HTTP/1.1, then closed",
+                          self._get_upgrade())
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return

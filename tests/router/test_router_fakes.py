@@ -273,6 +273,52 @@ def _raw(base: str, request: bytes) -> bytes:
     return out
 
 
+def test_an_encoded_line_break_in_the_path_reaches_the_engine_still_encoded(cluster4):
+    """The engine gets the request target as the client sent it: a ``%0d%0a`` in the path does not
+    become a line break of the engine's request (a header, or a whole request, of the client's
+    choosing); found by a helper asked to break the router."""
+    reset(cluster4)
+    body = orjson.dumps({"model": MODEL, "prompt": "hi"})
+    out = _raw(cluster4.base, b"POST /v1/completions%0d%0aX-Evil:%20injected?a=1 HTTP/1.1\r\nhost: x\r\n"
+                              b"connection: close\r\ncontent-type: application/json\r\n"
+                              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    seen = orjson.loads(out.partition(b"\r\n\r\n")[2])["fake"]
+    assert "x-evil" not in seen["headers"]
+    assert seen["path"] == "/v1/completions\r\nX-Evil: injected"     # aiohttp decodes it: one path
+
+
+def test_a_chunked_body_over_the_limit_is_413_even_when_it_arrives_whole(make_cluster):
+    """The limit holds for a body without a Content-Length that came in one read (the request's
+    first ``receive()`` has all of it); found by a helper asked to break the router."""
+    c = make_cluster(1, {"router": {"max_body_bytes": 2048}})
+    body = orjson.dumps({"model": MODEL, "prompt": "x" * 3000})
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    out = _raw(c.base, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                       b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n" + chunked)
+    assert out.startswith(b"HTTP/1.1 413"), out[:300]
+    assert c.fakes[0].client().stats()["requests"] == 0
+
+
+def test_a_request_asking_to_upgrade_the_connection_is_answered_and_the_connection_closed(cluster4):
+    """The router upgrades nothing: a POST with ``Connection: upgrade`` (whose body HTTP's parser
+    hands to the other protocol) gets an OpenAI-shaped 400 saying so, a GET is answered as usual
+    (``curl --http2`` on http:// asks for h2c), and either connection then closes instead of
+    waiting for more (the client's socket would hang on a WebSocket handshake or a paused parser)."""
+    reset(cluster4)
+    body = orjson.dumps({"model": MODEL, "prompt": "hi"})
+    out = _raw(cluster4.base, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\n"
+                              b"upgrade: websocket\r\ncontent-type: application/json\r\n"
+                              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert out.startswith(b"HTTP/1.1 400"), out[:300]
+    err = orjson.loads(out.partition(b"\r\n\r\n")[2])["error"]
+    assert "does not upgrade connections (Upgrade: websocket)" in err["message"]
+    out = _raw(cluster4.base, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+                              b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert sum(f.client().stats()["requests"] for f in cluster4.fakes) == 0
+
+
 # ------------------------------------------------------------------------------------ faults
 
 

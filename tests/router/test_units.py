@@ -258,3 +258,16 @@ def test_coalesced_request_counters_are_on_every_page_and_counted_once():
     m.decision("dplb", "ttft")
     m.flush()   # what the health tick does
     assert metric(m.render()[0].decode(), "dplb_router_routing_decisions_total", policy="dplb", reason="ttft") == 4
+
+
+def test_the_request_target_is_the_raw_path_and_query():
+    from router.errors import BadRequest
+    from router.proxy import request_target
+
+    assert request_target({"path": "/v1/a\r\nb", "raw_path": b"/v1/a%0D%0Ab", "query_string": b"x=1"}) == \
+        "/v1/a%0D%0Ab?x=1"
+    assert request_target({"path": "/v1/a b\n"}) == "/v1/a%20b%0A"      # a server without raw_path
+    with pytest.raises(BadRequest):
+        request_target({"path": "/v1/x", "raw_path": b"/v1/x y", "query_string": b""})
+    with pytest.raises(BadRequest):
+        request_target({"path": "/v1/x", "raw_path": b"/v1/x", "query_string": b"a=\r\n"})
