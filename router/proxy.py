@@ -331,17 +331,12 @@ class Proxy:
             self._check(auth, ctype, upgrade)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
             info = self._info(path, body, session)
+            target = request_target(scope)
         except RouterError as e:
             await send_error(send, e, rid)
             self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
             return
         except asyncio.CancelledError:
-            return
-        try:
-            target = request_target(scope)
-        except BadRequest as e:
-            await send_error(send, e, rid)
-            self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
             return
         await self._serve(scope, receive, send, scope["method"], route, target, fwd, body, info, rid, t0, None)
 
