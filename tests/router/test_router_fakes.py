@@ -273,15 +273,20 @@ def _raw(base: str, request: bytes) -> bytes:
     return out
 
 
+def _post_raw(base: str, target: bytes, headers: bytes, body: bytes) -> bytes:
+    """:func:`_raw` of a JSON POST to ``target`` with ``headers`` (CRLF-terminated lines) and a
+    Content-Length."""
+    return _raw(base, b"POST " + target + b" HTTP/1.1\r\nhost: x\r\n" + headers + b"content-type: application/json"
+                b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 def test_an_encoded_line_break_in_the_path_reaches_the_engine_still_encoded(cluster4):
     """The engine gets the request target as the client sent it: a ``%0d%0a`` in the path does not
     become a line break of the engine's request (a header, or a whole request, of the client's
     choosing); found by a helper asked to break the router."""
     reset(cluster4)
     body = orjson.dumps({"model": MODEL, "prompt": "hi"})
-    out = _raw(cluster4.base, b"POST /v1/completions%0d%0aX-Evil:%20injected?a=1 HTTP/1.1\r\nhost: x\r\n"
-                              b"connection: close\r\ncontent-type: application/json\r\n"
-                              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    out = _post_raw(cluster4.base, b"/v1/completions%0d%0aX-Evil:%20injected?a=1", b"connection: close\r\n", body)
     assert out.startswith(b"HTTP/1.1 200"), out[:300]
     seen = orjson.loads(out.partition(b"\r\n\r\n")[2])["fake"]
     assert "x-evil" not in seen["headers"]
@@ -307,9 +312,7 @@ def test_a_request_asking_to_upgrade_the_connection_is_answered_and_the_connecti
     waiting for more (the client's socket would hang on a WebSocket handshake or a paused parser)."""
     reset(cluster4)
     body = orjson.dumps({"model": MODEL, "prompt": "hi"})
-    out = _raw(cluster4.base, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\n"
-                              b"upgrade: websocket\r\ncontent-type: application/json\r\n"
-                              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    out = _post_raw(cluster4.base, b"/v1/completions", b"connection: Upgrade\r\nupgrade: websocket\r\n", body)
     assert out.startswith(b"HTTP/1.1 400"), out[:300]
     err = orjson.loads(out.partition(b"\r\n\r\n")[2])["error"]
     assert "does not upgrade connections (Upgrade: websocket)" in err["message"]
