@@ -385,6 +385,11 @@ def build_fastapi(state: RouterState) -> FastAPI:
     return app
 
 
+def proxied(path: str) -> bool:
+    """Whether a ``POST`` to ``path`` goes to the :class:`Proxy` (``/v1/*``, ``/generate``)."""
+    return path.startswith("/v1/") or path == "/generate"
+
+
 class DPLBApp:
     """ASGI entry: request-head limits first (431, :mod:`router.server`), then hot proxy paths to
     :class:`Proxy`, everything else to FastAPI."""
@@ -404,7 +409,7 @@ class DPLBApp:
         any error to answer)."""
         p = scope["path"]
         proxy = self.state.proxy
-        if proxy is None or not (p.startswith("/v1/") or p == "/generate"):
+        if proxy is None or not proxied(p):
             return None
         try:
             check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
@@ -421,7 +426,7 @@ class DPLBApp:
                 return
         if scope["type"] == "http" and scope["method"] == "POST":
             p = scope["path"]
-            if p.startswith("/v1/") or p == "/generate":
+            if proxied(p):
                 proxy = self.state.proxy
                 if proxy is not None:
                     await proxy(scope, receive, send)
