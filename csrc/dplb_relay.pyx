@@ -13,6 +13,11 @@ end without seeing each chunk. No Python frame runs per chunk except the protoco
 The router hands a stream to the relay only at a chunk boundary and only after the stream's first
 content (router/transport.py ``Upstream.pipe``); everything before goes through httptools and the
 meter in Python.
+
+With ``end=True`` the relay also ends the client's body: the read that completes the engine's body
+goes to the client in the same write as the terminating chunk (``0\\r\\n\\r\\n``), one write where
+there were two; ``ended`` then tells the router's writer that the terminator is out
+(router/server.py ``ChunkedWriter.finish``).
 """
 from libc.string cimport memcpy, memmove
 from libc.stdlib cimport malloc, realloc, free
@@ -21,6 +26,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes
 cdef enum:
     TAIL = 4096         # payload bytes kept for the meter's last events
     HEAD_ROOM = 24      # room before the payload for the re-framed size line
+    FOOT_ROOM = 7       # after the payload: its CRLF and the terminating chunk ``0\r\n\r\n``
 
 cdef const char *HEXD = b"0123456789abcdef"
 
@@ -59,13 +65,15 @@ cdef class ChunkRelay:
     ``disconnected`` attribute is true once the client left (uvicorn's request cycle); ``flow``: an
     object whose ``write_paused`` attribute is true while the client's transport is above its
     high-water mark (uvicorn's flow control). ``carry``: the last payload byte the meter saw before
-    the relay took over (b"" for none), for a separator that straddles the hand-over.
+    the relay took over (b"" for none), for a separator that straddles the hand-over. ``end``: write
+    the terminating chunk after the body's last payload (module docstring).
 
     After :meth:`feed`: ``done`` (the terminating chunk and trailers were read), ``failed`` (the
     framing was not valid chunked encoding: the connection must be dropped), ``extra`` (bytes
     followed the end of the body: do not reuse the connection), ``events`` (``\\n\\n`` separators in
     the relayed payload, counted as ``bytes.count`` counts them per read plus one straddling two
-    reads, the rule of ``StreamMeter.feed``), ``relayed`` (payload bytes written).
+    reads, the rule of ``StreamMeter.feed``), ``relayed`` (payload bytes written), ``ended`` (the
+    terminating chunk was written to the client: ``end`` and ``done``).
     """
 
     cdef int state
@@ -83,6 +91,8 @@ cdef class ChunkRelay:
     cdef public bint done
     cdef public bint failed
     cdef public bint extra
+    cdef public bint ended
+    cdef bint _end
     cdef public long long events
     cdef public long long relayed
 
@@ -90,7 +100,7 @@ cdef class ChunkRelay:
         self.buf = NULL
         self.cap = 0
 
-    def __init__(self, write, client, flow, bytes carry=b""):
+    def __init__(self, write, client, flow, bytes carry=b"", bint end=False):
         self._write = write
         self._client = client
         self._flow = flow
@@ -103,6 +113,8 @@ cdef class ChunkRelay:
         self.done = False
         self.failed = False
         self.extra = False
+        self.ended = False
+        self._end = end
         self.events = 0
         self.relayed = 0
 
@@ -236,16 +248,23 @@ cdef class ChunkRelay:
         :data:`OK`, :data:`CLIENT_FULL` (written; pause reading until the client drains) or
         :data:`CLIENT_GONE` (the client left; nothing written). Check ``done``/``failed`` after."""
         cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
-        cdef Py_ssize_t pay, start
+        cdef Py_ssize_t pay, start, stop
         cdef unsigned long long v
+        cdef bint end
         if self.failed or n == 0:
             return OK
-        self._reserve(n + HEAD_ROOM + 2)
+        self._reserve(n + HEAD_ROOM + FOOT_ROOM)
         pay = self._decode(<const unsigned char *>PyBytes_AS_STRING(data), n, self.buf + HEAD_ROOM)
-        if pay == 0:
+        end = self._end and self.done and not self.ended
+        if pay == 0 and not end:
             return OK
         if self._client.disconnected:
             return CLIENT_GONE
+        if pay == 0:
+            # a read that held only the engine's terminating chunk (and trailers)
+            self.ended = True
+            self._write(b"0\r\n\r\n")
+            return CLIENT_FULL if self._flow.write_paused else OK
         self._account(self.buf + HEAD_ROOM, pay)
         # the size line, right-aligned before the payload
         start = HEAD_ROOM - 2
@@ -258,9 +277,15 @@ cdef class ChunkRelay:
             v >>= 4
             if v == 0:
                 break
-        self.buf[HEAD_ROOM + pay] = 13
-        self.buf[HEAD_ROOM + pay + 1] = 10
-        self._write(PyBytes_FromStringAndSize(<char *>self.buf + start, HEAD_ROOM + pay + 2 - start))
+        stop = HEAD_ROOM + pay
+        self.buf[stop] = 13
+        self.buf[stop + 1] = 10
+        stop += 2
+        if end:
+            memcpy(self.buf + stop, b"0\r\n\r\n", 5)
+            stop += 5
+            self.ended = True
+        self._write(PyBytes_FromStringAndSize(<char *>self.buf + start, stop - start))
         self.relayed += pay
         return CLIENT_FULL if self._flow.write_paused else OK
 

@@ -19,8 +19,9 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    ``retries.retry_on_disconnect``); both errors name the worker in ``X-DPLB-Worker-ID``;
 7. relay the response (whole for non-streamed bodies: one write, from the engine connection's
    callback when no retry is possible, ``Transport.send(on_whole=...)``; chunk by chunk for streams, each gap
-   bounded by ``router.idle_timeout_s``; after a stream's first chunk, piped from the engine
-   connection's callback and, after its first content, by the native relay: ``relay_stream``)
+   bounded by ``router.idle_timeout_s``; a stream's head leaves with its first chunk, the rest is
+   piped from the engine connection's callback and, after its first content, by the native relay,
+   the body's end with its last bytes: one client write per engine read, ``relay_stream``)
    with ``X-DPLB-Worker-ID``; a stream that breaks or stalls after its first byte ends with an
    SSE error event (504 ``timeout_error`` for a stall, counted as kind ``timeout``; 502
    otherwise, kind ``stream_broken``); release the lease exactly once in ``finally`` — on
@@ -59,7 +60,13 @@ from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
 from router.scheduling import Lease, Scheduler
-from router.server import ClientGone, chunked_writer, watch_disconnect, write_response
+from router.server import (
+    ClientGone,
+    chunked_writer,
+    start_chunked,
+    watch_disconnect,
+    write_response,
+)
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,
@@ -545,22 +552,28 @@ class Proxy:
         (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
         accounting. Returns False when the stream broke (a breaker failure).
 
-        When the router's own uvicorn protocol serves the request (``scope``), the chunks after
-        the first are written to the client from the upstream connection's callback
+        When the router's own uvicorn protocol serves the request (``scope``), the head leaves
+        with the first chunk in one write (:func:`router.server.start_chunked`), the chunks after
+        it are written to the client from the upstream connection's callback
         (:meth:`Upstream.pipe` into :class:`router.server.ChunkedWriter`): no ASGI message and no
-        task wake-up per chunk. Otherwise each chunk goes through ``send``."""
+        task wake-up per chunk, and the last one carries the body's end. Otherwise each chunk goes
+        through ``send``."""
         metrics = self.metrics
         meter = StreamMeter(is_event_stream(headers))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if first and meter.feed(first):
+            on_first_content(metrics, route, t0, lease)
+        writer = start_chunked(scope, status, headers, first, up.complete()) if scope is not None else None
+        if writer is None:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            if first:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                writer = chunked_writer(scope) if scope is not None else None
         ok = True
         complete = False
         final = status
+        last = b""
         try:
             if first:
-                if meter.feed(first):
-                    on_first_content(metrics, route, t0, lease)
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-                writer = chunked_writer(scope) if scope is not None else None
                 if writer is not None:
                     write = writer.write
                     relays = []
@@ -568,7 +581,8 @@ class Proxy:
                     def sink(chunk: bytes) -> bool:
                         if meter.feed(chunk):
                             on_first_content(metrics, route, t0, lease)
-                        return write(chunk)
+                        # the body's last bytes carry its end (one write, not two)
+                        return write(chunk, up.complete())
 
                     def handoff() -> Any:
                         # after the first content the meter only counts events and keeps the
@@ -601,10 +615,15 @@ class Proxy:
                 final = 502
                 metrics.errors.labels(str(wid), "stream_broken").inc()
                 ev = sse_error_event(f"worker {wid} stream broke: {e.kind}", "upstream_error", 502)
-            await send({"type": "http.response.body", "more_body": True, "body": ev})
+            last = ev
         finally:
             up.release(abort=not complete)
             on_stream_end(metrics, meter, lease, complete)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if writer is not None:
+            await writer.finish(last)
+        else:
+            if last:
+                await send({"type": "http.response.body", "more_body": True, "body": last})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         metrics.observe_request(str(wid), final, route, time.perf_counter() - t0)
         return ok

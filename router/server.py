@@ -14,12 +14,13 @@ header ends: one unfinished 64 MB header costs the router 64 MB. Two layers boun
    request line) it answers the same 431 itself and closes the connection. Memory per connection
    stays bounded by that limit plus one read, whatever a client sends.
 
-The protocol also lends the proxy a way around the ASGI ``send`` for a streamed body's chunks
-(:func:`chunked_writer`): each chunk an engine sends is written to the client's transport from the
-upstream connection's callback, framed as uvicorn frames it, instead of one ASGI message and one
-task wake-up per chunk (``bench/results/router_profile.md``). The response head and the final
-empty chunk still go through ``send``, so uvicorn keeps its own bookkeeping (keep-alive, the
-response's end).
+The protocol also lends the proxy a way around the ASGI ``send`` for a streamed response
+(:func:`start_chunked`, :func:`chunked_writer`): the head goes out with the stream's first chunk in
+one write, each later chunk an engine sends is written to the client's transport from the upstream
+connection's callback, framed as uvicorn frames it, instead of one ASGI message and one task
+wake-up per chunk (``bench/results/router_profile.md``), and :meth:`ChunkedWriter.finish` ends the
+body with the bookkeeping uvicorn's ``send`` does at a response's end (keep-alive, the next
+pipelined request).
 
 It also starts a request without waiting for a task when it can: a ``POST`` whose whole body came
 in the same read as its head is handed to the app's ``start_request(scope, body)`` at the end of
@@ -92,30 +93,62 @@ class ClientGone(ConnectionResetError):
 
 class ChunkedWriter:
     """Writes body chunks of a started chunked response straight to the client's transport (one
-    HTTP/1.1 chunk per call, the framing uvicorn's ``send`` would write). Made by
-    :func:`chunked_writer`; only between the ASGI ``http.response.start`` and the final
-    ``http.response.body`` message, which must still go through ``send``."""
+    HTTP/1.1 chunk per call, the framing uvicorn's ``send`` would write), and ends the response
+    (:meth:`finish`). Made by :func:`start_chunked` or :func:`chunked_writer`; once there is one,
+    nothing more of the response goes through ``send``."""
 
-    __slots__ = ("_cycle", "_flow", "_write")
+    __slots__ = ("_cycle", "_flow", "_relay", "_write", "ended")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle
         self._flow = cycle.flow
         self._write = cycle.transport.write
+        self._relay: ChunkRelay | None = None
+        #: the terminating chunk was written (by :meth:`write` with ``end``, or by the native relay)
+        self.ended = False
 
-    def write(self, data: bytes) -> bool:
-        """Write ``data`` (non-empty) as one chunk; False when the client's transport is above its
+    def write(self, data: bytes, end: bool = False) -> bool:
+        """Write ``data`` (non-empty) as one chunk (``end``: the body's last, followed by the
+        terminating chunk in the same write); False when the client's transport is above its
         high-water mark (call :meth:`drain` before writing more) or the client left (nothing is
         written then)."""
         if self._cycle.disconnected:
             return False
-        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+        if end:
+            self.ended = True
+            self._write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+        else:
+            self._write(b"%x\r\n%s\r\n" % (len(data), data))
         return not self._flow.write_paused
 
     def native_relay(self, carry: bytes = b"") -> ChunkRelay:
         """A :class:`router._relay.ChunkRelay` writing to this client (``carry``: the stream
-        meter's last byte, see the relay's docstring)."""
-        return ChunkRelay(self._write, self._cycle, self._flow, carry)
+        meter's last byte, see the relay's docstring). It writes the terminating chunk with the
+        body's last bytes; :meth:`finish` then writes none."""
+        r = self._relay = ChunkRelay(self._write, self._cycle, self._flow, carry, True)
+        return r
+
+    async def finish(self, last: bytes = b"") -> None:
+        """End the response: ``last`` (an SSE error event, or b"") as a chunk and the terminating
+        chunk in one write (none when :meth:`write` or the native relay wrote it already), then
+        uvicorn's end-of-response bookkeeping, as its ``send`` of the final ``http.response.body``
+        does it: waits while the client's transport is above its high-water mark, writes nothing
+        once the client left, closes a connection that is not kept alive, starts the next
+        pipelined request."""
+        c = self._cycle
+        if self._flow.write_paused and not c.disconnected:
+            await self._flow.drain()
+        if c.disconnected or c.response_complete:
+            return
+        r = self._relay
+        if not self.ended and (r is None or not r.ended):
+            self.ended = True
+            self._write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(last), last) if last else b"0\r\n\r\n")
+        c.response_complete = True
+        c.message_event.set()
+        if not c.keep_alive:
+            c.transport.close()
+        c.on_response()
 
     async def drain(self) -> None:
         """Until the client's transport can take more. Raises :class:`ClientGone` when the client
@@ -145,6 +178,80 @@ def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
         return None
 
 
+def _our_cycle(scope: MutableMapping[str, Any]) -> Any:
+    """The uvicorn cycle of ``scope``'s request when :class:`LimitedHttpToolsProtocol` serves it
+    and no response started yet; else None."""
+    ext = scope.get("extensions")
+    cycle = ext.get(CYCLE_KEY) if ext else None
+    if cycle is None or cycle.scope is not scope or cycle.response_started:
+        return None
+    return cycle
+
+
+def _head(cycle: Any, scope: Any, status: int,
+          headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], bool] | None:
+    """The response head's pieces up to (not including) its framing header and the blank line,
+    and whether the connection closes after the response; None for a status uvicorn has no status
+    line for. Logs the access line as uvicorn's ``send`` does. ``headers`` are trusted (see
+    :func:`write_response`)."""
+    line = STATUS_LINE.get(status)
+    if line is None:
+        return None
+    if cycle.access_log:
+        cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                                 get_path_with_query_string(scope), scope["http_version"], status)
+    content = [line]
+    close = not cycle.keep_alive
+    for name, value in (*cycle.default_headers, *headers):
+        if name == b"connection" and b"close" in value.lower():
+            close = True
+        content += (name, b": ", value, b"\r\n")
+    if close:
+        cycle.keep_alive = False
+        content.append(b"connection: close\r\n")
+    return content, close
+
+
+def start_chunked(scope: MutableMapping[str, Any], status: int, headers: list[tuple[bytes, bytes]],
+                  first: bytes, end: bool = False) -> ChunkedWriter | None:
+    """Start a chunked response to ``scope``'s request: the status line, ``headers``,
+    ``Transfer-Encoding: chunked`` and ``first`` (the body's first chunk, b"" for none; ``end``:
+    the whole body, then followed by the terminating chunk) in one write, with the bookkeeping
+    uvicorn's ``send`` does for an ``http.response.start``. Returns the
+    :class:`ChunkedWriter` for the rest of the body, which ends it with :meth:`ChunkedWriter.finish`.
+    ``headers`` are trusted as in :func:`write_response` and must not hold a Transfer-Encoding.
+
+    None when the caller must start the response through ASGI: not
+    :class:`LimitedHttpToolsProtocol`'s request, a response already started, the client gone or
+    its transport above its high-water mark (``send`` waits for it to drain), ``headers`` with a
+    Content-Length (not chunked), a HEAD request or a 204/304 (no body), a status uvicorn has no
+    line for, a cycle of another uvicorn version without these attributes."""
+    try:
+        cycle = _our_cycle(scope)
+        if cycle is None or cycle.disconnected or cycle.flow.write_paused or scope["method"] == "HEAD" or \
+                status in (204, 304) or any(k == b"content-length" for k, _ in headers):
+            return None
+        head = _head(cycle, scope, status, headers)
+        if head is None:
+            return None
+        content = head[0]
+        content.append(b"transfer-encoding: chunked\r\n\r\n")
+        if first:
+            content += (b"%x\r\n" % len(first), first, b"\r\n")
+        if end:
+            content.append(b"0\r\n\r\n")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = True
+        cycle.expected_content_length = 0
+        cycle.transport.write(b"".join(content))
+        w = ChunkedWriter(cycle)
+        w.ended = end
+        return w
+    except AttributeError:
+        return None
+
+
 def write_response(scope: MutableMapping[str, Any], status: int, headers: list[tuple[bytes, bytes]],
                    body: bytes) -> bool:
     """Write a whole response (status line, ``headers``, a Content-Length and ``body``) to the
@@ -159,34 +266,20 @@ def write_response(scope: MutableMapping[str, Any], status: int, headers: list[t
     :class:`LimitedHttpToolsProtocol`'s request, a response already started, the client's
     transport above its high-water mark, which ``send`` waits out, a cycle of another uvicorn
     version without these attributes)."""
-    ext = scope.get("extensions")
-    cycle = ext.get(CYCLE_KEY) if ext else None
-    if cycle is None:
-        return False
     try:
-        if cycle.scope is not scope:
+        cycle = _our_cycle(scope)
+        if cycle is None:
             return False
         if cycle.disconnected:
             return True
-        if cycle.response_started or cycle.flow.write_paused:
-            # paused: the client is not reading; uvicorn's send waits for it to drain before the
-            # head, and so before the next pipelined request is started (memory stays bounded)
+        if cycle.flow.write_paused:
+            # the client is not reading; uvicorn's send waits for it to drain before the head,
+            # and so before the next pipelined request is started (memory stays bounded)
             return False
-        line = STATUS_LINE.get(status)
-        if line is None:
+        head = _head(cycle, scope, status, headers)
+        if head is None:
             return False
-        if cycle.access_log:
-            cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
-                                     get_path_with_query_string(scope), scope["http_version"], status)
-        content = [line]
-        close = not cycle.keep_alive
-        for name, value in (*cycle.default_headers, *headers):
-            if name == b"connection" and b"close" in value.lower():
-                close = True
-            content += (name, b": ", value, b"\r\n")
-        if close:
-            cycle.keep_alive = False
-            content.append(b"connection: close\r\n")
+        content, close = head
         content += (b"content-length: %d\r\n\r\n" % len(body), body)
         cycle.response_started = True
         cycle.waiting_for_100_continue = False

@@ -96,7 +96,7 @@ class StreamMeter:
     """Watches one relayed stream. ``sse``: the body is ``text/event-stream`` (else its first
     byte is its first content). Call :meth:`feed` with every chunk in order."""
 
-    __slots__ = ("_carry", "_events_after", "_head", "_tail", "first_seen", "sse")
+    __slots__ = ("_carry", "_events_after", "_head", "_last", "_tail", "first_seen", "sse")
 
     def __init__(self, sse: bool = True) -> None:
         self.sse = sse
@@ -105,11 +105,13 @@ class StreamMeter:
         self._events_after = 0    # complete events after the first content event
         self._tail = b""
         self._carry = b""         # last byte of the previous chunk (a separator can straddle)
+        self._last: list[dict | None] | None = None   # the tail's last events, parsed (see _last_events)
 
     def feed(self, chunk: bytes) -> bool:
         """Account one chunk; True exactly once: when this chunk completed the first content."""
         if not chunk:
             return False
+        self._last = None
         if self.first_seen:
             n = chunk.count(_SEP)
             if self._carry == b"\n" and chunk[:1] == b"\n" and chunk[:2] != _SEP:
@@ -154,6 +156,7 @@ class StreamMeter:
         and its ``last`` byte (b"" when it relayed nothing; nothing changes then)."""
         if not last:
             return
+        self._last = None
         self._events_after += events
         self._carry = last
         t = self._tail + tail
@@ -170,8 +173,13 @@ class StreamMeter:
         return None, None
 
     def _last_events(self) -> list[dict | None]:
-        events = [e for e in self._tail.split(_SEP) if e.strip()]
-        return [event_json(e) for e in events[-3:]]
+        """The last three events of the tail, parsed once until more is fed (the stream's end
+        asks for its usage and its token count)."""
+        last = self._last
+        if last is None:
+            events = [e for e in self._tail.split(_SEP) if e.strip()]
+            last = self._last = [event_json(e) for e in events[-3:]]
+        return last
 
     def output_tokens(self) -> int:
         """Output tokens of the stream so far: the reported ``completion_tokens`` when the stream

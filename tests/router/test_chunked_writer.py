@@ -4,7 +4,8 @@ The framing must be what uvicorn writes (keep-alive survives), a response with a
 (no chunked framing) gets no writer, and a writer whose client left says so instead of writing.
 The same protocol tells a request that its client left (``watch_disconnect``) with one callback,
 and writes a whole non-streamed response in one write (``write_response``) with uvicorn's
-keep-alive and pipelining bookkeeping intact."""
+keep-alive and pipelining bookkeeping intact; a streamed response's head leaves with its first
+chunk (``start_chunked``) and ``finish`` ends it as uvicorn's ``send`` would."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from router.server import (
     ClientGone,
     LimitedHttpToolsProtocol,
     chunked_writer,
+    start_chunked,
     watch_disconnect,
     write_response,
 )
@@ -300,4 +302,63 @@ def test_a_client_leaving_with_a_pipelined_request_queued_ends_the_running_one_q
         assert app.whole == []                                              # the queued one never ran
     finally:
         logging.getLogger("uvicorn.error").removeHandler(keep)
+        loop.close()
+
+
+def test_start_chunked_writes_head_and_first_chunk_at_once_and_finish_serves_the_next_request():
+    """The head and the first chunk in one write; after ``finish`` the pipelined request runs."""
+    loop = asyncio.new_event_loop()
+    t = RecordingTransport()
+    seen: list[str] = []
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        seen.append(scope["path"])
+        if scope["path"] == "/next":
+            assert write_response(scope, 200, [], b"next")
+            return
+        w = start_chunked(scope, 200, [(b"content-type", b"text/event-stream")], b"first")
+        assert w is not None and t.writes[-1].endswith(b"5\r\nfirst\r\n")
+        assert w.write(b"ab") is True
+        await w.finish(b"err")
+
+    try:
+        proto = in_process(app, loop, t)
+        proto.data_received(post("/s") + post("/next"))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert seen == ["/s", "/next"]
+        assert t.writes[0] == (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                               b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        assert t.writes[1:3] == [b"2\r\nab\r\n", b"3\r\nerr\r\n0\r\n\r\n"]
+        assert t.writes[3].endswith(b"\r\n\r\nnext")
+        proto.connection_lost(None)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("case", ["content-length", "head", "paused", "started"])
+def test_start_chunked_declines_what_send_must_frame_and_writes_nothing(case):
+    loop = asyncio.new_event_loop()
+    t = RecordingTransport()
+    got: list[object] = []
+
+    async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        hs = [(b"content-length", b"2")] if case == "content-length" else []
+        if case == "started":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        before = len(t.writes)
+        got.append(start_chunked(scope, 200, hs, b"ok"))
+        got.append(len(t.writes) - before)
+
+    try:
+        proto = in_process(app, loop, t)
+        if case == "paused":
+            proto.pause_writing()
+        req = post("/x")
+        if case == "head":
+            req = req.replace(b"POST ", b"HEAD ", 1)
+        proto.data_received(req)
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert got == [None, 0]
+        proto.connection_lost(None)
+    finally:
         loop.close()

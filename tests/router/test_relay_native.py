@@ -1,6 +1,7 @@
 """router._relay.ChunkRelay (csrc/dplb_relay.pyx): the native stream relay decodes chunked framing
 as httptools does, however the bytes are split into reads, re-frames each read as one chunk, and
-counts SSE separators and keeps the tail as router.stream_meter.StreamMeter does."""
+counts SSE separators and keeps the tail as router.stream_meter.StreamMeter does; with ``end`` it
+ends the client's body in the write that carries the engine's last bytes."""
 from __future__ import annotations
 
 from itertools import pairwise
@@ -65,6 +66,37 @@ def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_rea
         meter.feed(rest[:int(n, 16)])
     assert r.events == meter._events_after
     assert r.tail() == meter._tail[-4096:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(payload, min_size=0, max_size=8), st.lists(st.integers(0, 10_000), max_size=10), st.booleans())
+def test_with_end_the_terminating_chunk_rides_on_the_read_that_ends_the_body(payloads, cuts, trailers):
+    raw = frame(payloads, trailers=trailers)
+    plain, ending = FakeClient(), FakeClient()
+    a = ChunkRelay(plain.write, plain, plain)
+    b = ChunkRelay(ending.write, ending, ending, b"", True)
+    parts = split(raw, cuts)
+    for i, part in enumerate(parts):
+        a.feed(part)
+        b.feed(part)
+        assert b.ended == b.done == (i == len(parts) - 1)
+    # the same writes, but the last one also carries the terminating chunk: appended to the last
+    # payload's write when that read ended the body, else a write of its own
+    end = b"0\r\n\r\n"
+    assert ending.out[-1].endswith(end)
+    if len(ending.out) == len(plain.out):
+        assert ending.out[:-1] == plain.out[:-1] and ending.out[-1] == plain.out[-1] + end
+    else:
+        assert ending.out == [*plain.out, end]
+    assert b.relayed == a.relayed and b.events == a.events
+
+
+def test_with_end_a_gone_client_gets_no_terminating_chunk():
+    c = FakeClient()
+    r = ChunkRelay(c.write, c, c, b"", True)
+    r.feed(b"3\r\nabc\r\n")
+    c.disconnected = True
+    assert r.feed(b"0\r\n\r\n") == CLIENT_GONE and c.out == [b"3\r\nabc\r\n"] and not r.ended
 
 
 def test_bad_framing_fails_and_bytes_after_the_end_are_flagged():

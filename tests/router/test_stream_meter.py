@@ -47,6 +47,19 @@ def test_usage_wins_over_counted_events_and_gives_prompt_tokens():
     assert m.usage() == (17, 9) and m.output_tokens() == 9
 
 
+def test_the_last_events_are_read_again_after_more_is_fed_or_absorbed():
+    """The stream's end parses its last events once for the usage and the token count; whatever
+    is fed (or absorbed from the native relay) after a read must be seen by the next one."""
+    m = StreamMeter()
+    m.feed(ev(tok(" a")) + ev(tok(" b")))
+    assert m.usage() == (None, None) and m.output_tokens() == 2
+    m.feed(ev({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}))
+    assert m.usage() == (5, 7) and m.output_tokens() == 7
+    tail = ev(tok(" c")) + ev({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 8}})
+    m.absorb(2, tail, tail[-1:])
+    assert m.usage() == (5, 8) and m.output_tokens() == 8
+
+
 def test_separator_straddling_two_chunks_is_counted_once():
     m = StreamMeter()
     m.feed(ev(tok(" a")))
