@@ -7,10 +7,13 @@ the test fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from bench.trace import DEFAULT_TRACE as TRACE  # noqa: F401  (the in-repository Mooncake trace)
 from launcher.stack import (  # noqa: F401  (one of each for the launcher, the harness and the tests)
@@ -133,3 +136,47 @@ class RecordingTransport(asyncio.Transport):
 
     def resume_reading(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def in_process_router(loop: asyncio.AbstractEventLoop, endpoint: str) -> Iterator[tuple[Any, Any, Callable[..., Any]]]:
+    """The real router app, started on ``loop`` (lifespan on) over a fresh segment with one ready
+    worker (slot 0, model ``m``, at ``endpoint``), health checks off. Yields ``(app, segment,
+    make)``, ``make(client_transport)`` → a connected :class:`router.server.LimitedHttpToolsProtocol`
+    driven by hand on ``loop``. Shuts the app down and removes the segment on the way out."""
+    import uvicorn
+    from uvicorn.lifespan.on import LifespanOn
+    from uvicorn.server import ServerState
+
+    from dplb_shm import Segment, WorkerState
+    from router.app import create_app
+    from router.config import load_config
+    from router.server import LimitedHttpToolsProtocol
+
+    name = unique_shm_name()
+    seg = Segment.create(name, num_slots=4)
+    lifespan = None
+    try:
+        w = seg.writer(0)
+        w.claim(worker_id=0, pid=os.getpid(), endpoint=endpoint, model="m", max_num_seqs=64)
+        w.set_state(WorkerState.READY)
+        w.heartbeat()
+        app = create_app(load_config(None, {"router.shm": name, "health_check.enabled": False}), seg)
+        ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", log_level="critical",
+                              access_log=False, proxy_headers=False)
+        ucfg.load()
+        lifespan = LifespanOn(ucfg)
+        loop.run_until_complete(lifespan.startup())
+
+        def make(client: asyncio.Transport) -> LimitedHttpToolsProtocol:
+            proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
+            proto.connection_made(client)
+            return proto
+
+        yield app, seg, make
+    finally:
+        if lifespan is not None:
+            loop.run_until_complete(lifespan.shutdown())
+        seg.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

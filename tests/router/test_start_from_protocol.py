@@ -10,16 +10,14 @@ that records when it is written to."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import uvicorn
-from uvicorn.lifespan.on import LifespanOn
 from uvicorn.server import ServerState
 
-from dplb_shm import Segment, WorkerState
+from dplb_shm import Segment
 from router.server import LimitedHttpToolsProtocol, write_response
-from tests.helpers import RecordingTransport, unique_shm_name
+from tests.helpers import RecordingTransport, in_process_router
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -219,39 +217,10 @@ class Engine:
 @pytest.fixture
 def router(loop):
     """(protocol factory, engine stand-in, segment): the real app on a segment with one ready worker."""
-    from router.app import create_app
-    from router.config import load_config
-
-    name = unique_shm_name()
-    seg = Segment.create(name, num_slots=4)
-    lifespan = None
-    try:
-        w = seg.writer(0)
-        w.claim(worker_id=0, pid=os.getpid(), endpoint="127.0.0.1:9", model="m", max_num_seqs=64)
-        w.set_state(WorkerState.READY)
-        w.heartbeat()
-        cfg = load_config(None, {"router.shm": name, "health_check.enabled": False})
-        app = create_app(cfg, seg)
-        ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", log_level="critical",
-                              access_log=False, proxy_headers=False)
-        ucfg.load()
-        lifespan = LifespanOn(ucfg)
-        loop.run_until_complete(lifespan.startup())
+    with in_process_router(loop, "127.0.0.1:9") as (app, seg, make):
         engine = Engine(seg)
-        app.state.proxy.transport = engine   # type: ignore[union-attr,assignment]
-
-        def make(client: RecordingTransport) -> LimitedHttpToolsProtocol:
-            proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
-            proto.connection_made(client)
-            return proto
-
+        app.state.proxy.transport = engine
         yield make, engine, seg
-    finally:
-        if lifespan is not None:
-            loop.run_until_complete(lifespan.shutdown())
-        seg.close()
-        if os.path.exists(f"/dev/shm/{name}"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def test_the_router_writes_a_whole_request_to_its_worker_and_leases_it_within_the_read(router, loop):

@@ -16,13 +16,8 @@ import shutil
 import tempfile
 
 import pytest
-import uvicorn
-from uvicorn.lifespan.on import LifespanOn
-from uvicorn.server import ServerState
 
-from dplb_shm import Segment, WorkerState
-from router.server import LimitedHttpToolsProtocol
-from tests.helpers import RecordingTransport, unique_shm_name
+from tests.helpers import RecordingTransport, in_process_router
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,65 +90,42 @@ def loop():
 @pytest.fixture
 def stream_router(loop):
     """run(script) -> the client's writes for one streamed request through the real app."""
-    from router.app import create_app
-    from router.config import load_config
-
-    name = unique_shm_name()
     d = tempfile.mkdtemp(prefix="dplb-sw-", dir="/tmp")
     path = os.path.join(d, "e.sock")
-    seg = Segment.create(name, num_slots=4)
-    lifespan = None
     server = None
     try:
-        w = seg.writer(0)
-        w.claim(worker_id=0, pid=os.getpid(), endpoint=path, model="m", max_num_seqs=64)
-        w.set_state(WorkerState.READY)
-        w.heartbeat()
-        cfg = load_config(None, {"router.shm": name, "health_check.enabled": False})
-        app = create_app(cfg, seg)
-        ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", log_level="critical",
-                              access_log=False, proxy_headers=False)
-        ucfg.load()
-        lifespan = LifespanOn(ucfg)
-        loop.run_until_complete(lifespan.startup())
-        engines: list[ScriptedEngine] = []
+        with in_process_router(loop, path) as (_app, _seg, make):
+            engines: list[ScriptedEngine] = []
 
-        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            await engines[-1].serve(r, w)
+            async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                await engines[-1].serve(r, w)
 
-        server = loop.run_until_complete(asyncio.start_unix_server(serve, path))
+            server = loop.run_until_complete(asyncio.start_unix_server(serve, path))
 
-        def run(script: list[bytes | None]) -> tuple[list[bytes], LimitedHttpToolsProtocol]:
-            engines.append(ScriptedEngine(script))
-            c = RecordingTransport()
-            proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
-            proto.connection_made(c)
-            proto.data_received(REQUEST)
+            def run(script: list[bytes | None]) -> list[bytes]:
+                engines.append(ScriptedEngine(script))
+                c = RecordingTransport()
+                proto = make(c)
+                proto.data_received(REQUEST)
 
-            async def until_done() -> None:
-                for _ in range(500):
-                    if proto.cycle is not None and proto.cycle.response_complete:
-                        return
-                    await asyncio.sleep(0.01)
-                raise AssertionError(f"the response did not complete; written: {c.writes!r}")
+                async def until_done() -> None:
+                    for _ in range(500):
+                        if proto.cycle is not None and proto.cycle.response_complete:
+                            return
+                        await asyncio.sleep(0.01)
+                    raise AssertionError(f"the response did not complete; written: {c.writes!r}")
 
-            loop.run_until_complete(until_done())
-            loop.run_until_complete(asyncio.sleep(0.05))   # nothing more may follow
-            assert engines[-1].requests == 1
-            writes = list(c.writes)
-            proto.connection_lost(None)
-            return writes, proto
+                loop.run_until_complete(until_done())
+                loop.run_until_complete(asyncio.sleep(0.05))   # nothing more may follow
+                assert engines[-1].requests == 1
+                proto.connection_lost(None)
+                return list(c.writes)
 
-        yield run
+            yield run
     finally:
         if server is not None:
             server.close()
             loop.run_until_complete(server.wait_closed())
-        if lifespan is not None:
-            loop.run_until_complete(lifespan.shutdown())
-        seg.close()
-        if os.path.exists(f"/dev/shm/{name}"):
-            os.unlink(f"/dev/shm/{name}")
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -162,7 +134,7 @@ def test_one_client_write_per_engine_read_head_with_the_first_chunk_end_with_the
     events = [ROLE, content(1), content(2), content(3), content(4), DONE]
     body = [chunk(e) for e in events]
     script: list[bytes | None] = [HEAD, *body[:-1], body[-1] + END] if not end_apart else [HEAD, *body, END]
-    writes, _ = stream_router(script)
+    writes = stream_router(script)
     # the head waits for the first body bytes (it always did) and leaves with them
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked\r\n" in writes[0]
     first = writes[0].partition(b"\r\n\r\n")[2]
@@ -176,14 +148,14 @@ def test_one_client_write_per_engine_read_head_with_the_first_chunk_end_with_the
 
 def test_a_stream_whole_in_its_first_read_is_one_client_write(stream_router):
     events = [ROLE, content(1), DONE]
-    writes, _ = stream_router([HEAD + b"".join(chunk(e) for e in events) + END])
+    writes = stream_router([HEAD + b"".join(chunk(e) for e in events) + END])
     assert len(writes) == 1
     payload, ends = dechunk(writes[0].partition(b"\r\n\r\n")[2])
     assert payload == b"".join(events) and ends == 1
 
 
 def test_a_stream_that_breaks_ends_with_its_error_event_and_the_end_in_one_write(stream_router):
-    writes, _ = stream_router([HEAD, chunk(ROLE), chunk(content(1)), chunk(content(2)), None])
+    writes = stream_router([HEAD, chunk(ROLE), chunk(content(1)), chunk(content(2)), None])
     assert len(writes) == 4
     last, ends = dechunk(writes[-1])
     assert ends == 1 and last.startswith(b"data: ") and b'"upstream_error"' in last
