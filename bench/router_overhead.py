@@ -21,7 +21,10 @@ SSE relay (``--streams`` > 0): that many concurrent streamed requests, each answ
 worker with one SSE event (a ~150-byte chat chunk) every ``--chunk-interval-ms`` (each event its own
 write, as an engine emits one per token), ``--chunks`` events per stream, streams restarted as
 they end, for ``--seconds``. Prints the events the client received and the router's CPU seconds:
-**SSE chunks relayed per router core per second** = events / router CPU seconds.
+**SSE chunks relayed per router core per second** = events / router CPU seconds, the client's
+socket reads per event, and the inter-token latency the client saw (p50/p90/p99 of the gap since
+the event before, 0 for an event that came in the same read as the one before): a router that
+holds events back to write several at once relays more per core-second and adds that to the ITL.
 
 ``--versus PEER``: DPLB's router and the peer's (bench/peers.py), both pinned to the same core in
 front of the same instant worker (TCP), measured in alternating blocks within one run instead of
@@ -247,12 +250,14 @@ STREAM_BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hell
 STREAM_ERRORS: list[str] = []
 
 
-def stream_loop(port: int, streams: int, seconds: float) -> tuple[int, int]:
+def stream_loop(port: int, streams: int, seconds: float, gaps: list[float] | None = None) -> tuple[int, int]:
     """``streams`` threads, each a keep-alive connection sending streamed requests back to back
     until ``seconds`` pass; returns the SSE events received (``data:`` lines, [DONE] excluded) and
     the client's socket reads that brought them (fewer reads than events: the router held events
     back and sent them together). A stream answered with anything but 200, or cut, ends its
-    thread; :data:`STREAM_ERRORS` says why."""
+    thread; :data:`STREAM_ERRORS` says why. ``gaps``: when given, gets the inter-token latency the
+    client saw (s): for every event after a stream's first, the time since the event before it
+    (0 for an event that came in the same read as the one before)."""
     stop = time.monotonic() + seconds
     counts = [0] * streams
     reads = [0] * streams
@@ -262,13 +267,23 @@ def stream_loop(port: int, streams: int, seconds: float) -> tuple[int, int]:
     def run(k: int) -> None:
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mine: list[float] = []
         try:
             while time.monotonic() < stop:
                 s.sendall(req)
                 buf = b""
+                last = None
                 while not buf.endswith(b"0\r\n\r\n"):   # the chunked body's terminator
                     chunk = s.recv(262144)
                     reads[k] += 1
+                    if gaps is not None:
+                        n = chunk.count(b"data: {")
+                        if n:
+                            t = time.perf_counter()
+                            if last is not None:
+                                mine.append(t - last)
+                            mine.extend([0.0] * (n - 1))
+                            last = t
                     if not chunk:
                         raise ConnectionError("closed")
                     if not buf and not chunk.startswith(b"HTTP/1.1 200"):
@@ -282,6 +297,8 @@ def stream_loop(port: int, streams: int, seconds: float) -> tuple[int, int]:
             STREAM_ERRORS.append(repr(e))
         finally:
             s.close()
+            if gaps is not None:
+                gaps.extend(mine)   # list.extend is atomic under the GIL
 
     ts = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
     for t in ts:
@@ -576,12 +593,19 @@ def main(argv: list[str] | None = None) -> int:
             with Profiler(router_pid, prof):
                 c0 = router_cpu()
                 t0 = time.perf_counter()
-                ev, reads = stream_loop(port, a.streams, a.seconds)
+                gaps: list[float] = []
+                ev, reads = stream_loop(port, a.streams, a.seconds, gaps)
                 wall = time.perf_counter() - t0
                 cpu = router_cpu() - c0
             print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms: {ev / wall:,.0f} "
                   f"events/s measured; router CPU {cpu:.2f} s → {ev / max(cpu, 1e-9):,.0f} SSE chunks relayed "
                   f"per router core per second; {reads / max(ev, 1):.2f} client reads per event")
+            if gaps:
+                held = sum(1 for g in gaps if g == 0.0) / len(gaps)
+                print(f"  inter-token latency at the client (the engine sends one event per {a.chunk_interval_ms:g} "
+                      f"ms): p50 {pct(gaps, 50) * 1e3:.2f} ms, p90 {pct(gaps, 90) * 1e3:.2f} ms, p99 "
+                      f"{pct(gaps, 99) * 1e3:.2f} ms; {held:.0%} of events arrived in the same read as the one "
+                      "before")
             if STREAM_ERRORS:
                 print(f"  {len(STREAM_ERRORS)} stream(s) failed; first: {STREAM_ERRORS[0][:300]}")
                 with open(os.path.join(d, "router.log"), errors="replace") as f:

@@ -19,6 +19,11 @@ def test_router_overhead_bench_prints_figures_and_cleans_up(shm_name):
     assert r.returncode == 0, r.stderr
     assert re.search(r"added by router\s*: p50 -?\d+\.\d{3} ms   p99 -?\d+\.\d{3} ms", r.stdout), r.stdout
     assert re.search(r"[\d,]+ req/s per router core", r.stdout), r.stdout
+    assert re.search(r"[\d,]+ SSE chunks relayed per router core per second; \d+\.\d\d client reads per event", r.stdout)
+    # the gaps the client saw between a stream's events (what a router holding events back adds to)
+    m = re.search(r"inter-token latency at the client .*: p50 (\d+\.\d\d) ms, p90 ([\d.]+) ms, p99 ([\d.]+) ms; "
+                  r"\d+% of events arrived in the same read", r.stdout)
+    assert m and float(m.group(1)) <= float(m.group(2)) <= float(m.group(3)), r.stdout
     assert shm_leftovers(shm_name) == []
 
 
