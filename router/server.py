@@ -111,9 +111,11 @@ class ChunkedWriter:
         """Write ``data`` (non-empty) as one chunk (``end``: the body's last, followed by the
         terminating chunk in the same write); False when the client's transport is above its
         high-water mark (call :meth:`drain` before writing more) or the client left (nothing is
-        written then)."""
+        written then). Nothing is written after the end (a confused engine's bytes past its body)."""
         if self._cycle.disconnected:
             return False
+        if self.ended:
+            return True
         if end:
             self.ended = True
             self._write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))

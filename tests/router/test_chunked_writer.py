@@ -319,6 +319,10 @@ def test_start_chunked_writes_head_and_first_chunk_at_once_and_finish_serves_the
         w = start_chunked(scope, 200, [(b"content-type", b"text/event-stream")], b"first")
         assert w is not None and t.writes[-1].endswith(b"5\r\nfirst\r\n")
         assert w.write(b"ab") is True
+        if scope["path"] == "/e":   # the body's end with its last bytes, then nothing more
+            assert w.write(b"cd", True) is True and w.write(b"late") is True and w.write(b"x", True) is True
+            await w.finish()
+            return
         await w.finish(b"err")
 
     try:
@@ -330,6 +334,13 @@ def test_start_chunked_writes_head_and_first_chunk_at_once_and_finish_serves_the
                                b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
         assert t.writes[1:3] == [b"2\r\nab\r\n", b"3\r\nerr\r\n0\r\n\r\n"]
         assert t.writes[3].endswith(b"\r\n\r\nnext")
+        proto.connection_lost(None)
+        t.writes.clear()
+        proto = in_process(app, loop, t)
+        proto.data_received(post("/e") + post("/next"))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert t.writes[1:3] == [b"2\r\nab\r\n", b"2\r\ncd\r\n0\r\n\r\n"]
+        assert t.writes[3].endswith(b"\r\n\r\nnext") and len(t.writes) == 4
         proto.connection_lost(None)
     finally:
         loop.close()
