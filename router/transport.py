@@ -16,6 +16,9 @@ timers, stream reader) took about a fifth of the router's CPU per request. This 
 uvicorn): the request goes out in one ``write``; the parser's callbacks collect the head and the
 (de-chunked) body; the reader is woken once per network read, and everything that arrived by then
 is handed on at once. The measurement that chose it is in ``bench/results/router_profile.md``.
+A body with neither a Content-Length nor chunked framing (an HTTP/1.0-style server) ends with the
+connection and is complete there (RFC 9112 §6.3); any other connection end before the body's end
+is a broken answer.
 
 Two timeouts, measured here (not per socket read): the **first-byte** timeout runs from dispatch
 until the first body byte (the response head and a stream's first token after the prefill, or a
@@ -74,7 +77,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held",
                  "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
-                 "status", "timer", "transport", "waiter")
+                 "status", "timer", "to_eof", "transport", "waiter")
 
     def __init__(self) -> None:
         self.transport: Any = None
@@ -105,6 +108,7 @@ class _Conn(asyncio.Protocol):
         self.held = False     # reading paused because the sink's client was slow (see Upstream.pipe)
         self.keep_hint = False
         self.boundary = False  # the parser stopped right after a chunk's closing CRLF (see data_received)
+        self.to_eof = False    # the body has neither a length nor chunked framing: it ends with the connection
 
     def start(self) -> None:
         """A new request goes out on this connection: a fresh parser and state."""
@@ -179,11 +183,13 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def eof_received(self) -> bool | None:
-        try:
-            if self.parser is not None:
-                self.parser.feed_data(b"")   # a body delimited by the connection's end completes here
-        except httptools.HttpParserError:
-            pass
+        # a body with neither a Content-Length nor chunked framing ends with the connection (RFC
+        # 9112 §6.3, rule 8): complete, not broken. httptools cannot be told that its input ended,
+        # so that ending is recognised here; any other EOF is a broken answer (connection_lost)
+        if self.head_done and not self.done and self.to_eof and self.error is None:
+            self.done = True
+            self.keep = False
+            self._wake()
         return None
 
     # -- httptools callbacks ---------------------------------------------------------------------
@@ -200,6 +206,8 @@ class _Conn(asyncio.Protocol):
             return
         self.status = status
         self.keep_hint = self.parser.should_keep_alive()
+        self.to_eof = status not in (204, 304) and not any(
+            k == b"content-length" or (k == b"transfer-encoding" and b"chunked" in v.lower()) for k, v in self.headers)
         self.head_done = True
 
     def on_chunk_header(self) -> None:

@@ -161,3 +161,13 @@ def test_a_stream_that_breaks_ends_with_its_error_event_and_the_end_in_one_write
     assert ends == 1 and last.startswith(b"data: ") and b'"upstream_error"' in last
     payload, ends = dechunk(b"".join(writes).partition(b"\r\n\r\n")[2])
     assert payload.startswith(ROLE + content(1) + content(2)) and ends == 1
+
+
+def test_a_stream_that_ends_with_its_connection_is_complete_not_broken(stream_router):
+    """No Content-Length and no chunked framing (an HTTP/1.0-style server): the engine closing the
+    connection ends the body (RFC 9112 §6.3); the client gets it re-framed and ended, no error."""
+    writes = stream_router([b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + ROLE,
+                            content(1), content(2) + DONE, None])
+    payload, ends = dechunk(b"".join(writes).partition(b"\r\n\r\n")[2])
+    assert payload == ROLE + content(1) + content(2) + DONE and ends == 1
+    assert b"upstream_error" not in b"".join(writes)

@@ -82,6 +82,15 @@ class Server(asyncio.Protocol):
                 ev = b"data: %d\n\n" % i
                 loop.call_later(0.002 * i, self.t.write, b"%x\r\n%s\r\n" % (len(ev), ev))
             loop.call_later(0.002 * 40, self.t.write, b"0\r\n\r\n")
+        elif path in (b"/eof", b"/eof-204"):   # no length, no chunking: the body ends with the connection
+            if path == b"/eof-204":
+                self.t.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+                asyncio.get_running_loop().call_later(0.02, self.t.close)
+                return
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 0\n\n")
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.02, self.t.write, b"data: 1\n\n")
+            loop.call_later(0.04, self.t.close)
         elif path == b"/break":  # one event, then the worker dies mid-stream
             self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                          b"9\r\ndata: 0\n\n\r\n")
@@ -180,6 +189,31 @@ async def test_stream_chunks_arrive_dechunked_and_in_order(server):
         got.append(c)
     up.release()
     assert b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" and len(got) == 3
+    await t.close()
+
+
+async def test_a_body_that_ends_with_the_connection_is_complete_and_the_connection_not_reused(server):
+    """RFC 9112 §6.3: without a Content-Length or chunked framing the body runs to the connection's
+    end; that end completes it (httptools alone cannot tell: it has no end-of-input call)."""
+    t = Transport()
+    for use in ("chunks", "pipe"):
+        up = await t.send(server, "POST", "/eof", [], b"{}")
+        assert up.is_stream
+        got = [await up.first_chunk()]
+        if use == "chunks":
+            async for c in up.chunks():
+                got.append(c)
+        else:
+            async def drain() -> None:
+                return None
+
+            await up.pipe(lambda d, got=got: got.append(d) is None, drain)
+        assert up.complete() and b"".join(got) == b"data: 0\n\ndata: 1\n\n"
+        up.release()
+    # a 204 has no body whatever its headers say: its connection closing later is no answer's end
+    up = await t.send(server, "GET", "/eof-204", [], None)
+    assert up.status == 204 and await up.read(await up.first_chunk()) == b""
+    assert len(Server.conns) == 3        # the two close-delimited answers' connections were not reused
     await t.close()
 
 
