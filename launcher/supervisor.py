@@ -15,8 +15,12 @@ why, after undoing the steps before it):
    stops the launch with that child's log's last lines;
 6. print the ready banner and stay in the foreground.
 
-Ctrl-C, SIGTERM or SIGHUP stop every child and its descendants (engines included, see
-:mod:`launcher.children`), unlink the segment and remove the sockets; logs stay in the run dir.
+Ctrl-C, SIGTERM or SIGHUP stop the workers first, while the router still relays: each agent
+drains its engine (DRAINING: the router stops sending it requests; the requests in flight, streams
+included, run to their end, up to the agent's drain timeout) and stops it (:meth:`Supervisor.shutdown`).
+Then every child and its descendants are stopped (engines included, see :mod:`launcher.children`),
+the segment unlinked and the sockets removed; logs stay in the run dir. A second Ctrl-C kills
+everything at once.
 After start-up an agent that dies is reported (the router stops sending to it once its
 heartbeat goes stale); a router that dies ends the launch with status 1. Each engine failure and
 restart an agent records in its slot (``state_reason``, ``last_exit_code``, ``restarts``) is
@@ -55,6 +59,10 @@ from launcher.stack import agent_argv, router_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+#: how long a stop waits for the agents to drain and stop their engines before stopping the rest:
+#: the agent's drain timeout (``worker_agent`` ``drain_timeout_s``, 30 s), its engine's SIGTERM grace
+#: (15 s, ``EngineAdapter.stop``) and a margin
+AGENT_STOP_S = 50.0
 DEFAULT_SIM_MODEL = "sim-llama-3.1-8b"  # sim engine's default model name (docs/INTERFACES.md)
 
 
@@ -307,9 +315,11 @@ class Supervisor:
                 self._say(f"dplb: worker {k}: READY again after engine restart {restarts}")
 
     def shutdown(self) -> None:
-        """Stop every child tree, unlink the segment, remove sockets. Safe to call twice."""
+        """Drain and stop the workers (:meth:`drain_workers`), then stop every child tree, unlink the
+        segment, remove sockets. Safe to call twice."""
         children = self._children()
         if children:
+            self.drain_workers()
             stop_tree(children, grace_s=10.0)
         self.agents, self.router = [], None
         if self.segment is not None:
@@ -325,6 +335,31 @@ class Supervisor:
                 except OSError:
                     pass
         remove_sockets(self.cfg.run_dir)
+
+    def drain_workers(self, timeout_s: float = AGENT_STOP_S) -> None:
+        """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
+        for them to exit: each marks its slot DRAINING (the router stops sending it requests), waits
+        until the router's in-flight count for it is 0 (its own drain timeout) and stops its
+        engine. Stopping everything at once instead made each engine abort what it was generating
+        (a stream ended with ``finish_reason: "abort"``). Skipped when the router is gone: nothing
+        is in flight through it. A second Ctrl-C (:meth:`_on_signal`) kills everything at once."""
+        router = self.router
+        agents = [a for a in self.agents if a.poll() is None]
+        if not agents or router is None or router.poll() is not None:
+            return
+        for a in agents:
+            try:
+                os.kill(a.pid, signal.SIGTERM)
+            except OSError:
+                pass
+        start = time.monotonic()
+        told = False
+        while any(a.poll() is None for a in agents) and time.monotonic() - start < timeout_s:
+            if not told and time.monotonic() - start > 1.0:
+                told = True
+                self._say(f"dplb: workers draining their in-flight requests (up to {timeout_s:.0f} s; "
+                          "Ctrl-C again to stop at once)")
+            time.sleep(0.05)
 
     def slot_states(self) -> list[str]:
         """State name of each worker's slot (``"-"`` before the agent claims it)."""

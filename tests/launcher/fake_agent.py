@@ -6,16 +6,45 @@ worker id from the environment: ``FAKE_FAIL=K`` makes worker K print an error an
 ``FAKE_NEVER=K`` keeps worker K in STARTING; ``FAKE_DEAD=K`` marks worker K DEAD and lives on; ``FAKE_DIE_AFTER_READY=K`` exits 4 after 1 s of READY;
 ``FAKE_RESTART_AFTER_READY=K`` records in the slot, after 1 s of READY, what a real agent does for
 a killed engine: DEAD (engine exited, code -9, restart in 0.5 s), then restart 1, then READY.
+``FAKE_DRAIN_S=S`` makes every worker drain like a real agent on SIGTERM: it takes S seconds, then
+stops its engine and exits 0, and writes to ``<run-dir>/drain-K.json`` whether the router still
+answered and its engine still ran when the drain began and when it ended.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 from dplb_shm import Segment, StateReason, WorkerState, now_ns
+
+STOP = []
+
+
+def router_up(shm: str) -> bool:
+    """Does the router of segment ``dplb-<port>`` answer ``GET /health``?"""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{int(shm.rsplit('-', 1)[1])}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def drain(k: int, shm: str, run_dir: str, engine: subprocess.Popen, seconds: float) -> None:
+    """What a real agent does on SIGTERM, timed: DRAINING for ``seconds``, then stop the engine."""
+    seen = {"begin": {"router": router_up(shm), "engine": engine.poll() is None}}
+    time.sleep(seconds)
+    seen["end"] = {"router": router_up(shm), "engine": engine.poll() is None}
+    engine.terminate()
+    engine.wait(5)
+    with open(os.path.join(run_dir, f"drain-{k}.json"), "w") as f:
+        json.dump(seen, f)
 
 
 def main() -> int:
@@ -50,7 +79,14 @@ def main() -> int:
         w.set_state(WorkerState.READY)
     ready_at = time.monotonic()
     restart_step = 0 if os.environ.get("FAKE_RESTART_AFTER_READY") == str(k) else -1
+    drain_s = os.environ.get("FAKE_DRAIN_S")
+    if drain_s is not None:
+        signal.signal(signal.SIGTERM, lambda *_: STOP.append(True))
     while True:
+        if STOP:
+            w.set_state(WorkerState.DRAINING)
+            drain(k, args.shm, args.run_dir, engine, float(drain_s or 0))
+            return 0
         w.heartbeat()
         if restart_step == 0 and time.monotonic() - ready_at > 1.0:
             w.publish(state=WorkerState.DEAD, state_reason=StateReason.ENGINE_EXITED, last_exit_code=-9,

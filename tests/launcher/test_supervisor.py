@@ -65,6 +65,26 @@ def test_ready_then_signal_stops_everything(procs, run_dir, port, sig):
     assert not list((Path(run_dir) / "rd").glob("*.sock"))
 
 
+def test_a_stop_drains_the_workers_while_the_router_still_relays(procs, run_dir, port):
+    """The agents get the stop first and alone: through their whole drain the router answers and
+    their engines run (requests in flight finish), then everything stops."""
+    import json
+
+    p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_DRAIN_S": "1.5"})
+    wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+    assert p.poll() is None, log.read_text()
+    engines = engine_pids(run_dir, 2)
+    tree = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=60) == 0, log.read_text()
+    for k in range(2):
+        seen = json.loads((Path(run_dir) / "rd" / f"drain-{k}.json").read_text())
+        assert seen == {"begin": {"router": True, "engine": True}, "end": {"router": True, "engine": True}}, seen
+    assert "workers draining their in-flight requests" in log.read_text()
+    wait_until(lambda: gone(engines + tree), timeout=20, what="children and engines gone")
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
 def test_failing_worker_stops_launch_with_its_log(procs, run_dir, port):
     p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_FAIL": "1"})
     assert p.wait(timeout=90) == 1
