@@ -159,8 +159,9 @@ class MirrorManager:
             if w is None:   # never reached: take a slot anyway, so the worker is listed (dead) rather than absent
                 w = self.writers[endpoint] = self._claim(endpoint, spec, endpoint)
             n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
-            if n == self.max_failures:
-                log.warning("remote worker %s unreachable (%s): marking it dead", endpoint, e)
+            if n >= self.max_failures:
+                if n == self.max_failures:
+                    log.warning("remote worker %s unreachable (%s): marking it dead", endpoint, e)
                 w.publish(state=4)
 
     def _router_inflight(self, w: Any) -> int:
@@ -177,6 +178,9 @@ class MirrorManager:
             return
         for ep in [e for e in self.writers if e not in self.wanted]:
             self.writers.pop(ep).release()
+            # a worker added again starts afresh: its old count would never equal max_failures again,
+            # and an unreachable one would stay STARTING for good
+            self.failures.pop(ep, None)
         for ep, spec in list(self.wanted.items()):
             try:
                 await self.refresh_one(ep, spec)

@@ -76,6 +76,23 @@ def test_add_remote_worker_gets_a_mirror_slot(make_cluster):
     assert int(c.seg.read_slot(slot).state) == 0               # slot released
 
 
+def test_an_unreachable_remote_worker_is_dead_each_time_it_is_added(make_cluster):
+    """Added, found unreachable (DEAD), removed, added again: DEAD again, not STARTING for good."""
+    c = make_cluster(1)
+    ep = f"127.0.0.1:{free_port()}"     # nothing listens there
+
+    def state(slot: int) -> str:
+        return next((w["state"] for w in httpx.get(c.base + "/dplb/status").json()["workers"] if w["id"] == slot), "-")
+
+    for _ in range(2):
+        r = httpx.post(c.base + "/dplb/workers", json={"endpoint": ep})
+        assert r.status_code == 201, r.text
+        slot = r.json()["worker_id"]
+        wait_until(lambda slot=slot: state(slot) == "dead", 20, what=f"the unreachable mirror {slot} marked dead")
+        assert httpx.delete(c.base + f"/dplb/workers/{slot}").status_code == 200
+        wait_until(lambda slot=slot: int(c.seg.read_slot(slot).state) == 0, 10, what="the mirror slot released")
+
+
 def test_bad_admin_bodies(make_cluster):
     c = make_cluster(1)
     for body, code in ((b"{", 400), (b"[]", 400), (b'{"endpoint": "nohost"}', 400), (b'{"weight": 1}', 400)):
