@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s agent-{cfg.worker_id} %(name)s: %(message)s")
     log = logging.getLogger("worker_agent")
 
-    from dplb_shm import SegmentError
+    from dplb_shm import SegmentError, SegmentNotFoundError
 
     from .agent import Agent
 
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             agent = Agent(cfg)
         except (SegmentError, ConfigError) as e:
-            log.error("cannot start: %s", e)
+            hint = (f" (the launch script creates it; an agent started on its own needs `dplb-shm create --name "
+                    f"{cfg.shm}` first)") if isinstance(e, SegmentNotFoundError) else ""
+            log.error("cannot start: %s%s", e, hint)
             return 1 if isinstance(e, SegmentError) else 2
         try:
             return await agent.run()

@@ -124,7 +124,7 @@ def test_openai_over_unix_socket():
     assert o.address.uds == "/tmp/x/engine.sock" and o.address.base == "http://localhost"
 
 
-def test_main_exit_codes(tmp_path, capsys):
+def test_main_exit_codes(tmp_path, capsys, caplog):
     from worker_agent.__main__ import main
 
     uds = str(tmp_path / "a.sock")
@@ -132,3 +132,4 @@ def test_main_exit_codes(tmp_path, capsys):
     assert "--gpus" in capsys.readouterr().err
     assert main(["--worker-id", "0", "--uds", uds, "--engine", "vllm", "--shm", "dplb-test-absent-wa"]) == 2
     assert main(["--worker-id", "0", "--uds", uds, "--shm", "dplb-test-absent-wa"]) == 1  # no segment
+    assert "dplb-shm create --name dplb-test-absent-wa" in caplog.text      # and how to make one
