@@ -139,7 +139,11 @@ def admin_router(state: Any) -> APIRouter:
         try:
             spec = BackendServer.model_validate(d)
         except ValidationError as e:
-            raise BadRequest(f"invalid worker: {e}", param="endpoint") from None
+            # one line per field, without pydantic's title line and documentation links
+            errs = e.errors()
+            field = ".".join(str(x) for x in errs[0]["loc"]) if errs else "endpoint"
+            msg = errs[0]["msg"] if errs else str(e)
+            raise BadRequest(f"invalid worker: {field}: {msg}", param=field or "endpoint") from None
         if not spec.endpoint:
             raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
         store: AdminStore = state.admin

@@ -292,6 +292,8 @@ def build_fastapi(state: RouterState) -> FastAPI:
         if parts and parts[0] in ("path", "query", "body", "header"):
             parts = parts[1:]   # FastAPI's location kind is not part of the parameter's name
         loc = ".".join(parts) or None
+        if loc == "wid":
+            loc = "id"      # the path parameter's name in the API's documentation (/dplb/workers/{id})
         return _error(BadRequest(f"invalid request: {errs[0].get('msg') if errs else e}", param=loc))
 
     @app.exception_handler(Exception)

@@ -98,8 +98,11 @@ def test_bad_admin_bodies(make_cluster):
     for body, code in ((b"{", 400), (b"[]", 400), (b'{"endpoint": "nohost"}', 400), (b'{"weight": 1}', 400)):
         r = httpx.post(c.base + "/dplb/workers", content=body)
         assert r.status_code == code and r.json()["error"]["code"] == code
-    r = httpx.post(c.base + "/dplb/workers/abc/drain")   # the error names the parameter, not FastAPI's "path.wid"
-    assert r.status_code == 400 and r.json()["error"]["param"] == "wid"
+    r = httpx.post(c.base + "/dplb/workers/abc/drain")   # the error names the parameter as the API documents it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "id"
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": "127.0.0.1:1", "weight": "heavy"})
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["param"] == "weight" and "pydantic" not in e["message"] and "\n" not in e["message"]
 
 
 def test_api_key(make_cluster):
