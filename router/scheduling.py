@@ -174,9 +174,26 @@ class Scheduler:
                 excl.add(d.worker_id)
                 continue
             return h, d
-        reason = "no_workers" if not handles else "none_eligible"
-        raise NoEligibleWorker("no worker can take the request now" if handles else "no worker is registered",
-                               reason=reason)
+        if not handles:
+            raise NoEligibleWorker("no worker is registered", reason="no_workers")
+        raise NoEligibleWorker(self._why_none(req.model, excl), reason="none_eligible")
+
+    def _why_none(self, model: str | None, exclude: set[int]) -> str:
+        """The 503's message: why no worker took it, per worker serving ``model`` (at most 8
+        named), e.g. ``no worker can take the request now (worker 0: drained, worker 1:
+        unhealthy)``. Cold path: only when a request is refused."""
+        why = []
+        for wid, h in sorted(self.registry.handles.items()):
+            if not h.serves(model):
+                continue
+            verdict = self.routing_state(h)
+            if verdict == "eligible":
+                verdict = "tried" if wid in exclude else "unavailable"   # tried by a retry, or not live at this read
+            why.append(f"worker {wid}: {verdict}")
+        if not why:
+            return "no worker can take the request now"
+        more = f", {len(why) - 8} more" if len(why) > 8 else ""
+        return f"no worker can take the request now ({', '.join(why[:8])}{more})"
 
     def select(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset(),
                now: float | None = None) -> tuple[Lease, Decision]:

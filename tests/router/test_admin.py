@@ -41,6 +41,11 @@ def test_drain_and_undrain(make_cluster):
     assert rows[0]["state"] == "ready" and rows[0]["routing"] == "drained" and rows[0]["drained"]
     assert not rows[0]["eligible"]
     assert set(served_by(c.base, 10)) == {"1"}
+    assert httpx.post(c.base + "/dplb/workers/1/drain", headers=h).status_code == 200
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+    assert r.status_code == 503 and r.headers["retry-after"]       # every worker drained: the 503 says so
+    assert "(worker 0: drained, worker 1: drained)" in r.json()["error"]["message"], r.text
+    assert httpx.post(c.base + "/dplb/workers/1/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/0/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/9/drain", headers=h).status_code == 404
     wait_until(lambda: set(served_by(c.base, 12)) == {"0", "1"}, 40, what="worker 0 back in rotation")
