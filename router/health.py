@@ -9,8 +9,10 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
    with ``timeout_ms`` (50 ms): any answer below 500 passes (a
    server without ``/health`` answers 404 and is alive; readiness is the slot's state). ``max_failures``
    (3) failures in a row take the worker out, one success brings it back. A probe that merely timed
-   out is not held against a worker that sent a response head to a real request within the last
-   tick (it is busy, not hung), nor counted at all when this router's own event loop woke up
+   out is not held against a worker that sent a response head to a real request, or any bytes
+   (a stream's chunks) on a connection of this router, within the last tick (it is busy, not hung:
+   an engine's ``/health`` shares its event loop with the streams it serves), nor counted at all
+   when this router's own event loop woke up
    late by more than the probe timeout (the timer cannot tell a slow worker from a starved
    router; on a saturated 2-core machine 50 ms timeouts otherwise flap healthy workers out).
    Refused connections, error statuses and hung workers (no response heads either) still count;
@@ -78,6 +80,10 @@ class HealthMonitor:
         """``h`` answered a real request with a response head: busy is not hung."""
         h.last_head_at = time.monotonic()
 
+    def _last_rx(self, endpoint: str) -> float:
+        last_rx = getattr(self.transport, "last_rx", None)   # (a stand-in transport may have none)
+        return last_rx(endpoint) if last_rx is not None else 0.0
+
     async def probe(self, h: WorkerHandle) -> bool:
         """One ``GET /health`` probe; updates ``probe_failures``/``probe_ok``; returns success."""
         t0 = time.monotonic()
@@ -89,7 +95,8 @@ class HealthMonitor:
             if e.kind == "timeout":
                 now = time.monotonic()
                 late = max(self.loop_lag, now - t0 - self.timeout)  # our timers fired this late
-                if late > self.timeout or now - h.last_head_at <= self.interval + self.timeout:
+                busy = max(h.last_head_at, self._last_rx(h.endpoint))
+                if late > self.timeout or now - busy <= self.interval + self.timeout:
                     return False  # no verdict: a starved router or a busy-but-answering worker
         except Exception:
             log.exception("probe of worker %d failed unexpectedly", h.worker_id)

@@ -75,7 +75,7 @@ class _Conn(asyncio.Protocol):
     ``status``/``headers``, then ``body`` (bytes not yet taken by the reader); ``waiter`` is the
     future the reader sleeps on."""
 
-    __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held",
+    __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held", "home",
                  "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
                  "status", "timer", "to_eof", "transport", "waiter")
 
@@ -91,6 +91,7 @@ class _Conn(asyncio.Protocol):
         self.handoff: Callable[[], Any] | None = None   # see Upstream.pipe
         self.relay: Any = None                          # a router._relay.ChunkRelay while it has the body
         self.on_whole: Callable[[_Conn], None] | None = None   # see Transport.send
+        self.home: _Pool | None = None                  # the pool of its endpoint (liveness: _Pool.last_rx)
         self._reset()
 
     def _reset(self) -> None:
@@ -121,8 +122,10 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_any = True
-        self.last_rx = time.monotonic()   # the idle timer measures gaps from here
+        self.last_rx = t = time.monotonic()   # the idle timer measures gaps from here
         r = self.relay
+        if (r is not None or self.sink is not None) and self.home is not None:
+            self.home.last_rx = t   # a stream's chunk: the engine is busy, not hung (router.health)
         if r is not None:
             # the native relay has the body: decode, meter and write to the client in one call
             st = r.feed(data)
@@ -470,13 +473,14 @@ class Upstream:
 class _Pool:
     """Idle keep-alive connections of one endpoint (LIFO)."""
 
-    __slots__ = ("_tcp_host", "closed", "endpoint", "host", "idle", "keepalive_s", "path", "port")
+    __slots__ = ("_tcp_host", "closed", "endpoint", "host", "idle", "keepalive_s", "last_rx", "path", "port")
 
     def __init__(self, endpoint: str, keepalive_s: float) -> None:
         self.endpoint = endpoint
         self.keepalive_s = keepalive_s
         self.idle: deque[_Conn] = deque()
         self.closed = False
+        self.last_rx = 0.0   # time.monotonic() of the last stream chunk a connection of this endpoint received
         self._tcp_host = ""
         if endpoint.startswith("/"):
             self.path: str | None = endpoint
@@ -515,6 +519,7 @@ class _Pool:
         else:
             coro = loop.create_connection(_Conn, self._tcp_host, self.port)
         _, c = await asyncio.wait_for(coro, timeout)
+        c.home = self
         sock = c.transport.get_extra_info("socket")
         if self.path is None and sock is not None:
             import socket as _socket
@@ -671,6 +676,14 @@ class Transport:
                 raise TransportError("timeout", endpoint, "reading body") from None
             raise
         return up.status, body
+
+    def last_rx(self, endpoint: str) -> float:
+        """``time.monotonic()`` when a connection to ``endpoint`` last received a chunk of a
+        streamed answer being relayed (not a probe's answer, not a head: the lease reports those);
+        0.0 when none did. Liveness evidence for :mod:`router.health`: a worker streaming answers is
+        busy, not hung."""
+        p = self._pools.get(endpoint)
+        return p.last_rx if p is not None else 0.0
 
     async def forget(self, endpoint: str) -> None:
         """Close the idle connections of a worker that left (removed, restarted, gone). Requests

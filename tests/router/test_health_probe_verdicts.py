@@ -57,6 +57,29 @@ async def test_timeouts_do_not_take_out_a_worker_that_just_answered_a_request():
     assert h.probe_ok is True and h.probe_failures == 0
 
 
+async def test_timeouts_do_not_take_out_a_worker_streaming_an_answer():
+    """One long stream, no new response heads: its chunks arriving are the evidence (an engine's
+    ``/health`` shares its event loop with the streams it serves)."""
+    class Streaming(ScriptedTransport):
+        def __init__(self) -> None:
+            super().__init__("timeout")
+            self.chunk_at = 0.0
+
+        def last_rx(self, endpoint: str) -> float:
+            return self.chunk_at
+
+    t = Streaming()
+    mon, h = _monitor(t), _handle()
+    for _ in range(5):
+        t.chunk_at = time.monotonic()   # a chunk of the stream arrived meanwhile
+        await mon.probe(h)
+    assert h.probe_ok is True and h.probe_failures == 0
+    t.chunk_at = time.monotonic() - 10.0   # the stream stalled long ago: timeouts count again
+    for _ in range(3):
+        await mon.probe(h)
+    assert h.probe_ok is False
+
+
 async def test_timeouts_measured_by_a_starved_router_are_no_verdict():
     mon, h = _monitor(ScriptedTransport("timeout", delay=0.12)), _handle()
     for _ in range(4):

@@ -277,6 +277,28 @@ async def test_pipe_hands_the_chunks_to_the_sink_from_the_connection_callback_an
     await t.close()
 
 
+async def test_the_endpoint_remembers_when_a_relayed_stream_last_sent_a_chunk(server):
+    """Liveness evidence for the health monitor: the chunks of a stream being piped, not a plain
+    answer (its head is reported by the lease) and not a probe's answer."""
+    import time
+
+    t = Transport()
+    assert t.last_rx(server) == 0.0
+    await t.get(server, "/json", 2.0)
+    assert t.last_rx(server) == 0.0
+    up = await t.send(server, "POST", "/stream", [], b"{}")
+    await up.first_chunk()
+    t0 = time.monotonic()
+
+    async def drain() -> None:
+        return None
+
+    await up.pipe(lambda d: True, drain)
+    up.release()
+    assert t0 <= t.last_rx(server) <= time.monotonic()
+    await t.close()
+
+
 async def test_pipe_stops_reading_while_the_sink_is_full_and_loses_nothing(server):
     t = Transport()
     up = await t.send(server, "POST", "/big", [], b"{}")
