@@ -357,7 +357,7 @@ class Supervisor:
         while any(a.poll() is None for a in agents) and time.monotonic() - start < timeout_s:
             if not told and time.monotonic() - start > 1.0:
                 told = True
-                self._say(f"dplb: workers draining their in-flight requests (up to {timeout_s:.0f} s; "
+                self._say(f"dplb: waiting for the workers to drain their requests and stop (up to {timeout_s:.0f} s; "
                           "Ctrl-C again to stop at once)")
             time.sleep(0.05)
 

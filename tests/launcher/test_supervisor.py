@@ -80,7 +80,7 @@ def test_a_stop_drains_the_workers_while_the_router_still_relays(procs, run_dir,
     for k in range(2):
         seen = json.loads((Path(run_dir) / "rd" / f"drain-{k}.json").read_text())
         assert seen == {"begin": {"router": True, "engine": True}, "end": {"router": True, "engine": True}}, seen
-    assert "workers draining their in-flight requests" in log.read_text()
+    assert "waiting for the workers to drain their requests and stop" in log.read_text()
     wait_until(lambda: gone(engines + tree), timeout=20, what="children and engines gone")
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
 
