@@ -9,8 +9,8 @@ Every ``health_check.interval_ms`` (200 ms) the :class:`HealthMonitor`:
    with ``timeout_ms`` (50 ms): any answer below 500 passes (a
    server without ``/health`` answers 404 and is alive; readiness is the slot's state). ``max_failures``
    (3) failures in a row take the worker out, one success brings it back. A probe that merely timed
-   out is not held against a worker that sent a response head to a real request, or any bytes
-   (a stream's chunks) on a connection of this router, within the last tick (it is busy, not hung:
+   out is not held against a worker that sent a response head to a real request, or a chunk of a
+   stream this router relays (``Transport.last_rx``), within the last tick (it is busy, not hung:
    an engine's ``/health`` shares its event loop with the streams it serves), nor counted at all
    when this router's own event loop woke up
    late by more than the probe timeout (the timer cannot tell a slow worker from a starved
