@@ -80,10 +80,6 @@ class HealthMonitor:
         """``h`` answered a real request with a response head: busy is not hung."""
         h.last_head_at = time.monotonic()
 
-    def _last_rx(self, endpoint: str) -> float:
-        last_rx = getattr(self.transport, "last_rx", None)   # (a stand-in transport may have none)
-        return last_rx(endpoint) if last_rx is not None else 0.0
-
     async def probe(self, h: WorkerHandle) -> bool:
         """One ``GET /health`` probe; updates ``probe_failures``/``probe_ok``; returns success."""
         t0 = time.monotonic()
@@ -95,7 +91,7 @@ class HealthMonitor:
             if e.kind == "timeout":
                 now = time.monotonic()
                 late = max(self.loop_lag, now - t0 - self.timeout)  # our timers fired this late
-                busy = max(h.last_head_at, self._last_rx(h.endpoint))
+                busy = max(h.last_head_at, self.transport.last_rx(h.endpoint))
                 if late > self.timeout or now - busy <= self.interval + self.timeout:
                     return False  # no verdict: a starved router or a busy-but-answering worker
         except Exception:

@@ -77,7 +77,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held", "home",
                  "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
-                 "status", "timer", "to_eof", "transport", "waiter")
+                 "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         self.transport: Any = None
@@ -109,7 +109,6 @@ class _Conn(asyncio.Protocol):
         self.held = False     # reading paused because the sink's client was slow (see Upstream.pipe)
         self.keep_hint = False
         self.boundary = False  # the parser stopped right after a chunk's closing CRLF (see data_received)
-        self.to_eof = False    # the body has neither a length nor chunked framing: it ends with the connection
 
     def start(self) -> None:
         """A new request goes out on this connection: a fresh parser and state."""
@@ -188,8 +187,11 @@ class _Conn(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         # a body with neither a Content-Length nor chunked framing ends with the connection (RFC
         # 9112 §6.3, rule 8): complete, not broken. httptools cannot be told that its input ended,
-        # so that ending is recognised here; any other EOF is a broken answer (connection_lost)
-        if self.head_done and not self.done and self.to_eof and self.error is None:
+        # so that ending is recognised here (the framing is read only then: a cold path); any other
+        # EOF is a broken answer (connection_lost)
+        if self.head_done and not self.done and self.error is None and self.status not in (204, 304) and not any(
+                k == b"content-length" or (k == b"transfer-encoding" and b"chunked" in v.lower())
+                for k, v in self.headers):
             self.done = True
             self.keep = False
             self._wake()
@@ -209,8 +211,6 @@ class _Conn(asyncio.Protocol):
             return
         self.status = status
         self.keep_hint = self.parser.should_keep_alive()
-        self.to_eof = status not in (204, 304) and not any(
-            k == b"content-length" or (k == b"transfer-encoding" and b"chunked" in v.lower()) for k, v in self.headers)
         self.head_done = True
 
     def on_chunk_header(self) -> None:

@@ -22,6 +22,9 @@ class ScriptedTransport:
         self.delay = delay
         self.calls = 0
 
+    def last_rx(self, endpoint: str) -> float:
+        return 0.0   # no stream relayed from this worker (router.transport.Transport.last_rx)
+
     async def get(self, endpoint: str, path: str, timeout_s: float):
         self.calls += 1
         if self.delay:
