@@ -214,22 +214,26 @@ class CircuitBreaker(_Strict):
 
 
 class Retries(_Strict):
-    """Retries on another worker, before the first response byte, with jittered exponential backoff.
+    """Retries on another worker of what failed before the first response byte reached the client
+    (a non-streamed answer reaches it whole), with jittered exponential backoff.
 
-    By default only failures that cost the worker nothing are retried: a refused connection
-    (nothing listens) and the statuses in ``retry_on_status`` (429 and 503: refused before any
-    work began). A timeout is not retried (the request may still be running there, and would
-    likely time out again elsewhere: up to ``max_attempts`` × the timeout of GPU time) unless
-    ``retry_on_timeout``; a connection dropped after the request was sent (the worker died with
-    it) is not retried (a request that crashes engines would crash the next one too) unless
-    ``retry_on_disconnect``."""
+    Always retried, because they cost the worker nothing: a refused connection (nothing listens),
+    one the worker never read (reset before any response byte), and the statuses in
+    ``retry_on_status`` (429 and 503: refused before any work began). A connection that broke after
+    the worker read the request (its engine exited, was killed or reset it) is retried once, on
+    another worker, with ``retry_on_disconnect`` (the default): a request that has broken two
+    workers' connections is answered 502 and not tried again (a request that crashes engines
+    would crash the next one too; ``dplb_router_query_of_death_total``). A timeout is not retried
+    (the request may still be running there, and would likely time out again elsewhere: up to
+    ``max_attempts`` × the timeout of GPU time) unless ``retry_on_timeout``. When no worker is
+    left to take the request the answer is 503 with ``Retry-After``."""
 
     max_attempts: int = Field(default=3, ge=1, le=16)
     backoff_base_ms: float = Field(default=5.0, ge=0)
     backoff_max_ms: float = Field(default=200.0, ge=0)
     retry_on_status: list[int] = Field(default_factory=lambda: [429, 503])
     retry_on_timeout: bool = False
-    retry_on_disconnect: bool = False
+    retry_on_disconnect: bool = True
 
 
 class LaunchWorker(_Strict):

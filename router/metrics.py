@@ -16,8 +16,13 @@ multiprocess mode sums them over the router processes):
 | dplb_router_generation_tokens_total         | counter   | worker, model   |
 | dplb_router_routing_decisions_total         | counter   | policy, reason  |
 | dplb_router_retries_total                   | counter   | reason          |
+| dplb_router_query_of_death_total            | counter   |                 |
 
-``kind`` is one of connect, timeout, status_5xx, stream_broken, client_disconnect. The TTFT
+``status`` is the HTTP status answered, or 499 (nginx's "client closed request") for a client
+that left before its answer was complete. ``kind`` is one of connect, timeout, status_5xx,
+stream_broken, client_disconnect. ``dplb_router_query_of_death_total`` counts requests answered
+502 and not tried again because they broke the connection of two workers after those read them
+(:data:`router.proxy.BROKEN_ENGINES_LIMIT`). The TTFT
 histogram times a stream from the request's arrival to the first chunk that carries content
 (:mod:`router.stream_meter`; a chat stream's role-only chunk does not count). ``phase``:
 ``routing`` (arrival → dispatch to the worker, retries included), ``queue_prefill`` (dispatch →
@@ -239,6 +244,10 @@ class Metrics:
                                  ["policy", "reason"], registry=r)
         self.retries = Counter("dplb_router_retries", "Requests retried on another worker before the first byte",
                                ["reason"], registry=r)
+        self.query_of_death = Counter("dplb_router_query_of_death",
+                                      "Requests answered 502 and not tried again: their connection broke on two "
+                                      "workers after those read them, before the first byte (a query of death)",
+                                      registry=r)
         self.collector: SegmentCollector | None = None
         self._req_children: dict[tuple[str, int], object] = {}
         self._dec_children: dict[tuple[str, str], object] = {}

@@ -12,11 +12,18 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
 5. wait for the worker's response head and first body byte (``router.first_byte_timeout_s``
    from dispatch: a long prefill, or a whole non-streamed generation); nothing reaches the client
    before that byte, so until then a failure can still be answered with a clean status;
-6. retry on another worker (bounded attempts, jittered exponential backoff) only failures that
-   cost the worker nothing: a refused connection and a status in ``retries.retry_on_status``
-   (429, 503). A timeout is answered **504** on the worker that timed out (retried only with
-   ``retries.retry_on_timeout``), a dropped connection or broken body **502** (retried only with
-   ``retries.retry_on_disconnect``); both errors name the worker in ``X-DPLB-Worker-ID``;
+6. retry on another worker (bounded attempts, jittered exponential backoff) what cost the client
+   nothing, i.e. failed before the first response byte reached it (a non-streamed answer reaches
+   the client whole, so until its last byte): a refused connection or one the worker never read
+   (always), a status in ``retries.retry_on_status`` (429, 503), and a connection that broke
+   after the worker read the request (the engine exited or reset it; ``retries.retry_on_disconnect``,
+   on by default) once: a request that has broken the connections of
+   :data:`BROKEN_ENGINES_LIMIT` (2) workers is answered **502** and not tried again (a query of
+   death must not take the fleet down; ``dplb_router_query_of_death_total``). A timeout is
+   answered **504** on the worker that timed out (retried only with ``retries.retry_on_timeout``).
+   When no worker is left to take the request (none eligible, or every one tried refused it),
+   the answer is **503** with ``Retry-After``, whatever made them fail; 502 and 504 name the
+   worker in ``X-DPLB-Worker-ID``;
 7. relay the response (whole for non-streamed bodies: one write, from the engine connection's
    callback when no retry is possible, ``Transport.send(on_whole=...)``; chunk by chunk for streams, each gap
    bounded by ``router.idle_timeout_s``; a stream's head leaves with its first chunk, the rest is
@@ -28,7 +35,11 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    success, error or client disconnect (the router's protocol calls back when the client's
    connection closes, :func:`router.server.watch_disconnect`; behind another server a watcher
    on ``receive()``; either cancels the work and closes the upstream connection, which makes
-   the worker abort the generation).
+   the worker abort the generation). A client that leaves is counted in
+   ``dplb_router_requests_total`` with status **499** (nginx's "client closed request"), unless
+   it had its whole answer: a stream whose chunked terminator, or whose SSE ``data: [DONE]``, was
+   written to it is complete (200) whatever the client does afterwards (the official sync
+   ``openai`` client closes its connection at ``[DONE]``, before the engine's last chunk).
 """
 from __future__ import annotations
 
@@ -61,6 +72,7 @@ from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
 from router.scheduling import Lease, Scheduler
 from router.server import (
+    ChunkedWriter,
     ClientGone,
     chunked_writer,
     start_chunked,
@@ -83,6 +95,12 @@ _XWID = b"x-dplb-worker-id"
 _JSON = (b"content-type", b"application/json")
 _NONE = b"none"
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
+#: a request whose connection broke on this many workers after they read it, before any byte
+#: reached the client, is answered 502 and not tried again (a query of death: each try crashed an engine)
+BROKEN_ENGINES_LIMIT = 2
+#: the status a request the client left before its answer is counted with (nginx's 499, "client
+#: closed request"; never sent: nobody is there to read it)
+CLIENT_CLOSED = 499
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -104,7 +122,7 @@ class ProxySettings:
     backoff_base_s: float = 0.01
     backoff_max_s: float = 0.1
     retry_on_timeout: bool = False
-    retry_on_disconnect: bool = False
+    retry_on_disconnect: bool = True
     first_byte_timeout_s: float = 600.0
     idle_timeout_s: float = 120.0
 
@@ -191,6 +209,19 @@ async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes
         parts.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(parts)
+
+
+def delivered(meter: StreamMeter, writer: ChunkedWriter | None) -> bool:
+    """Did the client of a stream relayed through ``writer`` get its whole answer: the body's
+    terminating chunk written (by the writer or its native relay), or, for an event stream, a last
+    event written that is ``data: [DONE]`` (OpenAI's end of stream; the official sync ``openai``
+    client closes its connection there, before the engine's terminating chunk follows)? The meter
+    has seen exactly what was written to the client (the sink feeds it only while the client is
+    there, the native relay meters what it wrote). False without a writer (behind another ASGI
+    server ``send`` does not say what reached the client)."""
+    if writer is None:
+        return False
+    return writer.body_ended() or meter.ended_with_done()
 
 
 class Proxy:
@@ -343,7 +374,8 @@ class Proxy:
             await send_error(send, e, rid)
             self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
             return
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:   # the client left while sending its body
+            self.metrics.observe_request("none", CLIENT_CLOSED, route, time.perf_counter() - t0)
             return
         await self._serve(scope, receive, send, scope["method"], route, target, fwd, body, info, rid, t0, None)
 
@@ -389,19 +421,36 @@ class Proxy:
             elif unwatch is not None:
                 unwatch()
 
-    def retryable(self, e: TransportError) -> bool:
-        """May a request that failed with TransportError ``e`` before its first byte reached the
-        client go to another worker? Never read by the worker (refused, reset before reading):
-        always; timeout / dropped after sending: only when configured."""
+    def retryable(self, e: TransportError, broken: int) -> bool:
+        """May a request whose attempt failed with ``e`` before its first byte reached the client go
+        to another worker? ``broken``: how many workers' connections it broke after they read it,
+        this attempt's included (:meth:`breaks`). Never read by the worker (refused, reset before
+        reading): always; a timeout: only with ``retries.retry_on_timeout``; a connection that
+        broke after the worker read the request (the engine exited or reset it): with
+        ``retries.retry_on_disconnect`` (the default) while fewer than
+        :data:`BROKEN_ENGINES_LIMIT` broke."""
         if e.kind == "timeout":
             return self.settings.retry_on_timeout
         if e.kind == "connect" and (e.refused or e.unsent):
             return True
-        return self.settings.retry_on_disconnect
+        return self.settings.retry_on_disconnect and broken < BROKEN_ENGINES_LIMIT
 
-    def final_error(self, e: Exception | None, wid: int | None, tried: int, mid_body: bool = False) -> RouterError:
-        """The error a client gets when no attempt succeeded: 504 after a timeout, else 502
-        (``mid_body``: a non-streamed body stalled or broke after its first byte)."""
+    @staticmethod
+    def breaks(e: TransportError) -> bool:
+        """Did ``e`` break a worker's connection after the worker read the request (not refused, not
+        unread, not a timeout)? Such a request may have crashed its engine."""
+        return e.kind != "timeout" and not (e.kind == "connect" and (e.refused or e.unsent))
+
+    def final_error(self, e: Exception | None, wid: int | None, tried: int, mid_body: bool = False,
+                    broken: int = 0, no_worker: NoEligibleWorker | None = None) -> RouterError:
+        """The error a client gets when no attempt succeeded. ``e``: the last attempt's failure, on
+        worker ``wid``; ``tried``: the workers tried; ``mid_body``: a non-streamed body stalled or
+        broke after its first byte; ``broken``: the workers whose connection it broke after they
+        read it; ``no_worker``: the pipeline found no worker for another attempt.
+
+        504 after a timeout; 502 when the request broke :data:`BROKEN_ENGINES_LIMIT` workers (a
+        query of death) or failed in a way that is not retried; otherwise no worker was left to
+        take it, or every one tried refused it: 503 + Retry-After (:class:`NoEligibleWorker`)."""
         if isinstance(e, TransportError) and e.kind == "timeout" and mid_body:
             return GatewayTimeout(f"worker {wid} stalled mid-response: no data within the idle timeout "
                                   f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})", worker_id=wid)
@@ -410,6 +459,14 @@ class Proxy:
                                   f"(router.first_byte_timeout_s={self.settings.first_byte_timeout_s:g}); a timed-out "
                                   "request is not retried on another worker (retries.retry_on_timeout)",
                                   worker_id=wid)
+        if broken >= BROKEN_ENGINES_LIMIT:
+            return UpstreamError(f"the request broke the connection of {broken} workers after they read it, before "
+                                 f"the first byte (last: worker {wid}: {e}); it is not tried again: a request that "
+                                 "crashes engines would crash the next one", worker_id=wid)
+        if no_worker is not None or (isinstance(e, TransportError) and (e.refused or e.unsent)):
+            why = no_worker.message if no_worker is not None else "no worker can take the request now"
+            return NoEligibleWorker(f"{why}; {tried} worker(s) tried failed before the first byte (last: worker "
+                                    f"{wid}: {e})", reason="all_failed")
         if tried > 1:
             return UpstreamError(f"all {tried} worker(s) tried failed before the first byte: {e}", worker_id=wid)
         return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
@@ -418,7 +475,8 @@ class Proxy:
                       info: RequestInfo, rid: bytes, send: Send, t0: float,
                       scope: MutableMapping[str, Any] | None = None, pre: tuple[Any, Lease, Any] | None = None) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
-        raises RouterError to the caller. ``scope``: the request's ASGI scope (lets a stream's
+        raises RouterError to the caller; a client that left is counted (status 499) and its
+        CancelledError / ClientGone re-raised. ``scope``: the request's ASGI scope (lets a stream's
         chunks bypass ``send``, :func:`router.server.chunked_writer`); ``pre``: the first attempt
         when :meth:`start` dispatched it already (:meth:`_dispatch`'s result)."""
         sched = self.scheduler
@@ -428,121 +486,143 @@ class Proxy:
         last: Exception | None = None
         last_wid: int | None = None
         mid_body = False
-        for attempt in range(self.settings.max_attempts):
-            if attempt:
-                delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            if pre is not None:
-                h, lease, written = pre
-                pre = None
-            else:
-                try:
-                    h, lease, written = self._dispatch(info, tried, method, target, headers, body)
-                except NoEligibleWorker as e:
-                    if last is None:
-                        await send_error(send, e, rid)
-                        metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
-                        return
-                    break
-            wid = h.worker_id
-            wid_b = h.label_b
-            outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
-            answer = None
-            if scope is not None:
-                def answer(u: Upstream, wid_b: bytes = wid_b) -> bool:
-                    # a whole non-streamed answer that needs no retry leaves from the engine
-                    # connection's callback, in one write (the task does the bookkeeping after)
-                    st = u.status
-                    if not 200 <= st <= 599 or st in retry_status or u.whole is None:
-                        return False
-                    return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
-            try:
-                try:
-                    up = await self.transport.send(h.endpoint, method, target, headers, body, written=written,
-                                                   on_whole=answer)
-                except TransportError as e:
-                    outcome = False
-                    if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
-                        lease.refused()
-                    metrics.errors.labels(str(wid), e.kind).inc()
-                    last, last_wid = e, wid
-                    tried.add(wid)
-                    if self.retryable(e):
-                        metrics.retries.labels(e.kind).inc()
-                        continue
-                    break
-                status = up.status
-                if not 200 <= status <= 599:
-                    # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
-                    # write a status line above 599, and a client takes a 1xx for "more to come"
-                    outcome = False
-                    up.release(abort=True)
-                    metrics.errors.labels(h.label, "status_5xx").inc()
-                    last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
-                                                   "not a final status (200-599)", worker_id=wid), wid
-                    tried.add(wid)
-                    break
-                if status < 500:
-                    lease.head_seen()  # liveness evidence for the health monitor
-                if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \
-                        sched.has_candidates(info.model, tried | {wid}):
-                    outcome = status < 500
-                    up.release(abort=True)
-                    if status >= 500:
-                        metrics.errors.labels(str(wid), "status_5xx").inc()
-                    last, last_wid = UpstreamError(f"worker {wid} answered {status}", worker_id=wid), wid
-                    tried.add(wid)
-                    metrics.retries.labels(f"status_{status}").inc()
-                    continue
-                # the first body byte, within the first-byte deadline, before anything reaches the client
-                try:
-                    first = up.whole if up.whole is not None else await up.first_chunk()
-                except TransportError as e:
-                    outcome = False
-                    up.release(abort=True)
-                    metrics.errors.labels(str(wid), e.kind).inc()
-                    last, last_wid = e, wid
-                    tried.add(wid)
-                    if self.retryable(e):
-                        metrics.retries.labels(e.kind).inc()
-                        continue
-                    break
-                resp_headers = relayed_headers(up, rid, wid_b)
-                if not up.is_stream:
+        broken = 0      # workers whose connection this request broke after they read it
+        no_worker: NoEligibleWorker | None = None
+        label = "none"  # the worker of the current attempt (metric label)
+        try:
+            for attempt in range(self.settings.max_attempts):
+                if attempt:
+                    delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                if pre is not None:
+                    h, lease, written = pre
+                    pre = None
+                else:
                     try:
-                        # (a whole body taken in the callback: its connection is back in the pool)
-                        data = first if up.whole is not None else await up.read(first)
-                    except TransportError as e:  # after the first byte: never retried
+                        h, lease, written = self._dispatch(info, tried, method, target, headers, body)
+                    except NoEligibleWorker as e:
+                        if last is None:
+                            await send_error(send, e, rid)
+                            metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+                            return
+                        no_worker = e
+                        break
+                wid = h.worker_id
+                wid_b = h.label_b
+                label = h.label
+                mid_body = False
+                outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
+                answer = None
+                if scope is not None:
+                    def answer(u: Upstream, wid_b: bytes = wid_b) -> bool:
+                        # a whole non-streamed answer that needs no retry leaves from the engine
+                        # connection's callback, in one write (the task does the bookkeeping after)
+                        st = u.status
+                        if not 200 <= st <= 599 or st in retry_status or u.whole is None:
+                            return False
+                        return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
+                try:
+                    try:
+                        up = await self.transport.send(h.endpoint, method, target, headers, body, written=written,
+                                                       on_whole=answer)
+                    except TransportError as e:
                         outcome = False
-                        metrics.errors.labels(str(wid), e.kind).inc()
-                        last, last_wid, mid_body = e, wid, True
+                        if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
+                            lease.refused()
+                        metrics.errors.labels(label, e.kind).inc()
+                        last, last_wid = e, wid
+                        tried.add(wid)
+                        broken += self.breaks(e)
+                        if self.retryable(e, broken):
+                            metrics.retries.labels(e.kind).inc()
+                            continue
+                        break
+                    status = up.status
+                    if not 200 <= status <= 599:
+                        # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
+                        # write a status line above 599, and a client takes a 1xx for "more to come"
+                        outcome = False
+                        up.release(abort=True)
+                        metrics.errors.labels(label, "status_5xx").inc()
+                        last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
+                                                       "not a final status (200-599)", worker_id=wid), wid
                         tried.add(wid)
                         break
-                    outcome = status < 500
-                    # one write of head and body where the router's protocol serves the request
-                    # (already done from the engine connection's callback when ``up.answered``)
-                    if not up.answered and (scope is None or not write_response(scope, status, resp_headers, data)):
-                        resp_headers.append((b"content-length", b"%d" % len(data)))
-                        await send({"type": "http.response.start", "status": status, "headers": resp_headers})
-                        await send({"type": "http.response.body", "body": data, "more_body": False})
-                    on_answer(metrics, lease, data)
-                    metrics.observe_request(h.label, status, route, time.perf_counter() - t0)
+                    if status < 500:
+                        lease.head_seen()  # liveness evidence for the health monitor
+                    if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \
+                            sched.has_candidates(info.model, tried | {wid}):
+                        outcome = status < 500
+                        up.release(abort=True)
+                        if status >= 500:
+                            metrics.errors.labels(label, "status_5xx").inc()
+                        last, last_wid = UpstreamError(f"worker {wid} answered {status}", worker_id=wid), wid
+                        tried.add(wid)
+                        metrics.retries.labels(f"status_{status}").inc()
+                        continue
+                    # the first body byte, within the first-byte deadline, before anything reaches the client
+                    try:
+                        first = up.whole if up.whole is not None else await up.first_chunk()
+                    except TransportError as e:
+                        outcome = False
+                        up.release(abort=True)
+                        metrics.errors.labels(label, e.kind).inc()
+                        last, last_wid = e, wid
+                        tried.add(wid)
+                        broken += self.breaks(e)
+                        if self.retryable(e, broken):
+                            metrics.retries.labels(e.kind).inc()
+                            continue
+                        break
+                    resp_headers = relayed_headers(up, rid, wid_b)
+                    if not up.is_stream:
+                        try:
+                            # (a whole body taken in the callback: its connection is back in the pool)
+                            data = first if up.whole is not None else await up.read(first)
+                        except TransportError as e:
+                            # the body broke or stalled after its first byte, which the client has not
+                            # seen yet (a non-streamed answer reaches it whole): as before the first byte
+                            outcome = False
+                            metrics.errors.labels(label, e.kind).inc()
+                            last, last_wid, mid_body = e, wid, True
+                            tried.add(wid)
+                            broken += self.breaks(e)
+                            if self.retryable(e, broken):
+                                metrics.retries.labels(e.kind).inc()
+                                continue
+                            break
+                        outcome = status < 500
+                        # one write of head and body where the router's protocol serves the request
+                        # (already done from the engine connection's callback when ``up.answered``)
+                        if not up.answered and (scope is None or not write_response(scope, status, resp_headers, data)):
+                            resp_headers.append((b"content-length", b"%d" % len(data)))
+                            await send({"type": "http.response.start", "status": status, "headers": resp_headers})
+                            await send({"type": "http.response.body", "body": data, "more_body": False})
+                        on_answer(metrics, lease, data)
+                        metrics.observe_request(label, status, route, time.perf_counter() - t0)
+                        return
+                    ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope)
+                    outcome = ok and status < 500
                     return
-                ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope)
-                outcome = ok and status < 500
-                return
-            except (asyncio.CancelledError, ClientGone):
-                metrics.errors.labels(str(wid), "client_disconnect").inc()
-                outcome = None
-                raise
-            finally:
-                lease.finish(outcome)
-        err = self.final_error(last, last_wid, len(tried), mid_body)
-        wb = str(last_wid).encode() if last_wid is not None else _NONE
+                except (asyncio.CancelledError, ClientGone):
+                    outcome = None
+                    raise
+                finally:
+                    lease.finish(outcome)
+        except (asyncio.CancelledError, ClientGone):
+            # the client left before its answer was complete (see relay_stream for one that had it all)
+            metrics.errors.labels(label, "client_disconnect").inc()
+            metrics.observe_request(label, CLIENT_CLOSED, route, time.perf_counter() - t0)
+            raise
+        err = self.final_error(last, last_wid, len(tried), mid_body, broken, no_worker)
+        if broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
+            metrics.query_of_death.inc()
+            log.warning("request %s broke the connection of %d workers (last: worker %s); answered 502, not tried "
+                        "again", rid.decode("latin-1"), broken, last_wid)
+        wb = str(last_wid).encode() if last_wid is not None and err.status != 503 else _NONE
         await send_error(send, err, rid, wb)
-        metrics.observe_request(str(last_wid) if last_wid is not None else "none", err.status, route,
-                                time.perf_counter() - t0)
+        metrics.observe_request(wb.decode(), err.status, route, time.perf_counter() - t0)
 
     async def relay_stream(self, up: Upstream, first: bytes, status: int, headers: list[tuple[bytes, bytes]],
                            send: Send, route: str, t0: float, wid: int, lease: Lease | None = None,
@@ -579,10 +659,12 @@ class Proxy:
                     relays = []
 
                     def sink(chunk: bytes) -> bool:
-                        if meter.feed(chunk):
+                        # the body's last bytes carry its end (one write, not two); the meter sees
+                        # what the client was written, nothing after it left (see delivered)
+                        sent = write(chunk, up.complete())
+                        if (sent or not writer.gone) and meter.feed(chunk):
                             on_first_content(metrics, route, t0, lease)
-                        # the body's last bytes carry its end (one write, not two)
-                        return write(chunk, up.complete())
+                        return sent
 
                     def handoff() -> Any:
                         # after the first content the meter only counts events and keeps the
@@ -604,6 +686,14 @@ class Proxy:
                             on_first_content(metrics, route, t0, lease)
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
+        except (asyncio.CancelledError, ClientGone):
+            if not delivered(meter, writer):
+                raise
+            # the client had the whole answer when it left: a complete stream, not a disconnect
+            complete = True
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                task.uncancel()
         except TransportError as e:
             ok = False
             if e.kind == "timeout":

@@ -123,6 +123,17 @@ class ChunkedWriter:
             self._write(b"%x\r\n%s\r\n" % (len(data), data))
         return not self._flow.write_paused
 
+    @property
+    def gone(self) -> bool:
+        """The client's connection closed (nothing is written to it any more)."""
+        return bool(self._cycle.disconnected)
+
+    def body_ended(self) -> bool:
+        """The body's terminating chunk was written to the client (by :meth:`write` with ``end``,
+        :func:`start_chunked`, :meth:`finish` or the native relay): the client has the whole body."""
+        r = self._relay
+        return self.ended or (r is not None and r.ended)
+
     def native_relay(self, carry: bytes = b"") -> ChunkRelay:
         """A :class:`router._relay.ChunkRelay` writing to this client (``carry``: the stream
         meter's last byte, see the relay's docstring). It writes the terminating chunk with the

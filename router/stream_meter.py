@@ -162,6 +162,13 @@ class StreamMeter:
         t = self._tail + tail
         self._tail = t if len(t) <= _TAIL else t[-_TAIL:]
 
+    def ended_with_done(self) -> bool:
+        """Whether the last event fed is an event stream's ``data: [DONE]`` (OpenAI's end of a
+        stream; what follows it, if anything, is the body's terminating chunk)."""
+        t = self._tail.rstrip()
+        return self.sse and (t.endswith(b"\ndata: [DONE]") or t.endswith(b"\ndata:[DONE]") or
+                             t in (b"data: [DONE]", b"data:[DONE]"))
+
     def usage(self) -> tuple[int | None, int | None]:
         """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any."""
         for obj in reversed(self._last_events()):

@@ -325,10 +325,10 @@ def test_a_request_asking_to_upgrade_the_connection_is_answered_and_the_connecti
 # ------------------------------------------------------------------------------------ faults
 
 
-def test_worker_dropping_the_connection_is_502_naming_it_not_retried_by_default(make_cluster):
-    """A connection dropped after the request was sent may have cost the worker work (or crashed
-    it): answered 502, OpenAI-shaped, with the worker's id, and not run again elsewhere."""
-    c = make_cluster(2, {"routing_policy": {"policy": "round_robin"}})
+def test_worker_dropping_the_connection_is_502_naming_it_when_the_operator_turns_retries_off(make_cluster):
+    """With ``retries.retry_on_disconnect: false``, a connection dropped after the request was sent
+    is answered 502, OpenAI-shaped, with the worker's id, and not run again elsewhere."""
+    c = make_cluster(2, {"routing_policy": {"policy": "round_robin"}, "retries": {"retry_on_disconnect": False}})
     bad = c.fakes[1].client()
     bad.set_mode("drop")
     codes = []
@@ -370,8 +370,9 @@ def test_an_interim_answer_is_skipped_and_the_final_one_relayed(cluster4):
     wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="in-flight back to 0")
 
 
-def test_worker_dropping_the_connection_is_retried_elsewhere_when_configured(make_cluster):
-    c = make_cluster(2, {"retries": {"retry_on_disconnect": True}, "routing_policy": {"policy": "round_robin"}})
+def test_worker_dropping_the_connection_is_retried_elsewhere_by_default(make_cluster):
+    """The client had no byte of its answer yet: another worker serves it (issue 27, item 1)."""
+    c = make_cluster(2, {"routing_policy": {"policy": "round_robin"}})
     bad = c.fakes[1].client()
     bad.set_mode("drop")
     served = Counter()
