@@ -325,14 +325,14 @@ def build_fastapi(state: RouterState) -> FastAPI:
     async def model(model_id: str, request: Request) -> Response:
         check_key(request)
         if model_id not in state.scheduler.models():
-            served = ", ".join(state.scheduler.models()) or "none"
-            raise NotFound(f"the model '{model_id}' does not exist (served: {served})", param="model")
+            raise NotFound(f"the model '{model_id}' does not exist (served: {state.scheduler.served()})", param="model")
         return _json({"id": model_id, "object": "model", "created": state.started, "owned_by": "dplb"})
 
     @app.get("/dplb/status")
     async def status() -> Response:
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
-                      "pid": os.getpid(), "workers": state.scheduler.status_rows()})
+                      "pid": os.getpid(), "workers": state.scheduler.status_rows(),
+                      "models": state.scheduler.model_rows()})
 
     @app.post("/dplb/route")
     async def route(request: Request) -> Response:

@@ -297,8 +297,9 @@ class Proxy:
 
     def _info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
         """Parse ``body`` (:func:`router.protocol.parse_request`) and check its model against the
-        served ones. Raises BadRequest (malformed; no model named where several are served) or
-        NotFound (a model no worker serves)."""
+        known ones (:meth:`Scheduler.models`). Raises BadRequest (malformed; no model named where
+        several are known) or NotFound (a model no slot of this router ever served; a known one
+        whose workers are all out is a 503, raised by the pipeline)."""
         info = parse_request(path, body, self.settings.needs_text)
         if session:
             info.session = session.decode("latin-1")
@@ -308,8 +309,7 @@ class Proxy:
             raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
                              param="model")
         if not sched.knows_model(info.model):
-            raise NotFound(f"the model '{info.model}' does not exist (served: {', '.join(sched.models()) or 'none'})",
-                           param="model")
+            raise NotFound(f"the model '{info.model}' does not exist (served: {sched.served()})", param="model")
         return info
 
     def _dispatch(self, info: RequestInfo, tried: set[int], method: str, target: str,

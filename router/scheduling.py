@@ -15,8 +15,7 @@ heartbeat is younger than ``heartbeat_timeout_ms``, its probes have not failed `
 times in a row, it is not drained or removed by an admin, its breaker lets requests through, no
 router process has its circuit open, it serves the requested model (or announces none), and this
 request has not already tried it. :meth:`Scheduler.candidates`, :meth:`Scheduler.routing_state`
-(the verdict ``/dplb/status`` shows), :meth:`Scheduler.ready_handles` (``/health``, ``/v1/models``)
-and :meth:`Scheduler.knows_model` all read it from :meth:`Scheduler.eligible_handle` and
+(the verdict ``/dplb/status`` shows) and :meth:`Scheduler.ready_handles` (``/health``) all read it from :meth:`Scheduler.eligible_handle` and
 :meth:`Scheduler.live`. Kernel-backed policies (``dplb``) get the last synced snapshots (the
 kernel re-checks state, heartbeat, circuit and KV threshold on the live segment), the baselines
 get freshly read slots. After a policy picks, the worker's breaker must admit it (a half-open
@@ -41,7 +40,7 @@ from router.accounting import LearnSettings, RequestAccount
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
 from router.policies.base import Decision, Policy, RequestInfo
-from router.workers import DEAD, DRAINING, READY, STATE_NAMES, Registry, WorkerHandle
+from router.workers import DEAD, READY, STATE_NAMES, Registry, WorkerHandle
 
 
 class HealthReporter(Protocol):
@@ -191,7 +190,8 @@ class Scheduler:
                 verdict = "tried" if wid in exclude else "unavailable"   # tried by a retry, or not live at this read
             why.append(f"worker {wid}: {verdict}")
         if not why:
-            return "no worker can take the request now"
+            return (f"no worker of model '{model}' is up (all of them left)" if model is not None
+                    else "no worker can take the request now")
         more = f", {len(why) - 8} more" if len(why) > 8 else ""
         return f"no worker can take the request now ({', '.join(why[:8])}{more})"
 
@@ -309,18 +309,39 @@ class Scheduler:
                 if h.snap is not None and self.live(h.snap) and self.eligible_handle(h)]
 
     def models(self) -> list[str]:
-        """Models served by ready workers (sorted, empty names left out)."""
-        return sorted({h.model for h in self.ready_handles() if h.model})
+        """The models this router knows (sorted): every model a slot has announced since the
+        router started, whether its workers are up, down or gone (``/v1/models``; a request that
+        names none is ambiguous when there are several)."""
+        return sorted(self.registry.models_seen)
+
+    def served(self) -> str:
+        """The known models for an error message: ``a, b`` (``none`` when there is none)."""
+        return ", ".join(self.models()) or "none"
 
     def knows_model(self, model: str | None) -> bool:
-        """False only when ``model`` is named, some worker is live, and none serves it."""
-        handles = self.registry.handles
-        if model is None or not handles:
-            return True  # with no worker up the answer is 503, not "unknown model"
-        for h in handles.values():
-            if h.snap is not None and int(h.snap.state) in (READY, DRAINING) and h.serves(model):
-                return True
-        return False
+        """False only when ``model`` is named and no slot of this router ever served it (a 404);
+        a known model whose workers are all out is a 503 (:meth:`decide`). True while no slot has
+        announced anything yet, or a listed worker announces no model (it serves any)."""
+        if model is None:
+            return True
+        reg = self.registry
+        if model in reg.models_seen or not reg.models_seen:
+            return True
+        return any(not h.model for h in reg.handles.values())
+
+    def model_rows(self) -> dict[str, dict[str, list[int]]]:
+        """``/dplb/status``'s ``models``: for every known model (:meth:`models`), the listed workers
+        serving it and those of them this router routes to now (``eligible``); both empty for a
+        model whose workers all left."""
+        out: dict[str, dict[str, list[int]]] = {m: {"workers": [], "eligible": []} for m in self.models()}
+        for wid, h in sorted(self.registry.handles.items()):
+            row = out.get(h.model)
+            if row is None:
+                continue
+            row["workers"].append(wid)
+            if self.routing_state(h) == "eligible":
+                row["eligible"].append(wid)
+        return out
 
     def routing_state(self, h: WorkerHandle, snap: Any = None) -> str:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of

@@ -38,9 +38,11 @@ The protocol reads its limits from ``$DPLB_ROUTER_MAX_HEADER_BYTES`` / ``$DPLB_R
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
@@ -436,6 +438,25 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle.waiting_for_100_continue = False   # the body is here: no 100 Continue to send
         self.flow.resume_reading()               # as receive() does
         super()._start_asgi_task(cycle, started)
+
+    def send_400_response(self, msg: str) -> None:
+        """Answer a request head HTTP's parser refused (uvicorn calls this from ``data_received``
+        while handling the parser's error: a Content-Length with chunked framing, two
+        Content-Lengths, an obs-fold, a bare LF, an unknown HTTP version, a space in a header
+        name, ...) in the OpenAI error shape every other error of the router has, naming the
+        parser's reason, instead of uvicorn's plain text; then close the connection (bytes after a
+        broken frame cannot be told apart from a smuggled request). Nothing of such a request
+        reaches the app, so nothing is forwarded to an engine."""
+        exc = sys.exc_info()[1]
+        reason = str(exc.args[0]) if isinstance(exc, httptools.HttpParserError) and exc.args else msg
+        body = error_body(f"malformed HTTP/1.1 request: {reason}", "invalid_request_error", 400)
+        content = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            content += (name, b": ", value, b"\r\n")
+        content += (b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
+                    b"x-dplb-worker-id: none\r\n\r\n" % len(body), body)
+        self.transport.write(b"".join(content))
+        self.transport.close()
 
     def _unsupported_upgrade_warning(self) -> None:
         # (uvicorn's own warning blames a missing WebSocket library.) The router upgrades nothing

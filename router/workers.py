@@ -104,6 +104,9 @@ class Registry:
         self.on_reset = on_reset
         self.drained: set[int] = set()
         self.removed: set[int] = set()
+        #: every model a slot has announced since this router process started (a model stays known
+        #: while its workers are down: its requests get 503, not 404; issue 27)
+        self.models_seen: set[str] = set()
         self.hb_timeout_ms = float(cfg.health_check.heartbeat_timeout_ms)
         self._generation = -1
 
@@ -155,6 +158,8 @@ class Registry:
             if self.is_mirror is not None:
                 h.mirror = self.is_mirror(h.control)
             h.model = s.model
+            if s.model:
+                self.models_seen.add(s.model)
             h.snap = s
             h.drained = wid in self.drained
         for wid in [w for w in self.handles if w not in seen]:
