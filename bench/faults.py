@@ -1,4 +1,4 @@
-"""Fault-injection report: run the scenarios of issues 8 and 15 with counting and write a Markdown table.
+"""Fault-injection report: run the scenarios of issues 8, 15 and 27 with counting and write a Markdown table.
 
 Usage: ``python -m bench.faults [--only 1,5,10,13] [--out bench/results/faults.md]``
 
@@ -72,6 +72,19 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("17", sc.run_round_robin_per_model, kv("model_a", "model_b")),
         ("18", sc.run_header_limits, kv("codes", "forwarded", "before_body", "flood")),
         ("19", sc.run_admin_exposure, kv("no_token", "with_token", "open_host_no_token", "mismatches")),
+        # issue 27: the router's request path (ids are the issue's items)
+        ("27.1a", sc.run_engine_kill_retried, kv("inflight_at_kill", "retried", "cut_mid_stream", "failed_non_streamed",
+                                                 "failed_before_first_byte", "by_worker")),
+        ("27.1b", sc.run_in_flight_retried_streamed_and_not, kv("in_flight_on_0_at_kill", "retried", "statuses")),
+        ("27.1c", sc.run_query_of_death, kv("qod_status", "read_by_worker", "query_of_death", "ordinary_ok")),
+        ("27.1d", sc.run_all_down_before_noticed, kv("statuses", "retry_after", "after_back")),
+        ("27.2", sc.run_model_known_while_down,
+         lambda r: f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }; "
+                   + kv("models_listed", "status_models")(r)),
+        ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
+        ("27.9", sc.run_framing_errors,
+         lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
+                                     for k, a in r.extra["answers"].items()}) + "; " + kv("forwarded")(r)),
     ]
 
 
@@ -87,7 +100,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     """The Markdown report for ``rows`` (dicts with the table's columns)."""
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        "# DPLB fault-injection report (issues 8 and 15)",
+        "# DPLB fault-injection report (issues 8, 15 and 27)",
         "",
         f"Generated {now} by `python -m bench.faults` on a {os.cpu_count()}-CPU machine (loopback only).",
         "Counts: *ok* = complete answer; *failed honestly* = OpenAI-shaped error status or SSE error event;",

@@ -492,7 +492,8 @@ class Proxy:
         try:
             for attempt in range(self.settings.max_attempts):
                 if attempt:
-                    delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) * random.uniform(0.5, 1.5)
+                    delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) \
+                        * random.uniform(0.5, 1.5)
                     if delay > 0:
                         await asyncio.sleep(delay)
                 if pre is not None:

@@ -166,7 +166,8 @@ class StreamMeter:
         """Whether the last event fed is an event stream's ``data: [DONE]`` (OpenAI's end of a
         stream; what follows it, if anything, is the body's terminating chunk)."""
         t = self._tail.rstrip()
-        return self.sse and (t.endswith((b"\ndata: [DONE]", b"\ndata:[DONE]")) or t in (b"data: [DONE]", b"data:[DONE]"))
+        return self.sse and (t.endswith((b"\ndata: [DONE]", b"\ndata:[DONE]"))
+                             or t in (b"data: [DONE]", b"data:[DONE]"))
 
     def usage(self) -> tuple[int | None, int | None]:
         """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any."""

@@ -161,7 +161,8 @@ def run_query_of_death(n_ordinary: int = 20) -> Result:
         async def go(n: int, **kw: Any) -> list[Outcome]:
             from bench.faultsuite.load import send
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                return [await send(c, chat(tag=f"{kw.get('tag', 'r')}{i}"), headers=kw.get("headers")) for i in range(n)]
+                tag, hs = kw.get("tag", "r"), kw.get("headers")
+                return [await send(c, chat(tag=f"{tag}{i}"), headers=hs) for i in range(n)]
 
         bad = asyncio.run(go(1, tag="qod", headers={"x-fake-mode": "drop"}))[0]
         read = [f.client().stats()["requests"] for f in st.fakes.values()]   # who read the query of death
