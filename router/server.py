@@ -32,6 +32,11 @@ starting each from its read (about 12 % less at saturation, ``bench/results/rout
 section 9). A body still arriving, a pipelined request (started when the answer before it is
 out) and any request the app declines go the usual way too: a task running the app.
 
+A request head HTTP/1.1's parser refuses (a Content-Length with chunked framing, two
+Content-Lengths, an obs-fold, a bare LF, an unknown version, ...) is answered 400 with the OpenAI
+error body naming the parser's reason (:meth:`LimitedHttpToolsProtocol.send_400_response`, in place
+of uvicorn's plain text), and the connection closed; nothing of it reaches the app.
+
 The protocol reads its limits from ``$DPLB_ROUTER_MAX_HEADER_BYTES`` / ``$DPLB_ROUTER_MAX_HEADERS``
 (set by ``router.__main__`` before uvicorn starts, so every ``--workers`` process sees them).
 """

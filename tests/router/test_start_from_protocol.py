@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 import uvicorn
 from uvicorn.server import ServerState
@@ -266,4 +267,25 @@ def test_a_request_split_across_reads_reaches_the_worker_from_its_task(router, l
     turn(loop)
     assert [(p, b) for p, b, _ in engine.written] == [("/v1/chat/completions", BODY)]
     assert b"".join(c.writes).endswith(ANSWER)
+    proto.connection_lost(None)
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.2\r\nhost: x\r\ncontent-length: 2\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\nhost: x\ncontent-length: 2\n\n",
+])
+def test_a_head_the_parser_refuses_is_answered_in_the_openai_error_shape_and_reaches_no_app(loop, head):
+    """Issue 27, item 9: uvicorn answered framing errors with its plain text."""
+    app, c = RecordingApp(), RecordingTransport()
+    proto = protocol(app, loop, c)
+    proto.data_received(head + b"{}")
+    turn(loop)
+    assert app.started == [] and app.called == []
+    out = b"".join(c.writes)
+    h, _, body = out.partition(b"\r\n\r\n")
+    assert h.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in h and b"connection: close" in h
+    err = orjson.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    assert err["message"].startswith("malformed HTTP/1.1 request: ") and len(err["message"]) > 30
     proto.connection_lost(None)

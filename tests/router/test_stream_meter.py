@@ -105,3 +105,22 @@ def test_usage_from_body():
     assert usage_from_body(batch) == (6, 4)
     # the key inside generated text is escaped and does not count
     assert usage_from_body(orjson.dumps({"text": 'say "completion_tokens": 99'})) == (None, None)
+
+
+@pytest.mark.parametrize("chunks,want", [
+    ([b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"], True),
+    ([b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\r\n\r\n'], True),
+    ([b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata:[DONE]\n\n'], True),
+    ([b"data: [DONE]\n\n"], True),
+    ([b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'], False),
+    ([b'data: {"choices": [{"delta": {"content": "[DONE]"}}]}\n\n'], False),   # the word inside an event
+    ([b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DO'], False),
+])
+def test_a_stream_is_ended_by_its_done_event_only(chunks, want):
+    """What proxy.delivered reads when a client leaves (issue 27, item 8): a client that had
+    ``data: [DONE]`` had its whole answer."""
+    m = StreamMeter()
+    for c in chunks:
+        m.feed(c)
+    assert m.ended_with_done() is want
+    assert StreamMeter(sse=False).ended_with_done() is False
