@@ -523,51 +523,49 @@ class Proxy:
                         if not 200 <= st <= 599 or st in retry_status or u.whole is None:
                             return False
                         return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
+                up = None
                 try:
                     try:
                         up = await self.transport.send(h.endpoint, method, target, headers, body, written=written,
                                                        on_whole=answer)
-                    except TransportError as e:
-                        outcome = False
-                        if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
-                            lease.refused()
-                        metrics.errors.labels(label, e.kind).inc()
-                        last, last_wid = e, wid
-                        tried.add(wid)
-                        broken += self.breaks(e)
-                        if self.retryable(e, broken):
-                            metrics.retries.labels(e.kind).inc()
-                            continue
-                        break
-                    status = up.status
-                    if not 200 <= status <= 599:
-                        # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
-                        # write a status line above 599, and a client takes a 1xx for "more to come"
-                        outcome = False
-                        up.release(abort=True)
-                        metrics.errors.labels(label, "status_5xx").inc()
-                        last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
-                                                       "not a final status (200-599)", worker_id=wid), wid
-                        tried.add(wid)
-                        break
-                    if status < 500:
-                        lease.head_seen()  # liveness evidence for the health monitor
-                    if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \
-                            sched.has_candidates(info.model, tried | {wid}):
-                        outcome = status < 500
-                        up.release(abort=True)
-                        if status >= 500:
+                        status = up.status
+                        if not 200 <= status <= 599:
+                            # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
+                            # write a status line above 599, and a client takes a 1xx for "more to come"
+                            outcome = False
+                            up.release(abort=True)
                             metrics.errors.labels(label, "status_5xx").inc()
-                        last, last_wid = UpstreamError(f"worker {wid} answered {status}", worker_id=wid), wid
-                        tried.add(wid)
-                        metrics.retries.labels(f"status_{status}").inc()
-                        continue
-                    # the first body byte, within the first-byte deadline, before anything reaches the client
-                    try:
+                            last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which "
+                                                           "is not a final status (200-599)", worker_id=wid), wid
+                            tried.add(wid)
+                            break
+                        if status < 500:
+                            lease.head_seen()  # liveness evidence for the health monitor
+                        if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \
+                                sched.has_candidates(info.model, tried | {wid}):
+                            outcome = status < 500
+                            up.release(abort=True)
+                            if status >= 500:
+                                metrics.errors.labels(label, "status_5xx").inc()
+                            last, last_wid = UpstreamError(f"worker {wid} answered {status}", worker_id=wid), wid
+                            tried.add(wid)
+                            metrics.retries.labels(f"status_{status}").inc()
+                            continue
+                        # the first body byte, within the first-byte deadline, before anything reaches the client
                         first = up.whole if up.whole is not None else await up.first_chunk()
+                        if not up.is_stream:
+                            # the rest of the body: the client has seen none of it yet either (a
+                            # non-streamed answer reaches it whole), so a failure here is one before
+                            # the first byte too (a whole body taken in the callback: nothing to read)
+                            mid_body = True
+                            data = first if up.whole is not None else await up.read(first)
                     except TransportError as e:
                         outcome = False
-                        up.release(abort=True)
+                        if up is None:
+                            if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
+                                lease.refused()
+                        else:
+                            up.release(abort=True)
                         metrics.errors.labels(label, e.kind).inc()
                         last, last_wid = e, wid
                         tried.add(wid)
@@ -578,21 +576,6 @@ class Proxy:
                         break
                     resp_headers = relayed_headers(up, rid, wid_b)
                     if not up.is_stream:
-                        try:
-                            # (a whole body taken in the callback: its connection is back in the pool)
-                            data = first if up.whole is not None else await up.read(first)
-                        except TransportError as e:
-                            # the body broke or stalled after its first byte, which the client has not
-                            # seen yet (a non-streamed answer reaches it whole): as before the first byte
-                            outcome = False
-                            metrics.errors.labels(label, e.kind).inc()
-                            last, last_wid, mid_body = e, wid, True
-                            tried.add(wid)
-                            broken += self.breaks(e)
-                            if self.retryable(e, broken):
-                                metrics.retries.labels(e.kind).inc()
-                                continue
-                            break
                         outcome = status < 500
                         # one write of head and body where the router's protocol serves the request
                         # (already done from the engine connection's callback when ``up.answered``)

@@ -1,4 +1,4 @@
-"""Fault-injection suite of issues 8 and 15 (``make test-faults`` = ``pytest -m faults tests``).
+"""Fault-injection suite of issues 8, 15 and 27 (``make test-faults`` = ``pytest -m faults tests``).
 
 Every scenario runs real processes on loopback (router, worker agents with sim engines or the fake
 workers of ``bench/fakes.py``), injects one fault under bounded traffic and counts each request as
@@ -22,5 +22,10 @@ test_stays_up.py             issue 15, one test per failure (13 crash loop → g
                              model, 18 header limits, 19 admin behind a proxy); scenario code in
                              :mod:`bench.faultsuite.scen_issue15`. The kill -9 "Shows" test is
                              scenario 1 in test_workers_fail.py
+test_request_path.py         issue 27, the router's request path: 27.1 in-flight requests retried
+                             (kill -9 of an engine / a worker), a query of death, every worker down;
+                             27.2 a known model's workers down; 27.8 complete streams counted 200, a
+                             disconnect 499; 27.9 framing errors; scenario code in
+                             :mod:`bench.faultsuite.scen_request_path`
 ===========================  =====================================================================
 """
