@@ -4,7 +4,8 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
 
 1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
 2. read the body once and parse only what routing needs (:mod:`router.protocol`); 400 if malformed,
-   404 if no worker serves the named model;
+   404 if no slot of this router ever served the named model (a known model whose workers are
+   all out is a 503 at step 3);
 3. pick a worker through the scheduling pipeline (:meth:`~router.scheduling.Scheduler.admit`);
 4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent) and take
    the worker's :class:`~router.scheduling.Lease` (on a pooled connection the request is written
