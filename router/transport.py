@@ -464,6 +464,11 @@ class Upstream:
         if abort or not c.done or c.error is not None or not c.keep:
             c.transport.close()
         else:
+            if c.held or c.paused:
+                # reading was paused for this answer (its client was slow, or left at [DONE] while
+                # the pipe waited to drain): the next answer on this connection must be read
+                c.held = c.paused = False
+                c.transport.resume_reading()
             pool.put(c)
         cb, self._on_done = self._on_done, None
         if cb is not None:

@@ -91,6 +91,10 @@ class Server(asyncio.Protocol):
             loop = asyncio.get_running_loop()
             loop.call_later(0.02, self.t.write, b"data: 1\n\n")
             loop.call_later(0.04, self.t.close)
+        elif path == b"/last":   # one event, then the last event and the terminator in one write
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"9\r\ndata: 0\n\n\r\n")
+            asyncio.get_running_loop().call_later(0.02, self.t.write, b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         elif path == b"/break":  # one event, then the worker dies mid-stream
             self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                          b"9\r\ndata: 0\n\n\r\n")
@@ -326,6 +330,36 @@ async def test_pipe_stops_reading_while_the_sink_is_full_and_loses_nothing(serve
     body = b"".join(got)
     assert len(body) == 64 * 0x10000
     assert body == b"".join(bytes([65 + i % 26]) * 0x10000 for i in range(64))
+    await t.close()
+
+
+async def test_a_connection_released_while_its_reading_was_paused_reads_the_next_answer(server):
+    # the client takes the last chunk with its buffer over the mark, then leaves during drain()
+    # (the openai client closes at [DONE]): the proxy releases the stream as complete. The pooled
+    # connection's reading was paused for that client; the next request on it must still get its
+    # answer (it hung until the first-byte timeout: issue 27's bench regression)
+    t = Transport()
+    up = await t.send(server, "POST", "/last", [], b"{}")
+    first = await up.first_chunk()
+    assert first == b"data: 0\n\n"
+
+    def sink(data: bytes) -> bool:
+        assert data == b"data: [DONE]\n\n" and up.complete()
+        return False                  # the client's buffer is over its mark at the body's end
+
+    async def drain() -> None:
+        assert not up._conn.transport.is_reading()
+        raise ConnectionResetError("the client left")
+
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(up.pipe(sink, drain), 10)
+    conn = up._conn
+    up.release()                      # complete: the whole body was delivered
+    assert len(Server.conns) == 1
+    up2 = await asyncio.wait_for(t.send(server, "POST", "/json", [], b"{}"), 5)
+    assert up2._conn is conn          # the same connection was reused...
+    assert (up2.status, await asyncio.wait_for(up2.read(), 5)) == (200, JSON)   # ...and read
+    up2.release()
     await t.close()
 
 
