@@ -3,6 +3,12 @@
 Start-up, in order (each step fails with a :class:`launcher.errors.LaunchError` naming what and
 why, after undoing the steps before it):
 
+0. own the run dir and the segment name: an exclusive ``flock`` on ``<run dir>/launch.lock`` and
+   on ``$XDG_RUNTIME_DIR`` (else ``/tmp``) ``/dplb-locks/<segment>.lock``, held for the
+   launcher's life (the kernel drops them when it exits, kill -9 included). A second launch on
+   the same port, run dir or segment (``--host ::1`` beside ``127.0.0.1`` too) is refused
+   (exit status 2, naming the owner's pid) and touches nothing of the running stack: cleanup
+   undoes only what this launch owns;
 1. check the router port is free and the run dir's socket paths fit ``sun_path`` (108 bytes);
 2. create the run dir (mode 0700) and drop sockets a previous run left behind;
 3. create the segment ``dplb-<port>`` (64 slots, replacing a stale one — the port being free
@@ -29,6 +35,7 @@ restart, the return to READY, and an agent that gave up (with the admin call tha
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -187,6 +194,7 @@ class Supervisor:
         self._stop_sig: int | None = None
         self._reported_dead: set[str] = set()
         self._engines: dict[int, tuple[str, int, str]] = {}  # worker -> (state, restarts, reason) last seen
+        self._locks: list[Any] = []   # open lock files (step 0); empty: this launch owns nothing to clean
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
 
     # ----------------------------------------------------------------- public
@@ -218,6 +226,14 @@ class Supervisor:
     def start(self) -> None:
         """Steps 1–4 of the module docstring."""
         cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        locks = [take_lock(cfg.run_dir / "launch.lock", f"run dir {cfg.run_dir}")]
+        try:
+            locks.append(take_lock(lock_dir() / f"{cfg.shm_name}.lock", f"segment {cfg.shm_name}"))
+        except UsageError:
+            locks[0].close()
+            raise
+        self._locks = locks
         check_port_free(cfg.host, cfg.port)
         longest = cfg.run_dir / f"engine-{cfg.num_workers - 1}.sock"
         if len(os.fsencode(longest)) > SUN_PATH_MAX:
@@ -316,7 +332,10 @@ class Supervisor:
 
     def shutdown(self) -> None:
         """Drain and stop the workers (:meth:`drain_workers`), then stop every child tree, unlink the
-        segment, remove sockets. Safe to call twice."""
+        segment, remove sockets. Safe to call twice. A launch that owns nothing (refused at step 0:
+        another launch runs on this run dir or segment) leaves everything as it is."""
+        if not self._locks:
+            return
         children = self._children()
         if children:
             self.drain_workers()
@@ -335,6 +354,9 @@ class Supervisor:
                 except OSError:
                     pass
         remove_sockets(self.cfg.run_dir)
+        locks, self._locks = self._locks, []
+        for f in locks:
+            f.close()
 
     def drain_workers(self, timeout_s: float = AGENT_STOP_S) -> None:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
@@ -520,6 +542,33 @@ def _segment_class() -> Any:
     except ImportError as e:
         raise LaunchError(f"cannot import the segment library dplb_shm ({e}); run `make install`") from None
     return Segment
+
+
+def lock_dir() -> Path:
+    """Where the segment-name locks live: ``$XDG_RUNTIME_DIR/dplb-locks``, else ``/tmp/dplb-locks``."""
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / "dplb-locks"
+
+
+def take_lock(path: Path, what: str) -> Any:
+    """Take an exclusive, non-blocking ``flock`` on ``path`` (created, parents too) and write this
+    pid into it; returns the open file, which holds the lock until closed or the process exits
+    (the descriptor is not inherited by children). Raises :class:`UsageError` naming ``what`` and
+    the holder's pid when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 - held open for the launcher's life
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise UsageError(f"{what} belongs to a running DPLB launch (pid {pid}); stop it first, or start this "
+                         f"one on another --port (and --run-dir)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def check_port_free(host: str, port: int) -> None:

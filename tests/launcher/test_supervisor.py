@@ -171,3 +171,26 @@ def test_killed_launcher_takes_router_and_agents_with_it(procs, run_dir, port):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_second_launch_on_the_same_port_is_refused_and_leaves_the_first_intact(procs, run_dir, port, host):
+    # issue 27 item 3: the refused second launch used to remove the running stack's sockets, and
+    # with --host ::1 it was not refused at all and replaced the live segment
+    p, log = start(procs, run_dir, port, "--num-workers", "2")
+    wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+    assert p.poll() is None, log.read_text()
+    (Path(run_dir) / "rd" / "agent-9.sock").touch()   # stands for the running stack's agent sockets
+    socks = sorted((Path(run_dir) / "rd").glob("*.sock"))
+    seg_ino = os.stat(f"/dev/shm/dplb-{port}").st_ino
+    second = subprocess.run([sys.executable, "-m", "tests.launcher.run_fake_launch", "--port", str(port),
+                             "--host", host, "--run-dir", os.path.join(run_dir, "rd"), "--num-workers", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert second.returncode == 2, second.stderr
+    assert f"belongs to a running DPLB launch (pid {p.pid})" in second.stderr
+    assert sorted((Path(run_dir) / "rd").glob("*.sock")) == socks
+    assert os.stat(f"/dev/shm/dplb-{port}").st_ino == seg_ino
+    assert p.poll() is None
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
