@@ -5,7 +5,7 @@ why, after undoing the steps before it):
 
 0. own the run dir and the segment name: an exclusive ``flock`` on ``<run dir>/launch.lock`` and
    on ``$XDG_RUNTIME_DIR`` (else ``/tmp``) ``/dplb-locks/<segment>.lock``, held for the
-   launcher's life (the kernel drops them when it exits, kill -9 included). A second launch on
+   launcher's life (removed at its stop; the kernel drops the locks when it dies, kill -9 too). A second launch on
    the same port, run dir or segment (``--host ::1`` beside ``127.0.0.1`` too) is refused
    (exit status 2, naming the owner's pid) and touches nothing of the running stack: cleanup
    undoes only what this launch owns;
@@ -194,7 +194,7 @@ class Supervisor:
         self._stop_sig: int | None = None
         self._reported_dead: set[str] = set()
         self._engines: dict[int, tuple[str, int, str]] = {}  # worker -> (state, restarts, reason) last seen
-        self._locks: list[Any] = []   # open lock files (step 0); empty: this launch owns nothing to clean
+        self._locks: list[TextIO] = []   # open lock files (step 0); empty: this launch owns nothing to clean
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
 
     # ----------------------------------------------------------------- public
@@ -231,7 +231,7 @@ class Supervisor:
         try:
             locks.append(take_lock(lock_dir() / f"{cfg.shm_name}.lock", f"segment {cfg.shm_name}"))
         except UsageError:
-            locks[0].close()
+            release_lock(locks[0])
             raise
         self._locks = locks
         check_port_free(cfg.host, cfg.port)
@@ -356,7 +356,7 @@ class Supervisor:
         remove_sockets(self.cfg.run_dir)
         locks, self._locks = self._locks, []
         for f in locks:
-            f.close()
+            release_lock(f)
 
     def drain_workers(self, timeout_s: float = AGENT_STOP_S) -> None:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
@@ -549,26 +549,43 @@ def lock_dir() -> Path:
     return Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / "dplb-locks"
 
 
-def take_lock(path: Path, what: str) -> Any:
+def take_lock(path: Path, what: str) -> TextIO:
     """Take an exclusive, non-blocking ``flock`` on ``path`` (created, parents too) and write this
     pid into it; returns the open file, which holds the lock until closed or the process exits
     (the descriptor is not inherited by children). Raises :class:`UsageError` naming ``what`` and
     the holder's pid when another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")  # noqa: SIM115 - held open for the launcher's life
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid = f.read().strip() or "unknown"
-        f.close()
-        raise UsageError(f"{what} belongs to a running DPLB launch (pid {pid}); stop it first, or start this "
-                         f"one on another --port (and --run-dir)") from None
+    while True:
+        f = open(path, "a+")  # noqa: SIM115 - held open for the launcher's life
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            f.close()
+            raise UsageError(f"{what} belongs to a running DPLB launch (pid {pid}); stop it first, or start "
+                             f"this one on another --port (and --run-dir)") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()   # its owner unlinked it on the way out (release_lock) before we locked: open it anew
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def release_lock(f: TextIO) -> None:
+    """Unlink a lock file :func:`take_lock` returned, then close it (unlinked while still held, so
+    a launch that opened it meanwhile sees it gone and opens the path afresh)."""
+    try:
+        os.unlink(f.name)
+    except OSError:
+        pass
+    f.close()
 
 
 def check_port_free(host: str, port: int) -> None:

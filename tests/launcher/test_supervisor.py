@@ -194,3 +194,4 @@ def test_a_second_launch_on_the_same_port_is_refused_and_leaves_the_first_intact
     os.kill(p.pid, signal.SIGINT)
     assert p.wait(timeout=60) == 0
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
+    assert not (Path(run_dir) / "rd" / "launch.lock").exists()   # the locks go with their launch
