@@ -81,6 +81,8 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("27.2", sc.run_model_known_while_down,
          lambda r: f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }; "
                    + kv("models_listed", "status_models")(r)),
+        ("27.4", sc.run_router_process_killed, kv("at_kill", "cut_by_the_kill", "after_streams", "burst_lost", "burst_split",
+                                                  "processes_after", "death_logged")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
@@ -141,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                "ok": r.ok, "honest": r.honest, "lost": r.lost, "detection": _secs(r.detection_s),
                "recovery": _secs(r.recovery_s), "notes": notes(r)}
         rows.append(row)
-        lost += r.lost if sid != "9" else r.extra.get("not_ok_after_restart", 0)
+        # a killed router (9) or router process (27.4) cuts its own clients' connections: what counts
+        # is what fails after it
+        after = {"9": "not_ok_after_restart", "27.4": "burst_lost"}.get(sid)
+        lost += r.lost if after is None else r.extra.get(after, 0)
         print(f"faults {sid:>3} sent={r.sent} ok={r.ok} honest={r.honest} lost={r.lost} "
               f"detection={row['detection']} recovery={row['recovery']} ({time.monotonic() - t0:.0f}s wall)",
               flush=True)

@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         prom_dir = tempfile.mkdtemp(prefix="dplb-router-prom-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = prom_dir
         try:
-            uvicorn.run("router.app:create_app_from_env", factory=True, workers=cfg.router.workers, **common)
+            from router.processes import serve_processes
+
+            serve_processes(uvicorn.Config("router.app:create_app_from_env", factory=True,
+                                           workers=cfg.router.workers, **common))
         finally:
             shutil.rmtree(prom_dir, ignore_errors=True)
     else:

@@ -39,6 +39,7 @@ from router.errors import (
     error_body,
 )
 from router.health import HealthMonitor
+from router.ledger import AccountedSegment, Ledger, shares_dir, sweep_dead
 from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.policies import build_policy
@@ -78,6 +79,8 @@ def remove_state_dir(path: str) -> None:
     for name in ("admin.json", "mirror.lock", "routers.lock"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(shares_dir(path))   # empty once every process settled its ledger
     with contextlib.suppress(OSError):
         os.rmdir(path)
 
@@ -124,6 +127,9 @@ class RouterState:
         self.seg = seg
         self._own_seg = seg is None
         self._router_lock: int | None = None
+        #: this process's share of the router lines (:mod:`router.ledger`); None for a segment
+        #: handed in (tests, the simulator): nobody else can sweep it then
+        self.ledger: Ledger | None = None
         self.metrics = Metrics()
         self.started = int(time.time())
         self.proxy: Proxy | None = None
@@ -150,14 +156,15 @@ class RouterState:
         hc = cfg.health_check
         self.monitor = HealthMonitor(self.registry, self.transport, self.metrics, hc.interval_ms, hc.timeout_ms,
                                      hc.max_failures, probes=hc.enabled)
+        accounts = AccountedSegment(self.seg, self.ledger) if self.ledger is not None else None
         self.scheduler = Scheduler(self.registry, self.policy, self.seg, self.metrics, learn=learn_settings(cfg),
-                                   default_rate=rp.prefill_tokens_per_s, health=self.monitor)
+                                   default_rate=rp.prefill_tokens_per_s, health=self.monitor, accounts=accounts)
         self.admin = AdminStore(cfg.state_dir)
         self.admin.reload_if_changed()
         self.mirrors = MirrorManager(self.seg, self.transport, cfg.state_dir,
                                      timeout_s=max(0.2, hc.interval_ms / 1000.0), max_failures=hc.max_failures)
         self.apply_admin()
-        self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep]
+        self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep, self._sweep_routers]
         await self.mirrors.tick()
         self.monitor.start()
         self.metrics.attach(self)
@@ -165,11 +172,13 @@ class RouterState:
                            ProxySettings.from_config(cfg, bool(getattr(self.policy, "needs_text", True))))
 
     def _hold_router_lock(self) -> None:
-        """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life. The first
-        router process of a deployment (no other one holds the lock) first zeroes every slot's
-        router in-flight count: a router killed with requests in flight never released their
-        leases, and the counts it left would make those workers look busy forever (issue 8,
-        scenario 9). Later processes (``--workers k``) only take the shared lock."""
+        """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life and open
+        this process's :class:`~router.ledger.Ledger`. The first router process of a deployment (no
+        other one holds the lock) first gives back every share a killed router left (its ledger),
+        then zeroes what is still counted on the router lines (in-flight, outstanding prefill,
+        decoding requests) and every open circuit: no router can hold a lease then (issue 8,
+        scenario 9). Later processes (``--workers k``) only take the shared lock; the shares of
+        those that die are given back by the others' health ticks (:meth:`_sweep_routers`)."""
         os.makedirs(self.cfg.state_dir, mode=0o700, exist_ok=True)
         fd = os.open(os.path.join(self.cfg.state_dir, "routers.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -177,19 +186,35 @@ class RouterState:
         except OSError:
             pass  # another router process is alive: its counts are real
         else:
+            sweep_dead(self.seg, self.cfg.state_dir, everyone=True)
             for snap in self.seg.snapshot():
+                wid = snap.worker_id
                 if snap.router_inflight:
-                    self.seg.router_inflight_add(snap.worker_id, -int(snap.router_inflight))
+                    self.seg.router_inflight_add(wid, -int(snap.router_inflight))
+                line = self.seg.router_line(wid)
+                if line["prefill_tokens"]:
+                    self.seg.prefill_add(wid, -int(line["prefill_tokens"]))
+                if line["decode_reqs"] or line["decode_ctx_tokens"]:
+                    self.seg.decode_add(wid, -int(line["decode_reqs"]), -int(line["decode_ctx_tokens"]))
                 if snap.circuit:  # a dead router's open circuit would exclude the worker forever
-                    self.seg.circuit_set(snap.worker_id, 0)
+                    self.seg.circuit_set(wid, 0)
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._router_lock = fd
+        self.ledger = Ledger(self.cfg.state_dir, self.seg.num_slots)
+
+    async def _sweep_routers(self) -> None:
+        """Health-tick extra: give back the share of every router process of this deployment that
+        died (:func:`router.ledger.sweep_dead`), within one tick of its death."""
+        if self.ledger is not None:
+            sweep_dead(self.seg, self.cfg.state_dir)
 
     async def stop(self) -> None:
         """Stop background work, close pools, release mirror slots, detach."""
         await self.monitor.stop()
         self.mirrors.close()
         await self.transport.close()
+        if self.ledger is not None:
+            self.ledger.close(self.seg)   # a lease the stop cut: its share goes back too
         if self._router_lock is not None:
             fd, self._router_lock = self._router_lock, None
             try:  # the last router process of the deployment removes the shared state directory

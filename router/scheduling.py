@@ -140,8 +140,11 @@ class Scheduler:
 
     def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None,
                  learn: LearnSettings | None = None, default_rate: float = 30_769.0,
-                 health: HealthReporter | None = None) -> None:
+                 health: HealthReporter | None = None, accounts: Any = None) -> None:
         self.registry = registry
+        #: what leases account on: ``seg``, or a :class:`router.ledger.AccountedSegment` that also
+        #: records this process's share so that it can be given back should the process die
+        self.accounts = seg if accounts is None else accounts
         self.health: HealthReporter = health if health is not None else _NoHealth()
         self.policy = policy
         self.seg = seg
@@ -228,7 +231,7 @@ class Scheduler:
             if est is None or not est < float("inf"):
                 est = u / self.default_rate
             deadline = t + est
-        lease = Lease(h, self.seg, req.prompt_len, u, t, self.learn, deadline, self.health)
+        lease = Lease(h, self.accounts, req.prompt_len, u, t, self.learn, deadline, self.health)
         if deadline is not None:
             self.blind.add(lease)
         self.policy.on_dispatch(h.worker_id, req)

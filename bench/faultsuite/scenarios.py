@@ -1,5 +1,5 @@
 """Fault scenarios of issues 8, 15 (13-19: :mod:`bench.faultsuite.scen_issue15`) and 27 (27.*:
-:mod:`bench.faultsuite.scen_request_path`) as plain functions that run real processes and return counted results.
+:mod:`bench.faultsuite.scen_request_path`, :mod:`bench.faultsuite.scen_router_procs`) as plain functions that run real processes and return counted results.
 
 Each ``run_*`` function builds its own :class:`bench.faultsuite.cluster.Stack`, injects one fault,
 drives bounded traffic through the router, tears everything down and returns a :class:`Result`
@@ -38,6 +38,7 @@ from bench.faultsuite.scen_request_path import (
     run_query_of_death,
     run_sync_openai_streams_counted,
 )
+from bench.faultsuite.scen_router_procs import run_router_process_killed
 from bench.faultsuite.scen_workers import (
     run_all_dead,
     run_breaker,
@@ -55,7 +56,14 @@ __all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "StatusWatc
            "run_first_byte_vs_idle_timeout", "run_header_limits", "run_hung_worker", "run_kill_engine",
            "run_long_prefill_default", "run_remote_rejoin", "run_round_robin_per_model", "run_router_restart",
            "run_security", "run_slow_request_one_504", "run_stream_fidelity", "run_ties_and_bursts"]
-# issue 27, the router's request path (rows 27.1a-27.9)
-__all__ += ["run_all_down_before_noticed", "run_engine_kill_retried", "run_framing_errors",
-            "run_in_flight_retried_streamed_and_not", "run_model_known_while_down", "run_query_of_death",
-            "run_sync_openai_streams_counted"]
+# issue 27, the router's request path (rows 27.1a-27.9) and its parts (27.4)
+__all__ += [
+    "run_all_down_before_noticed",
+    "run_engine_kill_retried",
+    "run_framing_errors",
+    "run_in_flight_retried_streamed_and_not",
+    "run_model_known_while_down",
+    "run_query_of_death",
+    "run_router_process_killed",
+    "run_sync_openai_streams_counted",
+]

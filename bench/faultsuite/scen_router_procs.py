@@ -1,0 +1,120 @@
+"""Issue 27 item 4: a router process killed with requests in flight (row ``27.4``); see
+:mod:`bench.faultsuite.scenarios`."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+
+from bench.faultsuite.cluster import Stack
+from bench.faultsuite.common import Result
+from bench.faultsuite.load import Outcome, chat, send
+from launcher.stack import wait_for
+
+FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
+
+
+def _totals(seg: Any, n: int) -> dict[str, int]:
+    """Each router-line counter summed over slots ``0..n-1``."""
+    out = dict.fromkeys(FIELDS, 0)
+    for i in range(n):
+        line = seg.router_line(i)
+        for k in FIELDS:
+            out[k] += int(line[k])
+    return out
+
+
+def _router_pids(base: str, want: int, tries: int = 200) -> set[int]:
+    """The pids of the router processes answering on ``base`` (each new connection lands on one)."""
+    pids: set[int] = set()
+    for _ in range(tries):
+        pids.add(int(httpx.get(base + "/dplb/status", timeout=10).json()["pid"]))
+        if len(pids) >= want:
+            break
+    return pids
+
+
+def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40) -> Result:
+    """``--workers 2`` in front of two fake workers; ``n`` streams in flight (half still in prefill,
+    their first byte ``hold_s`` away, half decoding one chunk every 0.1 s for ``hold_s``), then
+    SIGKILL of one router process. The killed process's share of every slot's in-flight,
+    prefill and decode counts must leave within a health tick or so (its clients' connections
+    break: nothing can answer them), everything must be back to 0 once the surviving streams
+    end, a later burst of ``burst`` must split evenly, and the parent must log the death."""
+    res = Result("27.4 kill -9 of one of two router processes", f"SIGKILL of one router process (--workers 2) "
+                 f"with {n} streams in flight, then a burst of {burst}")
+    with Stack() as st:
+        for i in range(2):
+            st.fake(i)
+        base = st.router({}, "--workers", "2", ready=2)
+        pids = _router_pids(base, 2)
+        if len(pids) < 2:
+            raise AssertionError(f"only router process(es) {pids} answered")
+        victim = min(pids)
+        box: dict[str, Any] = {}
+
+        def hdr(i: int) -> dict[str, str]:
+            if i % 2 == 0:   # in prefill: the head is out, the first token hold_s away
+                return {"x-fake-mode": "stream", "x-fake-chunks": "1", "x-fake-first-delay": str(hold_s)}
+            return {"x-fake-mode": "stream", "x-fake-chunks": str(int(hold_s / 0.1)), "x-fake-delay": "0.1"}
+
+        async def streams() -> list[Outcome]:
+            limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(60)) as ac:
+                tasks = [asyncio.ensure_future(send(ac, chat(stream=True, tag=i), headers=hdr(i), timeout=60))
+                         for i in range(n)]
+                t0 = time.monotonic()
+                while _totals(st.seg, 2)["router_inflight"] < n and time.monotonic() - t0 < 30:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.3)   # the decoding half past its first chunk
+                box["at_kill"] = _totals(st.seg, 2)
+                box["t_kill"] = time.monotonic()
+                os.kill(victim, signal.SIGKILL)
+                # the victim's clients see their connections break at once: that is its share
+                while time.monotonic() - box["t_kill"] < 10:
+                    cut = sum(1 for t in tasks if t.done())
+                    if cut and _totals(st.seg, 2)["router_inflight"] <= n - cut:
+                        box["share_left_s"] = time.monotonic() - box["t_kill"]
+                        box["cut"] = cut
+                        break
+                    await asyncio.sleep(0.02)
+                return list(await asyncio.gather(*tasks))
+
+        outs = asyncio.run(streams())
+        res.add(outs)
+        res.extra["at_kill"] = box.get("at_kill")
+        res.extra["cut_by_the_kill"] = sum(1 for o in outs if o.kind != "ok")
+        res.detection_s = box.get("share_left_s")
+        t_done = time.monotonic()
+        try:
+            wait_for(lambda: not any(_totals(st.seg, 2).values()), 15, "router lines back to 0")
+            res.recovery_s = time.monotonic() - box["t_kill"]
+        except TimeoutError:
+            pass
+        res.extra["after_streams"] = _totals(st.seg, 2)
+        res.extra["zero_after_streams_s"] = round(time.monotonic() - t_done, 3)
+
+        async def burst_of(k: int) -> list[Outcome]:
+            async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=k),
+                                         timeout=httpx.Timeout(60)) as ac:
+                return list(await asyncio.gather(*(send(ac, chat(tag=f"b{i}"), headers={"x-fake-mode": "slow",
+                                                                                       "x-fake-delay": "0.3"})
+                                                   for i in range(k))))
+
+        bouts = asyncio.run(burst_of(burst))
+        res.add(bouts)
+        res.extra["burst_lost"] = sum(1 for o in bouts if o.kind != "ok")
+        res.extra["burst_split"] = dict(sorted(Counter(o.worker for o in bouts).items(), key=lambda kv: str(kv[0])))
+        res.extra["processes_after"] = sorted(_router_pids(base, 2))
+        with open(st.routers[-1][0].log or os.devnull, errors="replace") as f:
+            log = f.read()
+        res.extra["death_logged"] = f"router process {victim} died (killed by SIGKILL)" in log
+    return res
+
+
+__all__ = ["run_router_process_killed"]
