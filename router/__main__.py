@@ -2,6 +2,7 @@
 
     dplb-router [--config dplb.yaml] [--host 127.0.0.1] [--port 30000] [--shm NAME] [--policy dplb]
                 [--workers K] [--admin-token T] [--api-key KEY] [--log-level warning]
+                [--access-log text|json|off]
 
 Built-in defaults < the config file < these flags, field by field (the launch script follows the same rule). ``--workers K`` runs K router processes (uvicorn workers) on the
 same port; they share one segment, so in-flight counts and circuit states are one truth.
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token")
     p.add_argument("--api-key")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", choices=["text", "json", "off"],
+                   help="one line per proxied request (default text; router/access_log.py)")
     return p
 
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
                  "routing_policy.policy": args.policy, "router.workers": args.workers,
                  "router.admin_token": args.admin_token, "router.api_key": args.api_key,
-                 "router.log_level": args.log_level}
+                 "router.log_level": args.log_level, "router.access_log": args.access_log}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

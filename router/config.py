@@ -80,6 +80,9 @@ class RouterSection(_Strict):
     # deprecated alias of first_byte_timeout_s (one timeout used to cover both waits)
     request_timeout_s: float | None = Field(default=None, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
+    # one line per proxied request on the logger dplb.router.access, whatever log_level says
+    # (router/access_log.py): "text", "json" (one object per line) or "off"
+    access_log: Literal["text", "json", "off"] = "text"
     state_dir: str | None = None  # admin state shared by router processes; default /tmp/dplb-router-<port>
 
     @model_validator(mode="after")

@@ -54,6 +54,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.access_log import AccessLog
 from router.config import Config
 from router.errors import (
     BadRequest,
@@ -126,6 +127,7 @@ class ProxySettings:
     retry_on_disconnect: bool = True
     first_byte_timeout_s: float = 600.0
     idle_timeout_s: float = 120.0
+    access_log: str = "text"
 
     @classmethod
     def from_config(cls, cfg: Config, needs_text: bool = True) -> ProxySettings:
@@ -137,7 +139,8 @@ class ProxySettings:
                    needs_text=needs_text, max_attempts=r.max_attempts, retry_status=frozenset(r.retry_on_status),
                    backoff_base_s=r.backoff_base_ms / 1000.0, backoff_max_s=r.backoff_max_ms / 1000.0,
                    retry_on_timeout=r.retry_on_timeout, retry_on_disconnect=r.retry_on_disconnect,
-                   first_byte_timeout_s=cfg.router.first_byte_timeout_s, idle_timeout_s=cfg.router.idle_timeout_s)
+                   first_byte_timeout_s=cfg.router.first_byte_timeout_s, idle_timeout_s=cfg.router.idle_timeout_s,
+                   access_log=cfg.router.access_log)
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
@@ -236,6 +239,7 @@ class Proxy:
         self.transport = transport
         self.metrics = metrics
         self.settings = settings
+        self.access = AccessLog(settings.access_log)
         # minted request ids: a random per-process prefix + a counter (one urandom call per process)
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
@@ -373,10 +377,14 @@ class Proxy:
             target = request_target(scope)
         except RouterError as e:
             await send_error(send, e, rid)
-            self.metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.metrics.observe_request("none", e.status, route, dt)
+            self.access.emit(rid, scope["method"], path, None, "none", e.status, dt, attempts=0, cause=e.message)
             return
         except asyncio.CancelledError:   # the client left while sending its body
-            self.metrics.observe_request("none", CLIENT_CLOSED, route, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.metrics.observe_request("none", CLIENT_CLOSED, route, dt)
+            self.access.emit(rid, scope["method"], path, None, "none", CLIENT_CLOSED, dt, attempts=0)
             return
         await self._serve(scope, receive, send, scope["method"], route, target, fwd, body, info, rid, t0, None)
 
@@ -506,7 +514,10 @@ class Proxy:
                     except NoEligibleWorker as e:
                         if last is None:
                             await send_error(send, e, rid)
-                            metrics.observe_request("none", e.status, route, time.perf_counter() - t0)
+                            dt = time.perf_counter() - t0
+                            metrics.observe_request("none", e.status, route, dt)
+                            self.access.emit(rid, method, info.path, info.model, "none", e.status, dt, None,
+                                             info.prompt_len, None, attempt, e.message)
                             return
                         no_worker = e
                         break
@@ -584,10 +595,14 @@ class Proxy:
                             resp_headers.append((b"content-length", b"%d" % len(data)))
                             await send({"type": "http.response.start", "status": status, "headers": resp_headers})
                             await send({"type": "http.response.body", "body": data, "more_body": False})
-                        on_answer(metrics, lease, data)
-                        metrics.observe_request(label, status, route, time.perf_counter() - t0)
+                        prompt_n, out_n = on_answer(metrics, lease, data)
+                        dt = time.perf_counter() - t0
+                        metrics.observe_request(label, status, route, dt)
+                        self.access.emit(rid, method, info.path, info.model, label, status, dt, None, prompt_n, out_n,
+                                         attempt + 1, None if status < 500 else f"the engine answered {status}")
                         return
-                    ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope)
+                    ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope,
+                                                 (rid, method, info, attempt + 1))
                     outcome = ok and status < 500
                     return
                 except (asyncio.CancelledError, ClientGone):
@@ -598,7 +613,10 @@ class Proxy:
         except (asyncio.CancelledError, ClientGone):
             # the client left before its answer was complete (see relay_stream for one that had it all)
             metrics.errors.labels(label, "client_disconnect").inc()
-            metrics.observe_request(label, CLIENT_CLOSED, route, time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            metrics.observe_request(label, CLIENT_CLOSED, route, dt)
+            self.access.emit(rid, method, info.path, info.model, label, CLIENT_CLOSED, dt, None, info.prompt_len,
+                             None, len(tried) + 1)
             raise
         err = self.final_error(last, last_wid, len(tried), mid_body, broken, no_worker)
         if broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
@@ -607,11 +625,15 @@ class Proxy:
                         "again", rid.decode("latin-1"), broken, last_wid)
         wb = str(last_wid).encode() if last_wid is not None and err.status != 503 else _NONE
         await send_error(send, err, rid, wb)
-        metrics.observe_request(wb.decode(), err.status, route, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        metrics.observe_request(wb.decode(), err.status, route, dt)
+        self.access.emit(rid, method, info.path, info.model, wb.decode(), err.status, dt, None, info.prompt_len, None,
+                         len(tried), err.message)
 
     async def relay_stream(self, up: Upstream, first: bytes, status: int, headers: list[tuple[bytes, bytes]],
                            send: Send, route: str, t0: float, wid: int, lease: Lease | None = None,
-                           scope: MutableMapping[str, Any] | None = None) -> bool:
+                           scope: MutableMapping[str, Any] | None = None,
+                           access: tuple[bytes, str, RequestInfo, int] | None = None) -> bool:
         """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
         stalled upstream ends with an SSE error event. The first chunk that carries content
         (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
@@ -622,11 +644,13 @@ class Proxy:
         it are written to the client from the upstream connection's callback
         (:meth:`Upstream.pipe` into :class:`router.server.ChunkedWriter`): no ASGI message and no
         task wake-up per chunk, and the last one carries the body's end. Otherwise each chunk goes
-        through ``send``."""
+        through ``send``. ``access``: ``(request id, method, request info, attempts)`` for its
+        access-log line."""
         metrics = self.metrics
         meter = StreamMeter(is_event_stream(headers))
+        ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
         if first and meter.feed(first):
-            on_first_content(metrics, route, t0, lease)
+            ttft.append(on_first_content(metrics, route, t0, lease))
         writer = start_chunked(scope, status, headers, first, up.complete()) if scope is not None else None
         if writer is None:
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -637,6 +661,8 @@ class Proxy:
         complete = False
         final = status
         last = b""
+        cause = None
+        tokens: tuple[int, int] | None = None
         try:
             if first:
                 if writer is not None:
@@ -648,7 +674,7 @@ class Proxy:
                         # what the client was written, nothing after it left (see delivered)
                         sent = write(chunk, up.complete())
                         if (sent or not writer.gone) and meter.feed(chunk):
-                            on_first_content(metrics, route, t0, lease)
+                            ttft.append(on_first_content(metrics, route, t0, lease))
                         return sent
 
                     def handoff() -> Any:
@@ -668,7 +694,7 @@ class Proxy:
                 else:
                     async for chunk in up.chunks():
                         if meter.feed(chunk):
-                            on_first_content(metrics, route, t0, lease)
+                            ttft.append(on_first_content(metrics, route, t0, lease))
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
         except (asyncio.CancelledError, ClientGone):
@@ -684,21 +710,29 @@ class Proxy:
             if e.kind == "timeout":
                 final = 504
                 metrics.errors.labels(str(wid), "timeout").inc()
-                ev = sse_error_event(f"worker {wid} stream stalled: no data within the idle timeout "
-                                     f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})", "timeout_error", 504)
+                cause = (f"worker {wid} stream stalled: no data within the idle timeout "
+                         f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})")
+                ev = sse_error_event(cause, "timeout_error", 504)
             else:
                 final = 502
                 metrics.errors.labels(str(wid), "stream_broken").inc()
-                ev = sse_error_event(f"worker {wid} stream broke: {e.kind}", "upstream_error", 502)
+                cause = f"worker {wid} stream broke: {e.kind}"
+                ev = sse_error_event(cause, "upstream_error", 502)
             last = ev
         finally:
             up.release(abort=not complete)
-            on_stream_end(metrics, meter, lease, complete)
+            tokens = on_stream_end(metrics, meter, lease, complete)
         if writer is not None:
             await writer.finish(last)
         else:
             if last:
                 await send({"type": "http.response.body", "more_body": True, "body": last})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        metrics.observe_request(str(wid), final, route, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        metrics.observe_request(str(wid), final, route, dt)
+        if access is not None:
+            rid, method, info, attempts = access
+            self.access.emit(rid, method, info.path, info.model, str(wid), final, dt, ttft[0] if ttft else None,
+                             None if tokens is None else tokens[0], None if tokens is None else tokens[1], attempts,
+                             cause or (None if final < 500 else f"the engine answered {final}"))
         return ok

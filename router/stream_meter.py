@@ -217,45 +217,51 @@ def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 # ---- what the proxy calls (kept here so that router/proxy.py changes by a few lines) ----------
-def on_first_content(metrics: Any, route: str, t0: float, lease: Any) -> None:
+def on_first_content(metrics: Any, route: str, t0: float, lease: Any) -> float:
     """A stream's first content reached the client: the router's TTFT histogram (from the request's
     arrival, ``t0`` on ``time.perf_counter``), the lease leaves prefill (router accounting, learned
-    prefill rate, TTFT EWMA), and the request's routing and queueing/prefill phases."""
+    prefill rate, TTFT EWMA), and the request's routing and queueing/prefill phases. Returns the
+    TTFT, s."""
     now = time.perf_counter()
     ttft = now - t0
     metrics.observe_ttft(route, ttft)
     if lease is None:
-        return
+        return ttft
     since_dispatch = lease.first_token()
     if since_dispatch is not None:
         model = lease.handle.model or ""
         metrics.observe_phase("routing", model, max(0.0, ttft - since_dispatch))
         metrics.observe_phase("queue_prefill", model, since_dispatch)
+    return ttft
 
 
-def on_stream_end(metrics: Any, meter: StreamMeter, lease: Any, complete: bool) -> None:
+def on_stream_end(metrics: Any, meter: StreamMeter, lease: Any, complete: bool) -> tuple[int, int] | None:
     """A relayed stream ended: count its tokens on the worker, the decode phase of a complete one,
-    and release the lease with the output token count (the router's TPOT EWMA learns from it)."""
+    and release the lease with the output token count (the router's TPOT EWMA learns from it).
+    Returns ``(prompt tokens, output tokens)`` (None without a lease)."""
     if lease is None:
-        return
+        return None
     out = meter.output_tokens()
     prompt, _ = meter.usage()
     h = lease.handle
     model = h.model or ""
-    metrics.count_tokens(h.worker_id, model, lease.account.prompt_tokens if prompt is None else prompt, out)
+    prompt_n = lease.account.prompt_tokens if prompt is None else prompt
+    metrics.count_tokens(h.worker_id, model, prompt_n, out)
     t_first = lease.account.t_first
     if complete and t_first is not None:
         metrics.observe_phase("decode", model, max(0.0, time.monotonic() - t_first))
     lease.release(output_tokens=out if complete else None)
+    return prompt_n, out
 
 
-def on_answer(metrics: Any, lease: Any, body: bytes) -> None:
+def on_answer(metrics: Any, lease: Any, body: bytes) -> tuple[int, int]:
     """A non-streamed answer was relayed: count its tokens on the worker (its ``usage``; the
-    router's prompt estimate when it has none)."""
+    router's prompt estimate when it has none). Returns ``(prompt tokens, output tokens)``."""
     prompt, out = usage_from_body(body)
     h = lease.handle
-    metrics.count_tokens(h.worker_id, h.model or "", lease.account.prompt_tokens if prompt is None else prompt,
-                         out or 0)
+    prompt_n = lease.account.prompt_tokens if prompt is None else prompt
+    metrics.count_tokens(h.worker_id, h.model or "", prompt_n, out or 0)
+    return prompt_n, out or 0
 
 
 __all__ = ["StreamMeter", "event_json", "has_content", "is_event_stream", "on_answer", "on_first_content",

@@ -17,6 +17,8 @@ and its breaker closes (it is a new engine).
 """
 from __future__ import annotations
 
+import logging
+import signal
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +29,33 @@ READY = 2  # dplb_shm.WorkerState.READY
 DRAINING = 3
 DEAD = 4
 STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "draining", 4: "dead"}
+log = logging.getLogger("dplb.router.workers")
+REASON_NAMES = {0: None, 1: "engine_exited", 2: "start_failed", 3: "gave_up", 4: "admin_restart"}
+
+
+def exit_words(code: int) -> str:
+    """A slot's ``last_exit_code`` in the shell's convention: ``exited with status 3``, or
+    ``killed by SIGKILL (status 137)`` for a negative code (128 + the signal, as a shell reports it)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (status {128 - code})"
+    return f"exited with status {code}"
+
+
+def log_state_change(wid: int, before: int | None, snap: Any) -> None:
+    """One WARNING line for a worker whose slot changed state (``before`` None: first seen), with
+    the slot's reason and the engine's last exit status where it has them (issue 32: "a warning
+    with its cause for every worker state change")."""
+    st = int(snap.state)
+    reason = REASON_NAMES.get(int(getattr(snap, "state_reason", 0) or 0))
+    code = int(getattr(snap, "last_exit_code", 0) or 0)
+    why = "" if reason is None else f" ({reason}" + (f", engine {exit_words(code)}" if code else "") + ")"
+    was = "new" if before is None else STATE_NAMES.get(before, str(before))
+    log.warning("worker %d: %s -> %s%s, engine %s, model %s", wid, was, STATE_NAMES.get(st, str(st)), why,
+                snap.endpoint or "-", snap.model or "-")
 
 
 class WorkerHandle:
@@ -160,6 +189,9 @@ class Registry:
             h.model = s.model
             if s.model:
                 self.models_seen.add(s.model)
+            before = None if h.snap is None else int(h.snap.state)
+            if before != st:
+                log_state_change(wid, before, s)
             h.snap = s
             h.drained = wid in self.drained
         for wid in [w for w in self.handles if w not in seen]:

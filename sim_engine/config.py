@@ -200,7 +200,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=d.time_scale,
         help="Run F times faster than real time: a step of T simulated seconds sleeps T/F wall "
-        "seconds. Latencies in /metrics are simulated seconds.",
+        "seconds. Latencies in /metrics are wall-clock seconds (simulated / F), as a client measures them.",
     )
     r.add_argument(
         "--seed",

@@ -19,12 +19,19 @@ vllm:num_preemptions_total                     counter    preemptions (by recomp
 vllm:prompt_tokens_total                       counter    prompt tokens of requests that started decoding
 vllm:generation_tokens_total                   counter    generated tokens
 vllm:request_success_total                     counter    finished requests by finished_reason
-vllm:time_to_first_token_seconds               histogram  arrival → first token (simulated s)
+vllm:time_to_first_token_seconds               histogram  arrival → first token
 vllm:inter_token_latency_seconds               histogram  gap between consecutive tokens
 vllm:e2e_request_latency_seconds               histogram  arrival → last token
 vllm:request_queue_time_seconds                histogram  arrival → first scheduled
 vllm:cache_config_info                         gauge      1, labels block_size and num_gpu_blocks
 =============================================  =========  ================================================
+
+Latencies are wall-clock seconds, what a client of the engine measures: with ``--time-scale F``
+the simulated seconds the core records are divided by F (bucket bounds and sums alike, so each
+bucket still counts the same requests). One definition of a latency everywhere: the agent
+publishes these into the slot, so the dump, ``/dplb/status``, the router's ``/metrics`` and the
+client agree (issue 32: under ``--time-scale 10`` the dump showed TTFT 1.3-2.6 s beside the
+client's 0.15 s).
 """
 
 from __future__ import annotations
@@ -69,13 +76,15 @@ def _num(v: float) -> str:
 class MetricsRenderer:
     """Writes the ``/metrics`` text of one :class:`EngineCore`; static parts are built once."""
 
-    def __init__(self, core: EngineCore, model_name: str) -> None:
+    def __init__(self, core: EngineCore, model_name: str, time_scale: float = 1.0) -> None:
         self.core = core
+        self.time_scale = float(time_scale)
         self.labels = f'engine="0",model_name="{_label_value(model_name)}"'
         self._buckets: dict[str, list[str]] = {}
         for name, _, attr in HISTOGRAMS:
             h: Histogram = getattr(core.stats, attr)
-            self._buckets[attr] = [f'{name}_bucket{{{self.labels},le="{_num(e)}"}} ' for e in h.buckets] + [
+            self._buckets[attr] = [f'{name}_bucket{{{self.labels},le="{_num(e / self.time_scale)}"}} '
+                                   for e in h.buckets] + [
                 f'{name}_bucket{{{self.labels},le="+Inf"}} '
             ]
         c = core.config
@@ -117,6 +126,6 @@ class MetricsRenderer:
             for prefix, c in zip(self._buckets[attr], h.counts):
                 acc += c
                 out.append(f"{prefix}{_num(acc)}\n")
-            out.append(f"{name}_count{{{lab}}} {_num(h.count)}\n{name}_sum{{{lab}}} {_num(h.sum)}\n")
+            out.append(f"{name}_count{{{lab}}} {_num(h.count)}\n{name}_sum{{{lab}}} {_num(h.sum / self.time_scale)}\n")
         out.append(self._info)
         return "".join(out).encode()

@@ -39,7 +39,7 @@ def build_peer_router(server: SimServer) -> Routes:
     """Routes for the peer, health, metrics and simulator-state endpoints of ``server``."""
     r = Routes()
     core, cfg = server.core, server.config
-    renderer = MetricsRenderer(core, cfg.model)
+    renderer = MetricsRenderer(core, cfg.model, cfg.time_scale)
 
     @r.get("/health")
     async def health() -> Response:

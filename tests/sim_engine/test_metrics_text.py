@@ -80,3 +80,26 @@ def test_chunk_writer_equals_orjson_of_the_dict():
         "choices": [{"index": 2, "delta": {"content": " z"}, "logprobs": None, "finish_reason": None}],
     }
     assert w(2, " z", None) == b"data: " + orjson.dumps(want) + b"\n\n"
+
+
+def test_latencies_are_wall_clock_seconds_under_a_time_scale():
+    """Issue 32, "two latencies for one thing": under ``--time-scale 10`` the dump and
+    /dplb/status showed TTFT 1.3-2.6 s where the client saw 0.15 s. The exposition reports the
+    modelled seconds divided by the time scale: each bucket counts the same requests, its bound
+    and the sum are wall-clock."""
+    core = EngineCore(EngineConfig(num_gpu_blocks=30))
+    for v in (0.05, 0.5, 2.0):
+        core.stats.ttft.observe(v)
+    name = "vllm:time_to_first_token_seconds"
+
+    def samples(scale: float) -> dict[tuple[str, str], float]:
+        fam = next(f for f in text_string_to_metric_families(MetricsRenderer(core, "m", scale).render().decode())
+                   if f.name == name)
+        return {(x.name, x.labels.get("le", "")): x.value for x in fam.samples}
+
+    sim, wall = samples(1.0), samples(10.0)
+    assert abs(wall[(name + "_sum", "")] - 0.255) < 1e-9 and abs(sim[(name + "_sum", "")] - 2.55) < 1e-9
+    sim_b = sorted((float(le), v) for (n, le), v in sim.items() if n.endswith("_bucket") and le != "+Inf")
+    wall_b = sorted((float(le), v) for (n, le), v in wall.items() if n.endswith("_bucket") and le != "+Inf")
+    assert [v for _, v in sim_b] == [v for _, v in wall_b]                      # same counts per bucket
+    assert all(abs(w - s / 10.0) < 1e-12 for (s, _), (w, _) in zip(sim_b, wall_b, strict=True))

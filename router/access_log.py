@@ -1,0 +1,65 @@
+"""One access-log line per proxied request, at the router's default log level.
+
+vLLM's and nginx's servers log every request; the router's own log used to hold only its header
+lines after hundreds of requests, 404s, 502s and broken streams (issue 32). Each request the
+router answers (served, refused, failed, or left by its client) ends with one line on the logger
+``dplb.router.access``, which logs at INFO whatever the router's ``log_level`` (like nginx's
+``access_log``, it is switched by its own setting, ``router.access_log``):
+
+    text: ``rid=7f3a... POST /v1/chat/completions model=llama worker=2 status=200 ttft_ms=41.2
+          duration_ms=812.0 prompt_tokens=118 output_tokens=64 attempts=1``
+    json: the same fields as one JSON object (``router.access_log: json``), for log shippers.
+
+``ttft_ms`` is the time from the request's arrival to its first content (streams; ``-`` when none
+was seen), ``duration_ms`` from its arrival to the end of its answer; tokens are the engine's
+``usage`` where it sent one, else the router's estimate of the prompt and its count of streamed
+events; ``worker`` is ``-`` when no worker was chosen. Every 5xx also gets a WARNING line with its
+cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``).
+"""
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+log = logging.getLogger("dplb.router.access")
+errors = logging.getLogger("dplb.router")
+
+
+class AccessLog:
+    """Writes the access lines (``mode``: ``text``, ``json`` or ``off``)."""
+
+    __slots__ = ("json", "on")
+
+    def __init__(self, mode: str = "text") -> None:
+        self.on = mode != "off"
+        self.json = mode == "json"
+        if self.on and log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)   # independent of the router's log_level
+
+    def emit(self, rid: bytes, method: str, route: str, model: str | None, worker: str, status: int,
+             duration_s: float, ttft_s: float | None = None, prompt_tokens: int | None = None,
+             output_tokens: int | None = None, attempts: int = 1, cause: str | None = None) -> None:
+        """Log one request (times in s; ``worker`` the worker's label or ``none``); a 5xx also logs
+        ``cause`` (the error message the client got) at WARNING."""
+        r = rid.decode("latin-1")
+        w = "-" if worker in ("", "none") else worker
+        if status >= 500:
+            errors.warning("request %s (%s %s, model %s) answered %d by worker %s: %s", r, method, route,
+                           model or "-", status, w, cause or "no cause recorded")
+        if not self.on or not log.isEnabledFor(logging.INFO):
+            return
+        if self.json:
+            log.info(orjson.dumps({"rid": r, "method": method, "route": route, "model": model, "worker": w,
+                                   "status": status, "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 1),
+                                   "duration_ms": round(duration_s * 1e3, 1), "prompt_tokens": prompt_tokens,
+                                   "output_tokens": output_tokens, "attempts": attempts}).decode())
+            return
+        log.info("rid=%s %s %s model=%s worker=%s status=%d ttft_ms=%s duration_ms=%.1f prompt_tokens=%s "
+                 "output_tokens=%s attempts=%d", r, method, route, model or "-", w, status,
+                 "-" if ttft_s is None else f"{ttft_s * 1e3:.1f}", duration_s * 1e3,
+                 "-" if prompt_tokens is None else prompt_tokens, "-" if output_tokens is None else output_tokens,
+                 attempts)
+
+
+__all__ = ["AccessLog"]

@@ -1,0 +1,69 @@
+"""One access-log line per proxied request, and a warning with its cause for each 5xx (issue 32:
+"after about 900 requests, including 404s, 502s and broken streams, router.log held only its
+header lines")."""
+from __future__ import annotations
+
+import os
+
+import httpx
+import orjson
+
+from tests.helpers import wait_until
+
+MODEL = "fake-model"
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def _log(c) -> str:
+    port = c.base.rsplit(":", 1)[1]
+    with open(os.path.join(c.dir, f"router-{port}.log")) as f:
+        return f.read()
+
+
+def _lines(c, rid: str) -> list[str]:
+    return [ln for ln in _log(c).splitlines() if rid in ln]
+
+
+def test_every_request_has_an_access_line_and_a_5xx_its_cause(make_cluster):
+    c = make_cluster(2)
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": 4},
+                   headers={"x-request-id": "rid-plain"})
+    assert r.status_code == 200
+    with httpx.stream("POST", c.base + "/v1/chat/completions", headers={"x-request-id": "rid-stream"},
+                      json={"model": MODEL, "messages": MSG, "stream": True, "max_tokens": 4}) as s:
+        assert s.status_code == 200
+        s.read()
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": "no-such-model", "messages": MSG},
+                   headers={"x-request-id": "rid-404"})
+    assert r.status_code == 404
+    r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                   headers={"x-request-id": "rid-500", "x-fake-mode": "500"})
+    assert r.status_code == 500
+    wait_until(lambda: all(_lines(c, k) for k in ("rid-plain", "rid-stream", "rid-404", "rid-500")), 10,
+               what="the access lines in router.log")
+    plain = _lines(c, "rid=rid-plain ")[0]
+    assert "POST /v1/chat/completions" in plain and f"model={MODEL}" in plain and "status=200" in plain
+    assert "worker=0" in plain or "worker=1" in plain
+    assert "prompt_tokens=" in plain and "prompt_tokens=-" not in plain and "attempts=1" in plain
+    stream = _lines(c, "rid=rid-stream ")[0]
+    assert "status=200" in stream and "ttft_ms=-" not in stream and "output_tokens=-" not in stream
+    assert "status=404 " in _lines(c, "rid=rid-404 ")[0]
+    five = _lines(c, "rid-500")
+    assert any("status=500" in ln for ln in five)
+    assert any("WARNING" in ln and "answered 500" in ln for ln in five), five
+
+
+def test_access_log_json_and_off(make_cluster):
+    c = make_cluster(1, {"router": {"access_log": "json"}})
+    httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+               headers={"x-request-id": "rid-json"})
+    wait_until(lambda: _lines(c, "rid-json"), 10, what="the JSON access line")
+    line = _lines(c, "rid-json")[0]
+    rec = orjson.loads(line[line.index("{"):])
+    assert rec["rid"] == "rid-json" and rec["status"] == 200 and rec["worker"] == "0" and rec["model"] == MODEL
+    assert rec["duration_ms"] > 0 and rec["prompt_tokens"] > 0
+    off = make_cluster(1, {"router": {"access_log": "off"}})
+    assert httpx.post(off.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                      headers={"x-request-id": "rid-off"}).status_code == 200
+    httpx.get(off.base + "/health")
+    assert not _lines(off, "rid-off")
