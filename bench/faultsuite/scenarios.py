@@ -10,6 +10,7 @@ results; ``bench/faults.py`` runs the same functions and writes ``bench/results/
 from __future__ import annotations
 
 from bench.faultsuite.common import DispatchWatch, Result, StatusWatch
+from bench.faultsuite.scen_agent_restart import run_killed_agent_restarted
 from bench.faultsuite.scen_clients import (
     BAD_ENDPOINTS,
     BAD_INPUTS,
@@ -59,3 +60,5 @@ __all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "StatusWatc
 __all__ += ["run_all_down_before_noticed", "run_engine_kill_retried", "run_framing_errors",
             "run_in_flight_retried_streamed_and_not", "run_model_known_while_down", "run_query_of_death",
             "run_sync_openai_streams_counted"]
+# issue 27 item 5, dead agents come back (row 27.5)
+__all__ += ["run_killed_agent_restarted"]

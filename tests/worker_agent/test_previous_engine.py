@@ -26,8 +26,8 @@ def _gone(p: subprocess.Popen) -> bool:
 
 def test_the_engine_a_dead_agent_left_running_is_stopped_before_a_fresh_one(procs, run_dir):
     # the old engine: ignores SIGTERM for a while (a real engine freeing its GPU), in a session of its own
-    old = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                            "lambda *a: None); time.sleep(600)"], start_new_session=True)
+    code = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(600)"
+    old = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         a = _adapter(run_dir)
         a._write_pid_file(old.pid)
