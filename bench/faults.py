@@ -81,8 +81,9 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("27.2", sc.run_model_known_while_down,
          lambda r: f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }; "
                    + kv("models_listed", "status_models")(r)),
-        ("27.5", sc.run_killed_agent_restarted, kv("slot_seen", "by_worker", "served_by_victim_after",
-                                                   "admin_restart", "dump_state")),
+        ("27.5", sc.run_killed_agent_restarted, kv("slot_seen", "first_served_s", "by_worker", "served_by_victim_after",
+                                                   "old_engine_answers", "admin_restart_while_down", "admin_restart",
+                                                   "dump_state")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")

@@ -8,8 +8,9 @@ no request until the whole stack restarted, and ``POST /dplb/workers/2/restart``
 Now the launcher marks the slot DEAD (``agent_exited``) at once, restarts the agent after its
 backoff, the new agent claims slot 2 again with a fresh engine, and worker 2 serves again.
 
-*detection*: kill → the slot reads DEAD; *recovery*: kill → the first request served by worker 2
-(``X-DPLB-Worker-ID: 2``) again.
+*detection*: kill → the slot reads DEAD; *recovery*: kill → the slot READY again under the new
+agent's pid (``first_served_s``: kill → the first request answered by worker 2,
+``X-DPLB-Worker-ID: 2``, again).
 """
 from __future__ import annotations
 
@@ -70,13 +71,25 @@ class SlotStates:
         return next((t for t, st, _, _ in self.seen if st == state and t >= after), None)
 
 
-def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: float = 8.0, duration: float = 10.0,
-                               kill_at: float = 2.0, backoff_s: float = 0.5, back_within_s: float = 60.0) -> Result:
+def _finish_reason(o: Outcome) -> str | None:
+    """``choices[0].finish_reason`` of a non-streamed answer (None when there is none)."""
+    import orjson
+
+    try:
+        return str(orjson.loads(o.body)["choices"][0]["finish_reason"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: float = 8.0, duration: float = 14.0,
+                               kill_at: float = 2.0, backoff_s: float = 2.0, back_within_s: float = 60.0) -> Result:
     """The 27.5 scenario (module docstring). ``extra``: ``launcher_lines`` (what the launcher
     printed about the victim), ``slot_seen`` (its slot's (state, reason, pid) changes), ``old_pid``,
     ``new_pid``, ``generation`` (before, after), ``by_worker`` (answers per worker id),
-    ``served_by_victim_after`` (requests it answered after its restart), ``admin_restart`` (status
-    of ``POST /dplb/workers/<victim>/restart`` once back), ``dump_state`` (the victim's state column)."""
+    ``first_served_s``, ``old_engine_answers``,
+    ``served_by_victim_after`` (requests it answered after its restart), ``admin_restart_while_down``
+    (status and Retry-After of ``POST /dplb/workers/<victim>/restart`` while its slot is DEAD),
+    ``admin_restart`` (its status once back), ``dump_state`` (the victim's state column)."""
     from dplb_shm import Segment, dump
 
     res = Result("27.5 kill -9 of an agent: it comes back", f"SIGKILL of worker {victim}'s agent at t={kill_at:g}s "
@@ -106,11 +119,18 @@ def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: floa
         def kill() -> None:
             t_kill.append(time.monotonic())
             os.kill(old_pid, signal.SIGKILL)
+            # the admin restart while the agent is down: 502 before; now 503 + Retry-After (it is coming back)
+            wait_for(lambda: seg.read_slot(victim).state.name == "DEAD", 10, "the victim's slot DEAD", interval=0.01)
+            r = httpx.post(f"{base}/dplb/workers/{victim}/restart", timeout=10)
+            res.extra["admin_restart_while_down"] = (r.status_code, r.headers.get("retry-after"))
 
         outs = asyncio.run(steady(base, rate, duration, lambda i: chat(tag=i, max_tokens=8), events={kill_at: kill}))
         res.add(outs)
         t0 = t_kill[0]
-        back = [o for o in outs if o.worker == str(victim) and o.kind == "ok" and o.t_start > t0]
+        dead_at = watch.first("DEAD", t0)
+        # requests sent once its slot read DEAD reach worker 2 only through its new agent
+        t_out = dead_at if dead_at is not None else t0 + 5.0
+        back = [o for o in outs if o.worker == str(victim) and o.kind == "ok" and o.t_start > t_out]
 
         async def until_served() -> list[Outcome]:   # the load ended before it came back: keep asking
             got: list[Outcome] = []
@@ -128,9 +148,9 @@ def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: floa
             more = asyncio.run(until_served())
             res.add(more)
             back = [o for o in more if o.worker == str(victim) and o.kind == "ok"]
-        if back:
-            res.recovery_s = back[0].t_end - t0
-        dead_at = watch.first("DEAD", t0)
+        ready_again = next((t for t, st, _, pid in watch.seen if st == "READY" and pid != old_pid), None)
+        res.recovery_s = None if ready_again is None else ready_again - t0
+        res.extra["first_served_s"] = round(back[0].t_end - t0, 3) if back else None
         res.detection_s = None if dead_at is None else dead_at - t0
         watch.stop()
         snap = seg.read_slot(victim)
@@ -139,7 +159,11 @@ def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: floa
             slot_seen=[(st, reason.lower(), pid) for _, st, reason, pid in watch.seen],
             by_worker=dict(Counter(o.worker for o in res.outcomes if o.kind == "ok")),
             served_by_victim_after=sum(1 for o in res.outcomes if o.worker == str(victim) and o.kind == "ok"
-                                       and o.t_start > t0),
+                                       and o.t_start > t_out),
+            # answered by the old engine after its agent's kill, before the slot read DEAD (the
+            # engine got SIGTERM with its agent): their finish reasons
+            old_engine_answers=[_finish_reason(o) for o in res.outcomes if o.worker == str(victim)
+                                and t0 <= o.t_end and o.t_start <= t_out],
             dump_state=next((line.split()[1] for line in dump.render_table(seg).splitlines()[2:]
                              if line.split()[0] == str(victim)), None),
             launcher_lines=[line for line in out.read_text(errors="replace").splitlines()

@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 def test_a_killed_agent_is_restarted_and_its_worker_serves_again():
     r = run_killed_agent_restarted()
     x = r.extra
-    # back in routing by itself, within a bounded time (0.5 s backoff + an agent and a sim engine start)
+    # back in routing by itself, within a bounded time (2 s backoff + an agent and a sim engine start)
     assert r.recovery_s is not None and r.recovery_s < 60, (r.recovery_s, x)
-    assert x["served_by_victim_after"] >= 1, x["by_worker"]
+    assert x["first_served_s"] is not None and x["served_by_victim_after"] >= 1, x["by_worker"]
     assert r.lost == 0, lost_details(r.outcomes)
     # the slot went DEAD at once (not READY with a stale heartbeat), then the new agent claimed it
     seen = x["slot_seen"]
@@ -27,9 +27,12 @@ def test_a_killed_agent_is_restarted_and_its_worker_serves_again():
     assert r.detection_s is not None and r.detection_s < 5, r.detection_s
     # the launcher said so, one line each: the death, the restart, READY again
     lines = x["launcher_lines"]
-    assert any(ln.startswith("dplb: worker 2 exited with status -9; restarting its agent in 0.5s") for ln in lines), lines
+    assert any(ln.startswith("dplb: worker 2 exited with status -9; restarting its agent in 2.0s") for ln in lines), lines
     assert any(ln.startswith(f"dplb: worker 2: agent restarted (restart 1, pid {x['new_pid']})") for ln in lines), lines
     assert "dplb: worker 2: READY again after agent restart 1" in lines, lines
+    # the admin restart answered 502 while the agent was down: now 503 + Retry-After, 202 once back
+    status, retry_after = x["admin_restart_while_down"]
+    assert status == 503 and retry_after is not None and int(retry_after) >= 1, x["admin_restart_while_down"]
     assert x["admin_restart"] == 202 and x["dump_state"] == "ready" and x["launcher_rc"] == 0
 
 
