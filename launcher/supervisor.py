@@ -28,20 +28,21 @@ Then every child and its descendants are stopped (engines included, see :mod:`la
 the segment unlinked and the sockets removed; logs stay in the run dir. A second Ctrl-C kills
 everything at once.
 After start-up an agent that dies (a non-zero status: killed, crashed) is restarted
-(:meth:`Supervisor.watch_agents`) with the policy the agent applies to its engine
-(:class:`worker_agent.restart.RestartPolicy`, ``--agent-restart-*``): its death is printed on one
-line (status, when it comes back, the log's last lines), its slot marked DEAD at once (reason
-``agent_exited``, the last heartbeat kept: routers stop sending to it before the heartbeat would
-go stale), and after the backoff a new agent with the same command line claims the same slot
-(generation bumped, new pid) and starts a fresh engine — the dead agent's engine got SIGTERM with
-its agent (``PR_SET_PDEATHSIG``) and whatever is left of it is stopped first
-(:mod:`worker_agent.adapters.base`); one line says so, another when it is READY again. Past the
-budget (``--agent-restart-max`` deaths within ``--agent-restart-window``) the slot stays DEAD
+(:meth:`Supervisor.agent_died`, :meth:`Supervisor.restart_due_agents`) with the policy the agent
+applies to its engine (:class:`worker_agent.restart.RestartPolicy`, ``--agent-restart-*``): its
+death is printed on one line (status, when it comes back, then the log's last lines), its slot
+marked DEAD at once (reason ``agent_exited``, the last heartbeat kept: routers stop sending to it
+before the heartbeat would go stale), and after the backoff a new agent with the same command line
+claims the same slot (generation bumped, new pid) and starts a fresh engine — the dead agent's
+engine got SIGTERM with its agent (``PR_SET_PDEATHSIG``) and whatever is left of it is stopped
+first (:mod:`worker_agent.adapters.base`); one line says so, another when it is READY again. Past
+the budget (``--agent-restart-max`` deaths within ``--agent-restart-window``) the slot stays DEAD
 (reason ``gave_up``) and the rest of the launch keeps serving. An agent that exits 0 (it was asked
-to stop, and released its slot) is not restarted. A router that dies ends the launch with status 1. Each engine failure and
-restart an agent records in its slot (``state_reason``, ``last_exit_code``, ``restarts``) is
-printed (:meth:`Supervisor.report_engines`): the exit code and when the agent restarts it, each
-restart, the return to READY, and an agent that gave up (with the admin call that restarts it).
+to stop, and released its slot) is not restarted. A router that dies ends the launch with status 1.
+Each engine failure and restart an agent records in its slot (``state_reason``,
+``last_exit_code``, ``restarts``) is printed (:meth:`Supervisor.report_engines`): the exit code
+and when the agent restarts it, each restart, the return to READY, and an agent that gave up
+(with the admin call that restarts it).
 """
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ class Supervisor:
         self._stop_sig: int | None = None
         self._reported_dead: set[int] = set()   # pids of children whose exit was reported
         self._engines: dict[int, tuple[str, int, str]] = {}  # worker -> (state, restarts, reason) last seen
-        # dead agents (watch_agents): worker -> its restart policy, when its restart is due
+        # dead agents (agent_died): worker -> its restart policy, when its restart is due
         # (monotonic s), its agent restarts so far; workers whose new agent is not READY yet; gave up
         self._agent_policy: dict[int, RestartPolicy] = {}
         self._agent_due: dict[int, float] = {}
@@ -329,7 +330,7 @@ class Supervisor:
         now = _now_ns()
         for k in range(min(self.cfg.num_workers, len(snaps))):
             if k in self._agent_due or k in self._agent_gave_up:
-                continue   # no agent runs: its slot is the launcher's (watch_agents)
+                continue   # no agent runs: its slot is the launcher's (agent_died)
             s = snaps[k]
             state = getattr(getattr(s, "state", None), "name", "?")
             restarts = int(getattr(s, "restarts", 0) or 0)
@@ -525,8 +526,8 @@ class Supervisor:
             return
         self._agent_due[k] = time.monotonic() + delay
         self._mark_slot_dead(k, rc, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
-        self._say(f"dplb: {c.name} exited with status {rc}; restarting its agent in {delay:.1f}s (death "
-                  f"{policy.failures_in_window()} of {p.max_restarts} restarted within {p.window_s:g}s); "
+        self._say(f"dplb: {c.name} exited with status {rc}; restarting its agent in {delay:.1f}s (restart "
+                  f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s); "
                   f"last lines of {c.log_path}:\n{tail}")
 
     def restart_due_agents(self) -> None:

@@ -137,7 +137,7 @@ def test_a_killed_agent_is_restarted_into_its_slot(procs, run_dir, port):
     try:
         old = seg.read_slot(1).pid
         os.kill(old, signal.SIGKILL)
-        wait_until(lambda: "worker 1 exited with status -9; restarting its agent in 2.0s (death 1 of 5" in log.read_text(),
+        wait_until(lambda: "worker 1 exited with status -9; restarting its agent in 2.0s (restart 1 of at most 5" in log.read_text(),
                    timeout=30, what="death line")
         s = seg.read_slot(1)
         assert (s.state, s.state_reason, s.last_exit_code, s.pid) == (WorkerState.DEAD, StateReason.AGENT_EXITED, -9, old)
@@ -163,7 +163,7 @@ def test_an_agent_that_keeps_dying_is_given_up_on_and_the_rest_serves(procs, run
     wait_until(lambda: "not restarted again" in log.read_text() or p.poll() is not None, timeout=90, what="give-up")
     out = log.read_text()
     assert p.poll() is None, out
-    assert "worker 1 exited with status 4; restarting its agent in 0.2s (death 1 of 1 restarted within 600s)" in out
+    assert "worker 1 exited with status 4; restarting its agent in 0.2s (restart 1 of at most 1 within 600s)" in out
     assert "worker 1: agent restarted (restart 1, pid" in out
     assert ("worker 1 exited with status 4; its agent died 2 times within 600s (--agent-restart-max 1): not "
             "restarted again") in out
