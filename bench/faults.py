@@ -12,9 +12,9 @@ engines or fake workers — injects one fault under bounded traffic, and counts 
 
 *detection*: fault → the router stops sending to the worker (scenarios 1-3), → ``/health`` 503
 (4), disconnect → the engine drops the request (6), second crash → ``gave_up`` in ``/dplb/status``
-(13), kill → ``dead`` in the metrics (14); *recovery*: worker back → eligible or serving again
+(13), kill → ``dead`` in the metrics (14), kill of an agent → its slot DEAD (27.5); *recovery*: worker back → eligible or serving again
 (1a: the agent restarted the engine; 2-4), kill → new router ready (9), disconnect → slot in-flight
-back to 0 (6), admin restart → eligible (13). Rows ``2a+``/``2b+`` run 2a/2b with
+back to 0 (6), admin restart → eligible (13), agent kill → the worker serves again (27.5). Rows ``2a+``/``2b+`` run 2a/2b with
 ``retries.retry_on_timeout`` (the operator's opt-in to re-running timed-out requests elsewhere). Times are
 wall-clock seconds on the machine that ran it; the file says which machine (CPU count) and when.
 Exit status 1 when a scenario lost a request it should not have: every scenario but 9, where the
@@ -83,6 +83,9 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
                    + kv("models_listed", "status_models")(r)),
         ("27.4", sc.run_router_process_killed, kv("at_kill", "cut_by_the_kill", "after_streams", "burst_lost", "burst_split",
                                                   "processes_after", "death_logged")),
+        ("27.5", sc.run_killed_agent_restarted, kv("slot_seen", "first_served_s", "by_worker", "served_by_victim_after",
+                                                   "old_engine_answers", "admin_restart_while_down", "admin_restart",
+                                                   "dump_state")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")

@@ -82,8 +82,8 @@
  *                                        by that signal), 0 while it never exited
  *  1224     4  state_reason              DPLB_REASON_*: why the slot is in its state (DEAD/STARTING)
  *  1228     4  reserved2
- *  1232     8  next_restart_ns           CLOCK_MONOTONIC ns at which the agent restarts its engine,
- *                                        0 when none is scheduled
+ *  1232     8  next_restart_ns           CLOCK_MONOTONIC ns at which the agent restarts its engine
+ *                                        (AGENT_EXITED: the launcher its agent), 0 when none is scheduled
  *  1240   128  control                   NUL-terminated: the agent's control address (/health,
  *                                        /dplb/state, /dplb/restart): Unix socket path (<= 107
  *                                        bytes) or host:port; empty = the endpoint serves them too.
@@ -153,6 +153,8 @@ enum {
     DPLB_REASON_START_FAILED = 2,  /* the engine did not become ready; restarted after a backoff */
     DPLB_REASON_GAVE_UP = 3,       /* too many failures in the window: DEAD until an admin restart */
     DPLB_REASON_ADMIN_RESTART = 4, /* restarted on an operator's request */
+    DPLB_REASON_AGENT_EXITED = 5,  /* the agent itself died (written by the launcher, which restarts
+                                      it after a backoff; the new agent's claim clears it) */
 };
 
 enum { DPLB_CIRCUIT_CLOSED = 0, DPLB_CIRCUIT_OPEN = 1, DPLB_CIRCUIT_HALF_OPEN = 2 };

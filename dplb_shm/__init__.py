@@ -24,6 +24,7 @@ from dplb_shm.errors import (
     SlotIndexError,
 )
 from dplb_shm.types import (
+    HEARTBEAT_TIMEOUT_MS,
     Circuit,
     ScoreTerms,
     ScoringParams,
@@ -32,6 +33,7 @@ from dplb_shm.types import (
     TtftTerms,
     WorkerSnapshot,
     WorkerState,
+    heartbeat_stale,
 )
 
 try:
@@ -85,6 +87,7 @@ def unlink(name: str, missing_ok: bool = False) -> bool:
 
 __all__ = [
     "DEFAULT_NUM_SLOTS",
+    "HEARTBEAT_TIMEOUT_MS",
     "LAYOUT_VERSION",
     "MAGIC",
     "Circuit",
@@ -106,6 +109,7 @@ __all__ = [
     "WorkerSnapshot",
     "WorkerState",
     "default_name",
+    "heartbeat_stale",
     "now_ns",
     "unlink",
 ]

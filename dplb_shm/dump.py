@@ -2,12 +2,16 @@
 
 Usage::
 
-    dplb-shm-dump [--shm NAME] [--watch SECONDS] [--json] [--all]
+    dplb-shm-dump [--shm NAME] [--watch SECONDS] [--json] [--all] [--heartbeat-timeout-ms MS]
 
 Without ``--shm`` it attaches to the only DPLB segment in /dev/shm (and lists them if there are
 several). ``--json`` prints ``{"version", "name", "generation", "num_slots", "workers": [...]}``
 where each worker is :meth:`WorkerSnapshot.to_dict`; ``--watch`` redraws every SECONDS.
-EMPTY slots are hidden unless ``--all``.
+EMPTY slots are hidden unless ``--all``. The table's state column says ``stale`` for a READY slot
+whose heartbeat is older than ``--heartbeat-timeout-ms`` (default: the router's
+``health_check.heartbeat_timeout_ms`` default): its agent is gone or stuck and no router routes to
+it, the rule ``/dplb/status`` applies (:func:`dplb_shm.heartbeat_stale`). ``--json`` keeps the
+slot's own state (the ``/dplb/state`` shape) with ``heartbeat_age_ms`` beside it.
 
 Exit status: 0 ok; 1 no segment / segment error; 2 wrong magic or layout version, several
 segments and no ``--shm``, or bad usage.
@@ -21,11 +25,13 @@ import time
 import orjson
 
 from dplb_shm import (
+    HEARTBEAT_TIMEOUT_MS,
     LayoutMismatchError,
     Segment,
     SegmentError,
     WorkerSnapshot,
     WorkerState,
+    heartbeat_stale,
 )
 from dplb_shm.discover import list_segments
 
@@ -38,19 +44,26 @@ def _fmt_ms(v: float) -> str:
     return "-" if v < 0 else f"{v:.1f}"
 
 
-def _row(s: WorkerSnapshot) -> tuple[str, ...]:
+def state_label(s: WorkerSnapshot, heartbeat_timeout_ms: float = HEARTBEAT_TIMEOUT_MS) -> str:
+    """The state column: the slot's state in lower case, or ``stale`` for a READY slot whose
+    heartbeat is older than ``heartbeat_timeout_ms`` (:func:`dplb_shm.heartbeat_stale`)."""
+    return "stale" if heartbeat_stale(s.state, s.heartbeat_age_ms, heartbeat_timeout_ms) else s.state.name.lower()
+
+
+def _row(s: WorkerSnapshot, heartbeat_timeout_ms: float) -> tuple[str, ...]:
     mem = "-" if s.gpu_mem_total_bytes < 0 else f"{s.gpu_mem_used_bytes / 1e9:.1f}/{s.gpu_mem_total_bytes / 1e9:.0f}"
-    return (str(s.worker_id), s.state.name.lower(), str(s.pid), _fmt_ms(s.heartbeat_age_ms),
+    return (str(s.worker_id), state_label(s, heartbeat_timeout_ms), str(s.pid), _fmt_ms(s.heartbeat_age_ms),
             str(s.num_running), str(s.num_waiting), str(s.inflight), str(s.router_inflight),
             "-" if s.kv_cache_usage < 0 else f"{100 * s.kv_cache_usage:.1f}", mem,
             _fmt_ms(s.ttft_ms), _fmt_ms(s.tpot_ms), _fmt_ms(s.e2e_ms), str(s.completed), str(s.failed),
             CIRCUIT.get(s.circuit, str(s.circuit)), s.endpoint)
 
 
-def render_table(seg: Segment, show_all: bool = False) -> str:
-    """The worker table of ``seg`` as text (one header line, one line per shown slot)."""
+def render_table(seg: Segment, show_all: bool = False, heartbeat_timeout_ms: float = HEARTBEAT_TIMEOUT_MS) -> str:
+    """The worker table of ``seg`` as text (one header line, one line per shown slot; a READY
+    slot's heartbeat older than ``heartbeat_timeout_ms`` ms shows as ``stale``)."""
     snaps = [s for s in seg.snapshot() if show_all or s.state != WorkerState.EMPTY]
-    rows = [COLUMNS] + [_row(s) for s in snaps]
+    rows = [COLUMNS] + [_row(s, heartbeat_timeout_ms) for s in snaps]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     head = (f"segment {seg.name}  layout v{seg.version}  slots {seg.num_slots}  "
             f"generation {seg.generation}  workers {len(snaps)}")
@@ -86,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all", action="store_true", help="also show EMPTY slots")
+    p.add_argument("--heartbeat-timeout-ms", type=float, default=float(HEARTBEAT_TIMEOUT_MS), metavar="MS",
+                   help="a READY slot with an older heartbeat shows as stale; give the router's "
+                        f"health_check.heartbeat_timeout_ms if it is not the default (default: {HEARTBEAT_TIMEOUT_MS})")
     args = p.parse_args(argv)
     if args.watch is not None and not args.watch > 0:
         p.error("--watch needs a positive number of seconds")
+    if not args.heartbeat_timeout_ms > 0:
+        p.error("--heartbeat-timeout-ms needs a positive number of milliseconds")
     name = _pick_name(args)
     if name is None:
         return 1
@@ -105,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 sys.stdout.buffer.write(render_json(seg, args.all) + b"\n")
             else:
-                text = render_table(seg, args.all)
+                text = render_table(seg, args.all, args.heartbeat_timeout_ms)
                 if args.watch is not None and sys.stdout.isatty():
                     sys.stdout.write("\x1b[H\x1b[2J")  # home + clear: redraw in place
                 sys.stdout.write(text + "\n")

@@ -25,7 +25,8 @@ class WorkerState(enum.IntEnum):
 class StateReason(enum.IntEnum):
     """Why a slot is in its state (``state_reason`` field, ``DPLB_REASON_*`` in csrc/dplb_shm.h).
 
-    Set by the agent when its engine fails or is restarted; back to NONE once the engine is READY
+    Set by the agent when its engine fails or is restarted (AGENT_EXITED: by the launcher when the
+    agent itself died); back to NONE once the engine is READY
     after a clean start (the ``restarts`` and ``last_exit_code`` fields keep the history)."""
 
     NONE = 0
@@ -33,6 +34,20 @@ class StateReason(enum.IntEnum):
     START_FAILED = 2    # the engine did not become ready; it is restarted after a backoff
     GAVE_UP = 3         # too many failures within the window: DEAD until an admin restart
     ADMIN_RESTART = 4   # restarted on an operator's request
+    AGENT_EXITED = 5    # the agent died; the launcher marked its slot DEAD and restarts it after a backoff
+
+
+#: how old a READY slot's heartbeat may be before routers stop routing to it, ms: the default of
+#: the router's ``health_check.heartbeat_timeout_ms`` and of the kernels' ``heartbeat_timeout_ms``
+HEARTBEAT_TIMEOUT_MS = 1000
+
+
+def heartbeat_stale(state: int, heartbeat_age_ms: float, timeout_ms: float = HEARTBEAT_TIMEOUT_MS) -> bool:
+    """The one staleness rule: a READY slot whose heartbeat is older than ``timeout_ms`` (ms) —
+    its agent is gone or stuck and no router routes to it (the kernels skip it; ``/dplb/status``
+    says ``routing: stale``; ``dplb-shm-dump`` prints ``stale`` in its state column). Other states
+    are what they say (an unknown age, -1, is not stale)."""
+    return int(state) == WorkerState.READY and heartbeat_age_ms > timeout_ms
 
 
 class Circuit(enum.IntEnum):
@@ -170,7 +185,7 @@ class ScoringParams:
     w_length: float = 0.1
     max_queue: int = 0
     kv_cache_threshold: float = 0.8
-    heartbeat_timeout_ms: float = 1000.0
+    heartbeat_timeout_ms: float = float(HEARTBEAT_TIMEOUT_MS)
     latency_scale_ms: float = 100.0
 
     def __post_init__(self) -> None:
@@ -242,7 +257,7 @@ class TtftParams:
     kv_barrier_s: float = 0.15
     w_decode: float = 0.25
     kv_cache_threshold: float = 0.8
-    heartbeat_timeout_ms: float = 1000.0
+    heartbeat_timeout_ms: float = float(HEARTBEAT_TIMEOUT_MS)
     rate_band: float = 0.25
 
     def __post_init__(self) -> None:
@@ -294,5 +309,5 @@ class TtftTerms:
         return asdict(self)
 
 
-__all__ = ["Circuit", "ScoreTerms", "ScoringParams", "StateReason", "TtftParams", "TtftTerms", "WorkerSnapshot",
-           "WorkerState"]
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "Circuit", "ScoreTerms", "ScoringParams", "StateReason", "TtftParams", "TtftTerms",
+           "WorkerSnapshot", "WorkerState", "heartbeat_stale"]

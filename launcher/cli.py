@@ -3,6 +3,7 @@
 ``launch_dplb.sh --num-workers N [--gpus LIST] [--engine sim|vllm|sglang|openai] [--model M]
 [--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
+[--agent-restart-max 5] [--agent-restart-window 600] [--agent-restart-backoff 1] [--agent-restart-backoff-max 60]
 [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
 
@@ -37,6 +38,8 @@ from launcher.specs import (
     spec_from_config,
 )
 from launcher.supervisor import LaunchConfig, Supervisor, describe_workers
+from worker_agent.restart import DEFAULTS as RESTART
+from worker_agent.restart import RestartParams
 
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.
 START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
@@ -91,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
+    p.add_argument("--agent-restart-max", type=int, default=RESTART.max_restarts,
+                   help="a worker agent that dies (kill -9, crash) is restarted, with a fresh engine, this many "
+                        "times within --agent-restart-window; one more death leaves its slot DEAD (gave_up) "
+                        f"while the rest serves (default: {RESTART.max_restarts}, as the agent's --restart-max "
+                        "for its engine; 0 = never restart)")
+    p.add_argument("--agent-restart-window", type=float, default=RESTART.window_s,
+                   help=f"seconds over which agent deaths are counted (default: {RESTART.window_s:g})")
+    p.add_argument("--agent-restart-backoff", type=float, default=RESTART.backoff_s,
+                   help="seconds before a dead agent's first restart; doubles with each death in the window "
+                        f"(default: {RESTART.backoff_s:g})")
+    p.add_argument("--agent-restart-backoff-max", type=float, default=RESTART.backoff_max_s,
+                   help=f"longest wait before an agent restart, seconds (default: {RESTART.backoff_max_s:g})")
     p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -147,6 +162,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         raise UsageError(f"--state-interval-ms must be positive (got {args.state_interval_ms})")
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be positive (got {args.time_scale})")
+    agent_restart = agent_restart_params(args)
     specs = worker_specs(args, rcfg)
     workers: list[WorkerPlan] = []
     if specs:
@@ -197,7 +213,22 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
-        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers)
+        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers,
+        agent_restart=agent_restart)
+
+
+def agent_restart_params(args: argparse.Namespace) -> RestartParams:
+    """The ``--agent-restart-*`` flags as :class:`worker_agent.restart.RestartParams`; raises
+    :class:`UsageError` naming the flag (the checks the agent makes of its ``--restart-*``)."""
+    if args.agent_restart_max < 0:
+        raise UsageError(f"--agent-restart-max must be >= 0 (got {args.agent_restart_max})")
+    for flag, v in (("--agent-restart-window", args.agent_restart_window),
+                    ("--agent-restart-backoff", args.agent_restart_backoff),
+                    ("--agent-restart-backoff-max", args.agent_restart_backoff_max)):
+        if not v >= 0:
+            raise UsageError(f"{flag} must be >= 0 seconds (got {v})")
+    return RestartParams(max_restarts=args.agent_restart_max, window_s=args.agent_restart_window,
+                         backoff_s=args.agent_restart_backoff, backoff_max_s=args.agent_restart_backoff_max)
 
 
 def plan_document(cfg: LaunchConfig) -> dict:
@@ -210,6 +241,8 @@ def plan_document(cfg: LaunchConfig) -> dict:
                      "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k)}
                     for k, w in enumerate(cfg.workers)],
         "router": {"argv": cfg.router_argv()},
+        "agent_restart": {"max": cfg.agent_restart.max_restarts, "window_s": cfg.agent_restart.window_s,
+                          "backoff_s": cfg.agent_restart.backoff_s, "backoff_max_s": cfg.agent_restart.backoff_max_s},
     }
 
 

@@ -27,11 +27,22 @@ included, run to their end, up to the agent's drain timeout) and stops it (:meth
 Then every child and its descendants are stopped (engines included, see :mod:`launcher.children`),
 the segment unlinked and the sockets removed; logs stay in the run dir. A second Ctrl-C kills
 everything at once.
-After start-up an agent that dies is reported (the router stops sending to it once its
-heartbeat goes stale); a router that dies ends the launch with status 1. Each engine failure and
-restart an agent records in its slot (``state_reason``, ``last_exit_code``, ``restarts``) is
-printed (:meth:`Supervisor.report_engines`): the exit code and when the agent restarts it, each
-restart, the return to READY, and an agent that gave up (with the admin call that restarts it).
+After start-up an agent that dies (a non-zero status: killed, crashed) is restarted
+(:meth:`Supervisor.agent_died`, :meth:`Supervisor.restart_due_agents`) with the policy the agent
+applies to its engine (:class:`worker_agent.restart.RestartPolicy`, ``--agent-restart-*``): its
+death is printed on one line (status, when it comes back, then the log's last lines), its slot
+marked DEAD at once (reason ``agent_exited``, the last heartbeat kept: routers stop sending to it
+before the heartbeat would go stale), and after the backoff a new agent with the same command line
+claims the same slot (generation bumped, new pid) and starts a fresh engine — the dead agent's
+engine got SIGTERM with its agent (``PR_SET_PDEATHSIG``) and whatever is left of it is stopped
+first (:mod:`worker_agent.adapters.base`); one line says so, another when it is READY again. Past
+the budget (``--agent-restart-max`` deaths within ``--agent-restart-window``) the slot stays DEAD
+(reason ``gave_up``) and the rest of the launch keeps serving. An agent that exits 0 (it was asked
+to stop, and released its slot) is not restarted. A router that dies ends the launch with status 1.
+Each engine failure and restart an agent records in its slot (``state_reason``,
+``last_exit_code``, ``restarts``) is printed (:meth:`Supervisor.report_engines`): the exit code
+and when the agent restarts it, each restart, the return to READY, and an agent that gave up
+(with the admin call that restarts it).
 """
 from __future__ import annotations
 
@@ -63,6 +74,7 @@ from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, Usa
 from launcher.gpus import GpuPlan
 from launcher.specs import WorkerPlan
 from launcher.stack import agent_argv, router_argv
+from worker_agent.restart import RestartParams, RestartPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
@@ -110,6 +122,8 @@ class LaunchConfig:
     #: every worker's plan (:class:`launcher.specs.WorkerPlan`); empty: one model for all, from
     #: ``plan``/``engine``/``model``/``engine_urls``/``engine_args``
     workers: list[WorkerPlan] = field(default_factory=list)
+    #: how a dead agent is restarted (``--agent-restart-*``; the agent's own engine policy's defaults)
+    agent_restart: RestartParams = field(default_factory=RestartParams)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -192,8 +206,15 @@ class Supervisor:
         self.router: Child | None = None
         self.agents: list[Child] = []
         self._stop_sig: int | None = None
-        self._reported_dead: set[str] = set()
+        self._reported_dead: set[int] = set()   # pids of children whose exit was reported
         self._engines: dict[int, tuple[str, int, str]] = {}  # worker -> (state, restarts, reason) last seen
+        # dead agents (agent_died): worker -> its restart policy, when its restart is due
+        # (monotonic s), its agent restarts so far; workers whose new agent is not READY yet; gave up
+        self._agent_policy: dict[int, RestartPolicy] = {}
+        self._agent_due: dict[int, float] = {}
+        self._agent_restarts: dict[int, int] = {}
+        self._agent_back: set[int] = set()
+        self._agent_gave_up: set[int] = set()
         self._locks: list[TextIO] = []   # open lock files (step 0); empty: this launch owns nothing to clean
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
 
@@ -295,6 +316,7 @@ class Supervisor:
             rc = self._check_children(starting=False)
             if rc is not None:
                 return rc
+            self.restart_due_agents()
             self.report_engines()
             self._sleep(0.5)
 
@@ -307,6 +329,8 @@ class Supervisor:
             return
         now = _now_ns()
         for k in range(min(self.cfg.num_workers, len(snaps))):
+            if k in self._agent_due or k in self._agent_gave_up:
+                continue   # no agent runs: its slot is the launcher's (agent_died)
             s = snaps[k]
             state = getattr(getattr(s, "state", None), "name", "?")
             restarts = int(getattr(s, "restarts", 0) or 0)
@@ -314,6 +338,9 @@ class Supervisor:
             cur = (state, restarts, reason)
             prev = self._engines.get(k)
             self._engines[k] = cur
+            if k in self._agent_back and state == "READY":
+                self._agent_back.discard(k)
+                self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}")
             if prev is None or prev == cur:
                 continue
             log = self.cfg.run_dir / f"engine-{k}.log"
@@ -462,17 +489,82 @@ class Supervisor:
                 continue
             if starting:
                 raise ChildStartError(c.name, rc, str(c.log_path), self._tail_with_engine(c))
-            if c.name not in self._reported_dead:
-                self._reported_dead.add(c.name)
+            if c.pid in self._reported_dead:
+                continue
+            self._reported_dead.add(c.pid)
+            if c is self.router:
                 self._say(f"dplb: {c.name} exited with status {rc}; last lines of {c.log_path}:\n"
                           + log_tail(c.log_path, 10))
-            if c is self.router:
                 self._say("dplb: the router is gone; stopping")
                 return 1
-            if all(a.poll() is not None for a in self.agents):
-                self._say("dplb: every worker is gone; stopping")
-                return 1
+            self.agent_died(self.agents.index(c), rc)
+        if self.agents and all(a.poll() is not None for a in self.agents) and not self._agent_due:
+            self._say("dplb: every worker is gone; stopping")
+            return 1
         return None
+
+    # ------------------------------------------------------------ dead agents
+    def agent_died(self, k: int, rc: int) -> None:
+        """Worker ``k``'s agent exited with status ``rc`` after start-up: print it on one line (with
+        its log's last lines), mark its slot DEAD and schedule its restart after the backoff of
+        its :class:`RestartPolicy`, or give up past ``--agent-restart-max`` (module docstring)."""
+        c = self.agents[k]
+        tail = log_tail(c.log_path, 10)
+        if rc == 0:
+            self._say(f"dplb: {c.name} exited with status 0 (it was stopped and released its slot); not "
+                      f"restarted; last lines of {c.log_path}:\n{tail}")
+            return
+        p = self.cfg.agent_restart
+        policy = self._agent_policy.setdefault(k, RestartPolicy.from_params(p))
+        delay = policy.failure()
+        if delay is None:
+            self._agent_gave_up.add(k)
+            self._mark_slot_dead(k, rc, "GAVE_UP", 0)
+            self._say(f"dplb: {c.name} exited with status {rc}; its agent died {policy.failures_in_window()} times "
+                      f"within {p.window_s:g}s (--agent-restart-max {p.max_restarts}): not restarted again, its "
+                      f"slot stays DEAD until the launch restarts; last lines of {c.log_path}:\n{tail}")
+            return
+        self._agent_due[k] = time.monotonic() + delay
+        self._mark_slot_dead(k, rc, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
+        self._say(f"dplb: {c.name} exited with status {rc}; restarting its agent in {delay:.1f}s (restart "
+                  f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s); "
+                  f"last lines of {c.log_path}:\n{tail}")
+
+    def restart_due_agents(self) -> None:
+        """Start a new agent for every worker whose restart backoff has passed (same command line,
+        same slot, same log appended to); one line each."""
+        now = time.monotonic()
+        for k, due in sorted(self._agent_due.items()):
+            if now < due:
+                continue
+            del self._agent_due[k]
+            n = self._agent_restarts[k] = self._agent_restarts.get(k, 0) + 1
+            try:
+                self.agents[k] = self._start(f"worker {k}", self.cfg.agent_argv(k), self.cfg.run_dir / f"agent-{k}.log",
+                                             self.cfg.child_env(k))
+            except LaunchError as e:
+                self._say(f"dplb: worker {k}: agent restart {n} failed: {e}")
+                self._agent_gave_up.add(k)
+                continue
+            self._engines.pop(k, None)
+            self._agent_back.add(k)
+            self._say(f"dplb: worker {k}: agent restarted (restart {n}, pid {self.agents[k].pid}); it claims slot "
+                      f"{k} again and starts a fresh engine")
+
+    def _mark_slot_dead(self, k: int, rc: int, reason: str, next_restart_ns: int) -> None:
+        """Write DEAD into worker ``k``'s slot for its dead agent (the launcher is the slot's only
+        writer until a new agent claims it): ``reason`` (a ``StateReason`` name), the agent's exit
+        status, nothing running, the last heartbeat kept (its age stays true)."""
+        try:
+            from dplb_shm import StateReason, WorkerState
+
+            hb = int(self.segment.read_slot(k).heartbeat_ns)
+            self.segment.writer(k).publish(state=WorkerState.DEAD, state_reason=StateReason[reason],
+                                           last_exit_code=int(rc), next_restart_ns=next_restart_ns,
+                                           num_running=0, num_waiting=0, kv_cache_usage=-1.0,
+                                           **({"heartbeat_ns": hb} if hb > 0 else {}))
+        except Exception as e:  # noqa: BLE001 - a fake segment, or a closed one: the restart goes on
+            self._say(f"dplb: worker {k}: could not mark its slot DEAD ({type(e).__name__}: {e})")
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._stop_sig is None:

@@ -7,7 +7,8 @@
     POST   /dplb/workers/{id}/drain      no new requests; in-flight ones finish
     POST   /dplb/workers/{id}/undrain    back in rotation
     POST   /dplb/workers/{id}/restart    the worker's agent restarts its engine (202; also lifts a
-                                         ``gave_up`` after too many crashes)
+                                         ``gave_up`` after too many crashes; 503 + Retry-After while
+                                         the launcher restarts a dead agent)
     GET    /dplb/workers                 same rows as /dplb/status
 
 Protection: by default only loopback clients may call these (403 otherwise;
@@ -36,6 +37,7 @@ from router.config import BackendServer
 from router.errors import (
     BadRequest,
     Forbidden,
+    NoEligibleWorker,
     NotFound,
     NotSupported,
     TransportError,
@@ -47,6 +49,23 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 #: headers that reverse proxies add; their presence means the socket address is the proxy's
 FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
                       "via", "x-client-ip", "true-client-ip", "cf-connecting-ip")
+#: seconds an agent restarted by the launcher takes to answer after its backoff (a Python start)
+AGENT_START_S = 3
+
+
+def _agent_restart_wait(seg: Any, wid: int, snap: Any) -> int | None:
+    """Seconds until worker ``wid``'s new agent should answer when the launcher is restarting a dead
+    one (its slot DEAD with reason ``agent_exited``, read now; ``snap`` when the read fails), else None."""
+    from dplb_shm import StateReason, WorkerState, now_ns
+
+    try:
+        s = seg.read_slot(wid)
+    except Exception:  # noqa: BLE001 - a closed or foreign segment: the last synced snapshot
+        s = snap
+    if s is None or int(s.state) != WorkerState.DEAD or int(s.state_reason) != StateReason.AGENT_EXITED:
+        return None
+    left = (int(s.next_restart_ns) - now_ns()) / 1e9 if int(s.next_restart_ns) else 0.0
+    return max(1, int(left + 0.999) + AGENT_START_S)
 
 
 class AdminStore:
@@ -192,8 +211,9 @@ def admin_router(state: Any) -> APIRouter:
 
         Sent to the worker's control address (its agent; the data endpoint is the engine's).
         202 with the agent's answer; 404 unknown worker; 501 when the endpoint has no restart API
-        (not a DPLB agent); 502 when the agent does not answer (the agent process itself is gone:
-        restart it, e.g. the launcher)."""
+        (not a DPLB agent); 503 + ``Retry-After`` when the agent died and the launcher is restarting
+        it (its slot DEAD, reason ``agent_exited``: the new agent starts a fresh engine anyway);
+        502 when the agent does not answer otherwise (the agent process itself is gone)."""
         check_admin(request, state.cfg)
         h = state.registry.handles.get(wid)
         if h is None:
@@ -201,6 +221,11 @@ def admin_router(state: Any) -> APIRouter:
         try:
             status, body = await state.transport.get(h.control, "/dplb/restart", 10.0, method="POST")
         except TransportError as e:
+            wait = _agent_restart_wait(state.registry.seg, wid, h.snap)
+            if wait is not None:
+                raise NoEligibleWorker(f"worker {wid}'s agent died and the launcher restarts it (in about {wait} s, "
+                                       "with a fresh engine); retry then if still needed", reason="agent_restarting",
+                                       retry_after=wait) from None
             raise UpstreamError(f"worker {wid}'s agent at {h.control} did not answer ({e.kind}); "
                                 "the agent process itself may be gone", worker_id=wid) from None
         if status in (404, 405):

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from dplb_shm.types import HEARTBEAT_TIMEOUT_MS
 from router.errors import ConfigError
 
 #: a host name, an IPv4 literal or an IPv6 literal (bare or in brackets)
@@ -135,7 +136,7 @@ class HealthCheck(_Strict):
     interval_ms: int = Field(default=200, ge=10)
     timeout_ms: int = Field(default=50, ge=1)
     max_failures: int = Field(default=3, ge=1)
-    heartbeat_timeout_ms: int = Field(default=1000, ge=50)
+    heartbeat_timeout_ms: int = Field(default=HEARTBEAT_TIMEOUT_MS, ge=50)
     enabled: bool = True
 
 

@@ -59,7 +59,7 @@ def data_endpoint(published: str | None, control: str) -> str | None:
     if host.startswith("127.") or host in LOCAL_HOSTS:
         host = split_host(control)[0]
     return f"{host}:{port}"
-REASONS = {"none": 0, "engine_exited": 1, "start_failed": 2, "gave_up": 3, "admin_restart": 4}
+REASONS = {"none": 0, "engine_exited": 1, "start_failed": 2, "gave_up": 3, "admin_restart": 4, "agent_exited": 5}
 
 
 class MirrorManager:

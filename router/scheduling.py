@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from dplb_shm import heartbeat_stale
 from router.accounting import LearnSettings, RequestAccount
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
@@ -263,7 +264,7 @@ class Scheduler:
             age_ms = float(s.heartbeat_age_ms)
         else:
             age_ms = (clock() - int(s.heartbeat_ns)) / 1e6 if int(s.heartbeat_ns) > 0 else -1.0
-        return int(s.state) == READY and age_ms <= self.registry.hb_timeout_ms
+        return int(s.state) == READY and not heartbeat_stale(s.state, age_ms, self.registry.hb_timeout_ms)
 
     @staticmethod
     def eligible_handle(h: WorkerHandle) -> bool:

@@ -51,8 +51,6 @@ import logging
 import os
 import signal
 import socket
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -69,6 +67,7 @@ from .config import AgentConfig
 from .errors import AgentError, EngineExitedError, UpstreamError
 from .metrics import EngineMetrics
 from .nvml import GpuMemoryProbe
+from .restart import RestartPolicy
 
 log = logging.getLogger("worker_agent")
 
@@ -122,49 +121,6 @@ def bind_tcp_socket(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
-
-
-class RestartPolicy:
-    """Bounded engine restarts with exponential backoff.
-
-    Args:
-        max_restarts: failures that are restarted within any ``window_s`` seconds (0: none).
-        window_s: length of the counting window, seconds.
-        backoff_s: wait before the restart after the first failure in the window, seconds.
-        backoff_max_s: upper bound of the wait, seconds.
-        clock: monotonic clock in seconds (injectable for tests).
-
-    The n-th failure within the window waits ``min(backoff_max_s, backoff_s * 2**(n-1))``.
-    """
-
-    def __init__(self, max_restarts: int = 5, window_s: float = 600.0, backoff_s: float = 1.0,
-                 backoff_max_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_restarts = max_restarts
-        self.window_s = window_s
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        self.clock = clock
-        self._failures: deque[float] = deque()
-
-    def failures_in_window(self) -> int:
-        """Failures recorded within the last ``window_s`` seconds."""
-        cutoff = self.clock() - self.window_s
-        while self._failures and self._failures[0] < cutoff:
-            self._failures.popleft()
-        return len(self._failures)
-
-    def failure(self) -> float | None:
-        """Record one engine failure now; return the seconds to wait before restarting it, or
-        None when this failure exceeds ``max_restarts`` within the window (give up)."""
-        self._failures.append(self.clock())
-        n = self.failures_in_window()
-        if n > self.max_restarts:
-            return None
-        return min(self.backoff_max_s, self.backoff_s * (2 ** (n - 1)))
-
-    def reset(self) -> None:
-        """Forget every failure (an operator asked for a restart)."""
-        self._failures.clear()
 
 
 def file_tail(path: str, lines: int = 10, max_bytes: int = 8192) -> str:

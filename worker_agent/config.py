@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .restart import DEFAULTS as RESTART
 
 ENGINES = ("sim", "vllm", "sglang", "openai")
 
@@ -70,10 +71,10 @@ class AgentConfig:
     drain_timeout_s: float = 30.0
     weight: float = 1.0
     latency_window_s: float = 10.0
-    restart_max: int = 5
-    restart_window_s: float = 600.0
-    restart_backoff_s: float = 1.0
-    restart_backoff_max_s: float = 60.0
+    restart_max: int = RESTART.max_restarts
+    restart_window_s: float = RESTART.window_s
+    restart_backoff_s: float = RESTART.backoff_s
+    restart_backoff_max_s: float = RESTART.backoff_max_s
     log_level: str = "info"
     engine_args: list[str] = field(default_factory=list)
 
@@ -141,15 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-window-s", type=float, default=10.0,
                    help="latency samples older than this leave the slot's TTFT/TPOT/e2e windows "
                         "(default: 10; 0 = the last 32 samples whatever their age)")
-    p.add_argument("--restart-max", type=int, default=5,
+    p.add_argument("--restart-max", type=int, default=RESTART.max_restarts,
                    help="engine failures restarted within --restart-window; one more leaves the worker "
-                        "DEAD until an admin restart (default: 5; 0 = never restart)")
-    p.add_argument("--restart-window", type=float, default=600.0,
-                   help="seconds over which engine failures are counted (default: 600)")
-    p.add_argument("--restart-backoff", type=float, default=1.0,
-                   help="seconds before the first restart; doubles with each failure in the window (default: 1)")
-    p.add_argument("--restart-backoff-max", type=float, default=60.0,
-                   help="longest wait before a restart, seconds (default: 60)")
+                        f"DEAD until an admin restart (default: {RESTART.max_restarts}; 0 = never restart)")
+    p.add_argument("--restart-window", type=float, default=RESTART.window_s,
+                   help=f"seconds over which engine failures are counted (default: {RESTART.window_s:g})")
+    p.add_argument("--restart-backoff", type=float, default=RESTART.backoff_s,
+                   help="seconds before the first restart; doubles with each failure in the window "
+                        f"(default: {RESTART.backoff_s:g})")
+    p.add_argument("--restart-backoff-max", type=float, default=RESTART.backoff_max_s,
+                   help=f"longest wait before a restart, seconds (default: {RESTART.backoff_max_s:g})")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 

@@ -10,6 +10,7 @@ results; ``bench/faults.py`` runs the same functions and writes ``bench/results/
 from __future__ import annotations
 
 from bench.faultsuite.common import DispatchWatch, Result, StatusWatch
+from bench.faultsuite.scen_agent_restart import run_killed_agent_restarted
 from bench.faultsuite.scen_clients import (
     BAD_ENDPOINTS,
     BAD_INPUTS,
@@ -67,3 +68,5 @@ __all__ += [
     "run_router_process_killed",
     "run_sync_openai_streams_counted",
 ]
+# issue 27 item 5, dead agents come back (row 27.5)
+__all__ += ["run_killed_agent_restarted"]

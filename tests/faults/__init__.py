@@ -27,5 +27,8 @@ test_request_path.py         issue 27, the router's request path: 27.1 in-flight
                              27.2 a known model's workers down; 27.8 complete streams counted 200, a
                              disconnect 499; 27.9 framing errors; scenario code in
                              :mod:`bench.faultsuite.scen_request_path`
+test_agents_come_back.py     issue 27.5: kill -9 of an agent under a real launch, restarted into its
+                             slot and serving again; the dump's ``stale``; scenario code in
+                             :mod:`bench.faultsuite.scen_agent_restart`
 ===========================  =====================================================================
 """

@@ -41,7 +41,7 @@ def test_kill9_of_a_whole_worker_under_load_loses_nothing_and_stops_dispatch_wit
     assert r.ok + r.honest == r.sent and r.ok >= r.sent - 10
     assert r.detection_s is not None and r.detection_s <= 0.5, r.detection_s
     assert r.extra["after_kill_served_by_0"] == 0
-    row = r.extra["row0"]    # nothing restarts an agent: its slot keeps READY with a stale heartbeat
+    row = r.extra["row0"]    # no launcher here restarts the agent: its slot keeps READY with a stale heartbeat
     assert row is not None and row["eligible"] is False and row["routing"] == "stale"
 
 

@@ -124,6 +124,61 @@ def test_worker_dying_after_ready_is_reported_and_launch_keeps_serving(procs, ru
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
 
 
+def test_a_killed_agent_is_restarted_into_its_slot(procs, run_dir, port):
+    """Issue 27 item 5: the launcher printed the death of an agent and nothing else; its slot kept
+    READY with a heartbeat growing old. Now the slot is DEAD (agent_exited) until the restart, after
+    the backoff a new agent claims the same slot, and each step is one line."""
+    from dplb_shm import Segment, StateReason, WorkerState
+
+    p, log = start(procs, run_dir, port, "--num-workers", "2", "--agent-restart-backoff", "2")
+    wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+    assert p.poll() is None, log.read_text()
+    seg = Segment.attach(f"dplb-{port}", readonly=True)
+    try:
+        old = seg.read_slot(1).pid
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: "worker 1 exited with status -9; restarting its agent in 2.0s (restart 1 of at most 5" in log.read_text(),
+                   timeout=30, what="death line")
+        s = seg.read_slot(1)
+        assert (s.state, s.state_reason, s.last_exit_code, s.pid) == (WorkerState.DEAD, StateReason.AGENT_EXITED, -9, old)
+        assert s.next_restart_ns > 0 and s.num_running == 0
+        wait_until(lambda: "worker 1: agent restarted (restart 1, pid" in log.read_text(), timeout=30, what="restart")
+        wait_until(lambda: seg.read_slot(1).state == WorkerState.READY, timeout=30, what="slot 1 READY again")
+        s = seg.read_slot(1)
+        assert s.pid != old and s.state_reason == StateReason.NONE
+        wait_until(lambda: "worker 1: READY again after agent restart 1" in log.read_text(), timeout=10, what="back line")
+        assert seg.read_slot(0).state == WorkerState.READY   # the other worker never noticed
+    finally:
+        seg.close()
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
+def test_an_agent_that_keeps_dying_is_given_up_on_and_the_rest_serves(procs, run_dir, port):
+    from dplb_shm import Segment, StateReason, WorkerState
+
+    p, log = start(procs, run_dir, port, "--num-workers", "2", "--agent-restart-max", "1",
+                   "--agent-restart-backoff", "0.2", env={"FAKE_DIE_AFTER_READY": "1"})
+    wait_until(lambda: "not restarted again" in log.read_text() or p.poll() is not None, timeout=90, what="give-up")
+    out = log.read_text()
+    assert p.poll() is None, out
+    assert "worker 1 exited with status 4; restarting its agent in 0.2s (restart 1 of at most 1 within 600s)" in out
+    assert "worker 1: agent restarted (restart 1, pid" in out
+    assert ("worker 1 exited with status 4; its agent died 2 times within 600s (--agent-restart-max 1): not "
+            "restarted again") in out
+    assert out.count("agent restarted (restart") == 1
+    seg = Segment.attach(f"dplb-{port}", readonly=True)
+    try:
+        s = seg.read_slot(1)
+        assert (s.state, s.state_reason, s.last_exit_code) == (WorkerState.DEAD, StateReason.GAVE_UP, 4)
+        assert seg.read_slot(0).state == WorkerState.READY
+    finally:
+        seg.close()
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0
+
+
 def test_engine_restart_by_an_agent_is_printed(procs, run_dir, port):
     """The launcher printed nothing when an agent's engine crashed and came back (issue 15)."""
     p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_RESTART_AFTER_READY": "1"})

@@ -11,6 +11,14 @@ without starting anything.
 Spawned engines run in their own session (so stopping one kills its whole process tree, e.g. vLLM's
 EngineCore processes) and get ``PR_SET_PDEATHSIG=SIGTERM``, so an agent killed with SIGKILL does not
 leave an orphan engine holding a GPU.
+
+An engine dies with its agent, so an agent started in a dead one's place (the launcher restarts
+it) never attaches to the old engine: that engine got SIGTERM when its agent died and is shutting
+down (the sim engine aborts what it was generating; a real one frees its GPU memory). Each spawned
+engine's pid and start time are kept in ``<run-dir>/engine-<K>.pid``; :meth:`EngineAdapter.start`
+first stops whatever of a previous agent's engine still runs (SIGTERM to its group, SIGKILL after
+the grace period; a pid reused by another process is left alone), then starts a fresh one, so the
+two never share the engine's socket or GPU.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import orjson
+import psutil
 
 from ..config import AgentConfig
 from ..errors import EngineExitedError, EngineStartError, UpstreamError
@@ -111,9 +120,72 @@ class EngineAdapter(ABC):
         """File the engine's stdout and stderr go to (``<run-dir>/engine-<K>.log``)."""
         return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.log")
 
+    @property
+    def pid_path(self) -> str:
+        """``<run-dir>/engine-<K>.pid``: ``<pid> <start time, s since the epoch>`` of the spawned
+        engine while it runs (module docstring)."""
+        return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.pid")
+
+    def _write_pid_file(self, pid: int) -> None:
+        try:
+            started = psutil.Process(pid).create_time()
+        except psutil.Error:
+            return   # already gone: wait_ready reports its exit
+        tmp = self.pid_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{pid} {started!r}\n")
+        os.replace(tmp, self.pid_path)
+
+    def _remove_pid_file(self) -> None:
+        try:
+            os.unlink(self.pid_path)
+        except FileNotFoundError:
+            pass
+
+    def previous_engine(self) -> psutil.Process | None:
+        """The engine a previous agent of this worker started, when it still runs (the pid file
+        names it and the process of that pid started at the recorded time); else None."""
+        try:
+            with open(self.pid_path) as f:
+                pid_s, started_s = f.read().split()
+            pid, started = int(pid_s), float(started_s)
+        except (OSError, ValueError):
+            return None
+        if self.proc is not None and pid == self.proc.pid:
+            return None   # our own engine
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
+                return None   # exited (a zombie the launcher reaps), or the pid was reused
+        except psutil.Error:
+            return None
+        return p
+
+    async def stop_previous(self, timeout_s: float = 15.0) -> bool:
+        """Stop what still runs of the engine a previous (dead) agent of this worker started:
+        SIGTERM to its process group, SIGKILL after ``timeout_s`` seconds. Returns True when there
+        was one. The pid file is removed either way."""
+        p = self.previous_engine()
+        if p is None:
+            self._remove_pid_file()
+            return False
+        log.warning("worker %d: the engine a previous agent started (pid %d) still runs; stopping it before "
+                    "starting a fresh one", self.cfg.worker_id, p.pid)
+        self._signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self.previous_engine() is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.previous_engine() is not None:
+            log.warning("worker %d: previous engine (pid %d) ignored SIGTERM for %.0fs; killing it",
+                        self.cfg.worker_id, p.pid, timeout_s)
+        self._signal_group(p.pid, signal.SIGKILL)   # and whatever it left in its group
+        self._remove_pid_file()
+        return True
+
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn the engine (no-op for attaching adapters).
+        """Spawn the engine (no-op for attaching adapters), after stopping what still runs of a
+        previous agent's engine (:meth:`stop_previous`).
 
         Raises:
             EngineStartError: the executable cannot be started.
@@ -122,6 +194,7 @@ class EngineAdapter(ABC):
         if argv is None:
             return
         os.makedirs(self.cfg.run_dir, exist_ok=True)
+        await self.stop_previous()
         self._log_file = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
         log.info("starting engine %s: %s (log %s)", self.name, " ".join(argv), self.log_path)
         try:
@@ -132,6 +205,7 @@ class EngineAdapter(ABC):
         except OSError as e:
             raise EngineStartError(f"cannot start {argv[0]}: {e}", engine=self.name,
                                    worker_id=self.cfg.worker_id) from e
+        self._write_pid_file(self.proc.pid)
 
     @property
     def returncode(self) -> int | None:
@@ -268,6 +342,7 @@ class EngineAdapter(ABC):
                 rc = await proc.wait()
             else:
                 rc = proc.returncode
+            self._remove_pid_file()
         if self._log_file is not None:
             os.close(self._log_file)
             self._log_file = None

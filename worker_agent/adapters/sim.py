@@ -60,7 +60,9 @@ class SimAdapter(EngineAdapter):
         return argv + list(self.cfg.engine_args)
 
     async def start(self) -> None:
-        """Remove a stale socket left by an earlier run, then spawn the simulator."""
+        """Stop a previous agent's simulator, remove a stale socket left by an earlier run, then
+        spawn the simulator."""
+        await self.stop_previous()
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:

@@ -63,7 +63,9 @@ class VllmAdapter(EngineAdapter):
                 "--tensor-parallel-size", str(self.cfg.tp_size), *self.cfg.engine_args]
 
     async def start(self) -> None:
-        """Remove a stale socket left by an earlier run, then spawn vLLM."""
+        """Stop a previous agent's vLLM (its GPU memory must be free), remove a stale socket left
+        by an earlier run, then spawn vLLM."""
+        await self.stop_previous()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         await super().start()
