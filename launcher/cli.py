@@ -3,7 +3,7 @@
 ``launch_dplb.sh --num-workers N [--gpus LIST] [--engine sim|vllm|sglang|openai] [--model M]
 [--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
-[-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
+[--drain-timeout 30] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
 
 Exit status: 0 after a requested stop, 1 when a start failed or the router died, 2 for a usage
@@ -36,7 +36,13 @@ from launcher.specs import (
     plan_workers,
     spec_from_config,
 )
-from launcher.supervisor import LaunchConfig, Supervisor, describe_workers
+from launcher.supervisor import (
+    STOP_MARGIN_S,
+    LaunchConfig,
+    Supervisor,
+    describe_workers,
+)
+from worker_agent.config import DRAIN_TIMEOUT_S
 
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.
 START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
@@ -91,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="the drain limit: at a stop, seconds the requests in flight may take to finish before "
+                        f"the engines are stopped anyway; the launcher waits {STOP_MARGIN_S:g} s more for the "
+                        "workers to exit, then stops what is left")
     p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -145,6 +155,8 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
     rcfg = router_settings(args)
     if args.state_interval_ms < 1:
         raise UsageError(f"--state-interval-ms must be positive (got {args.state_interval_ms})")
+    if not args.drain_timeout >= 0:
+        raise UsageError(f"--drain-timeout must be >= 0 (got {args.drain_timeout})")
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be positive (got {args.time_scale})")
     specs = worker_specs(args, rcfg)
@@ -197,7 +209,8 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
-        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers)
+        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers,
+        drain_timeout_s=args.drain_timeout)
 
 
 def plan_document(cfg: LaunchConfig) -> dict:
