@@ -81,6 +81,9 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("27.2", sc.run_model_known_while_down,
          lambda r: f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }; "
                    + kv("models_listed", "status_models")(r)),
+        ("27.6", sc.run_stop_under_traffic,
+         kv("in_flight_at_stop", "sent_after_stop", "statuses", "finish_reasons", "refused_without_retry_after",
+            "reset_before_status", "drain_limit_hit", "launcher_rc", "stop_s")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")

@@ -38,6 +38,7 @@ from bench.faultsuite.scen_request_path import (
     run_query_of_death,
     run_sync_openai_streams_counted,
 )
+from bench.faultsuite.scen_stop import run_stop_under_traffic
 from bench.faultsuite.scen_workers import (
     run_all_dead,
     run_breaker,
@@ -59,3 +60,5 @@ __all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "StatusWatc
 __all__ += ["run_all_down_before_noticed", "run_engine_kill_retried", "run_framing_errors",
             "run_in_flight_retried_streamed_and_not", "run_model_known_while_down", "run_query_of_death",
             "run_sync_openai_streams_counted"]
+# issue 27 item 6, a stop under traffic (row 27.6)
+__all__ += ["run_stop_under_traffic"]
