@@ -27,5 +27,8 @@ test_request_path.py         issue 27, the router's request path: 27.1 in-flight
                              27.2 a known model's workers down; 27.8 complete streams counted 200, a
                              disconnect 499; 27.9 framing errors; scenario code in
                              :mod:`bench.faultsuite.scen_request_path`
+test_stop_under_traffic.py   issue 27 item 6 (27.6): Ctrl-C of the launcher under streams, no stream
+                             ends with ``abort``, refusals are 503 + Retry-After; scenario code in
+                             :mod:`bench.faultsuite.scen_stop`
 ===========================  =====================================================================
 """
