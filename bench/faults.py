@@ -86,6 +86,9 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("27.5", sc.run_killed_agent_restarted, kv("slot_seen", "first_served_s", "by_worker", "served_by_victim_after",
                                                    "old_engine_answers", "admin_restart_while_down", "admin_restart",
                                                    "dump_state")),
+        ("27.6", sc.run_stop_under_traffic,
+         kv("in_flight_at_stop", "sent_after_stop", "statuses", "finish_reasons", "refused_without_retry_after",
+            "reset_before_status", "drain_limit_hit", "launcher_rc", "stop_s")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")

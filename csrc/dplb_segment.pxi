@@ -293,6 +293,14 @@ cdef class Segment:
                 out.append(i)
         return out
 
+    def state_get(self, int slot):
+        """The slot's lifecycle state (an int, :class:`WorkerState`) from one relaxed load of its
+        ``state`` field, no seqlock: the same first check the kernel makes of every slot. The
+        scheduler reads it to confirm, at the pick, that a worker chosen without the kernel is still
+        READY (a slot turns DRAINING between two synced snapshots)."""
+        self._check(slot)
+        return dplb_state_relaxed(dplb_slot_at(self.base, slot))
+
     def writer(self, int slot, double latency_window_s=10.0):
         """The :class:`SlotWriter` of ``slot``, starting from the slot's current content.
 

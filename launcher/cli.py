@@ -4,7 +4,7 @@
 [--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
 [--agent-restart-max 5] [--agent-restart-window 600] [--agent-restart-backoff 1] [--agent-restart-backoff-max 60]
-[-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
+[--drain-timeout 30] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
 
 Exit status: 0 after a requested stop, 1 when a start failed or the router died, 2 for a usage
@@ -37,7 +37,13 @@ from launcher.specs import (
     plan_workers,
     spec_from_config,
 )
-from launcher.supervisor import LaunchConfig, Supervisor, describe_workers
+from launcher.supervisor import (
+    STOP_MARGIN_S,
+    LaunchConfig,
+    Supervisor,
+    describe_workers,
+)
+from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
 from worker_agent.restart import RestartParams
 
@@ -106,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: {RESTART.backoff_s:g})")
     p.add_argument("--agent-restart-backoff-max", type=float, default=RESTART.backoff_max_s,
                    help=f"longest wait before an agent restart, seconds (default: {RESTART.backoff_max_s:g})")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="the drain limit: at a stop, seconds the requests in flight may take to finish before "
+                        f"the engines are stopped anyway; the launcher waits {STOP_MARGIN_S:g} s more for the "
+                        "workers to exit, then stops what is left")
     p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -160,6 +170,8 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
     rcfg = router_settings(args)
     if args.state_interval_ms < 1:
         raise UsageError(f"--state-interval-ms must be positive (got {args.state_interval_ms})")
+    if not args.drain_timeout >= 0:
+        raise UsageError(f"--drain-timeout must be >= 0 (got {args.drain_timeout})")
     if args.time_scale is not None and args.time_scale <= 0:
         raise UsageError(f"--time-scale must be positive (got {args.time_scale})")
     agent_restart = agent_restart_params(args)
@@ -214,7 +226,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
         start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers,
-        agent_restart=agent_restart)
+        agent_restart=agent_restart, drain_timeout_s=args.drain_timeout)
 
 
 def agent_restart_params(args: argparse.Namespace) -> RestartParams:

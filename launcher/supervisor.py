@@ -22,8 +22,10 @@ why, after undoing the steps before it):
 6. print the ready banner and stay in the foreground.
 
 Ctrl-C, SIGTERM or SIGHUP stop the workers first, while the router still relays: each agent
-drains its engine (DRAINING: the router stops sending it requests; the requests in flight, streams
-included, run to their end, up to the agent's drain timeout) and stops it (:meth:`Supervisor.shutdown`).
+drains its engine (DRAINING: the router stops sending it requests and answers new ones 503 +
+``Retry-After`` once every worker drains; the requests in flight, streams included, run to their
+end, up to the drain limit ``--drain-timeout``) and stops it (:meth:`Supervisor.shutdown`); the
+launcher waits the drain limit plus :data:`STOP_MARGIN_S` for that before it stops what is left.
 Then every child and its descendants are stopped (engines included, see :mod:`launcher.children`),
 the segment unlinked and the sockets removed; logs stay in the run dir. A second Ctrl-C kills
 everything at once.
@@ -74,14 +76,15 @@ from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, Usa
 from launcher.gpus import GpuPlan
 from launcher.specs import WorkerPlan
 from launcher.stack import agent_argv, router_argv
+from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
 from worker_agent.restart import RestartParams, RestartPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
-#: how long a stop waits for the agents to drain and stop their engines before stopping the rest:
-#: the agent's drain timeout (``worker_agent`` ``drain_timeout_s``, 30 s), its engine's SIGTERM grace
-#: (15 s, ``EngineAdapter.stop``) and a margin
-AGENT_STOP_S = 50.0
+#: how long a stop waits for the agents beyond the drain limit (``--drain-timeout``) before it stops
+#: the rest: an agent past its drain limit stops its engine (SIGTERM, SIGKILL after
+#: ``ENGINE_STOP_GRACE_S``, 15 s), closes its control API (2 s) and exits; 3 s to spare
+STOP_MARGIN_S = ENGINE_STOP_GRACE_S + 5.0
 DEFAULT_SIM_MODEL = "sim-llama-3.1-8b"  # sim engine's default model name (docs/INTERFACES.md)
 
 
@@ -116,6 +119,8 @@ class LaunchConfig:
     num_slots: int = 64
     latency_window_s: float | None = None
     start_timeout_s: float = 120.0
+    #: the drain limit: what the agents and the router are told (``--drain-timeout``)
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     python: str = sys.executable
     agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
     router_module: str = "router"
@@ -159,13 +164,16 @@ class LaunchConfig:
                           gpus=w.gpus, tp_size=w.tp_size if w.gpus else None, engine_url=w.engine_url,
                           state_interval_ms=self.state_interval_ms, run_dir=self.run_dir,
                           latency_window_s=self.latency_window_s, engine_args=extra, python=self.python,
-                          module=self.agent_module, extra=["--weight", f"{w.weight:g}"] if w.weight != 1.0 else ())
+                          module=self.agent_module,
+                          extra=["--drain-timeout", f"{self.drain_timeout_s:g}",
+                                 *(["--weight", f"{w.weight:g}"] if w.weight != 1.0 else [])])
 
     def router_argv(self) -> list[str]:
         """Command line of the router (:func:`launcher.stack.router_argv`)."""
         return router_argv(port=self.port, shm=self.shm_name, host=self.host, config=self.config,
                            policy=self.policy, workers=self.router_workers, log_level=self.log_level,
-                           python=self.python, module=self.router_module)
+                           python=self.python, module=self.router_module,
+                           extra=["--drain-timeout", f"{self.drain_timeout_s:g}"])
 
     def child_env(self, k: int | None) -> dict[str, str]:
         """Environment of worker ``k`` (``None``: the router): ours + PYTHONPATH + its GPU group."""
@@ -365,7 +373,7 @@ class Supervisor:
             return
         children = self._children()
         if children:
-            self.drain_workers()
+            self.drain_workers(self.cfg.drain_timeout_s + STOP_MARGIN_S)
             stop_tree(children, grace_s=10.0)
         self.agents, self.router = [], None
         if self.segment is not None:
@@ -385,11 +393,11 @@ class Supervisor:
         for f in locks:
             release_lock(f)
 
-    def drain_workers(self, timeout_s: float = AGENT_STOP_S) -> None:
+    def drain_workers(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_MARGIN_S) -> None:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
-        for them to exit: each marks its slot DRAINING (the router stops sending it requests), waits
-        until the router's in-flight count for it is 0 (its own drain timeout) and stops its
-        engine. Stopping everything at once instead made each engine abort what it was generating
+        (the drain limit + :data:`STOP_MARGIN_S`) for them to exit: each marks its slot DRAINING
+        (the router stops sending it requests), waits until the router's in-flight count for it is
+        0 and stays so, or its drain limit has passed, and stops its engine. Stopping everything at once instead made each engine abort what it was generating
         (a stream ended with ``finish_reason: "abort"``). Skipped when the router is gone: nothing
         is in flight through it. A second Ctrl-C (:meth:`_on_signal`) kills everything at once."""
         router = self.router
@@ -406,8 +414,9 @@ class Supervisor:
         while any(a.poll() is None for a in agents) and time.monotonic() - start < timeout_s:
             if not told and time.monotonic() - start > 1.0:
                 told = True
-                self._say(f"dplb: waiting for the workers to drain their requests and stop (up to {timeout_s:.0f} s; "
-                          "Ctrl-C again to stop at once)")
+                limit = timeout_s - STOP_MARGIN_S
+                self._say(f"dplb: waiting for the workers to drain their requests and stop (drain limit {limit:g} s, "
+                          f"--drain-timeout; up to {timeout_s:g} s in all; Ctrl-C again to stop at once)")
             time.sleep(0.05)
 
     def slot_states(self) -> list[str]:

@@ -2,11 +2,14 @@
 
     dplb-router [--config dplb.yaml] [--host 127.0.0.1] [--port 30000] [--shm NAME] [--policy dplb]
                 [--workers K] [--admin-token T] [--api-key KEY] [--log-level warning]
-                [--access-log text|json|off]
+                [--access-log text|json|off] [--drain-timeout 30]
 
 Built-in defaults < the config file < these flags, field by field (the launch script follows the same rule). ``--workers K`` runs K router processes (uvicorn workers) on the
 same port; they share one segment, so in-flight counts and circuit states are one truth.
-Exit status 2 on an invalid config (the message names the field).
+On SIGTERM/SIGINT the router stops accepting connections and keeps relaying the requests in
+flight, streams included, until they end, up to ``--drain-timeout`` seconds (the drain limit, the
+agents' default: ``worker_agent.config.DRAIN_TIMEOUT_S``; uvicorn's ``timeout_graceful_shutdown``);
+a second signal stops it at once. Exit status 2 on an invalid config (the message names the field).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Any
 
 from router.config import POLICIES, load_config
 from router.errors import ConfigError
+from worker_agent.config import DRAIN_TIMEOUT_S
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,12 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", choices=["text", "json", "off"],
                    help="one line per proxied request (default text; router/access_log.py)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="after SIGTERM, seconds the requests in flight may take to finish (default: %(default)g)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, validate config, serve with uvicorn (uvloop + httptools) until stopped."""
     args = build_parser().parse_args(argv)
+    if not args.drain_timeout >= 0:
+        print(f"dplb-router: --drain-timeout must be >= 0, got {args.drain_timeout}", file=sys.stderr)
+        return 2
     overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
                  "routing_policy.policy": args.policy, "router.workers": args.workers,
                  "router.admin_token": args.admin_token, "router.api_key": args.api_key,
@@ -70,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",
                               "http": "router.server:LimitedHttpToolsProtocol", "log_level": cfg.router.log_level, "access_log": False,
                               "server_header": False, "date_header": False, "timeout_keep_alive": 30,
-                              "backlog": 4096, "timeout_graceful_shutdown": 10,
+                              "backlog": 4096,
+                              # SIGTERM: stop accepting, relay what is in flight to its end (drain limit)
+                              "timeout_graceful_shutdown": args.drain_timeout,
                               # no WebSocket endpoint: a request asking to upgrade is answered over HTTP
                               # (router.server.LimitedHttpToolsProtocol), not handed to a WebSocket handshake
                               "ws": "none",

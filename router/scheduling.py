@@ -10,16 +10,21 @@
     lease.first_token()        # prefill done (the first content came back)
     lease.finish(ok)           # exactly once; ok: the breaker's verdict (None: no verdict, client left)
 
-**Eligibility** (one definition, here): a worker may take a request when its slot is READY, its
-heartbeat is younger than ``heartbeat_timeout_ms``, its probes have not failed ``max_failures``
+**Eligibility** (one definition, here): a worker may take a request when its slot is READY (a
+DRAINING one never is, whatever the policy: its agent is waiting for its last requests to end
+before it stops the engine), its heartbeat is younger than ``heartbeat_timeout_ms``, its probes have not failed ``max_failures``
 times in a row, it is not drained or removed by an admin, its breaker lets requests through, no
 router process has its circuit open, it serves the requested model (or announces none), and this
 request has not already tried it. :meth:`Scheduler.candidates`, :meth:`Scheduler.routing_state`
 (the verdict ``/dplb/status`` shows) and :meth:`Scheduler.ready_handles` (``/health``) all read it from :meth:`Scheduler.eligible_handle` and
 :meth:`Scheduler.live`. Kernel-backed policies (``dplb``) get the last synced snapshots (the
 kernel re-checks state, heartbeat, circuit and KV threshold on the live segment), the baselines
-get freshly read slots. After a policy picks, the worker's breaker must admit it (a half-open
-breaker admits one probe); otherwise the pipeline tries again without it.
+get freshly read slots. After a policy picks, the slot must still be READY at that instant
+(:meth:`Scheduler.ready_now`, one relaxed load: a synced snapshot can be one health interval old,
+and the ``dplb`` policy's fallback picks from snapshots when the kernel finds nobody), and the
+worker's breaker must admit it (a half-open breaker admits one probe); otherwise the pipeline
+tries again without it. When every worker serving the model is out (all draining at a stop, say),
+:class:`~router.errors.NoEligibleWorker` is raised: 503 + ``Retry-After``.
 
 A :class:`Lease` is the router-side load guard (SGLang's RAII load guard): taking it records the
 request in the worker's router line (:mod:`router.accounting`: in-flight, outstanding prefill
@@ -41,7 +46,7 @@ from router.accounting import LearnSettings, RequestAccount
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
 from router.policies.base import Decision, Policy, RequestInfo
-from router.workers import DEAD, READY, STATE_NAMES, Registry, WorkerHandle
+from router.workers import DEAD, DRAINING, READY, STATE_NAMES, Registry, WorkerHandle
 
 
 class HealthReporter(Protocol):
@@ -173,7 +178,7 @@ class Scheduler:
                 break
             d = self.policy.choose(cands, req, explain)
             h = handles.get(d.worker_id)
-            if h is None:
+            if h is None or not self.ready_now(h):
                 excl.add(d.worker_id)
                 continue
             return h, d
@@ -266,6 +271,17 @@ class Scheduler:
             age_ms = (clock() - int(s.heartbeat_ns)) / 1e6 if int(s.heartbeat_ns) > 0 else -1.0
         return int(s.state) == READY and not heartbeat_stale(s.state, age_ms, self.registry.hb_timeout_ms)
 
+    def ready_now(self, h: WorkerHandle) -> bool:
+        """Is ``h``'s slot READY at this instant? One relaxed load of the live slot's state
+        (``Segment.state_get``), the last check of a pick: a worker whose agent began draining (or
+        an admin restart) since the last synced snapshot is never sent a request. The kernel makes
+        the same check of every slot itself; this one covers the baselines that pick from synced
+        snapshots and the ``dplb`` policy's fallback. True when the candidates were read just now
+        (``fresh``) or there is no segment (unit tests of the pipeline alone)."""
+        if self.fresh == "fresh" or self.seg is None:
+            return True
+        return int(self.seg.state_get(h.worker_id)) == READY
+
     @staticmethod
     def eligible_handle(h: WorkerHandle) -> bool:
         """What this router process knows of ``h`` allows it: probes pass, not drained, breaker
@@ -278,8 +294,10 @@ class Scheduler:
         ``fresh``: ``True``/``"fresh"`` re-reads each slot now (load-aware baselines, ~5 µs per
         slot); ``"cached"`` uses the last synced snapshot but still requires it READY and fresh
         (round_robin/random: no load read, liveness as of the last tick, ≤ one health interval old);
-        ``False``/``"kernel"`` uses the last synced snapshot unchecked (the kernel re-reads state,
-        heartbeat and circuit of the live slot itself)."""
+        ``False``/``"kernel"`` uses the last synced snapshot, leaving out a DEAD or DRAINING one (a
+        draining slot never turns READY again: its agent releases it), the rest unchecked (the
+        kernel re-reads state, heartbeat and circuit of the live slot itself).
+        Whatever the mode, :meth:`decide` confirms the pick with :meth:`ready_now`."""
         out = []
         cached = fresh == "cached"
         if fresh == "kernel" or cached:
@@ -299,7 +317,7 @@ class Scheduler:
                     continue
                 h.snap = s
                 out.append(s)
-            elif h.snap is not None and int(h.snap.state) != DEAD:
+            elif h.snap is not None and int(h.snap.state) not in (DEAD, DRAINING):
                 out.append(h.snap)
         return out
 

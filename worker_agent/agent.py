@@ -28,11 +28,13 @@ Lifecycle written to the slot::
 - ``POST /dplb/restart`` (the router's admin API calls it): stop taking requests (STARTING,
   reason ``admin_restart``), let in-flight ones finish (up to ``--drain-timeout``), stop the
   engine and start it again; also lifts a ``gave_up``. 202 at once.
-- DRAINING: routers stop sending (the kernel routes READY slots only); the agent waits until the
-  requests in flight on its engine are done — it reads them from the slot's **router line**
-  (``router_inflight``: every router process's dispatches not yet finished, an atomic the routers'
-  leases keep), so it needs no place on the request path to count them — up to
-  ``--drain-timeout``; then the engine is stopped, the slot released (EMPTY) and the agent exits 0.
+- DRAINING: routers stop sending (the scheduler routes READY slots only, whatever the policy); the
+  agent waits until the requests in flight on its engine are done — it reads them from the slot's
+  **router line** (``router_inflight``: every router process's dispatches not yet finished, an
+  atomic the routers' leases keep), so it needs no place on the request path to count them — and
+  the count has stayed 0, with the line's ``dispatched`` total unchanged, for one state interval
+  (:meth:`Agent.wait_idle`), or until the drain limit (``--drain-timeout``, 30 s) has passed; then
+  the engine is stopped, the slot released (EMPTY) and the agent exits 0.
 
 Slot updates (one writer: this process, from its event loop thread only), every
 ``--state-interval-ms``: engine running/waiting/KV usage from its ``/metrics`` (a separate loop, so
@@ -180,15 +182,42 @@ class Agent:
         except Exception:  # noqa: BLE001 - the segment is closing
             return 0
 
+    @property
+    def dispatched(self) -> int:
+        """Requests ever dispatched to this slot by the routers (the router line's ``dispatched``
+        total): it moves at every dispatch, even one that began and ended between two reads."""
+        try:
+            return int(self.segment.router_line(self.worker_id)["dispatched"])
+        except Exception:  # noqa: BLE001 - the segment is closing
+            return 0
+
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no request is in flight on the engine (routers see a non-READY state first:
-        one state interval passes before the count is trusted), up to ``timeout_s``. Returns True
-        when idle, False at the deadline."""
+        """Wait until no request is in flight on the engine, up to ``timeout_s`` (the drain limit).
+        Returns True when idle (or a second SIGINT said not to wait), False at the deadline.
+
+        Idle: the routers' in-flight count for the slot (:attr:`inflight`) read 0 and stayed 0, with
+        the slot's :attr:`dispatched` total unchanged, for one state interval (polled every 20 ms).
+        A router that checked the slot READY just before it turned DRAINING takes its lease right
+        after (same event-loop step); the quiet interval makes sure such a request is in the count
+        and waited for, not cut by the engine's stop. The wait also starts with one state interval,
+        so that every router has seen the state change before the count is trusted."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        await asyncio.sleep(min(timeout_s, self.cfg.state_interval_s))
-        while self.inflight > 0 and not self._skip_drain:
-            if loop.time() >= deadline:
+        settle = self.cfg.state_interval_s
+        await asyncio.sleep(min(timeout_s, settle))
+        quiet_since: float | None = None   # when the count was last seen turning 0
+        seen = -1                          # the dispatched total at that moment
+        while not self._skip_drain:
+            now = loop.time()
+            if self.inflight > 0:
+                quiet_since = None
+            else:
+                d = self.dispatched
+                if quiet_since is None or d != seen:
+                    quiet_since, seen = now, d
+                elif now - quiet_since >= settle:
+                    return True
+            if now >= deadline:
                 return False
             await asyncio.sleep(0.02)
         return True

@@ -23,6 +23,15 @@ ENGINES = ("sim", "vllm", "sglang", "openai")
 #: default 256 for the OpenAI server on GPUs; SGLang derives ``max_running_requests`` from memory)
 DEFAULT_MAX_NUM_SEQS = 256
 
+#: The drain limit, seconds: how long a stopping worker (DRAINING, or an admin restart) waits for the
+#: requests in flight on its engine to end before it stops the engine anyway. The one default of
+#: ``--drain-timeout`` for the agent, the router (how long it keeps relaying after SIGTERM) and the
+#: launcher (which passes it to both and waits it plus ``launcher.supervisor.STOP_MARGIN_S``).
+DRAIN_TIMEOUT_S = 30.0
+
+#: How long the agent gives its stopped engine after SIGTERM before SIGKILL (the adapters' ``stop``).
+ENGINE_STOP_GRACE_S = 15.0
+
 
 @dataclass
 class AgentConfig:
@@ -68,7 +77,7 @@ class AgentConfig:
     run_dir: str = ""
     engine_python: str = sys.executable
     engine_start_timeout_s: float = 900.0
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     weight: float = 1.0
     latency_window_s: float = 10.0
     restart_max: int = RESTART.max_restarts
@@ -136,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Python interpreter that runs the engine (default: $DPLB_ENGINE_PYTHON or this one)")
     p.add_argument("--engine-start-timeout", type=float, default=900.0,
                    help="seconds to wait for the engine to become ready (default: 900)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM (default: 30)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help=f"the drain limit: seconds the requests in flight may take to finish after SIGTERM "
+                        f"before the engine is stopped anyway (default: {DRAIN_TIMEOUT_S:g})")
     p.add_argument("--weight", type=float, default=1.0, help="static weight written into the slot (default: 1.0)")
     p.add_argument("--latency-window-s", type=float, default=10.0,
                    help="latency samples older than this leave the slot's TTFT/TPOT/e2e windows "

@@ -40,6 +40,7 @@ from bench.faultsuite.scen_request_path import (
     run_sync_openai_streams_counted,
 )
 from bench.faultsuite.scen_router_procs import run_router_process_killed
+from bench.faultsuite.scen_stop import run_stop_under_traffic
 from bench.faultsuite.scen_workers import (
     run_all_dead,
     run_breaker,
@@ -70,3 +71,5 @@ __all__ += [
 ]
 # issue 27 item 5, dead agents come back (row 27.5)
 __all__ += ["run_killed_agent_restarted"]
+# issue 27 item 6, a stop under traffic (row 27.6)
+__all__ += ["run_stop_under_traffic"]

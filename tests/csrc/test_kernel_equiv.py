@@ -194,3 +194,34 @@ def test_queue_term_still_orders_workers_past_the_queue_scale(seg):
     by = {t.worker_id: t for t in terms}
     assert by[2].pending_term == pytest.approx(0.4 * (1 - 40 / 16))
     assert by[2].pending_term - by[5].pending_term == pytest.approx(0.4 / 16)
+
+
+def test_a_draining_slot_is_never_picked_by_either_kernel_or_reference(seg):
+    """Issue 27 item 6: a DRAINING worker is out of the candidates whatever its score. Here it is
+    the idlest worker by far (the best score and the smallest estimated TTFT were it READY); the
+    native kernels and the reference pick among the loaded READY ones, for every tie draw, and
+    find nobody (-1) once every worker drains. ``Segment.state_get`` reads the state the kernel
+    checks first (the scheduler's check of a pick made without the kernel)."""
+    from dplb_shm import TtftParams
+
+    idle = {"num_running": 0, "num_waiting": 0, "inflight": 0, "router_inflight": 0, "max_num_seqs": 256,
+            "kv_cache_usage": 0.0, "ttft_ms": -1.0, "hist": [0] * 32, "hb_age_ns": 0, "circuit": 0, "weight": 1.0}
+    busy = dict(idle, num_running=40, num_waiting=20, inflight=40, router_inflight=40, kv_cache_usage=0.6,
+                ttft_ms=900.0)
+    slots = [dict(idle, state=WorkerState.DRAINING) if i % 4 == 0 else dict(busy, state=WorkerState.READY)
+             for i in range(N)]
+    _write(seg, slots)
+    draining = {i for i in range(N) if i % 4 == 0}
+    assert {i for i in range(N) if seg.state_get(i) == WorkerState.DRAINING} == draining
+    tp = TtftParams()
+    for u in (0.0, 0.13, 0.5, 0.77, 0.999):
+        (chosen, terms), (ref_chosen, ref_terms) = _both(seg, ScoringParams(), 100, [1.0] * N, u)
+        assert chosen == ref_chosen and terms == ref_terms
+        assert chosen not in draining and not draining & {t.worker_id for t in terms}
+        wid, _ = seg.pick_ttft(tp, 100, None, now_ns=NOW, rng_u=u)
+        ref_wid, ref_t = reference.pick_ttft(seg.snapshot(), tp, 100, None, NOW, u)
+        assert wid == ref_wid and wid not in draining and not draining & {t.worker_id for t in ref_t}
+    _write(seg, [dict(idle, state=WorkerState.DRAINING)] * N)
+    assert _both(seg, ScoringParams(), 100, None, 0.5) == ((-1, []), (-1, []))
+    assert seg.pick_ttft(tp, 100, None, now_ns=NOW, rng_u=0.5)[0] == -1
+    assert reference.pick_ttft(seg.snapshot(), tp, 100, None, NOW, 0.5) == (-1, [])

@@ -30,5 +30,8 @@ test_request_path.py         issue 27, the router's request path: 27.1 in-flight
 test_agents_come_back.py     issue 27.5: kill -9 of an agent under a real launch, restarted into its
                              slot and serving again; the dump's ``stale``; scenario code in
                              :mod:`bench.faultsuite.scen_agent_restart`
+test_stop_under_traffic.py   issue 27 item 6 (27.6): Ctrl-C of the launcher under streams, no stream
+                             ends with ``abort``, refusals are 503 + Retry-After; scenario code in
+                             :mod:`bench.faultsuite.scen_stop`
 ===========================  =====================================================================
 """

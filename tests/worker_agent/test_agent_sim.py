@@ -132,6 +132,27 @@ def test_sigterm_drains_on_the_routers_in_flight_count_then_empties_slot(start_a
     assert not os.path.exists(a.uds) and not os.path.exists(ep)
 
 
+def test_a_request_dispatched_just_after_the_count_reached_0_is_waited_for_not_cut(start_agent, segment):
+    """Issue 27 item 6: the agent stopped its engine at the first read of 0 in flight, so a request
+    a router dispatched right then (it checked the slot READY just before the drain) was cut. The
+    count must stay 0, with ``dispatched`` unchanged, for one state interval (0.5 s here)."""
+    a = start_agent(4, "--drain-timeout", "60", interval_ms=500)
+    segment.router_inflight_add(4, 1)           # one request in flight when the stop comes
+    a.proc.send_signal(signal.SIGTERM)
+    slot_wait(segment, 4, lambda s: s.state.name == "DRAINING", 5, "DRAINING")
+    time.sleep(0.7)                             # past the agent's first state interval
+    segment.router_inflight_add(4, -1)          # it ends ...
+    time.sleep(0.1)
+    segment.dispatched_add(4, 1)                # ... and a router dispatches one more right after
+    segment.router_inflight_add(4, 1)
+    time.sleep(1.2)
+    assert a.proc.poll() is None and segment.read_slot(4).state.name == "DRAINING", a.log_text()
+    segment.router_inflight_add(4, -1)
+    assert a.proc.wait(30) == 0
+    assert segment.read_slot(4).state.name == "EMPTY"
+    assert "drain deadline passed" not in a.log_text()
+
+
 def test_drain_deadline_bounds_a_stuck_count(start_agent, segment):
     a = start_agent(5, "--drain-timeout", "0.5", interval_ms=50)
     segment.router_inflight_add(5, 2)           # e.g. a router killed with leases held

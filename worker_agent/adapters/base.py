@@ -35,7 +35,7 @@ from typing import ClassVar
 import orjson
 import psutil
 
-from ..config import AgentConfig
+from ..config import ENGINE_STOP_GRACE_S, AgentConfig
 from ..errors import EngineExitedError, EngineStartError, UpstreamError
 from ..metrics import EngineMetrics, MetricNames, parse_engine_metrics
 from ..upstream import EngineAddress, Upstream
@@ -319,7 +319,7 @@ class EngineAdapter(ABC):
             log.warning("cannot parse engine /metrics: %s", e)
             return EngineMetrics()
 
-    async def stop(self, timeout_s: float = 15.0) -> int | None:
+    async def stop(self, timeout_s: float = ENGINE_STOP_GRACE_S) -> int | None:
         """Stop the engine: SIGTERM to its process group, SIGKILL after ``timeout_s``.
 
         Returns:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import ClassVar
 
+from ..config import ENGINE_STOP_GRACE_S
 from ..metrics import VLLM, MetricNames
 from ..upstream import EngineAddress
 from .base import EngineAdapter, free_loopback_port
@@ -69,7 +70,7 @@ class SimAdapter(EngineAdapter):
             pass
         await super().start()
 
-    async def stop(self, timeout_s: float = 15.0) -> int | None:
+    async def stop(self, timeout_s: float = ENGINE_STOP_GRACE_S) -> int | None:
         """Stop the simulator and remove its socket file."""
         rc = await super().stop(timeout_s)
         try:
