@@ -81,6 +81,10 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("27.2", sc.run_model_known_while_down,
          lambda r: f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }; "
                    + kv("models_listed", "status_models")(r)),
+        ("27.7", sc.run_concurrent_add_remove, kv("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots",
+                                                   "delete_removed", "cycles_s")),
+        ("27.7w", lambda: sc.run_concurrent_add_remove(router_workers=2),
+         kv("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots", "delete_removed", "cycles_s")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     lost = 0
     for sid, run, notes in _scenarios():
-        if want and sid not in want and sid.rstrip("abc+") not in want:
+        if want and sid not in want and sid.rstrip("abcw+") not in want:
             continue
         t0 = time.monotonic()
         try:

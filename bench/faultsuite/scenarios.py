@@ -1,5 +1,5 @@
 """Fault scenarios of issues 8, 15 (13-19: :mod:`bench.faultsuite.scen_issue15`) and 27 (27.*:
-:mod:`bench.faultsuite.scen_request_path`) as plain functions that run real processes and return counted results.
+:mod:`bench.faultsuite.scen_request_path`; 27.7: :mod:`bench.faultsuite.scen_remote_admin`) as plain functions that run real processes and return counted results.
 
 Each ``run_*`` function builds its own :class:`bench.faultsuite.cluster.Stack`, injects one fault,
 drives bounded traffic through the router, tears everything down and returns a :class:`Result`
@@ -29,6 +29,7 @@ from bench.faultsuite.scen_issue15 import (
     run_round_robin_per_model,
     run_slow_request_one_504,
 )
+from bench.faultsuite.scen_remote_admin import run_concurrent_add_remove
 from bench.faultsuite.scen_request_path import (
     run_all_down_before_noticed,
     run_engine_kill_retried,
@@ -59,3 +60,5 @@ __all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "StatusWatc
 __all__ += ["run_all_down_before_noticed", "run_engine_kill_retried", "run_framing_errors",
             "run_in_flight_retried_streamed_and_not", "run_model_known_while_down", "run_query_of_death",
             "run_sync_openai_streams_counted"]
+# issue 27 item 7, admin races on a remote worker (rows 27.7, 27.7w)
+__all__ += ["run_concurrent_add_remove"]
