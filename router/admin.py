@@ -238,7 +238,7 @@ def admin_router(state: Any) -> APIRouter:
                 store.unmirrored.discard(ep)
                 if ep not in configured:
                     store.mirrors[ep] = {"weight": spec.weight, "model": spec.model}
-            version = store.version
+        version = state.admin.version    # bumped by the edit's save, when it changed something
         state.apply_admin()
         if local is not None:
             state.monitor.sync()
@@ -291,7 +291,7 @@ def admin_router(state: Any) -> APIRouter:
                     raise NotFound(f"worker {wid} was already removed", param="id")
                 store.removed.add(wid)
             store.drained.discard(wid)
-            version = store.version
+        version = state.admin.version
         state.apply_admin()
         if mirror:
             if mirrors.leader():

@@ -6,6 +6,8 @@ answered>`` of the same endpoint while a light request loop runs. Before the fix
 left in the segment, a DELETE of it answered 200 "removed" and changed nothing, and POSTs answered
 201 with ``worker_id: null``. Every answer is kept; the scenario then reads the segment (which
 slots are not EMPTY), the router's listing, and asks once more for a DELETE of a removed id.
+``27.7k``: the router process that owns mirror slots is stopped, then killed, while a DELETE
+answered by the other process waits for it (:func:`run_mirror_owner_killed`).
 """
 from __future__ import annotations
 
@@ -62,6 +64,13 @@ def run_concurrent_add_remove(threads: int = 4, cycles: int = 50, router_workers
         endpoint = f"127.0.0.1:{port}"
         args = ("--workers", str(router_workers)) if router_workers > 1 else ()
         base = st.router({"health_check": {"interval_ms": 100}}, *args, ready=2)
+        # first one at a time, each call on a fresh connection (with --workers 2 both processes answer)
+        seq: list[tuple[int, int]] = []
+        for _ in range(6):
+            r = httpx.post(base + ADMIN, json={"endpoint": endpoint}, timeout=30)
+            wid = r.json().get("worker_id")
+            seq.append((r.status_code, httpx.delete(f"{base}{ADMIN}/{wid}", timeout=30).status_code))
+        res.extra["one_at_a_time"] = dict(Counter(seq))
         log: list[tuple[str, int, Any, Any]] = []
         deadline = time.monotonic() + budget_s
         ts = [threading.Thread(target=_cycles, args=(base, endpoint, cycles, log, deadline), daemon=True)
@@ -101,4 +110,60 @@ def run_concurrent_add_remove(threads: int = 4, cycles: int = 50, router_workers
         r = httpx.delete(f"{base}{ADMIN}/{removed}", timeout=10)
         res.extra["delete_removed"] = (r.status_code, r.json().get("error", {}).get("type"))
         res.extra["served_by"] = dict(Counter(o.worker for o in res.outcomes))
+    return res
+
+
+def run_mirror_owner_killed() -> Result:
+    """``27.7k``: with two router processes, the one that writes mirror slots is stopped (SIGSTOP),
+    a remote worker's DELETE is sent (the other process answers it, and waits for the owner), then
+    the owner is killed (SIGKILL): the other process takes the slots over, applies the DELETE and
+    answers; no slot is left that no process owns. ``extra``: the DELETE's answer and time, the
+    slot's state after it, the owners' pids before and after."""
+    import os
+    import signal
+
+    from bench.fakes import start_fake
+    from launcher.stack import free_port, wait_for
+
+    res = Result("27.7k mirror owner killed mid-remove", "SIGSTOP then SIGKILL of the router process that owns mirror "
+                 "slots while a DELETE of a remote worker waits for it (--workers 2)")
+    with Stack() as st:
+        st.fake(0)
+        port = free_port()
+        start_fake(st.procs, None, 9, st.dir, port=port)
+        ep = f"127.0.0.1:{port}"
+        base = st.router({"health_check": {"interval_ms": 100}}, "--workers", "2", ready=1)
+        wait_for(lambda: len({httpx.get(base + "/dplb/status", timeout=5).json()["pid"] for _ in range(10)}) == 2,
+                 30, "both router processes answering")
+        r = httpx.post(base + ADMIN, json={"endpoint": ep}, timeout=30)
+        assert r.status_code == 201, r.text
+        wid = r.json()["worker_id"]
+        res.extra["post"] = (r.status_code, wid)
+        owner = st.seg.read_slot(wid).pid
+        res.extra["owner_is_a_router"] = owner != os.getpid() and owner > 0
+        os.kill(owner, signal.SIGSTOP)
+        box: dict[str, Any] = {}
+
+        def delete() -> None:
+            t = time.monotonic()
+            with httpx.Client(timeout=30) as c:              # a fresh connection: the stopped process cannot take it
+                rr = c.delete(f"{base}{ADMIN}/{wid}")
+            box["answer"] = (rr.status_code, rr.json())
+            box["s"] = time.monotonic() - t
+
+        th = threading.Thread(target=delete, daemon=True)
+        th.start()
+        time.sleep(0.5)
+        res.extra["answered_while_owner_stopped"] = "answer" in box
+        os.kill(owner, signal.SIGKILL)
+        th.join(30)
+        res.extra["delete"] = box.get("answer", (None, None))[0]
+        res.extra["delete_s"] = round(box.get("s", -1.0), 2)
+        res.extra["slot_state_after"] = int(st.seg.read_slot(wid).state)
+        r = httpx.post(base + ADMIN, json={"endpoint": ep}, timeout=30)
+        res.extra["readded"] = (r.status_code, r.json().get("worker_id"))
+        res.extra["new_owner"] = st.seg.read_slot(wid).pid if int(st.seg.read_slot(wid).state) else None
+        res.extra["new_owner_differs"] = res.extra["new_owner"] not in (None, owner)
+        outs = asyncio.run(steady(base, 10.0, 1.0, lambda i: chat(tag=i), timeout=15))
+        res.add(outs)
     return res

@@ -29,7 +29,10 @@ from bench.faultsuite.scen_issue15 import (
     run_round_robin_per_model,
     run_slow_request_one_504,
 )
-from bench.faultsuite.scen_remote_admin import run_concurrent_add_remove
+from bench.faultsuite.scen_remote_admin import (
+    run_concurrent_add_remove,
+    run_mirror_owner_killed,
+)
 from bench.faultsuite.scen_request_path import (
     run_all_down_before_noticed,
     run_engine_kill_retried,
@@ -60,5 +63,5 @@ __all__ = ["BAD_ENDPOINTS", "BAD_INPUTS", "DispatchWatch", "Result", "StatusWatc
 __all__ += ["run_all_down_before_noticed", "run_engine_kill_retried", "run_framing_errors",
             "run_in_flight_retried_streamed_and_not", "run_model_known_while_down", "run_query_of_death",
             "run_sync_openai_streams_counted"]
-# issue 27 item 7, admin races on a remote worker (rows 27.7, 27.7w)
-__all__ += ["run_concurrent_add_remove"]
+# issue 27 item 7, admin races on a remote worker (rows 27.7, 27.7w, 27.7k)
+__all__ += ["run_concurrent_add_remove", "run_mirror_owner_killed"]

@@ -28,6 +28,7 @@ test_request_path.py         issue 27, the router's request path: 27.1 in-flight
                              disconnect 499; 27.9 framing errors; scenario code in
                              :mod:`bench.faultsuite.scen_request_path`
 test_remote_workers.py       issue 27.7, 4 x 50 concurrent add/remove cycles of one remote worker
-                             (one and two router processes); :mod:`bench.faultsuite.scen_remote_admin`
+                             (one and two router processes), the mirror owner killed mid-remove;
+                             :mod:`bench.faultsuite.scen_remote_admin`
 ===========================  =====================================================================
 """

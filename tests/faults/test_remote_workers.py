@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
 def _check(r) -> None:
     e = r.extra
+    assert e["one_at_a_time"] == {(201, 200): 6}, e             # one at a time: a slot each, released each
     assert e["nonempty_slots"] == [0, 1], e                  # only the two local workers' slots
     assert e["dead_slots"] == [] and e["remote_rows"] == [], e
     assert e["post_2xx_without_id"] == 0 and e["unexpected"] == [], e
@@ -30,3 +31,16 @@ def test_concurrent_add_remove_through_two_router_processes_leaves_only_the_loca
     """The same cycles through ``--workers 2``: the calls land on both processes, only one of
     which writes mirror slots; the other's answers wait until that one applied them."""
     _check(sc.run_concurrent_add_remove(threads=4, cycles=30, router_workers=2, budget_s=90))
+
+
+def test_a_remove_waiting_for_a_killed_mirror_owner_is_applied_by_the_next_one_and_leaves_no_slot():
+    """No slot without an owner: the router process that writes mirror slots is stopped while a
+    DELETE answered by the other process waits for it, then killed; the other process takes the
+    slots over, releases the removed one and answers 200."""
+    r = sc.run_mirror_owner_killed()
+    e = r.extra
+    assert e["post"][0] == 201 and e["owner_is_a_router"], e
+    assert e["answered_while_owner_stopped"] is False, e       # it waited for the owner
+    assert e["delete"] == 200 and e["slot_state_after"] == 0, e
+    assert e["readded"][0] == 201 and e["new_owner_differs"], e
+    assert r.lost == 0 and r.honest == 0 and r.ok == r.sent, lost_details(r.outcomes)
