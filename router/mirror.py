@@ -41,6 +41,12 @@ leaked slots that no one wrote or released any more, and that a DELETE could not
   small for both. Then the agent's claim wins: the leader sees its owner mark gone at its next
   write, drops that slot without touching it and claims another one (a mirror write that slipped
   in between is overwritten by the agent's next publish, which writes its whole slot).
+- **The generation counter** in the segment header is bumped by every claim and release: it tells
+  the other processes' registries that membership moved (they re-read the slots), it arbitrates
+  nothing. Limits: a dead leader's pid reused by a new agent before a successor adopts would let
+  the successor take that agent's slot only if its ``control`` were also the recorded endpoint;
+  a record lost with its state dir (removed by hand while every router was killed) leaves that
+  segment's mirror slots to be released by hand (``dplb-shm-dump`` shows them with a dead pid).
 """
 from __future__ import annotations
 
