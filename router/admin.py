@@ -254,7 +254,16 @@ def admin_router(state: Any) -> APIRouter:
         slot = mirrors.slot_of(ep)
         if slot is None:
             if ep in errors:
-                raise NoFreeSlot(f"cannot mirror {ep}: {errors[ep]}")
+                why = errors[ep]
+                if not wanted:               # a 503 changes nothing: not mirrored later when a slot frees
+                    with state.admin.edit() as store:
+                        store.mirrors.pop(ep, None)
+                        if ep in configured:
+                            store.unmirrored.add(ep)
+                    state.apply_admin()
+                    if mirrors.leader():
+                        mirrors.reconcile()
+                raise NoFreeSlot(f"cannot mirror {ep}: {why}")
             raise Conflict(f"{ep} was removed by a concurrent call before it got a slot", param="endpoint")
         await mirrors.refresh_one(ep)    # its state in its slot before we answer (leader only: no-op else)
         state.monitor.sync()

@@ -220,3 +220,16 @@ def test_admin_answers_for_a_remote_worker_added_twice_and_removed_twice(make_cl
     r = httpx.post(c.base + "/dplb/workers", json={"endpoint": c.fakes[0].endpoint})
     assert r.status_code == 409 and r.json()["error"]["code"] == 409, r.text
     assert httpx.delete(c.base + "/dplb/workers/99").status_code == 404
+
+
+def test_adding_a_remote_worker_to_a_full_segment_is_503_and_changes_nothing(make_cluster):
+    c = make_cluster(1)
+    for i in range(1, c.seg.num_slots):             # every other slot taken (by someone else)
+        c.seg.writer(i).claim(worker_id=i, pid=1, endpoint=f"/nonexistent/e{i}.sock")
+    port = free_port()
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": f"127.0.0.1:{port}"})
+    assert r.status_code == 503 and r.headers["retry-after"] and "no free slot" in r.json()["error"]["message"], r.text
+    c.seg.writer(15).release()
+    import time
+    time.sleep(0.5)                                  # a few health ticks: it is not mirrored behind our back
+    assert int(c.seg.read_slot(15).state) == 0
