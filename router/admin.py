@@ -12,7 +12,7 @@
                                            worker's socket named again: routed to again;
                                          409 the address is a local worker's that is not removed, or a
                                            concurrent DELETE undid the add before it got a slot;
-                                         503 + Retry-After no free slot; 202 {"worker_id": null,
+                                         503 + Retry-After no free slot (nothing changed); 202 {"worker_id": null,
                                            "pending": true} when the mirroring process did not apply
                                            it within ``MIRROR_WAIT_S`` (another router process)
     DELETE /dplb/workers/{id}            200 {"removed": true}: remote mirror: its slot is EMPTY when
