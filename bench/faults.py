@@ -89,6 +89,12 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
         ("27.6", sc.run_stop_under_traffic,
          kv("in_flight_at_stop", "sent_after_stop", "statuses", "finish_reasons", "refused_without_retry_after",
             "reset_before_status", "drain_limit_hit", "launcher_rc", "stop_s")),
+        ("27.7", sc.run_concurrent_add_remove, kv("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots",
+                                                   "delete_removed", "cycles_s")),
+        ("27.7w", lambda: sc.run_concurrent_add_remove(router_workers=2),
+         kv("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots", "delete_removed", "cycles_s")),
+        ("27.7k", sc.run_mirror_owner_killed, kv("post", "answered_while_owner_stopped", "delete", "delete_s",
+                                                 "slot_state_after", "readded", "new_owner_differs")),
         ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
         ("27.9", sc.run_framing_errors,
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     lost = 0
     for sid, run, notes in _scenarios():
-        if want and sid not in want and sid.rstrip("abc+") not in want:
+        if want and sid not in want and sid.rstrip("abckw+") not in want:
             continue
         t0 = time.monotonic()
         try:

@@ -3,7 +3,23 @@
     POST   /dplb/workers                 {"endpoint": "host:port" | "/abs/agent.sock", "weight": 1.0, "model": null}
                                          (a remote node's agent, its control API on TCP: mirrored;
                                          requests then go to the engine address it publishes)
-    DELETE /dplb/workers/{id}            remote mirror: slot released; local agent: no longer routed to
+                                         201 {"worker_id": N, "created": true}: mirrored in slot N (a
+                                           201 always names a slot);
+                                         200 {"worker_id": N, "created": false}: already mirrored in
+                                           slot N (nothing changed: a retried POST is harmless; to
+                                           change its weight, DELETE then POST);
+                                         200 {"worker_id": N, "restored": true}: a removed local
+                                           worker's socket named again: routed to again;
+                                         409 the address is a local worker's that is not removed, or a
+                                           concurrent DELETE undid the add before it got a slot;
+                                         503 + Retry-After no free slot (nothing changed); 202 {"worker_id": null,
+                                           "pending": true} when the mirroring process did not apply
+                                           it within ``MIRROR_WAIT_S`` (another router process)
+    DELETE /dplb/workers/{id}            200 {"removed": true}: remote mirror: its slot is EMPTY when
+                                         the answer leaves (the mirror is no longer wanted); local
+                                         agent: no longer routed to; 404 (OpenAI error shape) an
+                                         unknown id, an EMPTY slot or one already removed; 202
+                                         {"released": false} as for POST
     POST   /dplb/workers/{id}/drain      no new requests; in-flight ones finish
     POST   /dplb/workers/{id}/undrain    back in rotation
     POST   /dplb/workers/{id}/restart    the worker's agent restarts its engine (202; also lifts a
@@ -19,13 +35,21 @@ address is the socket's, never a header's: a request carrying forwarding headers
 ``X-Forwarded-For``, ``X-Real-IP``, ``Via``, ...) came through a proxy, where every client looks
 like loopback, so it is not let in as loopback: it needs the token (403 when none is set).
 
-Several router processes share the admin state through ``<state_dir>/admin.json`` (written
-atomically, re-read by every process's health tick when its mtime changes). It is run-time state:
-the last router process to exit removes it, and a restarted router starts from its config.
+Several router processes share the admin state through ``<state_dir>/admin.json``. Every change
+is a read-modify-write under an exclusive ``flock`` on ``<state_dir>/admin.lock`` that bumps the
+file's ``version`` (:meth:`AdminStore.edit`: concurrent calls through different processes never
+lose each other's changes); every process's health tick re-reads the file when its inode or
+mtime changes. Mirror slots have one owner (:mod:`router.mirror`): an add or remove answered by
+that process is applied before it answers; one answered by another process waits until the
+owner's record shows its version applied. It is run-time state: the last router process to exit
+removes it, and a restarted router starts from its config.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -36,8 +60,10 @@ from pydantic import ValidationError
 from router.config import BackendServer
 from router.errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     NoEligibleWorker,
+    NoFreeSlot,
     NotFound,
     NotSupported,
     TransportError,
@@ -68,45 +94,89 @@ def _agent_restart_wait(seg: Any, wid: int, snap: Any) -> int | None:
     return max(1, int(left + 0.999) + AGENT_START_S)
 
 
+#: seconds an admin add/remove answered by a process that does not own the mirror slots waits for
+#: the owner to apply it (it does at its next health tick)
+MIRROR_WAIT_S = 10.0
+
+
 class AdminStore:
-    """The shared admin state: drained ids, removed ids, wanted mirrors (endpoint → spec)."""
+    """The shared admin state: drained ids, removed (local) ids, mirrors added at run time
+    (endpoint → spec), configured mirrors removed at run time (``unmirrored``), and ``version``,
+    bumped by every change (module docstring)."""
 
     def __init__(self, state_dir: str) -> None:
         self.path = os.path.join(state_dir, "admin.json")
+        self.lock_path = os.path.join(state_dir, "admin.lock")
         self.state_dir = state_dir
+        self.version = 0
         self.drained: set[int] = set()
         self.removed: set[int] = set()
         self.mirrors: dict[str, dict[str, Any]] = {}
-        self._mtime = 0.0
+        self.unmirrored: set[str] = set()
+        self._stamp: tuple[int, int, int] | None = None
+
+    def _dump(self) -> bytes:
+        return orjson.dumps({"version": self.version, "drained": sorted(self.drained), "removed": sorted(self.removed),
+                             "mirrors": self.mirrors, "unmirrored": sorted(self.unmirrored)},
+                            option=orjson.OPT_SORT_KEYS)
+
+    @staticmethod
+    def _stat_stamp(st: os.stat_result) -> tuple[int, int, int]:
+        # every save is a rename of a new file: a new inode, whatever the mtime granularity
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def save(self) -> None:
-        """Write the state atomically (tmp file + rename)."""
+        """Write the state atomically (tmp file + rename); callers hold the lock (:meth:`edit`)."""
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            f.write(orjson.dumps({"drained": sorted(self.drained), "removed": sorted(self.removed),
-                                  "mirrors": self.mirrors}))
+            f.write(self._dump())
         os.replace(tmp, self.path)
-        self._mtime = os.stat(self.path).st_mtime
+        self._stamp = self._stat_stamp(os.stat(self.path))
+
+    def _load(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                d = orjson.loads(f.read())
+        except (OSError, orjson.JSONDecodeError):
+            return False
+        self._stamp = self._stat_stamp(st)
+        self.version = int(d.get("version", 0))
+        self.drained = set(d.get("drained", []))
+        self.removed = set(d.get("removed", []))
+        self.mirrors = dict(d.get("mirrors", {}))
+        self.unmirrored = set(d.get("unmirrored", []))
+        return True
 
     def reload_if_changed(self) -> bool:
         """Re-read the file when another process changed it; True when something was loaded."""
         try:
-            m = os.stat(self.path).st_mtime
+            stamp = self._stat_stamp(os.stat(self.path))
         except FileNotFoundError:
             return False
-        if m == self._mtime:
+        if stamp == self._stamp:
             return False
+        return self._load()
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[AdminStore]:
+        """Read-modify-write of the shared state: holds the exclusive lock, re-reads the file,
+        yields the store; when the body changed something, bumps ``version`` and saves before the
+        lock is dropped. A body that raises saves nothing (it must raise before changing). The
+        body must not await: the lock blocks every other router process's admin calls."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            with open(self.path, "rb") as f:
-                d = orjson.loads(f.read())
-        except (OSError, orjson.JSONDecodeError):
-            return False
-        self._mtime = m
-        self.drained = set(d.get("drained", []))
-        self.removed = set(d.get("removed", []))
-        self.mirrors = dict(d.get("mirrors", {}))
-        return True
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._load()
+            before = self._dump()
+            yield self
+            if self._dump() != before:
+                self.version += 1
+                self.save()
+        finally:
+            os.close(fd)
 
 
 def forwarded(request: Request) -> bool:
@@ -165,22 +235,59 @@ def admin_router(state: Any) -> APIRouter:
             raise BadRequest(f"invalid worker: {field}: {msg}", param=field or "endpoint") from None
         if not spec.endpoint:
             raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
-        store: AdminStore = state.admin
-        # a local worker that was removed earlier comes back by naming its agent's (or engine's) socket again
-        for s in state.seg.snapshot():
-            if int(s.state) != 0 and spec.endpoint in (s.endpoint, s.control) and s.worker_id in store.removed \
-                    and spec.endpoint not in store.mirrors:
-                store.removed.discard(s.worker_id)
-                store.save()
-                state.apply_admin()
-                return _json({"worker_id": s.worker_id, "endpoint": spec.endpoint, "restored": True})
-        store.mirrors[spec.endpoint] = {"weight": spec.weight, "model": spec.model}
-        store.save()
+        ep = spec.endpoint
+        mirrors = state.mirrors
+        configured = {b.endpoint for b in state.cfg.backend_servers}
+        # one synchronous section (no await) from the read of the state to its change: in this
+        # process nothing else runs in between, across processes the store's lock serializes
+        with state.admin.edit() as store:
+            wanted = ep in store.mirrors or (ep in configured and ep not in store.unmirrored)
+            owner = mirrors.owner_pid()
+            local = None if wanted else next(
+                (s for s in state.seg.snapshot()
+                 if int(s.state) != 0 and ep in (s.endpoint, s.control) and not mirrors.is_mirror_slot(s, owner)),
+                None)
+            if local is not None:
+                # a local worker that was removed earlier comes back by naming its agent's (or engine's) socket again
+                if local.worker_id not in store.removed:
+                    raise Conflict(f"{ep} is worker {local.worker_id}'s address (a local agent, not removed)",
+                                   param="endpoint")
+                store.removed.discard(local.worker_id)
+            elif not wanted:
+                store.unmirrored.discard(ep)
+                if ep not in configured:
+                    store.mirrors[ep] = {"weight": spec.weight, "model": spec.model}
+        version = state.admin.version    # bumped by the edit's save, when it changed something
         state.apply_admin()
-        await state.mirrors.tick()
+        if local is not None:
+            state.monitor.sync()
+            return _json({"worker_id": local.worker_id, "endpoint": ep, "restored": True})
+        if mirrors.leader():
+            mirrors.reconcile()
+            errors = mirrors.errors
+        else:
+            rec = await mirrors.wait_applied(version, MIRROR_WAIT_S)
+            if rec is None:
+                return _json({"worker_id": None, "endpoint": ep, "mirrored": True, "pending": True}, 202)
+            errors = rec.get("errors", {})
+        slot = mirrors.slot_of(ep)
+        if slot is None:
+            if ep in errors:
+                why = errors[ep]
+                if not wanted:               # a 503 changes nothing: not mirrored later when a slot frees
+                    with state.admin.edit() as store:
+                        store.mirrors.pop(ep, None)
+                        if ep in configured:
+                            store.unmirrored.add(ep)
+                    state.apply_admin()
+                    if mirrors.leader():
+                        mirrors.reconcile()
+                raise NoFreeSlot(f"cannot mirror {ep}: {why}")
+            raise Conflict(f"{ep} was removed by a concurrent call before it got a slot", param="endpoint")
+        await mirrors.refresh_one(ep)    # its state in its slot before we answer (leader only: no-op else)
         state.monitor.sync()
-        slot = state.mirrors.slot_of(spec.endpoint)
-        return _json({"worker_id": slot, "endpoint": spec.endpoint, "mirrored": True}, 201)
+        return _json({"worker_id": slot, "endpoint": ep, "mirrored": True, "created": not wanted},
+                     200 if wanted else 201)
 
     def _known(wid: int) -> Any:
         h = state.registry.handles.get(wid)
@@ -191,17 +298,34 @@ def admin_router(state: Any) -> APIRouter:
     @r.delete("/dplb/workers/{wid}")
     async def remove_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
-        h = _known(wid)
-        store: AdminStore = state.admin
-        ep = h.control if h is not None else None   # a mirror is keyed by its agent's address
-        if ep is not None and ep in store.mirrors:
-            del store.mirrors[ep]
-        else:
-            store.removed.add(wid)
-        store.drained.discard(wid)
-        store.save()
+        if not 0 <= wid < state.seg.num_slots:
+            raise NotFound(f"no worker with id {wid}", param="id")
+        mirrors = state.mirrors
+        configured = {b.endpoint for b in state.cfg.backend_servers}
+        with state.admin.edit() as store:
+            snap = state.seg.read_slot(wid)
+            if int(snap.state) == 0:
+                raise NotFound(f"no worker with id {wid}", param="id")
+            mirror = mirrors.is_mirror_slot(snap, mirrors.owner_pid())
+            if mirror:
+                ep = snap.control
+                if ep not in store.mirrors and (ep not in configured or ep in store.unmirrored):
+                    raise NotFound(f"worker {wid} (remote, {ep}) was already removed", param="id")
+                store.mirrors.pop(ep, None)
+                if ep in configured:
+                    store.unmirrored.add(ep)
+            else:
+                if wid in store.removed:
+                    raise NotFound(f"worker {wid} was already removed", param="id")
+                store.removed.add(wid)
+            store.drained.discard(wid)
+        version = state.admin.version
         state.apply_admin()
-        await state.mirrors.tick()
+        if mirror:
+            if mirrors.leader():
+                mirrors.reconcile()          # its slot is EMPTY from here on
+            elif await mirrors.wait_applied(version, MIRROR_WAIT_S) is None:
+                return _json({"worker_id": wid, "removed": True, "released": False}, 202)
         state.monitor.sync()
         return _json({"worker_id": wid, "removed": True})
 
@@ -244,8 +368,8 @@ def admin_router(state: Any) -> APIRouter:
     async def drain_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
         _known(wid)
-        state.admin.drained.add(wid)
-        state.admin.save()
+        with state.admin.edit() as store:
+            store.drained.add(wid)
         state.apply_admin()
         return _json({"worker_id": wid, "draining": True})
 
@@ -253,8 +377,8 @@ def admin_router(state: Any) -> APIRouter:
     async def undrain_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
         _known(wid)
-        state.admin.drained.discard(wid)
-        state.admin.save()
+        with state.admin.edit() as store:
+            store.drained.discard(wid)
         state.apply_admin()
         return _json({"worker_id": wid, "draining": False})
 

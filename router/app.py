@@ -76,7 +76,7 @@ def attach_segment(name: str, wait_s: float = 10.0) -> Any:
 def remove_state_dir(path: str) -> None:
     """Remove the router's state files (admin.json, locks) and the directory if it is then empty.
     Admin changes (drain, remove, add) are run-time state: a restarted router starts from config."""
-    for name in ("admin.json", "mirror.lock", "routers.lock"):
+    for name in ("admin.json", "admin.lock", "mirror.lock", "mirror-slots.json", "routers.lock"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
     with contextlib.suppress(OSError):
@@ -235,9 +235,11 @@ class RouterState:
         self.registry.removed = set(a.removed)
         for wid, h in self.registry.handles.items():
             h.drained = wid in a.drained
-        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers}
+        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers
+                  if b.endpoint not in a.unmirrored}
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
+        self.mirrors.version = a.version
 
     async def _sweep(self) -> None:
         """Health-tick extra: non-streamed requests past their estimated TTFT leave prefill; the

@@ -6,12 +6,15 @@ Tree (HTTP status in brackets; rendered only at the edge, by :func:`router.proto
     ├── BadRequest          [400]       malformed JSON, wrong field types
     ├── Unauthorized        [401]       missing/wrong API key or admin token
     ├── Forbidden           [403]       admin call from a non-loopback client
-    ├── NotFound            [404]       unknown model, unknown worker id, unknown path
+    ├── NotFound            [404]       unknown model, unknown (or already removed) worker id, unknown path
+    ├── Conflict            [409]       admin add of an address another worker (a local agent) holds, or
+    │                                   that a concurrent remove undid before it got a slot
     ├── BodyTooLarge        [413]       request body above ``max_body_bytes``
     ├── UnsupportedMediaType [415]      a Content-Type other than application/json
     ├── HeadersTooLarge     [431]       request headers above ``max_header_bytes`` / ``max_headers``
     ├── NotSupported        [501]       the worker has no such API (admin restart of a non-agent)
     ├── NoEligibleWorker    [503]       no ready worker can take the request (Retry-After)
+    ├── NoFreeSlot          [503]       admin add of a remote worker with every segment slot taken
     ├── UpstreamError       [502]       the worker failed (refused, dropped, 5xx) and no retry helped
     ├── GatewayTimeout      [504]       the worker did not answer within the first-byte timeout
     └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
@@ -47,6 +50,14 @@ class NotFound(RouterError):
 
     status = 404
     type = "not_found_error"
+
+
+class Conflict(RouterError):
+    """An admin call that contradicts the current state (409): adding an address a local agent's
+    slot already holds, or a remote worker that a concurrent remove undid before it got a slot."""
+
+    status = 409
+    type = "conflict_error"
 
 
 class BodyTooLarge(RouterError):
@@ -94,6 +105,16 @@ class NoEligibleWorker(RouterError):
         super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class NoFreeSlot(RouterError):
+    """Adding a remote worker found every slot of the segment taken (503 + ``Retry-After``)."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 5, **kw: Any) -> None:
+        super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
 
 
 class UpstreamError(RouterError):
@@ -148,6 +169,6 @@ class TransportError(Exception):
         self.detail = detail
 
 
-__all__ = ["BadRequest", "BodyTooLarge", "ConfigError", "Forbidden", "GatewayTimeout", "HeadersTooLarge",
-           "NoEligibleWorker", "NotFound", "NotSupported", "RouterError", "TransportError", "Unauthorized",
+__all__ = ["BadRequest", "BodyTooLarge", "ConfigError", "Conflict", "Forbidden", "GatewayTimeout", "HeadersTooLarge",
+           "NoEligibleWorker", "NoFreeSlot", "NotFound", "NotSupported", "RouterError", "TransportError", "Unauthorized",
            "UnsupportedMediaType", "UpstreamError", "error_body", "sse_error_event"]

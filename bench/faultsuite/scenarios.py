@@ -1,5 +1,6 @@
 """Fault scenarios of issues 8, 15 (13-19: :mod:`bench.faultsuite.scen_issue15`) and 27 (27.*:
-:mod:`bench.faultsuite.scen_request_path`, :mod:`bench.faultsuite.scen_router_procs`) as plain functions that run real processes and return counted results.
+:mod:`bench.faultsuite.scen_request_path`, :mod:`bench.faultsuite.scen_router_procs`, 27.7:
+:mod:`bench.faultsuite.scen_remote_admin`) as plain functions that run real processes and return counted results.
 
 Each ``run_*`` function builds its own :class:`bench.faultsuite.cluster.Stack`, injects one fault,
 drives bounded traffic through the router, tears everything down and returns a :class:`Result`
@@ -29,6 +30,10 @@ from bench.faultsuite.scen_issue15 import (
     run_header_limits,
     run_round_robin_per_model,
     run_slow_request_one_504,
+)
+from bench.faultsuite.scen_remote_admin import (
+    run_concurrent_add_remove,
+    run_mirror_owner_killed,
 )
 from bench.faultsuite.scen_request_path import (
     run_all_down_before_noticed,
@@ -73,3 +78,5 @@ __all__ += [
 __all__ += ["run_killed_agent_restarted"]
 # issue 27 item 6, a stop under traffic (row 27.6)
 __all__ += ["run_stop_under_traffic"]
+# issue 27 item 7, admin races on a remote worker (rows 27.7, 27.7w, 27.7k)
+__all__ += ["run_concurrent_add_remove", "run_mirror_owner_killed"]

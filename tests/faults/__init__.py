@@ -33,5 +33,8 @@ test_agents_come_back.py     issue 27.5: kill -9 of an agent under a real launch
 test_stop_under_traffic.py   issue 27 item 6 (27.6): Ctrl-C of the launcher under streams, no stream
                              ends with ``abort``, refusals are 503 + Retry-After; scenario code in
                              :mod:`bench.faultsuite.scen_stop`
+test_remote_workers.py       issue 27.7, 4 x 50 concurrent add/remove cycles of one remote worker
+                             (one and two router processes), the mirror owner killed mid-remove;
+                             :mod:`bench.faultsuite.scen_remote_admin`
 ===========================  =====================================================================
 """

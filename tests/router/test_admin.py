@@ -153,6 +153,12 @@ def test_remote_backend_from_config_is_mirrored_with_its_weight(make_cluster, pr
     assert rows[15]["endpoint"] == f"127.0.0.1:{port}" and rows[15]["weight"] == 3.0 and rows[15]["eligible"]
     wait_until(lambda: "15" in served_by(c.base, 10), 20, what="traffic to the configured remote worker")
     assert remote.client().stats()["requests"] > 0
+    # removed at run time (its slot released, not hidden), then added back
+    assert httpx.delete(c.base + "/dplb/workers/15").status_code == 200
+    assert int(c.seg.read_slot(15).state) == 0
+    assert httpx.delete(c.base + "/dplb/workers/15").status_code == 404
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": f"127.0.0.1:{port}"})
+    assert r.status_code == 201 and r.json()["worker_id"] == 15, r.text
 
 
 def test_admin_is_loopback_only_by_default():
@@ -188,3 +194,42 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path):
     r = subprocess.run([sys.executable, "-m", "router", "--config", str(p)], cwd=ROOT, capture_output=True,
                        text=True, timeout=60, check=False)
     assert r.returncode == 2 and "circuit_breaker.minimum_requests" in r.stderr
+
+
+def test_admin_answers_for_a_remote_worker_added_twice_and_removed_twice(make_cluster):
+    """Issue 27 item 7: a 201 names a slot; adding it again answers 200 with the same id (nothing
+    changed); a DELETE empties the slot; a second DELETE (or one of a removed local worker) is 404
+    in the OpenAI error shape; a local worker's own address is not mirrored over it (409)."""
+    c = make_cluster(1)
+    port = free_port()
+    start_fake(c.procs, None, 5, c.dir, port=port)
+    ep = f"127.0.0.1:{port}"
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": ep})
+    assert r.status_code == 201 and r.json()["worker_id"] == 15 and r.json()["created"] is True, r.text
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": ep, "weight": 5.0})
+    assert r.status_code == 200 and r.json()["worker_id"] == 15 and r.json()["created"] is False, r.text
+    assert c.seg.read_slot(15).weight == 1.0                    # nothing changed
+    assert httpx.delete(c.base + "/dplb/workers/15").status_code == 200
+    assert int(c.seg.read_slot(15).state) == 0                  # EMPTY when the answer left
+    r = httpx.delete(c.base + "/dplb/workers/15")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert httpx.delete(c.base + "/dplb/workers/0").status_code == 200
+    r = httpx.delete(c.base + "/dplb/workers/0")
+    assert r.status_code == 404 and "already removed" in r.json()["error"]["message"], r.text
+    assert httpx.post(c.base + "/dplb/workers", json={"endpoint": c.fakes[0].endpoint}).status_code == 200
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": c.fakes[0].endpoint})
+    assert r.status_code == 409 and r.json()["error"]["code"] == 409, r.text
+    assert httpx.delete(c.base + "/dplb/workers/99").status_code == 404
+
+
+def test_adding_a_remote_worker_to_a_full_segment_is_503_and_changes_nothing(make_cluster):
+    c = make_cluster(1)
+    for i in range(1, c.seg.num_slots):             # every other slot taken (by someone else)
+        c.seg.writer(i).claim(worker_id=i, pid=1, endpoint=f"/nonexistent/e{i}.sock")
+    port = free_port()
+    r = httpx.post(c.base + "/dplb/workers", json={"endpoint": f"127.0.0.1:{port}"})
+    assert r.status_code == 503 and r.headers["retry-after"] and "no free slot" in r.json()["error"]["message"], r.text
+    c.seg.writer(15).release()
+    import time
+    time.sleep(0.5)                                  # a few health ticks: it is not mirrored behind our back
+    assert int(c.seg.read_slot(15).state) == 0
