@@ -3,7 +3,7 @@
 ``launch_dplb.sh --num-workers N [--gpus LIST] [--engine sim|vllm|sglang|openai] [--model M]
 [--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
-[-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
+[--no-router] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
 
 Exit status: 0 after a requested stop, 1 when a start failed or the router died, 2 for a usage
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
+    p.add_argument("--no-router", action="store_true",
+                   help="start the segment and the workers only; routers run elsewhere (e.g. another container "
+                        "sharing this IPC namespace and --run-dir): dplb-router --shm <segment> --port <port>")
     p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -197,7 +200,8 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
-        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers)
+        start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers,
+        with_router=not args.no_router)
 
 
 def plan_document(cfg: LaunchConfig) -> dict:
@@ -209,7 +213,7 @@ def plan_document(cfg: LaunchConfig) -> dict:
         "workers": [{"worker_id": k, "engine": w.engine, "model": w.model, "gpus": w.gpus, "tp_size": w.tp_size,
                      "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k)}
                     for k, w in enumerate(cfg.workers)],
-        "router": {"argv": cfg.router_argv()},
+        "router": {"argv": cfg.router_argv()} if cfg.with_router else None,
     }
 
 
@@ -228,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in doc["workers"]:
                     print(f"worker {w['worker_id']}: CUDA_VISIBLE_DEVICES={w['cuda_visible_devices'] or '(unset)'} "
                           + " ".join(w["argv"]))
-                print("router: " + " ".join(doc["router"]["argv"]))
+                print("router: " + (" ".join(doc["router"]["argv"]) if doc["router"] else "none (--no-router)"))
             return 0
         return Supervisor(cfg).run()
     except LaunchError as e:
