@@ -518,9 +518,13 @@ class Supervisor:
             raise _Stop()
 
     def _sleep(self, s: float) -> None:
+        """Sleep ``s`` seconds in steps of at most 50 ms, returning early on a stop signal."""
         end = time.monotonic() + s
-        while self._stop_sig is None and time.monotonic() < end:
-            time.sleep(min(0.05, end - time.monotonic()) if end > time.monotonic() else 0)
+        while self._stop_sig is None:
+            left = end - time.monotonic()   # read the clock once: a second read may already be past ``end``
+            if left <= 0:
+                return
+            time.sleep(min(0.05, left))
 
     def _progress(self, line: str, final: bool = False) -> None:
         if self._tty:

@@ -1,6 +1,7 @@
-"""The launcher refuses to start when /dev/shm cannot hold the segment (a container's /dev/shm is
-64 MB unless ``--shm-size`` says otherwise): a clear error naming ``--shm-size`` before the segment
-is created, instead of the SIGBUS tmpfs deals the first write past its limit (issue 31)."""
+"""Checks of the launcher's start-up in-process (issue 31): it refuses to start when /dev/shm cannot
+hold the segment (a container's /dev/shm is 64 MB unless ``--shm-size`` says otherwise) with a
+clear error naming ``--shm-size`` before the segment is created, instead of the SIGBUS tmpfs deals
+the first write past its limit; and its waiting loop never asks for a negative sleep."""
 from __future__ import annotations
 
 import io
@@ -81,3 +82,22 @@ def test_launch_stops_before_creating_the_segment(monkeypatch, run_dir):
     finally:
         sup.shutdown()
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
+
+
+def test_sleep_never_asks_for_a_negative_sleep(monkeypatch):
+    """Regression (found by the container test, where the launch died with ``ValueError: sleep
+    length must be non-negative`` on a busy machine): the clock passing ``end`` between the loop's
+    reads made ``_sleep`` compute a negative length."""
+    clock = iter([0.0, 0.2, 0.24, 0.3, 0.3, 0.3, 0.3])
+    slept: list[float] = []
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: next(clock))
+
+    def fake_sleep(s: float) -> None:
+        if s < 0:
+            raise ValueError("sleep length must be non-negative")
+        slept.append(s)
+
+    monkeypatch.setattr(supervisor.time, "sleep", fake_sleep)
+    cfg = LaunchConfig(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]], tp_size=0), engine="sim")
+    Supervisor(cfg, out=io.StringIO())._sleep(0.25)
+    assert all(0 < s <= 0.05 for s in slept), slept
