@@ -52,7 +52,8 @@ ARG DEBIAN_FRONTEND=noninteractive
 # is then not needed (it would only add a second init in front of this one).
 RUN set -eu; \
     if ! command -v tini >/dev/null 2>&1; then \
-        apt-get update -qq && apt-get install -y -qq --no-install-recommends tini && rm -rf /var/lib/apt/lists/*; \
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends tini \
+            && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log; \
     fi; \
     groupadd --gid 10001 dplb && useradd --uid 10001 --gid 10001 --home-dir /home/dplb --create-home \
         --shell /bin/sh dplb; \

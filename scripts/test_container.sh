@@ -111,7 +111,11 @@ else
     ((${#sources[@]})) || fail "no apt source for $CODENAME in /etc/apt/sources.list*"
     say "building the base image $BASE with mmdebstrap from: ${sources[*]}"
     t=$(now)
+    # no manuals, translations or docs (copyrights kept); the dpkg options stay in the image, so
+    # the Dockerfile's own apt installs follow them too
     mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates \
+        --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+        --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
         "$CODENAME" "$WORK/rootfs.tar" "${sources[@]}"
     podman import --change 'CMD ["/bin/bash"]' "$WORK/rootfs.tar" "$BASE" >/dev/null
     rm -f "$WORK/rootfs.tar"
