@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.dplb-installed
 
-.PHONY: install build test test-fast test-faults test-vllm test-fidelity bench-kernel bench bench-quick bench-faults bench-simulate soak lint typecheck clean
+.PHONY: install build test test-fast test-faults test-vllm test-fidelity test-container bench-kernel bench bench-quick bench-faults bench-simulate soak lint typecheck clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ test-vllm: install build
 
 test-fidelity: install build
 	bash scripts/test_fidelity.sh
+
+# builds the image with podman (no registry: a local Debian base) and runs it; root, podman (see
+# scripts/podman_host_setup.sh); not part of `make test`, run by .ci/run after it
+test-container:
+	bash scripts/test_container.sh
 
 bench-kernel: install build
 	$(PY) -m bench.kernel

@@ -4,7 +4,7 @@
 [--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
 [--agent-restart-max 5] [--agent-restart-window 600] [--agent-restart-backoff 1] [--agent-restart-backoff-max 60]
-[--drain-timeout 30] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
+[--drain-timeout 30] [--no-router] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
 
 Exit status: 0 after a requested stop, 1 when a start failed or the router died, 2 for a usage
@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the drain limit: at a stop, seconds the requests in flight may take to finish before "
                         f"the engines are stopped anyway; the launcher waits {STOP_MARGIN_S:g} s more for the "
                         "workers to exit, then stops what is left")
+    p.add_argument("--no-router", action="store_true",
+                   help="start the segment and the workers only; routers run elsewhere (e.g. another container "
+                        "sharing this IPC namespace and --run-dir): dplb-router --shm <segment> --port <port>")
     p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -226,7 +229,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
         start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers,
-        agent_restart=agent_restart, drain_timeout_s=args.drain_timeout)
+        agent_restart=agent_restart, drain_timeout_s=args.drain_timeout, with_router=not args.no_router)
 
 
 def agent_restart_params(args: argparse.Namespace) -> RestartParams:
@@ -252,7 +255,7 @@ def plan_document(cfg: LaunchConfig) -> dict:
         "workers": [{"worker_id": k, "engine": w.engine, "model": w.model, "gpus": w.gpus, "tp_size": w.tp_size,
                      "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k)}
                     for k, w in enumerate(cfg.workers)],
-        "router": {"argv": cfg.router_argv()},
+        "router": {"argv": cfg.router_argv()} if cfg.with_router else None,
         "agent_restart": {"max": cfg.agent_restart.max_restarts, "window_s": cfg.agent_restart.window_s,
                           "backoff_s": cfg.agent_restart.backoff_s, "backoff_max_s": cfg.agent_restart.backoff_max_s},
     }
@@ -273,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in doc["workers"]:
                     print(f"worker {w['worker_id']}: CUDA_VISIBLE_DEVICES={w['cuda_visible_devices'] or '(unset)'} "
                           + " ".join(w["argv"]))
-                print("router: " + " ".join(doc["router"]["argv"]))
+                print("router: " + (" ".join(doc["router"]["argv"]) if doc["router"] else "none (--no-router)"))
             return 0
         return Supervisor(cfg).run()
     except LaunchError as e:

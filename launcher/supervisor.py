@@ -11,11 +11,14 @@ why, after undoing the steps before it):
    undoes only what this launch owns;
 1. check the router port is free and the run dir's socket paths fit ``sun_path`` (108 bytes);
 2. create the run dir (mode 0700) and drop sockets a previous run left behind;
-3. create the segment ``dplb-<port>`` (64 slots, replacing a stale one — the port being free
-   means no live launch owns it);
+3. check ``/dev/shm`` has room for the segment (:func:`check_shm_space`: a container's default
+   64 MB, or a ``--shm-size`` too small, would otherwise end in SIGBUS on the first write past the
+   limit) and create the segment ``dplb-<port>`` (64 slots, replacing a stale one — the port being
+   free means no live launch owns it);
 4. start the N agents (``python -m worker_agent``, ``CUDA_VISIBLE_DEVICES`` = the worker's GPU
-   group) and the router (``python -m router``), each in its own process group, logs in the run
-   dir;
+   group) and the router (``python -m router``; not with ``--no-router``: the routers run
+   elsewhere, e.g. another container sharing this IPC namespace and run dir), each in its own
+   process group, logs in the run dir;
 5. wait until every agent's slot is READY and the router answers ``GET /health`` with 200,
    printing progress from the slot states; a child that exits, or a slot that turns DEAD,
    stops the launch with that child's log's last lines;
@@ -122,6 +125,11 @@ class LaunchConfig:
     #: the drain limit: what the agents and the router are told (``--drain-timeout``)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     python: str = sys.executable
+    #: start no router: the agents and the segment only (``--no-router``); routers elsewhere attach to
+    #: ``shm_name`` and reach the engines through the run dir's sockets
+    with_router: bool = True
+    #: where POSIX shared memory lives (the free space :func:`check_shm_space` checks)
+    shm_dir: Path = Path("/dev/shm")
     agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
     router_module: str = "router"
     #: every worker's plan (:class:`launcher.specs.WorkerPlan`); empty: one model for all, from
@@ -263,13 +271,15 @@ class Supervisor:
             release_lock(locks[0])
             raise
         self._locks = locks
-        check_port_free(cfg.host, cfg.port)
+        if cfg.with_router:
+            check_port_free(cfg.host, cfg.port)
         longest = cfg.run_dir / f"engine-{cfg.num_workers - 1}.sock"
         if len(os.fsencode(longest)) > SUN_PATH_MAX:
             raise UsageError(f"run dir {cfg.run_dir} is too long for Unix socket paths ({longest} > "
                              f"{SUN_PATH_MAX} bytes); set DPLB_RUN_DIR to a shorter directory")
         prepare_run_dir(cfg.run_dir)
         become_subreaper()
+        check_shm_space(cfg.shm_dir, cfg.shm_name, cfg.num_slots)
         seg_cls = self._segment_api or _segment_class()
         self.segment = seg_cls.create(cfg.shm_name, num_slots=cfg.num_slots, replace=True)
         self._say(f"dplb: {cfg.num_workers} worker(s), {describe_workers(cfg.workers)}; segment {cfg.shm_name}; "
@@ -278,7 +288,8 @@ class Supervisor:
             self._check_stop()
             self.agents.append(self._start(f"worker {k}", cfg.agent_argv(k), cfg.run_dir / f"agent-{k}.log",
                                            cfg.child_env(k)))
-        self.router = self._start("router", cfg.router_argv(), cfg.run_dir / "router.log", cfg.child_env(None))
+        if cfg.with_router:
+            self.router = self._start("router", cfg.router_argv(), cfg.run_dir / "router.log", cfg.child_env(None))
 
     def wait_ready(self) -> None:
         """Step 5: poll slots and the router until all are ready; progress on ``out``."""
@@ -289,7 +300,7 @@ class Supervisor:
             self._check_stop()
             self._check_children(starting=True)
             states = self.slot_states()
-            router_ok = http_ok(cfg.url + "/health")
+            router_ok = http_ok(cfg.url + "/health") if cfg.with_router else True
             ready = sum(1 for s in states if s == "READY")
             for k, s in enumerate(states):
                 if s == "DEAD":  # the agent lives on but its engine died: no point waiting
@@ -298,7 +309,7 @@ class Supervisor:
                                           reason="marked its slot DEAD (its engine failed)")
             line = (f"[{time.monotonic() - t0:5.1f}s] workers ready {ready}/{cfg.num_workers}: "
                     + " ".join(f"{k}:{s}" for k, s in enumerate(states))
-                    + f" | router: {'up' if router_ok else 'starting'}")
+                    + (f" | router: {'up' if router_ok else 'starting'}" if cfg.with_router else ""))
             if ready == cfg.num_workers and router_ok:
                 self._progress(line, final=True)
                 return
@@ -397,12 +408,16 @@ class Supervisor:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
         (the drain limit + :data:`STOP_MARGIN_S`) for them to exit: each marks its slot DRAINING
         (the router stops sending it requests), waits until the router's in-flight count for it is
-        0 and stays so, or its drain limit has passed, and stops its engine. Stopping everything at once instead made each engine abort what it was generating
-        (a stream ended with ``finish_reason: "abort"``). Skipped when the router is gone: nothing
-        is in flight through it. A second Ctrl-C (:meth:`_on_signal`) kills everything at once."""
+        0 and stays so, or its drain limit has passed, and stops its engine. Stopping everything at
+        once instead made each engine abort what it was generating (a stream ended with
+        ``finish_reason: "abort"``). Skipped when our router is gone: nothing is in flight through
+        it (with ``--no-router`` the routers are elsewhere and may still relay: always drained). A
+        second Ctrl-C (:meth:`_on_signal`) kills everything at once."""
         router = self.router
         agents = [a for a in self.agents if a.poll() is None]
-        if not agents or router is None or router.poll() is not None:
+        if not agents:
+            return
+        if self.cfg.with_router and (router is None or router.poll() is not None):
             return
         for a in agents:
             try:
@@ -449,8 +464,23 @@ class Supervisor:
         return self.served_models()[0]
 
     def print_banner(self) -> None:
-        """The ready banner: URL, a curl line, the segment dump command, logs, how to stop."""
+        """The ready banner: URL, a curl line, the segment dump command, logs, how to stop (with
+        ``--no-router``: the segment and the command that starts a router on it)."""
         cfg = self.cfg
+        if not cfg.with_router:
+            lines = [
+                "",
+                (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
+                 f"no router (--no-router); segment {cfg.shm_name}"),
+                f"  models           {', '.join(self.served_models())}",
+                (f"  start a router   dplb-router --shm {cfg.shm_name} --port {cfg.port}   (same IPC namespace, "
+                 f"and {cfg.run_dir} mounted at the same path: the engines' sockets are there)"),
+                f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
+                f"  logs             {cfg.run_dir}/agent-<k>.log, {cfg.run_dir}/engine-<k>.log",
+                "Press Ctrl-C to drain and stop every worker and engine.",
+            ]
+            self._say("\n".join(lines))
+            return
         body = orjson.dumps({"model": self.served_model(), "messages": [{"role": "user", "content": "Hello!"}],
                              "max_tokens": 32}).decode()
         lines = [
@@ -590,9 +620,13 @@ class Supervisor:
             raise _Stop()
 
     def _sleep(self, s: float) -> None:
+        """Sleep ``s`` seconds in steps of at most 50 ms, returning early on a stop signal."""
         end = time.monotonic() + s
-        while self._stop_sig is None and time.monotonic() < end:
-            time.sleep(min(0.05, end - time.monotonic()) if end > time.monotonic() else 0)
+        while self._stop_sig is None:
+            left = end - time.monotonic()   # read the clock once: a second read may already be past ``end``
+            if left <= 0:
+                return
+            time.sleep(min(0.05, left))
 
     def _progress(self, line: str, final: bool = False) -> None:
         if self._tty:
@@ -699,6 +733,48 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise UsageError(f"port {port} on {host} is not free ({e.strerror}); is another DPLB running? "
                              f"Choose another with --port") from None
+
+
+def segment_bytes(num_slots: int) -> int:
+    """Size in bytes of a segment of ``num_slots`` slots: the 128-byte header plus 1,536 bytes per
+    slot (``DPLB_HEADER_SIZE + num_slots * DPLB_SLOT_SIZE``, csrc/dplb_shm.h; 98,432 B for 64)."""
+    from dplb_shm.layout import HEADER_SIZE, SLOT_SIZE
+
+    return HEADER_SIZE + num_slots * SLOT_SIZE
+
+
+def check_shm_space(shm_dir: Path, name: str, num_slots: int) -> None:
+    """Raise :class:`UsageError` when ``shm_dir`` (``/dev/shm``) has less free space than the segment
+    ``name`` of ``num_slots`` slots needs (:func:`segment_bytes`), counting the space of a stale
+    segment of the same name that the launch replaces. The message names ``--shm-size``.
+
+    Why before creating it: tmpfs accepts an ``ftruncate`` past its limit (the file is sparse), and
+    the first write to a page beyond it kills the writer with SIGBUS, an error that names nothing.
+    A container's ``/dev/shm`` is 64 MB unless ``--shm-size`` says otherwise, and the engines
+    (NCCL, PyTorch's worker processes) share it. Nothing is checked when ``shm_dir`` cannot be
+    read (no ``/dev/shm``: creating the segment then fails with its own error)."""
+    need = segment_bytes(num_slots)
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    try:
+        free += os.stat(shm_dir / name).st_blocks * 512   # the stale segment we unlink first
+    except OSError:
+        pass
+    if free >= need:
+        return
+    total = st.f_blocks * st.f_frsize
+    raise UsageError(
+        f"{shm_dir} has {_kib(free)} free of {_kib(total)}, but the segment {name} needs {_kib(need)} "
+        f"({num_slots} slots x 1536 B + 128 B header); give the container a larger /dev/shm: "
+        f"docker/podman run --shm-size=1g (compose: shm_size: 1g; the engines use /dev/shm too), "
+        f"or free space in {shm_dir}")
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1024 * 1024 else f"{n / 1048576:.1f} MiB"
 
 
 def prepare_run_dir(path: Path) -> None:

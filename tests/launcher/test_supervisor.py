@@ -250,3 +250,29 @@ def test_a_second_launch_on_the_same_port_is_refused_and_leaves_the_first_intact
     assert p.wait(timeout=60) == 0
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
     assert not (Path(run_dir) / "rd" / "launch.lock").exists()   # the locks go with their launch
+
+
+def test_no_router_starts_the_workers_only_and_still_drains_them(procs, run_dir, port):
+    """``--no-router`` (the agents' container of a split deployment): the segment and the workers,
+    no router, the port may be taken by a router elsewhere; a stop still drains every worker (a
+    router in another container may be relaying) and unlinks the segment."""
+    import json
+    import socket
+
+    with socket.socket() as taken:                # the router of the other container listens here
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        p, log = start(procs, run_dir, port, "--num-workers", "2", "--no-router", env={"FAKE_DRAIN_S": "0.5"})
+        wait_until(lambda: banner_seen(log) or p.poll() is not None, timeout=90, what="ready banner")
+        out = log.read_text()
+        assert p.poll() is None, out
+        assert "no router (--no-router)" in out and f"dplb-router --shm dplb-{port} --port {port}" in out
+        assert "router:" not in out.split("DPLB ready")[0]     # progress lines name no router
+        assert not (Path(run_dir) / "rd" / "router.log").exists()
+        assert os.path.exists(f"/dev/shm/dplb-{port}")
+        os.kill(p.pid, signal.SIGINT)
+        assert p.wait(timeout=60) == 0, log.read_text()
+    for k in range(2):   # drained alone first: its engine ran through the drain (not stopped with it)
+        seen = json.loads((Path(run_dir) / "rd" / f"drain-{k}.json").read_text())
+        assert seen["begin"]["engine"] and seen["end"]["engine"], seen
+    assert not os.path.exists(f"/dev/shm/dplb-{port}")
