@@ -63,7 +63,12 @@ REASONS = {"none": 0, "engine_exited": 1, "start_failed": 2, "gave_up": 3, "admi
 
 
 class MirrorManager:
-    """Keeps ``wanted`` remote endpoints mirrored. ``wanted``: endpoint → {"weight", "model"}."""
+    """Keeps ``wanted`` remote endpoints mirrored. ``wanted``: endpoint → {"weight", "model"}.
+    Subclasses that write other slots of the same segment (``dplb-epp``'s scraped endpoints,
+    :mod:`epp.discovery`) name their own lock file (:attr:`LOCK`)."""
+
+    #: the file in ``state_dir`` whose exclusive ``flock`` makes this process the writer
+    LOCK = "mirror.lock"
 
     def __init__(self, seg: Any, transport: Transport, state_dir: str, timeout_s: float = 0.5,
                  max_failures: int = 3) -> None:
@@ -82,7 +87,7 @@ class MirrorManager:
         if self._lock_fd is not None:
             return True
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(self.state_dir, "mirror.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(self.state_dir, self.LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
