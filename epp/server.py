@@ -24,7 +24,9 @@ response body       each chunk is answered unchanged; the first content event is
                     releases the lease with the output token count (TPOT) and the verdict.
 stream's end        a stream that ends before the response's end (Envoy reset it: client gone,
                     engine failed, timeout) releases the lease with no verdict (status 499 in
-                    ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`).
+                    ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`);
+                    unless its SSE ``data: [DONE]`` had passed: that stream was complete (the
+                    ``openai`` client closes its connection there).
 ==================  ===========================================================================
 
 Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol.error_body`),
@@ -352,8 +354,11 @@ class Exchange:
                                 time.perf_counter() - self.t0)
 
     def close(self) -> None:
-        """The stream ended: a lease still open is released without a verdict."""
-        self._end(False)
+        """The stream ended: a lease still open is released, complete when the stream had its
+        whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
+        connection there, before the engine's terminating chunk, as :func:`router.proxy.delivered`
+        counts it), else without a verdict (status 499)."""
+        self._end(self.meter is not None and self.meter.ended_with_done())
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):

@@ -47,6 +47,13 @@ class Gateway:
         """The live slots by endpoint."""
         return live_slots(self.seg)
 
+    def log_tail(self, lines: int = 30) -> str:
+        """The picker's last log lines (for assertion messages)."""
+        try:
+            return "\n".join(Path(self.run_dir, "epp.log").read_text().splitlines()[-lines:])
+        except OSError as e:
+            return str(e)
+
     def idle(self) -> bool:
         """Every slot's router line back to zero (in flight, outstanding prefill, decoding)."""
         for s in self.seg.snapshot():

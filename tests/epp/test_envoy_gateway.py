@@ -83,17 +83,20 @@ def test_client_leaving_mid_stream_releases_the_lease_and_aborts_the_engine(gate
     fc = f.client()
     before = fc.stats()["disconnects"]
     wid_of = {s.endpoint: s.worker_id for s in gateway.slots().values()}[f.endpoint]
-    # round_robin: send until this fake takes one (at most one cycle)
-    for _ in range(3):
-        with httpx.Client(timeout=30) as h:
-            with h.stream("POST", gateway.envoy + "/v1/chat/completions",
-                          headers={"x-fake-mode": "stream", "x-fake-delay": "0.5", "x-fake-chunks": "40"},
-                          content=orjson.dumps({**CHAT, "stream": True})) as r:
-                next(r.iter_raw())       # the first chunk came
-                if wid(r.headers) != str(wid_of):
-                    continue
-                assert gateway.seg.router_line(wid_of)["router_inflight"] == 1
-            break                         # closed with 38 chunks to go
+    # round_robin: send until this fake takes one (one cycle, unless a probe took a worker out meanwhile)
+    took = []
+    for _ in range(9):
+        with httpx.Client(timeout=30) as h, h.stream(
+                "POST", gateway.envoy + "/v1/chat/completions",
+                headers={"x-fake-mode": "stream", "x-fake-delay": "0.5", "x-fake-chunks": "40"},
+                content=orjson.dumps({**CHAT, "stream": True})) as r:
+            next(r.iter_raw())            # the first chunk came
+            took.append(wid(r.headers))
+            if took[-1] != str(wid_of):
+                continue
+            assert gateway.seg.router_line(wid_of)["router_inflight"] == 1
+        break                             # closed with 38 chunks to go
+    assert took[-1] == str(wid_of), (took, gateway.log_tail())
     wait_for(lambda: gateway.seg.router_line(wid_of)["router_inflight"] == 0, 15, "lease released")
     wait_for(lambda: fc.stats()["disconnects"] > before, 15, "the engine saw the client leave")
     wait_for(gateway.idle, 10, "router lines back to zero")
