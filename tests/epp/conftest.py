@@ -1,5 +1,6 @@
 """One gateway stack per test module: fake engines on loopback TCP ports (no agents), ``dplb-epp``
-scraping them from an endpoints file into a segment of the test's, and real Envoys (``BUFFERED``
+scraping them from an endpoints file into a segment of the test's, two agent-like fakes that own
+slots of that segment (``agent-model`` on TCP, ``uds-model`` on a Unix socket), and real Envoys (``BUFFERED``
 and ``FULL_DUPLEX_STREAMED`` request bodies) routing through it. Every process is killed and the
 segment unlinked at teardown, even when a test fails; each wait is bounded."""
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Gateway:
     access_log: Path
     run_dir: str
     dead_model: str = "dead-model"
+    agent: FakeHandle | None = None
     procs: Procs = field(default_factory=Procs)
 
     def slots(self) -> dict[str, Any]:
@@ -94,6 +96,9 @@ def gateway():
     seg = Segment.create(name, num_slots=16)
     try:
         fakes = [start_fake(procs, None, i, run_dir, port=free_port()) for i in range(3)]
+        # agent-like workers of the segment itself: one on a TCP port, one on a Unix socket
+        agent = start_fake(procs, name, 3, run_dir, "--model", "agent-model", port=free_port())
+        start_fake(procs, name, 4, run_dir, "--model", "uds-model")
         dead = f"127.0.0.1:{free_port()}"   # nothing listens there
         eps = Path(run_dir) / "endpoints.yaml"
         eps.write_text("".join(f"- {{address: '{f.endpoint}', model: fake-model}}\n" for f in fakes)
@@ -103,7 +108,7 @@ def gateway():
                            "--port", str(epp_port), "--health-port", str(health_port), "--metrics-port",
                            str(metrics_port), "--state-dir", os.path.join(run_dir, "state"), "--log-level", "info"],
                           log=os.path.join(run_dir, "epp.log"), cwd=str(ROOT))
-        want = {f.endpoint for f in fakes}
+        want = {f.endpoint for f in fakes} | {agent.endpoint}
 
         def picker_ready() -> bool:
             ready = {ep for ep, s in live_slots(seg).items() if int(s.state) == 2}
@@ -113,7 +118,8 @@ def gateway():
         access = Path(run_dir) / "access.log"
         envoy = _start_envoy(procs, run_dir, epp_port, "BUFFERED", access)
         duplex = _start_envoy(procs, run_dir, epp_port, "FULL_DUPLEX_STREAMED", Path(run_dir) / "access-duplex.log")
-        yield Gateway(envoy, duplex, fakes, seg, epp_port, health_port, metrics_port, access, run_dir, procs=procs)
+        yield Gateway(envoy, duplex, fakes, seg, epp_port, health_port, metrics_port, access, run_dir, agent=agent,
+                      procs=procs)
     finally:
         try:
             procs.close()

@@ -133,6 +133,18 @@ def test_no_ready_endpoint_is_503_with_retry_after(gateway):
     assert err["code"] == 503 and err["type"] == "service_unavailable"
 
 
+def test_agent_slots_of_the_segment_are_routed_to(gateway):
+    # a worker whose agent owns its slot (the node's segment, --shm): no endpoints-file entry needed
+    raw = sdk(gateway.envoy).chat.completions.with_raw_response.create(**{**CHAT, "model": "agent-model"})
+    assert wid(raw.headers) == "3" and "fake worker 3" in raw.parse().choices[0].message.content
+
+
+def test_unix_socket_workers_are_left_out_with_a_clear_503(gateway):
+    # Envoy's ORIGINAL_DST cluster connects to ip:port only
+    r = httpx.post(gateway.envoy + "/v1/chat/completions", json={**CHAT, "model": "uds-model"}, timeout=30)
+    assert r.status_code == 503 and "Unix socket" in r.json()["error"]["message"], r.text
+
+
 def test_full_duplex_body_is_restreamed_whole(gateway):
     # FULL_DUPLEX_STREAMED: the picker buffers the body to its end, picks, and streams it back in
     # chunks of at most 62,000 bytes; the engine must get the very bytes the client sent
@@ -168,7 +180,7 @@ def test_endpoints_file_changes_are_picked_up(gateway):
         with open(eps, "w") as fh:
             fh.write("\n".join(ln for ln in original.splitlines() if ln != dead) + "\n")
         wait_for(lambda: dead_addr not in gateway.slots(), 15, "the dropped endpoint's slot given back")
-        assert len(gateway.slots()) == 3
+        assert dead_addr not in gateway.slots() and len(gateway.slots()) == 5
     finally:
         with open(eps, "w") as fh:
             fh.write(original)
