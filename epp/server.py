@@ -7,7 +7,7 @@ Envoy's processing mode from :mod:`epp.envoy`). :class:`Exchange` follows it:
 request headers     kept (``:path``, ``x-session-id``); answered at once in ``BUFFERED`` mode,
                     not before the body's end in ``FULL_DUPLEX_STREAMED`` (the mode comes in the
                     stream's ``protocol_config``). A request without a body (``GET``) gets a
-                    worker at once, without a lease.
+                    worker at once, without a lease; a ``POST`` without one is a 400.
 request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED``: chunks,
                     buffered to the end of stream. At its end: parse once
                     (:meth:`router.proxy.Proxy.request_info`: 400, 404), choose and take the
@@ -64,7 +64,7 @@ from epp.envoy import HEADER, NAMESPACE
 from router.app import RouterState
 from router.config import Config
 from router.errors import NoEligibleWorker
-from router.protocol import OpenAIError
+from router.protocol import BadRequest, OpenAIError
 from router.proxy import ROUTES
 from router.scheduling import Lease
 from router.stream_meter import (
@@ -261,6 +261,8 @@ class Exchange:
         mode = req.protocol_config.request_body_mode if req.HasField("protocol_config") else self.body_mode
         self.duplex = mode == _FULL_DUPLEX
         if req.request_headers.end_of_stream:
+            if self.headers.get(":method") == "POST":   # as the router answers it (router.protocol)
+                return [self._refuse(BadRequest("request body is empty; expected a JSON object"))]
             try:
                 h = self.picker.any_worker(self.path)
             except OpenAIError as e:

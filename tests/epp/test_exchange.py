@@ -130,6 +130,12 @@ async def test_errors_are_immediate(picker):
     ex.on_message(headers(**{":path": "/v1/chat/completions"}))
     [r] = ex.on_message(body(b"[1]", True))
     assert r.immediate_response.status.code == 400
+    ex = Exchange(picker, 2)
+    [r] = ex.on_message(headers(eos=True, **{":path": "/v1/chat/completions", ":method": "POST"}))
+    assert r.immediate_response.status.code == 400 and b"empty" in r.immediate_response.body
+    ex = Exchange(picker, 2)
+    [r] = ex.on_message(headers(eos=True, **{":path": "/v1/models", ":method": "GET"}))
+    assert r.request_headers.response.header_mutation.set_headers[0].header.raw_value == b"127.0.0.1:9"
     picker.state.registry.drained = {0}
     picker.state.registry.handles[0].drained = True
     ex = Exchange(picker, 2)
