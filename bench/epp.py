@@ -12,7 +12,9 @@ Latency: ``--rounds`` rounds of ``--requests`` sequential non-streamed chat requ
 keep-alive connection on each path, interleaved so machine noise hits every path alike (the raw
 socket client of :mod:`bench.router_overhead`). Printed: p50/p99 per path, added p50 over direct,
 and the CPU seconds per request of the picker and of the Envoy in front of it (psutil, over all
-rounds). On a shared 2-core VM the figures move by tens of µs between runs: compare the paths of
+rounds). Then ``--streams`` sequential streams of ``--chunks`` SSE events each through the router
+and through Envoy + the picker: the CPU per stream and per event of each (every event of a
+STREAMED response body is one ext_proc message to the picker). On a shared 2-core VM the figures move by tens of µs between runs: compare the paths of
 one run.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from bench.router_overhead import _request, pct
+from bench.router_overhead import STREAM_BODY, _request, pct
 from launcher.stack import free_port, router_argv, wait_for, wait_for_port
 
 
@@ -83,10 +85,17 @@ def _read_response(s: socket.socket, buf: bytearray) -> int:
             return status
 
 
-def sequential(connect: Any, n: int) -> list[float]:
-    """``n`` sequential requests on one keep-alive connection; per-request latency in ms."""
+def stream_request() -> bytes:
+    """A streamed chat request (the instant worker answers it with ``--chunks`` SSE events)."""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(STREAM_BODY)).encode() + b"\r\n\r\n" + STREAM_BODY)
+
+
+def sequential(connect: Any, n: int, req: bytes | None = None) -> list[float]:
+    """``n`` sequential requests (``req``, default a non-streamed chat) on one keep-alive
+    connection; per-request latency in ms (for a stream: to its last byte)."""
     s = connect()
-    req = _request(b"bench")
+    req = req or _request(b"bench")
     buf = bytearray()
     out = []
     try:
@@ -120,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=300, help="sequential requests per path and round")
     ap.add_argument("--policy", default="dplb")
+    ap.add_argument("--streams", type=int, default=100, help="sequential streams per path of the chunk phase (0: skip)")
+    ap.add_argument("--chunks", type=int, default=64, help="SSE events per stream")
     a = ap.parse_args(argv)
 
     import psutil
@@ -141,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         wport = free_port()
-        start([sys.executable, "-m", "bench.router_overhead", "--serve-worker", shm, f"127.0.0.1:{wport}", "1",
-               "0.001"], "worker.log")
+        start([sys.executable, "-m", "bench.router_overhead", "--serve-worker", shm, f"127.0.0.1:{wport}",
+               str(a.chunks), "0.001"], "worker.log")
         wait_for_port(wport, timeout=20)
         rport = free_port()
         start(router_argv(port=rport, shm=shm, policy=a.policy, log_level="warning"), "router.log")
@@ -183,6 +194,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:<12} {pct(xs, 50):8.3f} {pct(xs, 99):8.3f} {pct(xs, 50) - base:13.3f}")
         for k, s in used.items():
             print(f"CPU per request, {k}: {1e6 * s / n:.0f} µs")
+        if a.streams:
+            # the chunk phase: every SSE event of the answer is one more ext_proc message (STREAMED)
+            cpu["router"] = psutil.Process(children[1].pid)
+            print(f"{a.streams} sequential streams of {a.chunks} events (1 ms apart) per path")
+            for k in ("router", "envoy+epp"):
+                t0 = {c: sum(p.cpu_times()[:2]) for c, p in cpu.items()}
+                xs = sequential(_connect(ports[k]), a.streams, stream_request())
+                used = {c: sum(p.cpu_times()[:2]) - t0[c] for c, p in cpu.items()}
+                own = used["router"] if k == "router" else used["dplb-epp"]
+                print(f"{k:<12} stream p50 {pct(xs, 50):7.2f} ms; CPU of {'the router' if k == 'router' else 'dplb-epp'}:"
+                      f" {1e3 * own / a.streams:.2f} ms per stream, {1e6 * own / (a.streams * a.chunks):.0f} µs per event"
+                      + (f"; Envoy {1e6 * used['envoy (ext_proc)'] / (a.streams * a.chunks):.0f} µs per event"
+                         if k != "router" else ""))
         return 0
     finally:
         for p in reversed(children):
