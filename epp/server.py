@@ -112,8 +112,23 @@ def immediate(e: OpenAIError) -> pb.ProcessingResponse:
         headers=pb.HeaderMutation(set_headers=hs), body=e.body(), details=f"dplb_epp_{e.status}"))
 
 
+#: hosts an engine may publish that Envoy's ORIGINAL_DST cannot connect to as such (it needs an
+#: IP literal; an unspecified address means "this node")
+_LOCAL = {"0.0.0.0": "127.0.0.1", "localhost": "127.0.0.1", "[::]": "[::1]"}
+
+
+def envoy_target(endpoint: str) -> str:
+    """``endpoint`` as Envoy's ORIGINAL_DST cluster connects to it: an unspecified host
+    (``0.0.0.0``, ``[::]``) or ``localhost`` becomes the loopback address, anything else is kept."""
+    host, sep, port = endpoint.rpartition(":")
+    local = _LOCAL.get(host)
+    return f"{local}:{port}" if sep and local else endpoint
+
+
 def destination(endpoint: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
-    """The header mutation and the dynamic metadata that send a request to ``endpoint``."""
+    """The header mutation and the dynamic metadata that send a request to ``endpoint``
+    (:func:`envoy_target`)."""
+    endpoint = envoy_target(endpoint)
     md = struct_pb2.Struct()
     md.update({NAMESPACE: {HEADER: endpoint}})
     return pb.HeaderMutation(set_headers=[_hv(HEADER, endpoint)]), md
@@ -460,5 +475,5 @@ async def serve(picker: Picker, host: str, port: int, health_port: int, metrics_
         await picker.stop()
 
 
-__all__ = ["CHUNK", "SERVICE", "Exchange", "ExtProcServicer", "Picker", "destination", "immediate", "serve",
+__all__ = ["CHUNK", "SERVICE", "Exchange", "ExtProcServicer", "Picker", "destination", "envoy_target", "immediate", "serve",
            "start_grpc", "start_metrics"]

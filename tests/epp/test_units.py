@@ -15,7 +15,7 @@ from epp.discovery import (
     load_endpoints,
 )
 from epp.envoy import HEADER, EnvoySettings, bootstrap, bootstrap_yaml, envoy_argv
-from epp.server import CHUNK, Exchange, destination, immediate
+from epp.server import CHUNK, Exchange, destination, envoy_target, immediate
 from router.errors import NoEligibleWorker
 from tests.helpers import ROOT
 
@@ -111,6 +111,14 @@ def test_destination_sets_header_and_envoy_lb_metadata():
     mutation, md = destination("10.1.2.3:8000")
     assert [(h.header.key, h.header.raw_value) for h in mutation.set_headers] == [(HEADER, b"10.1.2.3:8000")]
     assert md["envoy.lb"][HEADER] == "10.1.2.3:8000"
+
+
+def test_envoy_targets_are_ip_literals():
+    assert envoy_target("0.0.0.0:8000") == "127.0.0.1:8000"
+    assert envoy_target("localhost:8000") == "127.0.0.1:8000"
+    assert envoy_target("[::]:8000") == "[::1]:8000"
+    assert envoy_target("10.0.0.5:8000") == "10.0.0.5:8000"
+    assert destination("0.0.0.0:9")[1]["envoy.lb"][HEADER] == "127.0.0.1:9"
 
 
 def test_an_exchange_without_a_lease_releases_nothing():
