@@ -63,7 +63,7 @@ from epp.discovery import EndpointsFile, ScrapeManager
 from epp.envoy import HEADER, NAMESPACE
 from router.app import RouterState
 from router.config import Config
-from router.errors import NoEligibleWorker
+from router.errors import BodyTooLarge, NoEligibleWorker
 from router.protocol import BadRequest, OpenAIError
 from router.proxy import ROUTES
 from router.scheduling import Lease
@@ -225,7 +225,7 @@ class Exchange:
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
     __slots__ = ("body", "body_mode", "duplex", "handle", "headers", "kept", "lease", "meter", "path", "picker",
-                 "route", "status", "streaming", "t0", "trailers")
+                 "route", "size", "status", "streaming", "t0", "trailers")
 
     def __init__(self, picker: Picker, body_mode: int) -> None:
         self.picker = picker
@@ -234,6 +234,7 @@ class Exchange:
         self.duplex = False
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
+        self.size = 0
         self.path = "/"
         self.route = "/v1/other"
         self.handle: WorkerHandle | None = None
@@ -254,6 +255,12 @@ class Exchange:
             b = req.request_body
             if b.body:
                 self.body.append(b.body)
+                self.size += len(b.body)
+                limit = self.picker.state.cfg.router.max_body_bytes
+                if self.size > limit:   # full duplex buffers here: the router's limit holds (413)
+                    self.body = []
+                    return [self._refuse(BodyTooLarge(f"request body is larger than {limit} bytes "
+                                                      "(router.max_body_bytes)"))]
             if not b.end_of_stream:
                 return [] if self.duplex else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
             return self._pick(b"".join(self.body))

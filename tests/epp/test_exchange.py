@@ -121,6 +121,17 @@ async def test_full_duplex_body_is_sent_back_in_chunks(picker):
     assert picker.state.seg.router_line(0)["router_inflight"] == 0
 
 
+async def test_a_body_above_the_limit_is_413(picker):
+    picker.state.cfg.router.max_body_bytes = 100_000
+    ex = Exchange(picker, 2)
+    ex.on_message(headers(duplex=True, **{":path": "/v1/completions"}))
+    assert ex.on_message(body(b"x" * 60_000, False)) == []
+    [r] = ex.on_message(body(b"x" * 60_000, False))
+    assert r.immediate_response.status.code == 413 and not ex.body
+    ex.close()
+    assert picker.state.seg.router_line(0)["router_inflight"] == 0
+
+
 async def test_errors_are_immediate(picker):
     ex = Exchange(picker, 2)
     ex.on_message(headers(**{":path": "/v1/chat/completions"}))
