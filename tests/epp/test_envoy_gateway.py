@@ -90,7 +90,9 @@ def test_client_leaving_mid_stream_releases_the_lease_and_aborts_the_engine(gate
                 "POST", gateway.envoy + "/v1/chat/completions",
                 headers={"x-fake-mode": "stream", "x-fake-delay": "0.5", "x-fake-chunks": "40"},
                 content=orjson.dumps({**CHAT, "stream": True})) as r:
-            next(r.iter_raw())            # the first chunk came
+            chunks = r.iter_raw()         # held: a dropped generator closes the connection at once
+            first = next(chunks)          # the first chunk came
+            assert r.status_code == 200, (r.status_code, first)
             took.append(wid(r.headers))
             if took[-1] != str(wid_of):
                 continue
