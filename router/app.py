@@ -76,7 +76,8 @@ def attach_segment(name: str, wait_s: float = 10.0) -> Any:
 def remove_state_dir(path: str) -> None:
     """Remove the router's state files (admin.json, locks) and the directory if it is then empty.
     Admin changes (drain, remove, add) are run-time state: a restarted router starts from config."""
-    for name in ("admin.json", "admin.lock", "mirror.lock", "mirror-slots.json", "routers.lock"):
+    for name in ("admin.json", "admin.lock", "mirror.lock", "mirror-slots.json", "scrape.lock",
+                 "scrape-slots.json", "routers.lock"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
     with contextlib.suppress(OSError):

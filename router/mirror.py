@@ -103,7 +103,14 @@ class MirrorManager:
     (the admin version it comes from) are set by :meth:`router.app.RouterState.apply_admin`;
     ``writers``: endpoint → the ``SlotWriter`` of its slot (leader only); ``errors``: wanted
     endpoints that have no slot, and why. ``timeout_s``: one ``/dplb/state`` fetch;
-    ``max_failures``: failed fetches in a row before the slot is published DEAD."""
+    ``max_failures``: failed fetches in a row before the slot is published DEAD. Subclasses that
+    write other slots of the same segment (``dplb-epp``'s scraped endpoints, :mod:`epp.discovery`)
+    name their own lock file (:attr:`LOCK`)."""
+
+    #: the file in ``state_dir`` whose exclusive ``flock`` makes this process the writer
+    LOCK = "mirror.lock"
+    #: the file in ``state_dir`` where the writer records what it owns (module docstring)
+    RECORD = RECORD
 
     def __init__(self, seg: Any, transport: Transport, state_dir: str, timeout_s: float = 0.5,
                  max_failures: int = 3) -> None:
@@ -130,7 +137,7 @@ class MirrorManager:
         if self._lock_fd is not None:
             return True
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(self.state_dir, "mirror.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(self.state_dir, self.LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -173,7 +180,7 @@ class MirrorManager:
     def read_record(self) -> dict[str, Any] | None:
         """The leader's record (module docstring), or None when there is none (yet)."""
         try:
-            with open(os.path.join(self.state_dir, RECORD), "rb") as f:
+            with open(os.path.join(self.state_dir, self.RECORD), "rb") as f:
                 d = orjson.loads(f.read())
         except (OSError, orjson.JSONDecodeError):
             return None
@@ -185,7 +192,7 @@ class MirrorManager:
         if rec == self._written:
             return
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.state_dir, RECORD)
+        path = os.path.join(self.state_dir, self.RECORD)
         tmp = f"{path}.{self.pid}.tmp"
         with open(tmp, "wb") as f:
             f.write(orjson.dumps(rec))

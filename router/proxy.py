@@ -300,7 +300,7 @@ class Proxy:
             raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
                                        "as JSON with 'Content-Type: application/json'")
 
-    def _info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
+    def request_info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
         """Parse ``body`` (:func:`router.protocol.parse_request`) and check its model against the
         known ones (:meth:`Scheduler.models`). Raises BadRequest (malformed; no model named where
         several are known) or NotFound (a model no slot of this router ever served; a known one
@@ -350,7 +350,7 @@ class Proxy:
             if len(body) > self.settings.max_body_bytes:
                 return None
             path = scope["path"]
-            info = self._info(path, body, session)
+            info = self.request_info(path, body, session)
             target = request_target(scope)
             method = scope["method"]
             pre = self._dispatch(info, set(), method, target, fwd, body)
@@ -373,7 +373,7 @@ class Proxy:
         try:
             self._check(auth, ctype, upgrade)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
-            info = self._info(path, body, session)
+            info = self.request_info(path, body, session)
             target = request_target(scope)
         except RouterError as e:
             await send_error(send, e, rid)

@@ -1,0 +1,226 @@
+"""Added latency of Envoy + ``dplb-epp`` beside DPLB's router and a request straight to the engine.
+``python -m bench.epp [--rounds 5] [--requests 300]``
+
+Setup (loopback, cleaned up on exit): the instant worker of :mod:`bench.router_overhead` on a TCP
+port, owning slot 0 of a fresh segment (as an agent would); DPLB's router on that segment; the
+picker (``dplb-epp --shm``, sharing the router's state directory) and an Envoy routing through it
+(:mod:`epp.envoy`: ext_proc with a BUFFERED request body and a STREAMED response body, then
+ORIGINAL_DST); and, to tell Envoy's own cost from the picker's, a second Envoy without ext_proc
+(a static cluster to the worker).
+
+Latency: ``--rounds`` rounds of ``--requests`` sequential non-streamed chat requests over one
+keep-alive connection on each path, interleaved so machine noise hits every path alike (the raw
+socket client of :mod:`bench.router_overhead`). Printed: p50/p99 per path, added p50 over direct,
+and the CPU seconds per request of the picker and of the Envoy in front of it (psutil, over all
+rounds). Then ``--streams`` sequential streams of ``--chunks`` SSE events each through the router
+and through Envoy + the picker: the CPU per stream and per event of each (every event of a
+STREAMED response body is one ext_proc message to the picker). On a shared 2-core VM the figures move by tens of µs between runs: compare the paths of
+one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.router_overhead import STREAM_BODY, _request, pct
+from launcher.stack import free_port, router_argv, wait_for, wait_for_port
+
+
+def plain_envoy(port: int, admin: int, worker_port: int) -> dict[str, Any]:
+    """The picker's bootstrap without its ext_proc filter, routing to the worker (a static cluster)."""
+    from epp.envoy import EnvoySettings, bootstrap
+
+    cfg = bootstrap(EnvoySettings(listen_port=port, admin_port=admin))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = hcm["http_filters"][1:]
+    cfg["static_resources"]["clusters"] = [{
+        "name": "original_destination_cluster", "type": "STATIC", "connect_timeout": "2s",
+        "load_assignment": {"cluster_name": "original_destination_cluster", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": worker_port}}}}]}]}}]
+    return cfg
+
+
+def _read_response(s: socket.socket, buf: bytearray) -> int:
+    """Read one response off ``s`` (``Content-Length`` or chunked: Envoy drops the length of a
+    body its ext_proc filter streams to the picker); returns its status."""
+    def fill() -> None:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf.extend(chunk)
+
+    while (end := buf.find(b"\r\n\r\n")) < 0:
+        fill()
+    head = bytes(buf[:end]).lower()
+    status = int(head[9:12])
+    del buf[:end + 4]
+    i = head.find(b"content-length:")
+    if i >= 0:
+        j = head.find(b"\r\n", i)
+        n = int(head[i + 15:j if j > 0 else None])
+        while len(buf) < n:
+            fill()
+        del buf[:n]
+        return status
+    while True:   # chunked: size line, data, CRLF; a 0 size ends it (no trailers here)
+        while (eol := buf.find(b"\r\n")) < 0:
+            fill()
+        size = int(bytes(buf[:eol]).split(b";")[0], 16)
+        while len(buf) < eol + 2 + size + 2:
+            fill()
+        del buf[:eol + 2 + size + 2]
+        if size == 0:
+            return status
+
+
+def stream_request() -> bytes:
+    """A streamed chat request (the instant worker answers it with ``--chunks`` SSE events)."""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(STREAM_BODY)).encode() + b"\r\n\r\n" + STREAM_BODY)
+
+
+def sequential(connect: Any, n: int, req: bytes | None = None) -> list[float]:
+    """``n`` sequential requests (``req``, default a non-streamed chat) on one keep-alive
+    connection; per-request latency in ms (for a stream: to its last byte)."""
+    s = connect()
+    req = req or _request(b"bench")
+    buf = bytearray()
+    out = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            s.sendall(req)
+            if _read_response(s, buf) != 200:
+                raise SystemExit("a request was not answered 200: the figures would be invalid")
+            out.append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        s.close()
+    return out
+
+
+def _connect(port: int) -> Any:
+    def c() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+    return c
+
+
+def _get_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return r.status == 200
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the measurement and print the figures (module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.epp", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=300, help="sequential requests per path and round")
+    ap.add_argument("--policy", default="dplb")
+    ap.add_argument("--streams", type=int, default=100, help="sequential streams per path of the chunk phase (0: skip)")
+    ap.add_argument("--chunks", type=int, default=64, help="SSE events per stream")
+    a = ap.parse_args(argv)
+
+    import psutil
+
+    from dplb_shm import Segment
+    from epp.envoy import EnvoySettings, bootstrap_yaml, envoy_argv
+
+    shm = f"dplb-bench-{uuid.uuid4().hex[:8]}"
+    d = tempfile.mkdtemp(prefix="dplb-bench-epp-", dir="/tmp")
+    root = str(Path(__file__).resolve().parent.parent)
+    seg = Segment.create(shm, num_slots=8)
+    children: list[subprocess.Popen] = []
+
+    def start(argv: list[str], log: str) -> subprocess.Popen:
+        f = open(os.path.join(d, log), "wb")  # noqa: SIM115 - closed with the run dir
+        p = subprocess.Popen(argv, cwd=root, start_new_session=True, stdout=f, stderr=f)
+        children.append(p)
+        return p
+
+    try:
+        wport = free_port()
+        start([sys.executable, "-m", "bench.router_overhead", "--serve-worker", shm, f"127.0.0.1:{wport}",
+               str(a.chunks), "0.001"], "worker.log")
+        wait_for_port(wport, timeout=20)
+        rport = free_port()
+        start(router_argv(port=rport, shm=shm, policy=a.policy, log_level="warning"), "router.log")
+        wait_for(lambda: _get_ok(f"http://127.0.0.1:{rport}/health"), 60, "router ready")
+        eport, hport = free_port(), free_port()
+        epp = start([sys.executable, "-m", "epp", "--shm", shm, "--policy", a.policy, "--port", str(eport),
+                     "--health-port", str(hport), "--metrics-port", "0", "--state-dir", f"/tmp/dplb-router-{rport}"],
+                    "epp.log")
+        wait_for_port(eport, timeout=60)
+        paths: dict[str, int] = {}
+        envoys: list[subprocess.Popen] = []
+        for name, cfg_text in (("envoy+epp", None), ("envoy", "plain")):
+            port, admin = free_port(), free_port()
+            text = (bootstrap_yaml(EnvoySettings(listen_port=port, admin_port=admin, epp_port=eport))
+                    if cfg_text is None else yaml.safe_dump(plain_envoy(port, admin, wport)))
+            path = os.path.join(d, f"{name}.yaml")
+            Path(path).write_text(text)
+            envoys.append(start(envoy_argv(path, "error"), f"{name}.log"))
+            wait_for(lambda admin=admin: urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2)
+                     .read().strip() == b"LIVE", 60, f"{name} ready")
+            paths[name] = port
+        ports = {"direct": wport, "router": rport, **paths}
+        for p in ports.values():   # warm-up: connections, pools, the picker's first decisions
+            sequential(_connect(p), 50)
+        lat: dict[str, list[float]] = {k: [] for k in ports}
+        cpu = {"dplb-epp": psutil.Process(epp.pid), "envoy (ext_proc)": psutil.Process(envoys[0].pid)}
+        t0 = {k: sum(p.cpu_times()[:2]) for k, p in cpu.items()}
+        for r in range(a.rounds):
+            order = list(ports) if r % 2 == 0 else list(reversed(ports))
+            for k in order:
+                lat[k] += sequential(_connect(ports[k]), a.requests)
+        used = {k: sum(p.cpu_times()[:2]) - t0[k] for k, p in cpu.items()}
+        n = a.rounds * a.requests
+        base = pct(lat["direct"], 50)
+        print(f"{n} sequential requests per path, non-streamed chat, policy {a.policy}")
+        print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'added p50 ms':>13}")
+        for k, xs in lat.items():
+            print(f"{k:<12} {pct(xs, 50):8.3f} {pct(xs, 99):8.3f} {pct(xs, 50) - base:13.3f}")
+        for k, s in used.items():
+            print(f"CPU per request, {k}: {1e6 * s / n:.0f} µs")
+        if a.streams:
+            # the chunk phase: every SSE event of the answer is one more ext_proc message (STREAMED)
+            cpu["router"] = psutil.Process(children[1].pid)
+            print(f"{a.streams} sequential streams of {a.chunks} events (1 ms apart) per path")
+            for k in ("router", "envoy+epp"):
+                t0 = {c: sum(p.cpu_times()[:2]) for c, p in cpu.items()}
+                xs = sequential(_connect(ports[k]), a.streams, stream_request())
+                used = {c: sum(p.cpu_times()[:2]) - t0[c] for c, p in cpu.items()}
+                own = used["router"] if k == "router" else used["dplb-epp"]
+                print(f"{k:<12} stream p50 {pct(xs, 50):7.2f} ms; CPU of {'the router' if k == 'router' else 'dplb-epp'}:"
+                      f" {1e3 * own / a.streams:.2f} ms per stream, {1e6 * own / (a.streams * a.chunks):.0f} µs per event"
+                      + (f"; Envoy {1e6 * used['envoy (ext_proc)'] / (a.streams * a.chunks):.0f} µs per event"
+                         if k != "router" else ""))
+        return 0
+    finally:
+        for p in reversed(children):
+            p.terminate()
+        for p in children:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        seg.close()
+        if os.path.exists(f"/dev/shm/{shm}"):
+            os.unlink(f"/dev/shm/{shm}")
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

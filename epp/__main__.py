@@ -1,0 +1,118 @@
+"""``dplb-epp`` / ``python -m epp``: DPLB's router as the endpoint picker of an Envoy gateway.
+
+    dplb-epp --shm dplb-30000                      # the agents' slots of a running DPLB node
+    dplb-epp --endpoints-file endpoints.yaml       # engines without agents, in a private segment
+    dplb-epp ... --print-envoy-config              # the Envoy bootstrap that routes through it
+
+Ports (loopback unless ``--host``): ext_proc 9002, gRPC health 9003, ``/metrics`` 9090 (GIE's
+defaults; ``--metrics-port 0`` turns it off). With ``--shm`` the picker shares the node's router
+lines, ledger and admin state (``--config``'s ``router.state_dir``, default
+``/tmp/dplb-router-<router.port>``), so its accounting and the router's agree. Without it the
+picker creates a private segment of ``--slots`` slots, removed at exit, with its state in
+``/tmp/dplb-epp-<port>``. Built-in defaults < ``--config`` < flags. Exit status 2 on an invalid
+config, endpoints file or flag combination.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import uuid
+
+from router.config import POLICIES, load_config
+from router.errors import ConfigError
+
+BODY_MODES = {"BUFFERED": 2, "FULL_DUPLEX_STREAMED": 4}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser."""
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-epp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="dplb.yaml (routing policy, health checks, breaker; see dplb.example.yaml)")
+    p.add_argument("--shm", help="segment of a running DPLB node (default: a private one)")
+    p.add_argument("--endpoints-file", help="YAML list of {address: host:port, model, weight} to scrape")
+    p.add_argument("--policy", choices=POLICIES)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (0: any free one)")
+    p.add_argument("--health-port", type=int, default=9003, help="gRPC health port (0: any free one)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics port (0: off)")
+    p.add_argument("--request-body-mode", choices=sorted(BODY_MODES), default="BUFFERED",
+                   help="request body mode assumed when Envoy sends no protocol_config")
+    p.add_argument("--slots", type=int, default=64, help="slots of the private segment")
+    p.add_argument("--state-dir", help="state directory (see above)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("Envoy bootstrap (--print-envoy-config)")
+    g.add_argument("--print-envoy-config", action="store_true", help="print the Envoy bootstrap and exit")
+    g.add_argument("--envoy-port", type=int, default=8081, help="Envoy's listener port")
+    g.add_argument("--envoy-admin-port", type=int, default=9901)
+    g.add_argument("--failure-mode-allow", action="store_true",
+                   help="let requests through when the picker is unreachable (GIE FailOpen)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, build the picker, serve until SIGTERM/SIGINT."""
+    args = build_parser().parse_args(argv)
+    if args.print_envoy_config:
+        from epp.envoy import EnvoySettings, bootstrap_yaml
+
+        sys.stdout.write(bootstrap_yaml(EnvoySettings(
+            listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_port=args.port, epp_host=args.host,
+            failure_mode_allow=args.failure_mode_allow, request_body_mode=args.request_body_mode)))
+        return 0
+    if not args.shm and not args.endpoints_file:
+        print("dplb-epp: nothing to route to: give --shm (a DPLB node's segment) and/or --endpoints-file",
+              file=sys.stderr)
+        return 2
+    private_dir = args.state_dir or f"/tmp/dplb-epp-{args.port}"
+    overrides = {"routing_policy.policy": args.policy, "router.shm": args.shm,
+                 "router.state_dir": args.state_dir if args.shm else private_dir,
+                 "router.log_level": args.log_level}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"dplb-epp: {e}", file=sys.stderr)
+        return 2
+    if args.endpoints_file:
+        from epp.discovery import EndpointsFileError, load_endpoints
+
+        try:
+            load_endpoints(args.endpoints_file)
+        except (OSError, EndpointsFileError) as e:
+            print(f"dplb-epp: {e}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_run(args, cfg))
+
+
+async def _run(args: argparse.Namespace, cfg: object) -> int:
+    from dplb_shm import Segment
+    from epp.server import Picker, serve
+    from router.app import remove_state_dir
+    from router.config import Config
+
+    assert isinstance(cfg, Config)
+    seg = None
+    if not args.shm:
+        seg = Segment.create(f"dplb-epp-{os.getpid()}-{uuid.uuid4().hex[:6]}", num_slots=args.slots)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
+    try:
+        picker = Picker(cfg, seg, args.endpoints_file)
+        await serve(picker, args.host, args.port, args.health_port, args.metrics_port or None,
+                    BODY_MODES[args.request_body_mode], stop)
+    finally:
+        if seg is not None:
+            seg.unlink()
+            seg.close()
+            remove_state_dir(cfg.state_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

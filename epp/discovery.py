@@ -1,0 +1,185 @@
+"""Where ``dplb-epp`` learns its endpoints: a file of engines without agents, scraped into slots.
+
+Two sources, combined:
+
+- **A DPLB node's segment** (``--shm NAME``): the agents' slots, as the router reads them.
+- **A file of endpoints** (``--endpoints-file FILE``, llm-d-router's "file discovery"): a YAML
+  list of ``{address: host:port, model: NAME, weight: W}`` (or ``{endpoints: [...]}``), for engines
+  that run without a DPLB agent (vLLM, SGLang or any OpenAI server, on this node or another).
+  The file is re-read when its mtime, size or inode changes (polled every health tick; an
+  invalid file is logged and the previous list kept). For each address the picker claims a slot
+  of its segment (:class:`router.mirror.MirrorManager`'s claiming, slots from the top down) and
+  every tick scrapes the engine's Prometheus ``/metrics`` into it, with the agent's parser
+  (:func:`worker_agent.metrics.parse_engine_metrics`, vLLM's names, else SGLang's): running,
+  waiting, KV-cache usage, and the picker's own in-flight count read at the same scrape (the
+  kernel's outside load, ``csrc/dplb_kernel.h``). A page without those families (or no
+  ``/metrics`` at all, answered below 500) publishes the picker's in-flight count as the
+  engine's running requests, as an agent does before its engine's first metrics. A slot is
+  READY after a scrape answered and DEAD after ``max_failures`` failed ones in a row; the router's
+  probes (``GET /health``) still decide eligibility. An address dropped from the file gives its
+  slot back.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router.errors import TransportError
+from router.mirror import MirrorManager
+from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics
+
+log = logging.getLogger("dplb.epp.discovery")
+
+READY, DEAD = 2, 4
+
+
+class EndpointsFileError(ValueError):
+    """An endpoints file that cannot be used; the message names the file and the entry."""
+
+
+def parse_address(addr: Any, where: str) -> str:
+    """``host:port`` (IPv6 in brackets) checked and returned as given; raises
+    :class:`EndpointsFileError` naming
+    ``where`` for anything else (Unix sockets included: Envoy's ORIGINAL_DST routes to IP:port)."""
+    if not isinstance(addr, str) or not addr:
+        raise EndpointsFileError(f"{where}: 'address' must be a string host:port")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EndpointsFileError(f"{where}: address {addr!r} is not host:port (a TCP address Envoy can connect to)")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise EndpointsFileError(f"{where}: address {addr!r}: an IPv6 host goes in brackets, [::1]:8000")
+    return addr
+
+
+def load_endpoints(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The endpoints of file ``path``: address → ``{"model": str, "weight": float}`` (in file
+    order). Raises :class:`EndpointsFileError` naming the entry (bad YAML, a missing or malformed address, a
+    duplicate, a weight that is not a positive number) and OSError when unreadable."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise EndpointsFileError(f"{path}: not valid YAML: {e}") from None
+    if isinstance(raw, dict):
+        if "endpoints" not in raw:
+            raise EndpointsFileError(f"{path}: expected a list of endpoints (or 'endpoints: [...]')")
+        raw = raw["endpoints"]
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise EndpointsFileError(f"{path}: expected a list of endpoints (or 'endpoints: [...]')")
+    out: dict[str, dict[str, Any]] = {}
+    for i, ent in enumerate(raw):
+        where = f"{path}: endpoints[{i}]"
+        if not isinstance(ent, dict):
+            raise EndpointsFileError(f"{where}: expected a mapping with 'address'")
+        addr = parse_address(ent.get("address"), where)
+        if addr in out:
+            raise EndpointsFileError(f"{where}: address {addr} is listed twice")
+        model = ent.get("model") or ""
+        if not isinstance(model, str):
+            raise EndpointsFileError(f"{where}: 'model' must be a string")
+        w = ent.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w <= 0:
+            raise EndpointsFileError(f"{where}: 'weight' must be a positive number")
+        out[addr] = {"model": model, "weight": float(w)}
+    return out
+
+
+class EndpointsFile:
+    """A watched endpoints file: :meth:`poll` returns the new list when the file changed (its
+    mtime, size or inode), else None."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sig: tuple[int, int, int] | None = None
+
+    def poll(self) -> dict[str, dict[str, Any]] | None:
+        """Re-read the file if it changed; None when unchanged, missing or invalid (logged once
+        per change; the previous list stays in force)."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            if self._sig != (0, 0, 0):
+                log.warning("endpoints file %s: %s (keeping the previous endpoints)", self.path, e)
+                self._sig = (0, 0, 0)
+            return None
+        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if sig == self._sig:
+            return None
+        self._sig = sig
+        try:
+            eps = load_endpoints(self.path)
+        except (OSError, ValueError) as e:
+            log.warning("%s (keeping the previous endpoints)", e)
+            return None
+        log.info("endpoints file %s: %d endpoint(s)", self.path, len(eps))
+        return eps
+
+
+def engine_metrics(text: str) -> EngineMetrics:
+    """Running, waiting and KV-cache usage of a ``/metrics`` page: vLLM's families, else
+    SGLang's (an empty :class:`EngineMetrics` when neither is there or the page is malformed)."""
+    for names in (VLLM, SGLANG):
+        try:
+            m = parse_engine_metrics(text, names)
+        except ValueError:
+            return EngineMetrics()
+        if not m.empty:
+            return m
+    return EngineMetrics()
+
+
+class ScrapeManager(MirrorManager):
+    """Slots for engines without an agent (``wanted``: address → {"model", "weight"}), filled
+    from each engine's ``/metrics`` (module docstring). One process of those sharing ``state_dir``
+    writes them (the ``scrape.lock`` flock); the others read the slots like any worker's."""
+
+    LOCK = "scrape.lock"
+    RECORD = "scrape-slots.json"
+
+    async def refresh_one(self, endpoint: str) -> None:
+        """Scrape the engine at ``endpoint`` once into its slot (claimed by :meth:`reconcile`)."""
+        w = self.writers.get(endpoint)
+        if w is None:
+            return
+        spec = self.wanted.get(endpoint, {})
+        before = self._router_inflight(w)
+        try:
+            status, body = await self.transport.get(endpoint, "/metrics", self.timeout_s)
+            if status >= 500:
+                raise TransportError("status", endpoint, str(status))
+        except TransportError as e:
+            n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
+            if n >= self.max_failures:
+                if n == self.max_failures:
+                    log.warning("endpoint %s fails (%s): marking it dead", endpoint, e)
+                w.publish(state=DEAD)
+            return
+        m = engine_metrics(body.decode("utf-8", "replace")) if status == 200 else EngineMetrics()
+        inflight = max(before, self._router_inflight(w))
+        fields: dict[str, Any] = {"state": READY, "weight": float(spec.get("weight", 1.0))}
+        if spec.get("model"):
+            fields["model"] = spec["model"]
+        if m.num_running is None and m.num_waiting is None:
+            fields.update(num_running=inflight, num_waiting=0, inflight=inflight)
+        else:
+            if m.num_running is not None:
+                fields["num_running"] = m.num_running
+            if m.num_waiting is not None:
+                fields["num_waiting"] = m.num_waiting
+            fields["inflight"] = inflight
+        if m.kv_cache_usage is not None:
+            fields["kv_cache_usage"] = m.kv_cache_usage
+        if self.failures.get(endpoint, 0) >= self.max_failures:
+            log.warning("endpoint %s answers again", endpoint)
+        self.failures[endpoint] = 0
+        w.publish(**fields)
+
+
+__all__ = ["EndpointsFile", "EndpointsFileError", "ScrapeManager", "engine_metrics", "load_endpoints", "parse_address"]

@@ -1,0 +1,486 @@
+"""The endpoint picker's servers: ext_proc (gRPC), gRPC health, ``/metrics`` (HTTP).
+
+**One ext_proc stream per request** (``envoy.service.ext_proc.v3.ExternalProcessor/Process``,
+Envoy's processing mode from :mod:`epp.envoy`). :class:`Exchange` follows it:
+
+==================  ===========================================================================
+request headers     kept (``:path``, ``x-session-id``); answered at once in ``BUFFERED`` mode,
+                    not before the body's end in ``FULL_DUPLEX_STREAMED`` (the mode comes in the
+                    stream's ``protocol_config``). A request without a body (``GET``) gets a
+                    worker at once, without a lease; a ``POST`` without one is a 400.
+request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED``: chunks,
+                    buffered to the end of stream. At its end: parse once
+                    (:meth:`router.proxy.Proxy.request_info`: 400, 404), choose and take the
+                    lease (:meth:`router.scheduling.Scheduler.admit` / ``lease``: 503 with
+                    ``retry-after`` when no worker can take it), answer with the header
+                    ``x-gateway-destination-endpoint: ip:port`` and the same value in the dynamic
+                    metadata (``envoy.lb``); full duplex re-sends the body in chunks of at most
+                    :data:`CHUNK` bytes after the headers answer (GIE's protocol).
+response headers    ``:status``: below 500 is liveness evidence (the health monitor) and the
+                    breaker's "ok"; the answer adds ``x-dplb-worker-id``. An event stream, or a
+                    streamed request, is metered (:class:`router.stream_meter.StreamMeter`).
+response body       each chunk is answered unchanged; the first content event is the TTFT
+                    (the lease leaves prefill, the prefill rate is learned); the end of stream
+                    releases the lease with the output token count (TPOT) and the verdict.
+stream's end        a stream that ends before the response's end (Envoy reset it: client gone,
+                    engine failed, timeout) releases the lease with no verdict (status 499 in
+                    ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`);
+                    unless its SSE ``data: [DONE]`` had passed: that stream was complete (the
+                    ``openai`` client closes its connection there).
+==================  ===========================================================================
+
+Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol.error_body`),
+``content-type: application/json`` and ``x-dplb-worker-id: none``. Workers whose engine listens
+on a Unix socket cannot be Envoy ``ORIGINAL_DST`` targets and are left out (logged once).
+
+The picker (:class:`Picker`) is the router's own :class:`router.app.RouterState` (scheduler,
+policies and native kernel, registry, breaker, health monitor with probes, accounting on the
+segment's router lines and the process ledger, metrics) without its HTTP server; endpoints from a
+file are scraped into slots by :class:`epp.discovery.ScrapeManager`.
+
+**Health** (gRPC ``grpc.health.v1.Health``, its own port): ``liveness`` is SERVING while the
+process runs; ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` (and ``""``) are
+SERVING while at least one worker is eligible, NOT_SERVING otherwise (updated every health tick).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from epp.discovery import EndpointsFile, ScrapeManager
+from epp.envoy import HEADER, NAMESPACE
+from router.app import RouterState
+from router.config import Config
+from router.errors import BodyTooLarge, NoEligibleWorker
+from router.protocol import BadRequest, OpenAIError
+from router.proxy import ROUTES
+from router.scheduling import Lease
+from router.stream_meter import (
+    StreamMeter,
+    is_event_stream,
+    on_answer,
+    on_first_content,
+    on_stream_end,
+)
+from router.workers import WorkerHandle
+
+log = logging.getLogger("dplb.epp")
+
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: largest body chunk sent back in FULL_DUPLEX_STREAMED mode (GIE's EPP: 62,000 bytes, under
+#: Envoy's 64 KiB default gRPC message budget with headroom)
+CHUNK = 62_000
+#: a non-streamed answer is kept up to this many bytes to read its ``usage`` (then its tail only)
+ANSWER_KEEP = 1 << 20
+WORKER_HEADER = "x-dplb-worker-id"
+CLIENT_CLOSED = 499
+_FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+
+
+def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _headers(msg: Any) -> dict[str, str]:
+    """An ext_proc ``HttpHeaders`` message's headers, lower-case names → values (the last wins)."""
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def immediate(e: OpenAIError) -> pb.ProcessingResponse:
+    """An immediate response for ``e``: its status, its OpenAI-shaped body, ``content-type:
+    application/json``, ``x-dplb-worker-id: none`` and its own headers (``retry-after``)."""
+    hs = [_hv("content-type", "application/json"), _hv(WORKER_HEADER, "none")]
+    hs += [_hv(k, v) for k, v in e.headers.items()]
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=e.status), 
+        headers=pb.HeaderMutation(set_headers=hs), body=e.body(), details=f"dplb_epp_{e.status}"))
+
+
+#: hosts an engine may publish that Envoy's ORIGINAL_DST cannot connect to as such (it needs an
+#: IP literal; an unspecified address means "this node")
+_LOCAL = {"0.0.0.0": "127.0.0.1", "localhost": "127.0.0.1", "[::]": "[::1]"}
+
+
+def envoy_target(endpoint: str) -> str:
+    """``endpoint`` as Envoy's ORIGINAL_DST cluster connects to it: an unspecified host
+    (``0.0.0.0``, ``[::]``) or ``localhost`` becomes the loopback address, anything else is kept."""
+    host, sep, port = endpoint.rpartition(":")
+    local = _LOCAL.get(host)
+    return f"{local}:{port}" if sep and local else endpoint
+
+
+def destination(endpoint: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
+    """The header mutation and the dynamic metadata that send a request to ``endpoint``
+    (:func:`envoy_target`)."""
+    endpoint = envoy_target(endpoint)
+    md = struct_pb2.Struct()
+    md.update({NAMESPACE: {HEADER: endpoint}})
+    return pb.HeaderMutation(set_headers=[_hv(HEADER, endpoint)]), md
+
+
+class Picker:
+    """The router's pipeline for ``cfg`` without its HTTP server (module docstring). ``seg``: an
+    attached segment to use (a private one; None: attach ``cfg.shm_name`` and share the node's
+    router lines and ledger under ``cfg.state_dir``); ``endpoints_file``: engines without agents
+    to scrape into slots (:mod:`epp.discovery`)."""
+
+    def __init__(self, cfg: Config, seg: Any = None, endpoints_file: str | None = None) -> None:
+        self.state = RouterState(cfg, seg)
+        self.endpoints = EndpointsFile(endpoints_file) if endpoints_file else None
+        self.scrape: ScrapeManager | None = None
+        self._unix_warned: set[int] = set()
+        self.ready = False
+        self.on_ready_change: Any = None
+
+    async def start(self) -> None:
+        """Start the router state (attach, registry, probes), then the endpoint scraping."""
+        st = self.state
+        await st.start()
+        hc = st.cfg.health_check
+        if self.endpoints is not None:
+            self.scrape = ScrapeManager(st.seg, st.transport, st.cfg.state_dir,
+                                        timeout_s=max(0.2, hc.interval_ms / 1000.0), max_failures=hc.max_failures)
+            await self._discover()
+            st.monitor.sync()
+            st.monitor.extra.insert(0, self._discover)
+        st.monitor.extra.append(self._readiness)
+        await self._readiness()
+
+    async def stop(self) -> None:
+        """Give the scraped slots back, then stop the router state."""
+        await self.state.monitor.stop()
+        if self.scrape is not None:
+            self.scrape.close()
+        await self.state.stop()
+
+    async def _discover(self) -> None:
+        """Health-tick extra: reload the endpoints file when it changed, scrape every endpoint."""
+        assert self.endpoints is not None and self.scrape is not None
+        eps = self.endpoints.poll()
+        if eps is not None:
+            self.scrape.wanted = eps
+        await self.scrape.tick()
+        self.state.registry.refresh()   # this tick's decisions see the scrape's heartbeat and counts
+
+    async def _readiness(self) -> None:
+        ready = bool(self.state.scheduler.ready_handles())
+        if ready != self.ready:
+            self.ready = ready
+            log.info("picker %s", "ready" if ready else "not ready: no eligible worker")
+            if self.on_ready_change is not None:
+                await self.on_ready_change(ready)
+
+    def _unix(self) -> set[int]:
+        """Workers whose engine listens on a Unix socket (Envoy cannot route there), logged once."""
+        out = set()
+        for wid, h in self.state.registry.handles.items():
+            if h.endpoint.startswith("/"):
+                out.add(wid)
+                if wid not in self._unix_warned:
+                    self._unix_warned.add(wid)
+                    log.warning("worker %d serves its engine on a Unix socket (%s), which Envoy cannot route to: "
+                                "left out (start its agent with --engine-host/--engine-port)", wid, h.endpoint)
+        return out
+
+    def dispatch(self, info: Any) -> tuple[WorkerHandle, Lease]:
+        """Choose a worker for ``info`` and take its lease. Raises NoEligibleWorker."""
+        sched = self.state.scheduler
+        unix = self._unix()
+        try:
+            h, d = sched.admit(info, unix)
+        except NoEligibleWorker as e:
+            if unix:
+                e.message += f" ({len(unix)} worker(s) on Unix sockets left out: Envoy routes to ip:port only)"
+            raise
+        return h, sched.lease(h, d, info)
+
+    def any_worker(self, path: str) -> WorkerHandle:
+        """A worker for a request without a body (no lease: nothing to account). Raises
+        NoEligibleWorker."""
+        from router.protocol import RequestInfo
+
+        self.state.monitor.sync_if_changed()
+        h, _ = self.state.scheduler.decide(RequestInfo(path=path), self._unix())
+        return h
+
+
+class Exchange:
+    """One request's ext_proc stream (module docstring). :meth:`on_message` answers each message
+    (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
+
+    __slots__ = ("body", "body_mode", "duplex", "handle", "headers", "kept", "lease", "meter", "path", "picker",
+                 "route", "size", "status", "streaming", "t0", "trailers")
+
+    def __init__(self, picker: Picker, body_mode: int) -> None:
+        self.picker = picker
+        self.body_mode = body_mode
+        self.t0 = time.perf_counter()
+        self.duplex = False
+        self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.size = 0
+        self.path = "/"
+        self.route = "/v1/other"
+        self.handle: WorkerHandle | None = None
+        self.lease: Lease | None = None
+        self.meter: StreamMeter | None = None
+        self.streaming = False
+        self.status = 0
+        self.kept: list[bytes] = []
+        self.trailers = False
+
+    # -- request side --------------------------------------------------------------------------
+    def on_message(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answers to one message of Envoy's."""
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(req)
+        if kind == "request_body":
+            b = req.request_body
+            if b.body:
+                self.body.append(b.body)
+                self.size += len(b.body)
+                limit = self.picker.state.cfg.router.max_body_bytes
+                if self.size > limit:   # full duplex buffers here: the router's limit holds (413)
+                    self.body = []
+                    return [self._refuse(BodyTooLarge(f"request body is larger than {limit} bytes "
+                                                      "(router.max_body_bytes)"))]
+            if not b.end_of_stream:
+                return [] if self.duplex else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+            return self._pick(b"".join(self.body))
+        if kind == "request_trailers":
+            out = self._pick(b"".join(self.body), trailers=True) if self.duplex and self.handle is None else []
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_headers":
+            return self._response_headers(req.response_headers)
+        if kind == "response_body":
+            return self._response_body(req.response_body)
+        if kind == "response_trailers":
+            self._end(True)
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    def _request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.headers = _headers(req.request_headers)
+        self.path = self.headers.get(":path", "/").split("?", 1)[0]
+        self.route = self.path if self.path in ROUTES else "/v1/other"
+        mode = req.protocol_config.request_body_mode if req.HasField("protocol_config") else self.body_mode
+        self.duplex = mode == _FULL_DUPLEX
+        if req.request_headers.end_of_stream:
+            if self.headers.get(":method") == "POST":   # as the router answers it (router.protocol)
+                return [self._refuse(BadRequest("request body is empty; expected a JSON object"))]
+            try:
+                h = self.picker.any_worker(self.path)
+            except OpenAIError as e:
+                return [self._refuse(e)]
+            self.handle = h
+            mutation, md = destination(h.endpoint)
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
+        if self.duplex:
+            return []   # answered with the body's end (the pick changes the headers)
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    def _refuse(self, e: OpenAIError) -> pb.ProcessingResponse:
+        self.picker.state.metrics.observe_request("none", e.status, self.route, time.perf_counter() - self.t0)
+        return immediate(e)
+
+    def _pick(self, body: bytes, trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """Parse, choose, lease; the answers that send the request to the chosen worker."""
+        p = self.picker
+        try:
+            session = self.headers.get(p.state.proxy.settings.session_header.decode("latin-1"))  # type: ignore[union-attr]
+            info = p.state.proxy.request_info(self.path, body, session.encode("latin-1") if session else None)  # type: ignore[union-attr]
+            self.streaming = info.stream
+            self.handle, self.lease = p.dispatch(info)
+        except OpenAIError as e:
+            return [self._refuse(e)]
+        mutation, md = destination(self.handle.endpoint)
+        if not self.duplex:
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
+        out = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
+        n = len(body)
+        for i in range(0, max(n, 1), CHUNK):
+            last = i + CHUNK >= n
+            out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=body[i:i + CHUNK], end_of_stream=last and not trailers))))))
+        self.body = []
+        return out
+
+    # -- response side -------------------------------------------------------------------------
+    def _response_headers(self, msg: Any) -> list[pb.ProcessingResponse]:
+        hs = _headers(msg)
+        try:
+            self.status = int(hs.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        h = self.handle
+        if self.lease is not None:
+            if 0 < self.status < 500:
+                self.lease.head_seen()
+            sse = is_event_stream([(b"content-type", hs.get("content-type", "").encode("latin-1"))])
+            self.streaming = self.streaming or sse
+            if self.streaming:
+                self.meter = StreamMeter(sse)
+        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
+        if msg.end_of_stream:
+            self._end(True)
+        return [resp]
+
+    def _response_body(self, b: Any) -> list[pb.ProcessingResponse]:
+        lease = self.lease
+        if lease is not None and b.body:
+            m = self.meter
+            if m is not None:
+                if m.feed(b.body):
+                    on_first_content(self.picker.state.metrics, self.route, self.t0, lease)
+            elif sum(len(x) for x in self.kept) < ANSWER_KEEP:
+                self.kept.append(b.body)
+        if b.end_of_stream:
+            self._end(True)
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+    def _end(self, complete: bool) -> None:
+        """The response ended (``complete``) or the stream did before it: release the lease once."""
+        lease = self.lease
+        if lease is None or lease.judged:
+            return
+        metrics = self.picker.state.metrics
+        label = lease.handle.label
+        if self.meter is not None:
+            on_stream_end(metrics, self.meter, lease, complete)
+        elif complete:
+            on_answer(metrics, lease, b"".join(self.kept))
+        lease.finish((0 < self.status < 500) if complete else None)
+        if not complete:
+            metrics.errors.labels(label, "client_disconnect").inc()
+        metrics.observe_request(label, self.status if complete else CLIENT_CLOSED, self.route,
+                                time.perf_counter() - self.t0)
+
+    def close(self) -> None:
+        """The stream ended: a lease still open is released, complete when the stream had its
+        whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
+        connection there, before the engine's terminating chunk, as :func:`router.proxy.delivered`
+        counts it), else without a verdict (status 499)."""
+        self._end(self.meter is not None and self.meter.ended_with_done())
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """``ExternalProcessor/Process`` over a :class:`Picker`. ``body_mode``: the request body mode
+    assumed when Envoy sends no ``protocol_config`` (an int of ``ProcessingMode.BodySendMode``)."""
+
+    def __init__(self, picker: Picker, body_mode: int = 2) -> None:
+        self.picker = picker
+        self.body_mode = body_mode
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
+        """One request's stream (module docstring); the lease is released in ``finally``."""
+        ex = Exchange(self.picker, self.body_mode)
+        try:
+            async for req in request_iterator:
+                for resp in ex.on_message(req):
+                    yield resp
+        finally:
+            ex.close()
+
+
+async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
+                     body_mode: int = 2) -> tuple[grpc.aio.Server, grpc.aio.Server, Any]:
+    """Start the ext_proc server on ``host:port`` and the health server on ``host:health_port``
+    (0: a free port each; the bound ports are on the returned servers' ``bound_ports``
+    attribute). Returns ``(ext_proc server, health server, health servicer)``; the picker's
+    readiness drives the health statuses (module docstring). Raises RuntimeError when a port
+    cannot be bound."""
+    ext = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker, body_mode), ext)
+    ext_port = ext.add_insecure_port(f"{_bracket(host)}:{port}")
+    hs = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, hs)
+    h_port = hs.add_insecure_port(f"{_bracket(host)}:{health_port}")
+    if not ext_port or not h_port:
+        raise RuntimeError(f"cannot listen on {host}:{port} (ext_proc) / {host}:{health_port} (health)")
+    ext.bound_ports = (ext_port, h_port)
+    await health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+
+    async def ready(ok: bool) -> None:
+        st = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("readiness", SERVICE, ""):
+            await health.set(name, st)
+
+    picker.on_ready_change = ready
+    await ready(picker.ready)
+    await ext.start()
+    await hs.start()
+    return ext, hs, health
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def start_metrics(picker: Picker, host: str, port: int) -> Any:
+    """``GET /metrics`` (the router's series, :class:`router.metrics.Metrics`) on ``host:port``
+    over HTTP (aiohttp). Returns the runner (``await runner.cleanup()`` stops it)."""
+    from aiohttp import web
+
+    async def metrics(_: web.Request) -> web.Response:
+        body, ctype = picker.state.metrics.render()
+        return web.Response(body=body, headers={"content-type": ctype})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def serve(picker: Picker, host: str, port: int, health_port: int, metrics_port: int | None,
+                body_mode: int = 2, stop: asyncio.Event | None = None) -> None:
+    """Run the picker and its servers until ``stop`` is set (forever when None); everything is
+    stopped and the picker's slots given back on the way out."""
+    await picker.start()
+    runner = None
+    servers: tuple[Any, ...] = ()
+    try:
+        ext, hs, _ = await start_grpc(picker, host, port, health_port, body_mode)
+        servers = (ext, hs)
+        if metrics_port is not None:
+            runner = await start_metrics(picker, host, metrics_port)
+        log.warning("dplb-epp: ext_proc on %s:%d, health on %s:%d, metrics %s, policy %s, segment %s", host,
+                    ext.bound_ports[0], host, ext.bound_ports[1],
+                    f"on {host}:{metrics_port}" if metrics_port is not None else "off",
+                    picker.state.policy.name, picker.state.seg.name)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        for s in servers:
+            await s.stop(grace=1.0)
+        if runner is not None:
+            await runner.cleanup()
+        await picker.stop()
+
+
+__all__ = ["CHUNK", "SERVICE", "Exchange", "ExtProcServicer", "Picker", "destination", "envoy_target", "immediate", "serve",
+           "start_grpc", "start_metrics"]

@@ -1,0 +1,189 @@
+"""Requests through a real Envoy whose endpoint picker is ``dplb-epp`` (issue 30): the OpenAI SDK
+(chat, completions, a stream relayed chunk by chunk), DPLB's round_robin spreading the requests
+over the engines (not Envoy's balancing: the ORIGINAL_DST cluster goes where the picker says), the
+accounting back to zero, a client that leaves mid-stream, and the picker's own answers (400, 404,
+503) as immediate OpenAI-shaped errors. The stack is the module's (tests/epp/conftest.py)."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import openai
+import orjson
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from launcher.stack import wait_for
+from tests.helpers import metric
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def sdk(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=30, max_retries=0)
+
+
+def wid(headers: httpx.Headers) -> str:
+    return headers["x-dplb-worker-id"]
+
+
+def test_chat_and_completions_spread_by_round_robin(gateway):
+    c = sdk(gateway.envoy)
+    seen = []
+    for i in range(6):
+        if i % 2:
+            raw = c.completions.with_raw_response.create(model="fake-model", prompt="once upon a time", max_tokens=4)
+            assert raw.parse().choices[0].text
+        else:
+            raw = c.chat.completions.with_raw_response.create(**CHAT)
+            assert raw.parse().choices[0].message.content.startswith("hello from fake worker")
+        seen.append(wid(raw.headers))
+    # round_robin over the three engines: every one of them, in a fixed cycle, whatever Envoy does
+    assert len(set(seen)) == 3, seen
+    assert seen[3:] == seen[:3], seen
+    wait_for(gateway.idle, 10, "router lines back to zero")
+    # each engine got two requests; the picker's dispatch counts agree
+    slots = gateway.slots()
+    for f in gateway.fakes:
+        assert f.client().stats()["requests"] >= 2
+        assert gateway.seg.router_line(slots[f.endpoint].worker_id)["dispatched"] >= 2
+    # Envoy saw the pick in the envoy.lb dynamic metadata as well as in the header
+    lines = wait_for(lambda: [ln.split() for ln in gateway.access_log.read_text().splitlines()
+                              if ln.startswith("200 ")], 10, "access log lines")
+    assert all(ln[1] == ln[3] for ln in lines), lines   # metadata's endpoint == the upstream Envoy connected to
+
+
+def test_stream_is_relayed_chunk_by_chunk_and_accounted(gateway):
+    c = sdk(gateway.envoy)
+    arrivals = []
+    text = []
+    with c.chat.completions.with_streaming_response.create(
+            **CHAT, stream=True, extra_headers={"x-fake-mode": "stream", "x-fake-delay": "0.3",
+                                                "x-fake-chunks": "5"}) as resp:
+        w = wid(resp.headers)
+        for chunk in resp.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.monotonic())
+                text.append(chunk.choices[0].delta.content)
+    assert text == [f"t{i} " for i in range(5)]
+    # relayed as the engine wrote it: the first token reached the client ~1.2 s before the last
+    # (4 gaps of 0.3 s), not all at the end (a buffered answer's chunks arrive together)
+    assert arrivals[-1] - arrivals[0] >= 0.6, arrivals
+    wait_for(gateway.idle, 10, "router lines back to zero")
+    # the lease saw the first content and the end: the TTFT and TPOT were learned on that worker
+    line = gateway.seg.router_line(int(w))
+    assert line["router_ttft_s"] > 0 and line["router_tpot_s"] > 0, line
+
+
+def test_client_leaving_mid_stream_releases_the_lease_and_aborts_the_engine(gateway):
+    f = gateway.fakes[0]
+    fc = f.client()
+    before = fc.stats()["disconnects"]
+    wid_of = {s.endpoint: s.worker_id for s in gateway.slots().values()}[f.endpoint]
+    # round_robin: send until this fake takes one (one cycle, unless a probe took a worker out meanwhile)
+    took = []
+    for _ in range(9):
+        with httpx.Client(timeout=30) as h, h.stream(
+                "POST", gateway.envoy + "/v1/chat/completions",
+                headers={"x-fake-mode": "stream", "x-fake-delay": "0.5", "x-fake-chunks": "40"},
+                content=orjson.dumps({**CHAT, "stream": True})) as r:
+            chunks = r.iter_raw()         # held: a dropped generator closes the connection at once
+            first = next(chunks)          # the first chunk came
+            assert r.status_code == 200, (r.status_code, first)
+            took.append(wid(r.headers))
+            if took[-1] != str(wid_of):
+                continue
+            assert gateway.seg.router_line(wid_of)["router_inflight"] == 1
+        break                             # closed with 38 chunks to go
+    assert took[-1] == str(wid_of), (took, gateway.log_tail())
+    wait_for(lambda: gateway.seg.router_line(wid_of)["router_inflight"] == 0, 15, "lease released")
+    wait_for(lambda: fc.stats()["disconnects"] > before, 15, "the engine saw the client leave")
+    wait_for(gateway.idle, 10, "router lines back to zero")
+    text = httpx.get(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5).text
+    assert (metric(text, "dplb_router_requests_total", worker=str(wid_of), status="499") or 0) >= 1
+
+
+def test_unknown_model_is_404_openai_shaped(gateway):
+    with pytest.raises(openai.NotFoundError) as ei:
+        sdk(gateway.envoy).chat.completions.create(**{**CHAT, "model": "no-such-model"})
+    r = ei.value.response
+    assert r.status_code == 404 and r.headers["x-dplb-worker-id"] == "none"
+    err = r.json()["error"]
+    assert err["code"] == 404 and err["type"] == "not_found_error" and err["param"] == "model"
+    assert "no-such-model" in err["message"]
+
+
+def test_malformed_body_is_400_openai_shaped(gateway):
+    r = httpx.post(gateway.envoy + "/v1/chat/completions", content=b'{"model": "fake-model", "messages": [',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "invalid_request_error" and "JSON" in err["message"]
+    r = httpx.post(gateway.envoy + "/v1/chat/completions", json={"model": "fake-model", "messages": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_no_ready_endpoint_is_503_with_retry_after(gateway):
+    # dead-model's only endpoint has nothing listening: its slot is known (so not a 404) but dead
+    r = httpx.post(gateway.envoy + "/v1/chat/completions", json={**CHAT, "model": gateway.dead_model}, timeout=30)
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1" and r.headers["x-dplb-worker-id"] == "none"
+    err = r.json()["error"]
+    assert err["code"] == 503 and err["type"] == "service_unavailable"
+
+
+def test_agent_slots_of_the_segment_are_routed_to(gateway):
+    # a worker whose agent owns its slot (the node's segment, --shm): no endpoints-file entry needed
+    raw = sdk(gateway.envoy).chat.completions.with_raw_response.create(**{**CHAT, "model": "agent-model"})
+    assert wid(raw.headers) == "3" and "fake worker 3" in raw.parse().choices[0].message.content
+
+
+def test_unix_socket_workers_are_left_out_with_a_clear_503(gateway):
+    # Envoy's ORIGINAL_DST cluster connects to ip:port only
+    r = httpx.post(gateway.envoy + "/v1/chat/completions", json={**CHAT, "model": "uds-model"}, timeout=30)
+    assert r.status_code == 503 and "Unix socket" in r.json()["error"]["message"], r.text
+
+
+def test_full_duplex_body_is_restreamed_whole(gateway):
+    # FULL_DUPLEX_STREAMED: the picker buffers the body to its end, picks, and streams it back in
+    # chunks of at most 62,000 bytes; the engine must get the very bytes the client sent
+    words = " ".join(f"w{i}" for i in range(60_000))     # ~400 kB: seven chunks back
+    body = {"model": "fake-model", "prompt": words, "max_tokens": 2}
+    r = httpx.post(gateway.duplex + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["fake"]["body"] == body
+    assert r.headers["x-dplb-worker-id"] != "none"
+    wait_for(gateway.idle, 10, "router lines back to zero")
+    c = sdk(gateway.duplex)
+    raw = c.chat.completions.with_raw_response.create(**CHAT)
+    assert raw.parse().choices[0].message.content.startswith("hello from fake worker")
+
+
+def test_grpc_health_services(gateway):
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.health_port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for svc in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=svc), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING, svc
+
+
+def test_endpoints_file_changes_are_picked_up(gateway):
+    # runs last: edits the module's endpoints file, then restores it
+    eps = gateway.run_dir + "/endpoints.yaml"
+    with open(eps) as fh:
+        original = fh.read()
+    dead = next(ln for ln in original.splitlines() if "dead-model" in ln)
+    dead_addr = dead.split("'")[1]
+    assert dead_addr in gateway.slots()
+    try:
+        with open(eps, "w") as fh:
+            fh.write("\n".join(ln for ln in original.splitlines() if ln != dead) + "\n")
+        wait_for(lambda: dead_addr not in gateway.slots(), 15, "the dropped endpoint's slot given back")
+        assert dead_addr not in gateway.slots() and len(gateway.slots()) == 5
+    finally:
+        with open(eps, "w") as fh:
+            fh.write(original)
+    wait_for(lambda: dead_addr in gateway.slots(), 15, "the endpoint listed again has a slot")
