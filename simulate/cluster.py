@@ -98,13 +98,54 @@ class SLO:
     tpot_p99_s: float | None = None
 
 
+#: vLLM router's ``smetric`` policy defaults: ``smetric_ttft_slo_secs`` 1.0 and
+#: ``smetric_ttft_slo_secs_per_1k_tokens`` 0.0625 (vllm-project/router, docs/load_balancing/README.md,
+#: the SMetric section; the check is ``ttft_slo_base + ttft_slo_per_char * l`` in
+#: src/policies/smetric.rs)
+SMETRIC_TTFT_BASE_S = 1.0
+SMETRIC_TTFT_PER_1K_S = 0.0625
+#: the judging SLO's defaults. The fixed part is smetric's; the per-1k part is 0.1 s, not smetric's
+#: 0.0625 s: the engine model's prefill is quadratic in the prompt (0.0325 ms per token + 1.06 ns
+#: per attention pair), so an idle engine takes 1 + 0.092 s per 1k tokens for the longest prompt
+#: of the conversation trace (126,195 tokens: TTFT 12.6 s, measured) and more than 1 + 0.0625 s
+#: per 1k above about 79k tokens, 1.2 % of that trace, which no routing could then serve within the SLO (the
+#: attainment would stay below 0.99 at any rate). 0.1 s per 1k (a guaranteed 10k prompt tokens/s)
+#: covers every prompt up to the 131,072-token context on an idle engine. TPOT: DistServe's and
+#: ``vllm bench serve --goodput``'s usual 100 ms.
+DEFAULT_TTFT_BASE_S = SMETRIC_TTFT_BASE_S
+DEFAULT_TTFT_PER_1K_S = 0.1
+DEFAULT_TPOT_S = 0.1
+DEFAULT_ATTAINMENT = (0.99, 0.90)
+
+
+@dataclass(frozen=True)
+class AttainmentSLO:
+    """Per-request SLO (DistServe's SLO attainment, Zhong et al. OSDI'24; ``vllm bench serve
+    --goodput``): a request meets it when it was served, its TTFT ≤ ``ttft_base_s`` +
+    ``ttft_per_1k_s`` × prompt tokens / 1000 (prompt tokens = the trace's ``input_length``) and its
+    TPOT ≤ ``tpot_s`` (``None``: no TPOT bound). A request with one output token has no TPOT and is
+    judged on its TTFT alone (``benchmark_serving`` gives it TPOT 0, which passes any bound). A
+    request that was rejected (400, 503) or never finished (the run stopped early) misses."""
+
+    ttft_base_s: float = DEFAULT_TTFT_BASE_S
+    ttft_per_1k_s: float = DEFAULT_TTFT_PER_1K_S
+    tpot_s: float | None = DEFAULT_TPOT_S
+
+    def ttft_limit_s(self, prompt_tokens: int) -> float:
+        """The TTFT bound of a prompt of ``prompt_tokens`` tokens, seconds."""
+        return self.ttft_base_s + self.ttft_per_1k_s * prompt_tokens / 1000.0
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"ttft_base_s": self.ttft_base_s, "ttft_per_1k_s": self.ttft_per_1k_s, "tpot_s": self.tpot_s}
+
+
 @dataclass
 class SimSettings:
     """One simulated run. ``engines``: one :class:`EngineConfig` per engine (heterogeneous allowed);
     ``router``: the router's config (weights, thresholds, health interval); ``api``: what
     ``dplb-replay`` would send (chat or completions); ``load_points``: most samples of load over
     time kept per engine; ``abort_on``: stop as soon as this SLO is certainly missed (capacity
-    search)."""
+    search); ``abort_below``: the same for an SLO-attainment target."""
 
     engines: list[EngineConfig]
     policy: str = "dplb"
@@ -116,6 +157,9 @@ class SimSettings:
     seed: int = 0
     load_points: int = 300
     abort_on: SLO | None = None
+    #: stop as soon as the share of requests meeting this SLO is certainly below the target
+    #: (``(slo, q)``: more than ``(1 − q)`` of the window has missed; capacity search)
+    abort_below: tuple[AttainmentSLO, float] | None = None
     #: factor on the latencies the agents publish (1: simulated time). A live cluster whose engines
     #: run at ``--time-scale T`` has agents that measure wall time, T times shorter: 1/T mimics it
     #: (``simulate.fidelity``; with state interval, latency window and health interval × T)
@@ -311,6 +355,24 @@ class Simulation:
         over_needed = _threshold_count(n)
         over_ttft = over_tpot = 0
         aborted = False
+        # SLO-attainment early abort: misses are certain at the first token (TTFT over the request's
+        # bound), at the end (TPOT over the bound) or at a rejection; stop once met <= n - misses
+        # can no longer reach q·n (the same comparison simulate.stats.slo_attainment judges by)
+        att = s.abort_below
+        att_lim = [att[0].ttft_limit_s(r.input_length) for r in reqs] if att is not None else []
+        att_tpot = att[0].tpot_s if att is not None else None
+        att_q = att[1] if att is not None else 0.0
+        missed = bytearray(n)
+        n_missed = 0
+
+        def miss(i: int) -> bool:
+            """Count request ``i`` as missed (once); True when the target is now out of reach."""
+            nonlocal n_missed
+            if att is None or missed[i]:
+                return False
+            missed[i] = 1
+            n_missed += 1
+            return (n - n_missed) / n < att_q
 
         heap: list[tuple[float, int, int, int]] = []
         seq = 0
@@ -377,6 +439,8 @@ class Simulation:
                             lease.first_token(now=t)
                             if ttft_lim is not None and ft > ttft_lim:
                                 over_ttft += 1
+                            if att is not None and ft > att_lim[i] and miss(i):
+                                aborted = True
                         if req.finish_reason is not None:
                             total = t - arr[i]
                             ft = ttft[i]
@@ -392,8 +456,12 @@ class Simulation:
                             done += 1
                             if tpot_lim is not None and tpot is not None and tpot > tpot_lim:
                                 over_tpot += 1
+                            if (att_tpot is not None and tpot is not None and tpot > att_tpot
+                                    and miss(i)):
+                                aborted = True
                     if over_ttft >= over_needed or over_tpot >= over_needed:  # 0 unless an SLO is set
                         aborted = True
+                    if aborted:
                         break
                     start_step(e, t)
                 elif kind == AGENT_TICK:
@@ -437,6 +505,9 @@ class Simulation:
                 except NoEligibleWorker as err:
                     status[i] = err.status
                     done += 1
+                    if miss(i):
+                        aborted = True
+                        break
                     continue
                 k = d.worker_id
                 e = engines[k]
@@ -450,6 +521,9 @@ class Simulation:
                     status[i] = err.status
                     lease.release(now=t)
                     done += 1
+                    if miss(i):
+                        aborted = True
+                        break
                     continue
                 leases[i] = lease
                 if e.plan is None:
