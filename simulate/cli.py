@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default=None,
                    help=f"comma-separated policies to compare (of {', '.join(POLICIES)}; default: the config's)")
     r.add_argument("--config", default=None, help="router config (dplb.yaml): weights, thresholds, health interval")
+    r.add_argument("--oracle-prefix", action="store_true",
+                   help="simulator only: prefix-aware policies see each engine's true cached prefix of the "
+                        "request instead of the router's prefix index (what the index costs)")
     o = p.add_argument_group("output")
     o.add_argument("--json-out", default=None, help="write one JSON object per policy (a JSON array)")
     o.add_argument("--plot-dir", default=None, help="write ttft_cdf.png and queue_<policy>.png here")
@@ -222,7 +225,8 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
         "arrival_spread_ms": ns.arrival_spread_ms,
         "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
-        "api": ns.api, "config": ns.config, "routing_policy": cfg.routing_policy.model_dump(),
+        "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix,
+        "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
         "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
     }
@@ -318,7 +322,7 @@ def _main(ns: argparse.Namespace) -> int:
 
     base = SimSettings(engines=engines, router=cfg, state_interval_ms=ns.state_interval_ms,
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
-                       seed=ns.seed, load_points=ns.load_points)
+                       seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
     rows: list[dict[str, Any]] = []
     ttfts: dict[str, list[float]] = {}

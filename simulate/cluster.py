@@ -66,6 +66,7 @@ from simulate.workload import (
     RenderedPrompt,
     router_prompt_len,
     router_text,
+    template,
 )
 from worker_agent.agent import Agent
 from worker_agent.config import AgentConfig
@@ -160,6 +161,10 @@ class SimSettings:
     #: stop as soon as the share of requests meeting this SLO is certainly below the target
     #: (``(slo, q)``: more than ``(1 − q)`` of the window has missed; capacity search)
     abort_below: tuple[AttainmentSLO, float] | None = None
+    #: the prefix-aware policies see each engine's true cached prefix of the request (its KV cache
+    #: looked up with the request's block hashes at arrival) instead of the router's prefix index
+    #: (:class:`OracleIndex`; issue 29 item 2: what the index costs)
+    oracle_prefix: bool = False
     #: factor on the latencies the agents publish (1: simulated time). A live cluster whose engines
     #: run at ``--time-scale T`` has agents that measure wall time, T times shorter: 1/T mimics it
     #: (``simulate.fidelity``; with state interval, latency window and health interval × T)
@@ -246,6 +251,42 @@ class _NoGpu:
 
 # ---- the run --------------------------------------------------------------------------------------
 
+class OracleIndex:
+    """A policy's prefix index whose matches are the engines' truth (``--oracle-prefix``).
+
+    Wraps the policy's :class:`router.policies.prefix_index.PrefixIndex`: hashing, insertion, size
+    and removal go to it (so what a policy reads besides the matches, e.g. cache_aware's tree
+    sizes, is unchanged); :meth:`match` answers with :attr:`current`, set by the simulation before
+    each routing decision to ``{worker_id: characters}``, the share of the request's text equal to
+    the share of its engine prompt tokens that engine holds in its prefix cache. ``chunk_chars`` is
+    1, so :func:`router.policies.prefix_index.uncached_tokens` then gives prompt tokens minus cached
+    tokens (to rounding) and cache_aware's match rate is the cached fraction."""
+
+    chunk_chars = 1
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.current: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def hashes(self, text: str, model: str | None = None) -> list[int]:
+        return list(self.inner.hashes(text, model))
+
+    def match(self, hashes: list[int]) -> dict[int, int]:
+        return dict(self.current)
+
+    def insert(self, hashes: list[int], worker_id: int) -> None:
+        self.inner.insert(hashes, worker_id)
+
+    def size(self, worker_id: int) -> int:
+        return int(self.inner.size(worker_id))
+
+    def remove_worker(self, worker_id: int) -> None:
+        self.inner.remove_worker(worker_id)
+
+
 class _Engine:
     __slots__ = ("agent", "core", "hasher", "k", "plan", "writer")
 
@@ -324,6 +365,11 @@ class Simulation:
         scheduler = Scheduler(registry, policy, seg, metrics=None, learn=learn_settings(cfg),
                               default_rate=cfg.routing_policy.prefill_tokens_per_s)
         needs_text = bool(getattr(policy, "needs_text", True))
+        oracle: OracleIndex | None = None
+        n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
+        if s.oracle_prefix and getattr(policy, "index", None) is not None:
+            oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
+            policy.index = oracle                # type: ignore[attr-defined]
         path = CHAT if s.api == "chat" else COMPLETIONS
         model = s.engines[0].model
 
@@ -500,6 +546,18 @@ class Simulation:
                 text = router_text(r, s.api) if needs_text else ""
                 info = RequestInfo(path, model, True, text, router_prompt_len(r, s.api),
                                    max_tokens=r.output_length if r.output_length > 0 else None)
+                if oracle is not None:
+                    oracle.current = {}
+                    by_hasher: dict[int, list[int]] = {}
+                    for e in engines:
+                        hs = by_hasher.get(id(e.hasher))
+                        if hs is None:
+                            hs = by_hasher[id(e.hasher)] = e.hasher.hashes(r)
+                        bs = e.core.config.block_size
+                        n_tok = r.input_length + n_template
+                        hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
+                        if hit and text:
+                            oracle.current[e.k] = max(1, round(len(text) * hit / n_tok))
                 try:
                     lease, d = scheduler.select(info, now=t)
                 except NoEligibleWorker as err:

@@ -1,5 +1,5 @@
-"""SLO-attainment goodput (issue 29 item 1): the per-request judgement, the early stop, the capacity
-search on a known threshold, and the command line's flags and JSON."""
+"""SLO-attainment goodput (issue 29 items 1, 2): the per-request judgement, the early stop, the capacity
+search on a known threshold, the command line's flags and JSON, and the oracle prefix switch."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,12 @@ import pytest
 
 from bench.trace import TraceRequest
 from sim_engine.config import EngineConfig
+from simulate import cluster as cl
 from simulate.capacity import find_capacity, min_engines
 from simulate.cli import main
 from simulate.cluster import OK, SLO, AttainmentSLO, RunResult, SimSettings, Simulation
 from simulate.stats import attains, slo_attainment, summarize
-from simulate.workload import spread_arrivals
+from simulate.workload import router_text, spread_arrivals
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -219,3 +220,36 @@ def test_cli_p99_slo_alone_is_searched_as_before(tmp_path):
 def test_bad_slo_flags_exit_2_naming_the_flag(argv, fragment, capsys):
     assert main(["--requests", "5", "--progress", "off", *argv]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_oracle_prefix_sees_the_engines_truth_not_the_index(monkeypatch):
+    """One engine with room for 300 blocks of 16 tokens. Requests 0 and 1 share a 4,096-token prefix;
+    request 2 (100 s later, 4,780 unique tokens) needs all 300 blocks and evicts it; request 3 (100 s
+    after that) has the same prefix again. The router's index still places the prefix on the engine;
+    the oracle sees it gone. At request 1 (same instant as request 0) the oracle sees what
+    the engine cached when it scheduled request 0, as vLLM does: chat puts one template token first,
+    so the shared words fill 256 whole blocks (4,096 tokens)."""
+    seen: list[tuple[dict[int, int], dict[int, int]]] = []
+    real_match = cl.OracleIndex.match
+
+    def spy(self, hashes):
+        out = real_match(self, hashes)
+        seen.append((out, self.inner.match(hashes)))
+        return out
+
+    monkeypatch.setattr(cl.OracleIndex, "match", spy)
+    shared = tuple(range(8))
+    reqs = [TraceRequest(0, 0.0, 4096 + 300, 4, (*shared, 100)),
+            TraceRequest(1, 0.0, 4096 + 200, 4, (*shared, 101)),
+            TraceRequest(2, 100_000.0, 4780, 4, tuple(range(200, 210))),
+            TraceRequest(3, 200_000.0, 4096 + 250, 4, (*shared, 102))]
+    eng = [EngineConfig(num_gpu_blocks=300)]
+    res = Simulation(reqs, SimSettings(engines=eng, policy="dplb", oracle_prefix=True)).run()
+    assert res.status == [OK, OK, OK, OK]
+    assert len(seen) == 4
+    assert seen[0][0] == {}
+    assert seen[1][0] == {0: round(len(router_text(reqs[1])) * 4096 / (4096 + 200 + 3))}
+    assert seen[2][0] == {}
+    assert seen[3][0] == {} and seen[3][1]                 # truth: evicted; the index: still there
+    off = Simulation(reqs, SimSettings(engines=eng, policy="dplb")).run()
+    assert off.status == res.status and off.cached_tokens == res.cached_tokens
