@@ -11,11 +11,19 @@ serves the same tokens/s, so tokens/s alone cannot rank policies; goodput can.
   ``x`` × the trace's own rate (requests / span of the window's arrivals). A failing run stops as
   soon as the SLO is certainly missed (more than 1 % of the requests above the bound), so the
   overloaded probes are cheap.
+* SLO attainment (``attainment=(slo, q)``, DistServe's goodput and ``vllm bench serve
+  --goodput``'s): ``x`` passes when at least a share ``q`` of the window's requests meets the
+  per-request SLO (:class:`simulate.cluster.AttainmentSLO`; a rejected or unfinished request
+  misses). A probe stops early once more than ``(1 − q)`` of the requests have certainly missed.
 * :func:`min_engines`: the fewest engines (copies of the configured engine list, cycled) whose run
   at the given rate meets the SLO: doubling, then integer bisection.
 
-Both assume the figure is monotone in the rate / the engine count; with simulated noise near the
-boundary the answer is the boundary the bisection found, and every probe is reported.
+Monotone-safe: attainment and p99 are monotone in the rate only up to simulated noise near the
+boundary, so the search keeps a bracket, ``lo`` (a probe that passed) below ``hi`` (one that
+failed), and only ever probes inside it. The answer is therefore a rate that passed, with no
+failing probe at or below it and a failing one within a factor ``1 + tolerance`` above it; on a
+monotone figure it is within ``[x*/(1 + tolerance), x*]`` of the true threshold ``x*``. Every probe
+is reported.
 """
 from __future__ import annotations
 
@@ -26,8 +34,8 @@ from typing import Any
 
 from bench.trace import TraceRequest
 from sim_engine.config import EngineConfig
-from simulate.cluster import SLO, SimSettings
-from simulate.stats import meets
+from simulate.cluster import SLO, AttainmentSLO, SimSettings
+from simulate.stats import attains, meets
 
 RunFn = Callable[[SimSettings], dict[str, Any]]
 
@@ -38,22 +46,47 @@ def trace_rate(reqs: Sequence[TraceRequest]) -> float | None:
     return len(reqs) / span if span > 0 else None
 
 
+Attainment = tuple[AttainmentSLO, float]
+
+
 def _probe_row(x: float, fig: dict[str, Any], ok: bool) -> dict[str, Any]:
+    att = fig.get("slo_attainment")
     return {"x": round(x, 6), "ok": ok, "ttft_p99_s": fig["ttft_s"]["p99"], "tpot_p99_s": fig["tpot_s"]["p99"],
-            "aborted_early": fig["aborted_early"]}
+            "attainment": None if att is None else att["attainment"], "aborted_early": fig["aborted_early"]}
+
+
+def _judge(slo: SLO, attainment: Attainment | None) -> tuple[Callable[[dict[str, Any]], bool], dict[str, Any]]:
+    """The pass rule of a probe and the settings that stop a failing probe early."""
+    if attainment is None:
+        return (lambda fig: meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)), {"abort_on": slo, "abort_below": None}
+    q = attainment[1]
+    if not 0 < q <= 1:
+        raise ValueError(f"attainment target must be in (0, 1] (got {q})")
+    return (lambda fig: attains(fig, q)), {"abort_on": None, "abort_below": attainment}
+
+
+def _slo_json(slo: SLO, attainment: Attainment | None) -> dict[str, Any]:
+    if attainment is None:
+        return {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s}
+    return {"attainment": attainment[1], **attainment[0].as_dict()}
 
 
 def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, start: float = 1.0,
                   tolerance: float = 0.05, max_scale: float = 1024.0,
                   on_probe: Callable[[float, bool], None] | None = None,
-                  known: dict[float, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Highest rate multiple within ``slo`` (see the module docstring). ``run(settings)`` returns the
-    figures of one run (:func:`simulate.stats.summarize`). Returns ``capacity_rate_scale`` (None when
-    even ``1/max_scale`` fails), ``capacity_requests_per_s``, ``bound`` (``"found"``, ``"above"``: still
-    passing at ``max_scale``, ``"below"``), ``probes`` and ``figures`` of the best passing run.
-    ``known``: figures of complete runs already made, by rate multiple (not run again)."""
+                  known: dict[float, dict[str, Any]] | None = None,
+                  attainment: Attainment | None = None) -> dict[str, Any]:
+    """Highest rate multiple within ``slo`` (see the module docstring), or, with ``attainment =
+    (slo, q)``, the highest at which a share ``q`` of the requests meets that per-request SLO
+    (``slo`` is then ignored). ``run(settings)`` returns the figures of one run
+    (:func:`simulate.stats.summarize`). Returns ``capacity_rate_scale`` (None when even
+    ``1/max_scale`` fails), ``capacity_requests_per_s``, ``bound`` (``"found"``, ``"above"``: still
+    passing at ``max_scale``, ``"below"``), ``slo``, ``tolerance``, ``probes`` and ``figures`` of the
+    best passing run. ``known``: figures of complete runs already made, by rate multiple (not run
+    again). Raises ValueError for ``tolerance <= 0`` or ``q`` outside (0, 1]."""
     if tolerance <= 0:
         raise ValueError("tolerance must be > 0")
+    passes, abort = _judge(slo, attainment)
     probes: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     cache: dict[float, bool] = {}
@@ -63,8 +96,8 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
         if x in cache:
             return cache[x]
         # a complete run at this rate (the table's) decides as well as an SLO-bounded one
-        fig = (known or {}).get(x) or run(replace(base, rate_scale=x, abort_on=slo))
-        ok = meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)
+        fig = (known or {}).get(x) or run(replace(base, rate_scale=x, **abort))
+        ok = passes(fig)
         probes.append(_probe_row(x, fig, ok))
         if on_probe is not None:
             on_probe(x, ok)
@@ -107,7 +140,7 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
         "capacity_rate_scale": None if lo is None else round(lo, 4),
         "capacity_requests_per_s": None if lo is None or rate is None else round(lo * rate, 4),
         "bound": bound,
-        "slo": {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s},
+        "slo": _slo_json(slo, attainment),
         "tolerance": tolerance,
         "trace_requests_per_s": None if rate is None else round(rate, 6),
         "probes": probes,
@@ -121,9 +154,13 @@ def engines_of(base: Sequence[EngineConfig], n: int) -> list[EngineConfig]:
 
 
 def min_engines(run: RunFn, base: SimSettings, slo: SLO, max_engines: int = 64,
-                on_probe: Callable[[int, bool], None] | None = None) -> dict[str, Any]:
-    """Fewest engines meeting ``slo`` at ``base.rate_scale`` (see the module docstring). Returns
-    ``min_engines`` (None when ``max_engines`` do not suffice) and the probes."""
+                on_probe: Callable[[int, bool], None] | None = None,
+                attainment: Attainment | None = None) -> dict[str, Any]:
+    """Fewest engines meeting ``slo`` (or, with ``attainment = (slo, q)``, that SLO-attainment
+    target) at ``base.rate_scale`` (see the module docstring). Returns ``min_engines`` (None when
+    ``max_engines`` do not suffice), ``slo`` and the probes."""
+    passes, abort = _judge(slo, attainment)
+    slo_json = _slo_json(slo, attainment)
     pattern = list(base.engines)
     probes: list[dict[str, Any]] = []
     cache: dict[int, bool] = {}
@@ -131,10 +168,11 @@ def min_engines(run: RunFn, base: SimSettings, slo: SLO, max_engines: int = 64,
     def ok_at(n: int) -> bool:
         if n in cache:
             return cache[n]
-        fig = run(replace(base, engines=engines_of(pattern, n), abort_on=slo))
-        ok = meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)
-        probes.append({"engines": n, "ok": ok, "ttft_p99_s": fig["ttft_s"]["p99"],
-                       "tpot_p99_s": fig["tpot_s"]["p99"], "aborted_early": fig["aborted_early"]})
+        fig = run(replace(base, engines=engines_of(pattern, n), **abort))
+        ok = passes(fig)
+        row = _probe_row(0.0, fig, ok)
+        del row["x"]
+        probes.append({"engines": n, **row})
         if on_probe is not None:
             on_probe(n, ok)
         cache[n] = ok
@@ -145,7 +183,7 @@ def min_engines(run: RunFn, base: SimSettings, slo: SLO, max_engines: int = 64,
         lo = hi
         if hi >= max_engines:
             return {"min_engines": None, "max_engines": max_engines, "rate_scale": base.rate_scale,
-                    "slo": {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s}, "probes": probes}
+                    "slo": slo_json, "probes": probes}
         hi = min(hi * 2, max_engines)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -154,4 +192,4 @@ def min_engines(run: RunFn, base: SimSettings, slo: SLO, max_engines: int = 64,
         else:
             lo = mid
     return {"min_engines": hi, "max_engines": max_engines, "rate_scale": base.rate_scale,
-            "slo": {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s}, "probes": probes}
+            "slo": slo_json, "probes": probes}

@@ -4,6 +4,7 @@ virtual time; compare policies; find capacity.
     dplb-simulate --trace bench/data/mooncake/conversation_trace.jsonl --engines 8 \\
         --policy round_robin,cache_aware,dplb --rate-scale 2 --json-out sim.json --plot-dir plots/
     dplb-simulate --engines 8 --policy round_robin,cache_aware,dplb --find-capacity --slo-ttft-p99 10
+    dplb-simulate --engines 4 --policy round_robin,dplb --find-capacity --slo-attainment 0.99,0.90
 
 Exit status: 0 done, 2 bad command line, trace or config (the message names the flag, file or line),
 130 interrupted (the private segments are unlinked in every case).
@@ -23,9 +24,20 @@ from router.config import POLICIES, Config, load_config
 from router.errors import ConfigError
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
 from simulate.capacity import find_capacity, min_engines, trace_rate
-from simulate.cluster import SLO, SimSettings, Simulation
+from simulate.cluster import (
+    DEFAULT_ATTAINMENT,
+    DEFAULT_TPOT_S,
+    DEFAULT_TTFT_BASE_S,
+    DEFAULT_TTFT_PER_1K_S,
+    SLO,
+    AttainmentSLO,
+    SimSettings,
+    Simulation,
+)
+from simulate.generators import DEFAULT_REQUESTS, WORKLOADS, describe, generate
 from simulate.report import (
     Progress,
+    attainment_line,
     capacity_table,
     plot,
     progress_enabled,
@@ -33,7 +45,13 @@ from simulate.report import (
     write_json,
 )
 from simulate.stats import summarize
-from simulate.workload import APIS, EngineHasher, load_workload
+from simulate.workload import (
+    APIS,
+    EngineHasher,
+    load_workload,
+    spread_arrivals,
+    window_of,
+)
 
 #: engine fields that do not apply in virtual time (or are names, not model constants)
 _NOT_SETTINGS = ("time_scale",)
@@ -51,10 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", default=str(DEFAULT_TRACE),
                    help="Mooncake JSONL or Azure LLM inference CSV (default: the conversation trace)")
     g.add_argument("--trace-format", choices=("auto", "mooncake", "azure"), default="auto")
+    g.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                   help="a generated workload instead of --trace (simulate.generators; seeded by "
+                        "--workload-seed, default --seed; as written by dplb-workload)")
+    g.add_argument("--workload-seed", type=int, default=None, help="seed of --workload (default: --seed)")
     g.add_argument("--start", type=int, default=0, help="first request of the window (0-based)")
     g.add_argument("--requests", type=int, default=None, help="requests in the window (default: all)")
     g.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply the arrival rate (arrival times are divided by it; 2 = twice as fast)")
+    g.add_argument("--arrival-spread-ms", type=float, default=0.0, metavar="W",
+                   help="move each arrival later by a seeded uniform draw in [0, W) ms, then re-sort "
+                        "(3000 undoes the conversation trace's 3 s timestamp grid; default 0: as recorded)")
     g.add_argument("--max-tokens-cap", type=int, default=None,
                    help="cap every request's output length (as dplb-replay --max-tokens-cap)")
     g.add_argument("--api", choices=APIS, default="chat",
@@ -73,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default=None,
                    help=f"comma-separated policies to compare (of {', '.join(POLICIES)}; default: the config's)")
     r.add_argument("--config", default=None, help="router config (dplb.yaml): weights, thresholds, health interval")
+    r.add_argument("--oracle-prefix", action="store_true",
+                   help="simulator only: prefix-aware policies see each engine's true cached prefix of the "
+                        "request instead of the router's prefix index (what the index costs)")
     o = p.add_argument_group("output")
     o.add_argument("--json-out", default=None, help="write one JSON object per policy (a JSON array)")
     o.add_argument("--plot-dir", default=None, help="write ttft_cdf.png and queue_<policy>.png here")
@@ -81,11 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--load-points", type=int, default=300, help="samples of load over time per engine (300)")
     k = p.add_argument_group("capacity")
     k.add_argument("--find-capacity", action="store_true",
-                   help="per policy, the highest rate multiple served within the SLO (bisection)")
+                   help="per policy, the highest rate multiple served within the SLO (bisection): at each "
+                        "--slo-attainment Q, and at the p99 SLO when --slo-ttft-p99/--slo-tpot-p99 is given "
+                        "(then the attainment search runs only if --slo-attainment is given too)")
     k.add_argument("--min-engines", action="store_true",
-                   help="per policy, the fewest engines meeting the SLO at --rate-scale")
+                   help="per policy, the fewest engines meeting the SLO at --rate-scale (same SLO rule)")
     k.add_argument("--slo-ttft-p99", type=float, default=None, help="TTFT p99 bound, seconds")
     k.add_argument("--slo-tpot-p99", type=float, default=None, help="TPOT p99 bound, seconds")
+    k.add_argument("--slo-ttft-s", type=float, default=DEFAULT_TTFT_BASE_S, metavar="BASE",
+                   help="per-request SLO: fixed part of the TTFT bound, seconds (default 1.0, as vLLM "
+                        "router's smetric_ttft_slo_secs)")
+    k.add_argument("--slo-ttft-per-1k-s", type=float, default=DEFAULT_TTFT_PER_1K_S, metavar="PER",
+                   help="per-request SLO: TTFT allowance per 1000 prompt tokens, seconds (default 0.1; "
+                        "vLLM router's smetric uses 0.0625, below the engine model's idle prefill time of "
+                        "prompts over ~79k tokens: see simulate.cluster)")
+    k.add_argument("--slo-tpot-s", type=float, default=DEFAULT_TPOT_S, metavar="T",
+                   help="per-request SLO: TPOT bound, seconds; 0 = none (default 0.1)")
+    k.add_argument("--slo-attainment", action="append", default=None, metavar="Q",
+                   help="share of requests that must meet the per-request SLO, in (0, 1]; repeatable or "
+                        "comma-separated (default 0.99 and 0.90)")
     k.add_argument("--capacity-tolerance", type=float, default=0.05,
                    help="stop bisecting when hi/lo <= 1 + this (default 0.05)")
     k.add_argument("--max-engines", type=int, default=64, help="upper bound of --min-engines (64)")
@@ -101,6 +143,40 @@ def parse_floats(flag: str, text: str) -> list[float]:
     if not vals or any(not v > 0 for v in vals):
         raise UsageError(f"{flag} {text!r}: every factor must be > 0")
     return vals
+
+
+def attainment_targets(ns: argparse.Namespace) -> list[float]:
+    """The ``--slo-attainment`` values (every occurrence, comma lists split), in the order given,
+    duplicates dropped; the defaults (0.99, 0.90) when the flag is absent."""
+    if ns.slo_attainment is None:
+        return list(DEFAULT_ATTAINMENT)
+    out: list[float] = []
+    for text in ns.slo_attainment:
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            try:
+                q = float(part)
+            except ValueError:
+                raise UsageError(f"--slo-attainment {text!r}: expected numbers like 0.99,0.9") from None
+            if not 0 < q <= 1:
+                raise UsageError(f"--slo-attainment {part.strip()}: must be in (0, 1]")
+            if q not in out:
+                out.append(q)
+    if not out:
+        raise UsageError("--slo-attainment: no value given")
+    return out
+
+
+def attainment_slo(ns: argparse.Namespace) -> AttainmentSLO:
+    """The per-request SLO of the ``--slo-ttft-s/--slo-ttft-per-1k-s/--slo-tpot-s`` flags."""
+    if not ns.slo_ttft_s > 0:
+        raise UsageError(f"--slo-ttft-s {ns.slo_ttft_s}: must be > 0")
+    if not ns.slo_ttft_per_1k_s >= 0:
+        raise UsageError(f"--slo-ttft-per-1k-s {ns.slo_ttft_per_1k_s}: must be >= 0")
+    if not ns.slo_tpot_s >= 0:
+        raise UsageError(f"--slo-tpot-s {ns.slo_tpot_s}: must be >= 0 (0 = no TPOT bound)")
+    return AttainmentSLO(ns.slo_ttft_s, ns.slo_ttft_per_1k_s, ns.slo_tpot_s or None)
 
 
 def engine_configs(ns: argparse.Namespace) -> list[EngineConfig]:
@@ -146,9 +222,11 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
     return {
         "trace": ns.trace, "trace_format": ns.trace_format, "start": ns.start, "requests": len(reqs),
         "max_tokens_cap": ns.max_tokens_cap, "rate_scale": ns.rate_scale, "engines": len(engines),
+        "arrival_spread_ms": ns.arrival_spread_ms,
         "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
-        "api": ns.api, "config": ns.config, "routing_policy": cfg.routing_policy.model_dump(),
+        "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix,
+        "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
         "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
     }
@@ -163,6 +241,12 @@ def _policies(ns: argparse.Namespace, cfg: Config) -> list[str]:
     if len(set(names)) != len(names):
         raise UsageError(f"--policy {ns.policy!r}: a policy is named twice")
     return names
+
+
+def att_slo_text(slo: AttainmentSLO) -> str:
+    """``per request TTFT <= 1 s + 0.1 s/1k prompt tokens, TPOT <= 0.1 s`` (the SLO in words)."""
+    tpot = f", TPOT <= {slo.tpot_s:g} s" if slo.tpot_s is not None else ""
+    return f"per request TTFT <= {slo.ttft_base_s:g} s + {slo.ttft_per_1k_s:g} s/1k prompt tokens{tpot}"
 
 
 def _interrupt(*_: Any) -> None:
@@ -193,11 +277,35 @@ def _main(ns: argparse.Namespace) -> int:
         raise UsageError(f"--state-interval-ms {ns.state_interval_ms}: must be >= 10 (as the agent's)")
     if ns.latency_window_s < 0:
         raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
-    if (ns.find_capacity or ns.min_engines) and ns.slo_ttft_p99 is None and ns.slo_tpot_p99 is None:
-        raise UsageError("--find-capacity / --min-engines need --slo-ttft-p99 and/or --slo-tpot-p99")
+    att_slo = attainment_slo(ns)
+    targets = attainment_targets(ns)
+    p99 = ns.slo_ttft_p99 is not None or ns.slo_tpot_p99 is not None
+    # a p99 SLO alone keeps today's search; --slo-attainment (or no p99 bound) adds one per Q
+    search_q = targets if ns.slo_attainment is not None or not p99 else []
     engines = engine_configs(ns)
-    reqs = load_workload(ns.trace, ns.trace_format, ns.start, ns.requests, ns.max_tokens_cap)
+    if ns.workload:
+        if ns.start < 0 or (ns.requests is not None and ns.requests < 1):
+            raise UsageError("--start must be >= 0 and --requests >= 1")
+        if ns.max_tokens_cap is not None and ns.max_tokens_cap < 1:
+            raise UsageError(f"--max-tokens-cap {ns.max_tokens_cap}: must be >= 1")
+        wseed = ns.seed if ns.workload_seed is None else ns.workload_seed
+        size = DEFAULT_REQUESTS if ns.requests is None else ns.start + ns.requests
+        reqs = window_of(generate(ns.workload, wseed, size), ns.start, ns.requests, ns.max_tokens_cap)
+        ns.trace = f"workload:{ns.workload}:seed={wseed}"
+    else:
+        reqs = load_workload(ns.trace, ns.trace_format, ns.start, ns.requests, ns.max_tokens_cap)
+    if ns.arrival_spread_ms < 0:
+        raise UsageError(f"--arrival-spread-ms {ns.arrival_spread_ms}: must be >= 0")
+    reqs = spread_arrivals(reqs, ns.arrival_spread_ms, ns.seed)
+    together = len(reqs) - len({r.timestamp_ms for r in reqs})
+    if search_q and (ns.find_capacity or ns.min_engines) and together > 0.1 * len(reqs):
+        print(f"dplb-simulate: note: {together} of {len(reqs)} arrivals share their instant with an earlier "
+              "one; --rate-scale does not spread such groups, so per-request SLOs may stay out of reach "
+              "at any rate (--arrival-spread-ms 3000 spreads the conversation trace's 3 s grid)",
+              file=sys.stderr)
     settings_json = run_settings(ns, reqs, engines, cfg)
+    if ns.workload:
+        settings_json["workload"] = {"name": ns.workload, "seed": wseed, **describe(reqs)}
     show = progress_enabled(ns.progress)
     hashers: dict[tuple[int, str], EngineHasher] = {}
 
@@ -208,13 +316,13 @@ def _main(ns: argparse.Namespace) -> int:
             res = Simulation(reqs, settings, hashers).run(bar)
         finally:
             bar.close()
-        fig = summarize(res, len(settings.engines))
+        fig = summarize(res, len(settings.engines), att_slo)
         fig["_wall_s"] = time.perf_counter() - t0
         return fig, [x for x in res.ttft if x is not None]
 
     base = SimSettings(engines=engines, router=cfg, state_interval_ms=ns.state_interval_ms,
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
-                       seed=ns.seed, load_points=ns.load_points)
+                       seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
     rows: list[dict[str, Any]] = []
     ttfts: dict[str, list[float]] = {}
@@ -233,25 +341,50 @@ def _main(ns: argparse.Namespace) -> int:
                 f.pop("_wall_s", None)
                 return f
 
-            row["capacity"] = find_capacity(cap_run, settings, slo, rate, start=ns.rate_scale,
-                                            tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
+            if p99:
+                row["capacity"] = find_capacity(cap_run, settings, slo, rate, start=ns.rate_scale,
+                                                tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
+            if search_q:
+                # a run that went to the end decides every Q: the searches share them
+                complete: dict[float, dict[str, Any]] = {ns.rate_scale: fig}
+
+                def att_run(st: SimSettings, _done: dict[float, dict[str, Any]] = complete) -> dict[str, Any]:
+                    f = cap_run(st)
+                    if not f["aborted_early"]:
+                        _done[st.rate_scale] = f
+                    return f
+
+                row["capacity_attainment"] = {
+                    f"{q:g}": find_capacity(att_run, settings, slo, rate, start=ns.rate_scale,
+                                            tolerance=ns.capacity_tolerance, known=complete,
+                                            attainment=(att_slo, q))
+                    for q in search_q}
         if ns.min_engines:
             def eng_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
                 f, _ = run(st, f"{_name} {len(st.engines)} engines")
                 f.pop("_wall_s", None)
                 return f
 
-            row["min_engines"] = min_engines(eng_run, settings, slo, ns.max_engines)
+            if p99:
+                row["min_engines"] = min_engines(eng_run, settings, slo, ns.max_engines)
+            if search_q:
+                row["min_engines_attainment"] = {
+                    f"{q:g}": min_engines(eng_run, settings, slo, ns.max_engines, attainment=(att_slo, q))
+                    for q in search_q}
         rows.append(row)
     print(f"trace {ns.trace}: {len(reqs)} requests from #{ns.start}, rate x{ns.rate_scale:g}, "
           f"{len(engines)} engines, seed {ns.seed} (times in s, TPOT in ms)")
     print(table(rows))
-    if ns.find_capacity or ns.min_engines:
+    print(attainment_line(rows, att_slo))
+    if (ns.find_capacity or ns.min_engines) and p99:
         slo_txt = ", ".join(x for x in (f"TTFT p99 <= {ns.slo_ttft_p99} s" if ns.slo_ttft_p99 is not None else "",
                                         f"TPOT p99 <= {ns.slo_tpot_p99} s" if ns.slo_tpot_p99 is not None else "")
                             if x)
         print(f"\ncapacity within {slo_txt} (x = multiple of the trace's own rate)")
         print(capacity_table(rows))
+    if (ns.find_capacity or ns.min_engines) and search_q:
+        print(f"\ncapacity at SLO attainment Q (x = multiple of the trace's own rate; {att_slo_text(att_slo)})")
+        print(capacity_table(rows, [f"{q:g}" for q in search_q]))
     print("wall: " + ", ".join(walls), file=sys.stderr)
     if ns.json_out:
         write_json(ns.json_out, rows)

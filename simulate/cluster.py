@@ -66,6 +66,7 @@ from simulate.workload import (
     RenderedPrompt,
     router_prompt_len,
     router_text,
+    template,
 )
 from worker_agent.agent import Agent
 from worker_agent.config import AgentConfig
@@ -98,13 +99,54 @@ class SLO:
     tpot_p99_s: float | None = None
 
 
+#: vLLM router's ``smetric`` policy defaults: ``smetric_ttft_slo_secs`` 1.0 and
+#: ``smetric_ttft_slo_secs_per_1k_tokens`` 0.0625 (vllm-project/router, docs/load_balancing/README.md,
+#: the SMetric section; the check is ``ttft_slo_base + ttft_slo_per_char * l`` in
+#: src/policies/smetric.rs)
+SMETRIC_TTFT_BASE_S = 1.0
+SMETRIC_TTFT_PER_1K_S = 0.0625
+#: the judging SLO's defaults. The fixed part is smetric's; the per-1k part is 0.1 s, not smetric's
+#: 0.0625 s: the engine model's prefill is quadratic in the prompt (0.0325 ms per token + 1.06 ns
+#: per attention pair), so an idle engine takes 1 + 0.092 s per 1k tokens for the longest prompt
+#: of the conversation trace (126,195 tokens: TTFT 12.6 s, measured) and more than 1 + 0.0625 s
+#: per 1k above about 79k tokens, 1.2 % of that trace, which no routing could then serve within the SLO (the
+#: attainment would stay below 0.99 at any rate). 0.1 s per 1k (a guaranteed 10k prompt tokens/s)
+#: covers every prompt up to the 131,072-token context on an idle engine. TPOT: DistServe's and
+#: ``vllm bench serve --goodput``'s usual 100 ms.
+DEFAULT_TTFT_BASE_S = SMETRIC_TTFT_BASE_S
+DEFAULT_TTFT_PER_1K_S = 0.1
+DEFAULT_TPOT_S = 0.1
+DEFAULT_ATTAINMENT = (0.99, 0.90)
+
+
+@dataclass(frozen=True)
+class AttainmentSLO:
+    """Per-request SLO (DistServe's SLO attainment, Zhong et al. OSDI'24; ``vllm bench serve
+    --goodput``): a request meets it when it was served, its TTFT ≤ ``ttft_base_s`` +
+    ``ttft_per_1k_s`` × prompt tokens / 1000 (prompt tokens = the trace's ``input_length``) and its
+    TPOT ≤ ``tpot_s`` (``None``: no TPOT bound). A request with one output token has no TPOT and is
+    judged on its TTFT alone (``benchmark_serving`` gives it TPOT 0, which passes any bound). A
+    request that was rejected (400, 503) or never finished (the run stopped early) misses."""
+
+    ttft_base_s: float = DEFAULT_TTFT_BASE_S
+    ttft_per_1k_s: float = DEFAULT_TTFT_PER_1K_S
+    tpot_s: float | None = DEFAULT_TPOT_S
+
+    def ttft_limit_s(self, prompt_tokens: int) -> float:
+        """The TTFT bound of a prompt of ``prompt_tokens`` tokens, seconds."""
+        return self.ttft_base_s + self.ttft_per_1k_s * prompt_tokens / 1000.0
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"ttft_base_s": self.ttft_base_s, "ttft_per_1k_s": self.ttft_per_1k_s, "tpot_s": self.tpot_s}
+
+
 @dataclass
 class SimSettings:
     """One simulated run. ``engines``: one :class:`EngineConfig` per engine (heterogeneous allowed);
     ``router``: the router's config (weights, thresholds, health interval); ``api``: what
     ``dplb-replay`` would send (chat or completions); ``load_points``: most samples of load over
     time kept per engine; ``abort_on``: stop as soon as this SLO is certainly missed (capacity
-    search)."""
+    search); ``abort_below``: the same for an SLO-attainment target."""
 
     engines: list[EngineConfig]
     policy: str = "dplb"
@@ -116,6 +158,13 @@ class SimSettings:
     seed: int = 0
     load_points: int = 300
     abort_on: SLO | None = None
+    #: stop as soon as the share of requests meeting this SLO is certainly below the target
+    #: (``(slo, q)``: more than ``(1 − q)`` of the window has missed; capacity search)
+    abort_below: tuple[AttainmentSLO, float] | None = None
+    #: the prefix-aware policies see each engine's true cached prefix of the request (its KV cache
+    #: looked up with the request's block hashes at arrival) instead of the router's prefix index
+    #: (:class:`OracleIndex`; issue 29 item 2: what the index costs)
+    oracle_prefix: bool = False
     #: factor on the latencies the agents publish (1: simulated time). A live cluster whose engines
     #: run at ``--time-scale T`` has agents that measure wall time, T times shorter: 1/T mimics it
     #: (``simulate.fidelity``; with state interval, latency window and health interval × T)
@@ -202,6 +251,42 @@ class _NoGpu:
 
 # ---- the run --------------------------------------------------------------------------------------
 
+class OracleIndex:
+    """A policy's prefix index whose matches are the engines' truth (``--oracle-prefix``).
+
+    Wraps the policy's :class:`router.policies.prefix_index.PrefixIndex`: hashing, insertion, size
+    and removal go to it (so what a policy reads besides the matches, e.g. cache_aware's tree
+    sizes, is unchanged); :meth:`match` answers with :attr:`current`, set by the simulation before
+    each routing decision to ``{worker_id: characters}``, the share of the request's text equal to
+    the share of its engine prompt tokens that engine holds in its prefix cache. ``chunk_chars`` is
+    1, so :func:`router.policies.prefix_index.uncached_tokens` then gives prompt tokens minus cached
+    tokens (to rounding) and cache_aware's match rate is the cached fraction."""
+
+    chunk_chars = 1
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.current: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def hashes(self, text: str, model: str | None = None) -> list[int]:
+        return list(self.inner.hashes(text, model))
+
+    def match(self, hashes: list[int]) -> dict[int, int]:
+        return dict(self.current)
+
+    def insert(self, hashes: list[int], worker_id: int) -> None:
+        self.inner.insert(hashes, worker_id)
+
+    def size(self, worker_id: int) -> int:
+        return int(self.inner.size(worker_id))
+
+    def remove_worker(self, worker_id: int) -> None:
+        self.inner.remove_worker(worker_id)
+
+
 class _Engine:
     __slots__ = ("agent", "core", "hasher", "k", "plan", "writer")
 
@@ -280,6 +365,11 @@ class Simulation:
         scheduler = Scheduler(registry, policy, seg, metrics=None, learn=learn_settings(cfg),
                               default_rate=cfg.routing_policy.prefill_tokens_per_s)
         needs_text = bool(getattr(policy, "needs_text", True))
+        oracle: OracleIndex | None = None
+        n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
+        if s.oracle_prefix and getattr(policy, "index", None) is not None:
+            oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
+            policy.index = oracle                # type: ignore[attr-defined]
         path = CHAT if s.api == "chat" else COMPLETIONS
         model = s.engines[0].model
 
@@ -311,6 +401,24 @@ class Simulation:
         over_needed = _threshold_count(n)
         over_ttft = over_tpot = 0
         aborted = False
+        # SLO-attainment early abort: misses are certain at the first token (TTFT over the request's
+        # bound), at the end (TPOT over the bound) or at a rejection; stop once met <= n - misses
+        # can no longer reach q·n (the same comparison simulate.stats.slo_attainment judges by)
+        att = s.abort_below
+        att_lim = [att[0].ttft_limit_s(r.input_length) for r in reqs] if att is not None else []
+        att_tpot = att[0].tpot_s if att is not None else None
+        att_q = att[1] if att is not None else 0.0
+        missed = bytearray(n)
+        n_missed = 0
+
+        def miss(i: int) -> bool:
+            """Count request ``i`` as missed (once); True when the target is now out of reach."""
+            nonlocal n_missed
+            if att is None or missed[i]:
+                return False
+            missed[i] = 1
+            n_missed += 1
+            return (n - n_missed) / n < att_q
 
         heap: list[tuple[float, int, int, int]] = []
         seq = 0
@@ -377,6 +485,8 @@ class Simulation:
                             lease.first_token(now=t)
                             if ttft_lim is not None and ft > ttft_lim:
                                 over_ttft += 1
+                            if att is not None and ft > att_lim[i] and miss(i):
+                                aborted = True
                         if req.finish_reason is not None:
                             total = t - arr[i]
                             ft = ttft[i]
@@ -392,8 +502,12 @@ class Simulation:
                             done += 1
                             if tpot_lim is not None and tpot is not None and tpot > tpot_lim:
                                 over_tpot += 1
+                            if (att_tpot is not None and tpot is not None and tpot > att_tpot
+                                    and miss(i)):
+                                aborted = True
                     if over_ttft >= over_needed or over_tpot >= over_needed:  # 0 unless an SLO is set
                         aborted = True
+                    if aborted:
                         break
                     start_step(e, t)
                 elif kind == AGENT_TICK:
@@ -432,11 +546,26 @@ class Simulation:
                 text = router_text(r, s.api) if needs_text else ""
                 info = RequestInfo(path, model, True, text, router_prompt_len(r, s.api),
                                    max_tokens=r.output_length if r.output_length > 0 else None)
+                if oracle is not None:
+                    oracle.current = {}
+                    by_hasher: dict[int, list[int]] = {}
+                    for e in engines:
+                        hs = by_hasher.get(id(e.hasher))
+                        if hs is None:
+                            hs = by_hasher[id(e.hasher)] = e.hasher.hashes(r)
+                        bs = e.core.config.block_size
+                        n_tok = r.input_length + n_template
+                        hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
+                        if hit and text:
+                            oracle.current[e.k] = max(1, round(len(text) * hit / n_tok))
                 try:
                     lease, d = scheduler.select(info, now=t)
                 except NoEligibleWorker as err:
                     status[i] = err.status
                     done += 1
+                    if miss(i):
+                        aborted = True
+                        break
                     continue
                 k = d.worker_id
                 e = engines[k]
@@ -450,6 +579,9 @@ class Simulation:
                     status[i] = err.status
                     lease.release(now=t)
                     done += 1
+                    if miss(i):
+                        aborted = True
+                        break
                     continue
                 leases[i] = lease
                 if e.plan is None:

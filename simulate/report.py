@@ -50,16 +50,40 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def capacity_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Goodput per policy: the highest rate multiple within the SLO and the fewest engines."""
-    lines = [f"{'policy':<14} {'capacity x':>10} {'req/s':>8} {'min engines':>11}"]
+def capacity_table(rows: Sequence[dict[str, Any]], qs: Sequence[str] | None = None) -> str:
+    """Goodput per policy: the highest rate multiple within the SLO and the fewest engines; with
+    ``qs`` (keys of ``capacity_attainment``, e.g. ``"0.99"``), one such triple per attainment Q."""
+    if not qs:
+        lines = [f"{'policy':<14} {'capacity x':>10} {'req/s':>8} {'min engines':>11}"]
+        for r in rows:
+            cap = r.get("capacity") or {}
+            me = r.get("min_engines") or {}
+            x = cap.get("capacity_rate_scale")
+            rps = cap.get("capacity_requests_per_s")
+            lines.append(f"{r['policy']:<14} {_f(x, 3):>10} {_f(rps, 3):>8} {_f(me.get('min_engines')):>11}")
+        return "\n".join(lines)
+    head = f"{'policy':<14}" + "".join(f" {'x@' + q:>9} {'req/s':>8} {'engines':>7}" for q in qs)
+    lines = [head]
     for r in rows:
-        cap = r.get("capacity") or {}
-        me = r.get("min_engines") or {}
-        x = cap.get("capacity_rate_scale")
-        rps = cap.get("capacity_requests_per_s")
-        lines.append(f"{r['policy']:<14} {_f(x, 3):>10} {_f(rps, 3):>8} {_f(me.get('min_engines')):>11}")
+        caps = r.get("capacity_attainment") or {}
+        mes = r.get("min_engines_attainment") or {}
+        cells = ""
+        for q in qs:
+            cap = caps.get(q) or {}
+            me = mes.get(q) or {}
+            cells += (f" {_f(cap.get('capacity_rate_scale'), 3):>9} {_f(cap.get('capacity_requests_per_s'), 3):>8}"
+                      f" {_f(me.get('min_engines')):>7}")
+        lines.append(f"{r['policy']:<14}{cells}")
     return "\n".join(lines)
+
+
+def attainment_line(rows: Sequence[dict[str, Any]], slo: Any) -> str:
+    """One line: each policy's SLO attainment in the table's runs (share of requests meeting ``slo``,
+    an :class:`simulate.cluster.AttainmentSLO`)."""
+    tpot = f", TPOT <= {slo.tpot_s:g} s" if slo.tpot_s is not None else ""
+    parts = ", ".join(f"{r['policy']} {r['slo_attainment']['attainment']:.4f}" for r in rows)
+    return (f"SLO attainment (per request TTFT <= {slo.ttft_base_s:g} s + {slo.ttft_per_1k_s:g} s/1k prompt "
+            f"tokens{tpot}): {parts}")
 
 
 def write_json(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:

@@ -13,14 +13,18 @@ Definitions (the same as ``dplb-replay`` and ``bench/``, see :mod:`bench.stats`)
 * per-engine share: served requests per engine / all served; ``max_min_ratio`` = max / min count
   (None when an engine served none);
 * rejected: requests answered with an error, by HTTP status (400: longer than the context or the
-  whole KV cache, as the engine answers; 503: no worker eligible).
+  whole KV cache, as the engine answers; 503: no worker eligible);
+* ``slo_attainment`` (:func:`slo_attainment`): the share of the window's requests that meet a
+  per-request SLO (:class:`simulate.cluster.AttainmentSLO`: TTFT ≤ base + per-1k × prompt tokens
+  / 1000 and TPOT ≤ bound); the denominator is every request of the window, so a rejected request
+  or one left unfinished by an early stop is a miss.
 """
 from __future__ import annotations
 
 from typing import Any, cast
 
 from bench.stats import percentile
-from simulate.cluster import OK, RunResult
+from simulate.cluster import OK, AttainmentSLO, RunResult
 
 
 def _r(x: float | None, nd: int = 6) -> float | None:
@@ -31,8 +35,46 @@ def _pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
     return {f"p{q}": _r(percentile(values, q)) for q in qs}
 
 
-def summarize(res: RunResult, n_engines: int) -> dict[str, Any]:
-    """The figures of ``res`` as a JSON-ready dict (see the module docstring for each one)."""
+def slo_attainment(res: RunResult, slo: AttainmentSLO) -> dict[str, Any]:
+    """The share of ``res``'s requests meeting ``slo`` (see :class:`~simulate.cluster.AttainmentSLO`).
+
+    Returns ``attainment`` (met / requests, rounded to 6 decimals), ``met``, ``requests`` and the
+    misses by first cause:
+    ``not_served`` (rejected or unfinished), ``ttft`` (served, TTFT over its bound), ``tpot``
+    (TTFT within, TPOT over), plus ``slo`` and ``aborted_early`` (then the unfinished requests
+    count as misses, so the share is a lower bound)."""
+    n = len(res.status)
+    met = not_served = over_ttft = over_tpot = 0
+    for i, st in enumerate(res.status):
+        ft, total = res.ttft[i], res.e2e[i]
+        if st != OK or ft is None or total is None:
+            not_served += 1
+            continue
+        if ft > slo.ttft_limit_s(res.prompt_tokens[i]):
+            over_ttft += 1
+            continue
+        n_out = res.output_tokens[i]
+        if slo.tpot_s is not None and n_out > 1 and (total - ft) / (n_out - 1) > slo.tpot_s:
+            over_tpot += 1
+            continue
+        met += 1
+    return {"attainment": round(met / n, 6), "met": met, "requests": n,
+            "missed": {"not_served": not_served, "ttft": over_ttft, "tpot": over_tpot},
+            "slo": slo.as_dict(), "aborted_early": res.aborted}
+
+
+def attains(fig: dict[str, Any], q: float) -> bool:
+    """True when a run's ``slo_attainment`` share is at least ``q`` (an early-stopped run fails)."""
+    att = fig.get("slo_attainment")
+    if att is None or fig.get("aborted_early"):
+        return False
+    return bool(att["met"] / att["requests"] >= q)
+
+
+def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) -> dict[str, Any]:
+    """The figures of ``res`` as a JSON-ready dict (see the module docstring for each one);
+    ``slo``: the per-request SLO of the ``slo_attainment`` figure (default: the judging SLO's
+    defaults, :class:`~simulate.cluster.AttainmentSLO`)."""
     served = [i for i, s in enumerate(res.status) if s == OK]
     # a served request has all three times
     ttft = cast(list[float], [res.ttft[i] for i in served])
@@ -73,6 +115,7 @@ def summarize(res: RunResult, n_engines: int) -> dict[str, Any]:
         "requests_per_s": _r(len(served) / span, 4) if span > 0 else None,
         "prefix_hit_rate": _r(hits / queries, 4) if queries else None,
         "preemptions": sum(s["preemptions"] for s in res.engine_stats),
+        "slo_attainment": slo_attainment(res, slo if slo is not None else AttainmentSLO()),
         "per_engine": {
             "requests": counts,
             "share": shares if total else [None] * n_engines,

@@ -177,7 +177,15 @@ def load_workload(path: str | Path, fmt: str = "auto", start: int = 0,
         reqs = load_azure(path, limit=limit)
     else:
         raise ValueError(f"unknown trace format {fmt!r}; one of auto, mooncake, azure")
-    window = reqs[start:limit]
+    return window_of(reqs, start, requests, max_tokens_cap)
+
+
+def window_of(reqs: Sequence[TraceRequest], start: int = 0, requests: int | None = None,
+              max_tokens_cap: int | None = None) -> list[TraceRequest]:
+    """Requests ``start .. start + requests`` of ``reqs``, re-indexed from 0 with timestamps
+    relative to the window's first request, output lengths capped at ``max_tokens_cap``.
+    Raises ValueError for an empty window."""
+    window = list(reqs[start:None if requests is None else start + requests])
     if not window:
         raise ValueError(f"the window --start {start} holds no request (the trace has {len(reqs)})")
     t0 = window[0].timestamp_ms
@@ -185,6 +193,29 @@ def load_workload(path: str | Path, fmt: str = "auto", start: int = 0,
     return [TraceRequest(index=i, timestamp_ms=r.timestamp_ms - t0, input_length=r.input_length,
                          output_length=r.output_length if cap is None else min(r.output_length, cap),
                          hash_ids=r.hash_ids) for i, r in enumerate(window)]
+
+
+def spread_arrivals(reqs: Sequence[TraceRequest], width_ms: float, seed: int = 0) -> list[TraceRequest]:
+    """``reqs`` with each arrival moved later by an independent uniform draw in ``[0, width_ms)``
+    (seeded), then sorted by the new time (ties: the old order) and re-indexed from 0.
+
+    Why: the bundled conversation trace's timestamps lie on a 3-second grid (1,180 distinct
+    instants for 12,031 requests, 6-28 requests at each), so ``--rate-scale`` stretches the gaps
+    between groups but never the groups themselves: at any rate, about ten requests arrive at the
+    same instant. Spreading each over its 3 s slot (``width_ms = 3000``) gives arrivals at the
+    trace's rate and mix with no simultaneous groups; a per-request SLO at a low rate is then
+    decided by the engines, not by the grid. Raises ValueError for ``width_ms < 0``."""
+    if width_ms < 0:
+        raise ValueError(f"spread width must be >= 0 ms (got {width_ms})")
+    if width_ms == 0:
+        return list(reqs)
+    rng = random.Random(f"spread:{seed}")
+    moved = [(r.timestamp_ms + rng.random() * width_ms, k) for k, r in enumerate(reqs)]
+    moved.sort()
+    t0 = moved[0][0]
+    return [TraceRequest(index=i, timestamp_ms=round(t - t0, 3), input_length=reqs[k].input_length,
+                         output_length=reqs[k].output_length, hash_ids=reqs[k].hash_ids)
+            for i, (t, k) in enumerate(moved)]
 
 
 # ---- what each component sees ----------------------------------------------------------------------

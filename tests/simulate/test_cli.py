@@ -25,7 +25,7 @@ def no_segment_left():
     (["--engine-override", "9:--slowdown 2"], "--engine-override"),
     (["--engine-override", "1:--bogus 2"], "invalid engine flags"),
     (["--rate-scale", "0"], "--rate-scale"),
-    (["--find-capacity"], "--slo-ttft-p99"),
+    (["--find-capacity", "--slo-attainment", "0"], "--slo-attainment 0"),   # alone it searches Q 0.99, 0.9
     (["--num-gpu-blocks", "0"], "num_gpu_blocks"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, fragment, capsys):
