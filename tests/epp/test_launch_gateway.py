@@ -1,0 +1,122 @@
+"""``launch_dplb.sh --gateway envoy`` with 2 sim workers (issue 30): the agents' engines on loopback
+TCP, ``dplb-epp --shm`` and a real Envoy on the launch's port; a chat completion and a stream
+through it (``x-dplb-worker-id`` set, both workers used), then SIGINT: exit 0, no process, segment
+or socket left. Bounded waits; the teardown kills whatever is left even when a test fails."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from tests.helpers import ROOT, Procs, free_port, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _alive(pids: set[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _tree(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _logs(log: Path, run_dir: Path) -> str:
+    parts = [f"--- launcher ---\n{log.read_text(errors='replace')[-3000:]}"]
+    parts += [f"--- {p.name} ---\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(run_dir.glob("*.log"))]
+    return "\n".join(parts)
+
+
+def test_dry_run_prints_envoy_config_and_epp_command():
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "launcher", "--num-workers", "2", "--gateway", "envoy", "--port",
+                          str(port), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    assert "--engine-host 127.0.0.1" in out.stdout
+    assert f"-m epp --shm dplb-{port}" in out.stdout
+    assert "envoy.filters.http.ext_proc" in out.stdout and "ORIGINAL_DST" in out.stdout
+    assert f"port_value: {port}" in out.stdout
+    assert "router: " not in out.stdout
+
+
+def test_launch_gateway_envoy_serves_and_stops_clean():
+    port = free_port()
+    base = Path(tempfile.mkdtemp(prefix="dplb-gw-", dir="/tmp"))
+    run_dir, log = base / "rd", base / "launch.out"
+    procs = Procs()
+    seen: set[int] = set()
+    proc = None
+    try:
+        t0 = time.monotonic()
+        proc = procs.start(["bash", str(ROOT / "scripts" / "launch_dplb.sh"), "--num-workers", "2", "--gateway",
+                            "envoy", "--engine", "sim", "--model", "sim-model", "--port", str(port),
+                            "--run-dir", str(run_dir), "--time-scale", "20",
+                            "--start-timeout", "180", "--policy", "round_robin"],
+                           log=log, env={"DPLB_PYTHON": sys.executable}, cwd=ROOT)
+        wait_until(lambda: "DPLB ready" in log.read_text(errors="replace") or proc.poll() is not None, timeout=200,
+                   interval=0.2, what="the launch's ready banner")
+        assert proc.poll() is None, "launch exited before ready:\n" + _logs(log, run_dir)
+        print(f"ready after {time.monotonic() - t0:.1f} s")
+        out = log.read_text(errors="replace")
+        assert "Envoy gateway on" in out and f"http://127.0.0.1:{port}/v1" in out, out
+        seen |= _tree(proc.pid)
+        names = {psutil.Process(p).name() for p in _alive(seen)}
+        assert "envoy" in names, names
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        workers = set()
+        for _ in range(2):
+            r = c.chat.completions.with_raw_response.create(
+                model="sim-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=8)
+            workers.add(r.headers["x-dplb-worker-id"])
+            assert r.parse().choices[0].message.content
+        for _ in range(2):
+            with c.chat.completions.with_streaming_response.create(
+                    model="sim-model", messages=[{"role": "user", "content": "one two three"}], max_tokens=6,
+                    stream=True) as resp:
+                workers.add(resp.headers["x-dplb-worker-id"])
+                chunks = [ch for ch in resp.parse() if ch.choices]
+            assert len(chunks) > 1 and "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        assert workers == {"0", "1"}, workers
+        seen |= _tree(proc.pid)
+        os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(120)
+        assert rc == 0, _logs(log, run_dir)
+        assert not _alive(seen), f"left running: {_alive(seen)}"
+        assert not os.path.exists(f"/dev/shm/dplb-{port}")
+        assert not list(run_dir.glob("*.sock"))
+    finally:
+        if proc is not None:
+            seen |= _tree(proc.pid)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+        for pid in _alive(seen):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        procs.close()
+        if os.path.exists(f"/dev/shm/dplb-{port}"):
+            os.unlink(f"/dev/shm/dplb-{port}")
+        shutil.rmtree(base, ignore_errors=True)
