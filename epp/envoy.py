@@ -35,7 +35,8 @@ BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
 @dataclass(frozen=True)
 class EnvoySettings:
     """What the bootstrap needs. Ports are TCP ports on ``host`` (loopback by default);
-    ``epp_host``/``epp_port``: the picker's ext_proc server; ``request_body_mode``: one of
+    ``epp_host``/``epp_port``: the picker's ext_proc server (an IP address, or a DNS name such as
+    a Kubernetes Service's, then resolved by Envoy: ``STRICT_DNS``); ``request_body_mode``: one of
     :data:`BODY_MODES`; ``message_timeout_s``: how long Envoy waits for each picker answer (Envoy's
     default, 200 ms, is too short for a busy box); ``route_timeout_s``: the whole request's upper
     bound (0: none; streams can last minutes); ``access_log``: a file path for one line per request
@@ -53,6 +54,8 @@ class EnvoySettings:
     connect_timeout_s: float = 2.0
     buffer_limit_bytes: int = 16 * 1024 * 1024
     access_log: str | None = None
+    #: the admin listener's address (None: ``host``); keep it on loopback when ``host`` is 0.0.0.0
+    admin_host: str | None = None
 
 
 ACCESS_LOG_FORMAT = (f"%RESPONSE_CODE% %DYNAMIC_METADATA({NAMESPACE}:{HEADER})% "
@@ -61,6 +64,16 @@ ACCESS_LOG_FORMAT = (f"%RESPONSE_CODE% %DYNAMIC_METADATA({NAMESPACE}:{HEADER})% 
 
 def _secs(s: float) -> str:
     return f"{s:.3f}s"
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def bootstrap(s: EnvoySettings) -> dict[str, Any]:
@@ -102,7 +115,8 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
             "path": s.access_log, "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
     epp_cluster = {
-        "name": "epp", "type": "STATIC", "connect_timeout": _secs(s.connect_timeout_s), "lb_policy": "ROUND_ROBIN",
+        # an IP literal: STATIC; a name (a Kubernetes Service, e.g. dplb-epp.default.svc): resolved by DNS
+        "name": "epp", "type": "STATIC" if _is_ip(s.epp_host) else "STRICT_DNS", "connect_timeout": _secs(s.connect_timeout_s), "lb_policy": "ROUND_ROBIN",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}}}},
@@ -116,7 +130,7 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
         "per_connection_buffer_limit_bytes": s.buffer_limit_bytes,
     }
     return {
-        "admin": {"address": {"socket_address": {"address": s.host, "port_value": s.admin_port}}},
+        "admin": {"address": {"socket_address": {"address": s.admin_host or s.host, "port_value": s.admin_port}}},
         "static_resources": {
             "listeners": [{
                 "name": "dplb_gateway",
