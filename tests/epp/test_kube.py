@@ -143,3 +143,46 @@ def test_pool_selector_and_port_change_reselects(api: tuple[KubeStandIn, str], w
     wait_for(lambda: set(w.endpoints()) == {f"10.0.0.{i}:{p}" for i in (2, 3) for p in (9000, 9001)}, "new ports")
     s.delete("pools", "pool-a")
     wait_for(lambda: w.endpoints() == {}, "no endpoints without the pool")
+
+
+async def test_pool_endpoints_reach_the_scrape_slots(api: tuple[KubeStandIn, str], segment: Any, tmp_path: Any) -> None:
+    """Through the picker: each pod IP × port claims a slot of the segment with the pod's model;
+    a deleted pod gives its slots back."""
+    import asyncio
+
+    from epp.server import Picker
+    from router.config import Config
+    from tests.epp.conftest import live_slots
+
+    s, kc = api
+    s.put("pools", pool("pool-a", APP, [18000, 18001]))
+    s.put("pods", pod("p0", "127.0.0.1", APP, annotations={"dplb.io/model": "llama"}))
+    cfg = Config.model_validate({"health_check": {"interval_ms": 100},
+                                 "router": {"state_dir": str(tmp_path / "st")}})
+    w = PoolWatcher("pool-a", NS, api_client(kc), backoff_s=0.1)
+    p = Picker(cfg, segment, kube=w)
+    await p.start()
+    try:
+        async def slots_are(want: set[str]) -> dict[str, Any]:
+            for _ in range(int(WAIT_S / 0.05)):
+                live = live_slots(segment)
+                if set(live) == want:
+                    return live
+                await asyncio.sleep(0.05)
+            pytest.fail(f"slots {set(live_slots(segment))}, wanted {want}")
+
+        live = await slots_are({"127.0.0.1:18000", "127.0.0.1:18001"})
+        assert {sl.model for sl in live.values()} == {"llama"}
+        s.delete("pods", "p0")
+        await slots_are(set())
+    finally:
+        await p.stop()
+
+
+def test_cli_flags(tmp_path: Any, capsys: Any) -> None:
+    from epp.__main__ import main
+
+    assert main(["--namespace", "x"]) == 2                     # --namespace without --pool
+    assert main(["--pool", "p", "--pool-resync", "0"]) == 2
+    assert main(["--pool", "p", "--kubeconfig", str(tmp_path / "missing")]) == 2
+    assert "Kubernetes client config" in capsys.readouterr().err
