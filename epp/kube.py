@@ -153,6 +153,7 @@ class PoolWatcher:
         self._stop = threading.Event()
         self._reselect = threading.Event()
         self._pod_resp: Any = None
+        self._pool_resp: Any = None
         self.relists = 0           # pod lists done (tests and logs)
         self._threads = [threading.Thread(target=self._loop, args=(self._pool_round,), daemon=True, name="epp-kube-pool"),
                          threading.Thread(target=self._loop, args=(self._pod_round,), daemon=True, name="epp-kube-pods")]
@@ -167,6 +168,7 @@ class PoolWatcher:
         """Stop the watches (cuts the open streams) and join the threads for up to ``timeout_s``."""
         self._stop.set()
         self._cut()
+        self._cut(self._pool_resp)
         for t in self._threads:
             t.join(timeout_s)
 
@@ -226,8 +228,9 @@ class PoolWatcher:
                 log.warning("pool %s/%s: %s (retrying in %.1fs)", self.namespace, self.pool, e, self.backoff_s)
                 self._stop.wait(self.backoff_s)
 
-    def _cut(self) -> None:
-        resp = self._pod_resp
+    def _cut(self, resp: Any = None) -> None:
+        """Shut the open pod watch's connection (or ``resp``'s), ending its blocked read."""
+        resp = resp if resp is not None else self._pod_resp
         if resp is not None:
             try:
                 resp.shutdown()
@@ -246,10 +249,15 @@ class PoolWatcher:
             if e.status == 410:
                 raise Gone() from None
             raise
-        if fn == self.core.list_namespaced_pod:
+        pods = fn == self.core.list_namespaced_pod
+        if pods:
             self._pod_resp = resp
             if self._reselect.is_set():
                 resp.shutdown()
+        else:
+            self._pool_resp = resp
+        if self._stop.is_set():
+            resp.shutdown()
         try:
             for line in iter_resp_lines(resp):
                 if self._stop.is_set():
@@ -268,7 +276,10 @@ class PoolWatcher:
                 return          # cut on purpose
             raise
         finally:
-            self._pod_resp = None
+            if pods:
+                self._pod_resp = None
+            else:
+                self._pool_resp = None
             resp.release_conn()
 
     def _pool_round(self) -> None:
