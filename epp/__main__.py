@@ -2,6 +2,7 @@
 
     dplb-epp --shm dplb-30000                      # the agents' slots of a running DPLB node
     dplb-epp --endpoints-file endpoints.yaml       # engines without agents, in a private segment
+    dplb-epp --pool NAME [--namespace NS] [--kubeconfig PATH]   # an InferencePool's Ready pods
     dplb-epp ... --print-envoy-config              # the Envoy bootstrap that routes through it
 
 Ports (loopback unless ``--host``): ext_proc 9002, gRPC health 9003, ``/metrics`` 9090 (GIE's
@@ -34,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="dplb.yaml (routing policy, health checks, breaker; see dplb.example.yaml)")
     p.add_argument("--shm", help="segment of a running DPLB node (default: a private one)")
     p.add_argument("--endpoints-file", help="YAML list of {address: host:port, model, weight} to scrape")
+    k = p.add_argument_group("Kubernetes discovery (epp.kube)")
+    k.add_argument("--pool", help="InferencePool (inference.networking.k8s.io/v1) whose Ready pods to scrape")
+    k.add_argument("--namespace", help="the pool's namespace (default: the kubeconfig context's, in cluster "
+                                       "the service account's, else 'default')")
+    k.add_argument("--kubeconfig", help="kubeconfig file (default: the in-cluster service account)")
+    k.add_argument("--pool-resync", type=float, default=300.0, help="seconds between full re-lists")
     p.add_argument("--policy", choices=POLICIES)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (0: any free one)")
@@ -63,9 +70,15 @@ def main(argv: list[str] | None = None) -> int:
             listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_port=args.port, epp_host=args.host,
             failure_mode_allow=args.failure_mode_allow, request_body_mode=args.request_body_mode)))
         return 0
-    if not args.shm and not args.endpoints_file:
-        print("dplb-epp: nothing to route to: give --shm (a DPLB node's segment) and/or --endpoints-file",
+    if not args.shm and not args.endpoints_file and not args.pool:
+        print("dplb-epp: nothing to route to: give --shm (a DPLB node's segment), --endpoints-file and/or --pool",
               file=sys.stderr)
+        return 2
+    if (args.namespace or args.kubeconfig) and not args.pool:
+        print("dplb-epp: --namespace and --kubeconfig go with --pool", file=sys.stderr)
+        return 2
+    if args.pool_resync <= 0:
+        print("dplb-epp: --pool-resync must be positive", file=sys.stderr)
         return 2
     private_dir = args.state_dir or f"/tmp/dplb-epp-{args.port}"
     overrides = {"routing_policy.policy": args.policy, "router.shm": args.shm,
@@ -84,11 +97,22 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, EndpointsFileError) as e:
             print(f"dplb-epp: {e}", file=sys.stderr)
             return 2
+    kube = None
+    if args.pool:
+        from epp.kube import PoolWatcher, api_client, default_namespace
+
+        try:
+            api = api_client(args.kubeconfig)
+        except Exception as e:   # noqa: BLE001  (kubernetes.config.ConfigException, OSError, YAML errors)
+            print(f"dplb-epp: Kubernetes client config: {e}", file=sys.stderr)
+            return 2
+        kube = PoolWatcher(args.pool, args.namespace or default_namespace(args.kubeconfig), api,
+                           resync_s=args.pool_resync)
     logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_run(args, cfg))
+    return asyncio.run(_run(args, cfg, kube))
 
 
-async def _run(args: argparse.Namespace, cfg: object) -> int:
+async def _run(args: argparse.Namespace, cfg: object, kube: object = None) -> int:
     from dplb_shm import Segment
     from epp.server import Picker, serve
     from router.app import remove_state_dir
@@ -103,7 +127,7 @@ async def _run(args: argparse.Namespace, cfg: object) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
     try:
-        picker = Picker(cfg, seg, args.endpoints_file)
+        picker = Picker(cfg, seg, args.endpoints_file, kube)
         await serve(picker, args.host, args.port, args.health_port, args.metrics_port or None,
                     BODY_MODES[args.request_body_mode], stop)
     finally:

@@ -1,6 +1,6 @@
 """Where ``dplb-epp`` learns its endpoints: a file of engines without agents, scraped into slots.
 
-Two sources, combined:
+Three sources, combined (the third, an InferencePool's pods, is :mod:`epp.kube`):
 
 - **A DPLB node's segment** (``--shm NAME``): the agents' slots, as the router reads them.
 - **A file of endpoints** (``--endpoints-file FILE``, llm-d-router's "file discovery"): a YAML

@@ -138,11 +138,15 @@ class Picker:
     """The router's pipeline for ``cfg`` without its HTTP server (module docstring). ``seg``: an
     attached segment to use (a private one; None: attach ``cfg.shm_name`` and share the node's
     router lines and ledger under ``cfg.state_dir``); ``endpoints_file``: engines without agents
-    to scrape into slots (:mod:`epp.discovery`)."""
+    to scrape into slots (:mod:`epp.discovery`); ``kube``: an :class:`epp.kube.PoolWatcher` (not
+    started; :meth:`start` starts it, :meth:`stop` stops it) whose endpoints are scraped the same way."""
 
-    def __init__(self, cfg: Config, seg: Any = None, endpoints_file: str | None = None) -> None:
+    def __init__(self, cfg: Config, seg: Any = None, endpoints_file: str | None = None, kube: Any = None) -> None:
         self.state = RouterState(cfg, seg)
         self.endpoints = EndpointsFile(endpoints_file) if endpoints_file else None
+        self.kube = kube
+        self._file_eps: dict[str, dict[str, Any]] = {}
+        self._kube_eps: dict[str, dict[str, Any]] = {}
         self.scrape: ScrapeManager | None = None
         self._unix_warned: set[int] = set()
         self.ready = False
@@ -153,7 +157,9 @@ class Picker:
         st = self.state
         await st.start()
         hc = st.cfg.health_check
-        if self.endpoints is not None:
+        if self.kube is not None:
+            self.kube.start()
+        if self.endpoints is not None or self.kube is not None:
             self.scrape = ScrapeManager(st.seg, st.transport, st.cfg.state_dir,
                                         timeout_s=max(0.2, hc.interval_ms / 1000.0), max_failures=hc.max_failures)
             await self._discover()
@@ -165,16 +171,23 @@ class Picker:
     async def stop(self) -> None:
         """Give the scraped slots back, then stop the router state."""
         await self.state.monitor.stop()
+        if self.kube is not None:
+            await asyncio.to_thread(self.kube.stop)
         if self.scrape is not None:
             self.scrape.close()
         await self.state.stop()
 
     async def _discover(self) -> None:
-        """Health-tick extra: reload the endpoints file when it changed, scrape every endpoint."""
-        assert self.endpoints is not None and self.scrape is not None
-        eps = self.endpoints.poll()
-        if eps is not None:
-            self.scrape.wanted = eps
+        """Health-tick extra: take the endpoints file's and the pool's endpoints when they changed
+        (the file's spec wins for an address in both), scrape every endpoint."""
+        assert self.scrape is not None
+        changed = False
+        if self.endpoints is not None and (eps := self.endpoints.poll()) is not None:
+            self._file_eps, changed = eps, True
+        if self.kube is not None and (keps := self.kube.poll()) is not None:
+            self._kube_eps, changed = keps, True
+        if changed:
+            self.scrape.wanted = {**self._kube_eps, **self._file_eps}
         await self.scrape.tick()
         self.state.registry.refresh()   # this tick's decisions see the scrape's heartbeat and counts
 
