@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-body-mode", choices=sorted(BODY_MODES), default="BUFFERED",
                    help="request body mode assumed when Envoy sends no protocol_config")
     p.add_argument("--slots", type=int, default=64, help="slots of the private segment")
-    p.add_argument("--state-dir", help="state directory (see above)")
+    p.add_argument("--state-dir", help="where the router lines' ledgers, the admin state and the scrape lock live "
+                                       "(default: with --shm the node's routers' own, /tmp/dplb-router-<router.port>, "
+                                       "so their accounting is shared; else /tmp/dplb-epp-<port>)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("Envoy bootstrap (--print-envoy-config)")
     g.add_argument("--print-envoy-config", action="store_true", help="print the Envoy bootstrap and exit")

@@ -208,7 +208,7 @@ class Picker:
                 if wid not in self._unix_warned:
                     self._unix_warned.add(wid)
                     log.warning("worker %d serves its engine on a Unix socket (%s), which Envoy cannot route to: "
-                                "left out (start its agent with --engine-host/--engine-port)", wid, h.endpoint)
+                                "left out (start its agent with --engine-host 127.0.0.1, or launch with --gateway envoy)", wid, h.endpoint)
         return out
 
     def dispatch(self, info: Any) -> tuple[WorkerHandle, Lease]:

@@ -79,6 +79,7 @@ from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, Usa
 from launcher.gpus import GpuPlan
 from launcher.specs import WorkerPlan
 from launcher.stack import LOOPBACK, agent_argv, router_argv
+from router.workers import exit_words
 from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
 from worker_agent.restart import RestartParams, RestartPolicy
 
@@ -432,14 +433,18 @@ class Supervisor:
                 continue
             log = self.cfg.run_dir / f"engine-{k}.log"
             if restarts > prev[1]:
-                self._say(f"dplb: worker {k}: engine restart {restarts} ({reason.lower()})")
+                # the slot's reason is back to NONE once the new engine is READY: a restart this
+                # poll saw only afterwards keeps the reason it was last seen with
+                why = reason if reason != "NONE" else prev[2]
+                self._say(f"dplb: worker {k}: engine restart {restarts}"
+                          + (f" ({why.lower()})" if why != "NONE" else ""))
             if reason == "GAVE_UP" and prev[2] != "GAVE_UP":
                 self._say(f"dplb: worker {k}: engine failed too often (last exit code {s.last_exit_code}); it stays "
                           f"DEAD until `curl -X POST {self.cfg.url}/dplb/workers/{k}/restart`; see {log}")
             elif state == "DEAD" and (prev[0] != "DEAD" or restarts > prev[1]):
                 nxt = int(getattr(s, "next_restart_ns", 0) or 0)
                 when = f"in {max(0.0, (nxt - now) / 1e9):.1f}s" if nxt else "after a backoff"
-                self._say(f"dplb: worker {k}: engine exited with code {s.last_exit_code} ({reason.lower()}); "
+                self._say(f"dplb: worker {k}: engine {exit_words(int(s.last_exit_code))} ({reason.lower()}); "
                           f"its agent restarts it {when}; see {log}")
             elif state == "READY" and prev[0] != "READY" and restarts:
                 self._say(f"dplb: worker {k}: READY again after engine restart {restarts}")

@@ -14,7 +14,6 @@ a second signal stops it at once. Exit status 2 on an invalid config (the messag
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -62,13 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.admin_exposed():
         print(f"dplb-router: refusing to listen on {cfg.router.host} without router.admin_token: anyone reaching "
-              "the port could drain, remove or add workers. Set router.admin_token (--admin-token) or listen on "
+              "the port could drain, remove or add workers. Set router.admin_token (dplb-router --admin-token; "
+              "with the launcher, in the file given to --config) or listen on "
               "127.0.0.1 (behind a reverse proxy, set the token too: every proxied client looks like loopback)",
               file=sys.stderr)
         return 2
     import uvicorn
 
-    logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from router.app import configure_logging
+
+    configure_logging(cfg.router.log_level)
     from router.server import ENV_BYTES, ENV_COUNT, LimitedHttpToolsProtocol
 
     # read by router.server.LimitedHttpToolsProtocol at import in every --workers process

@@ -8,7 +8,8 @@ router answers (served, refused, failed, or left by its client) ends with one li
 
     text: ``rid=7f3a... POST /v1/chat/completions model=llama worker=2 status=200 ttft_ms=41.2
           duration_ms=812.0 prompt_tokens=118 output_tokens=64 attempts=1``
-    json: the same fields as one JSON object (``router.access_log: json``), for log shippers.
+    json: the same fields as one JSON object per line, nothing else on it (``router.access_log:
+          json``), for log shippers and ``jq``.
 
 ``ttft_ms`` is the time from the request's arrival to its first content (streams; ``-`` when none
 was seen), ``duration_ms`` from its arrival to the end of its answer; tokens are the engine's
@@ -19,6 +20,7 @@ cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``).
 from __future__ import annotations
 
 import logging
+import sys
 
 import orjson
 
@@ -36,6 +38,13 @@ class AccessLog:
         self.json = mode == "json"
         if self.on and log.level == logging.NOTSET:
             log.setLevel(logging.INFO)   # independent of the router's log_level
+        if self.json and not any(getattr(h, "dplb_json", False) for h in log.handlers):
+            # one JSON object per line, nothing before it (log shippers, jq): a handler of its own
+            h = logging.StreamHandler(sys.stderr)
+            h.setFormatter(logging.Formatter("%(message)s"))
+            h.dplb_json = True  # type: ignore[attr-defined]
+            log.addHandler(h)
+            log.propagate = False
 
     def emit(self, rid: bytes, method: str, route: str, model: str | None, worker: str, status: int,
              duration_s: float, ttft_s: float | None = None, prompt_tokens: int | None = None,

@@ -50,6 +50,8 @@ from router.server import check_headers
 from router.transport import Transport
 from router.workers import Registry
 
+#: every router log line: time, level, logger, message
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger("dplb.router")
 CONFIG_ENV = "DPLB_ROUTER_CONFIG_JSON"
 POST_ONLY = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
@@ -500,4 +502,13 @@ def create_app(cfg: Config | None = None, seg: Any = None) -> DPLBApp:
 def create_app_from_env() -> DPLBApp:
     """uvicorn factory for ``--workers`` > 1: the config comes from ``$DPLB_ROUTER_CONFIG_JSON``."""
     text = os.environ.get(CONFIG_ENV)
-    return create_app(config_from_json(text) if text else Config())
+    cfg = config_from_json(text) if text else Config()
+    # a spawned router process inherits no logging configuration: the parent's basicConfig set
+    # only its own root logger, so the access lines and warnings of the processes went nowhere
+    configure_logging(cfg.router.log_level)
+    return create_app(cfg)
+
+
+def configure_logging(level: str) -> None:
+    """The router's log format on the root logger (``level``: ``router.log_level``); idempotent."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)

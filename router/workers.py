@@ -30,7 +30,6 @@ DRAINING = 3
 DEAD = 4
 STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "draining", 4: "dead"}
 log = logging.getLogger("dplb.router.workers")
-REASON_NAMES = {0: None, 1: "engine_exited", 2: "start_failed", 3: "gave_up", 4: "admin_restart"}
 
 
 def exit_words(code: int) -> str:
@@ -50,7 +49,9 @@ def log_state_change(wid: int, before: int | None, snap: Any) -> None:
     the slot's reason and the engine's last exit status where it has them (issue 32: "a warning
     with its cause for every worker state change")."""
     st = int(snap.state)
-    reason = REASON_NAMES.get(int(getattr(snap, "state_reason", 0) or 0))
+    r = getattr(snap, "state_reason", None)        # a dplb_shm.StateReason (its names are the reasons)
+    name = getattr(r, "name", None)
+    reason = None if name in (None, "NONE") else str(name).lower()
     code = int(getattr(snap, "last_exit_code", 0) or 0)
     why = "" if reason is None else f" ({reason}" + (f", engine {exit_words(code)}" if code else "") + ")"
     was = "new" if before is None else STATE_NAMES.get(before, str(before))

@@ -184,7 +184,7 @@ def test_engine_restart_by_an_agent_is_printed(procs, run_dir, port):
     p, log = start(procs, run_dir, port, "--num-workers", "2", env={"FAKE_RESTART_AFTER_READY": "1"})
     wait_until(lambda: "READY again after engine restart 1" in log.read_text(), timeout=90, what="restart report")
     out = log.read_text()
-    assert "worker 1: engine exited with code -9 (engine_exited); its agent restarts it in" in out
+    assert "worker 1: engine killed by SIGKILL (status 137) (engine_exited); its agent restarts it in" in out
     assert "worker 1: engine restart 1" in out and "engine-1.log" in out
     assert "worker 0: engine" not in out
     os.kill(p.pid, signal.SIGINT)

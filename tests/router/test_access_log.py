@@ -59,7 +59,7 @@ def test_access_log_json_and_off(make_cluster):
                headers={"x-request-id": "rid-json"})
     wait_until(lambda: _lines(c, "rid-json"), 10, what="the JSON access line")
     line = _lines(c, "rid-json")[0]
-    rec = orjson.loads(line[line.index("{"):])
+    rec = orjson.loads(line)                      # the whole line is the JSON object
     assert rec["rid"] == "rid-json" and rec["status"] == 200 and rec["worker"] == "0" and rec["model"] == MODEL
     assert rec["duration_ms"] > 0 and rec["prompt_tokens"] > 0
     off = make_cluster(1, {"router": {"access_log": "off"}})
@@ -67,3 +67,14 @@ def test_access_log_json_and_off(make_cluster):
                       headers={"x-request-id": "rid-off"}).status_code == 200
     httpx.get(off.base + "/health")
     assert not _lines(off, "rid-off")
+
+
+def test_every_router_process_writes_its_access_lines(make_cluster):
+    """With ``--workers 2`` router.log held no access line: a spawned process inherits no logging
+    configuration (found by a new user following the README)."""
+    c = make_cluster(1, None, None, ("--workers", "2"))
+    for i in range(8):
+        assert httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
+                          headers={"x-request-id": f"rid-w{i}"}).status_code == 200
+    wait_until(lambda: all(_lines(c, f"rid=rid-w{i} ") for i in range(8)), 15, what="8 access lines")
+    assert all(" INFO dplb.router.access: " in _lines(c, f"rid=rid-w{i} ")[0] for i in range(8))
