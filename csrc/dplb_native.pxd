@@ -91,7 +91,7 @@ cdef extern from "dplb_shm.h" nogil:
         uint32_t restarts
         int32_t last_exit_code
         uint32_t state_reason
-        uint32_t reserved2
+        int32_t engine_pid
         int64_t next_restart_ns
         char control[128]
         dplb_router_line_t router

@@ -225,7 +225,7 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
         router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"],
         restarts=s.restarts, last_exit_code=s.last_exit_code, state_reason=_reason(s.state_reason),
-        next_restart_ns=s.next_restart_ns)
+        next_restart_ns=s.next_restart_ns, engine_pid=s.engine_pid)
 
 
 cdef object _reason(uint32_t r):
@@ -264,6 +264,8 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
             s.state = <int32_t>int(st)
         elif key == "pid":
             s.pid = <int32_t>_i(v, key, 0, 2**31 - 1)
+        elif key == "engine_pid":
+            s.engine_pid = <int32_t>_i(v, key, 0, 2**31 - 1)
         elif key == "endpoint":
             _set_endpoint(s.endpoint, v, "endpoint")
         elif key == "control":

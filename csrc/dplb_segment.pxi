@@ -614,7 +614,7 @@ cdef class Segment:
                 retries += r
                 v = s.num_running
                 bad = (s.num_waiting != v or s.inflight != v or s.max_num_seqs != v
-                       or s.pid != v or s.queued_prompt_tokens != v or s.heartbeat_ns != v
+                       or s.pid != v or s.engine_pid != v or s.queued_prompt_tokens != v or s.heartbeat_ns != v
                        or s.gpu_mem_used_bytes != v or s.gpu_mem_total_bytes != v
                        or s.weight != <double>v or s.kv_cache_usage != <double>v
                        or s.ttft_ms != <double>v or s.tpot_ms != <double>v or s.e2e_ms != <double>v

@@ -54,7 +54,7 @@
  *  ---- cold lines 5..19 ----------------------------------------------------------------------
  *   320   128  prompt_len_hist[32]       u32 counts of queued prompts, bin b holds
  *                                        lengths in [2^b, 2^(b+1)) (bin 0 also holds 0)
- *   448     4  pid
+ *   448     4  pid                       the slot writer's pid: the worker agent's (a mirror: the router's)
  *   452     4  num_gpus                  entries used in gpu_ids
  *   456     8  queued_prompt_tokens      sum of prompt tokens of queued requests
  *   464     8  gpu_mem_used_bytes        NVML, -1 = unknown
@@ -81,7 +81,8 @@
  *  1220     4  last_exit_code            i32: exit status of the engine's last exit (negative: killed
  *                                        by that signal), 0 while it never exited
  *  1224     4  state_reason              DPLB_REASON_*: why the slot is in its state (DEAD/STARTING)
- *  1228     4  reserved2
+ *  1228     4  engine_pid                i32: pid of the engine process the agent spawned, 0 = none
+ *                                        (an attached server, or no engine running)
  *  1232     8  next_restart_ns           CLOCK_MONOTONIC ns at which the agent restarts its engine
  *                                        (AGENT_EXITED: the launcher its agent), 0 when none is scheduled
  *  1240   128  control                   NUL-terminated: the agent's control address (/health,
@@ -233,7 +234,7 @@ typedef struct dplb_slot {
     uint32_t restarts;
     int32_t last_exit_code;
     uint32_t state_reason;
-    uint32_t reserved2;
+    int32_t engine_pid;
     int64_t next_restart_ns;
     char control[DPLB_ENDPOINT_LEN];
     uint8_t reserved1[DPLB_DATA_END - 1368];
@@ -266,6 +267,7 @@ DPLB_ASSERT_OFF(dplb_slot_t, ttft_ring, 584);
 DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 968);
 DPLB_ASSERT_OFF(dplb_slot_t, model, 1096);
 DPLB_ASSERT_OFF(dplb_slot_t, restarts, 1216);
+DPLB_ASSERT_OFF(dplb_slot_t, engine_pid, 1228);
 DPLB_ASSERT_OFF(dplb_slot_t, next_restart_ns, 1232);
 DPLB_ASSERT_OFF(dplb_slot_t, control, 1240);
 DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1368);
@@ -479,7 +481,7 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, reserved0), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
     DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
     DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, restarts), DPLB_F(dplb_slot_t, last_exit_code),
-    DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, reserved2), DPLB_F(dplb_slot_t, next_restart_ns),
+    DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, engine_pid), DPLB_F(dplb_slot_t, next_restart_ns),
     DPLB_F(dplb_slot_t, control),
     DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router), DPLB_F(dplb_slot_t, rstats),
     { 0, 0, 0 },

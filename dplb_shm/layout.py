@@ -103,7 +103,7 @@ class Slot(ctypes.Structure):
         ("restarts", ctypes.c_uint32),
         ("last_exit_code", ctypes.c_int32),
         ("state_reason", ctypes.c_uint32),
-        ("reserved2", ctypes.c_uint32),
+        ("engine_pid", ctypes.c_int32),
         ("next_restart_ns", ctypes.c_int64),
         ("control", ctypes.c_char * 128),
         ("reserved1", ctypes.c_uint8 * 40),

@@ -312,6 +312,7 @@ class Supervisor:
                     + (f" | router: {'up' if router_ok else 'starting'}" if cfg.with_router else ""))
             if ready == cfg.num_workers and router_ok:
                 self._progress(line, final=True)
+                self.report_ready()
                 return
             now = time.monotonic()
             # print on every change; on a log (not a TTY) also every 15 s so a long model load shows life
@@ -339,6 +340,16 @@ class Supervisor:
             self.report_engines()
             self._sleep(0.5)
 
+    def report_ready(self) -> None:
+        """One line per worker once all are ready: its agent's and engine's pids and its model
+        (:func:`describe_slot`), so an operator signals the process they mean."""
+        try:
+            snaps = self.segment.snapshot()
+        except Exception:  # noqa: BLE001 - the lines are a courtesy; a torn read must not stop the launch
+            return
+        for k in range(min(self.cfg.num_workers, len(snaps))):
+            self._say(f"dplb: worker {k}: READY, {describe_slot(snaps[k])}")
+
     def report_engines(self) -> None:
         """Print what changed in the workers' engines since the last call (from the slots): an
         engine that died (exit code, restart delay, log), each restart, READY again, gave up."""
@@ -359,12 +370,15 @@ class Supervisor:
             self._engines[k] = cur
             if k in self._agent_back and state == "READY":
                 self._agent_back.discard(k)
-                self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}")
+                self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}, "
+                          f"{describe_slot(s)}")
             if prev is None or prev == cur:
                 continue
             log = self.cfg.run_dir / f"engine-{k}.log"
             if restarts > prev[1]:
-                self._say(f"dplb: worker {k}: engine restart {restarts} ({reason.lower()})")
+                # seen late, the slot may already be READY (reason none): the cause was the last one seen
+                why = reason if reason != "NONE" else (prev[2] if prev[2] != "NONE" else "ENGINE_EXITED")
+                self._say(f"dplb: worker {k}: engine restart {restarts} ({why.lower()})")
             if reason == "GAVE_UP" and prev[2] != "GAVE_UP":
                 self._say(f"dplb: worker {k}: engine failed too often (last exit code {s.last_exit_code}); it stays "
                           f"DEAD until `curl -X POST {self.cfg.url}/dplb/workers/{k}/restart`; see {log}")
@@ -374,7 +388,7 @@ class Supervisor:
                 self._say(f"dplb: worker {k}: engine exited with code {s.last_exit_code} ({reason.lower()}); "
                           f"its agent restarts it {when}; see {log}")
             elif state == "READY" and prev[0] != "READY" and restarts:
-                self._say(f"dplb: worker {k}: READY again after engine restart {restarts}")
+                self._say(f"dplb: worker {k}: READY again after engine restart {restarts}, {describe_slot(s)}")
 
     def shutdown(self) -> None:
         """Drain and stop the workers (:meth:`drain_workers`), then stop every child tree, unlink the
@@ -638,6 +652,14 @@ class Supervisor:
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+
+def describe_slot(s: Any) -> str:
+    """``agent pid A, engine pid E, model M`` of a slot snapshot (``engine pid -`` when the agent
+    spawned no engine: an attached server; ``model -`` when none is known yet)."""
+    epid = int(getattr(s, "engine_pid", 0) or 0)
+    return (f"agent pid {getattr(s, 'pid', '?')}, engine pid {epid or '-'}, "
+            f"model {getattr(s, 'model', '') or '-'}")
 
 
 def describe_workers(workers: list[WorkerPlan]) -> str:

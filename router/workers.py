@@ -216,7 +216,9 @@ class Registry:
         not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
         ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict (``routing_state``, the
         scheduler's); ``endpoint`` the engine's address, ``control`` the agent's;
-        ``restarts``, ``last_exit_code``, ``state_reason`` and
+        ``agent_pid`` the slot writer's pid (the agent; a mirror: the router that mirrors it; also
+        as ``pid``, its older name), ``engine_pid`` the engine process the agent spawned (None: none,
+        e.g. an attached server); ``restarts``, ``last_exit_code``, ``state_reason`` and
         ``restart_in_s`` (seconds until the agent's next engine restart, None when none is
         scheduled) come from the slot."""
         from dplb_shm import now_ns
@@ -234,7 +236,8 @@ class Registry:
             rows.append({
                 "id": wid, "worker_id": wid, "state": st, "eligible": routing == "eligible", "routing": routing,
                 "drained": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
-                "pid": getattr(s, "pid", None),
+                "agent_pid": getattr(s, "pid", None), "pid": getattr(s, "pid", None),   # pid: the old name
+                "engine_pid": getattr(s, "engine_pid", 0) or None,
                 "inflight": getattr(s, "inflight", None), "router_inflight": getattr(s, "router_inflight", None),
                 "local_inflight": h.local_inflight,
                 "running": getattr(s, "num_running", None), "waiting": getattr(s, "num_waiting", None),

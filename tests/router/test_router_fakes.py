@@ -87,6 +87,8 @@ def test_status_health_and_metrics(cluster4):
         assert w["endpoint"].endswith(f"fake-{w['id']}.sock")
         for k in ("inflight", "running", "waiting", "kv_cache_usage", "latency_ms"):
             assert k in w
+        # the agent's pid (``pid`` kept as its old name) and the engine's: none for a fake worker
+        assert w["agent_pid"] == w["pid"] > 0 and w["engine_pid"] is None and w["model"] == MODEL
     assert httpx.get(cluster4.base + "/health").status_code == 200
     httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     text = httpx.get(cluster4.base + "/metrics").text
