@@ -191,7 +191,8 @@ cdef dict _router_dict(dplb_slot_t *src):
             "decode_ctx_tokens": dplb_i64_get(&src.router.decode_ctx_tokens),
             "prefill_rate": dplb_f64_get(&src.router.prefill_rate),
             "prefill_rate_n": dplb_u64_get(&src.router.prefill_rate_n),
-            "router_ttft_s": dplb_f64_get(&src.rstats.ttft_s), "router_tpot_s": dplb_f64_get(&src.rstats.tpot_s)}
+            "router_ttft_s": dplb_f64_get(&src.rstats.ttft_s), "router_tpot_s": dplb_f64_get(&src.rstats.tpot_s),
+            "completed": dplb_u64_get(&src.rstats.completed), "failed": dplb_u64_get(&src.rstats.failed)}
 
 
 cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
@@ -220,7 +221,8 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         gpu_mem_total_bytes=s.gpu_mem_total_bytes, ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms,
         e2e_ms=s.e2e_ms, ttft_p99_ms=s.ttft_p99_ms, tpot_p99_ms=s.tpot_p99_ms,
         e2e_p99_ms=s.e2e_p99_ms, prompt_len_hist=[s.prompt_len_hist[k] for k in range(DPLB_HIST_BINS)],
-        completed=s.completed, failed=s.failed, circuit=r["circuit"], seq=s.seq,
+        completed=r["completed"], failed=r["failed"], engine_completed=s.completed,
+        circuit=r["circuit"], seq=s.seq,
         prefill_tokens=r["prefill_tokens"], decode_reqs=r["decode_reqs"],
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
         router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"],

@@ -107,7 +107,12 @@
  *  1480     8  tpot_s                    f64 bits: EWMA of TPOT seen by the routers, s (0 = none)
  *  1488     8  ttft_n                    u64: TTFT samples
  *  1496     8  tpot_n                    u64: TPOT samples
- *  1504    32  reserved
+ *  1504     8  completed                 u64: attempts on this worker the routers saw answered
+ *                                        (no 5xx, no connection error, no broken stream), added
+ *                                        once per attempt by the router's lease at its finish
+ *  1512     8  failed                    u64: attempts that failed there (5xx, connection error,
+ *                                        timeout, broken stream); a client that left counts in neither
+ *  1520    16  reserved
  *
  * Seqlock (Boehm, "Can seqlocks get along with programming language memory models?", 2012):
  *   writer: s = seq; seq = s+1 (relaxed); release fence; copy data; seq = s+2 (release store)
@@ -189,7 +194,9 @@ typedef struct dplb_router_stats {
     uint64_t tpot_s;         /* f64 bits */
     uint64_t ttft_n;
     uint64_t tpot_n;
-    uint8_t reserved[32];
+    uint64_t completed;
+    uint64_t failed;
+    uint8_t reserved[16];
 } dplb_router_stats_t;
 
 typedef struct dplb_slot {
@@ -387,6 +394,9 @@ static inline uint64_t dplb_dispatched_get(const dplb_slot_t *s) {
 static inline int32_t dplb_circuit_get(const dplb_slot_t *s) {
     return __atomic_load_n(&s->router.circuit, __ATOMIC_ACQUIRE);
 }
+static inline uint64_t dplb_u64_add(uint64_t *p, uint64_t n) {
+    return __atomic_add_fetch(p, n, __ATOMIC_ACQ_REL);
+}
 static inline int64_t dplb_i64_add(int64_t *p, int64_t delta) {
     return __atomic_add_fetch(p, delta, __ATOMIC_ACQ_REL);
 }
@@ -499,6 +509,7 @@ static const dplb_field_t dplb_router_fields[] = {
 static const dplb_field_t dplb_rstats_fields[] = {
     DPLB_F(dplb_router_stats_t, ttft_s), DPLB_F(dplb_router_stats_t, tpot_s),
     DPLB_F(dplb_router_stats_t, ttft_n), DPLB_F(dplb_router_stats_t, tpot_n),
+    DPLB_F(dplb_router_stats_t, completed), DPLB_F(dplb_router_stats_t, failed),
     DPLB_F(dplb_router_stats_t, reserved),
     { 0, 0, 0 },
 };

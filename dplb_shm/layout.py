@@ -57,7 +57,9 @@ class RouterStats(ctypes.Structure):
         ("tpot_s", ctypes.c_uint64),  # f64 bits
         ("ttft_n", ctypes.c_uint64),
         ("tpot_n", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint8 * 32),
+        ("completed", ctypes.c_uint64),
+        ("failed", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint8 * 16),
     ]
 
 

@@ -71,7 +71,12 @@ class WorkerSnapshot:
     outside the seqlock: ``prefill_tokens`` (uncached prompt tokens dispatched whose first token has
     not come back), ``decode_reqs``/``decode_ctx_tokens`` (requests past their first token and
     their prompt tokens), ``prefill_rate`` (learned, tokens/s, 0 = none yet), ``router_ttft_s`` /
-    ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample).
+    ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample), and ``completed`` /
+    ``failed``: the request attempts on this worker that the routers saw answered / fail (5xx,
+    connection error, timeout, broken stream), counted by every router process's lease at its
+    finish, for local and mirrored workers alike — the one count the dump, ``/dplb/status`` and
+    ``/metrics`` show. ``engine_completed`` is the engine's own finished-request counter as the
+    agent scrapes it (seqlock-guarded; 0 for engines without one, and for mirrored workers).
     ``restarts``: engine restarts by the slot's agent since it claimed the slot;
     ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
     never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
@@ -129,6 +134,8 @@ class WorkerSnapshot:
     control: str = ""
     #: pid of the engine process the agent spawned; 0 = none (an attached server, none running)
     engine_pid: int = 0
+    #: the engine's own finished-request counter, as the agent scraped it (the slot's ``completed``)
+    engine_completed: int = 0
 
     @property
     def agent_pid(self) -> int:

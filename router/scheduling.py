@@ -128,11 +128,18 @@ class Lease:
         stream's end with its token count) and hand the breaker its verdict (``ok`` False: a
         connection error, timeout or 5xx; True: anything else, 4xx and 429 included; None: no
         verdict, e.g. the client left, which frees a half-open breaker's probe). The verdict is
-        given exactly once: returns False (and does nothing) after the first call."""
+        given exactly once: returns False (and does nothing) after the first call. The same
+        verdict is counted in the worker's router stats line (``Segment.outcome_add``: ``ok`` True
+        → ``completed``, False → ``failed``, None → neither), the per-worker counts that every
+        router process adds to and the dump, ``/dplb/status`` and ``/metrics`` read."""
         if self.judged:
             return False
         self.judged = True
-        self.release(now, output_tokens)
+        try:
+            self.release(now, output_tokens)
+        finally:
+            if ok is not None:
+                self.account.seg.outcome_add(self.handle.worker_id, int(ok), int(not ok))
         b = self.handle.breaker
         if ok is None:
             b.abandon()

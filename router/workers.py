@@ -45,6 +45,17 @@ def exit_words(code: int) -> str:
     return f"exited with status {code}"
 
 
+def exit_code_or_none(snap: Any) -> int | None:
+    """The slot's ``last_exit_code``, or None while its engine never exited: the slot holds 0
+    then, which only means an exit when the engine has been restarted or the slot is DEAD."""
+    if snap is None:
+        return None
+    code = int(getattr(snap, "last_exit_code", 0) or 0)
+    if code == 0 and not int(getattr(snap, "restarts", 0) or 0) and int(snap.state) != 4:   # 4: DEAD
+        return None
+    return code
+
+
 def log_state_change(wid: int, before: int | None, snap: Any) -> None:
     """One WARNING line for a worker whose slot changed state (``before`` None: first seen), with
     the slot's reason and the engine's last exit status where it has them (issue 32: "a warning
@@ -248,7 +259,8 @@ class Registry:
                 "circuit": CIRCUIT_NAMES[h.breaker.state], "failure_rate": round(h.breaker.failure_rate, 4),
                 "probe_failures": h.probe_failures, "weight": getattr(s, "weight", None),
                 "restarts": getattr(s, "restarts", 0),
-                "last_exit_code": getattr(s, "last_exit_code", 0),
+                "last_exit_code": exit_code_or_none(s),
+                "completed": getattr(s, "completed", 0), "failed": getattr(s, "failed", 0),
                 "state_reason": str(getattr(reason, "name", "none")).lower(),
                 "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
             })
