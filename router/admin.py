@@ -10,6 +10,8 @@
                                            change its weight, DELETE then POST);
                                          200 {"worker_id": N, "restored": true}: a removed local
                                            worker's socket named again: routed to again;
+                                         400 a malformed body, or a host name that does not
+                                           resolve here (``getaddrinfo``, at most 5 s; nothing changed);
                                          409 the address is a local worker's that is not removed, or a
                                            concurrent DELETE undid the add before it got a slot;
                                          503 + Retry-After no free slot (nothing changed); 202 {"worker_id": null,
@@ -46,9 +48,11 @@ removes it, and a restarted router starts from its config.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,6 +79,8 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 #: headers that reverse proxies add; their presence means the socket address is the proxy's
 FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
                       "via", "x-client-ip", "true-client-ip", "cf-connecting-ip")
+#: seconds ``POST /dplb/workers`` waits for a host name to resolve before it answers 400
+RESOLVE_TIMEOUT_S = 5.0
 #: seconds an agent restarted by the launcher takes to answer after its backoff (a Python start)
 AGENT_START_S = 3
 
@@ -202,6 +208,30 @@ def check_admin(request: Request, cfg: Any) -> None:
             raise Unauthorized("admin token required (Authorization: Bearer <token> or X-DPLB-Admin-Token)")
 
 
+async def check_resolves(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+    """Refuse a ``host:port`` whose host does not resolve (``getaddrinfo`` in a worker thread,
+    at most ``timeout_s``): mirroring it could only give a slot that turns DEAD. Socket paths and
+    IP literals pass as they are.
+
+    Raises:
+        BadRequest: the name does not resolve (the resolver's words), or not within ``timeout_s``.
+    """
+    if endpoint.startswith("/"):
+        return
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(socket.getaddrinfo, host, int(port), type=socket.SOCK_STREAM),
+                               timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"host {host!r} of {endpoint} did not resolve within {timeout_s:g} s; give a name this "
+                         "router's node resolves, or an IP address", param="endpoint") from None
+    except (socket.gaierror, UnicodeError) as e:
+        words = e.strerror if isinstance(e, socket.gaierror) and e.strerror else str(e)
+        raise BadRequest(f"host {host!r} of {endpoint} does not resolve ({words}); give a name this router's node "
+                         "resolves, or an IP address", param="endpoint") from None
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
                     headers={"x-dplb-worker-id": "none"})
@@ -236,6 +266,7 @@ def admin_router(state: Any) -> APIRouter:
         if not spec.endpoint:
             raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
         ep = spec.endpoint
+        await check_resolves(ep)     # before any change: a name that does not resolve is a 400
         mirrors = state.mirrors
         configured = {b.endpoint for b in state.cfg.backend_servers}
         # one synchronous section (no await) from the read of the state to its change: in this

@@ -110,6 +110,19 @@ def test_bad_admin_bodies(make_cluster):
     assert r.status_code == 400 and e["param"] == "weight" and "pydantic" not in e["message"] and "\n" not in e["message"]
 
 
+def test_a_host_name_that_does_not_resolve_is_a_400_saying_so_and_takes_no_slot(make_cluster):
+    """Issue 32: ``{"endpoint": "node-b:9100"}`` answered 201 and the slot turned DEAD."""
+    c = make_cluster(1)
+    for ep in ("node-b.invalid:9100", "http://no-such-node.invalid:9100"):   # RFC 6761: never resolves
+        r = httpx.post(c.base + "/dplb/workers", json={"endpoint": ep}, timeout=30)
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["param"] == "endpoint", r.text
+        assert "does not resolve" in e["message"] or "did not resolve" in e["message"]
+        assert ".invalid" in e["message"]
+    assert [s.worker_id for s in c.seg.snapshot() if int(s.state) != 0] == [0]   # no mirror slot taken
+    assert [w["id"] for w in httpx.get(c.base + "/dplb/workers").json()["workers"]] == [0]
+
+
 def test_api_key(make_cluster):
     c = make_cluster(1, {"router": {"api_key": "sk-good"}})
     r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
