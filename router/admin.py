@@ -223,7 +223,7 @@ async def check_resolves(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) ->
     try:
         await asyncio.wait_for(asyncio.to_thread(socket.getaddrinfo, host, int(port), type=socket.SOCK_STREAM),
                                timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise BadRequest(f"host {host!r} of {endpoint} did not resolve within {timeout_s:g} s; give a name this "
                          "router's node resolves, or an IP address", param="endpoint") from None
     except (socket.gaierror, UnicodeError) as e:
