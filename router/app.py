@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import logging
 import os
 import time
@@ -334,6 +335,26 @@ def build_fastapi(state: RouterState) -> FastAPI:
         if key and request.headers.get("authorization") != f"Bearer {key}":
             raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
 
+    def check_observer(request: Request) -> None:
+        """The read-only pages that show the deployment (``/dplb/status``: socket paths, pids;
+        ``/metrics``; the engines' pages and the Prometheus targets): open while the router
+        listens on loopback only; beyond loopback they need ``router.api_key`` or
+        ``router.admin_token`` (``Authorization: Bearer <either>`` or ``X-DPLB-Admin-Token``) —
+        such a router always has an admin token (``router.__main__`` refuses to start without)."""
+        if listens_on_loopback(state.cfg.router.host):
+            return
+        r = state.cfg.router
+        auth = request.headers.get("authorization", "")
+        if r.api_key and auth == f"Bearer {r.api_key}":
+            return
+        if r.admin_token and (auth == f"Bearer {r.admin_token}"
+                              or request.headers.get("x-dplb-admin-token") == r.admin_token):
+            return
+        if not r.api_key and not r.admin_token:
+            return
+        raise Unauthorized("this router listens beyond loopback: /metrics, /dplb/status and the engines' pages "
+                           "need the API key or the admin token (Authorization: Bearer <key>)")
+
     @app.get("/health")
     async def health() -> Response:
         n = len(state.scheduler.ready_handles())
@@ -356,7 +377,8 @@ def build_fastapi(state: RouterState) -> FastAPI:
         return _json({"id": model_id, "object": "model", "created": state.started, "owned_by": "dplb"})
 
     @app.get("/dplb/status")
-    async def status() -> Response:
+    async def status(request: Request) -> Response:
+        check_observer(request)
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
                       "pid": os.getpid(), "workers": state.scheduler.status_rows(),
                       "models": state.scheduler.model_rows()})
@@ -379,14 +401,16 @@ def build_fastapi(state: RouterState) -> FastAPI:
                       "endpoint": h.endpoint, "scores": d.scores})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        check_observer(request)
         body, ctype = state.metrics.render()
         return Response(body, media_type=ctype)
 
     @app.get("/dplb/workers/{wid}/metrics")
-    async def worker_metrics(wid: int) -> Response:
+    async def worker_metrics(wid: int, request: Request) -> Response:
         """The engine's own Prometheus page of worker ``wid`` (read from the engine at the slot's
         endpoint, one hop), so a Prometheus server that reaches the router scrapes every engine."""
+        check_observer(request)
         h = state.registry.handles.get(wid)
         if h is None:
             raise NotFound(f"no worker with id {wid}", param="id")
@@ -404,6 +428,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
         """Prometheus HTTP service discovery (``http_sd_configs``): one target per listed worker,
         scraped at ``/dplb/workers/<id>/metrics`` on this router (the address the request came
         to), labelled ``worker`` and ``model``."""
+        check_observer(request)
         host = request.headers.get("host") or f"{state.cfg.router.host}:{state.cfg.router.port}"
         groups = [{"targets": [host], "labels": {"__metrics_path__": f"/dplb/workers/{wid}/metrics",
                                                  "worker": str(wid), "model": h.model or ""}}
@@ -412,6 +437,18 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
     app.include_router(admin_router(state))
     return app
+
+
+def listens_on_loopback(host: str) -> bool:
+    """Whether a router bound to ``host`` is reachable from this node only (``127.0.0.0/8``,
+    ``::1``, ``localhost``); ``0.0.0.0``, ``::`` and any other address are beyond loopback."""
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def proxied(path: str) -> bool:
