@@ -112,6 +112,10 @@ class LaunchConfig:
     config: str | None = None
     state_interval_ms: int = 200
     policy: str | None = None
+    #: the policy the router runs (the flag, else the config file, else its default): the banner's
+    router_policy: str = "dplb"
+    #: the config sets ``router.api_key``: the banner's curl lines send ``$DPLB_API_KEY``
+    api_key_set: bool = False
     time_scale: float | None = None
     router_workers: int | None = None
     log_level: str | None = None
@@ -417,6 +421,8 @@ class Supervisor:
         locks, self._locks = self._locks, []
         for f in locks:
             release_lock(f)
+        self._say(f"dplb: stopped (workers, engines{' and the router' if self.cfg.with_router else ''} stopped, "
+                  f"segment {self.cfg.shm_name} removed)")
 
     def drain_workers(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_MARGIN_S) -> None:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
@@ -497,16 +503,23 @@ class Supervisor:
             return
         body = orjson.dumps({"model": self.served_model(), "messages": [{"role": "user", "content": "Hello!"}],
                              "max_tokens": 32}).decode()
+        # with router.api_key set the key goes in a header; the banner names a variable, not the key
+        key = ' -H "Authorization: Bearer $DPLB_API_KEY"' if cfg.api_key_set else ""
+        from router.app import listens_on_loopback
+
+        status_key = key if cfg.api_key_set and not listens_on_loopback(cfg.host) else ""
         lines = [
             "",
             (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
-            f"router on {cfg.url}"),
+            f"router on {cfg.url}, policy {cfg.policy or cfg.router_policy}"),
             f"  OpenAI base URL  {cfg.url}/v1",
             f"  models           {', '.join(self.served_models())}",
-            (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json'{key} "
              f"-d {shlex.quote(body)}"),
+            *(["  API key          router.api_key is set: export DPLB_API_KEY=<the key> for the curl lines"]
+              if cfg.api_key_set else []),
             f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
-            f"  router status    curl -s {cfg.url}/dplb/status",
+            f"  router status    curl -s{status_key} {cfg.url}/dplb/status",
             (f"  metrics          {cfg.url}/metrics (router and workers), {cfg.url}/dplb/prometheus/targets "
             "(engines, Prometheus http_sd)"),
             f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",

@@ -195,7 +195,7 @@ class Scheduler:
 
     def _why_none(self, model: str | None, exclude: set[int]) -> str:
         """The 503's message: why no worker took it, per worker serving ``model`` (at most 8
-        named), e.g. ``no worker can take the request now (worker 0: drained, worker 1:
+        named), e.g. ``no worker can take the request now (worker 0: draining, worker 1:
         unhealthy)``. Cold path: only when a request is refused."""
         why = []
         for wid, h in sorted(self.registry.handles.items()):
@@ -376,7 +376,8 @@ class Scheduler:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
         the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
         ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
-        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
+        stuck), ``draining`` (an admin's drain: the one word for a drain, in the slot state, this verdict
+        and the row's ``draining`` flag), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
         fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
         s = h.snap if snap is None else snap
         if s is None:
@@ -387,7 +388,7 @@ class Scheduler:
         if not self.live(s):
             return "stale"
         if h.drained:
-            return "drained"
+            return "draining"
         if not h.probe_ok:
             return "unhealthy"
         if not h.breaker.available():

@@ -246,7 +246,7 @@ class Registry:
             nxt = int(getattr(s, "next_restart_ns", 0) or 0)
             rows.append({
                 "id": wid, "worker_id": wid, "state": st, "eligible": routing == "eligible", "routing": routing,
-                "drained": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
+                "draining": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
                 "agent_pid": getattr(s, "pid", None), "pid": getattr(s, "pid", None),   # pid: the old name
                 "engine_pid": getattr(s, "engine_pid", 0) or None,
                 "inflight": getattr(s, "inflight", None), "router_inflight": getattr(s, "router_inflight", None),

@@ -63,8 +63,10 @@ def test_ready_then_signal_stops_everything(procs, run_dir, port, sig):
         assert f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}" in text and "'--tp-size', '2'" in text
     tree = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
     assert len(tree) >= 4  # 3 agents + router
+    assert "policy dplb" in out                                      # the banner names the policy
     os.kill(p.pid, sig)
     assert p.wait(timeout=60) == 0
+    assert log.read_text().rstrip().splitlines()[-1].startswith("dplb: stopped")   # a last line after the stop
     wait_until(lambda: gone(engines + tree), timeout=20, what="children and engines gone")
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
     assert not list((Path(run_dir) / "rd").glob("*.sock"))

@@ -38,13 +38,13 @@ def test_drain_and_undrain(make_cluster):
     assert r.status_code == 200 and r.json()["draining"] is True
     rows = {w["id"]: w for w in httpx.get(c.base + "/dplb/status").json()["workers"]}
     # the slot is still READY (the dump agrees); the router's own verdict says why it is out
-    assert rows[0]["state"] == "ready" and rows[0]["routing"] == "drained" and rows[0]["drained"]
+    assert rows[0]["state"] == "ready" and rows[0]["routing"] == "draining" and rows[0]["draining"]
     assert not rows[0]["eligible"]
     assert set(served_by(c.base, 10)) == {"1"}
     assert httpx.post(c.base + "/dplb/workers/1/drain", headers=h).status_code == 200
     r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     assert r.status_code == 503 and r.headers["retry-after"]       # every worker drained: the 503 says so
-    assert "(worker 0: drained, worker 1: drained)" in r.json()["error"]["message"], r.text
+    assert "(worker 0: draining, worker 1: draining)" in r.json()["error"]["message"], r.text
     assert httpx.post(c.base + "/dplb/workers/1/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/0/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/9/drain", headers=h).status_code == 404
