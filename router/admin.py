@@ -29,6 +29,11 @@
                                          the launcher restarts a dead agent)
     GET    /dplb/workers                 same rows as /dplb/status
 
+SGLang router's names for the same calls (aliases, same protection): ``POST /add_worker?url=``,
+``POST /remove_worker?url=``, ``GET /list_workers`` (``{"urls": [...]}``) and ``POST /flush_cache``
+(fanned out to every engine: ``/flush_cache``, else vLLM's ``/reset_prefix_cache``; sgl-router's
+``FlushCacheResult`` shape).
+
 Protection: by default only loopback clients may call these (403 otherwise;
 ``router.admin_loopback_only``), and when ``router.admin_token`` is set every call needs
 ``Authorization: Bearer <token>`` or ``X-DPLB-Admin-Token: <token>`` (401 otherwise). The router
@@ -79,6 +84,8 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 #: headers that reverse proxies add; their presence means the socket address is the proxy's
 FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
                       "via", "x-client-ip", "true-client-ip", "cf-connecting-ip")
+#: seconds one engine has to answer the ``/flush_cache`` fan-out
+FLUSH_TIMEOUT_S = 30.0
 #: seconds ``POST /dplb/workers`` waits for a host name to resolve before it answers 400
 RESOLVE_TIMEOUT_S = 5.0
 #: seconds an agent restarted by the launcher takes to answer after its backoff (a Python start)
@@ -253,6 +260,10 @@ def admin_router(state: Any) -> APIRouter:
             d = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             raise BadRequest("body must be JSON: {\"endpoint\": \"host:port\", \"weight\": 1.0}") from None
+        return await _add(d)
+
+    async def _add(d: Any) -> Response:
+        """``POST /dplb/workers`` with the parsed body ``d`` (the module docstring's answers)."""
         if not isinstance(d, dict):
             raise BadRequest("body must be a JSON object")
         try:
@@ -329,6 +340,10 @@ def admin_router(state: Any) -> APIRouter:
     @r.delete("/dplb/workers/{wid}")
     async def remove_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
+        return await _remove(wid)
+
+    async def _remove(wid: int) -> Response:
+        """``DELETE /dplb/workers/{wid}`` (the module docstring's answers)."""
         if not 0 <= wid < state.seg.num_slots:
             raise NotFound(f"no worker with id {wid}", param="id")
         mirrors = state.mirrors
@@ -359,6 +374,96 @@ def admin_router(state: Any) -> APIRouter:
                 return _json({"worker_id": wid, "removed": True, "released": False}, 202)
         state.monitor.sync()
         return _json({"worker_id": wid, "removed": True})
+
+    # ---- SGLang router's names for the same calls (sgl-router src/server.rs: admin routes) ----
+
+    def _url_of(row: dict[str, Any]) -> str:
+        """A worker's address as ``/list_workers`` lists it and ``/remove_worker?url=`` takes it:
+        a remote worker's agent ``http://host:port``, a local one's engine socket path."""
+        if row.get("remote"):
+            return f"http://{row['control']}"
+        return str(row["endpoint"])
+
+    @r.post("/add_worker")
+    async def sglang_add_worker(request: Request, url: str = "") -> Response:
+        """SGLang router's ``POST /add_worker?url=http://host:port``: ``POST /dplb/workers
+        {"endpoint": url}`` (a remote node's agent, or a removed local worker's socket), answered
+        with DPLB's JSON plus SGLang's ``message``; 200 where DPLB's own call says 201."""
+        check_admin(request, state.cfg)
+        if not url:
+            raise BadRequest("give the worker as ?url=http://host:port (its agent's control address)", param="url")
+        resp = await _add({"endpoint": url})
+        if resp.status_code in (200, 201):
+            d = orjson.loads(bytes(resp.body))
+            d["message"] = f"Successfully added worker: {url}"
+            return _json(d, 200)
+        return resp
+
+    @r.post("/remove_worker")
+    async def sglang_remove_worker(request: Request, url: str = "") -> Response:
+        """SGLang router's ``POST /remove_worker?url=``: ``DELETE /dplb/workers/{id}`` of the
+        worker at ``url`` (as ``/list_workers`` names it: ``http://host:port`` of a remote agent,
+        the engine's or agent's socket path of a local one); 404 when no worker has that address."""
+        check_admin(request, state.cfg)
+        try:
+            ep = BackendServer.model_validate({"endpoint": url}).endpoint
+        except ValidationError:
+            raise BadRequest(f"?url= must be http://host:port or a socket path, got {url!r}", param="url") from None
+        rows = state.scheduler.status_rows()
+        wid = next((w["id"] for w in rows if ep in (w["endpoint"], w["control"])), None)
+        if wid is None:
+            raise NotFound(f"no worker at {url} (GET /list_workers lists them)", param="url")
+        resp = await _remove(int(wid))
+        if resp.status_code in (200, 202):
+            d = orjson.loads(bytes(resp.body))
+            d["message"] = f"Successfully removed worker: {url}"
+            return _json(d, resp.status_code)
+        return resp
+
+    @r.get("/list_workers")
+    async def sglang_list_workers(request: Request) -> Response:
+        """SGLang router's ``GET /list_workers``: ``{"urls": [...]}`` (remote workers as
+        ``http://host:port`` of their agents, local ones as their engines' sockets), plus
+        ``workers``: ``[{"id", "url", "model", "state"}]``."""
+        check_admin(request, state.cfg)
+        rows = state.scheduler.status_rows()
+        return _json({"urls": [_url_of(w) for w in rows],
+                      "workers": [{"id": w["id"], "url": _url_of(w), "model": w["model"], "state": w["state"]}
+                                  for w in rows]})
+
+    @r.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """SGLang router's ``POST /flush_cache``, fanned out to every listed worker's engine:
+        ``POST /flush_cache`` (SGLang's name), and on a 404 ``POST /reset_prefix_cache`` (vLLM's).
+        Answers sgl-router's ``FlushCacheResult`` shape: ``{"successful": [url], "failed": [[url,
+        why]], "total_workers", "http_workers", "message"}`` plus ``workers`` (per worker ``id``,
+        ``url``, ``ok``, ``status``/``error``, ``path``); 200 when every engine flushed, 502 else."""
+        check_admin(request, state.cfg)
+
+        async def one(h: Any) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": h.worker_id, "url": h.endpoint}
+            for path in ("/flush_cache", "/reset_prefix_cache"):
+                try:
+                    status, body = await state.transport.get(h.endpoint, path, FLUSH_TIMEOUT_S, method="POST")
+                except TransportError as e:
+                    return {**out, "ok": False, "error": f"{e.kind}: {e}", "path": path}
+                if status != 404:
+                    ok = status < 300
+                    return {**out, "ok": ok, "status": status, "path": path,
+                            **({} if ok else {"error": f"the engine answered {status}: "
+                                                       f"{body[:200].decode('utf-8', 'replace')}"})}
+            return {**out, "ok": False, "status": 404, "path": "/reset_prefix_cache",
+                    "error": "the engine has neither POST /flush_cache nor POST /reset_prefix_cache"}
+
+        handles = [h for _, h in sorted(state.registry.handles.items())]
+        results = list(await asyncio.gather(*(one(h) for h in handles)))
+        ok = [x["url"] for x in results if x["ok"]]
+        failed = [[x["url"], x.get("error", "")] for x in results if not x["ok"]]
+        msg = (f"Successfully flushed cache on all {len(ok)} worker(s)" if not failed else
+               f"Flushed cache on {len(ok)} of {len(results)} worker(s); {len(failed)} failed")
+        return _json({"successful": ok, "failed": failed, "total_workers": len(results),
+                      "http_workers": len(results), "message": msg, "workers": results},
+                     200 if not failed else 502)
 
     @r.post("/dplb/workers/{wid}/restart")
     async def restart_worker(wid: int, request: Request) -> Response:

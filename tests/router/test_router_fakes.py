@@ -207,9 +207,13 @@ def test_a_broken_stream_and_an_answer_are_counted_on_their_worker_in_dump_statu
     s = cluster4.seg.read_slot(w)
     row = next(x for x in dump.render_table(cluster4.seg).splitlines()[2:] if x.split()[0] == wid)
     cols = dump.COLUMNS
-    assert row.split()[cols.index("fail")] == str(s.failed)
-    st = next(x for x in status(cluster4.base)["workers"] if x["id"] == w)
-    assert st["failed"] == s.failed and st["last_exit_code"] is None       # the engine never exited
+    assert row.split()[cols.index("fail")] == str(s.failed), (cols, row)
+    def row_of_status() -> dict:
+        return next(x for x in status(cluster4.base)["workers"] if x["id"] == w)
+
+    # /dplb/status reads the snapshot the router synced at its last health tick
+    wait_until(lambda: row_of_status()["failed"] == s.failed, 10, what="the failure in /dplb/status")
+    assert row_of_status()["last_exit_code"] is None                       # the engine never exited
     text = httpx.get(cluster4.base + "/metrics").text
     line = next(x for x in text.splitlines()
                 if x.startswith("dplb_worker_requests_failed_total{") and f'worker="{w}"' in x)
