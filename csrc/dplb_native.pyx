@@ -221,7 +221,7 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         gpu_mem_total_bytes=s.gpu_mem_total_bytes, ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms,
         e2e_ms=s.e2e_ms, ttft_p99_ms=s.ttft_p99_ms, tpot_p99_ms=s.tpot_p99_ms,
         e2e_p99_ms=s.e2e_p99_ms, prompt_len_hist=[s.prompt_len_hist[k] for k in range(DPLB_HIST_BINS)],
-        completed=r["completed"], failed=r["failed"], engine_completed=s.completed,
+        completed=r["completed"], failed=r["failed"], engine_completed=s.completed, engine_failed=s.failed,
         circuit=r["circuit"], seq=s.seq,
         prefill_tokens=r["prefill_tokens"], decode_reqs=r["decode_reqs"],
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],

@@ -76,7 +76,8 @@ class WorkerSnapshot:
     connection error, timeout, broken stream), counted by every router process's lease at its
     finish, for local and mirrored workers alike — the one count the dump, ``/dplb/status`` and
     ``/metrics`` show. ``engine_completed`` is the engine's own finished-request counter as the
-    agent scrapes it (seqlock-guarded; 0 for engines without one, and for mirrored workers).
+    agent scrapes it (seqlock-guarded; 0 for engines without one, and for mirrored workers), and
+    ``engine_failed`` the slot writer's own failure count beside it.
     ``restarts``: engine restarts by the slot's agent since it claimed the slot;
     ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
     never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
@@ -136,6 +137,8 @@ class WorkerSnapshot:
     engine_pid: int = 0
     #: the engine's own finished-request counter, as the agent scraped it (the slot's ``completed``)
     engine_completed: int = 0
+    #: the slot writer's own failure count (``SlotWriter.count(failed=)``; the agent writes none)
+    engine_failed: int = 0
 
     @property
     def agent_pid(self) -> int:
