@@ -192,7 +192,8 @@ def build_app(agent: FakeAgent):
         return web.Response(text="ok")
 
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": agent.model, "object": "model"}]})
+        return web.json_response({"object": "list",
+                                  "data": [{"id": agent.model, "object": "model", "max_model_len": 4096}]})
 
     async def stats(_: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps(agent.stats), content_type="application/json")

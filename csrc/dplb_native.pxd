@@ -51,6 +51,8 @@ cdef extern from "dplb_shm.h" nogil:
         uint64_t tpot_s
         uint64_t ttft_n
         uint64_t tpot_n
+        uint64_t completed
+        uint64_t failed
 
     ctypedef struct dplb_slot_t:
         uint64_t seq
@@ -91,7 +93,7 @@ cdef extern from "dplb_shm.h" nogil:
         uint32_t restarts
         int32_t last_exit_code
         uint32_t state_reason
-        uint32_t reserved2
+        int32_t engine_pid
         int64_t next_restart_ns
         char control[128]
         dplb_router_line_t router
@@ -178,6 +180,7 @@ cdef extern from "dplb_shm.h" nogil:
     int64_t dplb_router_inflight_get(const dplb_slot_t *s)
     uint64_t dplb_dispatched_get(const dplb_slot_t *s)
     int32_t dplb_circuit_get(const dplb_slot_t *s)
+    uint64_t dplb_u64_add(uint64_t *p, uint64_t n)
     int64_t dplb_i64_add(int64_t *p, int64_t delta)
     int64_t dplb_i64_get(const int64_t *p)
     void dplb_i64_set(int64_t *p, int64_t v)

@@ -191,7 +191,8 @@ cdef dict _router_dict(dplb_slot_t *src):
             "decode_ctx_tokens": dplb_i64_get(&src.router.decode_ctx_tokens),
             "prefill_rate": dplb_f64_get(&src.router.prefill_rate),
             "prefill_rate_n": dplb_u64_get(&src.router.prefill_rate_n),
-            "router_ttft_s": dplb_f64_get(&src.rstats.ttft_s), "router_tpot_s": dplb_f64_get(&src.rstats.tpot_s)}
+            "router_ttft_s": dplb_f64_get(&src.rstats.ttft_s), "router_tpot_s": dplb_f64_get(&src.rstats.tpot_s),
+            "completed": dplb_u64_get(&src.rstats.completed), "failed": dplb_u64_get(&src.rstats.failed)}
 
 
 cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
@@ -220,12 +221,13 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         gpu_mem_total_bytes=s.gpu_mem_total_bytes, ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms,
         e2e_ms=s.e2e_ms, ttft_p99_ms=s.ttft_p99_ms, tpot_p99_ms=s.tpot_p99_ms,
         e2e_p99_ms=s.e2e_p99_ms, prompt_len_hist=[s.prompt_len_hist[k] for k in range(DPLB_HIST_BINS)],
-        completed=s.completed, failed=s.failed, circuit=r["circuit"], seq=s.seq,
+        completed=r["completed"], failed=r["failed"], engine_completed=s.completed, engine_failed=s.failed,
+        circuit=r["circuit"], seq=s.seq,
         prefill_tokens=r["prefill_tokens"], decode_reqs=r["decode_reqs"],
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
         router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"],
         restarts=s.restarts, last_exit_code=s.last_exit_code, state_reason=_reason(s.state_reason),
-        next_restart_ns=s.next_restart_ns)
+        next_restart_ns=s.next_restart_ns, engine_pid=s.engine_pid)
 
 
 cdef object _reason(uint32_t r):
@@ -264,6 +266,8 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
             s.state = <int32_t>int(st)
         elif key == "pid":
             s.pid = <int32_t>_i(v, key, 0, 2**31 - 1)
+        elif key == "engine_pid":
+            s.engine_pid = <int32_t>_i(v, key, 0, 2**31 - 1)
         elif key == "endpoint":
             _set_endpoint(s.endpoint, v, "endpoint")
         elif key == "control":

@@ -399,6 +399,20 @@ cdef class Segment:
         if tpot_s is not None and tpot_s > 0 and isfinite(tpot_s):
             dplb_ewma_observe(&s.rstats.tpot_s, &s.rstats.tpot_n, <double>tpot_s, alpha, 0.0)
 
+    def outcome_add(self, int slot, int64_t completed=0, int64_t failed=0):
+        """Atomically add to the slot's router-side request outcomes (router stats line): attempts
+        the routers saw answered (``completed``) and failed (``failed``), each >= 0; the one
+        count of requests per worker that the dump, ``/dplb/status`` and ``/metrics`` show, kept
+        by every router process's leases. Returns ``(completed, failed)`` after the change."""
+        cdef dplb_slot_t *s
+        self._check(slot)
+        self._check_writable()
+        if completed < 0 or failed < 0:
+            raise SlotFieldError("outcome_add: counts must be >= 0", field="completed", name=self.name)
+        s = dplb_slot_at(self.base, slot)
+        return (dplb_u64_add(&s.rstats.completed, <uint64_t>completed),
+                dplb_u64_add(&s.rstats.failed, <uint64_t>failed))
+
     def router_reset(self, int slot):
         """Zero the slot's request accounting and learned averages (a new engine in the slot: its
         cache and speed are not the old one's). Circuit and dispatched total are kept. Only safe
@@ -421,7 +435,7 @@ cdef class Segment:
         """The slot's router-side accounting as a dict: ``router_inflight``, ``dispatched``,
         ``circuit``, ``prefill_tokens``, ``decode_reqs``, ``decode_ctx_tokens``, ``prefill_rate``
         (tokens/s, 0 = none learned), ``prefill_rate_n``, ``router_ttft_s``, ``router_tpot_s``
-        (EWMAs, 0 = no sample). Each field is one atomic load; together they are not a snapshot."""
+        (EWMAs, 0 = no sample), ``completed``, ``failed`` (request outcomes, :meth:`outcome_add`). Each field is one atomic load; together they are not a snapshot."""
         cdef dplb_slot_t *s
         self._check(slot)
         s = dplb_slot_at(self.base, slot)
@@ -614,7 +628,7 @@ cdef class Segment:
                 retries += r
                 v = s.num_running
                 bad = (s.num_waiting != v or s.inflight != v or s.max_num_seqs != v
-                       or s.pid != v or s.queued_prompt_tokens != v or s.heartbeat_ns != v
+                       or s.pid != v or s.engine_pid != v or s.queued_prompt_tokens != v or s.heartbeat_ns != v
                        or s.gpu_mem_used_bytes != v or s.gpu_mem_total_bytes != v
                        or s.weight != <double>v or s.kv_cache_usage != <double>v
                        or s.ttft_ms != <double>v or s.tpot_ms != <double>v or s.e2e_ms != <double>v

@@ -54,7 +54,7 @@
  *  ---- cold lines 5..19 ----------------------------------------------------------------------
  *   320   128  prompt_len_hist[32]       u32 counts of queued prompts, bin b holds
  *                                        lengths in [2^b, 2^(b+1)) (bin 0 also holds 0)
- *   448     4  pid
+ *   448     4  pid                       the slot writer's pid: the worker agent's (a mirror: the router's)
  *   452     4  num_gpus                  entries used in gpu_ids
  *   456     8  queued_prompt_tokens      sum of prompt tokens of queued requests
  *   464     8  gpu_mem_used_bytes        NVML, -1 = unknown
@@ -81,7 +81,8 @@
  *  1220     4  last_exit_code            i32: exit status of the engine's last exit (negative: killed
  *                                        by that signal), 0 while it never exited
  *  1224     4  state_reason              DPLB_REASON_*: why the slot is in its state (DEAD/STARTING)
- *  1228     4  reserved2
+ *  1228     4  engine_pid                i32: pid of the engine process the agent spawned, 0 = none
+ *                                        (an attached server, or no engine running)
  *  1232     8  next_restart_ns           CLOCK_MONOTONIC ns at which the agent restarts its engine
  *                                        (AGENT_EXITED: the launcher its agent), 0 when none is scheduled
  *  1240   128  control                   NUL-terminated: the agent's control address (/health,
@@ -106,7 +107,12 @@
  *  1480     8  tpot_s                    f64 bits: EWMA of TPOT seen by the routers, s (0 = none)
  *  1488     8  ttft_n                    u64: TTFT samples
  *  1496     8  tpot_n                    u64: TPOT samples
- *  1504    32  reserved
+ *  1504     8  completed                 u64: attempts on this worker the routers saw answered
+ *                                        (no 5xx, no connection error, no broken stream), added
+ *                                        once per attempt by the router's lease at its finish
+ *  1512     8  failed                    u64: attempts that failed there (5xx, connection error,
+ *                                        timeout, broken stream); a client that left counts in neither
+ *  1520    16  reserved
  *
  * Seqlock (Boehm, "Can seqlocks get along with programming language memory models?", 2012):
  *   writer: s = seq; seq = s+1 (relaxed); release fence; copy data; seq = s+2 (release store)
@@ -120,6 +126,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 /* "DPLBSHM\0" read as a little-endian u64 */
@@ -188,7 +195,9 @@ typedef struct dplb_router_stats {
     uint64_t tpot_s;         /* f64 bits */
     uint64_t ttft_n;
     uint64_t tpot_n;
-    uint8_t reserved[32];
+    uint64_t completed;
+    uint64_t failed;
+    uint8_t reserved[16];
 } dplb_router_stats_t;
 
 typedef struct dplb_slot {
@@ -233,7 +242,7 @@ typedef struct dplb_slot {
     uint32_t restarts;
     int32_t last_exit_code;
     uint32_t state_reason;
-    uint32_t reserved2;
+    int32_t engine_pid;
     int64_t next_restart_ns;
     char control[DPLB_ENDPOINT_LEN];
     uint8_t reserved1[DPLB_DATA_END - 1368];
@@ -266,6 +275,7 @@ DPLB_ASSERT_OFF(dplb_slot_t, ttft_ring, 584);
 DPLB_ASSERT_OFF(dplb_slot_t, endpoint, 968);
 DPLB_ASSERT_OFF(dplb_slot_t, model, 1096);
 DPLB_ASSERT_OFF(dplb_slot_t, restarts, 1216);
+DPLB_ASSERT_OFF(dplb_slot_t, engine_pid, 1228);
 DPLB_ASSERT_OFF(dplb_slot_t, next_restart_ns, 1232);
 DPLB_ASSERT_OFF(dplb_slot_t, control, 1240);
 DPLB_ASSERT_OFF(dplb_slot_t, reserved1, 1368);
@@ -299,6 +309,20 @@ static inline void dplb_cpu_relax(void) {
 #endif
 }
 
+/* A reader that finds the sequence odd waits for the writer: a pause per spin, and every
+ * DPLB_YIELD_EVERY spins the CPU itself (sched_yield), so that a writer preempted inside its write
+ * on an oversubscribed machine gets to finish it. Pause alone (~40 ns x 1e6 spins) let a reader
+ * give up on a live writer descheduled for one time slice, and read the slot as EMPTY (seen as 4
+ * "torn" reads in 750,000 with two cores under heavy load). */
+#define DPLB_YIELD_EVERY 1024
+static inline void dplb_wait_writer(long spin) {
+    if ((spin & (DPLB_YIELD_EVERY - 1)) == DPLB_YIELD_EVERY - 1) {
+        sched_yield();
+    } else {
+        dplb_cpu_relax();
+    }
+}
+
 /* Writer: publish bytes [8, DPLB_DATA_END) of `src` into `dst`. Only the slot's single writer
  * may call this. The sequence becomes odd for the duration of the copy. A sequence left odd by a
  * writer that was killed mid-write is repaired by the next write (its restarted agent's claim). */
@@ -321,7 +345,7 @@ static inline int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, si
     for (long spin = 0; spin < max_spins; spin++) {
         uint64_t s1 = __atomic_load_n(&src->seq, __ATOMIC_ACQUIRE);
         if (s1 & 1) {
-            dplb_cpu_relax();
+            dplb_wait_writer(spin);
             retries++;
             continue;
         }
@@ -347,7 +371,7 @@ static inline int dplb_seqlock_read_hot(const dplb_slot_t *src, dplb_slot_t *dst
     for (long spin = 0; spin < max_spins; spin++) {
         uint64_t s1 = __atomic_load_n(&src->seq, __ATOMIC_ACQUIRE);
         if (s1 & 1) {
-            dplb_cpu_relax();
+            dplb_wait_writer(spin);
             retries++;
             continue;
         }
@@ -384,6 +408,9 @@ static inline uint64_t dplb_dispatched_get(const dplb_slot_t *s) {
 }
 static inline int32_t dplb_circuit_get(const dplb_slot_t *s) {
     return __atomic_load_n(&s->router.circuit, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t dplb_u64_add(uint64_t *p, uint64_t n) {
+    return __atomic_add_fetch(p, n, __ATOMIC_ACQ_REL);
 }
 static inline int64_t dplb_i64_add(int64_t *p, int64_t delta) {
     return __atomic_add_fetch(p, delta, __ATOMIC_ACQ_REL);
@@ -479,7 +506,7 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, reserved0), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
     DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
     DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, restarts), DPLB_F(dplb_slot_t, last_exit_code),
-    DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, reserved2), DPLB_F(dplb_slot_t, next_restart_ns),
+    DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, engine_pid), DPLB_F(dplb_slot_t, next_restart_ns),
     DPLB_F(dplb_slot_t, control),
     DPLB_F(dplb_slot_t, reserved1), DPLB_F(dplb_slot_t, router), DPLB_F(dplb_slot_t, rstats),
     { 0, 0, 0 },
@@ -497,6 +524,7 @@ static const dplb_field_t dplb_router_fields[] = {
 static const dplb_field_t dplb_rstats_fields[] = {
     DPLB_F(dplb_router_stats_t, ttft_s), DPLB_F(dplb_router_stats_t, tpot_s),
     DPLB_F(dplb_router_stats_t, ttft_n), DPLB_F(dplb_router_stats_t, tpot_n),
+    DPLB_F(dplb_router_stats_t, completed), DPLB_F(dplb_router_stats_t, failed),
     DPLB_F(dplb_router_stats_t, reserved),
     { 0, 0, 0 },
 };

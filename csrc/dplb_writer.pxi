@@ -168,8 +168,8 @@ cdef class SlotWriter:
         gpu_mem_total_bytes, ttft_ms, tpot_ms, e2e_ms, ttft_p99_ms, tpot_p99_ms, e2e_p99_ms
         (set the window summaries directly, e.g. a router mirroring a remote agent),
         prompt_len_hist (32 counts), completed, failed, heartbeat_ns, restarts, last_exit_code,
-        state_reason (a ``StateReason``), next_restart_ns (CLOCK_MONOTONIC ns, 0 = none).
-        Unknown names raise :class:`SlotFieldError`.
+        state_reason (a ``StateReason``), next_restart_ns (CLOCK_MONOTONIC ns, 0 = none),
+        engine_pid (the engine process the agent spawned, 0 = none). Unknown names raise :class:`SlotFieldError`.
         """
         cdef dplb_slot_t tmp
         self._live()
@@ -292,7 +292,7 @@ cdef class SlotWriter:
         cdef int k
         self._live()
         self.st.num_running = self.st.num_waiting = self.st.inflight = self.st.max_num_seqs = <int32_t>v
-        self.st.pid = <int32_t>v
+        self.st.pid = self.st.engine_pid = <int32_t>v
         self.st.queued_prompt_tokens = self.st.heartbeat_ns = v
         self.st.gpu_mem_used_bytes = self.st.gpu_mem_total_bytes = v
         self.st.weight = self.st.kv_cache_usage = self.st.ttft_ms = self.st.tpot_ms = <double>v

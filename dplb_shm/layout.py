@@ -57,7 +57,9 @@ class RouterStats(ctypes.Structure):
         ("tpot_s", ctypes.c_uint64),  # f64 bits
         ("ttft_n", ctypes.c_uint64),
         ("tpot_n", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint8 * 32),
+        ("completed", ctypes.c_uint64),
+        ("failed", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint8 * 16),
     ]
 
 
@@ -103,7 +105,7 @@ class Slot(ctypes.Structure):
         ("restarts", ctypes.c_uint32),
         ("last_exit_code", ctypes.c_int32),
         ("state_reason", ctypes.c_uint32),
-        ("reserved2", ctypes.c_uint32),
+        ("engine_pid", ctypes.c_int32),
         ("next_restart_ns", ctypes.c_int64),
         ("control", ctypes.c_char * 128),
         ("reserved1", ctypes.c_uint8 * 40),

@@ -71,11 +71,20 @@ class WorkerSnapshot:
     outside the seqlock: ``prefill_tokens`` (uncached prompt tokens dispatched whose first token has
     not come back), ``decode_reqs``/``decode_ctx_tokens`` (requests past their first token and
     their prompt tokens), ``prefill_rate`` (learned, tokens/s, 0 = none yet), ``router_ttft_s`` /
-    ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample).
+    ``router_tpot_s`` (EWMAs of what the routers observed, s, 0 = no sample), and ``completed`` /
+    ``failed``: the request attempts on this worker that the routers saw answered / fail (5xx,
+    connection error, timeout, broken stream), counted by every router process's lease at its
+    finish, for local and mirrored workers alike — the one count the dump, ``/dplb/status`` and
+    ``/metrics`` show. ``engine_completed`` is the engine's own finished-request counter as the
+    agent scrapes it (seqlock-guarded; 0 for engines without one, and for mirrored workers), and
+    ``engine_failed`` the slot writer's own failure count beside it.
     ``restarts``: engine restarts by the slot's agent since it claimed the slot;
     ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
     never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
     ns of the next scheduled engine restart, 0 when none (agent fields, seqlock-guarded).
+    ``pid`` is the slot writer's: the worker agent's (a mirror slot: the owning router's), also
+    given as :attr:`agent_pid`; ``engine_pid`` the engine process the agent spawned (0 = none: an
+    attached server, or no engine running).
     ``endpoint`` is the data path (layout 5, one hop): the engine's own address, which routers
     forward requests to; ``control`` the agent's control address ("" = the endpoint's own).
     """
@@ -124,14 +133,26 @@ class WorkerSnapshot:
     #: the agent's control address (``/health``, ``/dplb/state``, ``/dplb/restart``); ``endpoint``
     #: is the engine's own data address that routers forward to. "" = ``endpoint`` serves both.
     control: str = ""
+    #: pid of the engine process the agent spawned; 0 = none (an attached server, none running)
+    engine_pid: int = 0
+    #: the engine's own finished-request counter, as the agent scraped it (the slot's ``completed``)
+    engine_completed: int = 0
+    #: the slot writer's own failure count (``SlotWriter.count(failed=)``; the agent writes none)
+    engine_failed: int = 0
+
+    @property
+    def agent_pid(self) -> int:
+        """The worker agent's pid (the slot's ``pid``: its writer)."""
+        return self.pid
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
 
         ``state`` and ``state_reason`` become their lower-case names (``"ready"``,
-        ``"engine_exited"``); every other field keeps its name.
+        ``"engine_exited"``); every other field keeps its name, and ``agent_pid`` repeats ``pid``.
         """
         d = asdict(self)
+        d["agent_pid"] = self.pid
         d["state"] = self.state.name.lower()
         d["state_reason"] = StateReason(self.state_reason).name.lower()
         return d

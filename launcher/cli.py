@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ from launcher.supervisor import (
     Supervisor,
     describe_workers,
 )
+from router.config import POLICIES
 from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
 from worker_agent.restart import RestartParams
@@ -97,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dplb.yaml (see dplb.example.yaml); its router.host/port/shm and "
                         "routing_policy.latency_window_sec apply unless a flag says otherwise")
     p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
-    p.add_argument("--policy", default=None, help="routing policy (router default: dplb)")
+    p.add_argument("--policy", default=None, choices=POLICIES, metavar="P",
+                   help=f"routing policy, one of: {', '.join(POLICIES)} (router default: dplb)")
     p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
     p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
     p.add_argument("--log-level", default=None, help="router log level")
@@ -238,7 +241,8 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
     return LaunchConfig(
         num_workers=num_workers, plan=plan, engine=engine, model=model, host=rcfg.router.host, port=port,
         config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
-        policy=args.policy, time_scale=args.time_scale, router_workers=args.router_workers,
+        policy=args.policy, router_policy=rcfg.routing_policy.policy, api_key_set=bool(rcfg.router.api_key),
+        time_scale=args.time_scale, router_workers=args.router_workers,
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
@@ -300,14 +304,32 @@ def agent_restart_params(args: argparse.Namespace) -> RestartParams:
                          backoff_s=args.agent_restart_backoff, backoff_max_s=args.agent_restart_backoff_max)
 
 
+def engine_argv(cfg: LaunchConfig, k: int) -> list[str] | None:
+    """The command line worker ``k``'s agent will start its engine with (the adapter's own
+    :meth:`~worker_agent.adapters.base.EngineAdapter.command` on the agent's parsed argv); None
+    for ``--engine openai`` (it attaches, nothing is started). SGLang's private port is picked
+    again when the agent starts, so the one shown is an example."""
+    from worker_agent.adapters import build_adapter
+    from worker_agent.config import parse_args
+
+    argv = cfg.agent_argv(k)
+    first = next((i for i, a in enumerate(argv) if a.startswith("--")), len(argv))
+    try:
+        return build_adapter(parse_args(argv[first:])).command()
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a dry run shows what it can
+        return [f"(cannot tell: {type(e).__name__}: {e})"]
+
+
 def plan_document(cfg: LaunchConfig) -> dict:
     """The ``--dry-run --json`` document: engine, tp size, models, and per worker its engine, model,
-    GPUs, env and argv (``engine`` is ``mixed`` and ``tp_size`` 0 when the workers differ)."""
+    GPUs, env, the agent's ``argv`` and the engine's own ``engine_argv`` (None: an attached server)
+    (``engine`` is ``mixed`` and ``tp_size`` 0 when the workers differ)."""
     return {
         "engine": cfg.engine, "model": cfg.model, "models": cfg.models, "num_workers": cfg.num_workers,
         "tp_size": cfg.plan.tp_size, "shm": cfg.shm_name, "run_dir": str(cfg.run_dir), "url": cfg.url,
         "workers": [{"worker_id": k, "engine": w.engine, "model": w.model, "gpus": w.gpus, "tp_size": w.tp_size,
-                     "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k)}
+                     "cuda_visible_devices": w.cuda_visible_devices(), "argv": cfg.agent_argv(k),
+                     "engine_argv": engine_argv(cfg, k)}
                     for k, w in enumerate(cfg.workers)],
         "router": {"argv": cfg.router_argv()} if cfg.with_router and not cfg.envoy else None,
         "gateway": ({"kind": "envoy", "epp_argv": cfg.epp_argv(), "envoy_argv": cfg.envoy_argv(),
@@ -332,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in doc["workers"]:
                     print(f"worker {w['worker_id']}: CUDA_VISIBLE_DEVICES={w['cuda_visible_devices'] or '(unset)'} "
                           + " ".join(w["argv"]))
+                    eng = w["engine_argv"]
+                    print(f"  engine {w['worker_id']}: "
+                          + (shlex.join(eng) if eng else "none started (attaches to --engine-url)"))
                 if cfg.envoy:
                     print("dplb-epp: " + " ".join(doc["gateway"]["epp_argv"]))
                     print("envoy: " + " ".join(doc["gateway"]["envoy_argv"]))

@@ -13,7 +13,9 @@ is ``key=value`` pairs separated by commas; a piece without ``=`` continues the 
 else sim), ``gpus`` (ids and ranges; split evenly among ``count`` workers, tensor parallel = GPUs
 per worker), ``count`` (workers of this spec, default 1), ``url`` (``--engine openai``: the
 server to attach to; count 1), ``args`` (engine arguments, shell-split, after the launcher's
-``-- ...`` ones), ``weight`` (routing weight).
+``-- ...`` ones), ``weight`` (routing weight). The config file's names ``engine_url`` and
+``engine_args`` are accepted for ``url`` and ``args``, here and there
+(:data:`router.config.WORKER_KEY_ALIASES`).
 
 Worker ids follow the order of the specs. Two specs may not share a GPU; a real engine (vllm,
 sglang) needs ``gpus`` once there are several specs (the discovered GPUs serve a single spec).
@@ -28,8 +30,11 @@ from typing import Any
 
 from launcher.errors import UsageError
 from launcher.gpus import ENGINES, choose_engine, parse_gpu_list, plan_gpus
+from router.config import WORKER_KEY_ALIASES
 
 KEYS = ("model", "engine", "gpus", "count", "url", "args", "weight")
+#: the config file's spellings, accepted on the flag too (``engine_args=`` is ``args=``)
+LONG_KEYS = {long: short for short, long in WORKER_KEY_ALIASES.items()}
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,10 @@ def parse_worker_spec(text: str) -> WorkerSpec:
         if "=" in piece:
             k, v = piece.split("=", 1)
             k = k.strip().lower()
+            k = LONG_KEYS.get(k, k)
             if k not in KEYS:
-                raise UsageError(f"--worker {text!r}: unknown key {k!r} (keys: {', '.join(KEYS)})")
+                raise UsageError(f"--worker {text!r}: unknown key {k!r} (keys: {', '.join(KEYS)}; "
+                                 f"{', '.join(f'{lo} = {sh}' for lo, sh in LONG_KEYS.items())})")
             if any(p[0] == k for p in pairs):
                 raise UsageError(f"--worker {text!r}: {k} given twice")
             pairs.append([k, v])

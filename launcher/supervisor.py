@@ -113,6 +113,10 @@ class LaunchConfig:
     config: str | None = None
     state_interval_ms: int = 200
     policy: str | None = None
+    #: the policy the router runs (the flag, else the config file, else its default): the banner's
+    router_policy: str = "dplb"
+    #: the config sets ``router.api_key``: the banner's curl lines send ``$DPLB_API_KEY``
+    api_key_set: bool = False
     time_scale: float | None = None
     router_workers: int | None = None
     log_level: str | None = None
@@ -372,6 +376,7 @@ class Supervisor:
                        if cfg.with_router else ""))
             if ready == cfg.num_workers and router_ok:
                 self._progress(line, final=True)
+                self.report_ready()
                 return
             now = time.monotonic()
             # print on every change; on a log (not a TTY) also every 15 s so a long model load shows life
@@ -408,6 +413,16 @@ class Supervisor:
             self.report_engines()
             self._sleep(0.5)
 
+    def report_ready(self) -> None:
+        """One line per worker once all are ready: its agent's and engine's pids and its model
+        (:func:`describe_slot`), so an operator signals the process they mean."""
+        try:
+            snaps = self.segment.snapshot()
+        except Exception:  # noqa: BLE001 - the lines are a courtesy; a torn read must not stop the launch
+            return
+        for k in range(min(self.cfg.num_workers, len(snaps))):
+            self._say(f"dplb: worker {k}: READY, {describe_slot(snaps[k])}")
+
     def report_engines(self) -> None:
         """Print what changed in the workers' engines since the last call (from the slots): an
         engine that died (exit code, restart delay, log), each restart, READY again, gave up."""
@@ -428,16 +443,15 @@ class Supervisor:
             self._engines[k] = cur
             if k in self._agent_back and state == "READY":
                 self._agent_back.discard(k)
-                self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}")
+                self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}, "
+                          f"{describe_slot(s)}")
             if prev is None or prev == cur:
                 continue
             log = self.cfg.run_dir / f"engine-{k}.log"
             if restarts > prev[1]:
-                # the slot's reason is back to NONE once the new engine is READY: a restart this
-                # poll saw only afterwards keeps the reason it was last seen with
-                why = reason if reason != "NONE" else prev[2]
-                self._say(f"dplb: worker {k}: engine restart {restarts}"
-                          + (f" ({why.lower()})" if why != "NONE" else ""))
+                # seen late, the slot may already be READY (reason none): the cause was the last one seen
+                why = reason if reason != "NONE" else (prev[2] if prev[2] != "NONE" else "ENGINE_EXITED")
+                self._say(f"dplb: worker {k}: engine restart {restarts} ({why.lower()})")
             if reason == "GAVE_UP" and prev[2] != "GAVE_UP":
                 self._say(f"dplb: worker {k}: engine failed too often (last exit code {s.last_exit_code}); it stays "
                           f"DEAD until `curl -X POST {self.cfg.url}/dplb/workers/{k}/restart`; see {log}")
@@ -447,7 +461,7 @@ class Supervisor:
                 self._say(f"dplb: worker {k}: engine {exit_words(int(s.last_exit_code))} ({reason.lower()}); "
                           f"its agent restarts it {when}; see {log}")
             elif state == "READY" and prev[0] != "READY" and restarts:
-                self._say(f"dplb: worker {k}: READY again after engine restart {restarts}")
+                self._say(f"dplb: worker {k}: READY again after engine restart {restarts}, {describe_slot(s)}")
 
     def shutdown(self) -> None:
         """Drain and stop the workers (:meth:`drain_workers`), then stop every child tree, unlink the
@@ -476,6 +490,8 @@ class Supervisor:
         locks, self._locks = self._locks, []
         for f in locks:
             release_lock(f)
+        self._say(f"dplb: stopped (workers, engines{' and the router' if self.cfg.with_router else ''} stopped, "
+                  f"segment {self.cfg.shm_name} removed)")
 
     def drain_workers(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_MARGIN_S) -> None:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``
@@ -575,16 +591,23 @@ class Supervisor:
                 "Press Ctrl-C to drain and stop every worker, engine, dplb-epp and Envoy.",
             ]))
             return
+        # with router.api_key set the key goes in a header; the banner names a variable, not the key
+        key = ' -H "Authorization: Bearer $DPLB_API_KEY"' if cfg.api_key_set else ""
+        from router.app import listens_on_loopback
+
+        status_key = key if cfg.api_key_set and not listens_on_loopback(cfg.host) else ""
         lines = [
             "",
             (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
-            f"router on {cfg.url}"),
+            f"router on {cfg.url}, policy {cfg.policy or cfg.router_policy}"),
             f"  OpenAI base URL  {cfg.url}/v1",
             f"  models           {', '.join(self.served_models())}",
-            (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json'{key} "
              f"-d {shlex.quote(body)}"),
+            *(["  API key          router.api_key is set: export DPLB_API_KEY=<the key> for the curl lines"]
+              if cfg.api_key_set else []),
             f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
-            f"  router status    curl -s {cfg.url}/dplb/status",
+            f"  router status    curl -s{status_key} {cfg.url}/dplb/status",
             (f"  metrics          {cfg.url}/metrics (router and workers), {cfg.url}/dplb/prometheus/targets "
             "(engines, Prometheus http_sd)"),
             f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",
@@ -730,6 +753,14 @@ class Supervisor:
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+
+def describe_slot(s: Any) -> str:
+    """``agent pid A, engine pid E, model M`` of a slot snapshot (``engine pid -`` when the agent
+    spawned no engine: an attached server; ``model -`` when none is known yet)."""
+    epid = int(getattr(s, "engine_pid", 0) or 0)
+    return (f"agent pid {getattr(s, 'pid', '?')}, engine pid {epid or '-'}, "
+            f"model {getattr(s, 'model', '') or '-'}")
 
 
 def describe_workers(workers: list[WorkerPlan]) -> str:

@@ -10,6 +10,8 @@
                                            change its weight, DELETE then POST);
                                          200 {"worker_id": N, "restored": true}: a removed local
                                            worker's socket named again: routed to again;
+                                         400 a malformed body, or a host name that does not
+                                           resolve here (``getaddrinfo``, at most 5 s; nothing changed);
                                          409 the address is a local worker's that is not removed, or a
                                            concurrent DELETE undid the add before it got a slot;
                                          503 + Retry-After no free slot (nothing changed); 202 {"worker_id": null,
@@ -26,6 +28,11 @@
                                          ``gave_up`` after too many crashes; 503 + Retry-After while
                                          the launcher restarts a dead agent)
     GET    /dplb/workers                 same rows as /dplb/status
+
+SGLang router's names for the same calls (aliases, same protection): ``POST /add_worker?url=``,
+``POST /remove_worker?url=``, ``GET /list_workers`` (``{"urls": [...]}``) and ``POST /flush_cache``
+(fanned out to every engine: ``/flush_cache``, else vLLM's ``/reset_prefix_cache``; sgl-router's
+``FlushCacheResult`` shape).
 
 Protection: by default only loopback clients may call these (403 otherwise;
 ``router.admin_loopback_only``), and when ``router.admin_token`` is set every call needs
@@ -46,9 +53,11 @@ removes it, and a restarted router starts from its config.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,6 +84,10 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 #: headers that reverse proxies add; their presence means the socket address is the proxy's
 FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
                       "via", "x-client-ip", "true-client-ip", "cf-connecting-ip")
+#: seconds one engine has to answer the ``/flush_cache`` fan-out
+FLUSH_TIMEOUT_S = 30.0
+#: seconds ``POST /dplb/workers`` waits for a host name to resolve before it answers 400
+RESOLVE_TIMEOUT_S = 5.0
 #: seconds an agent restarted by the launcher takes to answer after its backoff (a Python start)
 AGENT_START_S = 3
 
@@ -202,6 +215,30 @@ def check_admin(request: Request, cfg: Any) -> None:
             raise Unauthorized("admin token required (Authorization: Bearer <token> or X-DPLB-Admin-Token)")
 
 
+async def check_resolves(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+    """Refuse a ``host:port`` whose host does not resolve (``getaddrinfo`` in a worker thread,
+    at most ``timeout_s``): mirroring it could only give a slot that turns DEAD. Socket paths and
+    IP literals pass as they are.
+
+    Raises:
+        BadRequest: the name does not resolve (the resolver's words), or not within ``timeout_s``.
+    """
+    if endpoint.startswith("/"):
+        return
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(socket.getaddrinfo, host, int(port), type=socket.SOCK_STREAM),
+                               timeout_s)
+    except TimeoutError:
+        raise BadRequest(f"host {host!r} of {endpoint} did not resolve within {timeout_s:g} s; give a name this "
+                         "router's node resolves, or an IP address", param="endpoint") from None
+    except (socket.gaierror, UnicodeError) as e:
+        words = e.strerror if isinstance(e, socket.gaierror) and e.strerror else str(e)
+        raise BadRequest(f"host {host!r} of {endpoint} does not resolve ({words}); give a name this router's node "
+                         "resolves, or an IP address", param="endpoint") from None
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
                     headers={"x-dplb-worker-id": "none"})
@@ -223,6 +260,10 @@ def admin_router(state: Any) -> APIRouter:
             d = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             raise BadRequest("body must be JSON: {\"endpoint\": \"host:port\", \"weight\": 1.0}") from None
+        return await _add(d)
+
+    async def _add(d: Any) -> Response:
+        """``POST /dplb/workers`` with the parsed body ``d`` (the module docstring's answers)."""
         if not isinstance(d, dict):
             raise BadRequest("body must be a JSON object")
         try:
@@ -236,6 +277,7 @@ def admin_router(state: Any) -> APIRouter:
         if not spec.endpoint:
             raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
         ep = spec.endpoint
+        await check_resolves(ep)     # before any change: a name that does not resolve is a 400
         mirrors = state.mirrors
         configured = {b.endpoint for b in state.cfg.backend_servers}
         # one synchronous section (no await) from the read of the state to its change: in this
@@ -298,6 +340,10 @@ def admin_router(state: Any) -> APIRouter:
     @r.delete("/dplb/workers/{wid}")
     async def remove_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
+        return await _remove(wid)
+
+    async def _remove(wid: int) -> Response:
+        """``DELETE /dplb/workers/{wid}`` (the module docstring's answers)."""
         if not 0 <= wid < state.seg.num_slots:
             raise NotFound(f"no worker with id {wid}", param="id")
         mirrors = state.mirrors
@@ -328,6 +374,96 @@ def admin_router(state: Any) -> APIRouter:
                 return _json({"worker_id": wid, "removed": True, "released": False}, 202)
         state.monitor.sync()
         return _json({"worker_id": wid, "removed": True})
+
+    # ---- SGLang router's names for the same calls (sgl-router src/server.rs: admin routes) ----
+
+    def _url_of(row: dict[str, Any]) -> str:
+        """A worker's address as ``/list_workers`` lists it and ``/remove_worker?url=`` takes it:
+        a remote worker's agent ``http://host:port``, a local one's engine socket path."""
+        if row.get("remote"):
+            return f"http://{row['control']}"
+        return str(row["endpoint"])
+
+    @r.post("/add_worker")
+    async def sglang_add_worker(request: Request, url: str = "") -> Response:
+        """SGLang router's ``POST /add_worker?url=http://host:port``: ``POST /dplb/workers
+        {"endpoint": url}`` (a remote node's agent, or a removed local worker's socket), answered
+        with DPLB's JSON plus SGLang's ``message``; 200 where DPLB's own call says 201."""
+        check_admin(request, state.cfg)
+        if not url:
+            raise BadRequest("give the worker as ?url=http://host:port (its agent's control address)", param="url")
+        resp = await _add({"endpoint": url})
+        if resp.status_code in (200, 201):
+            d = orjson.loads(bytes(resp.body))
+            d["message"] = f"Successfully added worker: {url}"
+            return _json(d, 200)
+        return resp
+
+    @r.post("/remove_worker")
+    async def sglang_remove_worker(request: Request, url: str = "") -> Response:
+        """SGLang router's ``POST /remove_worker?url=``: ``DELETE /dplb/workers/{id}`` of the
+        worker at ``url`` (as ``/list_workers`` names it: ``http://host:port`` of a remote agent,
+        the engine's or agent's socket path of a local one); 404 when no worker has that address."""
+        check_admin(request, state.cfg)
+        try:
+            ep = BackendServer.model_validate({"endpoint": url}).endpoint
+        except ValidationError:
+            raise BadRequest(f"?url= must be http://host:port or a socket path, got {url!r}", param="url") from None
+        rows = state.scheduler.status_rows()
+        wid = next((w["id"] for w in rows if ep in (w["endpoint"], w["control"])), None)
+        if wid is None:
+            raise NotFound(f"no worker at {url} (GET /list_workers lists them)", param="url")
+        resp = await _remove(int(wid))
+        if resp.status_code in (200, 202):
+            d = orjson.loads(bytes(resp.body))
+            d["message"] = f"Successfully removed worker: {url}"
+            return _json(d, resp.status_code)
+        return resp
+
+    @r.get("/list_workers")
+    async def sglang_list_workers(request: Request) -> Response:
+        """SGLang router's ``GET /list_workers``: ``{"urls": [...]}`` (remote workers as
+        ``http://host:port`` of their agents, local ones as their engines' sockets), plus
+        ``workers``: ``[{"id", "url", "model", "state"}]``."""
+        check_admin(request, state.cfg)
+        rows = state.scheduler.status_rows()
+        return _json({"urls": [_url_of(w) for w in rows],
+                      "workers": [{"id": w["id"], "url": _url_of(w), "model": w["model"], "state": w["state"]}
+                                  for w in rows]})
+
+    @r.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """SGLang router's ``POST /flush_cache``, fanned out to every listed worker's engine:
+        ``POST /flush_cache`` (SGLang's name), and on a 404 ``POST /reset_prefix_cache`` (vLLM's).
+        Answers sgl-router's ``FlushCacheResult`` shape: ``{"successful": [url], "failed": [[url,
+        why]], "total_workers", "http_workers", "message"}`` plus ``workers`` (per worker ``id``,
+        ``url``, ``ok``, ``status``/``error``, ``path``); 200 when every engine flushed, 502 else."""
+        check_admin(request, state.cfg)
+
+        async def one(h: Any) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": h.worker_id, "url": h.endpoint}
+            for path in ("/flush_cache", "/reset_prefix_cache"):
+                try:
+                    status, body = await state.transport.get(h.endpoint, path, FLUSH_TIMEOUT_S, method="POST")
+                except TransportError as e:
+                    return {**out, "ok": False, "error": f"{e.kind}: {e}", "path": path}
+                if status != 404:
+                    ok = status < 300
+                    return {**out, "ok": ok, "status": status, "path": path,
+                            **({} if ok else {"error": f"the engine answered {status}: "
+                                                       f"{body[:200].decode('utf-8', 'replace')}"})}
+            return {**out, "ok": False, "status": 404, "path": "/reset_prefix_cache",
+                    "error": "the engine has neither POST /flush_cache nor POST /reset_prefix_cache"}
+
+        handles = [h for _, h in sorted(state.registry.handles.items())]
+        results = list(await asyncio.gather(*(one(h) for h in handles)))
+        ok = [x["url"] for x in results if x["ok"]]
+        failed = [[x["url"], x.get("error", "")] for x in results if not x["ok"]]
+        msg = (f"Successfully flushed cache on all {len(ok)} worker(s)" if not failed else
+               f"Flushed cache on {len(ok)} of {len(results)} worker(s); {len(failed)} failed")
+        return _json({"successful": ok, "failed": failed, "total_workers": len(results),
+                      "http_workers": len(results), "message": msg, "workers": results},
+                     200 if not failed else 502)
 
     @r.post("/dplb/workers/{wid}/restart")
     async def restart_worker(wid: int, request: Request) -> Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import logging
 import os
 import time
@@ -135,6 +136,8 @@ class RouterState:
         self.ledger: Ledger | None = None
         self.metrics = Metrics()
         self.started = int(time.time())
+        #: model → ``max_model_len`` as one of its engines' ``GET /v1/models`` gave it (vLLM's field)
+        self.model_lens: dict[str, int] = {}
         self.proxy: Proxy | None = None
 
     async def start(self) -> None:
@@ -337,6 +340,26 @@ def build_fastapi(state: RouterState) -> FastAPI:
         if key and request.headers.get("authorization") != f"Bearer {key}":
             raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
 
+    def check_observer(request: Request) -> None:
+        """The read-only pages that show the deployment (``/dplb/status``: socket paths, pids;
+        ``/metrics``; the engines' pages and the Prometheus targets): open while the router
+        listens on loopback only; beyond loopback they need ``router.api_key`` or
+        ``router.admin_token`` (``Authorization: Bearer <either>`` or ``X-DPLB-Admin-Token``) —
+        such a router always has an admin token (``router.__main__`` refuses to start without)."""
+        if listens_on_loopback(state.cfg.router.host):
+            return
+        r = state.cfg.router
+        auth = request.headers.get("authorization", "")
+        if r.api_key and auth == f"Bearer {r.api_key}":
+            return
+        if r.admin_token and (auth == f"Bearer {r.admin_token}"
+                              or request.headers.get("x-dplb-admin-token") == r.admin_token):
+            return
+        if not r.api_key and not r.admin_token:
+            return
+        raise Unauthorized("this router listens beyond loopback: /metrics, /dplb/status and the engines' pages "
+                           "need the API key or the admin token (Authorization: Bearer <key>)")
+
     @app.get("/health")
     async def health() -> Response:
         n = len(state.scheduler.ready_handles())
@@ -344,11 +367,40 @@ def build_fastapi(state: RouterState) -> FastAPI:
             return _json({"status": "ok", "ready_workers": n})
         return _json({"status": "unavailable", "ready_workers": 0}, 503, {"retry-after": "1"})
 
+    async def model_len(m: str) -> int | None:
+        """vLLM's ``max_model_len`` of model ``m``: what one of its engines' ``GET /v1/models``
+        says (cached once known); None while no engine of it answers with one."""
+        if m in state.model_lens:
+            return state.model_lens[m]
+        for h in [h for _, h in sorted(state.registry.handles.items()) if h.model == m][:2]:
+            try:
+                status, body = await state.transport.get(h.endpoint, "/v1/models", MODEL_INFO_TIMEOUT_S)
+                if status != 200:
+                    continue
+                rows = orjson.loads(body).get("data") or []
+                row = next((x for x in rows if x.get("id") == m), rows[0] if len(rows) == 1 else None)
+                n = row.get("max_model_len") if isinstance(row, dict) else None
+            except (TransportError, orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(n, int) and n > 0:
+                state.model_lens[m] = n
+                return n
+        return None
+
+    async def model_card(m: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": m, "object": "model", "created": state.started, "owned_by": "dplb",
+                                "root": m, "parent": None}
+        n = await model_len(m)
+        if n is not None:
+            card["max_model_len"] = n
+        return card
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """OpenAI's model list, with vLLM's ``root``, ``parent`` and ``max_model_len`` (asked of
+        one engine per model, once) where the engines give it."""
         check_key(request)
-        data = [{"id": m, "object": "model", "created": state.started, "owned_by": "dplb"}
-                for m in state.scheduler.models()]
+        data = list(await asyncio.gather(*(model_card(m) for m in state.scheduler.models())))
         return _json({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
@@ -356,10 +408,50 @@ def build_fastapi(state: RouterState) -> FastAPI:
         check_key(request)
         if model_id not in state.scheduler.models():
             raise NotFound(f"the model '{model_id}' does not exist (served: {state.scheduler.served()})", param="model")
-        return _json({"id": model_id, "object": "model", "created": state.started, "owned_by": "dplb"})
+        return _json(await model_card(model_id))
+
+    @app.get("/get_loads")
+    async def get_loads(request: Request) -> Response:
+        """SGLang router's ``GET /get_loads`` (sgl-router ``WorkerLoadsResult``): ``{"loads":
+        [{"worker", "worker_id", "load", "running", "waiting", "kv_cache_usage"}], "total_workers",
+        "successful", "failed"}``; ``load`` is the requests every router has in flight on the worker
+        (the router line), ``running``/``waiting`` the engine's own counts from the slot.
+        Guarded like ``/dplb/status``."""
+        check_observer(request)
+        loads = [{"worker": w["endpoint"], "worker_id": w["id"], "load": w["router_inflight"] or 0,
+                  "running": w["running"], "waiting": w["waiting"], "kv_cache_usage": w["kv_cache_usage"]}
+                 for w in state.scheduler.status_rows()]
+        return _json({"loads": loads, "total_workers": len(loads), "successful": len(loads), "failed": 0})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """SGLang's ``GET /health_generate``: a one-token generation on every worker this router
+        routes to (straight to its engine, not counted as traffic); 200 ``{"status": "ok",
+        "workers": [...]}`` when at least one generated, 503 otherwise, per worker ``ok`` and
+        ``status`` or ``error``. Needs the API key when one is set (it makes the engines work)."""
+        check_key(request)
+
+        async def one(h: Any) -> dict[str, Any]:
+            body = orjson.dumps({"model": h.model or "default", "prompt": "ping", "max_tokens": 1})
+            out: dict[str, Any] = {"id": h.worker_id, "endpoint": h.endpoint, "model": h.model}
+            try:
+                up = await state.transport.send(h.endpoint, "POST", "/v1/completions",
+                                                [(b"content-type", b"application/json")], body,
+                                                timeout_s=HEALTH_GENERATE_TIMEOUT_S)
+                await up.read()
+            except TransportError as e:
+                return {**out, "ok": False, "error": f"{e.kind}: {e}"}
+            return {**out, "ok": up.status == 200, "status": up.status}
+
+        ready = state.scheduler.ready_handles()
+        results = list(await asyncio.gather(*(one(h) for h in ready)))
+        good = any(x["ok"] for x in results)
+        return _json({"status": "ok" if good else "unavailable", "workers": results},
+                     200 if good else 503, None if good else {"retry-after": "1"})
 
     @app.get("/dplb/status")
-    async def status() -> Response:
+    async def status(request: Request) -> Response:
+        check_observer(request)
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
                       "pid": os.getpid(), "workers": state.scheduler.status_rows(),
                       "models": state.scheduler.model_rows()})
@@ -382,14 +474,16 @@ def build_fastapi(state: RouterState) -> FastAPI:
                       "endpoint": h.endpoint, "scores": d.scores})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        check_observer(request)
         body, ctype = state.metrics.render()
         return Response(body, media_type=ctype)
 
     @app.get("/dplb/workers/{wid}/metrics")
-    async def worker_metrics(wid: int) -> Response:
+    async def worker_metrics(wid: int, request: Request) -> Response:
         """The engine's own Prometheus page of worker ``wid`` (read from the engine at the slot's
         endpoint, one hop), so a Prometheus server that reaches the router scrapes every engine."""
+        check_observer(request)
         h = state.registry.handles.get(wid)
         if h is None:
             raise NotFound(f"no worker with id {wid}", param="id")
@@ -407,6 +501,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
         """Prometheus HTTP service discovery (``http_sd_configs``): one target per listed worker,
         scraped at ``/dplb/workers/<id>/metrics`` on this router (the address the request came
         to), labelled ``worker`` and ``model``."""
+        check_observer(request)
         host = request.headers.get("host") or f"{state.cfg.router.host}:{state.cfg.router.port}"
         groups = [{"targets": [host], "labels": {"__metrics_path__": f"/dplb/workers/{wid}/metrics",
                                                  "worker": str(wid), "model": h.model or ""}}
@@ -415,6 +510,24 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
     app.include_router(admin_router(state))
     return app
+
+
+#: seconds an engine has to list its models (``max_model_len``) for ``/v1/models``
+MODEL_INFO_TIMEOUT_S = 2.0
+#: seconds one engine has for ``/health_generate``'s one-token generation
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def listens_on_loopback(host: str) -> bool:
+    """Whether a router bound to ``host`` is reachable from this node only (``127.0.0.0/8``,
+    ``::1``, ``localhost``); ``0.0.0.0``, ``::`` and any other address are beyond loopback."""
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def proxied(path: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Literal
 
@@ -240,6 +241,11 @@ class Retries(_Strict):
     retry_on_disconnect: bool = True
 
 
+#: one worker spec, two spellings: the ``--worker`` flag's short keys name the config file's
+#: fields; both are accepted in both places (``launcher.specs.parse_worker_spec`` reads this too)
+WORKER_KEY_ALIASES = {"args": "engine_args", "url": "engine_url"}
+
+
 class LaunchWorker(_Strict):
     """One entry of ``workers``: ``count`` workers the launcher starts, all serving ``model`` with
     ``engine`` (default: the launcher's ``--engine`` rule) on ``gpus`` (``"0-3"``, ``"4,5"`` or a
@@ -247,7 +253,9 @@ class LaunchWorker(_Strict):
     ``engine_args`` added after the launcher's own; ``engine_url`` attaches ``--engine openai`` to a
     running server (``count`` 1); ``weight`` is the routing weight. The router does not read this
     section (it routes by each request's ``model``); ``launch_dplb.sh --worker`` says the same on
-    the command line."""
+    the command line, with the same keys: ``args`` and ``url`` are accepted for ``engine_args`` and
+    ``engine_url`` (:data:`WORKER_KEY_ALIASES`), and ``engine_args`` may be one string
+    (shell-split, as ``args=`` is on the flag)."""
 
     model: str | None = None
     engine: Literal["sim", "vllm", "sglang", "openai"] | None = None
@@ -256,6 +264,24 @@ class LaunchWorker(_Strict):
     engine_url: str | None = None
     engine_args: list[str] = Field(default_factory=list)
     weight: float = Field(default=1.0, gt=0, le=100)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_keys(cls, d: Any) -> Any:
+        if not isinstance(d, dict):
+            return d
+        d = dict(d)
+        for short, long in WORKER_KEY_ALIASES.items():
+            if short in d:
+                if long in d:
+                    raise ValueError(f"give {long} or {short} (the same field), not both")
+                d[long] = d.pop(short)
+        if isinstance(d.get("engine_args"), str):
+            try:
+                d["engine_args"] = shlex.split(d["engine_args"])
+            except ValueError as e:
+                raise ValueError(f"engine_args: {e}") from None
+        return d
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -126,7 +126,7 @@ class AccountedSegment:
     line is also written to this process's :class:`Ledger`. Only the methods a request account
     calls are offered (a plain attribute each, no per-call indirection for the others)."""
 
-    __slots__ = ("decode_add", "dispatched_add", "latency_observe", "ledger", "prefill_add",
+    __slots__ = ("decode_add", "dispatched_add", "latency_observe", "ledger", "outcome_add", "prefill_add",
                  "prefill_rate_observe", "router_inflight_add", "router_line", "seg")
 
     def __init__(self, seg: Any, ledger: Ledger) -> None:
@@ -134,6 +134,7 @@ class AccountedSegment:
         self.dispatched_add = seg.dispatched_add
         self.prefill_rate_observe = seg.prefill_rate_observe
         self.latency_observe = seg.latency_observe
+        self.outcome_add = seg.outcome_add     # monotonic counts: nothing to give back
         self.router_line = seg.router_line
         self.router_inflight_add = self._pair(seg.router_inflight_add, ledger.inflight_add)
         self.prefill_add = self._pair(seg.prefill_add, ledger.prefill_add)

@@ -54,8 +54,8 @@ router process, so the process answering the scrape reports it once, nothing is 
 | dplb_worker_gpu_memory_total_bytes            | gauge   | (both absent while unknown)                   |
 | dplb_worker_circuit_state                     | gauge   | 0 closed, 1 open, 2 half-open                 |
 | dplb_worker_engine_restarts_total             | counter | engine restarts by its agent since the claim  |
-| dplb_worker_requests_completed_total          | counter | answered by the agent                         |
-| dplb_worker_requests_failed_total             | counter | failed at the agent                           |
+| dplb_worker_requests_completed_total          | counter | attempts the routers saw it answer            |
+| dplb_worker_requests_failed_total             | counter | attempts that failed on it (5xx, broken, ...) |
 
 Every slot that is not EMPTY (and not removed by an admin) is listed, dead ones included (a DEAD
 worker reads ``ready 0`` and ``state{state="dead"} 1``); a worker that leaves loses its series at
@@ -168,8 +168,12 @@ class SegmentCollector:
         mem_total = g("dplb_worker_gpu_memory_total_bytes", "GPU memory of the worker's GPUs (NVML; absent if unknown)")
         circuit = g("dplb_worker_circuit_state", "Circuit breaker of the worker: 0 closed, 1 open, 2 half-open")
         restarts = c("dplb_worker_engine_restarts", "Engine restarts by the worker's agent since it claimed its slot")
-        done = c("dplb_worker_requests_completed", "Requests the worker's agent answered")
-        failed = c("dplb_worker_requests_failed", "Requests that failed at the worker's agent")
+        done = c("dplb_worker_requests_completed",
+                 "Request attempts on the worker that the routers saw answered (no 5xx, no connection error, no broken "
+                 "stream), counted by every router process in the segment")
+        failed = c("dplb_worker_requests_failed",
+                   "Request attempts on the worker that failed (5xx, connection error, timeout, broken stream), counted "
+                   "by every router process in the segment; a client that left counts in neither")
         from router.workers import STATE_NAMES
 
         for wid in sorted(reg.handles):

@@ -128,11 +128,18 @@ class Lease:
         stream's end with its token count) and hand the breaker its verdict (``ok`` False: a
         connection error, timeout or 5xx; True: anything else, 4xx and 429 included; None: no
         verdict, e.g. the client left, which frees a half-open breaker's probe). The verdict is
-        given exactly once: returns False (and does nothing) after the first call."""
+        given exactly once: returns False (and does nothing) after the first call. The same
+        verdict is counted in the worker's router stats line (``Segment.outcome_add``: ``ok`` True
+        → ``completed``, False → ``failed``, None → neither), the per-worker counts that every
+        router process adds to and the dump, ``/dplb/status`` and ``/metrics`` read."""
         if self.judged:
             return False
         self.judged = True
-        self.release(now, output_tokens)
+        try:
+            self.release(now, output_tokens)
+        finally:
+            if ok is not None:
+                self.account.seg.outcome_add(self.handle.worker_id, int(ok), int(not ok))
         b = self.handle.breaker
         if ok is None:
             b.abandon()
@@ -188,7 +195,7 @@ class Scheduler:
 
     def _why_none(self, model: str | None, exclude: set[int]) -> str:
         """The 503's message: why no worker took it, per worker serving ``model`` (at most 8
-        named), e.g. ``no worker can take the request now (worker 0: drained, worker 1:
+        named), e.g. ``no worker can take the request now (worker 0: draining, worker 1:
         unhealthy)``. Cold path: only when a request is refused."""
         why = []
         for wid, h in sorted(self.registry.handles.items()):
@@ -369,7 +376,8 @@ class Scheduler:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
         the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
         ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
-        stuck), ``drained`` (admin), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
+        stuck), ``draining`` (an admin's drain: the one word for a drain, in the slot state, this verdict
+        and the row's ``draining`` flag), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
         fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
         s = h.snap if snap is None else snap
         if s is None:
@@ -380,7 +388,7 @@ class Scheduler:
         if not self.live(s):
             return "stale"
         if h.drained:
-            return "drained"
+            return "draining"
         if not h.probe_ok:
             return "unhealthy"
         if not h.breaker.available():

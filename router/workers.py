@@ -44,6 +44,17 @@ def exit_words(code: int) -> str:
     return f"exited with status {code}"
 
 
+def exit_code_or_none(snap: Any) -> int | None:
+    """The slot's ``last_exit_code``, or None while its engine never exited: the slot holds 0
+    then, which only means an exit when the engine has been restarted or the slot is DEAD."""
+    if snap is None:
+        return None
+    code = int(getattr(snap, "last_exit_code", 0) or 0)
+    if code == 0 and not int(getattr(snap, "restarts", 0) or 0) and int(snap.state) != 4:   # 4: DEAD
+        return None
+    return code
+
+
 def log_state_change(wid: int, before: int | None, snap: Any) -> None:
     """One WARNING line for a worker whose slot changed state (``before`` None: first seen), with
     the slot's reason and the engine's last exit status where it has them (issue 32: "a warning
@@ -217,7 +228,9 @@ class Registry:
         not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
         ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict (``routing_state``, the
         scheduler's); ``endpoint`` the engine's address, ``control`` the agent's;
-        ``restarts``, ``last_exit_code``, ``state_reason`` and
+        ``agent_pid`` the slot writer's pid (the agent; a mirror: the router that mirrors it; also
+        as ``pid``, its older name), ``engine_pid`` the engine process the agent spawned (None: none,
+        e.g. an attached server); ``restarts``, ``last_exit_code``, ``state_reason`` and
         ``restart_in_s`` (seconds until the agent's next engine restart, None when none is
         scheduled) come from the slot."""
         from dplb_shm import now_ns
@@ -234,8 +247,9 @@ class Registry:
             nxt = int(getattr(s, "next_restart_ns", 0) or 0)
             rows.append({
                 "id": wid, "worker_id": wid, "state": st, "eligible": routing == "eligible", "routing": routing,
-                "drained": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
-                "pid": getattr(s, "pid", None),
+                "draining": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
+                "agent_pid": getattr(s, "pid", None), "pid": getattr(s, "pid", None),   # pid: the old name
+                "engine_pid": getattr(s, "engine_pid", 0) or None,
                 "inflight": getattr(s, "inflight", None), "router_inflight": getattr(s, "router_inflight", None),
                 "local_inflight": h.local_inflight,
                 "running": getattr(s, "num_running", None), "waiting": getattr(s, "num_waiting", None),
@@ -246,7 +260,8 @@ class Registry:
                 "circuit": CIRCUIT_NAMES[h.breaker.state], "failure_rate": round(h.breaker.failure_rate, 4),
                 "probe_failures": h.probe_failures, "weight": getattr(s, "weight", None),
                 "restarts": getattr(s, "restarts", 0),
-                "last_exit_code": getattr(s, "last_exit_code", 0),
+                "last_exit_code": exit_code_or_none(s),
+                "completed": getattr(s, "completed", 0), "failed": getattr(s, "failed", 0),
                 "state_reason": str(getattr(reason, "name", "none")).lower(),
                 "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
             })

@@ -10,7 +10,8 @@
   router would try to download a tokenizer for one), ``GET /get_load`` → SGLang's list shape
   ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]`` (``--get-load-format vllm``:
   ``{"load": N}``, what vllm-router's power_of_two policy reads instead).
-* Simulator: ``GET /sim/state`` (see :meth:`EngineCore.state`), ``POST /reset_prefix_cache``.
+* Simulator: ``GET /sim/state`` (see :meth:`EngineCore.state`), ``POST /reset_prefix_cache`` (vLLM's
+  name) and ``POST /flush_cache`` (SGLang's).
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def build_peer_router(server: SimServer) -> Routes:
     @r.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         """Forget unreferenced cached blocks; ``{"reset_blocks": n}``."""
+        return json_response({"reset_blocks": core.kv.reset_prefix_cache()})
+
+    @r.post("/flush_cache")
+    async def flush_cache() -> Response:
+        """SGLang's name for the same (what a router's ``/flush_cache`` fan-out calls)."""
         return json_response({"reset_blocks": core.kv.reset_prefix_cache()})
 
     @r.get("/load")

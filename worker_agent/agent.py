@@ -309,6 +309,7 @@ class Agent:
                 # engine's counts together with the routers' count of the same moment
                 n = self.inflight
                 fields.update(num_running=n, num_waiting=0, inflight=n)
+            fields["engine_pid"] = self.adapter.engine_pid   # 0 once the engine has exited
             self.writer.publish(**fields)  # always: refreshes the heartbeat
             await asyncio.sleep(interval)
 
@@ -338,6 +339,7 @@ class Agent:
         self._totals = {}   # a new engine's counters start from zero
         try:
             await self.adapter.start()
+            self.writer.publish(engine_pid=self.adapter.engine_pid)
             model = await self.adapter.wait_ready(self.cfg.engine_start_timeout_s)
         except EngineExitedError as e:
             if not self._stopping:
@@ -356,7 +358,8 @@ class Agent:
             log.info("worker %d: engine serves model %r", self.worker_id, model)
             # the slot holds at most 119 bytes of UTF-8
             self.writer.publish(model=model.encode()[:119].decode("utf-8", "ignore"))
-        self._set(WorkerState.READY, state_reason=StateReason.NONE, next_restart_ns=0)
+        self._set(WorkerState.READY, state_reason=StateReason.NONE, next_restart_ns=0,
+                  engine_pid=self.adapter.engine_pid)
         if self.restarts:
             log.warning("worker %d: engine READY again after restart %d", self.worker_id, self.restarts)
         return StateReason.NONE
@@ -377,6 +380,7 @@ class Agent:
         if exit_task.done() and not exit_task.cancelled():
             rc = exit_task.result()
             self.exit_code = rc
+            self.writer.publish(engine_pid=0)
             log.error("worker %d: engine %s exited unexpectedly with code %s (log: %s); last lines:\n%s",
                       self.worker_id, self.adapter.name, rc, self.adapter.log_path,
                       file_tail(self.adapter.log_path))

@@ -20,7 +20,7 @@ def _run(*args, timeout=60):
 def _fill(seg):
     w = seg.writer(1)
     w.claim(1, pid=4242, endpoint="/tmp/dplb-d/agent-1.sock", gpu_ids=[0, 1], model="sim")
-    w.publish(state=WorkerState.READY, num_running=3, num_waiting=2, kv_cache_usage=0.42,
+    w.publish(state=WorkerState.READY, engine_pid=4343, num_running=3, num_waiting=2, kv_cache_usage=0.42,
               gpu_mem_used_bytes=7 * 10 ** 9, gpu_mem_total_bytes=80 * 10 ** 9)
     w.inflight_add(4)
     w.record_latency(ttft_ms=120.0, tpot_ms=15.0, e2e_ms=900.0)
@@ -41,6 +41,7 @@ def test_json_shape(segment, shm_name):
     assert (w["state"], w["inflight"], w["num_running"], w["num_waiting"]) == ("ready", 4, 3, 2)
     assert w["kv_cache_usage"] == 0.42 and w["ttft_ms"] == 120.0 and w["tpot_ms"] == 15.0
     assert w["gpu_mem_total_bytes"] == 80 * 10 ** 9 and w["endpoint"] == "/tmp/dplb-d/agent-1.sock"
+    assert (w["pid"], w["agent_pid"], w["engine_pid"], w["model"]) == (4242, 4242, 4343, "sim")
     assert doc["workers"][1]["state"] == "starting"
     r = _run("dplb_shm.dump", "--shm", shm_name, "--json", "--all")
     assert len(json.loads(r.stdout)["workers"]) == 16
@@ -51,10 +52,10 @@ def test_table(segment, shm_name):
     r = _run("dplb_shm.dump", "--shm", shm_name)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert shm_name in lines[0] and lines[1].split()[:3] == ["id", "state", "pid"]
-    assert lines[2].split()[:5] == ["1", "ready", "4242", lines[2].split()[3], "3"]
+    assert shm_name in lines[0] and lines[1].split()[:5] == ["id", "state", "agent_pid", "engine_pid", "model"]
+    assert lines[2].split()[:7] == ["1", "ready", "4242", "4343", "sim", lines[2].split()[5], "3"]
     assert "42.0" in lines[2] and "/tmp/dplb-d/agent-1.sock" in lines[2]
-    assert lines[3].split()[:2] == ["6", "starting"] and len(lines) == 4
+    assert lines[3].split()[:5] == ["6", "starting", str(os.getpid()), "-", "-"] and len(lines) == 4
 
 
 def test_watch_redraws(segment, shm_name):

@@ -33,7 +33,8 @@ def test_raw_bytes_decode_with_python_layout(segment, shm_name):
     """Bytes written by the native writer read back through the ctypes view at the same offsets."""
     w = segment.writer(3)
     w.claim(3, pid=4321, endpoint="127.0.0.1:8003", gpu_ids=[6, 7], model="m")
-    w.publish(state=WorkerState.READY, num_running=11, kv_cache_usage=0.5, queued_prompt_tokens=77)
+    w.publish(state=WorkerState.READY, num_running=11, kv_cache_usage=0.5, queued_prompt_tokens=77,
+              engine_pid=98765)
     segment.router_inflight_add(3, 9)
     segment.prefill_add(3, 5000)
     segment.decode_add(3, 2, 700)
@@ -49,6 +50,7 @@ def test_raw_bytes_decode_with_python_layout(segment, shm_name):
     assert h.creator_pid == os.getpid() and h.generation == 1
     assert (s.worker_id, s.state, s.pid, s.num_running) == (3, int(WorkerState.READY), 4321, 11)
     assert s.kv_cache_usage == 0.5 and s.queued_prompt_tokens == 77
+    assert s.engine_pid == 98765 and layout.field_table(layout.Slot)["engine_pid"] == (1228, 4)
     assert s.endpoint == b"127.0.0.1:8003" and list(s.gpu_ids[:s.num_gpus]) == [6, 7]
     assert s.router.router_inflight == 9 and s.seq % 2 == 0
     assert (s.router.prefill_tokens, s.router.decode_reqs, s.router.decode_ctx_tokens) == (5000, 2, 700)

@@ -87,6 +87,7 @@ def test_attach_sees_writes_of_other_mapping(segment, shm_name):
     w.record_request(3)
     w.record_request(1000, delta=-1)
     w.count(completed=7, failed=1)
+    segment.outcome_add(2, completed=2, failed=3)     # what the routers' leases count
     with Segment.attach(shm_name, readonly=True) as other:
         s = other.read_slot(2)
     assert s.worker_id == 2 and s.state == WorkerState.READY and s.pid == 1234
@@ -97,7 +98,8 @@ def test_attach_sees_writes_of_other_mapping(segment, shm_name):
     assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (10 ** 9, 80 * 10 ** 9)
     assert s.queued_prompt_tokens == 3
     assert s.prompt_len_hist[1] == 1 and s.prompt_len_hist[9] == 0 and sum(s.prompt_len_hist) == 1
-    assert (s.completed, s.failed) == (7, 1)
+    assert (s.engine_completed, s.engine_failed) == (7, 1)      # the writer's (engine's) own counts
+    assert (s.completed, s.failed) == (2, 3)                    # the routers' counts: what is shown
     assert 0 <= s.heartbeat_age_ms < 60_000
     assert segment.generation == 1
 

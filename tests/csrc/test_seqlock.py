@@ -58,7 +58,8 @@ def test_python_snapshots_are_consistent_while_writer_runs(segment, shm_name, pr
     for _ in range(20_000):
         s = segment.read_slot(slot)
         v = s.num_running
-        assert (s.num_waiting, s.inflight, s.pid, s.completed, s.failed, s.queued_prompt_tokens) == (v,) * 6
+        assert (s.num_waiting, s.inflight, s.pid, s.engine_completed, s.engine_failed, s.queued_prompt_tokens,
+                s.engine_pid) == (v,) * 7
         assert s.kv_cache_usage == s.ttft_ms == s.e2e_p99_ms == float(v)
         assert s.prompt_len_hist == [v] * 32
         assert s.endpoint == chr(65 + v % 26) * 128 and s.model == chr(65 + v % 26) * 120

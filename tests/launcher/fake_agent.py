@@ -76,7 +76,7 @@ def main() -> int:
             f.write("ModuleNotFoundError: No module named 'vllm' (simulated)\n")
         w.set_state(WorkerState.DEAD)
     elif os.environ.get("FAKE_NEVER") != str(k):
-        w.set_state(WorkerState.READY)
+        w.publish(state=WorkerState.READY, engine_pid=engine.pid)
     ready_at = time.monotonic()
     restart_step = 0 if os.environ.get("FAKE_RESTART_AFTER_READY") == str(k) else -1
     drain_s = os.environ.get("FAKE_DRAIN_S")
@@ -96,7 +96,7 @@ def main() -> int:
             w.publish(state=WorkerState.STARTING, restarts=1, next_restart_ns=0)
             restart_step, t_step = 2, time.monotonic()
         elif restart_step == 2 and time.monotonic() - t_step > 0.6:
-            w.publish(state=WorkerState.READY, state_reason=StateReason.NONE)
+            w.publish(state=WorkerState.READY, state_reason=StateReason.NONE, engine_pid=engine.pid)
             restart_step = 3
         if os.environ.get("FAKE_DIE_AFTER_READY") == str(k) and time.monotonic() - ready_at > 1.0:
             print(f"fake agent {k}: crashing", flush=True)

@@ -39,6 +39,9 @@ def test_eight_gpus_four_workers_tp2(script):
     assert a0[a0.index("--worker-id") + 1] == "0" and a0[a0.index("--shm") + 1] == "dplb-30000"
     assert a0[a0.index("--uds") + 1].endswith("/agent-0.sock")
     assert doc["router"]["argv"][1:3] == ["-m", "router"]
+    e0 = doc["workers"][0]["engine_argv"]           # the engine's own command line, not only the agent's
+    assert e0[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], e0
+    assert e0[e0.index("--tensor-parallel-size") + 1] == "2" and e0[e0.index("--uds") + 1].endswith("/engine-0.sock")
 
 
 @pytest.mark.parametrize("script", [False, True])
@@ -58,6 +61,10 @@ def test_no_gpu_no_model_is_sim_with_time_scale_passed_to_engine():
         assert argv[argv.index("--engine") + 1] == "sim"
     r = doc["router"]["argv"]
     assert r[r.index("--port") + 1] == "30123" and r[r.index("--policy") + 1] == "round_robin"
+    e = doc["workers"][0]["engine_argv"]
+    assert e[1:3] == ["-m", "sim_engine"] and e[e.index("--time-scale") + 1] == "0.25", e
+    cp = launch("-n", "1", "--gpus", "none", "--dry-run")
+    assert "  engine 0: " in cp.stdout and "-m sim_engine --uds" in cp.stdout, cp.stdout
 
 
 def test_extra_engine_args_after_double_dash():
@@ -110,6 +117,12 @@ def test_script_help_lists_flags():
     for flag in ("--num-workers", "--gpus", "--engine", "--model", "--port", "--config", "--state-interval-ms",
                  "--policy", "--time-scale"):
         assert flag in cp.stdout
+    from router.config import POLICIES
+
+    text = " ".join(cp.stdout.split())
+    assert all(p in text for p in POLICIES) and "one of: dplb, weighted" in text   # the --policy choices
+    bad = launch("--policy", "fastest", "--dry-run")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
 def test_router_flags_passed_through(tmp_path):
@@ -220,3 +233,21 @@ def test_worker_spec_parsing():
     s = parse_worker_spec("model=m,gpus=0,1,2,3,count=2,args=--x a,b --y 'c d',weight=0.5")
     assert s.model == "m" and s.gpus == "0,1,2,3" and s.count == 2 and s.weight == 0.5
     assert s.engine_args == ("--x", "a,b", "--y", "c d")
+
+
+def test_one_set_of_keys_for_a_worker_spec_in_the_flag_and_the_file(tmp_path):
+    """Issue 32: the README said the file's ``workers:`` take "the same keys" as ``--worker``; the
+    flag's ``args``/``url`` and the file's ``engine_args``/``engine_url`` are now both accepted in both."""
+    from launcher.specs import parse_worker_spec
+    from router.config import LaunchWorker
+
+    assert parse_worker_spec("model=m,engine_args=--x 1").engine_args == ("--x", "1")
+    assert parse_worker_spec("engine=openai,engine_url=http://127.0.0.1:8000").engine_url == "http://127.0.0.1:8000"
+    assert LaunchWorker.model_validate({"model": "m", "args": "--x 1 --y 'a b'"}).engine_args == ["--x", "1", "--y", "a b"]
+    assert LaunchWorker.model_validate({"url": "http://127.0.0.1:8000", "engine": "openai"}).engine_url.endswith(":8000")
+    with pytest.raises(ValueError, match="not both"):
+        LaunchWorker.model_validate({"args": "--x", "engine_args": ["--y"]})
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text("workers:\n  - {model: beta, engine: sim, args: '--max-num-seqs 8'}\n")
+    b = plan("--config", str(cfg))["workers"][0]["argv"]
+    assert b[b.index("--") + 1:][-2:] == ["--max-num-seqs", "8"]

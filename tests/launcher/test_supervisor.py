@@ -52,14 +52,21 @@ def test_ready_then_signal_stops_everything(procs, run_dir, port, sig):
     assert f"dplb-shm-dump --shm dplb-{port}" in out or f"dplb_shm.dump --shm dplb-{port}" in out
     assert "workers ready 3/3" in out
     assert os.path.exists(f"/dev/shm/dplb-{port}")
+    engines = engine_pids(run_dir, 3)
+    agents = [c.pid for c in psutil.Process(p.pid).children() if "fake_agent" in " ".join(c.cmdline())]
+    for k in range(3):   # the operator learns which pid is the engine, which the agent (issue 32)
+        line = next(x for x in out.splitlines() if x.startswith(f"dplb: worker {k}: READY, "))
+        assert f"engine pid {engines[k]}, model fake-model" in line
+        assert int(line.split("agent pid ")[1].split(",")[0]) in agents
     agent_logs = [(Path(run_dir) / "rd" / f"agent-{k}.log").read_text() for k in range(3)]
     for k, text in enumerate(agent_logs):  # 6 GPUs, 3 workers → tp 2, consecutive pairs
         assert f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}" in text and "'--tp-size', '2'" in text
-    engines = engine_pids(run_dir, 3)
     tree = [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
     assert len(tree) >= 4  # 3 agents + router
+    assert "policy dplb" in out                                      # the banner names the policy
     os.kill(p.pid, sig)
     assert p.wait(timeout=60) == 0
+    assert log.read_text().rstrip().splitlines()[-1].startswith("dplb: stopped")   # a last line after the stop
     wait_until(lambda: gone(engines + tree), timeout=20, what="children and engines gone")
     assert not os.path.exists(f"/dev/shm/dplb-{port}")
     assert not list((Path(run_dir) / "rd").glob("*.sock"))
@@ -185,7 +192,9 @@ def test_engine_restart_by_an_agent_is_printed(procs, run_dir, port):
     wait_until(lambda: "READY again after engine restart 1" in log.read_text(), timeout=90, what="restart report")
     out = log.read_text()
     assert "worker 1: engine killed by SIGKILL (status 137) (engine_exited); its agent restarts it in" in out
-    assert "worker 1: engine restart 1" in out and "engine-1.log" in out
+    assert "worker 1: engine restart 1 (engine_exited)" in out and "engine-1.log" in out
+    assert "READY again after engine restart 1, agent pid " in out
+    assert f"engine pid {engine_pids(run_dir, 2)[1]}, model fake-model" in out
     assert "worker 0: engine" not in out
     os.kill(p.pid, signal.SIGINT)
     assert p.wait(timeout=60) == 0

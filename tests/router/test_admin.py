@@ -38,13 +38,13 @@ def test_drain_and_undrain(make_cluster):
     assert r.status_code == 200 and r.json()["draining"] is True
     rows = {w["id"]: w for w in httpx.get(c.base + "/dplb/status").json()["workers"]}
     # the slot is still READY (the dump agrees); the router's own verdict says why it is out
-    assert rows[0]["state"] == "ready" and rows[0]["routing"] == "drained" and rows[0]["drained"]
+    assert rows[0]["state"] == "ready" and rows[0]["routing"] == "draining" and rows[0]["draining"]
     assert not rows[0]["eligible"]
     assert set(served_by(c.base, 10)) == {"1"}
     assert httpx.post(c.base + "/dplb/workers/1/drain", headers=h).status_code == 200
     r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     assert r.status_code == 503 and r.headers["retry-after"]       # every worker drained: the 503 says so
-    assert "(worker 0: drained, worker 1: drained)" in r.json()["error"]["message"], r.text
+    assert "(worker 0: draining, worker 1: draining)" in r.json()["error"]["message"], r.text
     assert httpx.post(c.base + "/dplb/workers/1/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/0/undrain", headers=h).status_code == 200
     assert httpx.post(c.base + "/dplb/workers/9/drain", headers=h).status_code == 404
@@ -108,6 +108,19 @@ def test_bad_admin_bodies(make_cluster):
     r = httpx.post(c.base + "/dplb/workers", json={"endpoint": "127.0.0.1:1", "weight": "heavy"})
     e = r.json()["error"]
     assert r.status_code == 400 and e["param"] == "weight" and "pydantic" not in e["message"] and "\n" not in e["message"]
+
+
+def test_a_host_name_that_does_not_resolve_is_a_400_saying_so_and_takes_no_slot(make_cluster):
+    """Issue 32: ``{"endpoint": "node-b:9100"}`` answered 201 and the slot turned DEAD."""
+    c = make_cluster(1)
+    for ep in ("node-b.invalid:9100", "http://no-such-node.invalid:9100"):   # RFC 6761: never resolves
+        r = httpx.post(c.base + "/dplb/workers", json={"endpoint": ep}, timeout=30)
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["param"] == "endpoint", r.text
+        assert "does not resolve" in e["message"] or "did not resolve" in e["message"]
+        assert ".invalid" in e["message"]
+    assert [s.worker_id for s in c.seg.snapshot() if int(s.state) != 0] == [0]   # no mirror slot taken
+    assert [w["id"] for w in httpx.get(c.base + "/dplb/workers").json()["workers"]] == [0]
 
 
 def test_api_key(make_cluster):

@@ -143,6 +143,11 @@ class LineSeg:
         self.v["decode"] += n
         return self.v["decode"]
 
+    def outcome_add(self, wid, completed=0, failed=0):
+        self.v["completed"] = self.v.get("completed", 0) + completed
+        self.v["failed"] = self.v.get("failed", 0) + failed
+        return self.v["completed"], self.v["failed"]
+
 
 def test_lease_reports_outcomes_and_the_monitor_and_breaker_decide():
     """Issue 14: the proxy writes no health state; the lease reports each attempt's outcome."""

@@ -87,6 +87,8 @@ def test_status_health_and_metrics(cluster4):
         assert w["endpoint"].endswith(f"fake-{w['id']}.sock")
         for k in ("inflight", "running", "waiting", "kv_cache_usage", "latency_ms"):
             assert k in w
+        # the agent's pid (``pid`` kept as its old name) and the engine's: none for a fake worker
+        assert w["agent_pid"] == w["pid"] > 0 and w["engine_pid"] is None and w["model"] == MODEL
     assert httpx.get(cluster4.base + "/health").status_code == 200
     httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     text = httpx.get(cluster4.base + "/metrics").text
@@ -185,6 +187,38 @@ def test_broken_stream_ends_with_sse_error_and_releases(cluster4):
     assert b'data: {"error":' in body and b'"type":"upstream_error"' in body
     assert b"[DONE]" not in body
     wait_until(lambda: cluster4.router_inflight() == [0, 0, 0, 0], 10, what="release after a broken stream")
+
+
+def test_a_broken_stream_and_an_answer_are_counted_on_their_worker_in_dump_status_and_metrics(cluster4):
+    """Issue 32: the dump's ``fail`` and ``dplb_worker_requests_failed_total`` stayed 0 when the
+    router recorded a 502 stream_broken on that worker: the router's lease now counts each
+    attempt's outcome in the worker's router stats line, the one count all three read."""
+    from dplb_shm import dump
+
+    reset(cluster4)
+    before = {i: (s.completed, s.failed) for i, s in enumerate(cluster4.seg.snapshot()[:4])}
+    wid, _ = _stream(cluster4.base, {"x-fake-mode": "break"})
+    w = int(wid)
+    wait_until(lambda: cluster4.seg.read_slot(w).failed == before[w][1] + 1, 10, what="the failure counted")
+    r = httpx.post(cluster4.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+    ok = int(r.headers["x-dplb-worker-id"])
+    wait_until(lambda: cluster4.seg.read_slot(ok).completed == before[ok][0] + 1, 10,
+               what="the answer counted")
+    s = cluster4.seg.read_slot(w)
+    row = next(x for x in dump.render_table(cluster4.seg).splitlines()[2:] if x.split()[0] == wid)
+    cols = dump.COLUMNS
+    assert row.split()[cols.index("fail")] == str(s.failed), (cols, row)
+    def row_of_status() -> dict:
+        return next(x for x in status(cluster4.base)["workers"] if x["id"] == w)
+
+    # /dplb/status reads the snapshot the router synced at its last health tick
+    wait_until(lambda: row_of_status()["failed"] == s.failed, 10, what="the failure in /dplb/status")
+    assert row_of_status()["last_exit_code"] is None                       # the engine never exited
+    text = httpx.get(cluster4.base + "/metrics").text
+    line = next(x for x in text.splitlines()
+                if x.startswith("dplb_worker_requests_failed_total{") and f'worker="{w}"' in x)
+    assert float(line.rsplit(" ", 1)[1]) == s.failed >= 1
+    assert "at the worker's agent" not in text
 
 
 def test_client_disconnect_closes_upstream_and_releases(cluster4):

@@ -40,14 +40,17 @@ def test_restart_policy_backs_off_exponentially_and_gives_up_past_the_window_bud
 def test_killed_engine_is_restarted_after_backoff_and_serves_again(start_agent, segment):
     a = start_agent(0, "--restart-backoff", "0.5", interval_ms=50)
     old = engine_pid(a.proc.pid)
+    ready = segment.read_slot(0)
+    assert (ready.engine_pid, ready.agent_pid) == (old, a.proc.pid)     # the engine's pid, not only the agent's
     os.kill(old, signal.SIGKILL)
     dead = slot_wait(segment, 0, lambda s: s.state.name == "DEAD", 10, "slot DEAD")
+    assert dead.engine_pid == 0                                       # no engine runs
     assert dead.state_reason.name == "ENGINE_EXITED" and dead.last_exit_code == -signal.SIGKILL
     assert dead.num_running == 0 and dead.kv_cache_usage == -1.0     # the dead engine's figures are gone
     s = slot_wait(segment, 0, lambda s: s.state.name == "READY", 60, "READY again after the restart")
     assert s.restarts == 1 and s.state_reason.name == "NONE" and s.last_exit_code == -9
     assert s.pid == a.proc.pid                                        # same agent, same slot
-    assert engine_pid(a.proc.pid) != old
+    assert engine_pid(a.proc.pid) != old and s.engine_pid == engine_pid(a.proc.pid)
     with endpoint_client(s.endpoint) as c:    # the engine itself, at the address the slot names
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"]

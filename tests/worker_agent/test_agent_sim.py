@@ -58,8 +58,8 @@ def test_slot_names_the_engine_and_the_agent_serves_only_its_control_api(start_a
         r = eng.post("/v1/completions", json=completion(3, stream=False))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     # the agent never saw it: the engine's own histograms and counter fill the slot's windows
-    w = slot_wait(segment, 4, lambda s: s.completed == 1 and s.e2e_ms > 0, 5, "engine latency in the slot")
-    assert 0 < w.ttft_ms <= w.e2e_ms and w.tpot_ms > 0 and w.failed == 0
+    w = slot_wait(segment, 4, lambda s: s.engine_completed == 1 and s.e2e_ms > 0, 5, "engine latency in the slot")
+    assert 0 < w.ttft_ms <= w.e2e_ms and w.tpot_ms > 0 and w.engine_failed == 0 and w.completed == 0   # no router counted it
     with a.client() as c:
         assert c.get("/health").json() == {"status": "ready", "worker_id": 4}
         st = c.get("/dplb/state")

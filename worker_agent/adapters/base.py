@@ -208,6 +208,14 @@ class EngineAdapter(ABC):
         self._write_pid_file(self.proc.pid)
 
     @property
+    def engine_pid(self) -> int:
+        """pid of the engine process this adapter spawned while it runs; 0 when there is none
+        (an attaching adapter, not started yet, or exited)."""
+        if self.proc is None or self.proc.returncode is not None:
+            return 0
+        return int(self.proc.pid)
+
+    @property
     def returncode(self) -> int | None:
         """Exit code of the engine process; None while it runs (or when there is no process)."""
         return None if self.proc is None else self.proc.returncode
