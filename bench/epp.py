@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from bench.router_overhead import STREAM_BODY, _request, pct
+from bench.router_overhead import STREAM_BODY, pct, sequential
 from launcher.stack import free_port, router_argv, wait_for, wait_for_port
 
 
@@ -52,62 +51,10 @@ def plain_envoy(port: int, admin: int, worker_port: int) -> dict[str, Any]:
     return cfg
 
 
-def _read_response(s: socket.socket, buf: bytearray) -> int:
-    """Read one response off ``s`` (``Content-Length`` or chunked: Envoy drops the length of a
-    body its ext_proc filter streams to the picker); returns its status."""
-    def fill() -> None:
-        chunk = s.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed")
-        buf.extend(chunk)
-
-    while (end := buf.find(b"\r\n\r\n")) < 0:
-        fill()
-    head = bytes(buf[:end]).lower()
-    status = int(head[9:12])
-    del buf[:end + 4]
-    i = head.find(b"content-length:")
-    if i >= 0:
-        j = head.find(b"\r\n", i)
-        n = int(head[i + 15:j if j > 0 else None])
-        while len(buf) < n:
-            fill()
-        del buf[:n]
-        return status
-    while True:   # chunked: size line, data, CRLF; a 0 size ends it (no trailers here)
-        while (eol := buf.find(b"\r\n")) < 0:
-            fill()
-        size = int(bytes(buf[:eol]).split(b";")[0], 16)
-        while len(buf) < eol + 2 + size + 2:
-            fill()
-        del buf[:eol + 2 + size + 2]
-        if size == 0:
-            return status
-
-
 def stream_request() -> bytes:
     """A streamed chat request (the instant worker answers it with ``--chunks`` SSE events)."""
     return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(STREAM_BODY)).encode() + b"\r\n\r\n" + STREAM_BODY)
-
-
-def sequential(connect: Any, n: int, req: bytes | None = None) -> list[float]:
-    """``n`` sequential requests (``req``, default a non-streamed chat) on one keep-alive
-    connection; per-request latency in ms (for a stream: to its last byte)."""
-    s = connect()
-    req = req or _request(b"bench")
-    buf = bytearray()
-    out = []
-    try:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            s.sendall(req)
-            if _read_response(s, buf) != 200:
-                raise SystemExit("a request was not answered 200: the figures would be invalid")
-            out.append((time.perf_counter() - t0) * 1000.0)
-    finally:
-        s.close()
-    return out
 
 
 def _connect(port: int) -> Any:

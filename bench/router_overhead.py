@@ -175,27 +175,43 @@ def _request(host_header: bytes) -> bytes:
 
 
 def _read_response(s: socket.socket, buf: bytearray) -> int:
-    """Read one response with a Content-Length off ``s``; returns its status."""
-    while True:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            head = bytes(buf[:end]).lower()
-            i = head.find(b"content-length:")
-            j = head.find(b"\r\n", i)
-            n = int(head[i + 15:j if j > 0 else None])
-            if len(buf) >= end + 4 + n:
-                del buf[:end + 4 + n]
-                return int(head[9:12])
+    """Read one response off ``s`` (``Content-Length`` or chunked: Envoy drops the length of a
+    body its ext_proc filter streams to the picker); returns its status."""
+    def fill() -> None:
         chunk = s.recv(65536)
         if not chunk:
             raise ConnectionError("closed")
-        buf += chunk
+        buf.extend(chunk)
+
+    while (end := buf.find(b"\r\n\r\n")) < 0:
+        fill()
+    head = bytes(buf[:end]).lower()
+    status = int(head[9:12])
+    del buf[:end + 4]
+    i = head.find(b"content-length:")
+    if i >= 0:
+        j = head.find(b"\r\n", i)
+        n = int(head[i + 15:j if j > 0 else None])
+        while len(buf) < n:
+            fill()
+        del buf[:n]
+        return status
+    while True:   # chunked: size line, data, CRLF; a 0 size ends it (no trailers here)
+        while (eol := buf.find(b"\r\n")) < 0:
+            fill()
+        size = int(bytes(buf[:eol]).split(b";")[0], 16)
+        while len(buf) < eol + 2 + size + 2:
+            fill()
+        del buf[:eol + 2 + size + 2]
+        if size == 0:
+            return status
 
 
-def sequential(connect, n: int) -> list[float]:
-    """``n`` sequential requests on one keep-alive connection; per-request latency in ms."""
+def sequential(connect, n: int, req: bytes | None = None) -> list[float]:
+    """``n`` sequential requests (``req``, default a non-streamed chat) on one keep-alive
+    connection; per-request latency in ms (for a stream: to its last byte)."""
     s = connect()
-    req = _request(b"bench")
+    req = req or _request(b"bench")
     buf = bytearray()
     out = []
     try:

@@ -593,9 +593,9 @@ class Supervisor:
             return
         # with router.api_key set the key goes in a header; the banner names a variable, not the key
         key = ' -H "Authorization: Bearer $DPLB_API_KEY"' if cfg.api_key_set else ""
-        from router.app import listens_on_loopback
+        from router.config import is_loopback
 
-        status_key = key if cfg.api_key_set and not listens_on_loopback(cfg.host) else ""
+        status_key = key if cfg.api_key_set and not is_loopback(cfg.host) else ""
         lines = [
             "",
             (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import ipaddress
 import logging
 import os
 import time
@@ -27,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.accounting import LearnSettings
 from router.admin import AdminStore, admin_router
-from router.config import Config, config_from_json
+from router.config import Config, config_from_json, is_loopback
 from router.errors import (
     BadRequest,
     HeadersTooLarge,
@@ -346,7 +345,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
         listens on loopback only; beyond loopback they need ``router.api_key`` or
         ``router.admin_token`` (``Authorization: Bearer <either>`` or ``X-DPLB-Admin-Token``) —
         such a router always has an admin token (``router.__main__`` refuses to start without)."""
-        if listens_on_loopback(state.cfg.router.host):
+        if is_loopback(state.cfg.router.host):
             return
         r = state.cfg.router
         auth = request.headers.get("authorization", "")
@@ -516,18 +515,6 @@ def build_fastapi(state: RouterState) -> FastAPI:
 MODEL_INFO_TIMEOUT_S = 2.0
 #: seconds one engine has for ``/health_generate``'s one-token generation
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
-
-def listens_on_loopback(host: str) -> bool:
-    """Whether a router bound to ``host`` is reachable from this node only (``127.0.0.0/8``,
-    ``::1``, ``localhost``); ``0.0.0.0``, ``::`` and any other address are beyond loopback."""
-    h = host.strip("[]")
-    if h == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def proxied(path: str) -> bool:

@@ -14,7 +14,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from dplb_shm import Segment, WorkerState
-from router.app import create_app, listens_on_loopback
+from router.app import create_app
+from router.config import is_loopback as listens_on_loopback
 from router.config import load_config
 from tests.helpers import unique_shm_name
 
