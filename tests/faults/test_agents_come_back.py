@@ -29,7 +29,8 @@ def test_a_killed_agent_is_restarted_and_its_worker_serves_again():
     lines = x["launcher_lines"]
     assert any(ln.startswith("dplb: worker 2 exited with status -9; restarting its agent in 2.0s") for ln in lines), lines
     assert any(ln.startswith(f"dplb: worker 2: agent restarted (restart 1, pid {x['new_pid']})") for ln in lines), lines
-    assert "dplb: worker 2: READY again after agent restart 1" in lines, lines
+    assert any(ln.startswith("dplb: worker 2: READY again after agent restart 1, agent pid "
+                             f"{x['new_pid']}, engine pid ") for ln in lines), lines
     # the admin restart answered 502 while the agent was down: now 503 + Retry-After, 202 once back
     status, retry_after = x["admin_restart_while_down"]
     assert status == 503 and retry_after is not None and int(retry_after) >= 1, x["admin_restart_while_down"]
