@@ -33,7 +33,7 @@ Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol
 ``content-type: application/json`` and ``x-dplb-worker-id: none``. Workers whose engine listens
 on a Unix socket cannot be Envoy ``ORIGINAL_DST`` targets and are left out (logged once).
 
-The picker (:class:`Picker`) is the router's own :class:`router.app.RouterState` (scheduler,
+The picker (:class:`Picker`) is the router's own :class:`router.state.RouterState` (scheduler,
 policies and native kernel, registry, breaker, health monitor with probes, accounting on the
 segment's router lines and the process ledger, metrics) without its HTTP server; endpoints from a
 file are scraped into slots by :class:`epp.discovery.ScrapeManager`.
@@ -61,12 +61,12 @@ from grpc_health.v1.health import aio as health_aio
 
 from epp.discovery import EndpointsFile, ScrapeManager
 from epp.envoy import HEADER, NAMESPACE
-from router.app import RouterState
 from router.config import Config
 from router.errors import BodyTooLarge, NoEligibleWorker
 from router.protocol import BadRequest, OpenAIError
 from router.proxy import ROUTES
 from router.scheduling import Lease
+from router.state import RouterState
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,

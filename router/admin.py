@@ -54,11 +54,7 @@ removes it, and a restarted router starts from its config.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
-import os
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -110,86 +106,6 @@ def _agent_restart_wait(seg: Any, wid: int, snap: Any) -> int | None:
 #: seconds an admin add/remove answered by a process that does not own the mirror slots waits for
 #: the owner to apply it (it does at its next health tick)
 MIRROR_WAIT_S = 10.0
-
-
-class AdminStore:
-    """The shared admin state: drained ids, removed (local) ids, mirrors added at run time
-    (endpoint → spec), configured mirrors removed at run time (``unmirrored``), and ``version``,
-    bumped by every change (module docstring)."""
-
-    def __init__(self, state_dir: str) -> None:
-        self.path = os.path.join(state_dir, "admin.json")
-        self.lock_path = os.path.join(state_dir, "admin.lock")
-        self.state_dir = state_dir
-        self.version = 0
-        self.drained: set[int] = set()
-        self.removed: set[int] = set()
-        self.mirrors: dict[str, dict[str, Any]] = {}
-        self.unmirrored: set[str] = set()
-        self._stamp: tuple[int, int, int] | None = None
-
-    def _dump(self) -> bytes:
-        return orjson.dumps({"version": self.version, "drained": sorted(self.drained), "removed": sorted(self.removed),
-                             "mirrors": self.mirrors, "unmirrored": sorted(self.unmirrored)},
-                            option=orjson.OPT_SORT_KEYS)
-
-    @staticmethod
-    def _stat_stamp(st: os.stat_result) -> tuple[int, int, int]:
-        # every save is a rename of a new file: a new inode, whatever the mtime granularity
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def save(self) -> None:
-        """Write the state atomically (tmp file + rename); callers hold the lock (:meth:`edit`)."""
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._dump())
-        os.replace(tmp, self.path)
-        self._stamp = self._stat_stamp(os.stat(self.path))
-
-    def _load(self) -> bool:
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                d = orjson.loads(f.read())
-        except (OSError, orjson.JSONDecodeError):
-            return False
-        self._stamp = self._stat_stamp(st)
-        self.version = int(d.get("version", 0))
-        self.drained = set(d.get("drained", []))
-        self.removed = set(d.get("removed", []))
-        self.mirrors = dict(d.get("mirrors", {}))
-        self.unmirrored = set(d.get("unmirrored", []))
-        return True
-
-    def reload_if_changed(self) -> bool:
-        """Re-read the file when another process changed it; True when something was loaded."""
-        try:
-            stamp = self._stat_stamp(os.stat(self.path))
-        except FileNotFoundError:
-            return False
-        if stamp == self._stamp:
-            return False
-        return self._load()
-
-    @contextlib.contextmanager
-    def edit(self) -> Iterator[AdminStore]:
-        """Read-modify-write of the shared state: holds the exclusive lock, re-reads the file,
-        yields the store; when the body changed something, bumps ``version`` and saves before the
-        lock is dropped. A body that raises saves nothing (it must raise before changing). The
-        body must not await: the lock blocks every other router process's admin calls."""
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self._load()
-            before = self._dump()
-            yield self
-            if self._dump() != before:
-                self.version += 1
-                self.save()
-        finally:
-            os.close(fd)
 
 
 def forwarded(request: Request) -> bool:
@@ -245,7 +161,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def admin_router(state: Any) -> APIRouter:
-    """FastAPI routes of the admin API bound to the :class:`router.app.RouterState` ``state``."""
+    """FastAPI routes of the admin API bound to the :class:`router.state.RouterState` ``state``."""
     r = APIRouter()
 
     @r.get("/dplb/workers")

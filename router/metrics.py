@@ -102,7 +102,7 @@ def build_version() -> str:
 class SegmentCollector:
     """Per-worker series read from the segment when ``/metrics`` is scraped (module docstring).
 
-    ``state``: the :class:`router.app.RouterState` (its ``registry``, ``seg`` and ``policy`` are
+    ``state``: the :class:`router.state.RouterState` (its ``registry``, ``seg`` and ``policy`` are
     read at collect time; before the router started only ``dplb_build_info`` is reported)."""
 
     def __init__(self, state: Any) -> None:
@@ -266,7 +266,7 @@ class Metrics:
         self._direct = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
     def attach(self, state: Any) -> SegmentCollector:
-        """Report the per-worker series of ``state`` (a :class:`router.app.RouterState`) on every
+        """Report the per-worker series of ``state`` (a :class:`router.state.RouterState`) on every
         scrape, and start every retry reason the config allows at 0 (a series that exists before
         its first event lets ``rate()`` and the dashboards show 0 rather than nothing)."""
         cfg = getattr(state, "cfg", None)

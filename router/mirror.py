@@ -30,7 +30,7 @@ leaked slots that no one wrote or released any more, and that a DELETE could not
   slot still carries the owner mark; one fetch per endpoint at a time.
 - **A record for the next owner.** After every change the leader writes
   ``<state_dir>/mirror-slots.json`` atomically: its pid, the admin version (``admin.json``'s
-  counter, :class:`router.admin.AdminStore`) it has applied, ``slots`` (endpoint → slot) and
+  counter, :class:`router.admin_store.AdminStore`) it has applied, ``slots`` (endpoint → slot) and
   ``errors`` (wanted endpoints without a slot, and why). A process that becomes leader (the old
   one died: the kernel dropped its lock) adopts the recorded slots that still carry the old
   owner's mark and releases those no longer wanted: no mirror slot is left without an owner.
@@ -100,7 +100,7 @@ class MirrorManager:
     """The owner of every mirror slot of this router's segment (module docstring).
 
     ``wanted``: endpoint (the agent's control address) → ``{"weight", "model"}`` and ``version``
-    (the admin version it comes from) are set by :meth:`router.app.RouterState.apply_admin`;
+    (the admin version it comes from) are set by :meth:`router.state.RouterState.apply_admin`;
     ``writers``: endpoint → the ``SlotWriter`` of its slot (leader only); ``errors``: wanted
     endpoints that have no slot, and why. ``timeout_s``: one ``/dplb/state`` fetch;
     ``max_failures``: failed fetches in a row before the slot is published DEAD. Subclasses that
