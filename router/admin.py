@@ -55,14 +55,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from router.config import BackendServer
+from dplb_shm import StateReason, WorkerSnapshot
+from router.config import BackendServer, Config
 from router.errors import (
     BadRequest,
     Conflict,
@@ -75,6 +76,11 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
+from router.state import RouterState
+from router.workers import DEAD, EMPTY
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 #: headers that reverse proxies add; their presence means the socket address is the proxy's
@@ -88,18 +94,19 @@ RESOLVE_TIMEOUT_S = 5.0
 AGENT_START_S = 3
 
 
-def _agent_restart_wait(seg: Any, wid: int, snap: Any) -> int | None:
+def _agent_restart_wait(seg: Segment, wid: int, snap: WorkerSnapshot | None) -> int | None:
     """Seconds until worker ``wid``'s new agent should answer when the launcher is restarting a dead
     one (its slot DEAD with reason ``agent_exited``, read now; ``snap`` when the read fails), else None."""
-    from dplb_shm import StateReason, WorkerState, now_ns
+    from dplb_shm import now_ns
 
+    s: WorkerSnapshot | None
     try:
         s = seg.read_slot(wid)
     except Exception:  # noqa: BLE001 - a closed or foreign segment: the last synced snapshot
         s = snap
-    if s is None or int(s.state) != WorkerState.DEAD or int(s.state_reason) != StateReason.AGENT_EXITED:
+    if s is None or int(s.state) != DEAD or s.state_reason != StateReason.AGENT_EXITED:
         return None
-    left = (int(s.next_restart_ns) - now_ns()) / 1e9 if int(s.next_restart_ns) else 0.0
+    left = (s.next_restart_ns - now_ns()) / 1e9 if s.next_restart_ns else 0.0
     return max(1, int(left + 0.999) + AGENT_START_S)
 
 
@@ -114,7 +121,7 @@ def forwarded(request: Request) -> bool:
     return any(k in h for k in FORWARDING_HEADERS)
 
 
-def check_admin(request: Request, cfg: Any) -> None:
+def check_admin(request: Request, cfg: Config) -> None:
     """Raise Forbidden (non-loopback client while loopback-only; a proxied request without a
     configured token) or Unauthorized (missing or wrong token)."""
     client = request.client.host if request.client else ""
@@ -160,7 +167,7 @@ def _json(obj: Any, status: int = 200) -> Response:
                     headers={"x-dplb-worker-id": "none"})
 
 
-def admin_router(state: Any) -> APIRouter:
+def admin_router(state: RouterState) -> APIRouter:
     """FastAPI routes of the admin API bound to the :class:`router.state.RouterState` ``state``."""
     r = APIRouter()
 
@@ -203,7 +210,7 @@ def admin_router(state: Any) -> APIRouter:
             owner = mirrors.owner_pid()
             local = None if wanted else next(
                 (s for s in state.seg.snapshot()
-                 if int(s.state) != 0 and ep in (s.endpoint, s.control) and not mirrors.is_mirror_slot(s, owner)),
+                 if int(s.state) != EMPTY and ep in (s.endpoint, s.control) and not mirrors.is_mirror_slot(s, owner)),
                 None)
             if local is not None:
                 # a local worker that was removed earlier comes back by naming its agent's (or engine's) socket again
@@ -266,7 +273,7 @@ def admin_router(state: Any) -> APIRouter:
         configured = {b.endpoint for b in state.cfg.backend_servers}
         with state.admin.edit() as store:
             snap = state.seg.read_slot(wid)
-            if int(snap.state) == 0:
+            if int(snap.state) == EMPTY:
                 raise NotFound(f"no worker with id {wid}", param="id")
             mirror = mirrors.is_mirror_slot(snap, mirrors.owner_pid())
             if mirror:

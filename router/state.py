@@ -145,7 +145,8 @@ class RouterState:
         self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep, self._sweep_routers]
         await self.mirrors.tick()
         self.monitor.start()
-        self.metrics.attach(self)
+        self.metrics.attach(self.registry, self.seg, self.policy.name, self.scheduler.routing_state,
+                            cfg.retries.retry_on_status)
         self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
                            ProxySettings.from_config(cfg, bool(getattr(self.policy, "needs_text", True))))
 
