@@ -88,7 +88,8 @@ from router.stream_meter import (
     on_first_content,
     on_stream_end,
 )
-from router.transport import Transport, Upstream
+from router.transport import Transport
+from router.upstream import Upstream
 
 log = logging.getLogger("dplb.router.proxy")
 
