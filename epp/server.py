@@ -393,7 +393,7 @@ class Exchange:
     def close(self) -> None:
         """The stream ended: a lease still open is released, complete when the stream had its
         whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
-        connection there, before the engine's terminating chunk, as :func:`router.proxy.delivered`
+        connection there, before the engine's terminating chunk, as :func:`router.relay.delivered`
         counts it), else without a verdict (status 499)."""
         self._end(self.meter is not None and self.meter.ended_with_done())
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from router.answers import send_error
 from router.config import Config, config_from_json
 from router.control import build_fastapi
 from router.errors import HeadersTooLarge, NoEligibleWorker, error_body
-from router.proxy import send_error
 from router.server import check_headers
 from router.state import RouterState
 
