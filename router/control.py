@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import admin_router
-from router.config import is_loopback
+from router.config import Config, is_loopback
 from router.errors import (
     BadRequest,
     NotFound,
@@ -55,6 +55,34 @@ MODEL_INFO_TIMEOUT_S = 2.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+def check_key(request: Request, cfg: Config) -> None:
+    """Raise Unauthorized unless the request carries the API key (when ``router.api_key`` is set)."""
+    key = cfg.router.api_key
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+
+
+def check_observer(request: Request, cfg: Config) -> None:
+    """The read-only pages that show the deployment (``/dplb/status``: socket paths, pids;
+    ``/metrics``; the engines' pages and the Prometheus targets): open while the router
+    listens on loopback only; beyond loopback they need ``router.api_key`` or
+    ``router.admin_token`` (``Authorization: Bearer <either>`` or ``X-DPLB-Admin-Token``) —
+    such a router always has an admin token (``router.__main__`` refuses to start without)."""
+    if is_loopback(cfg.router.host):
+        return
+    r = cfg.router
+    auth = request.headers.get("authorization", "")
+    if r.api_key and auth == f"Bearer {r.api_key}":
+        return
+    if r.admin_token and (auth == f"Bearer {r.admin_token}"
+                          or request.headers.get("x-dplb-admin-token") == r.admin_token):
+        return
+    if not r.api_key and not r.admin_token:
+        return
+    raise Unauthorized("this router listens beyond loopback: /metrics, /dplb/status and the engines' pages "
+                       "need the API key or the admin token (Authorization: Bearer <key>)")
+
+
 def build_fastapi(state: RouterState) -> FastAPI:
     """The FastAPI app of the control endpoints, bound to ``state`` (started in its lifespan)."""
 
@@ -67,6 +95,18 @@ def build_fastapi(state: RouterState) -> FastAPI:
             await state.stop()
 
     app = FastAPI(title="DPLB router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _error_handlers(app)
+    _model_routes(app, state)
+    _sglang_routes(app, state)
+    _dplb_routes(app, state)
+    app.include_router(admin_router(state))
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error shape with ``X-DPLB-Worker-ID: none``: the router's own
+    errors, FastAPI's 404/405, its validation errors (400, ``param`` named as documented) and
+    anything unexpected (500, logged)."""
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, e: RouterError) -> Response:
@@ -95,30 +135,9 @@ def build_fastapi(state: RouterState) -> FastAPI:
         return Response(error_body(f"internal router error: {type(e).__name__}", "internal_error", 500),
                         status_code=500, media_type="application/json", headers={"x-dplb-worker-id": "none"})
 
-    def check_key(request: Request) -> None:
-        key = state.cfg.router.api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
-            raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
 
-    def check_observer(request: Request) -> None:
-        """The read-only pages that show the deployment (``/dplb/status``: socket paths, pids;
-        ``/metrics``; the engines' pages and the Prometheus targets): open while the router
-        listens on loopback only; beyond loopback they need ``router.api_key`` or
-        ``router.admin_token`` (``Authorization: Bearer <either>`` or ``X-DPLB-Admin-Token``) —
-        such a router always has an admin token (``router.__main__`` refuses to start without)."""
-        if is_loopback(state.cfg.router.host):
-            return
-        r = state.cfg.router
-        auth = request.headers.get("authorization", "")
-        if r.api_key and auth == f"Bearer {r.api_key}":
-            return
-        if r.admin_token and (auth == f"Bearer {r.admin_token}"
-                              or request.headers.get("x-dplb-admin-token") == r.admin_token):
-            return
-        if not r.api_key and not r.admin_token:
-            return
-        raise Unauthorized("this router listens beyond loopback: /metrics, /dplb/status and the engines' pages "
-                           "need the API key or the admin token (Authorization: Bearer <key>)")
+def _model_routes(app: FastAPI, state: RouterState) -> None:
+    """``GET /health`` and OpenAI's model list (``GET /v1/models``, ``GET /v1/models/{id}``)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -159,16 +178,20 @@ def build_fastapi(state: RouterState) -> FastAPI:
     async def models(request: Request) -> Response:
         """OpenAI's model list, with vLLM's ``root``, ``parent`` and ``max_model_len`` (asked of
         one engine per model, once) where the engines give it."""
-        check_key(request)
+        check_key(request, state.cfg)
         data = list(await asyncio.gather(*(model_card(m) for m in state.scheduler.models())))
         return _json({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
-        check_key(request)
+        check_key(request, state.cfg)
         if model_id not in state.scheduler.models():
             raise NotFound(f"the model '{model_id}' does not exist (served: {state.scheduler.served()})", param="model")
         return _json(await model_card(model_id))
+
+
+def _sglang_routes(app: FastAPI, state: RouterState) -> None:
+    """SGLang router's ``GET /get_loads`` and ``GET /health_generate``."""
 
     @app.get("/get_loads")
     async def get_loads(request: Request) -> Response:
@@ -177,7 +200,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
         "successful", "failed"}``; ``load`` is the requests every router has in flight on the worker
         (the router line), ``running``/``waiting`` the engine's own counts from the slot.
         Guarded like ``/dplb/status``."""
-        check_observer(request)
+        check_observer(request, state.cfg)
         loads = [{"worker": w["endpoint"], "worker_id": w["id"], "load": w["router_inflight"] or 0,
                   "running": w["running"], "waiting": w["waiting"], "kv_cache_usage": w["kv_cache_usage"]}
                  for w in state.scheduler.status_rows()]
@@ -189,7 +212,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
         routes to (straight to its engine, not counted as traffic); 200 ``{"status": "ok",
         "workers": [...]}`` when at least one generated, 503 otherwise, per worker ``ok`` and
         ``status`` or ``error``. Needs the API key when one is set (it makes the engines work)."""
-        check_key(request)
+        check_key(request, state.cfg)
 
         async def one(h: Any) -> dict[str, Any]:
             body = orjson.dumps({"model": h.model or "default", "prompt": "ping", "max_tokens": 1})
@@ -209,16 +232,21 @@ def build_fastapi(state: RouterState) -> FastAPI:
         return _json({"status": "ok" if good else "unavailable", "workers": results},
                      200 if good else 503, None if good else {"retry-after": "1"})
 
+
+def _dplb_routes(app: FastAPI, state: RouterState) -> None:
+    """``GET /dplb/status``, ``POST /dplb/route``, ``GET /metrics``, the engines' pages
+    (``/dplb/workers/{id}/metrics``) and the Prometheus targets."""
+
     @app.get("/dplb/status")
     async def status(request: Request) -> Response:
-        check_observer(request)
+        check_observer(request, state.cfg)
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
                       "pid": os.getpid(), "workers": state.scheduler.status_rows(),
                       "models": state.scheduler.model_rows()})
 
     @app.post("/dplb/route")
     async def route(request: Request) -> Response:
-        check_key(request)
+        check_key(request, state.cfg)
         body = await request.body()
         path = request.query_params.get("path", "/v1/chat/completions")
         try:
@@ -235,7 +263,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        check_observer(request)
+        check_observer(request, state.cfg)
         body, ctype = state.metrics.render()
         return Response(body, media_type=ctype)
 
@@ -243,7 +271,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
     async def worker_metrics(wid: int, request: Request) -> Response:
         """The engine's own Prometheus page of worker ``wid`` (read from the engine at the slot's
         endpoint, one hop), so a Prometheus server that reaches the router scrapes every engine."""
-        check_observer(request)
+        check_observer(request, state.cfg)
         h = state.registry.handles.get(wid)
         if h is None:
             raise NotFound(f"no worker with id {wid}", param="id")
@@ -261,12 +289,9 @@ def build_fastapi(state: RouterState) -> FastAPI:
         """Prometheus HTTP service discovery (``http_sd_configs``): one target per listed worker,
         scraped at ``/dplb/workers/<id>/metrics`` on this router (the address the request came
         to), labelled ``worker`` and ``model``."""
-        check_observer(request)
+        check_observer(request, state.cfg)
         host = request.headers.get("host") or f"{state.cfg.router.host}:{state.cfg.router.port}"
         groups = [{"targets": [host], "labels": {"__metrics_path__": f"/dplb/workers/{wid}/metrics",
                                                  "worker": str(wid), "model": h.model or ""}}
                   for wid, h in sorted(state.registry.handles.items())]
         return _json(groups)
-
-    app.include_router(admin_router(state))
-    return app
