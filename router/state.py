@@ -14,8 +14,9 @@ import fcntl
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dplb_shm import ScoringParams, TtftParams
 from router.accounting import LearnSettings
 from router.admin_store import AdminStore
 from router.config import Config
@@ -29,10 +30,13 @@ from router.scheduling import Scheduler
 from router.transport import Transport
 from router.workers import Registry
 
+if TYPE_CHECKING:
+    from dplb_shm import Segment
+
 log = logging.getLogger("dplb.router")
 
 
-def attach_segment(name: str, wait_s: float = 10.0) -> Any:
+def attach_segment(name: str, wait_s: float = 10.0) -> Segment:
     """Attach to segment ``name``, waiting up to ``wait_s`` for it to be created.
 
     Raises ``dplb_shm.SegmentError`` (not found after the wait, or layout mismatch)."""
@@ -61,10 +65,8 @@ def remove_state_dir(path: str) -> None:
         os.rmdir(path)
 
 
-def ttft_params(cfg: Config) -> Any:
+def ttft_params(cfg: Config) -> TtftParams:
     """The estimated-TTFT kernel's parameters (``dplb_shm.TtftParams``) from the config."""
-    from dplb_shm import TtftParams
-
     rp = cfg.routing_policy
     return TtftParams(prefill_rate=rp.prefill_tokens_per_s, waiting_tokens=float(rp.waiting_tokens),
                       step_tokens=float(rp.step_tokens),
@@ -74,10 +76,8 @@ def ttft_params(cfg: Config) -> Any:
                       heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms))
 
 
-def scoring_params(cfg: Config) -> Any:
+def scoring_params(cfg: Config) -> ScoringParams:
     """The weighted kernel's parameters (``dplb_shm.ScoringParams``) from the config."""
-    from dplb_shm import ScoringParams
-
     rp = cfg.routing_policy
     return ScoringParams(w_pending=rp.w_pending, w_kv=rp.w_kv, w_latency=rp.w_latency,
                          w_length=rp.w_length if rp.enable_length_compatibility else 0.0,
