@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from router.answers import send_error
 from router.config import Config, config_from_json
 from router.control import build_fastapi
-from router.errors import HeadersTooLarge, NoEligibleWorker, error_body
+from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
 from router.server import check_headers
 from router.state import RouterState
 
@@ -79,19 +79,10 @@ class DPLBApp:
                 if proxy is not None:
                     await proxy(scope, receive, send)
                     return
-                e = NoEligibleWorker("router is starting", reason="starting")
-                await send({"type": "http.response.start", "status": e.status,
-                            "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                                        (b"x-dplb-worker-id", b"none")]})
-                await send({"type": "http.response.body", "body": e.body()})
+                await send_error(send, NoEligibleWorker("router is starting", reason="starting"))
                 return
         elif scope["type"] == "http" and scope["path"] in POST_ONLY:
-            body = error_body(f"method {scope['method']} not allowed on {scope['path']}; use POST",
-                              "invalid_request_error", 405)
-            await send({"type": "http.response.start", "status": 405,
-                        "headers": [(b"content-type", b"application/json"), (b"allow", b"POST"),
-                                    (b"content-length", str(len(body)).encode()), (b"x-dplb-worker-id", b"none")]})
-            await send({"type": "http.response.body", "body": body})
+            await send_error(send, MethodNotAllowed(scope["method"], scope["path"]))
             return
         if scope["type"] != "http":
             await self.fastapi(scope, receive, send)
