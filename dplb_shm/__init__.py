@@ -6,11 +6,16 @@ lock-free and pick a worker with the native kernel. Layout: ``csrc/dplb_shm.h``;
 ``csrc/dplb_kernel.h``; pure-Python reference: :mod:`dplb_shm.reference`.
 
 The extension is required: a missing or stale build raises :class:`NativeBuildError` (an
-ImportError) telling you to run ``make build``; there is no silent fallback to Python.
+ImportError) telling you to run ``make build``; there is no silent fallback to Python. It is
+loaded at the first use of one of its names (``Segment``, ``SlotWriter``, ``LAYOUT_VERSION``,
+``MAGIC``, ``now_ns``), not on ``import dplb_shm``: the pure-Python types (``WorkerState``,
+``WorkerSnapshot``, ``ScoringParams``, the errors...) import without a build.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from dplb_shm._sources import source_hash
 from dplb_shm.errors import (
@@ -36,32 +41,43 @@ from dplb_shm.types import (
     heartbeat_stale,
 )
 
-try:
-    from dplb_shm import _native
-except ImportError as e:  # pragma: no cover - depends on the build state
-    raise NativeBuildError(f"dplb_shm native extension is not built ({e}); run `make build` "
-                           "(or `.venv/bin/python setup.py build_ext --inplace`) in the source tree") from e
-
-
-def _check_build() -> None:
-    csrc = Path(__file__).resolve().parent.parent / "csrc"
-    if not csrc.is_dir():
-        return  # installed without sources: nothing to compare against
-    on_disk = source_hash(csrc)
-    if on_disk is not None and on_disk != _native.SOURCE_SHA256:
-        raise NativeBuildError(
-            f"dplb_shm native extension is stale: built from sources {_native.SOURCE_SHA256[:12]}, "
-            f"csrc/ on disk is {on_disk[:12]}; run `make build`")
-
-
-_check_build()
-
-Segment = _native.Segment
-SlotWriter = _native.SlotWriter
-LAYOUT_VERSION: int = _native.LAYOUT_VERSION
-MAGIC: int = _native.MAGIC
 DEFAULT_NUM_SLOTS = 64
-now_ns = _native.now_ns
+#: the names that come from the native extension, loaded (and checked) at the first use of one
+_NATIVE_NAMES = frozenset({"Segment", "SlotWriter", "LAYOUT_VERSION", "MAGIC", "now_ns"})
+
+if TYPE_CHECKING:
+    from dplb_shm._native import LAYOUT_VERSION, MAGIC, Segment, SlotWriter, now_ns
+else:
+    def __getattr__(name: str) -> object:
+        """The native extension's names (:data:`_NATIVE_NAMES`), loaded at the first use of one
+        (PEP 562), so ``from dplb_shm import WorkerState`` needs no build. Raises
+        :class:`NativeBuildError` when the extension is missing or stale."""
+        if name not in _NATIVE_NAMES:
+            raise AttributeError(f"module 'dplb_shm' has no attribute {name!r}")
+        native = _load_native()
+        g = globals()
+        for n in _NATIVE_NAMES:
+            g[n] = getattr(native, n)
+        return g[name]
+
+
+def _load_native() -> ModuleType:
+    """Import ``dplb_shm._native`` and check it was built from the ``csrc/`` on disk.
+
+    Raises :class:`NativeBuildError`: not built, or built from other sources (run ``make build``)."""
+    try:
+        from dplb_shm import _native
+    except ImportError as e:  # pragma: no cover - depends on the build state
+        raise NativeBuildError(f"dplb_shm native extension is not built ({e}); run `make build` "
+                               "(or `.venv/bin/python setup.py build_ext --inplace`) in the source tree") from e
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    if csrc.is_dir():   # installed without sources: nothing to compare against
+        on_disk = source_hash(csrc)
+        if on_disk is not None and on_disk != _native.SOURCE_SHA256:
+            raise NativeBuildError(
+                f"dplb_shm native extension is stale: built from sources {_native.SOURCE_SHA256[:12]}, "
+                f"csrc/ on disk is {on_disk[:12]}; run `make build`")
+    return _native
 
 
 def default_name(port: int = 30000) -> str:

@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 async def _run(args: argparse.Namespace, cfg: object, kube: object = None) -> int:
     from dplb_shm import Segment
     from epp.server import Picker, serve
-    from router.app import remove_state_dir
     from router.config import Config
+    from router.state import remove_state_dir
 
     assert isinstance(cfg, Config)
     seg = None

@@ -33,7 +33,7 @@ Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol
 ``content-type: application/json`` and ``x-dplb-worker-id: none``. Workers whose engine listens
 on a Unix socket cannot be Envoy ``ORIGINAL_DST`` targets and are left out (logged once).
 
-The picker (:class:`Picker`) is the router's own :class:`router.app.RouterState` (scheduler,
+The picker (:class:`Picker`) is the router's own :class:`router.state.RouterState` (scheduler,
 policies and native kernel, registry, breaker, health monitor with probes, accounting on the
 segment's router lines and the process ledger, metrics) without its HTTP server; endpoints from a
 file are scraped into slots by :class:`epp.discovery.ScrapeManager`.
@@ -61,12 +61,12 @@ from grpc_health.v1.health import aio as health_aio
 
 from epp.discovery import EndpointsFile, ScrapeManager
 from epp.envoy import HEADER, NAMESPACE
-from router.app import RouterState
 from router.config import Config
 from router.errors import BodyTooLarge, NoEligibleWorker
 from router.protocol import BadRequest, OpenAIError
 from router.proxy import ROUTES
 from router.scheduling import Lease
+from router.state import RouterState
 from router.stream_meter import (
     StreamMeter,
     is_event_stream,
@@ -393,7 +393,7 @@ class Exchange:
     def close(self) -> None:
         """The stream ended: a lease still open is released, complete when the stream had its
         whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
-        connection there, before the engine's terminating chunk, as :func:`router.proxy.delivered`
+        connection there, before the engine's terminating chunk, as :func:`router.relay.delivered`
         counts it), else without a verdict (status 499)."""
         self._end(self.meter is not None and self.meter.ended_with_done())
 

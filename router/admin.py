@@ -54,19 +54,16 @@ removes it, and a restarted router starts from its config.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
-import os
 import socket
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from router.config import BackendServer
+from dplb_shm import StateReason, WorkerSnapshot
+from router.config import BackendServer, Config
 from router.errors import (
     BadRequest,
     Conflict,
@@ -79,6 +76,12 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
+from router.state import RouterState
+from router.transport import Transport
+from router.workers import DEAD, EMPTY, WorkerHandle
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 #: headers that reverse proxies add; their presence means the socket address is the proxy's
@@ -92,18 +95,19 @@ RESOLVE_TIMEOUT_S = 5.0
 AGENT_START_S = 3
 
 
-def _agent_restart_wait(seg: Any, wid: int, snap: Any) -> int | None:
+def _agent_restart_wait(seg: Segment, wid: int, snap: WorkerSnapshot | None) -> int | None:
     """Seconds until worker ``wid``'s new agent should answer when the launcher is restarting a dead
     one (its slot DEAD with reason ``agent_exited``, read now; ``snap`` when the read fails), else None."""
-    from dplb_shm import StateReason, WorkerState, now_ns
+    from dplb_shm import now_ns
 
+    s: WorkerSnapshot | None
     try:
         s = seg.read_slot(wid)
     except Exception:  # noqa: BLE001 - a closed or foreign segment: the last synced snapshot
         s = snap
-    if s is None or int(s.state) != WorkerState.DEAD or int(s.state_reason) != StateReason.AGENT_EXITED:
+    if s is None or int(s.state) != DEAD or s.state_reason != StateReason.AGENT_EXITED:
         return None
-    left = (int(s.next_restart_ns) - now_ns()) / 1e9 if int(s.next_restart_ns) else 0.0
+    left = (s.next_restart_ns - now_ns()) / 1e9 if s.next_restart_ns else 0.0
     return max(1, int(left + 0.999) + AGENT_START_S)
 
 
@@ -112,93 +116,13 @@ def _agent_restart_wait(seg: Any, wid: int, snap: Any) -> int | None:
 MIRROR_WAIT_S = 10.0
 
 
-class AdminStore:
-    """The shared admin state: drained ids, removed (local) ids, mirrors added at run time
-    (endpoint → spec), configured mirrors removed at run time (``unmirrored``), and ``version``,
-    bumped by every change (module docstring)."""
-
-    def __init__(self, state_dir: str) -> None:
-        self.path = os.path.join(state_dir, "admin.json")
-        self.lock_path = os.path.join(state_dir, "admin.lock")
-        self.state_dir = state_dir
-        self.version = 0
-        self.drained: set[int] = set()
-        self.removed: set[int] = set()
-        self.mirrors: dict[str, dict[str, Any]] = {}
-        self.unmirrored: set[str] = set()
-        self._stamp: tuple[int, int, int] | None = None
-
-    def _dump(self) -> bytes:
-        return orjson.dumps({"version": self.version, "drained": sorted(self.drained), "removed": sorted(self.removed),
-                             "mirrors": self.mirrors, "unmirrored": sorted(self.unmirrored)},
-                            option=orjson.OPT_SORT_KEYS)
-
-    @staticmethod
-    def _stat_stamp(st: os.stat_result) -> tuple[int, int, int]:
-        # every save is a rename of a new file: a new inode, whatever the mtime granularity
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def save(self) -> None:
-        """Write the state atomically (tmp file + rename); callers hold the lock (:meth:`edit`)."""
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._dump())
-        os.replace(tmp, self.path)
-        self._stamp = self._stat_stamp(os.stat(self.path))
-
-    def _load(self) -> bool:
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                d = orjson.loads(f.read())
-        except (OSError, orjson.JSONDecodeError):
-            return False
-        self._stamp = self._stat_stamp(st)
-        self.version = int(d.get("version", 0))
-        self.drained = set(d.get("drained", []))
-        self.removed = set(d.get("removed", []))
-        self.mirrors = dict(d.get("mirrors", {}))
-        self.unmirrored = set(d.get("unmirrored", []))
-        return True
-
-    def reload_if_changed(self) -> bool:
-        """Re-read the file when another process changed it; True when something was loaded."""
-        try:
-            stamp = self._stat_stamp(os.stat(self.path))
-        except FileNotFoundError:
-            return False
-        if stamp == self._stamp:
-            return False
-        return self._load()
-
-    @contextlib.contextmanager
-    def edit(self) -> Iterator[AdminStore]:
-        """Read-modify-write of the shared state: holds the exclusive lock, re-reads the file,
-        yields the store; when the body changed something, bumps ``version`` and saves before the
-        lock is dropped. A body that raises saves nothing (it must raise before changing). The
-        body must not await: the lock blocks every other router process's admin calls."""
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self._load()
-            before = self._dump()
-            yield self
-            if self._dump() != before:
-                self.version += 1
-                self.save()
-        finally:
-            os.close(fd)
-
-
 def forwarded(request: Request) -> bool:
     """True when the request carries a header a proxy adds (it came through one)."""
     h = request.headers
     return any(k in h for k in FORWARDING_HEADERS)
 
 
-def check_admin(request: Request, cfg: Any) -> None:
+def check_admin(request: Request, cfg: Config) -> None:
     """Raise Forbidden (non-loopback client while loopback-only; a proxied request without a
     configured token) or Unauthorized (missing or wrong token)."""
     client = request.client.host if request.client else ""
@@ -244,9 +168,17 @@ def _json(obj: Any, status: int = 200) -> Response:
                     headers={"x-dplb-worker-id": "none"})
 
 
-def admin_router(state: Any) -> APIRouter:
-    """FastAPI routes of the admin API bound to the :class:`router.app.RouterState` ``state``."""
+def admin_router(state: RouterState) -> APIRouter:
+    """FastAPI routes of the admin API bound to the :class:`router.state.RouterState` ``state``."""
     r = APIRouter()
+    _worker_routes(r, state)
+    _sglang_routes(r, state)
+    _lifecycle_routes(r, state)
+    return r
+
+
+def _worker_routes(r: APIRouter, state: RouterState) -> None:
+    """``GET``/``POST /dplb/workers`` and ``DELETE /dplb/workers/{id}``."""
 
     @r.get("/dplb/workers")
     async def list_workers(request: Request) -> Response:
@@ -260,129 +192,16 @@ def admin_router(state: Any) -> APIRouter:
             d = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             raise BadRequest("body must be JSON: {\"endpoint\": \"host:port\", \"weight\": 1.0}") from None
-        return await _add(d)
-
-    async def _add(d: Any) -> Response:
-        """``POST /dplb/workers`` with the parsed body ``d`` (the module docstring's answers)."""
-        if not isinstance(d, dict):
-            raise BadRequest("body must be a JSON object")
-        try:
-            spec = BackendServer.model_validate(d)
-        except ValidationError as e:
-            # one line per field, without pydantic's title line and documentation links
-            errs = e.errors()
-            field = ".".join(str(x) for x in errs[0]["loc"]) if errs else "endpoint"
-            msg = errs[0]["msg"] if errs else str(e)
-            raise BadRequest(f"invalid worker: {field}: {msg}", param=field or "endpoint") from None
-        if not spec.endpoint:
-            raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
-        ep = spec.endpoint
-        await check_resolves(ep)     # before any change: a name that does not resolve is a 400
-        mirrors = state.mirrors
-        configured = {b.endpoint for b in state.cfg.backend_servers}
-        # one synchronous section (no await) from the read of the state to its change: in this
-        # process nothing else runs in between, across processes the store's lock serializes
-        with state.admin.edit() as store:
-            wanted = ep in store.mirrors or (ep in configured and ep not in store.unmirrored)
-            owner = mirrors.owner_pid()
-            local = None if wanted else next(
-                (s for s in state.seg.snapshot()
-                 if int(s.state) != 0 and ep in (s.endpoint, s.control) and not mirrors.is_mirror_slot(s, owner)),
-                None)
-            if local is not None:
-                # a local worker that was removed earlier comes back by naming its agent's (or engine's) socket again
-                if local.worker_id not in store.removed:
-                    raise Conflict(f"{ep} is worker {local.worker_id}'s address (a local agent, not removed)",
-                                   param="endpoint")
-                store.removed.discard(local.worker_id)
-            elif not wanted:
-                store.unmirrored.discard(ep)
-                if ep not in configured:
-                    store.mirrors[ep] = {"weight": spec.weight, "model": spec.model}
-        version = state.admin.version    # bumped by the edit's save, when it changed something
-        state.apply_admin()
-        if local is not None:
-            state.monitor.sync()
-            return _json({"worker_id": local.worker_id, "endpoint": ep, "restored": True})
-        if mirrors.leader():
-            mirrors.reconcile()
-            errors = mirrors.errors
-        else:
-            rec = await mirrors.wait_applied(version, MIRROR_WAIT_S)
-            if rec is None:
-                return _json({"worker_id": None, "endpoint": ep, "mirrored": True, "pending": True}, 202)
-            errors = rec.get("errors", {})
-        slot = mirrors.slot_of(ep)
-        if slot is None:
-            if ep in errors:
-                why = errors[ep]
-                if not wanted:               # a 503 changes nothing: not mirrored later when a slot frees
-                    with state.admin.edit() as store:
-                        store.mirrors.pop(ep, None)
-                        if ep in configured:
-                            store.unmirrored.add(ep)
-                    state.apply_admin()
-                    if mirrors.leader():
-                        mirrors.reconcile()
-                raise NoFreeSlot(f"cannot mirror {ep}: {why}")
-            raise Conflict(f"{ep} was removed by a concurrent call before it got a slot", param="endpoint")
-        await mirrors.refresh_one(ep)    # its state in its slot before we answer (leader only: no-op else)
-        state.monitor.sync()
-        return _json({"worker_id": slot, "endpoint": ep, "mirrored": True, "created": not wanted},
-                     200 if wanted else 201)
-
-    def _known(wid: int) -> Any:
-        h = state.registry.handles.get(wid)
-        if h is None and wid not in state.admin.removed:
-            raise NotFound(f"no worker with id {wid}", param="id")
-        return h
+        return await _add(state, d)
 
     @r.delete("/dplb/workers/{wid}")
     async def remove_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
-        return await _remove(wid)
+        return await _remove(state, wid)
 
-    async def _remove(wid: int) -> Response:
-        """``DELETE /dplb/workers/{wid}`` (the module docstring's answers)."""
-        if not 0 <= wid < state.seg.num_slots:
-            raise NotFound(f"no worker with id {wid}", param="id")
-        mirrors = state.mirrors
-        configured = {b.endpoint for b in state.cfg.backend_servers}
-        with state.admin.edit() as store:
-            snap = state.seg.read_slot(wid)
-            if int(snap.state) == 0:
-                raise NotFound(f"no worker with id {wid}", param="id")
-            mirror = mirrors.is_mirror_slot(snap, mirrors.owner_pid())
-            if mirror:
-                ep = snap.control
-                if ep not in store.mirrors and (ep not in configured or ep in store.unmirrored):
-                    raise NotFound(f"worker {wid} (remote, {ep}) was already removed", param="id")
-                store.mirrors.pop(ep, None)
-                if ep in configured:
-                    store.unmirrored.add(ep)
-            else:
-                if wid in store.removed:
-                    raise NotFound(f"worker {wid} was already removed", param="id")
-                store.removed.add(wid)
-            store.drained.discard(wid)
-        version = state.admin.version
-        state.apply_admin()
-        if mirror:
-            if mirrors.leader():
-                mirrors.reconcile()          # its slot is EMPTY from here on
-            elif await mirrors.wait_applied(version, MIRROR_WAIT_S) is None:
-                return _json({"worker_id": wid, "removed": True, "released": False}, 202)
-        state.monitor.sync()
-        return _json({"worker_id": wid, "removed": True})
 
-    # ---- SGLang router's names for the same calls (sgl-router src/server.rs: admin routes) ----
-
-    def _url_of(row: dict[str, Any]) -> str:
-        """A worker's address as ``/list_workers`` lists it and ``/remove_worker?url=`` takes it:
-        a remote worker's agent ``http://host:port``, a local one's engine socket path."""
-        if row.get("remote"):
-            return f"http://{row['control']}"
-        return str(row["endpoint"])
+def _sglang_routes(r: APIRouter, state: RouterState) -> None:
+    """SGLang router's names for the same calls (sgl-router src/server.rs: admin routes)."""
 
     @r.post("/add_worker")
     async def sglang_add_worker(request: Request, url: str = "") -> Response:
@@ -392,7 +211,7 @@ def admin_router(state: Any) -> APIRouter:
         check_admin(request, state.cfg)
         if not url:
             raise BadRequest("give the worker as ?url=http://host:port (its agent's control address)", param="url")
-        resp = await _add({"endpoint": url})
+        resp = await _add(state, {"endpoint": url})
         if resp.status_code in (200, 201):
             d = orjson.loads(bytes(resp.body))
             d["message"] = f"Successfully added worker: {url}"
@@ -413,7 +232,7 @@ def admin_router(state: Any) -> APIRouter:
         wid = next((w["id"] for w in rows if ep in (w["endpoint"], w["control"])), None)
         if wid is None:
             raise NotFound(f"no worker at {url} (GET /list_workers lists them)", param="url")
-        resp = await _remove(int(wid))
+        resp = await _remove(state, int(wid))
         if resp.status_code in (200, 202):
             d = orjson.loads(bytes(resp.body))
             d["message"] = f"Successfully removed worker: {url}"
@@ -440,23 +259,8 @@ def admin_router(state: Any) -> APIRouter:
         ``url``, ``ok``, ``status``/``error``, ``path``); 200 when every engine flushed, 502 else."""
         check_admin(request, state.cfg)
 
-        async def one(h: Any) -> dict[str, Any]:
-            out: dict[str, Any] = {"id": h.worker_id, "url": h.endpoint}
-            for path in ("/flush_cache", "/reset_prefix_cache"):
-                try:
-                    status, body = await state.transport.get(h.endpoint, path, FLUSH_TIMEOUT_S, method="POST")
-                except TransportError as e:
-                    return {**out, "ok": False, "error": f"{e.kind}: {e}", "path": path}
-                if status != 404:
-                    ok = status < 300
-                    return {**out, "ok": ok, "status": status, "path": path,
-                            **({} if ok else {"error": f"the engine answered {status}: "
-                                                       f"{body[:200].decode('utf-8', 'replace')}"})}
-            return {**out, "ok": False, "status": 404, "path": "/reset_prefix_cache",
-                    "error": "the engine has neither POST /flush_cache nor POST /reset_prefix_cache"}
-
         handles = [h for _, h in sorted(state.registry.handles.items())]
-        results = list(await asyncio.gather(*(one(h) for h in handles)))
+        results = list(await asyncio.gather(*(_flush_one(state.transport, h) for h in handles)))
         ok = [x["url"] for x in results if x["ok"]]
         failed = [[x["url"], x.get("error", "")] for x in results if not x["ok"]]
         msg = (f"Successfully flushed cache on all {len(ok)} worker(s)" if not failed else
@@ -464,6 +268,10 @@ def admin_router(state: Any) -> APIRouter:
         return _json({"successful": ok, "failed": failed, "total_workers": len(results),
                       "http_workers": len(results), "message": msg, "workers": results},
                      200 if not failed else 502)
+
+
+def _lifecycle_routes(r: APIRouter, state: RouterState) -> None:
+    """``POST /dplb/workers/{id}/restart``, ``/drain`` and ``/undrain``."""
 
     @r.post("/dplb/workers/{wid}/restart")
     async def restart_worker(wid: int, request: Request) -> Response:
@@ -503,7 +311,7 @@ def admin_router(state: Any) -> APIRouter:
     @r.post("/dplb/workers/{wid}/drain")
     async def drain_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
-        _known(wid)
+        _known(state, wid)
         with state.admin.edit() as store:
             store.drained.add(wid)
         state.apply_admin()
@@ -512,10 +320,146 @@ def admin_router(state: Any) -> APIRouter:
     @r.post("/dplb/workers/{wid}/undrain")
     async def undrain_worker(wid: int, request: Request) -> Response:
         check_admin(request, state.cfg)
-        _known(wid)
+        _known(state, wid)
         with state.admin.edit() as store:
             store.drained.discard(wid)
         state.apply_admin()
         return _json({"worker_id": wid, "draining": False})
 
-    return r
+
+async def _add(state: RouterState, d: Any) -> Response:
+    """``POST /dplb/workers`` with the parsed body ``d`` (the module docstring's answers)."""
+    if not isinstance(d, dict):
+        raise BadRequest("body must be a JSON object")
+    try:
+        spec = BackendServer.model_validate(d)
+    except ValidationError as e:
+        # one line per field, without pydantic's title line and documentation links
+        errs = e.errors()
+        field = ".".join(str(x) for x in errs[0]["loc"]) if errs else "endpoint"
+        msg = errs[0]["msg"] if errs else str(e)
+        raise BadRequest(f"invalid worker: {field}: {msg}", param=field or "endpoint") from None
+    if not spec.endpoint:
+        raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
+    ep = spec.endpoint
+    await check_resolves(ep)     # before any change: a name that does not resolve is a 400
+    mirrors = state.mirrors
+    configured = {b.endpoint for b in state.cfg.backend_servers}
+    # one synchronous section (no await) from the read of the state to its change: in this
+    # process nothing else runs in between, across processes the store's lock serializes
+    with state.admin.edit() as store:
+        wanted = ep in store.mirrors or (ep in configured and ep not in store.unmirrored)
+        owner = mirrors.owner_pid()
+        local = None if wanted else next(
+            (s for s in state.seg.snapshot()
+             if int(s.state) != EMPTY and ep in (s.endpoint, s.control) and not mirrors.is_mirror_slot(s, owner)),
+            None)
+        if local is not None:
+            # a local worker that was removed earlier comes back by naming its agent's (or engine's) socket again
+            if local.worker_id not in store.removed:
+                raise Conflict(f"{ep} is worker {local.worker_id}'s address (a local agent, not removed)",
+                               param="endpoint")
+            store.removed.discard(local.worker_id)
+        elif not wanted:
+            store.unmirrored.discard(ep)
+            if ep not in configured:
+                store.mirrors[ep] = {"weight": spec.weight, "model": spec.model}
+    version = state.admin.version    # bumped by the edit's save, when it changed something
+    state.apply_admin()
+    if local is not None:
+        state.monitor.sync()
+        return _json({"worker_id": local.worker_id, "endpoint": ep, "restored": True})
+    if mirrors.leader():
+        mirrors.reconcile()
+        errors = mirrors.errors
+    else:
+        rec = await mirrors.wait_applied(version, MIRROR_WAIT_S)
+        if rec is None:
+            return _json({"worker_id": None, "endpoint": ep, "mirrored": True, "pending": True}, 202)
+        errors = rec.get("errors", {})
+    slot = mirrors.slot_of(ep)
+    if slot is None:
+        if ep in errors:
+            why = errors[ep]
+            if not wanted:               # a 503 changes nothing: not mirrored later when a slot frees
+                with state.admin.edit() as store:
+                    store.mirrors.pop(ep, None)
+                    if ep in configured:
+                        store.unmirrored.add(ep)
+                state.apply_admin()
+                if mirrors.leader():
+                    mirrors.reconcile()
+            raise NoFreeSlot(f"cannot mirror {ep}: {why}")
+        raise Conflict(f"{ep} was removed by a concurrent call before it got a slot", param="endpoint")
+    await mirrors.refresh_one(ep)    # its state in its slot before we answer (leader only: no-op else)
+    state.monitor.sync()
+    return _json({"worker_id": slot, "endpoint": ep, "mirrored": True, "created": not wanted},
+                 200 if wanted else 201)
+
+
+def _known(state: RouterState, wid: int) -> WorkerHandle | None:
+    """Worker ``wid``'s handle (None: a local worker removed by an admin); NotFound when unknown."""
+    h = state.registry.handles.get(wid)
+    if h is None and wid not in state.admin.removed:
+        raise NotFound(f"no worker with id {wid}", param="id")
+    return h
+
+
+async def _remove(state: RouterState, wid: int) -> Response:
+    """``DELETE /dplb/workers/{wid}`` (the module docstring's answers)."""
+    if not 0 <= wid < state.seg.num_slots:
+        raise NotFound(f"no worker with id {wid}", param="id")
+    mirrors = state.mirrors
+    configured = {b.endpoint for b in state.cfg.backend_servers}
+    with state.admin.edit() as store:
+        snap = state.seg.read_slot(wid)
+        if int(snap.state) == EMPTY:
+            raise NotFound(f"no worker with id {wid}", param="id")
+        mirror = mirrors.is_mirror_slot(snap, mirrors.owner_pid())
+        if mirror:
+            ep = snap.control
+            if ep not in store.mirrors and (ep not in configured or ep in store.unmirrored):
+                raise NotFound(f"worker {wid} (remote, {ep}) was already removed", param="id")
+            store.mirrors.pop(ep, None)
+            if ep in configured:
+                store.unmirrored.add(ep)
+        else:
+            if wid in store.removed:
+                raise NotFound(f"worker {wid} was already removed", param="id")
+            store.removed.add(wid)
+        store.drained.discard(wid)
+    version = state.admin.version
+    state.apply_admin()
+    if mirror:
+        if mirrors.leader():
+            mirrors.reconcile()          # its slot is EMPTY from here on
+        elif await mirrors.wait_applied(version, MIRROR_WAIT_S) is None:
+            return _json({"worker_id": wid, "removed": True, "released": False}, 202)
+    state.monitor.sync()
+    return _json({"worker_id": wid, "removed": True})
+
+
+def _url_of(row: dict[str, Any]) -> str:
+    """A worker's address as ``/list_workers`` lists it and ``/remove_worker?url=`` takes it:
+    a remote worker's agent ``http://host:port``, a local one's engine socket path."""
+    if row.get("remote"):
+        return f"http://{row['control']}"
+    return str(row["endpoint"])
+
+
+async def _flush_one(transport: Transport, h: WorkerHandle) -> dict[str, Any]:
+    """``POST /flush_cache``'s row of worker ``h``: its engine's ``/flush_cache``, else (404)
+    ``/reset_prefix_cache``."""
+    out: dict[str, Any] = {"id": h.worker_id, "url": h.endpoint}
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        try:
+            status, body = await transport.get(h.endpoint, path, FLUSH_TIMEOUT_S, method="POST")
+        except TransportError as e:
+            return {**out, "ok": False, "error": f"{e.kind}: {e}", "path": path}
+        if status != 404:
+            ok = status < 300
+            return {**out, "ok": ok, "status": status, "path": path,
+                    **({} if ok else {"error": f"the engine answered {status}: "
+                                               f"{body[:200].decode('utf-8', 'replace')}"})}
+    return {**out, "ok": False, "status": 404, "path": "/reset_prefix_cache",
+            "error": "the engine has neither POST /flush_cache nor POST /reset_prefix_cache"}

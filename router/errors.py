@@ -7,6 +7,7 @@ Tree (HTTP status in brackets; rendered only at the edge, by :func:`router.proto
     ├── Unauthorized        [401]       missing/wrong API key or admin token
     ├── Forbidden           [403]       admin call from a non-loopback client
     ├── NotFound            [404]       unknown model, unknown (or already removed) worker id, unknown path
+    ├── MethodNotAllowed    [405]       a proxied path asked with another method than POST (Allow: POST)
     ├── Conflict            [409]       admin add of an address another worker (a local agent) holds, or
     │                                   that a concurrent remove undid before it got a slot
     ├── BodyTooLarge        [413]       request body above ``max_body_bytes``
@@ -50,6 +51,16 @@ class NotFound(RouterError):
 
     status = 404
     type = "not_found_error"
+
+
+class MethodNotAllowed(RouterError):
+    """A method other than ``POST`` on a path only ``POST`` serves (405 + ``Allow: POST``)."""
+
+    status = 405
+    type = "invalid_request_error"
+
+    def __init__(self, method: str, path: str, **kw: Any) -> None:
+        super().__init__(f"method {method} not allowed on {path}; use POST", headers={"allow": "POST"}, **kw)
 
 
 class Conflict(RouterError):

@@ -67,8 +67,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -78,6 +78,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from dplb_shm import WorkerSnapshot
+from router.workers import EMPTY, STATE_NAMES, Registry, WorkerHandle
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 log = logging.getLogger("dplb.router.metrics")
 
@@ -99,22 +105,115 @@ def build_version() -> str:
         return "unknown"
 
 
+#: the slot's verdict for a worker (:meth:`router.scheduling.Scheduler.routing_state`: ``eligible``
+#: or why not), given its handle and a fresh read of its slot
+Verdict = Callable[[WorkerHandle, WorkerSnapshot | None], str]
+
+#: the per-worker families, by key: (name, help, counter?); labels worker, model unless listed in
+#: :data:`_EXTRA_LABELS`
+_WORKER_FAMILIES: dict[str, tuple[str, str, bool]] = {
+    "info": ("dplb_worker_info", "1 per listed worker; its GPUs, endpoint and whether it is a remote mirror", False),
+    "state": ("dplb_worker_state", "1 for the state the worker's slot is in (starting, ready, draining, dead)", False),
+    "ready": ("dplb_worker_ready", "1 when this router sends requests to the worker (eligible for routing)", False),
+    "hb": ("dplb_worker_heartbeat_age_seconds", "Age of the agent's last heartbeat in the segment", False),
+    "running": ("dplb_worker_requests_running", "Requests in the engine's running batch (engine /metrics)", False),
+    "waiting": ("dplb_worker_requests_waiting", "Requests queued in the engine, not yet scheduled (engine /metrics)",
+                False),
+    "inflight": ("dplb_worker_requests_in_flight",
+                 "Requests dispatched to the worker by all router processes and not yet answered", False),
+    "prefill": ("dplb_worker_prefill_outstanding_tokens",
+                "Uncached prompt tokens dispatched to the worker whose first token has not come back", False),
+    "decode": ("dplb_worker_decode_requests", "Requests on the worker past their first token (router accounting)",
+               False),
+    "kv": ("dplb_worker_kv_cache_usage_ratio", "KV-cache usage of the engine, 0..1 (absent while unknown)", False),
+    "ttft": ("dplb_worker_recent_ttft_seconds",
+             "Recent time to first token on the worker as the routers saw it (EWMA, dispatch to first content)", False),
+    "tpot": ("dplb_worker_recent_tpot_seconds", "Recent time per output token on the worker (routers' EWMA)", False),
+    "rate": ("dplb_worker_prefill_rate_tokens_per_second", "Prefill rate the routers learned for the worker", False),
+    "mem_used": ("dplb_worker_gpu_memory_used_bytes", "GPU memory used on the worker's GPUs (NVML; absent if unknown)",
+                 False),
+    "mem_total": ("dplb_worker_gpu_memory_total_bytes", "GPU memory of the worker's GPUs (NVML; absent if unknown)",
+                  False),
+    "circuit": ("dplb_worker_circuit_state", "Circuit breaker of the worker: 0 closed, 1 open, 2 half-open", False),
+    "restarts": ("dplb_worker_engine_restarts", "Engine restarts by the worker's agent since it claimed its slot", True),
+    "done": ("dplb_worker_requests_completed",
+             ("Request attempts on the worker that the routers saw answered (no 5xx, no connection error, no broken "
+             "stream), counted by every router process in the segment"), True),
+    "failed": ("dplb_worker_requests_failed",
+               ("Request attempts on the worker that failed (5xx, connection error, timeout, broken stream), counted "
+               "by every router process in the segment; a client that left counts in neither"), True),
+}
+_EXTRA_LABELS = {"info": ["gpus", "endpoint", "remote"], "state": ["state"]}
+
+
+def worker_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    """A fresh, empty family for every key of :data:`_WORKER_FAMILIES`, in its order."""
+    out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for key, (name, doc, counter) in _WORKER_FAMILIES.items():
+        labels = ["worker", "model", *_EXTRA_LABELS.get(key, [])]
+        out[key] = CounterMetricFamily(name, doc, labels=labels) if counter else GaugeMetricFamily(name, doc,
+                                                                                                  labels=labels)
+    return out
+
+
+def add_worker(f: dict[str, GaugeMetricFamily | CounterMetricFamily], h: WorkerHandle, s: WorkerSnapshot,
+               eligible: bool) -> None:
+    """Add worker ``h``'s samples, read from its slot ``s``, to the families ``f``
+    (:func:`worker_families`); the optional ones (KV use, the routers' EWMAs, the learned rate, GPU
+    memory) only when known."""
+    w, model = str(h.worker_id), str(s.model or h.model or "")
+    lv = [w, model]
+    st_name = STATE_NAMES.get(int(s.state), "unknown")
+    f["info"].add_metric([w, model, ",".join(str(x) for x in (s.gpu_ids or [])), str(s.endpoint or h.endpoint),
+                          "true" if h.mirror else "false"], 1.0)
+    for name in WORKER_STATES:
+        f["state"].add_metric([w, model, name], 1.0 if name == st_name else 0.0)
+    f["ready"].add_metric(lv, 1.0 if eligible else 0.0)
+    f["hb"].add_metric(lv, max(0.0, float(s.heartbeat_age_ms)) / 1e3)
+    f["running"].add_metric(lv, float(s.num_running))
+    f["waiting"].add_metric(lv, float(s.num_waiting))
+    f["inflight"].add_metric(lv, float(max(0, s.router_inflight)))
+    f["prefill"].add_metric(lv, float(max(0, s.prefill_tokens)))
+    f["decode"].add_metric(lv, float(max(0, s.decode_reqs)))
+    if 0.0 <= float(s.kv_cache_usage) <= 1.0:
+        f["kv"].add_metric(lv, float(s.kv_cache_usage))
+    if s.router_ttft_s > 0:
+        f["ttft"].add_metric(lv, float(s.router_ttft_s))
+    if s.router_tpot_s > 0:
+        f["tpot"].add_metric(lv, float(s.router_tpot_s))
+    if s.prefill_rate > 0:
+        f["rate"].add_metric(lv, float(s.prefill_rate))
+    if s.gpu_mem_total_bytes >= 0 and s.gpu_mem_used_bytes >= 0:
+        f["mem_used"].add_metric(lv, float(s.gpu_mem_used_bytes))
+        f["mem_total"].add_metric(lv, float(s.gpu_mem_total_bytes))
+    f["circuit"].add_metric(lv, float(int(s.circuit)))
+    f["restarts"].add_metric(lv, float(s.restarts))
+    f["done"].add_metric(lv, float(s.completed))
+    f["failed"].add_metric(lv, float(s.failed))
+
+
 class SegmentCollector:
     """Per-worker series read from the segment when ``/metrics`` is scraped (module docstring).
 
-    ``state``: the :class:`router.app.RouterState` (its ``registry``, ``seg`` and ``policy`` are
-    read at collect time; before the router started only ``dplb_build_info`` is reported)."""
+    Typed collaborators, handed in by the router's state when it starts (:meth:`Metrics.attach`):
+    ``registry`` (the listed workers' handles), ``seg`` (each slot is read afresh at collect time),
+    ``policy`` (the routing policy's name, a label of ``dplb_build_info``), ``verdict`` (the
+    scheduler's routing verdict: eligibility lives there) and ``see_worker`` (called with every
+    listed worker id, so the router's own per-worker series start at 0)."""
 
-    def __init__(self, state: Any) -> None:
-        self.state = state
+    def __init__(self, registry: Registry, seg: Segment, policy: str, verdict: Verdict,
+                 see_worker: Callable[[int], None]) -> None:
+        self.registry = registry
+        self.seg = seg
+        self.policy = policy
+        self.verdict = verdict
+        self.see_worker = see_worker
         self.version = build_version()
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the live workers; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        st = self.state
-        policy = getattr(getattr(st, "policy", None), "name", "") or ""
         try:
             from dplb_shm import LAYOUT_VERSION
 
@@ -123,100 +222,25 @@ class SegmentCollector:
             layout = "unknown"
         info = GaugeMetricFamily("dplb_build_info", "DPLB build: version, segment layout version, routing policy",
                                  labels=["version", "layout_version", "policy", "python"])
-        info.add_metric([self.version, layout, policy, platform.python_version()], 1.0)
+        info.add_metric([self.version, layout, self.policy, platform.python_version()], 1.0)
         yield info
-        reg = getattr(st, "registry", None)
-        seg = getattr(st, "seg", None)
-        if reg is None or seg is None:
-            return
-        m = getattr(st, "metrics", None)
-        if m is not None:
-            for wid in list(reg.handles):
-                m.see_worker(wid)
-        sched = getattr(st, "scheduler", None)
-        yield from self._workers(reg, seg, sched.routing_state if sched is not None else None)
-
-    def _workers(self, reg: Any, seg: Any, verdict: Any = None) -> Iterator[Metric]:
-        """``verdict(handle, snap)``: the scheduler's routing verdict (eligibility lives there)."""
-        L = ["worker", "model"]
-
-        def g(name: str, doc: str, labels: list[str] = L) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=labels)
-
-        def c(name: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, labels=L)
-
-        winfo = g("dplb_worker_info", "1 per listed worker; its GPUs, endpoint and whether it is a remote mirror",
-                  ["worker", "model", "gpus", "endpoint", "remote"])
-        state = g("dplb_worker_state", "1 for the state the worker's slot is in (starting, ready, draining, dead)",
-                  ["worker", "model", "state"])
-        ready = g("dplb_worker_ready", "1 when this router sends requests to the worker (eligible for routing)")
-        hb = g("dplb_worker_heartbeat_age_seconds", "Age of the agent's last heartbeat in the segment")
-        running = g("dplb_worker_requests_running", "Requests in the engine's running batch (engine /metrics)")
-        waiting = g("dplb_worker_requests_waiting", "Requests queued in the engine, not yet scheduled (engine /metrics)")
-        inflight = g("dplb_worker_requests_in_flight",
-                     "Requests dispatched to the worker by all router processes and not yet answered")
-        prefill = g("dplb_worker_prefill_outstanding_tokens",
-                    "Uncached prompt tokens dispatched to the worker whose first token has not come back")
-        decode = g("dplb_worker_decode_requests", "Requests on the worker past their first token (router accounting)")
-        kv = g("dplb_worker_kv_cache_usage_ratio", "KV-cache usage of the engine, 0..1 (absent while unknown)")
-        ttft = g("dplb_worker_recent_ttft_seconds",
-                 "Recent time to first token on the worker as the routers saw it (EWMA, dispatch to first content)")
-        tpot = g("dplb_worker_recent_tpot_seconds", "Recent time per output token on the worker (routers' EWMA)")
-        rate = g("dplb_worker_prefill_rate_tokens_per_second", "Prefill rate the routers learned for the worker")
-        mem_used = g("dplb_worker_gpu_memory_used_bytes", "GPU memory used on the worker's GPUs (NVML; absent if unknown)")
-        mem_total = g("dplb_worker_gpu_memory_total_bytes", "GPU memory of the worker's GPUs (NVML; absent if unknown)")
-        circuit = g("dplb_worker_circuit_state", "Circuit breaker of the worker: 0 closed, 1 open, 2 half-open")
-        restarts = c("dplb_worker_engine_restarts", "Engine restarts by the worker's agent since it claimed its slot")
-        done = c("dplb_worker_requests_completed",
-                 "Request attempts on the worker that the routers saw answered (no 5xx, no connection error, no broken "
-                 "stream), counted by every router process in the segment")
-        failed = c("dplb_worker_requests_failed",
-                   "Request attempts on the worker that failed (5xx, connection error, timeout, broken stream), counted "
-                   "by every router process in the segment; a client that left counts in neither")
-        from router.workers import STATE_NAMES
-
+        reg = self.registry
+        for wid in list(reg.handles):
+            self.see_worker(wid)
+        f = worker_families()
         for wid in sorted(reg.handles):
             h = reg.handles.get(wid)
             if h is None:
                 continue
+            s: WorkerSnapshot | None
             try:
-                s = seg.read_slot(wid)
+                s = self.seg.read_slot(wid)
             except Exception:  # noqa: BLE001 - a slot read mid-release: report what the last tick saw
                 s = h.snap
-            if s is None or int(s.state) == 0:
+            if s is None or int(s.state) == EMPTY:
                 continue
-            w, model = str(wid), str(s.model or h.model or "")
-            lv = [w, model]
-            st_name = STATE_NAMES.get(int(s.state), "unknown")
-            winfo.add_metric([w, model, ",".join(str(x) for x in (s.gpu_ids or [])), str(s.endpoint or h.endpoint),
-                              "true" if h.mirror else "false"], 1.0)
-            for name in WORKER_STATES:
-                state.add_metric([w, model, name], 1.0 if name == st_name else 0.0)
-            ready.add_metric(lv, 1.0 if verdict is not None and verdict(h, s) == "eligible" else 0.0)
-            hb.add_metric(lv, max(0.0, float(s.heartbeat_age_ms)) / 1e3)
-            running.add_metric(lv, float(s.num_running))
-            waiting.add_metric(lv, float(s.num_waiting))
-            inflight.add_metric(lv, float(max(0, s.router_inflight)))
-            prefill.add_metric(lv, float(max(0, getattr(s, "prefill_tokens", 0))))
-            decode.add_metric(lv, float(max(0, getattr(s, "decode_reqs", 0))))
-            if 0.0 <= float(s.kv_cache_usage) <= 1.0:
-                kv.add_metric(lv, float(s.kv_cache_usage))
-            if getattr(s, "router_ttft_s", 0.0) > 0:
-                ttft.add_metric(lv, float(s.router_ttft_s))
-            if getattr(s, "router_tpot_s", 0.0) > 0:
-                tpot.add_metric(lv, float(s.router_tpot_s))
-            if getattr(s, "prefill_rate", 0.0) > 0:
-                rate.add_metric(lv, float(s.prefill_rate))
-            if s.gpu_mem_total_bytes >= 0 and s.gpu_mem_used_bytes >= 0:
-                mem_used.add_metric(lv, float(s.gpu_mem_used_bytes))
-                mem_total.add_metric(lv, float(s.gpu_mem_total_bytes))
-            circuit.add_metric(lv, float(int(s.circuit)))
-            restarts.add_metric(lv, float(int(getattr(s, "restarts", 0) or 0)))
-            done.add_metric(lv, float(s.completed))
-            failed.add_metric(lv, float(s.failed))
-        yield from (winfo, state, ready, hb, running, waiting, inflight, prefill, decode, kv, ttft, tpot, rate,
-                    mem_used, mem_total, circuit, restarts, done, failed)
+            add_worker(f, h, s, self.verdict(h, s) == "eligible")
+        yield from f.values()
 
 
 class Metrics:
@@ -265,15 +289,16 @@ class Metrics:
         #: with ``--workers`` > 1 a scrape reads every process's files: counts go there at once
         self._direct = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
-    def attach(self, state: Any) -> SegmentCollector:
-        """Report the per-worker series of ``state`` (a :class:`router.app.RouterState`) on every
-        scrape, and start every retry reason the config allows at 0 (a series that exists before
-        its first event lets ``rate()`` and the dashboards show 0 rather than nothing)."""
-        cfg = getattr(state, "cfg", None)
-        statuses = list(getattr(getattr(cfg, "retries", None), "retry_on_status", []) or [])
-        for reason in (*RETRY_REASONS, *(f"status_{s}" for s in statuses)):
+    def attach(self, registry: Registry, seg: Segment, policy: str, verdict: Verdict,
+               retry_on_status: Iterable[int] = ()) -> SegmentCollector:
+        """Report the per-worker series of a started router (:class:`SegmentCollector` over
+        ``registry``, ``seg``, ``policy`` and ``verdict``) on every scrape, and start every retry
+        reason the config allows (``retry_on_status``: ``retries.retry_on_status``) at 0 (a
+        series that exists before its first event lets ``rate()`` and the dashboards show 0
+        rather than nothing)."""
+        for reason in (*RETRY_REASONS, *(f"status_{s}" for s in retry_on_status)):
             self.retries.labels(reason)
-        self.collector = SegmentCollector(state)
+        self.collector = SegmentCollector(registry, seg, policy, verdict, self.see_worker)
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.registry.register(self.collector)
         return self.collector

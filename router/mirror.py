@@ -30,7 +30,7 @@ leaked slots that no one wrote or released any more, and that a DELETE could not
   slot still carries the owner mark; one fetch per endpoint at a time.
 - **A record for the next owner.** After every change the leader writes
   ``<state_dir>/mirror-slots.json`` atomically: its pid, the admin version (``admin.json``'s
-  counter, :class:`router.admin.AdminStore`) it has applied, ``slots`` (endpoint → slot) and
+  counter, :class:`router.admin_store.AdminStore`) it has applied, ``slots`` (endpoint → slot) and
   ``errors`` (wanted endpoints without a slot, and why). A process that becomes leader (the old
   one died: the kernel dropped its lock) adopts the recorded slots that still carry the old
   owner's mark and releases those no longer wanted: no mirror slot is left without an owner.
@@ -59,8 +59,10 @@ from typing import Any
 
 import orjson
 
+from dplb_shm import WorkerSnapshot
 from router.errors import TransportError
 from router.transport import Transport
+from router.workers import EMPTY
 
 log = logging.getLogger("dplb.router.mirror")
 
@@ -100,7 +102,7 @@ class MirrorManager:
     """The owner of every mirror slot of this router's segment (module docstring).
 
     ``wanted``: endpoint (the agent's control address) → ``{"weight", "model"}`` and ``version``
-    (the admin version it comes from) are set by :meth:`router.app.RouterState.apply_admin`;
+    (the admin version it comes from) are set by :meth:`router.state.RouterState.apply_admin`;
     ``writers``: endpoint → the ``SlotWriter`` of its slot (leader only); ``errors``: wanted
     endpoints that have no slot, and why. ``timeout_s``: one ``/dplb/state`` fetch;
     ``max_failures``: failed fetches in a row before the slot is published DEAD. Subclasses that
@@ -149,10 +151,10 @@ class MirrorManager:
         self.reconcile()
         return True
 
-    def owns(self, snap: Any, endpoint: str, pid: int | None = None) -> bool:
+    def owns(self, snap: WorkerSnapshot, endpoint: str, pid: int | None = None) -> bool:
         """Does slot ``snap`` carry the owner mark of the mirror of ``endpoint`` (claimed by
         process ``pid``, this one by default)?"""
-        return int(snap.state) != 0 and snap.control == endpoint and snap.pid == (self.pid if pid is None else pid)
+        return int(snap.state) != EMPTY and snap.control == endpoint and snap.pid == (self.pid if pid is None else pid)
 
     def owner_pid(self) -> int | None:
         """PID that marks mirror slots: this process's while it leads, else the recorded
@@ -163,9 +165,9 @@ class MirrorManager:
         return int(rec["pid"]) if rec else None
 
     @staticmethod
-    def is_mirror_slot(snap: Any, owner: int | None) -> bool:
+    def is_mirror_slot(snap: WorkerSnapshot, owner: int | None) -> bool:
         """Is the (non-EMPTY) slot ``snap`` a mirror slot: marked by ``owner`` (:meth:`owner_pid`)?"""
-        return owner is not None and int(snap.state) != 0 and bool(snap.control) and snap.pid == owner
+        return owner is not None and int(snap.state) != EMPTY and bool(snap.control) and snap.pid == owner
 
     def slot_of(self, endpoint: str) -> int | None:
         """Slot mirroring the agent at ``endpoint`` (its control address): this process's own
@@ -240,7 +242,7 @@ class MirrorManager:
                                 w.slot_index, ep)
         for ep in [e for e in self.errors if e not in self.wanted]:
             del self.errors[ep]
-        free = [s.worker_id for s in reversed(self.seg.snapshot()) if int(s.state) == 0]
+        free = [s.worker_id for s in reversed(self.seg.snapshot()) if int(s.state) == EMPTY]
         for ep, spec in self.wanted.items():
             if ep in self.writers:
                 continue

@@ -45,20 +45,20 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
-import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from router.access_log import AccessLog
+from router.answers import send_error
 from router.config import Config
 from router.errors import (
     BadRequest,
-    BodyTooLarge,
     GatewayTimeout,
     NoEligibleWorker,
     NotFound,
@@ -67,34 +67,29 @@ from router.errors import (
     Unauthorized,
     UnsupportedMediaType,
     UpstreamError,
-    sse_error_event,
+)
+from router.exchange import (
+    Attempt,
+    Exchange,
+    Receive,
+    Send,
+    read_body,
+    relayed_headers,
+    request_target,
 )
 from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
-from router.scheduling import Lease, Scheduler
-from router.server import (
-    ChunkedWriter,
-    ClientGone,
-    chunked_writer,
-    start_chunked,
-    watch_disconnect,
-    write_response,
-)
-from router.stream_meter import (
-    StreamMeter,
-    is_event_stream,
-    on_answer,
-    on_first_content,
-    on_stream_end,
-)
-from router.transport import Transport, Upstream
+from router.relay import relay_stream
+from router.scheduling import Scheduler
+from router.server import ClientGone, watch_disconnect, write_response
+from router.stream_meter import on_answer
+from router.transport import Transport
+from router.upstream import Upstream
 
 log = logging.getLogger("dplb.router.proxy")
 
 _XRID = b"x-request-id"
-_XWID = b"x-dplb-worker-id"
-_JSON = (b"content-type", b"application/json")
 _NONE = b"none"
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 #: a request whose connection broke on this many workers after they read it, before any byte
@@ -104,8 +99,18 @@ BROKEN_ENGINES_LIMIT = 2
 #: closed request"; never sent: nobody is there to read it)
 CLIENT_CLOSED = 499
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+class Step(enum.Enum):
+    """How one attempt ended (:meth:`Proxy._attempt`): answered, to be retried on another
+    worker, or failed with no other try."""
+
+    DONE = "done"
+    RETRY = "retry"
+    STOP = "stop"
+
+
+_DONE, _RETRY, _STOP = Step.DONE, Step.RETRY, Step.STOP
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,91 +146,6 @@ class ProxySettings:
                    retry_on_timeout=r.retry_on_timeout, retry_on_disconnect=r.retry_on_disconnect,
                    first_byte_timeout_s=cfg.router.first_byte_timeout_s, idle_timeout_s=cfg.router.idle_timeout_s,
                    access_log=cfg.router.access_log)
-
-
-async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
-                    worker: bytes = _NONE) -> None:
-    """Send a complete JSON response (router-made: ``X-DPLB-Worker-ID: none`` unless given)."""
-    hs = [_JSON, (b"content-length", str(len(body)).encode()), (_XWID, worker)]
-    if headers:
-        hs.extend(headers)
-    await send({"type": "http.response.start", "status": status, "headers": hs})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def send_error(send: Send, e: RouterError, request_id: bytes | None = None, worker: bytes = _NONE) -> None:
-    """Render a RouterError at the edge (status, OpenAI body, its headers, request id;
-    ``worker``: the ``X-DPLB-Worker-ID`` of the worker the error is about, ``none`` otherwise)."""
-    hs = [(k.encode(), v.encode()) for k, v in e.headers.items()]
-    if request_id:
-        hs.append((_XRID, request_id))
-    await send_json(send, e.status, e.body(), hs, worker)
-
-
-def relayed_headers(up: Upstream, rid: bytes, wid_b: bytes) -> list[tuple[bytes, bytes]]:
-    """The headers a client gets with ``up``'s answer (a new list): the engine's, plus
-    ``X-Request-Id: rid`` when the engine sent none, plus ``X-DPLB-Worker-ID: wid_b``."""
-    if up.request_id is not None:
-        return [*up.headers, (_XWID, wid_b)]
-    return [*up.headers, (_XRID, rid), (_XWID, wid_b)]
-
-
-_UNSAFE_IN_TARGET = frozenset(b" \r\n\x00")
-
-
-def request_target(scope: MutableMapping[str, Any]) -> str:
-    """The request target to forward to the engine: the path as the client sent it (``raw_path``,
-    still percent-encoded) and its query string. Forwarding the decoded ``path`` instead would
-    turn a client's ``%0d%0a`` into a line break of the engine's request line, i.e. headers or a
-    whole request of the client's choosing. Raises BadRequest when the target holds a space, CR,
-    LF or NUL (a server other than the router's own may hand over what httptools refuses)."""
-    raw = scope.get("raw_path")
-    if raw is None:
-        raw = urllib.parse.quote(scope["path"]).encode("latin-1")
-    qs = scope.get("query_string")
-    target = raw + b"?" + qs if qs else raw
-    if not _UNSAFE_IN_TARGET.isdisjoint(target):
-        raise BadRequest("the request target holds a space, CR, LF or NUL")
-    return target.decode("latin-1")
-
-
-async def read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
-    """Read the whole request body; BodyTooLarge beyond ``limit`` bytes (checked on the declared
-    Content-Length first, then while reading)."""
-    if declared is not None and declared > limit:
-        raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    msg = await receive()
-    body = msg.get("body", b"")
-    if len(body) > limit:   # a chunked body (no Content-Length) that came in whole
-        raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-    if not msg.get("more_body", False):
-        return body
-    parts = [body]
-    size = len(body)
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            raise asyncio.CancelledError()  # client left while sending
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(parts)
-
-
-def delivered(meter: StreamMeter, writer: ChunkedWriter | None) -> bool:
-    """Did the client of a stream relayed through ``writer`` get its whole answer: the body's
-    terminating chunk written (by the writer or its native relay), or, for an event stream, a last
-    event written that is ``data: [DONE]`` (OpenAI's end of stream; the official sync ``openai``
-    client closes its connection there, before the engine's terminating chunk follows)? The meter
-    has seen exactly what was written to the client (the sink feeds it only while the client is
-    there, the native relay meters what it wrote). False without a writer (behind another ASGI
-    server ``send`` does not say what reached the client)."""
-    if writer is None:
-        return False
-    return writer.body_ended() or meter.ended_with_done()
 
 
 class Proxy:
@@ -317,23 +237,23 @@ class Proxy:
             raise NotFound(f"the model '{info.model}' does not exist (served: {sched.served()})", param="model")
         return info
 
-    def _dispatch(self, info: RequestInfo, tried: set[int], method: str, target: str,
-                  headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[Any, Lease, Any]:
-        """Choose a worker (:meth:`Scheduler.admit`), write the request to it when an idle pooled
-        connection is at hand, then take the lease: ``(worker handle, lease, written connection
-        or None)``. The lease is written while the engine already reads the request, with no
+    def _dispatch(self, ex: Exchange, number: int) -> Attempt:
+        """Choose a worker for try ``number`` of ``ex`` (:meth:`Scheduler.admit`, the workers
+        tried left out), write the request to it when an idle pooled connection is at hand, then
+        take the lease. The lease is written while the engine already reads the request, with no
         await in between, so this process's next decision still sees the load. Raises
         NoEligibleWorker (nothing written then)."""
         sched = self.scheduler
-        h, d = sched.admit(info, tried)
-        written = self.transport.write_pooled(h.endpoint, method, target, headers, body)
+        info = ex.info
+        h, d = sched.admit(info, ex.tried)
+        written = self.transport.write_pooled(h.endpoint, ex.method, ex.target, ex.headers, ex.body)
         try:
             lease = sched.lease(h, d, info)
         except BaseException:
             if written is not None:
                 written.transport.close()
             raise
-        return h, lease, written
+        return Attempt(h, lease, written, number)
 
     def start(self, scope: MutableMapping[str, Any], body: bytes) -> Callable[..., Awaitable[None]] | None:
         """Start a request whose whole ``body`` came in with its head, without a task: check, parse,
@@ -351,17 +271,16 @@ class Proxy:
                 return None
             path = scope["path"]
             info = self.request_info(path, body, session)
-            target = request_target(scope)
-            method = scope["method"]
-            pre = self._dispatch(info, set(), method, target, fwd, body)
+            ex = Exchange(scope["method"], path if path in ROUTES else "/v1/other", request_target(scope), fwd, body,
+                          info, rid, t0)
+            pre = self._dispatch(ex, 0)
         except RouterError:
             return None
-        route = path if path in ROUTES else "/v1/other"
 
         async def rest(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
             # (run as the request's task in the same turn of the event loop; nothing cancels a task
             # before its first step but the loop's own shutdown)
-            await self._serve(scope, receive, send, method, route, target, fwd, body, info, rid, t0, pre)
+            await self._serve(scope, receive, send, ex, pre)
 
         return rest
 
@@ -386,13 +305,14 @@ class Proxy:
             self.metrics.observe_request("none", CLIENT_CLOSED, route, dt)
             self.access.emit(rid, scope["method"], path, None, "none", CLIENT_CLOSED, dt, attempts=0)
             return
-        await self._serve(scope, receive, send, scope["method"], route, target, fwd, body, info, rid, t0, None)
+        await self._serve(scope, receive, send, Exchange(scope["method"], route, target, fwd, body, info, rid, t0),
+                          None)
 
-    async def _serve(self, scope: MutableMapping[str, Any], receive: Receive, send: Send, method: str, route: str,
-                     target: str, fwd: list[tuple[bytes, bytes]], body: bytes, info: RequestInfo, rid: bytes,
-                     t0: float, pre: tuple[Any, Lease, Any] | None) -> None:
-        """Watch for the client leaving, then :meth:`forward` (``pre``: the first attempt, already
-        dispatched by :meth:`start`)."""
+    async def _serve(self, scope: MutableMapping[str, Any], receive: Receive, send: Send, ex: Exchange,
+                     pre: Attempt | None) -> None:
+        """Watch for the client leaving, then :meth:`forward` ``ex`` to ``send`` (``pre``: the
+        first attempt, already dispatched by :meth:`start`)."""
+        ex.send, ex.scope = send, scope
         task = asyncio.current_task()
         gone = False
 
@@ -414,7 +334,7 @@ class Proxy:
             watch = asyncio.ensure_future(receive())
             watch.add_done_callback(on_message)
         try:
-            await self.forward(method, route, target, fwd, body, info, rid, send, t0, scope, pre)
+            await self.forward(ex, pre)
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -480,259 +400,177 @@ class Proxy:
             return UpstreamError(f"all {tried} worker(s) tried failed before the first byte: {e}", worker_id=wid)
         return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
 
-    async def forward(self, method: str, route: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
-                      info: RequestInfo, rid: bytes, send: Send, t0: float,
-                      scope: MutableMapping[str, Any] | None = None, pre: tuple[Any, Lease, Any] | None = None) -> None:
+    async def forward(self, ex: Exchange, pre: Attempt | None = None) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
         raises RouterError to the caller; a client that left is counted (status 499) and its
-        CancelledError / ClientGone re-raised. ``scope``: the request's ASGI scope (lets a stream's
-        chunks bypass ``send``, :func:`router.server.chunked_writer`); ``pre``: the first attempt
-        when :meth:`start` dispatched it already (:meth:`_dispatch`'s result)."""
-        sched = self.scheduler
-        metrics = self.metrics
-        retry_status = self.settings.retry_status
-        tried: set[int] = set()
-        last: Exception | None = None
-        last_wid: int | None = None
-        mid_body = False
-        broken = 0      # workers whose connection this request broke after they read it
-        no_worker: NoEligibleWorker | None = None
+        CancelledError / ClientGone re-raised. ``pre``: the first attempt when :meth:`start`
+        dispatched it already."""
         label = "none"  # the worker of the current attempt (metric label)
         try:
-            for attempt in range(self.settings.max_attempts):
-                if attempt:
-                    delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * (2 ** (attempt - 1))) \
-                        * random.uniform(0.5, 1.5)
-                    if delay > 0:
-                        await asyncio.sleep(delay)
+            for n in range(self.settings.max_attempts):
+                if n:
+                    await self._backoff(n)
                 if pre is not None:
-                    h, lease, written = pre
-                    pre = None
+                    att, pre = pre, None
                 else:
                     try:
-                        h, lease, written = self._dispatch(info, tried, method, target, headers, body)
+                        att = self._dispatch(ex, n)
                     except NoEligibleWorker as e:
-                        if last is None:
-                            await send_error(send, e, rid)
-                            dt = time.perf_counter() - t0
-                            metrics.observe_request("none", e.status, route, dt)
-                            self.access.emit(rid, method, info.path, info.model, "none", e.status, dt, None,
-                                             info.prompt_len, None, attempt, e.message)
+                        if ex.last is None:
+                            await self._answer_error(ex, e, "none", n)
                             return
-                        no_worker = e
+                        ex.no_worker = e
                         break
-                wid = h.worker_id
-                wid_b = h.label_b
-                label = h.label
-                mid_body = False
-                outcome: bool | None = None  # breaker outcome of this attempt; None = no verdict (client left)
-                answer = None
-                if scope is not None:
-                    def answer(u: Upstream, wid_b: bytes = wid_b) -> bool:
-                        # a whole non-streamed answer that needs no retry leaves from the engine
-                        # connection's callback, in one write (the task does the bookkeeping after)
-                        st = u.status
-                        if not 200 <= st <= 599 or st in retry_status or u.whole is None:
-                            return False
-                        return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
-                up = None
-                try:
-                    try:
-                        up = await self.transport.send(h.endpoint, method, target, headers, body, written=written,
-                                                       on_whole=answer)
-                        status = up.status
-                        if not 200 <= status <= 599:
-                            # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
-                            # write a status line above 599, and a client takes a 1xx for "more to come"
-                            outcome = False
-                            up.release(abort=True)
-                            metrics.errors.labels(label, "status_5xx").inc()
-                            last, last_wid = UpstreamError(f"worker {wid} answered with HTTP status {status}, which "
-                                                           "is not a final status (200-599)", worker_id=wid), wid
-                            tried.add(wid)
-                            break
-                        if status < 500:
-                            lease.head_seen()  # liveness evidence for the health monitor
-                        if status in self.settings.retry_status and attempt + 1 < self.settings.max_attempts and \
-                                sched.has_candidates(info.model, tried | {wid}):
-                            outcome = status < 500
-                            up.release(abort=True)
-                            if status >= 500:
-                                metrics.errors.labels(label, "status_5xx").inc()
-                            last, last_wid = UpstreamError(f"worker {wid} answered {status}", worker_id=wid), wid
-                            tried.add(wid)
-                            metrics.retries.labels(f"status_{status}").inc()
-                            continue
-                        # the first body byte, within the first-byte deadline, before anything reaches the client
-                        first = up.whole if up.whole is not None else await up.first_chunk()
-                        if not up.is_stream:
-                            # the rest of the body: the client has seen none of it yet either (a
-                            # non-streamed answer reaches it whole), so a failure here is one before
-                            # the first byte too (a whole body taken in the callback: nothing to read)
-                            mid_body = True
-                            data = first if up.whole is not None else await up.read(first)
-                    except TransportError as e:
-                        outcome = False
-                        if up is None:
-                            if e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
-                                lease.refused()
-                        else:
-                            up.release(abort=True)
-                        metrics.errors.labels(label, e.kind).inc()
-                        last, last_wid = e, wid
-                        tried.add(wid)
-                        broken += self.breaks(e)
-                        if self.retryable(e, broken):
-                            metrics.retries.labels(e.kind).inc()
-                            continue
-                        break
-                    resp_headers = relayed_headers(up, rid, wid_b)
-                    if not up.is_stream:
-                        outcome = status < 500
-                        # one write of head and body where the router's protocol serves the request
-                        # (already done from the engine connection's callback when ``up.answered``)
-                        if not up.answered and (scope is None or not write_response(scope, status, resp_headers, data)):
-                            resp_headers.append((b"content-length", b"%d" % len(data)))
-                            await send({"type": "http.response.start", "status": status, "headers": resp_headers})
-                            await send({"type": "http.response.body", "body": data, "more_body": False})
-                        prompt_n, out_n = on_answer(metrics, lease, data)
-                        dt = time.perf_counter() - t0
-                        metrics.observe_request(label, status, route, dt)
-                        self.access.emit(rid, method, info.path, info.model, label, status, dt, None, prompt_n, out_n,
-                                         attempt + 1, None if status < 500 else f"the engine answered {status}")
-                        return
-                    ok = await self.relay_stream(up, first, status, resp_headers, send, route, t0, wid, lease, scope,
-                                                 (rid, method, info, attempt + 1))
-                    outcome = ok and status < 500
+                label = att.handle.label
+                step = await self._attempt(ex, att)
+                if step is _DONE:
                     return
-                except (asyncio.CancelledError, ClientGone):
-                    outcome = None
-                    raise
-                finally:
-                    lease.finish(outcome)
+                if step is _STOP:
+                    break
         except (asyncio.CancelledError, ClientGone):
             # the client left before its answer was complete (see relay_stream for one that had it all)
-            metrics.errors.labels(label, "client_disconnect").inc()
-            dt = time.perf_counter() - t0
-            metrics.observe_request(label, CLIENT_CLOSED, route, dt)
-            self.access.emit(rid, method, info.path, info.model, label, CLIENT_CLOSED, dt, None, info.prompt_len,
-                             None, len(tried) + 1)
+            self.metrics.errors.labels(label, "client_disconnect").inc()
+            dt = time.perf_counter() - ex.t0
+            self.metrics.observe_request(label, CLIENT_CLOSED, ex.route, dt)
+            self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, CLIENT_CLOSED, dt, None,
+                             ex.info.prompt_len, None, len(ex.tried) + 1)
             raise
-        err = self.final_error(last, last_wid, len(tried), mid_body, broken, no_worker)
-        if broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
-            metrics.query_of_death.inc()
+        err = self.final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker)
+        if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
+            self.metrics.query_of_death.inc()
             log.warning("request %s broke the connection of %d workers (last: worker %s); answered 502, not tried "
-                        "again", rid.decode("latin-1"), broken, last_wid)
-        wb = str(last_wid).encode() if last_wid is not None and err.status != 503 else _NONE
-        await send_error(send, err, rid, wb)
-        dt = time.perf_counter() - t0
-        metrics.observe_request(wb.decode(), err.status, route, dt)
-        self.access.emit(rid, method, info.path, info.model, wb.decode(), err.status, dt, None, info.prompt_len, None,
-                         len(tried), err.message)
+                        "again", ex.rid.decode("latin-1"), ex.broken, ex.last_wid)
+        wb = str(ex.last_wid).encode() if ex.last_wid is not None and err.status != 503 else _NONE
+        await self._answer_error(ex, err, wb.decode(), len(ex.tried), wb)
 
-    async def relay_stream(self, up: Upstream, first: bytes, status: int, headers: list[tuple[bytes, bytes]],
-                           send: Send, route: str, t0: float, wid: int, lease: Lease | None = None,
-                           scope: MutableMapping[str, Any] | None = None,
-                           access: tuple[bytes, str, RequestInfo, int] | None = None) -> bool:
-        """Relay a streamed body chunk by chunk, starting with ``first`` (already read); a broken or
-        stalled upstream ends with an SSE error event. The first chunk that carries content
-        (:mod:`router.stream_meter`) is the TTFT and ends the request's prefill in the lease's
-        accounting. Returns False when the stream broke (a breaker failure).
+    async def _backoff(self, n: int) -> None:
+        """Sleep before try ``n`` (> 0): jittered exponential backoff, capped (``retries.*``)."""
+        st = self.settings
+        delay = min(st.backoff_max_s, st.backoff_base_s * (2 ** (n - 1))) * random.uniform(0.5, 1.5)
+        if delay > 0:
+            await asyncio.sleep(delay)
 
-        When the router's own uvicorn protocol serves the request (``scope``), the head leaves
-        with the first chunk in one write (:func:`router.server.start_chunked`), the chunks after
-        it are written to the client from the upstream connection's callback
-        (:meth:`Upstream.pipe` into :class:`router.server.ChunkedWriter`): no ASGI message and no
-        task wake-up per chunk, and the last one carries the body's end. Otherwise each chunk goes
-        through ``send``. ``access``: ``(request id, method, request info, attempts)`` for its
-        access-log line."""
-        metrics = self.metrics
-        meter = StreamMeter(is_event_stream(headers))
-        ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
-        if first and meter.feed(first):
-            ttft.append(on_first_content(metrics, route, t0, lease))
-        writer = start_chunked(scope, status, headers, first, up.complete()) if scope is not None else None
-        if writer is None:
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            if first:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-                writer = chunked_writer(scope) if scope is not None else None
-        ok = True
-        complete = False
-        final = status
-        last = b""
-        cause = None
-        tokens: tuple[int, int] | None = None
+    async def _answer_error(self, ex: Exchange, e: RouterError, label: str, attempts: int,
+                            worker: bytes = _NONE) -> None:
+        """Answer ``ex`` with the router's error ``e`` (``worker``: its ``X-DPLB-Worker-ID``),
+        count it under ``label`` and write its access-log line (``attempts`` tries)."""
+        await send_error(ex.send, e, ex.rid, worker)
+        dt = time.perf_counter() - ex.t0
+        self.metrics.observe_request(label, e.status, ex.route, dt)
+        self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, e.status, dt, None,
+                         ex.info.prompt_len, None, attempts, e.message)
+
+    def _failed(self, ex: Exchange, att: Attempt, e: Exception, kind: str | None, up: Upstream | None) -> None:
+        """Attempt ``att`` failed before its first byte reached the client: its upstream (if any)
+        is dropped, the error counted (``kind``; None: not an error of the worker's) and recorded
+        on ``ex`` (:meth:`Exchange.failed`)."""
+        if up is not None:
+            up.release(abort=True)
+        if kind is not None:
+            self.metrics.errors.labels(att.handle.label, kind).inc()
+        ex.failed(att.handle.worker_id, e)
+
+    async def _attempt(self, ex: Exchange, att: Attempt) -> Step:
+        """Try ``ex`` on ``att``'s worker: :data:`_DONE` (answered), :data:`_RETRY` (failed before
+        the first byte, may go to another worker) or :data:`_STOP` (failed, no other try). The
+        lease is finished with the attempt's outcome whatever happens."""
         try:
-            if first:
-                if writer is not None:
-                    write = writer.write
-                    relays = []
-
-                    def sink(chunk: bytes) -> bool:
-                        # the body's last bytes carry its end (one write, not two); the meter sees
-                        # what the client was written, nothing after it left (see delivered)
-                        sent = write(chunk, up.complete())
-                        if (sent or not writer.gone) and meter.feed(chunk):
-                            ttft.append(on_first_content(metrics, route, t0, lease))
-                        return sent
-
-                    def handoff() -> Any:
-                        # after the first content the meter only counts events and keeps the
-                        # tail, which the native relay does as it writes
-                        if not meter.first_seen:
-                            return None
-                        r = writer.native_relay(meter.carry)
-                        relays.append(r)
-                        return r
-
-                    try:
-                        await up.pipe(sink, writer.drain, handoff)
-                    finally:
-                        for r in relays:
-                            meter.absorb(r.events, r.tail(), r.last_byte())
-                else:
-                    async for chunk in up.chunks():
-                        if meter.feed(chunk):
-                            ttft.append(on_first_content(metrics, route, t0, lease))
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            complete = True
+            got = await self._response(ex, att)
+            if isinstance(got, Step):
+                return got
+            up, first, data = got
+            resp_headers = relayed_headers(up, ex.rid, att.handle.label_b)
+            if data is None:
+                ok = await relay_stream(ex, att, up, first, resp_headers, self.metrics, self.settings.idle_timeout_s,
+                                        self.access)
+                att.outcome = ok and up.status < 500
+                return _DONE
+            att.outcome = up.status < 500
+            await self._answer_whole(ex, att, up, resp_headers, data)
+            return _DONE
         except (asyncio.CancelledError, ClientGone):
-            if not delivered(meter, writer):
-                raise
-            # the client had the whole answer when it left: a complete stream, not a disconnect
-            complete = True
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                task.uncancel()
-        except TransportError as e:
-            ok = False
-            if e.kind == "timeout":
-                final = 504
-                metrics.errors.labels(str(wid), "timeout").inc()
-                cause = (f"worker {wid} stream stalled: no data within the idle timeout "
-                         f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})")
-                ev = sse_error_event(cause, "timeout_error", 504)
-            else:
-                final = 502
-                metrics.errors.labels(str(wid), "stream_broken").inc()
-                cause = f"worker {wid} stream broke: {e.kind}"
-                ev = sse_error_event(cause, "upstream_error", 502)
-            last = ev
+            att.outcome = None
+            raise
         finally:
-            up.release(abort=not complete)
-            tokens = on_stream_end(metrics, meter, lease, complete)
-        if writer is not None:
-            await writer.finish(last)
-        else:
-            if last:
-                await send({"type": "http.response.body", "more_body": True, "body": last})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        dt = time.perf_counter() - t0
-        metrics.observe_request(str(wid), final, route, dt)
-        if access is not None:
-            rid, method, info, attempts = access
-            self.access.emit(rid, method, info.path, info.model, str(wid), final, dt, ttft[0] if ttft else None,
-                             None if tokens is None else tokens[0], None if tokens is None else tokens[1], attempts,
-                             cause or (None if final < 500 else f"the engine answered {final}"))
-        return ok
+            att.lease.finish(att.outcome)
+
+    async def _response(self, ex: Exchange, att: Attempt) -> tuple[Upstream, bytes, bytes | None] | Step:
+        """Send ``ex`` on ``att`` and wait for what may still be retried: the head, the first
+        body byte and, for a non-streamed answer, the whole body (the client has seen none of it).
+        Returns ``(upstream, first bytes, whole body or None for a stream)``, or :data:`_RETRY` /
+        :data:`_STOP` after recording the failure (:meth:`_failed`)."""
+        h, settings = att.handle, self.settings
+        wid = h.worker_id
+        ex.mid_body = False
+        up = None
+        try:
+            up = await self.transport.send(h.endpoint, ex.method, ex.target, ex.headers, ex.body, written=att.written,
+                                           on_whole=self._whole_answer(ex, h.label_b))
+            status = up.status
+            if not 200 <= status <= 599:
+                # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
+                # write a status line above 599, and a client takes a 1xx for "more to come"
+                att.outcome = False
+                self._failed(ex, att, UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
+                                                    "not a final status (200-599)", worker_id=wid), "status_5xx", up)
+                return _STOP
+            if status < 500:
+                att.lease.head_seen()  # liveness evidence for the health monitor
+            if status in settings.retry_status and att.number + 1 < settings.max_attempts and \
+                    self.scheduler.has_candidates(ex.info.model, ex.tried | {wid}):
+                att.outcome = status < 500
+                self._failed(ex, att, UpstreamError(f"worker {wid} answered {status}", worker_id=wid),
+                             "status_5xx" if status >= 500 else None, up)
+                self.metrics.retries.labels(f"status_{status}").inc()
+                return _RETRY
+            # the first body byte, within the first-byte deadline, before anything reaches the client
+            first = up.whole if up.whole is not None else await up.first_chunk()
+            if up.is_stream:
+                return up, first, None
+            # the rest of the body: the client has seen none of it yet either (a non-streamed answer
+            # reaches it whole), so a failure here is one before the first byte too (a whole body
+            # taken in the callback: nothing to read)
+            ex.mid_body = True
+            return up, first, first if up.whole is not None else await up.read(first)
+        except TransportError as e:
+            att.outcome = False
+            if up is None and e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
+                att.lease.refused()
+            self._failed(ex, att, e, e.kind, up)
+            ex.broken += self.breaks(e)
+            if self.retryable(e, ex.broken):
+                self.metrics.retries.labels(e.kind).inc()
+                return _RETRY
+            return _STOP
+
+    def _whole_answer(self, ex: Exchange, wid_b: bytes) -> Callable[[Upstream], bool] | None:
+        """The ``on_whole`` hook of :meth:`Transport.send` where the router's protocol serves the
+        request (else None): a whole non-streamed answer that needs no retry leaves from the
+        engine connection's callback, in one write (the task does the bookkeeping after)."""
+        scope = ex.scope
+        if scope is None:
+            return None
+        retry_status, rid = self.settings.retry_status, ex.rid
+
+        def answer(u: Upstream) -> bool:
+            st = u.status
+            if not 200 <= st <= 599 or st in retry_status or u.whole is None:
+                return False
+            return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
+        return answer
+
+    async def _answer_whole(self, ex: Exchange, att: Attempt, up: Upstream, headers: list[tuple[bytes, bytes]],
+                            data: bytes) -> None:
+        """Answer ``ex`` with ``up``'s whole non-streamed body ``data``: one write of head and body
+        where the router's protocol serves the request (already done from the engine connection's
+        callback when ``up.answered``), else two ASGI messages; then count it and log it."""
+        status, label = up.status, att.handle.label
+        if not up.answered and (ex.scope is None or not write_response(ex.scope, status, headers, data)):
+            headers.append((b"content-length", b"%d" % len(data)))
+            await ex.send({"type": "http.response.start", "status": status, "headers": headers})
+            await ex.send({"type": "http.response.body", "body": data, "more_body": False})
+        prompt_n, out_n = on_answer(self.metrics, att.lease, data)
+        dt = time.perf_counter() - ex.t0
+        self.metrics.observe_request(label, status, ex.route, dt)
+        self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, status, dt, None, prompt_n, out_n,
+                         att.number + 1, None if status < 500 else f"the engine answered {status}")

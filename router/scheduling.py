@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from dplb_shm import heartbeat_stale
+from dplb_shm import WorkerSnapshot, heartbeat_stale
 from router.accounting import LearnSettings, RequestAccount
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
@@ -268,7 +268,7 @@ class Scheduler:
         return moved
 
     # -- eligibility: the one definition (module docstring) -----------------------------------
-    def live(self, s: Any) -> bool:
+    def live(self, s: WorkerSnapshot) -> bool:
         """Slot READY with a fresh heartbeat: ``heartbeat_age_ms`` (computed at read time), or the
         age on the registry's routing clock when it has one (the simulator's virtual clock)."""
         clock = self.registry.clock
@@ -295,7 +295,7 @@ class Scheduler:
         closed or half-open with its probe free (slot state and heartbeat: :meth:`live`)."""
         return h.probe_ok and not h.drained and h.breaker.available()
 
-    def candidates(self, model: str | None, exclude: set[int] | frozenset[int], fresh: bool | str) -> list[Any]:
+    def candidates(self, model: str | None, exclude: set[int] | frozenset[int], fresh: bool | str) -> list[WorkerSnapshot]:
         """Snapshots of eligible workers for ``model``, ``exclude`` left out.
 
         ``fresh``: ``True``/``"fresh"`` re-reads each slot now (load-aware baselines, ~5 µs per
@@ -372,7 +372,7 @@ class Scheduler:
                 row["eligible"].append(wid)
         return out
 
-    def routing_state(self, h: WorkerHandle, snap: Any = None) -> str:
+    def routing_state(self, h: WorkerHandle, snap: WorkerSnapshot | None = None) -> str:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
         the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
         ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or

@@ -20,15 +20,22 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dplb_shm import StateReason, WorkerSnapshot, WorkerState
 from router.breaker import CLOSED, CircuitBreaker
 from router.config import Config
 
-READY = 2  # dplb_shm.WorkerState.READY
-DRAINING = 3
-DEAD = 4
-STATE_NAMES = {0: "empty", 1: "starting", 2: "ready", 3: "draining", 4: "dead"}
+if TYPE_CHECKING:
+    from dplb_shm import Segment
+
+#: the slot states the router compares with ``int(snap.state)`` (plain ints: the hot path's test)
+EMPTY = int(WorkerState.EMPTY)
+READY = int(WorkerState.READY)
+DRAINING = int(WorkerState.DRAINING)
+DEAD = int(WorkerState.DEAD)
+#: a slot state's name as ``dplb-shm-dump`` and ``/dplb/status`` print it
+STATE_NAMES = {int(st): st.name.lower() for st in WorkerState}
 log = logging.getLogger("dplb.router.workers")
 
 
@@ -44,30 +51,55 @@ def exit_words(code: int) -> str:
     return f"exited with status {code}"
 
 
-def exit_code_or_none(snap: Any) -> int | None:
+def exit_code_or_none(snap: WorkerSnapshot | None) -> int | None:
     """The slot's ``last_exit_code``, or None while its engine never exited: the slot holds 0
     then, which only means an exit when the engine has been restarted or the slot is DEAD."""
     if snap is None:
         return None
-    code = int(getattr(snap, "last_exit_code", 0) or 0)
-    if code == 0 and not int(getattr(snap, "restarts", 0) or 0) and int(snap.state) != 4:   # 4: DEAD
+    code = snap.last_exit_code
+    if code == 0 and not snap.restarts and int(snap.state) != DEAD:
         return None
     return code
 
 
-def log_state_change(wid: int, before: int | None, snap: Any) -> None:
+def log_state_change(wid: int, before: int | None, snap: WorkerSnapshot) -> None:
     """One WARNING line for a worker whose slot changed state (``before`` None: first seen), with
     the slot's reason and the engine's last exit status where it has them (issue 32: "a warning
     with its cause for every worker state change")."""
     st = int(snap.state)
-    r = getattr(snap, "state_reason", None)        # a dplb_shm.StateReason (its names are the reasons)
-    name = getattr(r, "name", None)
-    reason = None if name in (None, "NONE") else str(name).lower()
-    code = int(getattr(snap, "last_exit_code", 0) or 0)
+    r = snap.state_reason        # its names are the reasons
+    reason = None if r == StateReason.NONE else r.name.lower()
+    code = snap.last_exit_code
     why = "" if reason is None else f" ({reason}" + (f", engine {exit_words(code)}" if code else "") + ")"
     was = "new" if before is None else STATE_NAMES.get(before, str(before))
     log.warning("worker %d: %s -> %s%s, engine %s, model %s", wid, was, STATE_NAMES.get(st, str(st)), why,
                 snap.endpoint or "-", snap.model or "-")
+
+
+#: the slot's columns of a status row before the worker's slot was first read
+NO_SLOT_COLUMNS: dict[str, Any] = {
+    "agent_pid": None, "pid": None, "engine_pid": None, "inflight": None, "router_inflight": None, "running": None,
+    "waiting": None, "kv_cache_usage": None, "latency_ms": {"ttft": None, "tpot": None, "e2e": None},
+    "heartbeat_age_ms": None, "weight": None, "restarts": 0, "last_exit_code": None, "completed": 0, "failed": 0,
+    "state_reason": "none", "restart_in_s": None}
+
+
+def slot_columns(s: WorkerSnapshot, now: int) -> dict[str, Any]:
+    """The columns of a status row (:meth:`Registry.status_rows`) that come from the worker's slot
+    ``s``; ``now``: ``dplb_shm.now_ns()`` (``restart_in_s`` is counted from it)."""
+    nxt = s.next_restart_ns
+    return {
+        "state": STATE_NAMES.get(int(s.state), "unknown"),
+        "agent_pid": s.pid, "pid": s.pid,   # pid: the old name
+        "engine_pid": s.engine_pid or None,
+        "inflight": s.inflight, "router_inflight": s.router_inflight,
+        "running": s.num_running, "waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+        "latency_ms": {"ttft": s.ttft_ms, "tpot": s.tpot_ms, "e2e": s.e2e_ms},
+        "heartbeat_age_ms": s.heartbeat_age_ms, "weight": s.weight, "restarts": s.restarts,
+        "last_exit_code": exit_code_or_none(s), "completed": s.completed, "failed": s.failed,
+        "state_reason": s.state_reason.name.lower(),
+        "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
+    }
 
 
 class WorkerHandle:
@@ -109,7 +141,7 @@ class WorkerHandle:
         self.last_head_at = 0.0  # time.monotonic() of the last response head this worker sent us
         self.drained = False
         self.local_inflight = 0
-        self.snap: Any = None
+        self.snap: WorkerSnapshot | None = None
         self.mirror = False
         self.pid = pid
         self.restarts = 0  # the slot's engine restart count at the last sync (not at fresh reads)
@@ -127,7 +159,7 @@ class Registry:
     leaves or its slot is reused by another process (policies forget it, pools are closed).
     """
 
-    def __init__(self, seg: Any, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
+    def __init__(self, seg: Segment, cfg: Config, on_leave: Callable[[int, str], None] | None = None,
                  on_circuit: Callable[[int, int], None] | None = None,
                  on_reset: Callable[[int], None] | None = None,
                  is_mirror: Callable[[str], bool] | None = None,
@@ -174,14 +206,14 @@ class Registry:
         return CircuitBreaker(cb.failure_rate_threshold if cb.enabled else 2.0, cb.minimum_requests,
                               cb.window_size, cb.open_time_s, on_change=changed)
 
-    def sync(self, snaps: Iterable[Any]) -> None:
+    def sync(self, snaps: Iterable[WorkerSnapshot]) -> None:
         """Reconcile handles with ``snaps`` (every slot): new non-empty slots get a handle, slots
         that became EMPTY, were removed or changed endpoint/pid lose theirs; an engine that died or
         was restarted resets its handle (see the module docstring)."""
         seen = set()
         for s in snaps:
             st = int(s.state)
-            if st == 0 or not s.endpoint or s.worker_id in self.removed:
+            if st == EMPTY or not s.endpoint or s.worker_id in self.removed:
                 continue
             wid = s.worker_id
             seen.add(wid)
@@ -189,10 +221,9 @@ class Registry:
             if h is not None and (h.endpoint != s.endpoint or h.pid != s.pid):
                 self._leave(h)
                 h = None
-            restarts = int(getattr(s, "restarts", 0) or 0)
+            restarts = s.restarts
             if h is None:
-                h = self.handles[wid] = WorkerHandle(wid, s.endpoint, s.model, self._breaker(wid), s.pid,
-                                                     getattr(s, "control", ""))
+                h = self.handles[wid] = WorkerHandle(wid, s.endpoint, s.model, self._breaker(wid), s.pid, s.control)
             elif restarts != h.restarts or (st == DEAD and h.snap is not None and int(h.snap.state) != DEAD):
                 self._reset(h)
             h.restarts = restarts
@@ -242,27 +273,11 @@ class Registry:
             h = self.handles[wid]
             s = h.snap
             routing = routing_state(h)
-            st = "unknown" if s is None else STATE_NAMES.get(int(s.state), "unknown")
-            reason = getattr(s, "state_reason", None)
-            nxt = int(getattr(s, "next_restart_ns", 0) or 0)
-            rows.append({
-                "id": wid, "worker_id": wid, "state": st, "eligible": routing == "eligible", "routing": routing,
+            row: dict[str, Any] = {
+                "id": wid, "worker_id": wid, "state": "unknown", "eligible": routing == "eligible", "routing": routing,
                 "draining": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
-                "agent_pid": getattr(s, "pid", None), "pid": getattr(s, "pid", None),   # pid: the old name
-                "engine_pid": getattr(s, "engine_pid", 0) or None,
-                "inflight": getattr(s, "inflight", None), "router_inflight": getattr(s, "router_inflight", None),
                 "local_inflight": h.local_inflight,
-                "running": getattr(s, "num_running", None), "waiting": getattr(s, "num_waiting", None),
-                "kv_cache_usage": getattr(s, "kv_cache_usage", None),
-                "latency_ms": {"ttft": getattr(s, "ttft_ms", None), "tpot": getattr(s, "tpot_ms", None),
-                               "e2e": getattr(s, "e2e_ms", None)},
-                "heartbeat_age_ms": getattr(s, "heartbeat_age_ms", None),
                 "circuit": CIRCUIT_NAMES[h.breaker.state], "failure_rate": round(h.breaker.failure_rate, 4),
-                "probe_failures": h.probe_failures, "weight": getattr(s, "weight", None),
-                "restarts": getattr(s, "restarts", 0),
-                "last_exit_code": exit_code_or_none(s),
-                "completed": getattr(s, "completed", 0), "failed": getattr(s, "failed", 0),
-                "state_reason": str(getattr(reason, "name", "none")).lower(),
-                "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
-            })
+                "probe_failures": h.probe_failures}
+            rows.append({**row, **(slot_columns(s, now) if s is not None else NO_SLOT_COLUMNS)})
         return rows

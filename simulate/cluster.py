@@ -50,12 +50,12 @@ from typing import Any
 
 from bench.trace import TraceRequest
 from dplb_shm import Segment, WorkerState
-from router.app import learn_settings, scoring_params, ttft_params
 from router.config import Config
 from router.errors import NoEligibleWorker
 from router.policies import RequestInfo, build_policy
 from router.protocol import CHAT, COMPLETIONS
 from router.scheduling import Lease, Scheduler
+from router.state import learn_settings, scoring_params, ttft_params
 from router.workers import Registry
 from sim_engine.config import EngineConfig
 from sim_engine.engine import EngineCore

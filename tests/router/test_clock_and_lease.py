@@ -7,10 +7,10 @@ import random
 import pytest
 
 from dplb_shm import Segment, WorkerState
-from router.app import scoring_params, ttft_params
 from router.config import POLICIES, Config, RoutingPolicy
 from router.policies import RequestInfo, build_policy
 from router.scheduling import Scheduler
+from router.state import scoring_params, ttft_params
 from router.workers import Registry
 from tests.helpers import unique_shm_name
 

@@ -244,6 +244,12 @@ def _proxy(seg, transport):
     return Proxy(sch, transport, Metrics(), ProxySettings()), sch
 
 
+def _exchange(req, send):
+    from router.exchange import Exchange
+
+    return Exchange("POST", "/v1/completions", "/v1/completions", [], b"{}", req, b"r1", 0.0, send)
+
+
 async def test_the_request_reaches_the_engine_before_the_lease_and_the_lease_before_any_await(seg):
     t = _OrderTransport(seg)
     proxy, sch = _proxy(seg, t)
@@ -253,7 +259,7 @@ async def test_the_request_reaches_the_engine_before_the_lease_and_the_lease_bef
         sent.append(msg)
 
     req = info("hello " * 40)
-    await proxy.forward("POST", "/v1/completions", "/v1/completions", [], b"{}", req, b"r1", send, 0.0)
+    await proxy.forward(_exchange(req, send))
     assert sent[0]["status"] == 200 and sent[1]["body"] == b'{"ok":1}'
     assert t.at_write[0]["router_inflight"] == 0 and t.at_write[0]["dispatched"] == 0   # written first
     assert t.sent_written == [t.conns[0]]                    # send only waits for that connection's head
@@ -274,5 +280,5 @@ async def test_a_lease_that_fails_after_the_write_closes_that_connection(seg):
         raise AssertionError("nothing is answered from here")
 
     with pytest.raises(RuntimeError):
-        await proxy.forward("POST", "/v1/completions", "/v1/completions", [], b"{}", info("x y"), b"r1", send, 0.0)
+        await proxy.forward(_exchange(info("x y"), send))
     assert len(t.conns) == 1 and t.conns[0].closed                     # the engine is told to stop

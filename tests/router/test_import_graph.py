@@ -97,3 +97,30 @@ def test_protocol_is_the_bottom_and_the_proxy_has_typed_collaborators():
     ann = inspect.signature(Proxy.__init__).parameters
     assert [ann[k].annotation for k in ("scheduler", "transport", "metrics", "settings")] == [
         "Scheduler", "Transport", "Metrics", "ProxySettings"]
+
+
+#: issue 28: the router's rooms and functions stay small enough to read
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_router_module_or_function_is_too_long():
+    too_long = []
+    for p in sorted((ROOT / "router").rglob("*.py")):
+        text = p.read_text()
+        rel = p.relative_to(ROOT)
+        if text.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    assert too_long == []
+
+
+def test_the_router_state_sits_below_its_control_api_and_above_the_metrics():
+    g = graph()
+    assert "router.app" not in g["router.state"] and "router.control" not in g["router.state"]
+    assert "router.admin" not in g["router.state"]       # the store only (router.admin_store)
+    assert "router.state" not in g["router.metrics"]     # typed collaborators, no read of the state from below

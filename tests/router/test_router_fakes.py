@@ -465,6 +465,13 @@ def test_malformed_inputs_get_openai_shaped_4xx(cluster4, method, path, body, co
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == code and err["message"]
 
 
+def test_a_get_on_a_post_path_names_the_method_it_takes(cluster4):
+    r = httpx.get(cluster4.base + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.headers["x-dplb-worker-id"] == "none"
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert r.json()["error"]["message"] == "method GET not allowed on /v1/completions; use POST"
+
+
 def test_no_worker_gives_503_with_retry_after(make_cluster):
     c = make_cluster(0)
     r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})

@@ -262,7 +262,7 @@ def test_coalesced_request_counters_are_on_every_page_and_counted_once():
 
 def test_the_request_target_is_the_raw_path_and_query():
     from router.errors import BadRequest
-    from router.proxy import request_target
+    from router.exchange import request_target
 
     assert request_target({"path": "/v1/a\r\nb", "raw_path": b"/v1/a%0D%0Ab", "query_string": b"x=1"}) == \
         "/v1/a%0D%0Ab?x=1"

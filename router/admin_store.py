@@ -1,0 +1,94 @@
+"""The admin API's shared state (:class:`AdminStore`): drained and removed workers and the mirrors
+added or removed at run time, kept in ``<state_dir>/admin.json`` and shared by every router process
+of a deployment under an exclusive ``flock`` on ``<state_dir>/admin.lock`` (:mod:`router.admin`'s
+docstring tells the protocol). Plain files and ``orjson``: no web framework, so the router's state
+(:mod:`router.state`) and the endpoint picker hold it without FastAPI."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+
+class AdminStore:
+    """The shared admin state: drained ids, removed (local) ids, mirrors added at run time
+    (endpoint → spec), configured mirrors removed at run time (``unmirrored``), and ``version``,
+    bumped by every change (module docstring)."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, "admin.json")
+        self.lock_path = os.path.join(state_dir, "admin.lock")
+        self.state_dir = state_dir
+        self.version = 0
+        self.drained: set[int] = set()
+        self.removed: set[int] = set()
+        self.mirrors: dict[str, dict[str, Any]] = {}
+        self.unmirrored: set[str] = set()
+        self._stamp: tuple[int, int, int] | None = None
+
+    def _dump(self) -> bytes:
+        return orjson.dumps({"version": self.version, "drained": sorted(self.drained), "removed": sorted(self.removed),
+                             "mirrors": self.mirrors, "unmirrored": sorted(self.unmirrored)},
+                            option=orjson.OPT_SORT_KEYS)
+
+    @staticmethod
+    def _stat_stamp(st: os.stat_result) -> tuple[int, int, int]:
+        # every save is a rename of a new file: a new inode, whatever the mtime granularity
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def save(self) -> None:
+        """Write the state atomically (tmp file + rename); callers hold the lock (:meth:`edit`)."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(self._dump())
+        os.replace(tmp, self.path)
+        self._stamp = self._stat_stamp(os.stat(self.path))
+
+    def _load(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                d = orjson.loads(f.read())
+        except (OSError, orjson.JSONDecodeError):
+            return False
+        self._stamp = self._stat_stamp(st)
+        self.version = int(d.get("version", 0))
+        self.drained = set(d.get("drained", []))
+        self.removed = set(d.get("removed", []))
+        self.mirrors = dict(d.get("mirrors", {}))
+        self.unmirrored = set(d.get("unmirrored", []))
+        return True
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the file when another process changed it; True when something was loaded."""
+        try:
+            stamp = self._stat_stamp(os.stat(self.path))
+        except FileNotFoundError:
+            return False
+        if stamp == self._stamp:
+            return False
+        return self._load()
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[AdminStore]:
+        """Read-modify-write of the shared state: holds the exclusive lock, re-reads the file,
+        yields the store; when the body changed something, bumps ``version`` and saves before the
+        lock is dropped. A body that raises saves nothing (it must raise before changing). The
+        body must not await: the lock blocks every other router process's admin calls."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._load()
+            before = self._dump()
+            yield self
+            if self._dump() != before:
+                self.version += 1
+                self.save()
+        finally:
+            os.close(fd)

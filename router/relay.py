@@ -1,0 +1,153 @@
+"""Relaying a streamed answer to the client (:func:`relay_stream`): the head with the first
+chunk, then chunk by chunk, each gap bounded by ``router.idle_timeout_s``; a stream that breaks or
+stalls after its first byte ends with an SSE ``error`` event (504 ``timeout_error`` for a stall,
+502 otherwise). Where the router's own protocol serves the request the chunks are piped from the
+engine connection's callback into a :class:`router.server.ChunkedWriter` and, after the first
+content, by the native relay: one client write per engine read. The stream meter
+(:class:`router.stream_meter.StreamMeter`) finds the TTFT and the end of the answer
+(:func:`delivered`)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from router.access_log import AccessLog
+from router.errors import TransportError, sse_error_event
+from router.exchange import Attempt, Exchange
+from router.metrics import Metrics
+from router.server import ChunkedWriter, ClientGone, chunked_writer, start_chunked
+from router.stream_meter import (
+    StreamMeter,
+    is_event_stream,
+    on_first_content,
+    on_stream_end,
+)
+from router.upstream import Upstream
+
+
+def delivered(meter: StreamMeter, writer: ChunkedWriter | None) -> bool:
+    """Did the client of a stream relayed through ``writer`` get its whole answer: the body's
+    terminating chunk written (by the writer or its native relay), or, for an event stream, a last
+    event written that is ``data: [DONE]`` (OpenAI's end of stream; the official sync ``openai``
+    client closes its connection there, before the engine's terminating chunk follows)? The meter
+    has seen exactly what was written to the client (the sink feeds it only while the client is
+    there, the native relay meters what it wrote). False without a writer (behind another ASGI
+    server ``send`` does not say what reached the client)."""
+    if writer is None:
+        return False
+    return writer.body_ended() or meter.ended_with_done()
+
+
+async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, headers: list[tuple[bytes, bytes]],
+                       metrics: Metrics, idle_timeout_s: float, access: AccessLog | None = None) -> bool:
+    """Relay ``up``'s streamed body (status ``up.status``, ``headers`` as the client gets them),
+    starting with ``first`` (already read); a broken or stalled upstream ends with an SSE error
+    event. The first chunk that carries content (:mod:`router.stream_meter`) is the TTFT and ends
+    the request's prefill in the lease's accounting. Returns False when the stream broke (a
+    breaker failure). Counts the request (``dplb_router_requests_total``) and writes its
+    access-log line (``access``) at the end.
+
+    When the router's own uvicorn protocol serves the request (``ex.scope``), the head leaves
+    with the first chunk in one write (:func:`router.server.start_chunked`), the chunks after it
+    are written to the client from the upstream connection's callback (:meth:`Upstream.pipe` into
+    :class:`router.server.ChunkedWriter`): no ASGI message and no task wake-up per chunk, and the
+    last one carries the body's end. Otherwise each chunk goes through ``ex.send``."""
+    status, send, scope, wid = up.status, ex.send, ex.scope, att.handle.worker_id
+    meter = StreamMeter(is_event_stream(headers))
+    ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
+    if first and meter.feed(first):
+        ttft.append(on_first_content(metrics, ex.route, ex.t0, att.lease))
+    writer = start_chunked(scope, status, headers, first, up.complete()) if scope is not None else None
+    if writer is None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if first:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            writer = chunked_writer(scope) if scope is not None else None
+    ok, complete = True, False
+    final, last, cause = status, b"", None
+    try:
+        if first:
+            await _relay_rest(ex, att, up, writer, meter, ttft, metrics)
+        complete = True
+    except (asyncio.CancelledError, ClientGone):
+        if not delivered(meter, writer):
+            raise
+        # the client had the whole answer when it left: a complete stream, not a disconnect
+        complete = True
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            task.uncancel()
+    except TransportError as e:
+        ok = False
+        final, cause, last = _stream_failed(e, wid, metrics, idle_timeout_s)
+    finally:
+        up.release(abort=not complete)
+        tokens = on_stream_end(metrics, meter, att.lease, complete)
+    if writer is not None:
+        await writer.finish(last)
+    else:
+        if last:
+            await send({"type": "http.response.body", "more_body": True, "body": last})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    dt = time.perf_counter() - ex.t0
+    metrics.observe_request(att.handle.label, final, ex.route, dt)
+    if access is not None:
+        info = ex.info
+        access.emit(ex.rid, ex.method, info.path, info.model, att.handle.label, final, dt, ttft[0] if ttft else None,
+                    None if tokens is None else tokens[0], None if tokens is None else tokens[1], att.number + 1,
+                    cause or (None if final < 500 else f"the engine answered {final}"))
+    return ok
+
+
+async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedWriter | None, meter: StreamMeter,
+                      ttft: list[float], metrics: Metrics) -> None:
+    """The chunks after the first: piped into ``writer`` from the connection's callback (then by
+    the native relay after the first content), else sent one ASGI message each; every chunk the
+    client was written goes through ``meter`` (the first content appends the TTFT to ``ttft``).
+    Raises TransportError (broken, stalled), ClientGone or CancelledError (the client left)."""
+    route, t0, lease = ex.route, ex.t0, att.lease
+    if writer is None:
+        async for chunk in up.chunks():
+            if meter.feed(chunk):
+                ttft.append(on_first_content(metrics, route, t0, lease))
+            await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
+        return
+    write = writer.write
+    relays = []
+
+    def sink(chunk: bytes) -> bool:
+        # the body's last bytes carry its end (one write, not two); the meter sees
+        # what the client was written, nothing after it left (see delivered)
+        sent = write(chunk, up.complete())
+        if (sent or not writer.gone) and meter.feed(chunk):
+            ttft.append(on_first_content(metrics, route, t0, lease))
+        return sent
+
+    def handoff() -> Any:
+        # after the first content the meter only counts events and keeps the
+        # tail, which the native relay does as it writes
+        if not meter.first_seen:
+            return None
+        r = writer.native_relay(meter.carry)
+        relays.append(r)
+        return r
+
+    try:
+        await up.pipe(sink, writer.drain, handoff)
+    finally:
+        for r in relays:
+            meter.absorb(r.events, r.tail(), r.last_byte())
+
+
+def _stream_failed(e: TransportError, wid: int, metrics: Metrics, idle_timeout_s: float) -> tuple[int, str, bytes]:
+    """A stream that broke or stalled after its first byte: ``(status counted, cause, the SSE
+    error event that ends it)``; 504 ``timeout_error`` for a stall, else 502 ``upstream_error``."""
+    if e.kind == "timeout":
+        metrics.errors.labels(str(wid), "timeout").inc()
+        cause = (f"worker {wid} stream stalled: no data within the idle timeout "
+                 f"(router.idle_timeout_s={idle_timeout_s:g})")
+        return 504, cause, sse_error_event(cause, "timeout_error", 504)
+    metrics.errors.labels(str(wid), "stream_broken").inc()
+    cause = f"worker {wid} stream broke: {e.kind}"
+    return 502, cause, sse_error_event(cause, "upstream_error", 502)

@@ -1,0 +1,30 @@
+"""The endpoint picker holds the router's state without the HTTP router's web framework: importing
+:mod:`epp.server` (and through it :mod:`router.state`, the scheduler, the proxy's request parser)
+loads neither FastAPI nor Starlette (issue 28: the router's state out of the FastAPI assembly)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+WEB = ("fastapi", "starlette")
+
+
+def loaded_after(module: str) -> list[str]:
+    """The modules of :data:`WEB` (or under them) loaded by a fresh interpreter that imports ``module``."""
+    code = (f"import sys, {module}\n"
+            f"print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {WEB!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=True)
+    return out.stdout.split()
+
+
+def test_the_picker_does_not_import_the_web_framework():
+    assert loaded_after("epp.server") == []
+    assert loaded_after("router.state") == []
+
+
+def test_the_router_assembly_still_does():
+    # the check above can see FastAPI: the HTTP router's assembly loads it
+    assert "fastapi" in loaded_after("router.app")
