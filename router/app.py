@@ -41,6 +41,7 @@ from router.errors import (
 from router.health import HealthMonitor
 from router.ledger import AccountedSegment, Ledger, shares_dir, sweep_dead
 from router.metrics import Metrics
+from router.metrics_port import start_metrics_port
 from router.mirror import MirrorManager
 from router.policies import build_policy
 from router.protocol import parse_request
@@ -300,9 +301,13 @@ def build_fastapi(state: RouterState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
+        mport = None
         try:
+            mport = await start_metrics_port(state.cfg, app)   # metrics.port (router/metrics_port.py)
             yield
         finally:
+            if mport is not None:
+                await mport.stop()
             await state.stop()
 
     app = FastAPI(title="DPLB router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
