@@ -610,13 +610,14 @@ class Proxy:
                     raise
                 finally:
                     lease.finish(outcome)
-        except (asyncio.CancelledError, ClientGone):
+        except (asyncio.CancelledError, ClientGone) as e:
             # the client left before its answer was complete (see relay_stream for one that had it all)
             metrics.errors.labels(label, "client_disconnect").inc()
             dt = time.perf_counter() - t0
             metrics.observe_request(label, CLIENT_CLOSED, route, dt)
-            self.access.emit(rid, method, info.path, info.model, label, CLIENT_CLOSED, dt, None, info.prompt_len,
-                             None, len(tried) + 1)
+            meter, ttft = getattr(e, "dplb_stream", (None, ()))   # a stream cut: the tokens it was sent
+            self.access.emit(rid, method, info.path, info.model, label, CLIENT_CLOSED, dt, ttft[0] if ttft else None,
+                             info.prompt_len, None if meter is None else meter.output_tokens(), len(tried) + 1)
             raise
         err = self.final_error(last, last_wid, len(tried), mid_body, broken, no_worker)
         if broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
@@ -697,8 +698,9 @@ class Proxy:
                             ttft.append(on_first_content(metrics, route, t0, lease))
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
-        except (asyncio.CancelledError, ClientGone):
+        except (asyncio.CancelledError, ClientGone) as e:
             if not delivered(meter, writer):
+                e.dplb_stream = (meter, ttft)  # type: ignore[union-attr]  # what reached it, for the 499 line
                 raise
             # the client had the whole answer when it left: a complete stream, not a disconnect
             complete = True
