@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "http(s)://host:port or unix:/path (requests keep their /v1/... paths)")
     p.add_argument("--engine-host", default=None,
                    help="spawned engine listens on TCP on this host (free port) instead of its Unix socket: "
-                        "a remote node's engine that other nodes' routers forward to (e.g. 0.0.0.0)")
+                        "a remote node's engine that other nodes' routers forward to (e.g. 0.0.0.0), or a vLLM before "
+                        "0.10.1, which has no --uds (127.0.0.1)")
     p.add_argument("--control-port", type=int, default=0,
                    help="also serve the control API on TCP at this port (remote routers mirror the agent "
                         "through it; default: 0 = Unix socket only)")
