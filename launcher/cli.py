@@ -53,7 +53,7 @@ from launcher.supervisor import (
 from router.config import POLICIES
 from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
-from worker_agent.restart import RestartParams
+from worker_agent.restart import RestartParams, add_restart_flags, restart_params
 
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.
 START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
@@ -109,18 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
-    p.add_argument("--agent-restart-max", type=int, default=RESTART.max_restarts,
-                   help="a worker agent that dies (kill -9, crash) is restarted, with a fresh engine, this many "
-                        "times within --agent-restart-window; one more death leaves its slot DEAD (gave_up) "
-                        f"while the rest serves (default: {RESTART.max_restarts}, as the agent's --restart-max "
-                        "for its engine; 0 = never restart)")
-    p.add_argument("--agent-restart-window", type=float, default=RESTART.window_s,
-                   help=f"seconds over which agent deaths are counted (default: {RESTART.window_s:g})")
-    p.add_argument("--agent-restart-backoff", type=float, default=RESTART.backoff_s,
-                   help="seconds before a dead agent's first restart; doubles with each death in the window "
-                        f"(default: {RESTART.backoff_s:g})")
-    p.add_argument("--agent-restart-backoff-max", type=float, default=RESTART.backoff_max_s,
-                   help=f"longest wait before an agent restart, seconds (default: {RESTART.backoff_max_s:g})")
+    add_restart_flags(p, "agent-", "agent death",
+                      "a worker agent that dies (kill -9, crash) is restarted, with a fresh engine, this many "
+                      "times within --agent-restart-window; one more death leaves its slot DEAD (gave_up) "
+                      f"while the rest serves (default: {RESTART.max_restarts}, as the agent's --restart-max "
+                      "for its engine; 0 = never restart)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="the drain limit: at a stop, seconds the requests in flight may take to finish before "
                         f"the engines are stopped anyway; the launcher waits {STOP_MARGIN_S:g} s more for the "
@@ -293,15 +286,11 @@ def gateway_fields(args: argparse.Namespace) -> dict[str, Any]:
 def agent_restart_params(args: argparse.Namespace) -> RestartParams:
     """The ``--agent-restart-*`` flags as :class:`worker_agent.restart.RestartParams`; raises
     :class:`UsageError` naming the flag (the checks the agent makes of its ``--restart-*``)."""
-    if args.agent_restart_max < 0:
-        raise UsageError(f"--agent-restart-max must be >= 0 (got {args.agent_restart_max})")
-    for flag, v in (("--agent-restart-window", args.agent_restart_window),
-                    ("--agent-restart-backoff", args.agent_restart_backoff),
-                    ("--agent-restart-backoff-max", args.agent_restart_backoff_max)):
-        if not v >= 0:
-            raise UsageError(f"{flag} must be >= 0 seconds (got {v})")
-    return RestartParams(max_restarts=args.agent_restart_max, window_s=args.agent_restart_window,
-                         backoff_s=args.agent_restart_backoff, backoff_max_s=args.agent_restart_backoff_max)
+    try:
+        return restart_params(args, "agent-")
+    except ValueError as e:
+        flag, v, reason = e.args
+        raise UsageError(f"{flag} {reason} (got {v})") from None
 
 
 def engine_argv(cfg: LaunchConfig, k: int) -> list[str] | None:
