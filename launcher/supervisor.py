@@ -647,7 +647,7 @@ class Supervisor:
                 continue
             self._reported_dead.add(c.pid)
             if c is self.router or c is self.epp:
-                self._say(f"dplb: {c.name} exited with status {rc}; last lines of {c.log_path}:\n"
+                self._say(f"dplb: {c.name} {exit_words(rc)}; last lines of {c.log_path}:\n"
                           + log_tail(c.log_path, 10))
                 self._say(f"dplb: the {'gateway' if self.cfg.envoy else 'router'} is gone; stopping")
                 return 1
@@ -674,13 +674,13 @@ class Supervisor:
         if delay is None:
             self._agent_gave_up.add(k)
             self._mark_slot_dead(k, rc, "GAVE_UP", 0)
-            self._say(f"dplb: {c.name} exited with status {rc}; its agent died {policy.failures_in_window()} times "
+            self._say(f"dplb: {c.name} {exit_words(rc)}; its agent died {policy.failures_in_window()} times "
                       f"within {p.window_s:g}s (--agent-restart-max {p.max_restarts}): not restarted again, its "
                       f"slot stays DEAD until the launch restarts; last lines of {c.log_path}:\n{tail}")
             return
         self._agent_due[k] = time.monotonic() + delay
         self._mark_slot_dead(k, rc, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
-        self._say(f"dplb: {c.name} exited with status {rc}; restarting its agent in {delay:.1f}s (restart "
+        self._say(f"dplb: {c.name} {exit_words(rc)}; restarting its agent in {delay:.1f}s (restart "
                   f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s); "
                   f"last lines of {c.log_path}:\n{tail}")
 
