@@ -184,3 +184,17 @@ def test_router_families_carry_the_answering_workers_model(make_cluster):
     assert metric(page, "dplb_router_time_to_first_token_seconds_count", route=CHAT, model=MODEL) == 2   # the broken stream had content
     assert metric(page, "dplb_router_request_duration_seconds_count", route=CHAT, model=MODEL) == 2
     assert "no-such-model" not in page
+
+
+def test_status_counts_are_read_live_not_one_health_tick_old(make_cluster):
+    """``/dplb/status`` showed each worker's ``completed`` as of the last health tick while the
+    dump and ``/metrics`` read the slot live (issue 32): with a 30 s tick a request just answered
+    was missing from the status for up to 30 s."""
+    c = make_cluster(1, {"health_check": {"interval_ms": 30000}})
+    before = httpx.get(c.base + "/dplb/status", timeout=10).json()["workers"][0]["completed"]
+    for _ in range(3):
+        assert httpx.post(c.base + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                          timeout=10).status_code == 200
+    row = httpx.get(c.base + "/dplb/status", timeout=10).json()["workers"][0]
+    assert row["completed"] == before + 3 == c.seg.read_slot(0).completed
+    assert metric(scrape(c.base), "dplb_worker_requests_completed_total", worker="0") == row["completed"]
