@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, choices=POLICIES, metavar="P",
                    help=f"routing policy, one of: {', '.join(POLICIES)} (router default: dplb)")
     p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the router's GET /metrics on a port of its own too (router metrics.port; SGLang router's "
+                        "--prometheus-port); default: the router's port only")
     p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
     p.add_argument("--log-level", default=None, help="router log level")
     p.add_argument("--shm", default=None, help="segment name (default: the config's router.shm, else dplb-<port>)")
@@ -154,7 +157,7 @@ def router_settings(args: argparse.Namespace) -> Any:
         raise UsageError(f"--config: no such file: {args.config}")
     overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
                  "routing_policy.policy": args.policy, "router.workers": args.router_workers,
-                 "router.log_level": args.log_level}
+                 "router.log_level": args.log_level, "metrics.port": args.metrics_port}
     try:
         return load_config(args.config, overrides)
     except ConfigError as e:
@@ -235,7 +238,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         num_workers=num_workers, plan=plan, engine=engine, model=model, host=rcfg.router.host, port=port,
         config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
         policy=args.policy, router_policy=rcfg.routing_policy.policy, api_key_set=bool(rcfg.router.api_key),
-        time_scale=args.time_scale, router_workers=args.router_workers,
+        time_scale=args.time_scale, router_workers=args.router_workers, metrics_port=rcfg.metrics.port,
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
