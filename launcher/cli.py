@@ -53,7 +53,7 @@ from launcher.supervisor import (
 from router.config import POLICIES
 from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
-from worker_agent.restart import RestartParams
+from worker_agent.restart import RestartParams, add_restart_flags, restart_params
 
 #: start-up budget per engine kind, seconds: a real model can take many minutes to load.
 START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, choices=POLICIES, metavar="P",
                    help=f"routing policy, one of: {', '.join(POLICIES)} (router default: dplb)")
     p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the router's GET /metrics on a port of its own too (router metrics.port; SGLang router's "
+                        "--prometheus-port); default: the router's port only")
     p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
     p.add_argument("--log-level", default=None, help="router log level")
     p.add_argument("--shm", default=None, help="segment name (default: the config's router.shm, else dplb-<port>)")
@@ -109,18 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sockets and logs (default: $DPLB_RUN_DIR or ${XDG_RUNTIME_DIR:-/tmp}/dplb-<port>)")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
-    p.add_argument("--agent-restart-max", type=int, default=RESTART.max_restarts,
-                   help="a worker agent that dies (kill -9, crash) is restarted, with a fresh engine, this many "
-                        "times within --agent-restart-window; one more death leaves its slot DEAD (gave_up) "
-                        f"while the rest serves (default: {RESTART.max_restarts}, as the agent's --restart-max "
-                        "for its engine; 0 = never restart)")
-    p.add_argument("--agent-restart-window", type=float, default=RESTART.window_s,
-                   help=f"seconds over which agent deaths are counted (default: {RESTART.window_s:g})")
-    p.add_argument("--agent-restart-backoff", type=float, default=RESTART.backoff_s,
-                   help="seconds before a dead agent's first restart; doubles with each death in the window "
-                        f"(default: {RESTART.backoff_s:g})")
-    p.add_argument("--agent-restart-backoff-max", type=float, default=RESTART.backoff_max_s,
-                   help=f"longest wait before an agent restart, seconds (default: {RESTART.backoff_max_s:g})")
+    add_restart_flags(p, "agent-", "agent death",
+                      "a worker agent that dies (kill -9, crash) is restarted, with a fresh engine, this many "
+                      "times within --agent-restart-window; one more death leaves its slot DEAD (gave_up) "
+                      f"while the rest serves (default: {RESTART.max_restarts}, as the agent's --restart-max "
+                      "for its engine; 0 = never restart)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="the drain limit: at a stop, seconds the requests in flight may take to finish before "
                         f"the engines are stopped anyway; the launcher waits {STOP_MARGIN_S:g} s more for the "
@@ -161,7 +157,7 @@ def router_settings(args: argparse.Namespace) -> Any:
         raise UsageError(f"--config: no such file: {args.config}")
     overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
                  "routing_policy.policy": args.policy, "router.workers": args.router_workers,
-                 "router.log_level": args.log_level}
+                 "router.log_level": args.log_level, "metrics.port": args.metrics_port}
     try:
         return load_config(args.config, overrides)
     except ConfigError as e:
@@ -242,7 +238,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
         num_workers=num_workers, plan=plan, engine=engine, model=model, host=rcfg.router.host, port=port,
         config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
         policy=args.policy, router_policy=rcfg.routing_policy.policy, api_key_set=bool(rcfg.router.api_key),
-        time_scale=args.time_scale, router_workers=args.router_workers,
+        time_scale=args.time_scale, router_workers=args.router_workers, metrics_port=rcfg.metrics.port,
         log_level=args.log_level, engine_urls=list(args.engine_urls), engine_args=engine_args,
         run_dir=run_dir.absolute(), shm_name=rcfg.shm_name,
         latency_window_s=rcfg.routing_policy.latency_window_sec,
@@ -293,15 +289,11 @@ def gateway_fields(args: argparse.Namespace) -> dict[str, Any]:
 def agent_restart_params(args: argparse.Namespace) -> RestartParams:
     """The ``--agent-restart-*`` flags as :class:`worker_agent.restart.RestartParams`; raises
     :class:`UsageError` naming the flag (the checks the agent makes of its ``--restart-*``)."""
-    if args.agent_restart_max < 0:
-        raise UsageError(f"--agent-restart-max must be >= 0 (got {args.agent_restart_max})")
-    for flag, v in (("--agent-restart-window", args.agent_restart_window),
-                    ("--agent-restart-backoff", args.agent_restart_backoff),
-                    ("--agent-restart-backoff-max", args.agent_restart_backoff_max)):
-        if not v >= 0:
-            raise UsageError(f"{flag} must be >= 0 seconds (got {v})")
-    return RestartParams(max_restarts=args.agent_restart_max, window_s=args.agent_restart_window,
-                         backoff_s=args.agent_restart_backoff, backoff_max_s=args.agent_restart_backoff_max)
+    try:
+        return restart_params(args, "agent-")
+    except ValueError as e:
+        flag, v, reason = e.args
+        raise UsageError(f"{flag} {reason} (got {v})") from None
 
 
 def engine_argv(cfg: LaunchConfig, k: int) -> list[str] | None:

@@ -47,7 +47,10 @@ class ChildStartError(LaunchError):
 
     def __init__(self, child: str, returncode: int | None, log_path: str, log_tail: str,
                  reason: str = "") -> None:
-        what = reason or (f"exited with status {returncode}" if returncode is not None else "failed")
+        # the shell's words for a status: "killed by SIGKILL (status 137)", not -9
+        from router.workers import exit_words
+
+        what = reason or (exit_words(returncode) if returncode is not None else "failed")
         msg = f"{child} {what} during start-up (log: {log_path})"
         if log_tail:
             msg += "\n--- last lines of " + log_path + " ---\n" + log_tail.rstrip("\n")

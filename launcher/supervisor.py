@@ -119,6 +119,8 @@ class LaunchConfig:
     api_key_set: bool = False
     time_scale: float | None = None
     router_workers: int | None = None
+    #: ``--metrics-port``: the router's ``GET /metrics`` on a port of its own too (None: the main port only)
+    metrics_port: int | None = None
     log_level: str | None = None
     engine_urls: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
@@ -239,7 +241,8 @@ class LaunchConfig:
         return router_argv(port=self.port, shm=self.shm_name, host=self.host, config=self.config,
                            policy=self.policy, workers=self.router_workers, log_level=self.log_level,
                            python=self.python, module=self.router_module,
-                           extra=["--drain-timeout", f"{self.drain_timeout_s:g}"])
+                           extra=["--drain-timeout", f"{self.drain_timeout_s:g}",
+                                  *(["--metrics-port", str(self.metrics_port)] if self.metrics_port else [])])
 
     def child_env(self, k: int | None) -> dict[str, str]:
         """Environment of worker ``k`` (``None``: the router): ours + PYTHONPATH + its GPU group."""
@@ -332,6 +335,8 @@ class Supervisor:
         self._locks = locks
         if cfg.with_router:
             check_port_free(cfg.host, cfg.port)
+            if cfg.metrics_port:
+                check_port_free(cfg.host, cfg.metrics_port)
         longest = cfg.run_dir / f"engine-{cfg.num_workers - 1}.sock"
         if len(os.fsencode(longest)) > SUN_PATH_MAX:
             raise UsageError(f"run dir {cfg.run_dir} is too long for Unix socket paths ({longest} > "
@@ -610,6 +615,8 @@ class Supervisor:
             f"  router status    curl -s{status_key} {cfg.url}/dplb/status",
             (f"  metrics          {cfg.url}/metrics (router and workers), {cfg.url}/dplb/prometheus/targets "
             "(engines, Prometheus http_sd)"),
+            *([f"                   also http://{cfg.host}:{cfg.metrics_port}/metrics (--metrics-port)"]
+              if cfg.metrics_port else []),
             f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",
             "Press Ctrl-C to stop every worker, engine and the router.",
         ]
@@ -647,7 +654,7 @@ class Supervisor:
                 continue
             self._reported_dead.add(c.pid)
             if c is self.router or c is self.epp:
-                self._say(f"dplb: {c.name} exited with status {rc}; last lines of {c.log_path}:\n"
+                self._say(f"dplb: {c.name} {exit_words(rc)}; last lines of {c.log_path}:\n"
                           + log_tail(c.log_path, 10))
                 self._say(f"dplb: the {'gateway' if self.cfg.envoy else 'router'} is gone; stopping")
                 return 1
@@ -674,13 +681,13 @@ class Supervisor:
         if delay is None:
             self._agent_gave_up.add(k)
             self._mark_slot_dead(k, rc, "GAVE_UP", 0)
-            self._say(f"dplb: {c.name} exited with status {rc}; its agent died {policy.failures_in_window()} times "
+            self._say(f"dplb: {c.name} {exit_words(rc)}; its agent died {policy.failures_in_window()} times "
                       f"within {p.window_s:g}s (--agent-restart-max {p.max_restarts}): not restarted again, its "
                       f"slot stays DEAD until the launch restarts; last lines of {c.log_path}:\n{tail}")
             return
         self._agent_due[k] = time.monotonic() + delay
         self._mark_slot_dead(k, rc, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
-        self._say(f"dplb: {c.name} exited with status {rc}; restarting its agent in {delay:.1f}s (restart "
+        self._say(f"dplb: {c.name} {exit_words(rc)}; restarting its agent in {delay:.1f}s (restart "
                   f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s); "
                   f"last lines of {c.log_path}:\n{tail}")
 

@@ -2,7 +2,7 @@
 
     dplb-router [--config dplb.yaml] [--host 127.0.0.1] [--port 30000] [--shm NAME] [--policy dplb]
                 [--workers K] [--admin-token T] [--api-key KEY] [--log-level warning]
-                [--access-log text|json|off] [--drain-timeout 30]
+                [--access-log text|json|off] [--drain-timeout 30] [--metrics-port 29000]
 
 Built-in defaults < the config file < these flags, field by field (the launch script follows the same rule). ``--workers K`` runs K router processes (uvicorn workers) on the
 same port; they share one segment, so in-flight counts and circuit states are one truth.
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", choices=["text", "json", "off"],
                    help="one line per proxied request (default text; router/access_log.py)")
+    p.add_argument("--metrics-port", type=int,
+                   help="also serve GET /metrics on this port of its own (config metrics.port; like SGLang router's "
+                        "--prometheus-port); default: the main port only")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="after SIGTERM, seconds the requests in flight may take to finish (default: %(default)g)")
     return p
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"router.host": args.host, "router.port": args.port, "router.shm": args.shm,
                  "routing_policy.policy": args.policy, "router.workers": args.workers,
                  "router.admin_token": args.admin_token, "router.api_key": args.api_key,
-                 "router.log_level": args.log_level, "router.access_log": args.access_log}
+                 "router.log_level": args.log_level, "router.access_log": args.access_log,
+                 "metrics.port": args.metrics_port}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -66,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
               "127.0.0.1 (behind a reverse proxy, set the token too: every proxied client looks like loopback)",
               file=sys.stderr)
         return 2
+    if cfg.metrics.port is not None:
+        from router.metrics_port import reserve
+
+        try:   # held until exit: the router processes bind it with SO_REUSEPORT (router/metrics_port.py)
+            _held = reserve(cfg.router.host, cfg.metrics.port)
+        except OSError as e:
+            print(f"dplb-router: metrics.port {cfg.metrics.port} on {cfg.router.host}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
     import uvicorn
 
     from router.app import configure_logging

@@ -14,7 +14,8 @@ router answers (served, refused, failed, or left by its client) ends with one li
 ``ttft_ms`` is the time from the request's arrival to its first content (streams; ``-`` when none
 was seen), ``duration_ms`` from its arrival to the end of its answer; tokens are the engine's
 ``usage`` where it sent one, else the router's estimate of the prompt and its count of streamed
-events; ``worker`` is ``-`` when no worker was chosen. Every 5xx also gets a WARNING line with its
+events (a stream its client cut, logged 499, counts the events the client was written);
+``worker`` is ``-`` when no worker was chosen. Every 5xx also gets a WARNING line with its
 cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``).
 """
 from __future__ import annotations

@@ -293,6 +293,14 @@ class LaunchWorker(_Strict):
         return v
 
 
+class MetricsSection(_Strict):
+    """Where ``GET /metrics`` is served. ``port``: a port of its own (``dplb-router --metrics-port``,
+    like SGLang router's ``--prometheus-port``) on ``router.host``, serving the same exposition as
+    the main port (which keeps serving it); None (default): the main port only."""
+
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+
 class Config(_Strict):
     """Whole router configuration (the ``dplb.yaml`` file)."""
 
@@ -302,8 +310,16 @@ class Config(_Strict):
     routing_policy: RoutingPolicy = Field(default_factory=lambda: RoutingPolicy())
     circuit_breaker: CircuitBreaker = Field(default_factory=lambda: CircuitBreaker())
     retries: Retries = Field(default_factory=lambda: Retries())
+    metrics: MetricsSection = Field(default_factory=lambda: MetricsSection())
     # what the launcher starts (several models on one box); empty: --num-workers/--model decide
     workers: list[LaunchWorker] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _metrics_port(self) -> Config:
+        if self.metrics.port is not None and self.metrics.port == self.router.port:
+            raise ValueError(f"metrics.port {self.metrics.port} is router.port: give it a port of its own or leave "
+                             "it unset (/metrics is served on the main port anyway)")
+        return self
 
     @property
     def shm_name(self) -> str:

@@ -29,6 +29,7 @@ from router.errors import (
     UpstreamError,
     error_body,
 )
+from router.metrics_port import start_metrics_port
 from router.protocol import parse_request
 from router.state import RouterState
 
@@ -89,9 +90,13 @@ def build_fastapi(state: RouterState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await state.start()
+        mport = None
         try:
+            mport = await start_metrics_port(state.cfg, app)   # metrics.port (router/metrics_port.py)
             yield
         finally:
+            if mport is not None:
+                await mport.stop()
             await state.stop()
 
     app = FastAPI(title="DPLB router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

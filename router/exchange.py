@@ -46,7 +46,8 @@ class Exchange:
     then bypass ``send``). The attempts' record: ``tried`` (worker ids), ``last`` and
     ``last_wid`` (the last failure and its worker), ``broken`` (workers whose connection the
     request broke after they read it), ``mid_body`` (the last attempt failed inside a
-    non-streamed body) and ``no_worker`` (the pipeline had no worker for another attempt)."""
+    non-streamed body) and ``no_worker`` (the pipeline had no worker for another attempt).
+    ``cut``: a stream its client cut, ``(output tokens sent, TTFT s or None)`` for the 499 line."""
 
     method: str
     route: str
@@ -64,6 +65,7 @@ class Exchange:
     broken: int = 0
     mid_body: bool = False
     no_worker: NoEligibleWorker | None = None
+    cut: tuple[int, float | None] | None = None
 
     def failed(self, wid: int, e: Exception) -> None:
         """Record that the attempt on worker ``wid`` failed with ``e`` before the first byte

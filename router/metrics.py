@@ -7,10 +7,10 @@ multiprocess mode sums them over the router processes):
 
 | family                                      | type      | labels          |
 |---------------------------------------------|-----------|-----------------|
-| dplb_router_requests_total                  | counter   | worker, status  |
-| dplb_router_request_errors_total            | counter   | worker, kind    |
-| dplb_router_request_duration_seconds        | histogram | route           |
-| dplb_router_time_to_first_token_seconds     | histogram | route           |
+| dplb_router_requests_total                  | counter   | worker, status, model |
+| dplb_router_request_errors_total            | counter   | worker, kind, model   |
+| dplb_router_request_duration_seconds        | histogram | route, model    |
+| dplb_router_time_to_first_token_seconds     | histogram | route, model    |
 | dplb_router_request_phase_seconds           | histogram | phase, model    |
 | dplb_router_prompt_tokens_total             | counter   | worker, model   |
 | dplb_router_generation_tokens_total         | counter   | worker, model   |
@@ -18,7 +18,10 @@ multiprocess mode sums them over the router processes):
 | dplb_router_retries_total                   | counter   | reason          |
 | dplb_router_query_of_death_total            | counter   |                 |
 
-``status`` is the HTTP status answered, or 499 (nginx's "client closed request") for a client
+``model`` on the router's own families is the model of the worker that answered (its slot's, as
+the segment lists it; ``""`` for an answer no worker gave: a 404 for an unknown model, a 503 with
+none eligible), never the client's string, so it stays bounded and the dashboard's model selector
+filters these panels too. ``status`` is the HTTP status answered, or 499 (nginx's "client closed request") for a client
 that left before its answer was complete. ``kind`` is one of connect, timeout, status_5xx,
 stream_broken, client_disconnect. ``dplb_router_query_of_death_total`` counts requests answered
 502 and not tried again because they broke the connection of two workers after those read them
@@ -37,6 +40,7 @@ router process, so the process answering the scrape reports it once, nothing is 
 | family                                        | type    | what (labels worker, model)                   |
 |-----------------------------------------------|---------|-----------------------------------------------|
 | dplb_build_info                               | gauge   | 1; labels version, layout_version, policy     |
+| dplb_router_default_prefill_rate_tokens_per_second | gauge | the rate priced until one is learned (config) |
 | dplb_worker_info                              | gauge   | 1; plus labels gpus, endpoint, remote         |
 | dplb_worker_state                             | gauge   | 1 for the slot's state (label state)          |
 | dplb_worker_ready                             | gauge   | 1 when this router routes to it (eligible)    |
@@ -199,11 +203,13 @@ class SegmentCollector:
     ``registry`` (the listed workers' handles), ``seg`` (each slot is read afresh at collect time),
     ``policy`` (the routing policy's name, a label of ``dplb_build_info``), ``verdict`` (the
     scheduler's routing verdict: eligibility lives there) and ``see_worker`` (called with every
-    listed worker id, so the router's own per-worker series start at 0)."""
+    listed worker id, so the router's own per-worker series start at 0); ``default_prefill_rate``
+    (tokens/s, the rate priced until one is learned; None: not exported)."""
 
     def __init__(self, registry: Registry, seg: Segment, policy: str, verdict: Verdict,
-                 see_worker: Callable[[int], None]) -> None:
+                 see_worker: Callable[[int], None], default_prefill_rate: float | None = None) -> None:
         self.registry = registry
+        self.default_prefill_rate = default_prefill_rate
         self.seg = seg
         self.policy = policy
         self.verdict = verdict
@@ -224,6 +230,12 @@ class SegmentCollector:
                                  labels=["version", "layout_version", "policy", "python"])
         info.add_metric([self.version, layout, self.policy, platform.python_version()], 1.0)
         yield info
+        if self.default_prefill_rate is not None:
+            dflt = GaugeMetricFamily("dplb_router_default_prefill_rate_tokens_per_second",
+                                     "Prefill rate the routers price a worker with until they learned its own "
+                                     "(routing_policy.prefill_tokens_per_s)")
+            dflt.add_metric([], float(self.default_prefill_rate))
+            yield dflt
         reg = self.registry
         for wid in list(reg.handles):
             self.see_worker(wid)
@@ -243,22 +255,37 @@ class SegmentCollector:
         yield from f.values()
 
 
+class _ByWorker:
+    """A counter labelled ``(worker, kind, model)`` used as one labelled ``(worker, kind)``: the
+    model is the worker's (``model_of``), so the call sites name the worker and the kind only."""
+
+    __slots__ = ("counter", "model_of")
+
+    def __init__(self, counter: Counter, model_of: Any) -> None:
+        self.counter, self.model_of = counter, model_of
+
+    def labels(self, worker: str, kind: str) -> Any:
+        """The child of ``worker`` (its label) and ``kind`` (``ERROR_KINDS``)."""
+        return self.counter.labels(worker, kind, self.model_of(worker))
+
+
 class Metrics:
     """All router metric families; ``render()`` returns (body bytes, content type).
     :meth:`attach` adds the per-worker series of a started router (:class:`SegmentCollector`)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("dplb_router_requests", "Requests answered, by worker and HTTP status",
-                                ["worker", "status"], registry=r)
-        self.errors = Counter("dplb_router_request_errors", "Forwarding errors, by worker and kind",
-                              ["worker", "kind"], registry=r)
+        self.requests = Counter("dplb_router_requests", "Requests answered, by worker, HTTP status and model",
+                                ["worker", "status", "model"], registry=r)
+        #: ``errors.labels(worker, kind)``: the worker's model is added (:class:`_ByWorker`)
+        self.errors = _ByWorker(Counter("dplb_router_request_errors", "Forwarding errors, by worker, kind and model",
+                                        ["worker", "kind", "model"], registry=r), self.model_of)
         self.duration = Histogram("dplb_router_request_duration_seconds",
-                                  "Time from request received to last byte sent", ["route"], buckets=BUCKETS,
+                                  "Time from request received to last byte sent", ["route", "model"], buckets=BUCKETS,
                                   registry=r)
         self.ttft = Histogram("dplb_router_time_to_first_token_seconds",
                               "Time from request received to the first response chunk carrying content (streams)",
-                              ["route"], buckets=BUCKETS, registry=r)
+                              ["route", "model"], buckets=BUCKETS, registry=r)
         self.phase = Histogram("dplb_router_request_phase_seconds",
                                "Time of a streamed request in each phase: routing (received to dispatched), "
                                "queue_prefill (dispatched to first content), decode (first content to last byte)",
@@ -279,8 +306,12 @@ class Metrics:
         self.collector: SegmentCollector | None = None
         self._req_children: dict[tuple[str, int], object] = {}
         self._dec_children: dict[tuple[str, str], object] = {}
-        self._dur: dict[str, object] = {}
-        self._ttft: dict[str, object] = {}
+        self._dur: dict[tuple[str, str], object] = {}
+        self._ttft: dict[tuple[str, str], object] = {}
+        #: worker label → its model (from the attached state's registry; see :meth:`model_of`)
+        self._models: dict[str, str] = {}
+        #: the attached router's worker registry (:meth:`attach`), read by :meth:`model_of`
+        self._registry: Registry | None = None
         self._phase: dict[tuple[str, str], object] = {}
         self._tok: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._seen: set[int] = set()
@@ -290,36 +321,55 @@ class Metrics:
         self._direct = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
     def attach(self, registry: Registry, seg: Segment, policy: str, verdict: Verdict,
-               retry_on_status: Iterable[int] = ()) -> SegmentCollector:
+               retry_on_status: Iterable[int] = (), default_prefill_rate: float | None = None) -> SegmentCollector:
         """Report the per-worker series of a started router (:class:`SegmentCollector` over
         ``registry``, ``seg``, ``policy`` and ``verdict``) on every scrape, and start every retry
         reason the config allows (``retry_on_status``: ``retries.retry_on_status``) at 0 (a
         series that exists before its first event lets ``rate()`` and the dashboards show 0
-        rather than nothing)."""
+        rather than nothing). ``default_prefill_rate``: ``routing_policy.prefill_tokens_per_s``, exported
+        as ``dplb_router_default_prefill_rate_tokens_per_second``."""
         for reason in (*RETRY_REASONS, *(f"status_{s}" for s in retry_on_status)):
             self.retries.labels(reason)
-        self.collector = SegmentCollector(registry, seg, policy, verdict, self.see_worker)
+        self._registry = registry
+        self.collector = SegmentCollector(registry, seg, policy, verdict, self.see_worker, default_prefill_rate)
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self.registry.register(self.collector)
         return self.collector
 
+    def model_of(self, worker: str) -> str:
+        """The model of worker label ``worker`` (``"none"``, or a worker not in the registry of the
+        attached state: ``""``); cached until :meth:`forget_worker`."""
+        m = self._models.get(worker)
+        if m is not None:
+            return m
+        reg = self._registry
+        h = reg.handles.get(int(worker)) if reg is not None and worker.isdigit() else None
+        if h is None:
+            return ""
+        m = self._models[worker] = str(h.model or "")
+        return m
+
     def observe_request(self, worker: str, status: int, route: str, seconds: float) -> None:
-        """Count one answered request and its duration (children cached: ~1 µs per call)."""
+        """Count one answered request and its duration, labelled with the worker's model
+        (children cached: ~1 µs per call)."""
         key = (worker, status)
         c = self._req_children.get(key)
         if c is None:
-            c = self._req_children[key] = self.requests.labels(worker, str(status))
+            c = self.requests.labels(worker, str(status), self.model_of(worker))
+            if worker in self._models:
+                self._req_children[key] = c
         self._add(c, 1.0)
-        h = self._dur.get(route)
+        model = self.model_of(worker)
+        h = self._dur.get((route, model))
         if h is None:
-            h = self._dur[route] = self.duration.labels(route)
+            h = self._dur[(route, model)] = self.duration.labels(route, model)
         h.observe(seconds)  # type: ignore[attr-defined]
 
-    def observe_ttft(self, route: str, seconds: float) -> None:
-        """Time to the first relayed chunk carrying content of a stream."""
-        h = self._ttft.get(route)
+    def observe_ttft(self, route: str, seconds: float, model: str = "") -> None:
+        """Time to the first relayed chunk carrying content of a stream (``model``: the worker's)."""
+        h = self._ttft.get((route, model))
         if h is None:
-            h = self._ttft[route] = self.ttft.labels(route)
+            h = self._ttft[(route, model)] = self.ttft.labels(route, model)
         h.observe(seconds)  # type: ignore[attr-defined]
 
     def observe_phase(self, phase: str, model: str, seconds: float) -> None:
@@ -356,6 +406,10 @@ class Metrics:
         themselves; its counters stay, as counters of a finished target do)."""
         for key in [k for k in self._tok if k[0] == worker_id]:
             self._tok.pop(key, None)
+        w = str(worker_id)
+        for rkey in [k for k in self._req_children if k[0] == w]:
+            self._req_children.pop(rkey, None)
+        self._models.pop(w, None)   # the slot may come back serving another model
         self._seen.discard(worker_id)
 
     def decision(self, policy: str, reason: str) -> None:

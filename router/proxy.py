@@ -432,8 +432,9 @@ class Proxy:
             self.metrics.errors.labels(label, "client_disconnect").inc()
             dt = time.perf_counter() - ex.t0
             self.metrics.observe_request(label, CLIENT_CLOSED, ex.route, dt)
-            self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, CLIENT_CLOSED, dt, None,
-                             ex.info.prompt_len, None, len(ex.tried) + 1)
+            sent, ttft = ex.cut if ex.cut is not None else (None, None)   # a stream cut: the tokens it was sent
+            self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, CLIENT_CLOSED, dt, ttft,
+                             ex.info.prompt_len, sent, len(ex.tried) + 1)
             raise
         err = self.final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker)
         if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:

@@ -72,6 +72,7 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
         complete = True
     except (asyncio.CancelledError, ClientGone):
         if not delivered(meter, writer):
+            ex.cut = (meter.output_tokens(), ttft[0] if ttft else None)   # what reached it, for the 499 line
             raise
         # the client had the whole answer when it left: a complete stream, not a disconnect
         complete = True

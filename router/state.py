@@ -146,7 +146,7 @@ class RouterState:
         await self.mirrors.tick()
         self.monitor.start()
         self.metrics.attach(self.registry, self.seg, self.policy.name, self.scheduler.routing_state,
-                            cfg.retries.retry_on_status)
+                            cfg.retries.retry_on_status, cfg.routing_policy.prefill_tokens_per_s)
         self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
                            ProxySettings.from_config(cfg, bool(getattr(self.policy, "needs_text", True))))
 

@@ -224,9 +224,10 @@ def on_first_content(metrics: Any, route: str, t0: float, lease: Any) -> float:
     TTFT, s."""
     now = time.perf_counter()
     ttft = now - t0
-    metrics.observe_ttft(route, ttft)
     if lease is None:
+        metrics.observe_ttft(route, ttft)
         return ttft
+    metrics.observe_ttft(route, ttft, lease.handle.model or "")
     since_dispatch = lease.first_token()
     if since_dispatch is not None:
         model = lease.handle.model or ""

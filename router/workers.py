@@ -17,6 +17,7 @@ and its breaker closes (it is a new engine).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from collections.abc import Callable, Iterable
@@ -258,7 +259,9 @@ class Registry:
         """Per-worker rows of ``GET /dplb/status`` and ``GET /dplb/workers``: every slot that is
         not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
         ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict (``routing_state``, the
-        scheduler's); ``endpoint`` the engine's address, ``control`` the agent's;
+        scheduler's); the slot's fields are read now, as the dump and ``/metrics`` read them (the
+        health tick's snapshot only when the read fails or finds the slot released), so the
+        counts do not lag one tick; ``endpoint`` the engine's address, ``control`` the agent's;
         ``agent_pid`` the slot writer's pid (the agent; a mirror: the router that mirrors it; also
         as ``pid``, its older name), ``engine_pid`` the engine process the agent spawned (None: none,
         e.g. an attached server); ``restarts``, ``last_exit_code``, ``state_reason`` and
@@ -272,6 +275,10 @@ class Registry:
         for wid in sorted(self.handles):
             h = self.handles[wid]
             s = h.snap
+            with contextlib.suppress(Exception):   # a slot read mid-release: the last tick's snapshot
+                live = self.seg.read_slot(wid)
+                if live is not None and int(live.state) != 0:
+                    s = live
             routing = routing_state(h)
             row: dict[str, Any] = {
                 "id": wid, "worker_id": wid, "state": "unknown", "eligible": routing == "eligible", "routing": routing,

@@ -36,6 +36,7 @@ from simulate.cluster import (
 )
 from simulate.generators import DEFAULT_REQUESTS, WORKLOADS, describe, generate
 from simulate.report import (
+    LEGEND,
     Progress,
     attainment_line,
     capacity_table,
@@ -375,6 +376,7 @@ def _main(ns: argparse.Namespace) -> int:
     print(f"trace {ns.trace}: {len(reqs)} requests from #{ns.start}, rate x{ns.rate_scale:g}, "
           f"{len(engines)} engines, seed {ns.seed} (times in s, TPOT in ms)")
     print(table(rows))
+    print(f"({LEGEND})")
     print(attainment_line(rows, att_slo))
     if (ns.find_capacity or ns.min_engines) and p99:
         slo_txt = ", ".join(x for x in (f"TTFT p99 <= {ns.slo_ttft_p99} s" if ns.slo_ttft_p99 is not None else "",

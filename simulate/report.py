@@ -13,8 +13,11 @@ import orjson
 COLUMNS = (
     ("policy", 14), ("served", 7), ("rej", 5), ("ttft50", 8), ("ttft90", 8), ("ttft99", 8), ("tpot50", 7),
     ("tpot99", 7), ("e2e50", 8), ("e2e99", 8), ("queue50", 8), ("tok/s", 8), ("hit", 6), ("preempt", 7),
-    ("share", 11), ("max/min", 7),
+    ("share max/min", 13), ("ratio", 7),
 )
+#: what the table's columns hold (printed under it by ``dplb-simulate``)
+LEGEND = ("times in s, TPOT in ms; share max/min: the largest and smallest engine's share of the requests; "
+          "ratio: their quotient")
 
 
 def _f(x: Any, nd: int = 2) -> str:
@@ -92,9 +95,24 @@ def write_json(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
     Path(path).write_bytes(data + b"\n")
 
 
+def queue_scale(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """``(last time s, largest queue)`` over every policy's ``load_over_time``: the one x and y
+    range of the per-policy queue plots, so the figures compare at a glance (each plot scaled to
+    its own maximum hid the difference they exist to show, issue 32). At least ``(1, 1)``."""
+    t_max, q_max = 0.0, 0.0
+    for r in rows:
+        lot = r["load_over_time"]
+        for q in lot["queue"]:
+            if q:
+                q_max = max(q_max, float(max(q)))
+                t_max = max(t_max, float(lot["t_s"][min(len(q), len(lot["t_s"])) - 1]))
+    return max(t_max, 1.0), max(q_max, 1.0)
+
+
 def plot(rows: Sequence[dict[str, Any]], ttft_samples: dict[str, list[float]], out_dir: str | Path) -> list[str]:
     """Write ``ttft_cdf.png`` (TTFT CDF per policy) and ``queue_<policy>.png`` (each engine's
-    queue, running + waiting, over time). Returns the paths written."""
+    queue, running + waiting, over time; one x and y range for every policy, :func:`queue_scale`).
+    Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,6 +139,7 @@ def plot(rows: Sequence[dict[str, Any]], ttft_samples: dict[str, list[float]], o
     fig.savefig(p, dpi=110)
     plt.close(fig)
     written.append(str(p))
+    t_max, q_max = queue_scale(rows)
     for r in rows:
         lot = r["load_over_time"]
         fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -128,6 +147,8 @@ def plot(rows: Sequence[dict[str, Any]], ttft_samples: dict[str, list[float]], o
             ax.plot(lot["t_s"][:len(q)], q, linewidth=0.8, label=f"engine {k}")
         ax.set_xlabel("time (s, simulated)")
         ax.set_ylabel("queue (running + waiting)")
+        ax.set_xlim(0.0, t_max)
+        ax.set_ylim(0.0, q_max * 1.05)   # the same scale in every policy's figure
         ax.set_title(f"per-engine queue over time: {r['policy']}")
         ax.grid(True, alpha=0.3)
         if len(lot["queue"]) <= 16:

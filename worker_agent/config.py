@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .restart import DEFAULTS as RESTART
+from .restart import add_restart_flags, restart_params
 
 ENGINES = ("sim", "vllm", "sglang", "openai")
 
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "http(s)://host:port or unix:/path (requests keep their /v1/... paths)")
     p.add_argument("--engine-host", default=None,
                    help="spawned engine listens on TCP on this host (free port) instead of its Unix socket: "
-                        "a remote node's engine that other nodes' routers forward to (e.g. 0.0.0.0)")
+                        "a remote node's engine that other nodes' routers forward to (e.g. 0.0.0.0), or a vLLM before "
+                        "0.10.1, which has no --uds (127.0.0.1)")
     p.add_argument("--control-port", type=int, default=0,
                    help="also serve the control API on TCP at this port (remote routers mirror the agent "
                         "through it; default: 0 = Unix socket only)")
@@ -152,16 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-window-s", type=float, default=10.0,
                    help="latency samples older than this leave the slot's TTFT/TPOT/e2e windows "
                         "(default: 10; 0 = the last 32 samples whatever their age)")
-    p.add_argument("--restart-max", type=int, default=RESTART.max_restarts,
-                   help="engine failures restarted within --restart-window; one more leaves the worker "
-                        f"DEAD until an admin restart (default: {RESTART.max_restarts}; 0 = never restart)")
-    p.add_argument("--restart-window", type=float, default=RESTART.window_s,
-                   help=f"seconds over which engine failures are counted (default: {RESTART.window_s:g})")
-    p.add_argument("--restart-backoff", type=float, default=RESTART.backoff_s,
-                   help="seconds before the first restart; doubles with each failure in the window "
-                        f"(default: {RESTART.backoff_s:g})")
-    p.add_argument("--restart-backoff-max", type=float, default=RESTART.backoff_max_s,
-                   help=f"longest wait before a restart, seconds (default: {RESTART.backoff_max_s:g})")
+    add_restart_flags(p, "", "engine failure",
+                      "engine failures restarted within --restart-window; one more leaves the worker DEAD until "
+                      f"an admin restart (default: {RESTART.max_restarts}; 0 = never restart)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -198,12 +193,10 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         raise ConfigError("--state-interval-ms", ns.state_interval_ms, "must be >= 10")
     if ns.latency_window_s < 0:
         raise ConfigError("--latency-window-s", ns.latency_window_s, "must be >= 0")
-    if ns.restart_max < 0:
-        raise ConfigError("--restart-max", ns.restart_max, "must be >= 0")
-    for flag, v in (("--restart-window", ns.restart_window), ("--restart-backoff", ns.restart_backoff),
-                    ("--restart-backoff-max", ns.restart_backoff_max)):
-        if not v >= 0:
-            raise ConfigError(flag, v, "must be >= 0 seconds")
+    try:
+        restart = restart_params(ns, "")
+    except ValueError as e:
+        raise ConfigError(*e.args) from None
     if not 0 <= ns.control_port < 65536:
         raise ConfigError("--control-port", ns.control_port, "must be a TCP port (0 = none)")
     tp = ns.tp_size or max(1, len(gpus))
@@ -233,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         state_interval_ms=ns.state_interval_ms, max_num_seqs=max_num_seqs,
         run_dir=run_dir, engine_python=ns.engine_python, engine_start_timeout_s=ns.engine_start_timeout,
         drain_timeout_s=ns.drain_timeout, weight=ns.weight, latency_window_s=ns.latency_window_s,
-        restart_max=ns.restart_max, restart_window_s=ns.restart_window, restart_backoff_s=ns.restart_backoff,
-        restart_backoff_max_s=ns.restart_backoff_max,
+        restart_max=restart.max_restarts, restart_window_s=restart.window_s, restart_backoff_s=restart.backoff_s,
+        restart_backoff_max_s=restart.backoff_max_s,
         log_level=ns.log_level, engine_args=extra,
     )

@@ -61,11 +61,13 @@ class EngineStartError(EngineError):
 
 
 class EngineExitedError(EngineError):
-    """The engine process exited while the agent expected it to run; ``exit_code`` as from ``wait()``."""
+    """The engine process exited while the agent expected it to run; ``exit_code`` as from ``wait()``;
+    ``hint``: what the adapter read in the engine's log about why (appended to the message)."""
 
-    def __init__(self, exit_code: int | None, *, engine: str = "", worker_id: int | None = None) -> None:
-        super().__init__(f"engine {engine or '?'} exited unexpectedly with code {exit_code}",
-                         engine=engine, worker_id=worker_id)
+    def __init__(self, exit_code: int | None, *, engine: str = "", worker_id: int | None = None,
+                 hint: str = "") -> None:
+        super().__init__(f"engine {engine or '?'} exited unexpectedly with code {exit_code}"
+                         + (f": {hint}" if hint else ""), engine=engine, worker_id=worker_id)
         self.exit_code = exit_code
 
 

@@ -12,6 +12,7 @@ CrashLoopBackOff without the reset).
 """
 from __future__ import annotations
 
+import argparse
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +31,39 @@ class RestartParams:
 
 #: defaults of ``dplb-worker-agent --restart-*`` and ``launch_dplb.sh --agent-restart-*``
 DEFAULTS = RestartParams()
+
+
+def add_restart_flags(p: argparse.ArgumentParser, prefix: str, failure: str, max_help: str) -> None:
+    """Add ``--<prefix>restart-max``, ``-window``, ``-backoff`` and ``-backoff-max`` to ``p`` with
+    :data:`DEFAULTS` (the agent: ``prefix=""``, ``failure="engine failure"``; the launcher:
+    ``prefix="agent-"``, ``failure="agent death"``). ``max_help``: the ``-max`` flag's help."""
+    f = f"--{prefix}restart"
+    p.add_argument(f"{f}-max", type=int, default=DEFAULTS.max_restarts, help=max_help)
+    p.add_argument(f"{f}-window", type=float, default=DEFAULTS.window_s,
+                   help=f"seconds over which each {failure} is counted (default: {DEFAULTS.window_s:g})")
+    p.add_argument(f"{f}-backoff", type=float, default=DEFAULTS.backoff_s,
+                   help=f"seconds before the first restart; doubles with each {failure} in the window "
+                        f"(default: {DEFAULTS.backoff_s:g})")
+    p.add_argument(f"{f}-backoff-max", type=float, default=DEFAULTS.backoff_max_s,
+                   help=f"longest wait before a restart, seconds (default: {DEFAULTS.backoff_max_s:g})")
+
+
+def restart_params(ns: argparse.Namespace, prefix: str) -> RestartParams:
+    """The flags :func:`add_restart_flags` added, parsed into ``ns``, as :class:`RestartParams`.
+
+    Raises:
+        ValueError: ``(flag, value, reason)`` for a negative count or duration.
+    """
+    a = prefix.replace("-", "_") + "restart"
+    mx = getattr(ns, f"{a}_max")
+    if mx < 0:
+        raise ValueError(f"--{prefix}restart-max", mx, "must be >= 0")
+    secs = {k: getattr(ns, f"{a}_{k.replace('-', '_')}") for k in ("window", "backoff", "backoff-max")}
+    for k, v in secs.items():
+        if not v >= 0:
+            raise ValueError(f"--{prefix}restart-{k}", v, "must be >= 0 seconds")
+    return RestartParams(max_restarts=mx, window_s=secs["window"], backoff_s=secs["backoff"],
+                         backoff_max_s=secs["backoff-max"])
 
 
 class RestartPolicy:

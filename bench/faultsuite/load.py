@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -45,6 +45,8 @@ class Outcome:
     detail: str = ""
     t_first: float | None = None
     body: bytes = b""
+    #: the answer's headers (names lower-case), empty when no head came
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def chat(stream: bool = False, model: str | None = None, words: int = 8, max_tokens: int = 16, tag: Any = None,
@@ -122,7 +124,8 @@ async def send(client: httpx.AsyncClient, body: dict[str, Any] | bytes, path: st
                headers: dict[str, str] | None = None, timeout: float = 30.0,
                on_first: Callable[[Outcome], None] | None = None) -> Outcome:
     """Send one request through ``client`` and classify it. ``timeout``: the whole request (a
-    request still running after it counts as lost: a hang). ``on_first`` runs at the first body chunk."""
+    request still running after it counts as lost: a hang). ``on_first`` runs at the first body chunk.
+    The outcome keeps the answer's body and headers (``Outcome.headers``)."""
     stream = isinstance(body, dict) and bool(body.get("stream"))
     content = body if isinstance(body, bytes) else orjson.dumps(body)
     hs = {"content-type": "application/json", **(headers or {})}
@@ -133,6 +136,7 @@ async def send(client: httpx.AsyncClient, body: dict[str, Any] | bytes, path: st
             async with client.stream("POST", path, content=content, headers=hs) as r:
                 o.status = r.status_code
                 o.worker = r.headers.get("x-dplb-worker-id")
+                o.headers = {k.lower(): v for k, v in r.headers.items()}
                 async for chunk in r.aiter_raw():
                     if o.t_first is None:
                         o.t_first = time.monotonic()

@@ -33,11 +33,10 @@ import psutil
 
 from bench.faultsuite.common import Result
 from bench.faultsuite.load import (
-    CHAT,
     Outcome,
     chat,
-    classify,
     openai_error,
+    send,
     sse_events,
 )
 from launcher.stack import ProcessGroup, free_port, wait_for
@@ -74,30 +73,9 @@ def finish_reasons(body: bytes) -> list[str]:
 
 
 async def _send(client: httpx.AsyncClient, body: dict[str, Any], timeout: float) -> _Answer:
-    """One streamed request, its status, ``Retry-After``, body and finish reasons."""
-    o = Outcome(time.monotonic(), 0.0, True)
-    a = _Answer(o)
-    parts: list[bytes] = []
-    try:
-        async with asyncio.timeout(timeout):
-            async with client.stream("POST", CHAT, content=orjson.dumps(body),
-                                     headers={"content-type": "application/json"}) as r:
-                o.status = r.status_code
-                o.worker = r.headers.get("x-dplb-worker-id")
-                a.retry_after = r.headers.get("retry-after")
-                async for chunk in r.aiter_raw():
-                    if o.t_first is None:
-                        o.t_first = time.monotonic()
-                    parts.append(chunk)
-    except TimeoutError:
-        o.status, o.detail = None, f"no complete answer within {timeout}s (hang)"
-    except httpx.HTTPError as e:
-        o.status, o.detail = None, f"{type(e).__name__}: {e}"
-    o.body = b"".join(parts)
-    o.t_end = time.monotonic()
-    classify(o)
-    a.finish_reasons = finish_reasons(o.body) if o.status == 200 else []
-    return a
+    """One streamed request (:func:`bench.faultsuite.load.send`), its ``Retry-After`` and finish reasons."""
+    o = await send(client, body, timeout=timeout)
+    return _Answer(o, o.headers.get("retry-after"), finish_reasons(o.body) if o.status == 200 else [])
 
 
 def _tree(pid: int) -> set[int]:

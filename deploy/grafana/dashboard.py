@@ -50,14 +50,14 @@ def refs(ts):
 # ---------------------------------------------------------------- overview
 row("Overview")
 panel("stat", "Requests / s", "Answers per second, every status (router).",
-      [(f"sum(rate(dplb_router_requests_total[{RI}]))", "req/s")], 0, 4, 4, "reqps")
+      [(f"sum(rate(dplb_router_requests_total{{{M}}}[{RI}]))", "req/s")], 0, 4, 4, "reqps")
 panel("stat", "5xx ratio", "Share of answers with a 5xx status (the router's 502/503/504 and the engines'). Alert: DPLBHighErrorRatio.",
-      [(f'(sum(rate(dplb_router_requests_total{{status=~"5.."}}[{RI}])) or vector(0)) / sum(rate(dplb_router_requests_total[{RI}]))', "5xx")],
+      [(f'(sum(rate(dplb_router_requests_total{{status=~"5..", {M}}}[{RI}])) or vector(0)) / sum(rate(dplb_router_requests_total{{{M}}}[{RI}]))', "5xx")],
       4, 4, 4, "percentunit", fieldcfg={"thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 0.05}]}})
 panel("stat", "Ready workers", "Workers the router routes to, out of the workers listed (dead ones included).",
       refs([(f"sum(dplb_worker_ready{{{M}}})", "ready"), (f"count(dplb_worker_info{{{M}}})", "listed")]), 8, 4, 4)
 panel("stat", "TTFT p99 (router)", "99th percentile of the time from a request's arrival to the first chunk carrying content (streams).",
-      [(f"histogram_quantile(0.99, sum by (le) (rate(dplb_router_time_to_first_token_seconds_bucket[{RI}])))", "p99")], 12, 4, 4, "s")
+      [(f"histogram_quantile(0.99, sum by (le) (rate(dplb_router_time_to_first_token_seconds_bucket{{{M}}}[{RI}])))", "p99")], 12, 4, 4, "s")
 panel("stat", "Output tokens / s", "Tokens generated per second over all workers of the selected models.",
       [(f"sum(rate(dplb_router_generation_tokens_total{{{M}}}[{RI}]))", "tokens/s")], 16, 4, 4, "short")
 panel("stat", "Build", "DPLB version, segment layout version and routing policy of the router.",
@@ -68,7 +68,7 @@ y[0] += 4
 # ---------------------------------------------------------------- load
 row("Load per worker")
 pend = (f"sum by (worker, gpus) ((dplb_worker_requests_running{{{M}}} + dplb_worker_requests_waiting{{{M}}})"
-        f" * on (job, instance, worker, model) group_left (gpus) dplb_worker_info)")
+        f" * on (job, instance, worker, model) group_left (gpus) dplb_worker_info{{{M}}})")
 panel("heatmap", "Pending requests per GPU", "Requests the engine holds (running + waiting) per worker and its GPUs, over time: a hot row is a GPU that gets more than its share.",
       [target(pend, "worker {{worker}} GPU {{gpus}}", format="time_series")], 0, 12, 9,
       options={"calculate": False, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64, "exponent": 0.5},
@@ -99,29 +99,30 @@ split = panel("timeseries", "Request time split: routing, queue + prefill, decod
               12, 12, 9, "s", fieldcfg={"custom": {"stacking": {"mode": "normal", "group": "A"}, "drawStyle": "bars", "fillOpacity": 80}})
 y[0] += 9
 panel("timeseries", "TTFT (router, to the first content)", "Quantiles of the router's time to first token: request arrival to the first streamed chunk that carries content.",
-      refs([(f"histogram_quantile({q}, sum by (le) (rate(dplb_router_time_to_first_token_seconds_bucket[{RI}])))", f"p{int(q*100)}") for q in (0.5, 0.9, 0.99)]), 0, 8, 8, "s")
+      refs([(f"histogram_quantile({q}, sum by (le) (rate(dplb_router_time_to_first_token_seconds_bucket{{{M}}}[{RI}])))", f"p{int(q*100)}") for q in (0.5, 0.9, 0.99)]), 0, 8, 8, "s")
 panel("timeseries", "Recent TTFT per worker", "The routers' moving average of time to first token on each worker (dispatch to first content).",
       [(f"dplb_worker_recent_ttft_seconds{{{M}}}", "worker {{worker}}")], 8, 8, 8, "s")
 panel("timeseries", "Engine TTFT p99 (engine's own histogram)", "vLLM's vllm:time_to_first_token_seconds per worker (job dplb-engines): the engine's view, without the router and the network.",
       [(f"histogram_quantile(0.99, sum by (worker, le) (rate(vllm:time_to_first_token_seconds_bucket{{{M}}}[{RI}])))", "worker {{worker}}")], 16, 8, 8, "s")
 y[0] += 8
 panel("timeseries", "End-to-end duration", "Quantiles of the time from a request's arrival to its last byte, by route.",
-      refs([(f"histogram_quantile({q}, sum by (route, le) (rate(dplb_router_request_duration_seconds_bucket[{RI}])))", f"p{int(q*100)} {{{{route}}}}") for q in (0.5, 0.99)]), 0, 12, 8, "s")
-panel("timeseries", "Learned prefill rate", "Prompt tokens per second each worker prefills, learned by the routers from observed TTFTs.",
-      [(f"dplb_worker_prefill_rate_tokens_per_second{{{M}}}", "worker {{worker}}")], 12, 12, 8, "short")
+      refs([(f"histogram_quantile({q}, sum by (route, le) (rate(dplb_router_request_duration_seconds_bucket{{{M}}}[{RI}])))", f"p{int(q*100)} {{{{route}}}}") for q in (0.5, 0.99)]), 0, 12, 8, "s")
+panel("timeseries", "Prefill rate: learned, else the default", "Prompt tokens per second each worker prefills, learned by the routers from observed TTFTs (from the first prompt of routing_policy.rate_min_tokens, 1024 by default); until then a worker is priced with the default (routing_policy.prefill_tokens_per_s).",
+      refs([(f"dplb_worker_prefill_rate_tokens_per_second{{{M}}}", "worker {{worker}}"),
+            ("dplb_router_default_prefill_rate_tokens_per_second", "default (until learned)")]), 12, 12, 8, "short")
 y[0] += 8
 
 # ---------------------------------------------------------------- routing and failures
 row("Routing and failures")
-panel("timeseries", "Routing decisions by reason", "Decisions per second of the routing policy, by reason (e.g. ttft, prefix, only_one).",
+panel("timeseries", "Routing decisions by reason (all models)", "Decisions per second of the routing policy, by reason (e.g. ttft, prefix, only_one); every model (decisions carry no model label).",
       [(f"sum by (policy, reason) (rate(dplb_router_routing_decisions_total[{RI}]))", "{{policy}} {{reason}}")], 0, 8, 8, "short")
-panel("timeseries", "Retries by reason", "Requests sent again to another worker before their first byte: refused connections, 429/503 answers (and timeouts or disconnects only when configured).",
+panel("timeseries", "Retries by reason (all models)", "Requests sent again to another worker before their first byte: refused connections, 429/503 answers (and timeouts or disconnects only when configured); every model.",
       [(f"sum by (reason) (rate(dplb_router_retries_total[{RI}]))", "{{reason}}")], 8, 8, 8, "short")
 panel("timeseries", "Errors by kind", "Forwarding errors per second: connect, timeout, status_5xx, stream_broken, client_disconnect.",
-      [(f"sum by (kind) (rate(dplb_router_request_errors_total[{RI}]))", "{{kind}}")], 16, 8, 8, "short")
+      [(f"sum by (kind) (rate(dplb_router_request_errors_total{{{M}}}[{RI}]))", "{{kind}}")], 16, 8, 8, "short")
 y[0] += 8
 panel("timeseries", "Answers by status", "Answers per second by HTTP status.",
-      [(f"sum by (status) (rate(dplb_router_requests_total[{RI}]))", "{{status}}")], 0, 8, 8, "reqps")
+      [(f"sum by (status) (rate(dplb_router_requests_total{{{M}}}[{RI}]))", "{{status}}")], 0, 8, 8, "reqps")
 panel("state-timeline", "Circuit state", "Each worker's circuit breaker: closed, open (no requests until a half-open probe), half-open. Alert: DPLBCircuitOpen.",
       [(f"dplb_worker_circuit_state{{{M}}}", "worker {{worker}}")], 8, 8, 8,
       fieldcfg={"mappings": [{"type": "value", "options": {"0": {"text": "closed", "color": "green"}, "1": {"text": "open", "color": "red"}, "2": {"text": "half-open", "color": "orange"}}}]})

@@ -85,7 +85,8 @@ def test_dashboard_has_the_panels_an_operator_needs():
                                                                 "dplb_worker_recent_tpot_seconds"]
     split = titles["Request time split: routing, queue + prefill, decode"]["targets"][0]["expr"]
     assert "dplb_router_request_phase_seconds_sum" in split and "by (phase)" in split
-    for name in ("Routing decisions by reason", "Retries by reason", "Circuit state", "Engine restarts"):
+    for name in ("Routing decisions by reason (all models)", "Retries by reason (all models)", "Circuit state",
+                 "Engine restarts"):
         assert name in titles
     for p in panels:
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]

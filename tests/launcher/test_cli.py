@@ -251,3 +251,12 @@ def test_one_set_of_keys_for_a_worker_spec_in_the_flag_and_the_file(tmp_path):
     cfg.write_text("workers:\n  - {model: beta, engine: sim, args: '--max-num-seqs 8'}\n")
     b = plan("--config", str(cfg))["workers"][0]["argv"]
     assert b[b.index("--") + 1:][-2:] == ["--max-num-seqs", "8"]
+
+
+def test_metrics_port_reaches_the_router_and_is_checked():
+    """``--metrics-port``: the router serves ``/metrics`` on a port of its own too (router/metrics_port.py)."""
+    r = plan("-n", "1", "--metrics-port", "29017")["router"]["argv"]
+    assert r[r.index("--metrics-port") + 1] == "29017"
+    assert "--metrics-port" not in plan("-n", "1")["router"]["argv"]
+    cp = launch("-n", "1", "--port", "30111", "--metrics-port", "30111", "--dry-run")
+    assert cp.returncode == 2 and "metrics.port 30111 is router.port" in cp.stderr

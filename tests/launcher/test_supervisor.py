@@ -144,7 +144,7 @@ def test_a_killed_agent_is_restarted_into_its_slot(procs, run_dir, port):
     try:
         old = seg.read_slot(1).pid
         os.kill(old, signal.SIGKILL)
-        wait_until(lambda: "worker 1 exited with status -9; restarting its agent in 2.0s (restart 1 of at most 5" in log.read_text(),
+        wait_until(lambda: "worker 1 killed by SIGKILL (status 137); restarting its agent in 2.0s (restart 1 of at most 5" in log.read_text(),
                    timeout=30, what="death line")
         s = seg.read_slot(1)
         assert (s.state, s.state_reason, s.last_exit_code, s.pid) == (WorkerState.DEAD, StateReason.AGENT_EXITED, -9, old)

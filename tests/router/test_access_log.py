@@ -78,3 +78,26 @@ def test_every_router_process_writes_its_access_lines(make_cluster):
                           headers={"x-request-id": f"rid-w{i}"}).status_code == 200
     wait_until(lambda: all(_lines(c, f"rid=rid-w{i} ") for i in range(8)), 15, what="8 access lines")
     assert all(" INFO dplb.router.access: " in _lines(c, f"rid=rid-w{i} ")[0] for i in range(8))
+
+
+def test_a_stream_the_client_cut_logs_the_tokens_it_was_sent(make_cluster):
+    """A streamed request cut by its client was logged ``status=499 ... output_tokens=-`` though
+    tokens had reached it: the line now counts the content events the client was written."""
+    c = make_cluster(1)
+    headers = {"x-request-id": "rid-cut", "x-fake-mode": "stream", "x-fake-chunks": "40", "x-fake-delay": "0.05"}
+    seen = 0
+    with httpx.stream("POST", c.base + "/v1/chat/completions", headers=headers, timeout=30,
+                      json={"model": MODEL, "messages": MSG, "stream": True, "max_tokens": 40}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                seen += 1
+                if seen == 3:
+                    break   # leaving the block closes the connection mid-stream
+    wait_until(lambda: _lines(c, "rid=rid-cut "), 15, what="the 499 access line")
+    line = _lines(c, "rid=rid-cut ")[0]
+    assert "status=499" in line, line
+    assert "output_tokens=-" not in line, line
+    out = int(line.split("output_tokens=", 1)[1].split()[0])
+    assert 3 <= out < 40, line
+    assert "ttft_ms=-" not in line, line

@@ -163,3 +163,38 @@ def test_models_by_id_and_engine_metrics_through_the_router(make_cluster):
                                                  "model": "alpha"}},
                   {"targets": [host], "labels": {"__metrics_path__": "/dplb/workers/1/metrics", "worker": "1",
                                                  "model": "org/beta"}}]
+
+
+def test_router_families_carry_the_answering_workers_model(make_cluster):
+    """The dashboard's model selector filtered nothing on the router-level panels (requests, errors,
+    TTFT, duration): they had no ``model`` label (issue 32). The label is the worker's model, never
+    the client's string (a 404 for an unknown model counts under ``model=""``: bounded)."""
+    c = make_cluster(1)
+    stream_chat(c.base, {"x-fake-chunks": "2"})
+    with httpx.stream("POST", c.base + CHAT, headers={"x-fake-mode": "break"}, timeout=10,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+        r.read()   # two chunks, then the engine's connection breaks: an SSE error event, 502
+    assert httpx.post(c.base + CHAT, json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+                      timeout=10).status_code == 404
+    page = scrape(c.base)
+    assert metric(page, "dplb_router_requests_total", worker="0", status="200", model=MODEL) == 1
+    assert metric(page, "dplb_router_requests_total", worker="0", status="502", model=MODEL) == 1
+    assert metric(page, "dplb_router_requests_total", worker="none", status="404", model="") == 1
+    assert metric(page, "dplb_router_request_errors_total", worker="0", kind="stream_broken", model=MODEL) == 1
+    assert metric(page, "dplb_router_time_to_first_token_seconds_count", route=CHAT, model=MODEL) == 2   # the broken stream had content
+    assert metric(page, "dplb_router_request_duration_seconds_count", route=CHAT, model=MODEL) == 2
+    assert "no-such-model" not in page
+
+
+def test_status_counts_are_read_live_not_one_health_tick_old(make_cluster):
+    """``/dplb/status`` showed each worker's ``completed`` as of the last health tick while the
+    dump and ``/metrics`` read the slot live (issue 32): with a 30 s tick a request just answered
+    was missing from the status for up to 30 s."""
+    c = make_cluster(1, {"health_check": {"interval_ms": 30000}})
+    before = httpx.get(c.base + "/dplb/status", timeout=10).json()["workers"][0]["completed"]
+    for _ in range(3):
+        assert httpx.post(c.base + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                          timeout=10).status_code == 200
+    row = httpx.get(c.base + "/dplb/status", timeout=10).json()["workers"][0]
+    assert row["completed"] == before + 3 == c.seg.read_slot(0).completed
+    assert metric(scrape(c.base), "dplb_worker_requests_completed_total", worker="0") == row["completed"]

@@ -61,7 +61,7 @@ def test_openai_client_through_router_to_sim_engines(sim2):
     st = httpx.get(base + "/dplb/status").json()
     assert [(w["id"], w["state"], w["eligible"]) for w in st["workers"]] == [(0, "ready", True), (1, "ready", True)]
     text = httpx.get(base + "/metrics").text
-    assert 'dplb_router_requests_total{status="200",worker="' in text
+    assert f'dplb_router_requests_total{{model="{SIM_MODEL}",status="200",worker="' in text
 
 
 def test_prefix_affinity_and_route_agreement_with_sim(sim2):

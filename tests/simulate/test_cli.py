@@ -75,3 +75,53 @@ def test_table_json_plots_and_capacity(tmp_path, capsys):
             assert key in r
     assert sorted(p.name for p in plots.iterdir()) == ["queue_dplb.png", "queue_round_robin.png", "ttft_cdf.png"]
     assert all(p.stat().st_size > 5000 for p in plots.iterdir())
+
+
+def _row(policy: str, peak: int) -> dict:
+    return {"policy": policy, "served": 10, "rejected": 0, "ttft_s": {"p50": 0.1, "p90": 0.2, "p99": 0.3},
+            "tpot_s": {"p50": 0.01, "p99": 0.02}, "e2e_s": {"p50": 1.0, "p99": 2.0}, "queue_s": {"p50": 0.0},
+            "output_tokens_per_s": 100.0, "prefix_hit_rate": 0.5, "preemptions": 0,
+            "per_engine": {"max_share": 0.3, "min_share": 0.2, "max_min_ratio": 1.5},
+            "load_over_time": {"t_s": [0.0, 1.0, 2.0, 3.0], "queue": [[0, peak, 1, 0], [0, 1, 1, 0]]}}
+
+
+def test_every_table_column_has_its_header():
+    """The table's last two columns (the largest/smallest engine share, their ratio) read as one
+    header ``share max/min`` over two columns, one of them without a header (issue 32): each
+    column now has its own, every cell sits under it, and the legend says what they hold."""
+    from simulate.report import COLUMNS, LEGEND, row_cells, table
+
+    head, line = table([_row("dplb", 3)]).splitlines()
+    pos = 0
+    for (name, width), cell in zip(COLUMNS, row_cells(_row("dplb", 3)), strict=True):
+        assert len(cell) <= width and len(name) <= width, (name, cell)
+        assert head[pos:pos + width].strip() == name and line[pos:pos + width].strip() == cell
+        pos += width + 1
+    assert [name for name, _ in COLUMNS][-2:] == ["share max/min", "ratio"]
+    assert "share max/min" in LEGEND and "ratio" in LEGEND
+
+
+def test_queue_plots_share_one_scale(tmp_path, monkeypatch):
+    """The per-policy queue plots used each their own y scale, hiding the difference they exist to
+    show (issue 32): every figure now has the range of the largest queue of all policies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from simulate.report import plot, queue_scale
+
+    ylims: dict[str, tuple[float, float]] = {}
+    real = Figure.savefig
+
+    def record(self, path, *a, **kw):
+        ylims[str(path).rsplit("/", 1)[-1]] = tuple(float(v) for v in self.axes[0].get_ylim())
+        return real(self, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    rows = [_row("round_robin", 12), _row("dplb", 3)]
+    assert queue_scale(rows) == (3.0, 12.0)
+    written = plot(rows, {"round_robin": [0.1, 0.2], "dplb": [0.1]}, tmp_path)
+    assert len(written) == 3
+    assert ylims["queue_round_robin.png"] == ylims["queue_dplb.png"]
+    assert ylims["queue_dplb.png"][1] >= 12.0   # dplb's own peak is 3: its own scale would stop near 3

