@@ -218,7 +218,7 @@ async def test_fallback_that_served_takes_the_lease(two):
     ex = Exchange(two, 2)
     ex.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
     [r] = ex.on_message(body(BODY, True))
-    value = dict((h.header.key, h.header.raw_value) for h in r.request_body.response.header_mutation.set_headers)[HEADER]
+    value = {h.header.key: h.header.raw_value for h in r.request_body.response.header_mutation.set_headers}[HEADER]
     first, fallback = value.decode().split(",")
     picked, other = (0, 1) if first == "127.0.0.1:9" else (1, 0)
     assert fallback == f"127.0.0.1:{9 + other}"
