@@ -14,14 +14,22 @@ request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STR
                     lease (:meth:`router.scheduling.Scheduler.admit` / ``lease``: 503 with
                     ``retry-after`` when no worker can take it), answer with the header
                     ``x-gateway-destination-endpoint: ip:port`` and the same value in the dynamic
-                    metadata (``envoy.lb``); full duplex re-sends the body in chunks of at most
+                    metadata (``envoy.lb``), followed by up to :attr:`Picker.fallbacks` other
+                    endpoints (``ip:port,ip:port``: Envoy's pool cluster retries down that list,
+                    :mod:`epp.envoy`); full duplex re-sends the body in chunks of at most
                     :data:`CHUNK` bytes after the headers answer (GIE's protocol).
 response headers    ``:status``: below 500 is liveness evidence (the health monitor) and the
                     breaker's "ok"; the answer adds ``x-dplb-worker-id``. An event stream, or a
                     streamed request, is metered (:class:`router.stream_meter.StreamMeter`).
-response body       each chunk is answered unchanged; the first content event is the TTFT
+                    When Envoy reports (``envoy.lb`` / ``x-gateway-destination-endpoint-served``)
+                    that a fallback served, the pick's lease is judged a failure and a lease is
+                    taken on the worker that served.
+response body       each chunk is answered unchanged (``FULL_DUPLEX_STREAMED``: sent back as a
+                    streamed body mutation); the first content event is the TTFT
                     (the lease leaves prefill, the prefill rate is learned); the end of stream
                     releases the lease with the output token count (TPOT) and the verdict.
+                    Response body mode ``NONE``: prefill is taken as done at the head, the gRPC
+                    stream's end settles the lease as complete (no token counts).
 stream's end        a stream that ends before the response's end (Envoy reset it: client gone,
                     engine failed, timeout) releases the lease with no verdict (status 499 in
                     ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`);

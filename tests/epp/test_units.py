@@ -7,6 +7,7 @@ import subprocess
 
 import orjson
 import pytest
+import yaml
 
 from epp.discovery import (
     EndpointsFile,
@@ -147,3 +148,15 @@ def test_pool_cluster_bootstrap_is_valid_for_envoy(tmp_path, resp_mode):
     r = subprocess.run([argv[0], "--mode", "validate", *argv[1:]], capture_output=True, text=True, timeout=60,
                        check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_print_envoy_config_renders_the_pool_cluster_and_the_response_mode(capsys, tmp_path):
+    from epp.__main__ import main
+
+    assert main(["--print-envoy-config", "--envoy-eds", str(tmp_path / "pool.json"),
+                 "--response-body-mode", "NONE"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert [c["name"] for c in cfg["static_resources"]["clusters"]][-1] == "dplb_pool"
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["typed_config"]["processing_mode"]["response_body_mode"] == "NONE"
+    assert main(["--shm", "x", "--fallbacks", "-1"]) == 2
