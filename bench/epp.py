@@ -13,8 +13,10 @@ keep-alive connection on each path, interleaved so machine noise hits every path
 socket client of :mod:`bench.router_overhead`). Printed: p50/p99 per path, added p50 over direct,
 and the CPU seconds per request of the picker and of the Envoy in front of it (psutil, over all
 rounds). Then ``--streams`` sequential streams of ``--chunks`` SSE events each through the router
-and through Envoy + the picker: the CPU per stream and per event of each (every event of a
-STREAMED response body is one ext_proc message to the picker). On a shared 2-core VM the figures move by tens of µs between runs: compare the paths of
+and through Envoy + the picker in each of ``--response-modes`` (one Envoy per mode, the same
+picker): the CPU per stream and per event of each (every event of a STREAMED or
+FULL_DUPLEX_STREAMED response body is one ext_proc message to the picker; NONE sends the head and
+the end only). On a shared 2-core VM the figures move by tens of µs between runs: compare the paths of
 one run.
 """
 from __future__ import annotations
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="dplb")
     ap.add_argument("--streams", type=int, default=100, help="sequential streams per path of the chunk phase (0: skip)")
     ap.add_argument("--chunks", type=int, default=64, help="SSE events per stream")
+    ap.add_argument("--response-modes", default="STREAMED,FULL_DUPLEX_STREAMED,NONE",
+                    help="response body modes of the chunk phase (comma-separated, epp.envoy.RESPONSE_BODY_MODES)")
     a = ap.parse_args(argv)
 
     import psutil
@@ -142,17 +146,34 @@ def main(argv: list[str] | None = None) -> int:
         for k, s in used.items():
             print(f"CPU per request, {k}: {1e6 * s / n:.0f} µs")
         if a.streams:
-            # the chunk phase: every SSE event of the answer is one more ext_proc message (STREAMED)
+            # the chunk phase, per response body mode: STREAMED and FULL_DUPLEX_STREAMED send every SSE
+            # event of the answer to the picker (one ext_proc message each; full duplex: the picker sends
+            # it back itself), NONE only the head and the end. One Envoy per mode, the same picker.
             cpu["router"] = psutil.Process(children[1].pid)
+            for mode in a.response_modes.split(","):
+                if mode == "STREAMED":
+                    cpu[f"envoy {mode}"] = cpu["envoy (ext_proc)"]
+                    ports[f"envoy+epp {mode}"] = paths["envoy+epp"]
+                    continue
+                port, admin = free_port(), free_port()
+                path = os.path.join(d, f"envoy-{mode}.yaml")
+                Path(path).write_text(bootstrap_yaml(EnvoySettings(listen_port=port, admin_port=admin, epp_port=eport,
+                                                                   response_body_mode=mode)))
+                cpu[f"envoy {mode}"] = psutil.Process(start(envoy_argv(path, "error"), f"envoy-{mode}.log").pid)
+                wait_for(lambda admin=admin: urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2)
+                         .read().strip() == b"LIVE", 60, f"Envoy ({mode}) ready")
+                ports[f"envoy+epp {mode}"] = port
+                sequential(_connect(port), 20, stream_request())   # warm-up
             print(f"{a.streams} sequential streams of {a.chunks} events (1 ms apart) per path")
-            for k in ("router", "envoy+epp"):
+            events = a.streams * a.chunks
+            for k in ("router", *(f"envoy+epp {m}" for m in a.response_modes.split(","))):
                 t0 = {c: sum(p.cpu_times()[:2]) for c, p in cpu.items()}
                 xs = sequential(_connect(ports[k]), a.streams, stream_request())
                 used = {c: sum(p.cpu_times()[:2]) - t0[c] for c, p in cpu.items()}
                 own = used["router"] if k == "router" else used["dplb-epp"]
-                print(f"{k:<12} stream p50 {pct(xs, 50):7.2f} ms; CPU of {'the router' if k == 'router' else 'dplb-epp'}:"
-                      f" {1e3 * own / a.streams:.2f} ms per stream, {1e6 * own / (a.streams * a.chunks):.0f} µs per event"
-                      + (f"; Envoy {1e6 * used['envoy (ext_proc)'] / (a.streams * a.chunks):.0f} µs per event"
+                print(f"{k:<32} stream p50 {pct(xs, 50):7.2f} ms; CPU of {'the router' if k == 'router' else 'dplb-epp'}:"
+                      f" {1e3 * own / a.streams:.2f} ms per stream, {1e6 * own / events:.0f} µs per event"
+                      + (f"; Envoy {1e6 * used['envoy ' + k.split()[-1]] / events:.0f} µs per event"
                          if k != "router" else ""))
         return 0
     finally:

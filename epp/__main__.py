@@ -27,6 +27,9 @@ from router.config import POLICIES, load_config
 from router.errors import ConfigError
 
 BODY_MODES = {"BUFFERED": 2, "FULL_DUPLEX_STREAMED": 4}
+RESPONSE_BODY_MODES = {"STREAMED": 1, "FULL_DUPLEX_STREAMED": 4, "NONE": 0}
+#: fallbacks after the pick with --envoy-eds (Envoy's pool cluster tries them on a failed attempt)
+DEFAULT_FALLBACKS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics port (0: off)")
     p.add_argument("--request-body-mode", choices=sorted(BODY_MODES), default="BUFFERED",
                    help="request body mode assumed when Envoy sends no protocol_config")
+    p.add_argument("--response-body-mode", choices=list(RESPONSE_BODY_MODES), default="STREAMED",
+                   help="response body mode (--print-envoy-config; assumed when Envoy sends no protocol_config): "
+                        "STREAMED (default: the least picker CPU per streamed event that still sees every chunk, "
+                        "bench/results/epp_latency.md), FULL_DUPLEX_STREAMED, or NONE (head and end only: no TTFT, "
+                        "no token counts)")
+    p.add_argument("--envoy-eds", metavar="PATH",
+                   help="write the eligible endpoints to this EDS file for Envoy's pool cluster (override_host "
+                        "load balancing, retries down the fallbacks: epp.envoy); --print-envoy-config renders it")
+    p.add_argument("--fallbacks", type=int,
+                   help=f"fallback endpoints after the pick in x-gateway-destination-endpoint (ip:port,ip:port...; "
+                        f"default {DEFAULT_FALLBACKS} with --envoy-eds, else 0: Envoy's ORIGINAL_DST cluster reads one)")
     p.add_argument("--slots", type=int, default=64, help="slots of the private segment")
     p.add_argument("--state-dir", help="where the router lines' ledgers, the admin state and the scrape lock live "
                                        "(default: with --shm the node's routers' own, /tmp/dplb-router-<router.port>, "
@@ -70,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(bootstrap_yaml(EnvoySettings(
             listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_port=args.port, epp_host=args.host,
-            failure_mode_allow=args.failure_mode_allow, request_body_mode=args.request_body_mode)))
+            failure_mode_allow=args.failure_mode_allow, request_body_mode=args.request_body_mode,
+            response_body_mode=args.response_body_mode, pool_eds=args.envoy_eds)))
         return 0
+    if args.fallbacks is not None and args.fallbacks < 0:
+        print("dplb-epp: --fallbacks must be 0 or more", file=sys.stderr)
+        return 2
     if not args.shm and not args.endpoints_file and not args.pool:
         print("dplb-epp: nothing to route to: give --shm (a DPLB node's segment), --endpoints-file and/or --pool",
               file=sys.stderr)
@@ -129,9 +147,10 @@ async def _run(args: argparse.Namespace, cfg: object, kube: object = None) -> in
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
     try:
-        picker = Picker(cfg, seg, args.endpoints_file, kube)
+        fallbacks = args.fallbacks if args.fallbacks is not None else DEFAULT_FALLBACKS if args.envoy_eds else 0
+        picker = Picker(cfg, seg, args.endpoints_file, kube, fallbacks=fallbacks, eds_path=args.envoy_eds)
         await serve(picker, args.host, args.port, args.health_port, args.metrics_port or None,
-                    BODY_MODES[args.request_body_mode], stop)
+                    BODY_MODES[args.request_body_mode], stop, RESPONSE_BODY_MODES[args.response_body_mode])
     finally:
         if seg is not None:
             seg.unlink()

@@ -18,7 +18,25 @@ The config is the plain-Envoy form of the Gateway API Inference Extension's data
   ``metadata_options.receiving_namespaces``) and is written to the access log;
 - ``failure_mode_allow``: what Envoy does when the picker cannot be reached or times out
   (``message_timeout``): False (GIE's FailClose) answers 500; True (FailOpen) lets the request
-  through without a pick, which this cluster cannot route (no header: 503 from Envoy).
+  through without a pick, which the ``ORIGINAL_DST`` cluster cannot route (no header: 503 from
+  Envoy) and the pool cluster below sends to Envoy's own round robin over the pool.
+
+**The pool cluster** (``pool_eds`` set: the picker shares Envoy's file system, as with
+``launch_dplb.sh --gateway envoy``): instead of ``ORIGINAL_DST``, an ``EDS`` cluster whose
+endpoints the picker writes to the file ``pool_eds`` (:func:`write_eds`, a ``DiscoveryResponse``
+that Envoy reloads when it is moved into place), load balanced by Envoy's
+``envoy.load_balancing_policies.override_host``: the picker's header may then carry fallbacks,
+``ip:port,ip:port,...`` (GIE's protocol v0.4), and the route's retry policy (``connect-failure``,
+``reset``, ``refused-stream``: only what fails before a response head, so no answer is ever
+half-sent twice) goes down that list one attempt at a time. The address that served is written to
+the dynamic metadata ``envoy.lb`` / ``x-gateway-destination-endpoint-served``, which reaches the
+picker with the response head (``metadata_options.forwarding_namespaces``) so that its lease moves
+to the endpoint that served. A request without the header (FailOpen with the picker down) is
+round-robined over the pool by Envoy; a host that fails there is retried on another
+(``previous_hosts``).
+
+Upstream failures Envoy answers itself (every attempt failed, ``UF``/``URX``/``UH``/``UC``...) get an
+OpenAI-shaped JSON body (``local_reply_config``), like the picker's own errors.
 """
 from __future__ import annotations
 
@@ -28,8 +46,17 @@ from typing import Any
 import yaml
 
 HEADER = "x-gateway-destination-endpoint"
+#: the dynamic-metadata key (namespace :data:`NAMESPACE`) of the address that served (GIE v1.0)
+SERVED = "x-gateway-destination-endpoint-served"
 NAMESPACE = "envoy.lb"
 BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
+#: response body modes: every chunk to the picker and back (``STREAMED``), streamed both ways
+#: (``FULL_DUPLEX_STREAMED``: the picker sends each chunk back itself), or none (``NONE``: the
+#: response head and the stream's end only; see :mod:`epp.server` for what the lease loses)
+RESPONSE_BODY_MODES = ("STREAMED", "FULL_DUPLEX_STREAMED", "NONE")
+POOL_CLUSTER = "dplb_pool"
+#: Envoy's response flags for an upstream that failed before answering (local reply bodies)
+UPSTREAM_FLAGS = ("UF", "URX", "UH", "UC", "UO", "UT", "UMSDR", "NR")
 
 
 @dataclass(frozen=True)
@@ -40,7 +67,11 @@ class EnvoySettings:
     :data:`BODY_MODES`; ``message_timeout_s``: how long Envoy waits for each picker answer (Envoy's
     default, 200 ms, is too short for a busy box); ``route_timeout_s``: the whole request's upper
     bound (0: none; streams can last minutes); ``access_log``: a file path for one line per request
-    (the status, the picked endpoint from the dynamic metadata, the worker id), or None."""
+    (the status, the picked endpoint from the dynamic metadata, the worker id), or None;
+    ``response_body_mode``: one of :data:`RESPONSE_BODY_MODES`; ``pool_eds``: the EDS file of the
+    pool cluster (module docstring; None: the ``ORIGINAL_DST`` cluster, one endpoint per pick);
+    ``retries``: attempts after the first on the pool cluster (connect failure or reset before a
+    response head)."""
 
     listen_port: int
     admin_port: int
@@ -54,12 +85,15 @@ class EnvoySettings:
     connect_timeout_s: float = 2.0
     buffer_limit_bytes: int = 16 * 1024 * 1024
     access_log: str | None = None
+    response_body_mode: str = "STREAMED"
+    pool_eds: str | None = None
+    retries: int = 2
     #: the admin listener's address (None: ``host``); keep it on loopback when ``host`` is 0.0.0.0
     admin_host: str | None = None
 
 
 ACCESS_LOG_FORMAT = (f"%RESPONSE_CODE% %DYNAMIC_METADATA({NAMESPACE}:{HEADER})% "
-                     "%RESP(X-DPLB-WORKER-ID)% %UPSTREAM_HOST% %REQ(:PATH)%\n")
+                     "%RESP(X-DPLB-WORKER-ID)% %UPSTREAM_HOST% %REQ(:PATH)% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS%\n")
 
 
 def _secs(s: float) -> str:
@@ -76,16 +110,34 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def _status_is(code: int) -> dict[str, Any]:
+    return {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": code,
+                                                                        "runtime_key": f"dplb.local_reply.{code}"}}}}
+
+
+def _json_reply(flt: dict[str, Any], kind: str, message: str) -> dict[str, Any]:
+    """A ``local_reply_config`` mapper: Envoy's own replies matching ``flt`` get an OpenAI-shaped
+    JSON body (``{"error": {"message", "type", "param", "code"}}``, :func:`router.protocol.error_body`'s shape)."""
+    return {"filter": flt, "body_format_override": {
+        "json_format": {"error": {"message": message, "type": kind, "param": None, "code": "%RESPONSE_CODE%"}},
+        "content_type": "application/json"}}
+
+
 def bootstrap(s: EnvoySettings) -> dict[str, Any]:
     """The Envoy bootstrap for ``s`` as a dict (see the module docstring). Raises ValueError for
     an unknown ``request_body_mode``."""
     if s.request_body_mode not in BODY_MODES:
         raise ValueError(f"request_body_mode must be one of {', '.join(BODY_MODES)}, not {s.request_body_mode!r}")
+    if s.response_body_mode not in RESPONSE_BODY_MODES:
+        raise ValueError(f"response_body_mode must be one of {', '.join(RESPONSE_BODY_MODES)}, "
+                         f"not {s.response_body_mode!r}")
     mode: dict[str, Any] = {"request_header_mode": "SEND", "request_body_mode": s.request_body_mode,
-                            "response_header_mode": "SEND", "response_body_mode": "STREAMED",
+                            "response_header_mode": "SEND", "response_body_mode": s.response_body_mode,
                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if s.request_body_mode == "FULL_DUPLEX_STREAMED":
         mode["request_trailer_mode"] = "SEND"   # Envoy requires it with a full-duplex body
+    if s.response_body_mode in ("FULL_DUPLEX_STREAMED", "NONE"):
+        mode["response_trailer_mode"] = "SEND"   # full duplex requires it; without a body, the only end an engine sends
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -94,9 +146,19 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
             "failure_mode_allow": s.failure_mode_allow,
             "message_timeout": _secs(s.message_timeout_s),
             "processing_mode": mode,
-            "metadata_options": {"receiving_namespaces": {"untyped": [NAMESPACE]}},
+            "metadata_options": {"receiving_namespaces": {"untyped": [NAMESPACE]},
+                                 "forwarding_namespaces": {"untyped": [NAMESPACE]}},
         },
     }
+    route: dict[str, Any] = {"cluster": POOL_CLUSTER if s.pool_eds else "original_destination_cluster",
+                             "timeout": _secs(s.route_timeout_s), "idle_timeout": "300s"}
+    if s.pool_eds and s.retries > 0:
+        route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream", "num_retries": s.retries,
+                                 "per_try_timeout": "0s",
+                                 "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                                                           "typed_config": {"@type": PREVIOUS_HOSTS}}],
+                                 "host_selection_retry_max_attempts": 3,
+                                 "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"}}
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "dplb_gateway",
@@ -104,9 +166,14 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
         "stream_idle_timeout": "300s",
         "route_config": {"name": "dplb", "virtual_hosts": [{
             "name": "dplb", "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"},
-                        "route": {"cluster": "original_destination_cluster",
-                                  "timeout": _secs(s.route_timeout_s), "idle_timeout": "300s"}}]}]},
+            "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+        "local_reply_config": {"mappers": [
+            _json_reply({"response_flag_filter": {"flags": list(UPSTREAM_FLAGS)}}, "upstream_error",
+                        "%LOCAL_REPLY_BODY%"),
+            # Envoy's own 500/504 (the picker never answers either): the picker failed or timed out
+            _json_reply({"or_filter": {"filters": [_status_is(500), _status_is(504)]}}, "gateway_error",
+                        "the endpoint picker (dplb-epp) failed: %RESPONSE_CODE_DETAILS%"),
+        ]},
         "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
@@ -129,7 +196,12 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": HEADER},
         "per_connection_buffer_limit_bytes": s.buffer_limit_bytes,
     }
+    clusters = [epp_cluster, original_dst]
+    if s.pool_eds:
+        clusters.append(pool_cluster(s))
     return {
+        # an xDS subscription (the pool's EDS file) needs the node named
+        "node": {"id": "dplb-gateway", "cluster": "dplb-gateway"},
         "admin": {"address": {"socket_address": {"address": s.admin_host or s.host, "port_value": s.admin_port}}},
         "static_resources": {
             "listeners": [{
@@ -139,9 +211,80 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                 "typed_config": hcm}]}],
             }],
-            "clusters": [epp_cluster, original_dst],
+            "clusters": clusters,
         },
     }
+
+
+PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+
+
+def pool_cluster(s: EnvoySettings) -> dict[str, Any]:
+    """The pool cluster (module docstring): EDS from the file ``s.pool_eds``, Envoy's
+    ``override_host`` load balancing on :data:`HEADER` (``ip:port[,ip:port...]``, tried in order
+    by the retries) with round robin when there is none, the serving address written to
+    :data:`NAMESPACE` / :data:`SERVED`."""
+    import os
+
+    assert s.pool_eds is not None
+    return {
+        "name": POOL_CLUSTER, "type": "EDS", "connect_timeout": _secs(s.connect_timeout_s),
+        "eds_cluster_config": {"service_name": POOL_CLUSTER, "eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": s.pool_eds,
+                                   "watched_directory": {"path": os.path.dirname(os.path.abspath(s.pool_eds))}}}},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": HEADER}],
+                "selected_host_key": {"key": NAMESPACE, "path": [{"key": SERVED}]},
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": "type.googleapis.com/"
+                                              "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}}}]},
+            }}}]},
+        "per_connection_buffer_limit_bytes": s.buffer_limit_bytes,
+        # Envoy's default allows 3 retries in flight per cluster: a killed engine with dozens of
+        # requests on it needs one each
+        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_retries": 4096}]},
+    }
+
+
+def eds_document(endpoints: list[str], version: str = "0") -> dict[str, Any]:
+    """The pool cluster's endpoints as the ``DiscoveryResponse`` Envoy reads from the EDS file:
+    ``endpoints`` are ``ip:port`` (IPv6 in brackets). Raises ValueError for one without a port."""
+    lb = []
+    for ep in endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"endpoint {ep!r} is not ip:port")
+        lb.append({"endpoint": {"address": {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}}})
+    return {"version_info": version, "resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": POOL_CLUSTER, "endpoints": [{"lb_endpoints": lb}]}]}
+
+
+def write_eds(path: str, endpoints: list[str], version: str = "0") -> None:
+    """Write :func:`eds_document` to ``path`` atomically (a temporary file in the same directory,
+    then ``os.replace``: the move Envoy's watched directory reacts to). Raises OSError."""
+    import json
+    import os
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".eds-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(eds_document(endpoints, version), f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def bootstrap_yaml(s: EnvoySettings) -> str:

@@ -14,14 +14,22 @@ request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STR
                     lease (:meth:`router.scheduling.Scheduler.admit` / ``lease``: 503 with
                     ``retry-after`` when no worker can take it), answer with the header
                     ``x-gateway-destination-endpoint: ip:port`` and the same value in the dynamic
-                    metadata (``envoy.lb``); full duplex re-sends the body in chunks of at most
+                    metadata (``envoy.lb``), followed by up to :attr:`Picker.fallbacks` other
+                    endpoints (``ip:port,ip:port``: Envoy's pool cluster retries down that list,
+                    :mod:`epp.envoy`); full duplex re-sends the body in chunks of at most
                     :data:`CHUNK` bytes after the headers answer (GIE's protocol).
 response headers    ``:status``: below 500 is liveness evidence (the health monitor) and the
                     breaker's "ok"; the answer adds ``x-dplb-worker-id``. An event stream, or a
                     streamed request, is metered (:class:`router.stream_meter.StreamMeter`).
-response body       each chunk is answered unchanged; the first content event is the TTFT
+                    When Envoy reports (``envoy.lb`` / ``x-gateway-destination-endpoint-served``)
+                    that a fallback served, the pick's lease is judged a failure and a lease is
+                    taken on the worker that served.
+response body       each chunk is answered unchanged (``FULL_DUPLEX_STREAMED``: sent back as a
+                    streamed body mutation); the first content event is the TTFT
                     (the lease leaves prefill, the prefill rate is learned); the end of stream
                     releases the lease with the output token count (TPOT) and the verdict.
+                    Response body mode ``NONE``: prefill is taken as done at the head, the gRPC
+                    stream's end settles the lease as complete (no token counts).
 stream's end        a stream that ends before the response's end (Envoy reset it: client gone,
                     engine failed, timeout) releases the lease with no verdict (status 499 in
                     ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`);
@@ -60,9 +68,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from epp.discovery import EndpointsFile, ScrapeManager
-from epp.envoy import HEADER, NAMESPACE
+from epp.envoy import HEADER, NAMESPACE, SERVED, write_eds
 from router.config import Config
 from router.errors import BodyTooLarge, NoEligibleWorker
+from router.policies.base import Decision, pending
 from router.protocol import BadRequest, OpenAIError
 from router.proxy import ROUTES
 from router.scheduling import Lease
@@ -87,6 +96,7 @@ ANSWER_KEEP = 1 << 20
 WORKER_HEADER = "x-dplb-worker-id"
 CLIENT_CLOSED = 499
 _FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+_NONE = 0          # ProcessingMode.BodySendMode.NONE
 
 
 def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -125,13 +135,27 @@ def envoy_target(endpoint: str) -> str:
     return f"{local}:{port}" if sep and local else endpoint
 
 
-def destination(endpoint: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
-    """The header mutation and the dynamic metadata that send a request to ``endpoint``
-    (:func:`envoy_target`)."""
-    endpoint = envoy_target(endpoint)
+def destination(endpoint: str, *fallbacks: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
+    """The header mutation and the dynamic metadata that send a request to ``endpoint``, then, when
+    Envoy retries, to each of ``fallbacks`` in turn (GIE: ``ip:port,ip:port,...``; every address
+    through :func:`envoy_target`)."""
+    value = ",".join(envoy_target(e) for e in (endpoint, *fallbacks))
     md = struct_pb2.Struct()
-    md.update({NAMESPACE: {HEADER: endpoint}})
-    return pb.HeaderMutation(set_headers=[_hv(HEADER, endpoint)]), md
+    md.update({NAMESPACE: {HEADER: value}})
+    return pb.HeaderMutation(set_headers=[_hv(HEADER, value)]), md
+
+
+def served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    """The address that served, as Envoy reports it with the response (``metadata_context``,
+    namespace ``envoy.lb``, key ``x-gateway-destination-endpoint-served``: the pool cluster's
+    ``override_host`` policy writes it, :mod:`epp.envoy`); None when absent."""
+    if not req.HasField("metadata_context"):
+        return None
+    ns = req.metadata_context.filter_metadata.get(NAMESPACE)
+    if ns is None or SERVED not in ns.fields:
+        return None
+    v = ns.fields[SERVED].string_value
+    return v or None
 
 
 class Picker:
@@ -141,8 +165,16 @@ class Picker:
     to scrape into slots (:mod:`epp.discovery`); ``kube``: an :class:`epp.kube.PoolWatcher` (not
     started; :meth:`start` starts it, :meth:`stop` stops it) whose endpoints are scraped the same way."""
 
-    def __init__(self, cfg: Config, seg: Any = None, endpoints_file: str | None = None, kube: Any = None) -> None:
+    def __init__(self, cfg: Config, seg: Any = None, endpoints_file: str | None = None, kube: Any = None,
+                 fallbacks: int = 0, eds_path: str | None = None) -> None:
         self.state = RouterState(cfg, seg)
+        #: how many fallback endpoints follow the pick in the header (Envoy's pool cluster walks
+        #: them on a connect failure or a reset before the response head; 0 for ORIGINAL_DST)
+        self.fallbacks = fallbacks
+        #: the pool cluster's EDS file, rewritten when the eligible endpoints change (:mod:`epp.envoy`)
+        self.eds_path = eds_path
+        self._eds: list[str] | None = None
+        self._unix_only_warned = False
         self.endpoints = EndpointsFile(endpoints_file) if endpoints_file else None
         self.kube = kube
         self._file_eps: dict[str, dict[str, Any]] = {}
@@ -167,6 +199,7 @@ class Picker:
             st.monitor.extra.insert(0, self._discover)
         st.monitor.extra.append(self._readiness)
         await self._readiness()
+        self.warn_unix_only()
 
     async def stop(self) -> None:
         """Give the scraped slots back, then stop the router state."""
@@ -192,12 +225,50 @@ class Picker:
         self.state.registry.refresh()   # this tick's decisions see the scrape's heartbeat and counts
 
     async def _readiness(self) -> None:
+        """Health-tick extra: readiness (the gRPC health statuses), the EDS file, the Unix-socket warning."""
+        if self.eds_path is not None:
+            self.write_eds()
+        self.warn_unix_only()
         ready = bool(self.state.scheduler.ready_handles())
         if ready != self.ready:
             self.ready = ready
             log.info("picker %s", "ready" if ready else "not ready: no eligible worker")
             if self.on_ready_change is not None:
                 await self.on_ready_change(ready)
+
+    def write_eds(self) -> bool:
+        """Write the eligible workers' TCP endpoints (as Envoy connects to them) to the EDS file
+        when they changed; returns True when it wrote. An error is logged, not raised (the next
+        tick tries again)."""
+        assert self.eds_path is not None
+        eps = sorted({envoy_target(h.endpoint) for h in self.state.scheduler.ready_handles()
+                      if not h.endpoint.startswith("/")})
+        if eps == self._eds:
+            return False
+        try:
+            write_eds(self.eds_path, eps, version=str(time.time_ns()))
+        except OSError as e:
+            log.error("cannot write Envoy's EDS file %s: %s", self.eds_path, e)
+            return False
+        self._eds = eps
+        log.info("Envoy pool endpoints: %s", ", ".join(eps) or "none")
+        return True
+
+    def warn_unix_only(self) -> bool:
+        """Log a WARNING (once, until a TCP worker shows up) when every worker there is to pick from
+        serves its engine on a Unix socket, which Envoy cannot reach: every request would be a 503.
+        Returns True when it warned now."""
+        handles = self.state.registry.handles
+        if not handles or not all(h.endpoint.startswith("/") for h in handles.values()):
+            self._unix_only_warned = False
+            return False
+        if self._unix_only_warned:
+            return False
+        self._unix_only_warned = True
+        log.warning("every worker (%d) serves its engine on a Unix socket, which Envoy cannot route to: every "
+                    "request will be refused with a 503. Start the agents with --engine-host 127.0.0.1 (engines on "
+                    "loopback TCP), or launch with ./scripts/launch_dplb.sh --gateway envoy, which does", len(handles))
+        return True
 
     def _unix(self) -> set[int]:
         """Workers whose engine listens on a Unix socket (Envoy cannot route there), logged once."""
@@ -211,8 +282,10 @@ class Picker:
                                 "left out (start its agent with --engine-host 127.0.0.1, or launch with --gateway envoy)", wid, h.endpoint)
         return out
 
-    def dispatch(self, info: Any) -> tuple[WorkerHandle, Lease]:
-        """Choose a worker for ``info`` and take its lease. Raises NoEligibleWorker."""
+    def dispatch(self, info: Any) -> tuple[WorkerHandle, Lease, list[WorkerHandle]]:
+        """Choose a worker for ``info`` and take its lease; also up to :attr:`fallbacks` other
+        eligible workers serving the model, least pending first (no lease, no policy state touched:
+        they serve only when Envoy retries). Raises NoEligibleWorker."""
         sched = self.state.scheduler
         unix = self._unix()
         try:
@@ -221,7 +294,21 @@ class Picker:
             if unix:
                 e.message += f" ({len(unix)} worker(s) on Unix sockets left out: Envoy routes to ip:port only)"
             raise
-        return h, sched.lease(h, d, info)
+        lease = sched.lease(h, d, info)
+        if not self.fallbacks:
+            return h, lease, []
+        cands = sched.candidates(info.model, unix | {h.worker_id}, "cached")
+        handles = sched.registry.handles
+        alts = [handles[s.worker_id] for s in sorted(cands, key=pending)[:self.fallbacks] if s.worker_id in handles]
+        return h, lease, alts
+
+    def served_by(self, info: Any, endpoint: str) -> tuple[WorkerHandle, Lease] | None:
+        """A lease on the worker at ``endpoint`` (as Envoy connects to it), which served a request
+        picked for another (Envoy retried it there); None when no worker has that address."""
+        for h in self.state.registry.handles.values():
+            if envoy_target(h.endpoint) == endpoint:
+                return h, self.state.scheduler.lease(h, Decision(h.worker_id, "fallback"), info)
+        return None
 
     def any_worker(self, path: str) -> WorkerHandle:
         """A worker for a request without a body (no lease: nothing to account). Raises
@@ -237,12 +324,16 @@ class Exchange:
     """One request's ext_proc stream (module docstring). :meth:`on_message` answers each message
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
-    __slots__ = ("body", "body_mode", "duplex", "handle", "headers", "kept", "lease", "meter", "path", "picker",
-                 "route", "size", "status", "streaming", "t0", "trailers")
+    __slots__ = ("body", "body_mode", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
+                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers")
 
-    def __init__(self, picker: Picker, body_mode: int) -> None:
+    def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1) -> None:
         self.picker = picker
         self.body_mode = body_mode
+        #: the response body mode (``ProcessingMode.BodySendMode``: 1 STREAMED, 4 full duplex, 0 none)
+        self.resp_mode = resp_mode
+        self.info: Any = None
+        self.fallbacks: list[WorkerHandle] = []
         self.t0 = time.perf_counter()
         self.duplex = False
         self.headers: dict[str, str] = {}
@@ -281,6 +372,7 @@ class Exchange:
             out = self._pick(b"".join(self.body), trailers=True) if self.duplex and self.handle is None else []
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
+            self._served(req)
             return self._response_headers(req.response_headers)
         if kind == "response_body":
             return self._response_body(req.response_body)
@@ -293,7 +385,9 @@ class Exchange:
         self.headers = _headers(req.request_headers)
         self.path = self.headers.get(":path", "/").split("?", 1)[0]
         self.route = self.path if self.path in ROUTES else "/v1/other"
-        mode = req.protocol_config.request_body_mode if req.HasField("protocol_config") else self.body_mode
+        mode = self.body_mode
+        if req.HasField("protocol_config"):
+            mode, self.resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
         self.duplex = mode == _FULL_DUPLEX
         if req.request_headers.end_of_stream:
             if self.headers.get(":method") == "POST":   # as the router answers it (router.protocol)
@@ -321,10 +415,11 @@ class Exchange:
             session = self.headers.get(p.state.proxy.settings.session_header.decode("latin-1"))  # type: ignore[union-attr]
             info = p.state.proxy.request_info(self.path, body, session.encode("latin-1") if session else None)  # type: ignore[union-attr]
             self.streaming = info.stream
-            self.handle, self.lease = p.dispatch(info)
+            self.info = info
+            self.handle, self.lease, self.fallbacks = p.dispatch(info)
         except OpenAIError as e:
             return [self._refuse(e)]
-        mutation, md = destination(self.handle.endpoint)
+        mutation, md = destination(self.handle.endpoint, *(f.endpoint for f in self.fallbacks))
         if not self.duplex:
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(
                 response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
@@ -340,6 +435,25 @@ class Exchange:
         return out
 
     # -- response side -------------------------------------------------------------------------
+    def _served(self, req: pb.ProcessingRequest) -> None:
+        """Envoy retried the request on a fallback (a connect failure or a reset before the head on
+        the pick): the pick's attempt failed (refused: the health monitor takes the worker out until
+        a probe passes; breaker verdict False) and the lease moves to the worker that served."""
+        lease, h = self.lease, self.handle
+        if lease is None or h is None or lease.judged:
+            return
+        served = served_endpoint(req)
+        if served is None or served == envoy_target(h.endpoint):
+            return
+        metrics = self.picker.state.metrics
+        lease.refused()
+        lease.finish(False)
+        metrics.errors.labels(h.label, "connect").inc()
+        metrics.retries.labels("connect").inc()
+        log.info("worker %s (%s) failed before answering; Envoy retried on %s", h.label, h.endpoint, served)
+        moved = self.picker.served_by(self.info, served)
+        self.handle, self.lease = moved if moved is not None else (None, None)
+
     def _response_headers(self, msg: Any) -> list[pb.ProcessingResponse]:
         hs = _headers(msg)
         try:
@@ -352,7 +466,11 @@ class Exchange:
                 self.lease.head_seen()
             sse = is_event_stream([(b"content-type", hs.get("content-type", "").encode("latin-1"))])
             self.streaming = self.streaming or sse
-            if self.streaming:
+            if self.resp_mode == _NONE:
+                # no body comes: prefill is taken as done at the head (no TTFT learned) and the end is
+                # the stream's (no token counts, no TPOT; a client that left looks complete)
+                self.lease.first_token(observed=False)
+            elif self.streaming:
                 self.meter = StreamMeter(sse)
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
@@ -371,6 +489,10 @@ class Exchange:
                 self.kept.append(b.body)
         if b.end_of_stream:
             self._end(True)
+        if self.resp_mode == _FULL_DUPLEX:   # the chunk goes on only as the picker sends it back
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=b.body, end_of_stream=b.end_of_stream)))))]
         return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
 
     def _end(self, complete: bool) -> None:
@@ -395,21 +517,23 @@ class Exchange:
         whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
         connection there, before the engine's terminating chunk, as :func:`router.relay.delivered`
         counts it), else without a verdict (status 499)."""
-        self._end(self.meter is not None and self.meter.ended_with_done())
+        self._end(self.meter.ended_with_done() if self.meter is not None
+                  else self.resp_mode == _NONE and self.status > 0)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """``ExternalProcessor/Process`` over a :class:`Picker`. ``body_mode``: the request body mode
     assumed when Envoy sends no ``protocol_config`` (an int of ``ProcessingMode.BodySendMode``)."""
 
-    def __init__(self, picker: Picker, body_mode: int = 2) -> None:
+    def __init__(self, picker: Picker, body_mode: int = 2, resp_mode: int = 1) -> None:
         self.picker = picker
         self.body_mode = body_mode
+        self.resp_mode = resp_mode
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
         """One request's stream (module docstring); the lease is released in ``finally``."""
-        ex = Exchange(self.picker, self.body_mode)
+        ex = Exchange(self.picker, self.body_mode, self.resp_mode)
         try:
             async for req in request_iterator:
                 for resp in ex.on_message(req):
@@ -419,14 +543,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
 
 async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
-                     body_mode: int = 2) -> tuple[grpc.aio.Server, grpc.aio.Server, Any]:
+                     body_mode: int = 2, resp_mode: int = 1) -> tuple[grpc.aio.Server, grpc.aio.Server, Any]:
     """Start the ext_proc server on ``host:port`` and the health server on ``host:health_port``
     (0: a free port each; the bound ports are on the returned servers' ``bound_ports``
     attribute). Returns ``(ext_proc server, health server, health servicer)``; the picker's
     readiness drives the health statuses (module docstring). Raises RuntimeError when a port
     cannot be bound."""
     ext = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker, body_mode), ext)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker, body_mode, resp_mode), ext)
     ext_port = ext.add_insecure_port(f"{_bracket(host)}:{port}")
     hs = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = health_aio.HealthServicer()
@@ -471,14 +595,14 @@ async def start_metrics(picker: Picker, host: str, port: int) -> Any:
 
 
 async def serve(picker: Picker, host: str, port: int, health_port: int, metrics_port: int | None,
-                body_mode: int = 2, stop: asyncio.Event | None = None) -> None:
+                body_mode: int = 2, stop: asyncio.Event | None = None, resp_mode: int = 1) -> None:
     """Run the picker and its servers until ``stop`` is set (forever when None); everything is
     stopped and the picker's slots given back on the way out."""
     await picker.start()
     runner = None
     servers: tuple[Any, ...] = ()
     try:
-        ext, hs, _ = await start_grpc(picker, host, port, health_port, body_mode)
+        ext, hs, _ = await start_grpc(picker, host, port, health_port, body_mode, resp_mode)
         servers = (ext, hs)
         if metrics_port is not None:
             runner = await start_metrics(picker, host, metrics_port)
@@ -496,4 +620,5 @@ async def serve(picker: Picker, host: str, port: int, health_port: int, metrics_
 
 
 __all__ = ["CHUNK", "SERVICE", "Exchange", "ExtProcServicer", "Picker", "destination", "envoy_target", "immediate", "serve",
+           "served_endpoint",
            "start_grpc", "start_metrics"]

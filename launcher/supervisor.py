@@ -204,7 +204,7 @@ class LaunchConfig:
         directory is in the run dir."""
         argv = [self.python, "-m", "epp", "--shm", self.shm_name, "--host", LOOPBACK, "--port", str(self.epp_port),
                 "--health-port", str(self.epp_health_port), "--metrics-port", str(self.epp_metrics_port),
-                "--state-dir", str(self.run_dir / "epp-state")]
+                "--state-dir", str(self.run_dir / "epp-state"), "--envoy-eds", str(self.envoy_eds_path)]
         if self.config:
             argv += ["--config", self.config]
         if self.policy:
@@ -218,14 +218,21 @@ class LaunchConfig:
         """Where Envoy's bootstrap is written (the run dir)."""
         return self.run_dir / "envoy.yaml"
 
+    @property
+    def envoy_eds_path(self) -> Path:
+        """The pool cluster's EDS file (:mod:`epp.envoy`), written by the picker (the run dir)."""
+        return self.run_dir / "envoy-eds" / "pool.json"
+
     def envoy_config(self) -> str:
         """Envoy's bootstrap as YAML (:func:`epp.envoy.bootstrap_yaml`): listener on ``host:port``,
-        admin on loopback, ext_proc to the picker, access log in the run dir."""
+        admin on loopback, ext_proc to the picker, the pool cluster on the picker's EDS file
+        (fallbacks and retries: a killed engine loses no request), access log in the run dir."""
         from epp.envoy import EnvoySettings, bootstrap_yaml
 
         return bootstrap_yaml(EnvoySettings(listen_port=self.port, admin_port=self.envoy_admin_port,
                                             epp_port=self.epp_port, host=self.host, epp_host=LOOPBACK,
-                                            access_log=str(self.run_dir / "envoy-access.log")))
+                                            access_log=str(self.run_dir / "envoy-access.log"),
+                                            pool_eds=str(self.envoy_eds_path)))
 
     def envoy_argv(self) -> list[str]:
         """Command line of Envoy on :attr:`envoy_config_path` (hot restart off: no shared memory)."""
@@ -354,6 +361,9 @@ class Supervisor:
                                            cfg.child_env(k)))
         if cfg.envoy:
             cfg.envoy_config_path.write_text(cfg.envoy_config())
+            from epp.envoy import write_eds
+
+            write_eds(str(cfg.envoy_eds_path), [])   # Envoy starts on an empty pool; the picker fills it
             self.epp = self._start("dplb-epp", cfg.epp_argv(), cfg.run_dir / "epp.log", cfg.child_env(None))
             self.router = self._start("envoy", cfg.envoy_argv(), cfg.run_dir / "envoy.log", cfg.child_env(None))
         elif cfg.with_router:

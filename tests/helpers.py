@@ -180,3 +180,105 @@ def in_process_router(loop: asyncio.AbstractEventLoop, endpoint: str) -> Iterato
         seg.close()
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+def alive(pids) -> list[int]:  # type: ignore[no-untyped-def]
+    """Those of ``pids`` still running (not zombies), sorted."""
+    import psutil
+
+    out = []
+    for pid in sorted(pids):
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+class Launch:
+    """``scripts/launch_dplb.sh`` started by :func:`launched`: ``proc`` (the launcher), ``port``,
+    ``run_dir`` (its ``--run-dir``), ``log`` (its output)."""
+
+    def __init__(self, proc: Any, port: int, run_dir: Path, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.run_dir = run_dir
+        self.log = log
+
+    @property
+    def shm(self) -> str:
+        """The launch's segment name."""
+        return f"dplb-{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL on the launch's port."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def out(self) -> str:
+        """The launcher's output so far."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def tree(self) -> list[int]:
+        """Pids of the launcher's descendants now."""
+        import psutil
+
+        try:
+            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def logs(self) -> str:
+        """The launcher's output and every log of the run dir, tails (assertion messages)."""
+        parts = [f"--- launcher ---\n{self.out()[-3000:]}"]
+        for p in sorted(self.run_dir.glob("*.log")):
+            parts.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-1500:]}")
+        return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def launched(*args: str, port: int | None = None, ready_timeout: float = 300.0, prefix: str = "dplb-t-",
+             seen: set[int] | None = None) -> Iterator[Launch]:
+    """Run ``bash scripts/launch_dplb.sh --port P --run-dir D *args`` (this interpreter as
+    ``DPLB_PYTHON``) and yield a :class:`Launch` once its ``DPLB ready`` banner is out (AssertionError
+    with the logs when it exits before). On the way out, even when the test failed: SIGINT and up
+    to 60 s for the launcher, then SIGKILL of every descendant ever seen (``seen``: the caller's
+    set, which the caller may add pids to), the segment and the directories removed."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    port = port or free_port()
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    launch = Launch(None, port, base / "rd", base / "launch.out")
+    procs = Procs()
+    seen = set() if seen is None else seen
+    try:
+        launch.proc = procs.start(["bash", str(ROOT / "scripts" / "launch_dplb.sh"), "--port", str(port),
+                                   "--run-dir", str(launch.run_dir), *args],
+                                  log=launch.log, env={"DPLB_PYTHON": sys.executable}, cwd=ROOT)
+        wait_until(lambda: "DPLB ready" in launch.out() or launch.proc.poll() is not None, timeout=ready_timeout,
+                   interval=0.2, what="the launch's ready banner")
+        assert launch.proc.poll() is None, "launch exited before ready:\n" + launch.logs()
+        seen.update(launch.tree())
+        yield launch
+    finally:
+        if launch.proc is not None:
+            seen.update(launch.tree())
+            if launch.proc.poll() is None:
+                os.kill(launch.proc.pid, signal.SIGINT)
+                try:
+                    launch.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+        for pid in alive(seen):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        procs.close()
+        if os.path.exists(f"/dev/shm/dplb-{port}"):
+            os.unlink(f"/dev/shm/dplb-{port}")
+        shutil.rmtree(base, ignore_errors=True)

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import openai
-import psutil
 import pytest
 
-from tests.helpers import ROOT, TRACE, Procs, free_port, metric, wait_until
+from tests.helpers import ROOT, TRACE, Launch, alive, launched, metric, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,83 +25,10 @@ NUM_WORKERS = 4
 SIM_TIME_SCALE = "20"  # sim engines run 20× faster than an 8B model on one 80 GB GPU would
 
 
-@dataclass
-class Launch:
-    proc: subprocess.Popen
-    port: int
-    run_dir: Path
-    log: Path
-
-    @property
-    def shm(self) -> str:
-        return f"dplb-{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def out(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tree(self) -> list[int]:
-        try:
-            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.Error:
-            return []
-
-    def logs(self) -> str:
-        parts = [f"--- launcher ---\n{self.out()[-3000:]}"]
-        for p in sorted(self.run_dir.glob("*.log")):
-            parts.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-1500:]}")
-        return "\n".join(parts)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def dplb():
-    port = free_port()
-    base = Path(tempfile.mkdtemp(prefix="dplb-t-", dir="/tmp"))
-    launch = Launch(proc=None, port=port, run_dir=base / "rd", log=base / "launch.out")  # type: ignore[arg-type]
-    procs = Procs()
-    seen: set[int] = set()
-    try:
-        launch.proc = procs.start(
-            ["bash", str(ROOT / "scripts" / "launch_dplb.sh"), "--num-workers", str(NUM_WORKERS), "--port", str(port),
-             "--run-dir", str(launch.run_dir), "--time-scale", SIM_TIME_SCALE, "--start-timeout", "240"],
-            log=launch.log, env={"DPLB_PYTHON": sys.executable}, cwd=ROOT)
-        wait_until(lambda: "DPLB ready" in launch.out() or launch.proc.poll() is not None, timeout=300,
-                   interval=0.2, what="the launch's ready banner")
-        assert launch.proc.poll() is None, "launch exited before ready:\n" + launch.logs()
-        seen.update(launch.tree())
-        yield launch
-        seen.update(launch.tree())
-    finally:
-        seen.update(launch.tree())
-        if launch.proc is not None and launch.proc.poll() is None:
-            os.kill(launch.proc.pid, signal.SIGINT)
-            try:
-                launch.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in _alive(sorted(seen)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        procs.close()
-        if os.path.exists(f"/dev/shm/dplb-{port}"):
-            os.unlink(f"/dev/shm/dplb-{port}")
-        shutil.rmtree(base, ignore_errors=True)
+    with launched("--num-workers", str(NUM_WORKERS), "--time-scale", SIM_TIME_SCALE, "--start-timeout", "240") as ln:
+        yield ln
 
 
 def test_banner_names_url_curl_and_dump(dplb):
@@ -201,6 +123,6 @@ def test_sigint_leaves_no_process_and_no_segment(dplb):
     assert os.path.exists(f"/dev/shm/{dplb.shm}")
     os.kill(dplb.proc.pid, signal.SIGINT)
     assert dplb.proc.wait(90) == 0, dplb.logs()
-    wait_until(lambda: not _alive(tree), timeout=30, what=f"no process left of {tree}")
+    wait_until(lambda: not alive(tree), timeout=30, what=f"no process left of {tree}")
     assert not os.path.exists(f"/dev/shm/{dplb.shm}")
     assert not list(dplb.run_dir.glob("*.sock"))

@@ -7,7 +7,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.envoy import HEADER
+from epp.envoy import HEADER, SERVED
 from epp.server import CHUNK, Exchange, Picker
 from router.config import Config
 from tests.helpers import metric
@@ -153,4 +153,119 @@ async def test_errors_are_immediate(picker):
     ex.on_message(headers(**{":path": "/v1/chat/completions"}))
     [r] = ex.on_message(body(BODY, True))
     assert r.immediate_response.status.code == 503
+    assert picker.state.seg.router_line(0)["router_inflight"] == 0
+
+
+async def test_a_picker_with_only_unix_socket_workers_warns_at_start(segment, tmp_path, caplog):
+    w = segment.writer(0)
+    w.claim(worker_id=0, pid=1, endpoint="/tmp/dplb-engine-0.sock", model="m")
+    w.publish(state=2)
+    w.heartbeat()
+    cfg = Config.model_validate({"health_check": {"enabled": False}, "router": {"state_dir": str(tmp_path / "st")}})
+    p = Picker(cfg, segment)
+    with caplog.at_level("WARNING", logger="dplb.epp"):
+        await p.start()
+    try:
+        said = [r.getMessage() for r in caplog.records if "every worker" in r.getMessage()]
+        assert len(said) == 1 and "--engine-host 127.0.0.1" in said[0], said
+        assert not p.warn_unix_only()   # once
+    finally:
+        await p.stop()
+        w.release()
+
+
+async def test_no_unix_warning_with_a_tcp_worker(picker, caplog):
+    with caplog.at_level("WARNING", logger="dplb.epp"):
+        assert not picker.warn_unix_only()
+
+
+@pytest.fixture
+async def two(segment, tmp_path):
+    """A picker over two TCP workers, with one fallback and an EDS file."""
+    ws = []
+    for i in range(2):
+        w = segment.writer(i)
+        w.claim(worker_id=i, pid=1, endpoint=f"127.0.0.1:{9 + i}", model="m")
+        w.publish(state=2)
+        w.heartbeat()
+        ws.append(w)
+    cfg = Config.model_validate({"health_check": {"enabled": False}, "router": {"state_dir": str(tmp_path / "st")},
+                                 "routing_policy": {"policy": "round_robin"}})
+    p = Picker(cfg, segment, fallbacks=1, eds_path=str(tmp_path / "eds" / "pool.json"))
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.stop()
+        for w in ws:
+            w.release()
+
+
+def served(req: pb.ProcessingRequest, endpoint: str) -> pb.ProcessingRequest:
+    req.metadata_context.filter_metadata["envoy.lb"].update({SERVED: endpoint})
+    return req
+
+
+async def test_eds_file_lists_the_eligible_tcp_workers(two, tmp_path):
+    doc = orjson.loads((tmp_path / "eds" / "pool.json").read_bytes())
+    lb = doc["resources"][0]["endpoints"][0]["lb_endpoints"]
+    assert sorted(e["endpoint"]["address"]["socket_address"]["port_value"] for e in lb) == [9, 10]
+    assert doc["resources"][0]["cluster_name"] == "dplb_pool"
+
+
+async def test_fallback_that_served_takes_the_lease(two):
+    seg = two.state.seg
+    ex = Exchange(two, 2)
+    ex.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
+    [r] = ex.on_message(body(BODY, True))
+    value = {h.header.key: h.header.raw_value for h in r.request_body.response.header_mutation.set_headers}[HEADER]
+    first, fallback = value.decode().split(",")
+    picked, other = (0, 1) if first == "127.0.0.1:9" else (1, 0)
+    assert fallback == f"127.0.0.1:{9 + other}"
+    assert r.dynamic_metadata["envoy.lb"][HEADER] == value.decode()
+    assert seg.router_line(picked)["router_inflight"] == 1
+    # Envoy's first attempt failed; the fallback answered
+    [r] = ex.on_message(served(resp_headers(), fallback))
+    assert [h.header.raw_value for h in r.response_headers.response.header_mutation.set_headers] == [str(other).encode()]
+    assert seg.router_line(picked)["router_inflight"] == 0 and seg.router_line(picked)["failed"] == 1
+    assert seg.router_line(other)["router_inflight"] == 1
+    assert not two.state.registry.handles[picked].probe_ok   # out at once, until a probe passes
+    ex.on_message(body(CONTENT, False, response=True))
+    ex.on_message(body(b"data: [DONE]\n\n", True, response=True))
+    ex.close()
+    assert seg.router_line(other)["router_inflight"] == 0 and seg.router_line(other)["completed"] == 1
+
+
+async def test_served_by_the_pick_changes_nothing(two):
+    ex = Exchange(two, 2)
+    ex.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
+    [r] = ex.on_message(body(BODY, True))
+    first = r.dynamic_metadata["envoy.lb"][HEADER].split(",")[0]
+    lease = ex.lease
+    ex.on_message(served(resp_headers(), first))
+    assert ex.lease is lease and not lease.judged
+    ex.close()
+
+
+async def test_response_body_mode_none_settles_at_the_stream_end(picker):
+    seg = picker.state.seg
+    ex = Exchange(picker, 2, resp_mode=0)
+    ex.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
+    ex.on_message(body(BODY, True))
+    ex.on_message(resp_headers())
+    assert seg.router_line(0)["decode_reqs"] == 1 and seg.router_line(0)["prefill_tokens"] == 0
+    ex.close()
+    assert seg.router_line(0)["router_inflight"] == 0 and seg.router_line(0)["completed"] == 1
+
+
+async def test_full_duplex_response_chunks_are_sent_back(picker):
+    ex = Exchange(picker, 2, resp_mode=4)
+    ex.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
+    ex.on_message(body(BODY, True))
+    ex.on_message(resp_headers())
+    [r] = ex.on_message(body(CONTENT, False, response=True))
+    sr = r.response_body.response.body_mutation.streamed_response
+    assert sr.body == CONTENT and not sr.end_of_stream
+    [r] = ex.on_message(body(b"data: [DONE]\n\n", True, response=True))
+    assert r.response_body.response.body_mutation.streamed_response.end_of_stream
     assert picker.state.seg.router_line(0)["router_inflight"] == 0

@@ -29,3 +29,6 @@ def test_picker_unreachable(procs, run_dir, fail_open, status):
     r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == status, r.text
+    # Envoy's own answer, OpenAI-shaped like the picker's (local_reply_config)
+    err = r.json()["error"]
+    assert err["code"] == status and err["type"] in ("gateway_error", "upstream_error"), err

@@ -1,49 +1,22 @@
 """``launch_dplb.sh --gateway envoy`` with 2 sim workers (issue 30): the agents' engines on loopback
 TCP, ``dplb-epp --shm`` and a real Envoy on the launch's port; a chat completion and a stream
 through it (``x-dplb-worker-id`` set, both workers used), then SIGINT during a stream: the stream
-ends normally (drained, not aborted), exit 0, no process, segment or socket left. Bounded waits; the teardown kills whatever is left even when a test fails."""
+ends normally (drained, not aborted), exit 0, no process, segment or socket left. Bounded waits; the teardown (:func:`tests.helpers.launched`) kills whatever is left even when a test fails."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import openai
 import psutil
 import pytest
 
-from tests.helpers import ROOT, Procs, free_port, wait_until
+from tests.helpers import ROOT, alive, free_port, launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _alive(pids: set[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.Error:
-            pass
-    return out
-
-
-def _tree(pid: int) -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def _logs(log: Path, run_dir: Path) -> str:
-    parts = [f"--- launcher ---\n{log.read_text(errors='replace')[-3000:]}"]
-    parts += [f"--- {p.name} ---\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(run_dir.glob("*.log"))]
-    return "\n".join(parts)
 
 
 def test_dry_run_prints_envoy_config_and_epp_command():
@@ -58,29 +31,17 @@ def test_dry_run_prints_envoy_config_and_epp_command():
 
 
 def test_launch_gateway_envoy_serves_and_stops_clean():
-    port = free_port()
-    base = Path(tempfile.mkdtemp(prefix="dplb-gw-", dir="/tmp"))
-    run_dir, log = base / "rd", base / "launch.out"
-    procs = Procs()
     seen: set[int] = set()
-    proc = None
-    try:
-        t0 = time.monotonic()
-        proc = procs.start(["bash", str(ROOT / "scripts" / "launch_dplb.sh"), "--num-workers", "2", "--gateway",
-                            "envoy", "--engine", "sim", "--model", "sim-model", "--port", str(port),
-                            "--run-dir", str(run_dir), "--time-scale", "2",
-                            "--start-timeout", "180", "--policy", "round_robin"],
-                           log=log, env={"DPLB_PYTHON": sys.executable}, cwd=ROOT)
-        wait_until(lambda: "DPLB ready" in log.read_text(errors="replace") or proc.poll() is not None, timeout=200,
-                   interval=0.2, what="the launch's ready banner")
-        assert proc.poll() is None, "launch exited before ready:\n" + _logs(log, run_dir)
+    t0 = time.monotonic()
+    with launched("--num-workers", "2", "--gateway", "envoy", "--engine", "sim", "--model", "sim-model",
+                  "--time-scale", "2", "--start-timeout", "180", "--policy", "round_robin", ready_timeout=200,
+                  prefix="dplb-gw-", seen=seen) as ln:
         print(f"ready after {time.monotonic() - t0:.1f} s")
-        out = log.read_text(errors="replace")
-        assert "Envoy gateway on" in out and f"http://127.0.0.1:{port}/v1" in out, out
-        seen |= _tree(proc.pid)
-        names = {psutil.Process(p).name() for p in _alive(seen)}
+        out = ln.out()
+        assert "Envoy gateway on" in out and ln.url in out, out
+        names = {psutil.Process(p).name() for p in alive(seen)}
         assert "envoy" in names, names
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        c = openai.OpenAI(base_url=ln.url, api_key="none", timeout=60, max_retries=0)
         workers = set()
         for _ in range(2):
             r = c.chat.completions.with_raw_response.create(
@@ -95,7 +56,7 @@ def test_launch_gateway_envoy_serves_and_stops_clean():
                 chunks = [ch for ch in resp.parse() if ch.choices]
             assert len(chunks) > 1 and "".join(ch.choices[0].delta.content or "" for ch in chunks)
         assert workers == {"0", "1"}, workers
-        seen |= _tree(proc.pid)
+        seen.update(ln.tree())
         # a stream in flight at Ctrl-C runs to its end: the workers drain before Envoy stops
         reasons, n = [], 0
         with c.chat.completions.with_streaming_response.create(
@@ -105,34 +66,16 @@ def test_launch_gateway_envoy_serves_and_stops_clean():
                 if not ch.choices:
                     continue
                 if n == 0:
-                    os.kill(proc.pid, signal.SIGINT)
+                    os.kill(ln.proc.pid, signal.SIGINT)
                 n += 1
                 if ch.choices[0].finish_reason:
                     reasons.append(ch.choices[0].finish_reason)
         assert reasons == ["length"], (reasons, n)
-        rc = proc.wait(120)
-        assert rc == 0, _logs(log, run_dir)
-        assert not _alive(seen), f"left running: {_alive(seen)}"
-        assert not os.path.exists(f"/dev/shm/dplb-{port}")
-        assert not list(run_dir.glob("*.sock"))
-    finally:
-        if proc is not None:
-            seen |= _tree(proc.pid)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    pass
-        for pid in _alive(seen):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        procs.close()
-        if os.path.exists(f"/dev/shm/dplb-{port}"):
-            os.unlink(f"/dev/shm/dplb-{port}")
-        shutil.rmtree(base, ignore_errors=True)
+        rc = ln.proc.wait(120)
+        assert rc == 0, ln.logs()
+        assert not alive(seen), f"left running: {alive(seen)}"
+        assert not os.path.exists(f"/dev/shm/{ln.shm}")
+        assert not list(ln.run_dir.glob("*.sock"))
 
 
 def test_gateway_envoy_refusals(monkeypatch):

@@ -7,6 +7,7 @@ import subprocess
 
 import orjson
 import pytest
+import yaml
 
 from epp.discovery import (
     EndpointsFile,
@@ -125,3 +126,37 @@ def test_an_exchange_without_a_lease_releases_nothing():
     ex = Exchange(None, 2)  # type: ignore[arg-type]
     ex.close()              # a stream that ended before any pick: nothing to give back
     assert CHUNK == 62_000
+
+
+@pytest.mark.parametrize("resp_mode", ["STREAMED", "FULL_DUPLEX_STREAMED", "NONE"])
+def test_pool_cluster_bootstrap_is_valid_for_envoy(tmp_path, resp_mode):
+    from epp.envoy import POOL_CLUSTER, write_eds
+
+    eds = tmp_path / "eds" / "pool.json"
+    write_eds(str(eds), ["127.0.0.1:8001", "[::1]:8002"])
+    s = EnvoySettings(listen_port=18081, admin_port=19901, pool_eds=str(eds), response_body_mode=resp_mode)
+    cfg = bootstrap(s)
+    route = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["cluster"] == POOL_CLUSTER and "connect-failure" in route["retry_policy"]["retry_on"]
+    pool = cfg["static_resources"]["clusters"][2]
+    lb = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+    assert lb["override_host_sources"] == [{"header": HEADER}]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(bootstrap_yaml(s))
+    argv = envoy_argv(str(path))
+    r = subprocess.run([argv[0], "--mode", "validate", *argv[1:]], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_print_envoy_config_renders_the_pool_cluster_and_the_response_mode(capsys, tmp_path):
+    from epp.__main__ import main
+
+    assert main(["--print-envoy-config", "--envoy-eds", str(tmp_path / "pool.json"),
+                 "--response-body-mode", "NONE"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert [c["name"] for c in cfg["static_resources"]["clusters"]][-1] == "dplb_pool"
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["typed_config"]["processing_mode"]["response_body_mode"] == "NONE"
+    assert main(["--shm", "x", "--fallbacks", "-1"]) == 2
