@@ -50,7 +50,7 @@ from launcher.supervisor import (
     Supervisor,
     describe_workers,
 )
-from router.config import POLICIES
+from router.policies import policy_names
 from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
 from worker_agent.restart import RestartParams
@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dplb.yaml (see dplb.example.yaml); its router.host/port/shm and "
                         "routing_policy.latency_window_sec apply unless a flag says otherwise")
     p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
-    p.add_argument("--policy", default=None, choices=POLICIES, metavar="P",
-                   help=f"routing policy, one of: {', '.join(POLICIES)} (router default: dplb)")
+    p.add_argument("--policy", default=None, choices=policy_names(), metavar="P",
+                   help=f"routing policy, one of: {', '.join(policy_names())} (router default: dplb)")
     p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
     p.add_argument("--router-workers", type=int, default=None, help="router processes (uvicorn --workers)")
     p.add_argument("--log-level", default=None, help="router log level")

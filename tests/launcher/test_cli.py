@@ -117,10 +117,10 @@ def test_script_help_lists_flags():
     for flag in ("--num-workers", "--gpus", "--engine", "--model", "--port", "--config", "--state-interval-ms",
                  "--policy", "--time-scale"):
         assert flag in cp.stdout
-    from router.config import POLICIES
+    from router.policies import policy_names
 
     text = " ".join(cp.stdout.split())
-    assert all(p in text for p in POLICIES) and "one of: dplb, weighted" in text   # the --policy choices
+    assert all(p in text for p in policy_names()) and "one of: dplb, weighted" in text   # the --policy choices
     bad = launch("--policy", "fastest", "--dry-run")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 

@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from bench.trace import TraceRequest
-from router.config import POLICIES, Config
+from router.config import Config
+from router.policies import policy_names
 from sim_engine.config import EngineConfig
 from simulate import cluster as cl
 from simulate.capacity import find_capacity, min_engines
@@ -133,10 +134,10 @@ def test_policy_objects_come_from_build_policy_and_every_config_policy_runs(monk
 
     monkeypatch.setattr(cl, "build_policy", spy)
     reqs = load_workload(TRACE, requests=12)
-    for name in POLICIES:
+    for name in policy_names():
         _, fig = _run(reqs, name, 2)
         assert fig["served"] == 12
-    assert [b[0] for b in built] == list(POLICIES)
+    assert [b[0] for b in built] == list(policy_names())
     assert all(mod.startswith("router.policies.") and clocked for _, mod, clocked in built)
 
 
