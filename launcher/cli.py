@@ -30,6 +30,7 @@ import orjson
 
 from launcher.errors import LaunchError, UsageError
 from launcher.gpus import (
+    ENGINE_TABLE,
     ENGINES,
     GpuPlan,
     choose_engine,
@@ -55,8 +56,9 @@ from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
 from worker_agent.restart import RestartParams
 
-#: start-up budget per engine kind, seconds: a real model can take many minutes to load.
-START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
+#: start-up budget per engine kind, seconds: a real model can take many minutes to load (the
+#: engine table's ``start_timeout_s``)
+START_TIMEOUTS = {name: kind.start_timeout_s for name, kind in ENGINE_TABLE.items()}
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` only where the help text does not already say it and X is a value
@@ -152,8 +154,10 @@ def split_engine_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def router_settings(args: argparse.Namespace) -> Any:
     """The router's effective configuration as the launch will run it: built-in defaults, then
     ``--config``, then the launcher's flags (the same rule and the same loader,
-    :func:`router.config.load_config`, as ``dplb-router`` itself). Raises :class:`UsageError`
-    naming the field when the file or a flag is invalid."""
+    :func:`router.config.load_config`, as ``dplb-router`` itself, with the launcher's own section
+    validated: :class:`launcher.config.LaunchConfig`). Raises :class:`UsageError` naming the field
+    when the file or a flag is invalid."""
+    from launcher.config import LaunchConfig
     from router.config import load_config
     from router.errors import ConfigError
 
@@ -163,7 +167,7 @@ def router_settings(args: argparse.Namespace) -> Any:
                  "routing_policy.policy": args.policy, "router.workers": args.router_workers,
                  "router.log_level": args.log_level}
     try:
-        return load_config(args.config, overrides)
+        return load_config(args.config, overrides, model=LaunchConfig)
     except ConfigError as e:
         raise UsageError(f"{'--config ' + args.config + ': ' if args.config else ''}{e}") from None
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import yaml
 from pydantic import (
@@ -206,58 +205,6 @@ class Retries(_Strict):
     retry_on_disconnect: bool = True
 
 
-#: one worker spec, two spellings: the ``--worker`` flag's short keys name the config file's
-#: fields; both are accepted in both places (``launcher.specs.parse_worker_spec`` reads this too)
-WORKER_KEY_ALIASES = {"args": "engine_args", "url": "engine_url"}
-
-
-class LaunchWorker(_Strict):
-    """One entry of ``workers``: ``count`` workers the launcher starts, all serving ``model`` with
-    ``engine`` (default: the launcher's ``--engine`` rule) on ``gpus`` (``"0-3"``, ``"4,5"`` or a
-    list; split evenly among the ``count`` workers, tensor parallel = GPUs per worker), with
-    ``engine_args`` added after the launcher's own; ``engine_url`` attaches ``--engine openai`` to a
-    running server (``count`` 1); ``weight`` is the routing weight. The router does not read this
-    section (it routes by each request's ``model``); ``launch_dplb.sh --worker`` says the same on
-    the command line, with the same keys: ``args`` and ``url`` are accepted for ``engine_args`` and
-    ``engine_url`` (:data:`WORKER_KEY_ALIASES`), and ``engine_args`` may be one string
-    (shell-split, as ``args=`` is on the flag)."""
-
-    model: str | None = None
-    engine: Literal["sim", "vllm", "sglang", "openai"] | None = None
-    gpus: str | None = None
-    count: int = Field(default=1, ge=1, le=64)
-    engine_url: str | None = None
-    engine_args: list[str] = Field(default_factory=list)
-    weight: float = Field(default=1.0, gt=0, le=100)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _short_keys(cls, d: Any) -> Any:
-        if not isinstance(d, dict):
-            return d
-        d = dict(d)
-        for short, long in WORKER_KEY_ALIASES.items():
-            if short in d:
-                if long in d:
-                    raise ValueError(f"give {long} or {short} (the same field), not both")
-                d[long] = d.pop(short)
-        if isinstance(d.get("engine_args"), str):
-            try:
-                d["engine_args"] = shlex.split(d["engine_args"])
-            except ValueError as e:
-                raise ValueError(f"engine_args: {e}") from None
-        return d
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _gpus(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return ",".join(str(x) for x in v)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return str(v)
-        return v
-
-
 class Config(_Strict):
     """Whole router configuration (the ``dplb.yaml`` file)."""
 
@@ -267,8 +214,10 @@ class Config(_Strict):
     routing_policy: RoutingPolicy = Field(default_factory=lambda: RoutingPolicy())
     circuit_breaker: CircuitBreaker = Field(default_factory=lambda: CircuitBreaker())
     retries: Retries = Field(default_factory=lambda: Retries())
-    # what the launcher starts (several models on one box); empty: --num-workers/--model decide
-    workers: list[LaunchWorker] = Field(default_factory=list)
+    # what the launcher starts (several models on one box); empty: --num-workers/--model decide.
+    # The router does not read it: the launcher validates it (launcher.config.LaunchWorker,
+    # loaded with load_config(..., model=launcher.config.LaunchConfig))
+    workers: list[dict[str, object]] = Field(default_factory=list)
 
     @property
     def shm_name(self) -> str:
@@ -301,8 +250,23 @@ def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
     d[keys[-1]] = value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Config:
+C = TypeVar("C", bound=Config)
+
+
+@overload
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Config: ...
+
+
+@overload
+def load_config(path: str | os.PathLike | None, overrides: dict[str, Any] | None, model: type[C]) -> C: ...
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                model: type[Config] = Config) -> Config:
     """Load and validate ``path`` (YAML; ``None`` → defaults), then apply ``overrides``.
+
+    ``model``: the class to validate with (a subclass of :class:`Config` that says more about a
+    section, e.g. the launcher's ``LaunchConfig`` for ``workers``).
 
     ``overrides`` maps dotted field names to values, e.g. ``{"router.port": 30001,
     "routing_policy.policy": "round_robin"}``; ``None`` values are skipped (flag not given).
@@ -326,7 +290,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         if v is not None:
             _set_dotted(raw, k, v)
     try:
-        return Config.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as e:
         raise _field_error(e) from None
 

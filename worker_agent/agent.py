@@ -259,8 +259,9 @@ class Agent:
         if lat:
             self.writer.record_latency(**lat)
 
-    def _publish_engine(self, m: EngineMetrics, inflight: int | None = None) -> None:
-        """Publish one scrape of the engine. With the engine's request counts goes the routers'
+    def publish_engine(self, m: EngineMetrics, inflight: int | None = None) -> None:
+        """Publish one scrape of the engine (the probe loop's body; the simulator calls it with its
+        virtual engines' counts). With the engine's request counts goes the routers'
         in-flight count taken at the same scrape (``inflight``: the larger of the counts read just
         before and just after it; None: read now), so that ``running + waiting − inflight`` is
         what the engine holds that no router dispatched, whatever the publication's age
@@ -287,7 +288,7 @@ class Agent:
             if self.state in (WorkerState.READY, WorkerState.DRAINING):
                 try:
                     before = self.inflight
-                    self._publish_engine(await self.adapter.probe(), inflight=before)
+                    self.publish_engine(await self.adapter.probe(), inflight=before)
                 except UpstreamError as e:
                     log.debug("engine probe failed: %s", e)
             await asyncio.sleep(interval)

@@ -238,8 +238,8 @@ def test_worker_spec_parsing():
 def test_one_set_of_keys_for_a_worker_spec_in_the_flag_and_the_file(tmp_path):
     """Issue 32: the README said the file's ``workers:`` take "the same keys" as ``--worker``; the
     flag's ``args``/``url`` and the file's ``engine_args``/``engine_url`` are now both accepted in both."""
+    from launcher.config import LaunchWorker
     from launcher.specs import parse_worker_spec
-    from router.config import LaunchWorker
 
     assert parse_worker_spec("model=m,engine_args=--x 1").engine_args == ("--x", "1")
     assert parse_worker_spec("engine=openai,engine_url=http://127.0.0.1:8000").engine_url == "http://127.0.0.1:8000"

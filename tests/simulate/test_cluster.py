@@ -145,7 +145,7 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
     """What the router reads of running / waiting / KV usage is what the agent published at its
     last tick (stale in between), while the agent's in-flight count is current at every decision."""
     published: dict[int, list[tuple[int, tuple]]] = {}
-    real_publish = cl.Agent._publish_engine
+    real_publish = cl.Agent.publish_engine
 
     def publish(self, m):
         published.setdefault(self.worker_id, []).append(
@@ -164,7 +164,7 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
                          s.router_inflight, i))
         return real_select(self, req, exclude, now=now_s)
 
-    monkeypatch.setattr(cl.Agent, "_publish_engine", publish)
+    monkeypatch.setattr(cl.Agent, "publish_engine", publish)
     monkeypatch.setattr(cl.Scheduler, "select", select)
     reqs = load_workload(TRACE, requests=120)
     res, _ = _run(reqs, "dplb", 3, rate_scale=4, state_interval_ms=500)
