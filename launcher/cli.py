@@ -60,8 +60,9 @@ from worker_agent.restart import RestartParams
 #: engine table's ``start_timeout_s``)
 START_TIMEOUTS = {name: kind.start_timeout_s for name, kind in ENGINE_TABLE.items()}
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` only where the help text does not already say it and X is a value
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` formatter of the launcher and the replay tool: shows ``(default: X)`` only where the help text does not already say it and X is a value
     (not None, and not the implicit default of a store_true/store_false flag)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="launch_dplb.sh",
         description="Start a DPLB endpoint: one router in front of N engines (one per GPU group).",
         epilog="Arguments after -- are passed to every engine. Example: launch_dplb.sh --num-workers 4",
-        formatter_class=_DefaultsFormatter)
+        formatter_class=DefaultsFormatter)
     p.add_argument("--num-workers", "-n", type=int, default=None,
                    help="number of workers (engines), all serving --model (not needed with --worker)")
     p.add_argument("--worker", action="append", default=[], dest="worker_specs", metavar="SPEC",
