@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dplb_shm.types import ScoringParams, TtftParams
 from router.policies.base import Policy
 
 
@@ -83,9 +84,9 @@ class PolicyContext:
     ``ttft`` (``TtftParams``, ``dplb``), ``rng`` (deterministic tests) and ``clock`` (``() -> ns``
     for the kernel's heartbeat check: the simulator's virtual time)."""
 
-    kernel: Any = None
-    scoring: Any = None
-    ttft: Any = None
+    kernel: Any = None   # a dplb_shm.Segment (or a test's stand-in with the same pick methods)
+    scoring: ScoringParams | None = None
+    ttft: TtftParams | None = None
     rng: _random.Random | None = None
     clock: Callable[[], int] | None = None
 
