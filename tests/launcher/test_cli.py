@@ -251,3 +251,24 @@ def test_one_set_of_keys_for_a_worker_spec_in_the_flag_and_the_file(tmp_path):
     cfg.write_text("workers:\n  - {model: beta, engine: sim, args: '--max-num-seqs 8'}\n")
     b = plan("--config", str(cfg))["workers"][0]["argv"]
     assert b[b.index("--") + 1:][-2:] == ["--max-num-seqs", "8"]
+
+
+def test_the_workers_section_is_the_launchers(tmp_path):
+    """Issue 28: ``LaunchWorker`` lives in launcher/; the launcher validates ``workers:`` (errors
+    name the field, engines from the engine table), the router reads the same file and leaves the
+    section alone."""
+    from launcher.config import LaunchConfig
+    from router.config import config_from_json, load_config
+    from router.errors import ConfigError
+
+    p = tmp_path / "dplb.yaml"
+    p.write_text("workers:\n  - {model: m, engine: tgi}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, model=LaunchConfig)
+    assert ei.value.field == "workers.0.engine" and "sim, vllm, sglang, openai" in str(ei.value)
+    rcfg = load_config(p)                     # the router: the section is not its to judge
+    assert rcfg.workers == [{"model": "m", "engine": "tgi"}]
+    assert config_from_json(rcfg.model_dump_json()) == rcfg
+    p.write_text("workers:\n  - {model: m, engine: sglang, gpus: [0, 1], args: '--x 1'}\n")
+    w = load_config(p, model=LaunchConfig).workers[0]
+    assert (w.engine, w.gpus, w.engine_args) == ("sglang", "0,1", ["--x", "1"])
