@@ -10,7 +10,6 @@ descendants, threads included).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,17 @@ import psutil
 
 from bench.errors import StartupError
 from launcher.children import Child
-from launcher.stack import LOOPBACK, ProcessGroup, free_port
+from launcher.stack import (
+    LOOPBACK,
+    ChildExited,
+    ProcessGroup,
+    WaitTimeout,
+    free_port,
+    wait_for,
+)
 
 __all__ = ["LOOPBACK", "Child", "CorePlan", "ProcessSet", "core_plan", "cpu_seconds", "free_port", "pin",
-           "wait_until"]
+           "start_sim_engine", "wait_until"]
 
 
 
@@ -137,22 +143,32 @@ def pin(pids: Sequence[int], cpus: frozenset[int]) -> int:
 
 def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.1,
                children: Sequence[Child] = ()) -> object:
-    """Poll ``pred()`` until truthy; raise :class:`StartupError` on timeout or if a child dies.
-
-    ``children``: processes that must stay alive while waiting (their log is quoted on failure).
+    """:func:`launcher.stack.wait_for` with the harness's error: :class:`StartupError` on timeout or
+    when one of ``children`` (processes that must stay alive while waiting) dies, quoting its log.
     """
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        for c in children:
-            if not c.alive():
-                raise StartupError(c.name, f"exited with code {c.popen.returncode} while waiting for {what}", c.log)
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # noqa: BLE001 - polled predicates fail while things start
-            last = e
-        time.sleep(interval)
-    log = children[0].log if children else None
-    raise StartupError(what, f"not ready after {timeout:.0f} s" + (f" (last error: {last!r})" if last else ""), log)
+    try:
+        return wait_for(pred, timeout, what, interval=interval, children=children)
+    except ChildExited as e:
+        raise StartupError(e.child.name, f"exited with code {e.child.popen.returncode} while waiting for {what}",
+                           e.child.log) from None
+    except WaitTimeout as e:
+        raise StartupError(what, f"not ready after {timeout:.0f} s" + (f" (last error: {e.last!r})" if e.last else ""),
+                           children[0].log if children else None) from None
+
+
+def start_sim_engine(group: ProcessGroup, sock: str, *args: str, cpu: int | None = None,
+                     timeout: float = 30.0) -> Child:
+    """Start ``python -m sim_engine --uds sock *args`` in ``group`` (which stops it), pinned to CPU
+    ``cpu`` when given, and wait until its socket exists.
+
+    Raises:
+        StartupError: the engine exited, or its socket did not appear within ``timeout`` seconds.
+    """
+    import os
+    import sys
+
+    child = group.start([sys.executable, "-m", "sim_engine", "--uds", sock, *args], name="sim-engine")
+    if cpu is not None:
+        os.sched_setaffinity(child.popen.pid, {cpu})
+    wait_until(lambda: os.path.exists(sock), timeout, f"sim engine socket {sock}", interval=0.05, children=[child])
+    return child

@@ -42,6 +42,7 @@ import orjson
 
 from bench.errors import BenchError, ReplayError
 from bench.trace import DEFAULT_TRACE, TraceRequest, load_trace, prompt_for
+from launcher.cli import DefaultsFormatter
 
 WORKER_HEADER = "x-dplb-worker-id"
 
@@ -347,21 +348,10 @@ def format_table(s: dict[str, Any]) -> str:
         lines.extend("  " + e for e in s["first_errors"])
     return "\n".join(lines)
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` only where the help text does not already say it and X is a value
-    (not None, and not the implicit default of a store_true/store_false flag)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or action.default is None or isinstance(action.default, bool):
-            return text
-        return super()._get_help_string(action) or text
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``dplb-replay`` command line."""
     p = argparse.ArgumentParser(allow_abbrev=False, prog="dplb-replay", description=__doc__.split("\n\n")[0],
-                                formatter_class=_DefaultsFormatter)
+                                formatter_class=DefaultsFormatter)
     p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE),
                    help="Mooncake-format JSONL trace (default: the conversation trace shipped in "
                         "bench/data/mooncake/, see its README)")

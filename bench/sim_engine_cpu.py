@@ -26,9 +26,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -36,28 +33,7 @@ import aiohttp
 import orjson
 import psutil
 
-
-def _start_engine(sock: str, time_scale: float, cpu: int | None) -> subprocess.Popen:
-    args = [
-        sys.executable,
-        "-m",
-        "sim_engine",
-        "--uds",
-        sock,
-        "--time-scale",
-        str(time_scale),
-        "--max-num-seqs",
-        "1024",
-    ]
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    if cpu is not None:
-        os.sched_setaffinity(p.pid, {cpu})
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
-        if time.monotonic() > deadline or p.poll() is not None:
-            raise RuntimeError("engine did not start")
-        time.sleep(0.05)
-    return p
+from bench.procs import ProcessGroup, start_sim_engine
 
 
 async def _state(s: aiohttp.ClientSession) -> dict:
@@ -124,14 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
     sock = os.path.join(d, "engine.sock")
     try:
-        p = _start_engine(sock, a.time_scale, eng_cpu)
-        try:
-            proc = psutil.Process(p.pid)
+        with ProcessGroup() as group:
+            child = start_sim_engine(group, sock, "--time-scale", str(a.time_scale), "--max-num-seqs", "1024",
+                                     cpu=eng_cpu)
+            proc = psutil.Process(child.popen.pid)
             asyncio.run(_level(sock, proc, 4, 5))  # warm-up
             rows = [asyncio.run(_level(sock, proc, int(n), a.max_tokens)) for n in a.levels.split(",")]
-        finally:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(10)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     # the ceiling of one core: 1 / (CPU per token), from the busiest level (least fixed overhead)

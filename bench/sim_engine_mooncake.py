@@ -19,15 +19,13 @@ import asyncio
 import itertools
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 import aiohttp
 import orjson
 
+from bench.procs import ProcessGroup, start_sim_engine
 from bench.trace import DEFAULT_TRACE, load_trace, prompt_for
 
 
@@ -121,33 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     reqs = load_trace(a.trace, limit=a.requests)
     d = tempfile.mkdtemp(prefix="dplb-bench-", dir="/tmp")
     sock = os.path.join(d, "engine.sock")
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sim_engine",
-            "--uds",
-            sock,
-            "--time-scale",
-            str(a.time_scale),
-            *a.engine_args.split(),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if time.monotonic() > deadline or p.poll() is not None:
-                raise RuntimeError("engine did not start")
-            time.sleep(0.05)
-        wall0 = time.monotonic()
-        rows, m = asyncio.run(_replay(sock, reqs, a.time_scale))
-        wall = time.monotonic() - wall0
+        with ProcessGroup() as group:
+            start_sim_engine(group, sock, "--time-scale", str(a.time_scale), *a.engine_args.split())
+            wall0 = time.monotonic()
+            rows, m = asyncio.run(_replay(sock, reqs, a.time_scale))
+            wall = time.monotonic() - wall0
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(10)
         shutil.rmtree(d, ignore_errors=True)
     rows.sort(key=lambda r: r["i"])
     ttft = [r["ttft_s"] for r in rows]

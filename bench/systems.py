@@ -31,10 +31,19 @@ from bench.errors import StartupError
 from bench.peers import ensure_peer, peer_command
 from bench.procs import LOOPBACK, Child, ProcessSet, free_port, wait_until
 from launcher.stack import agent_argv, router_argv
+from router.policies import policy_names
 
 MODEL = "sim-llama-3.1-8b"
-DPLB_POLICIES = ("dplb", "least_load", "cache_aware", "round_robin", "lmetric", "kv_cost", "session", "shortest_queue",
-                 "power_of_two")
+#: registered policies the benches leave out: the seeds' formula (``dplb`` replaced it) and random
+BENCH_LEFT_OUT = ("weighted", "random")
+
+
+def dplb_policies() -> tuple[str, ...]:
+    """DPLB's policies the benches run: every registered one (router.policies.registry), in its
+    order, but :data:`BENCH_LEFT_OUT`."""
+    return tuple(p for p in policy_names() if p not in BENCH_LEFT_OUT)
+
+
 PEER_POLICIES = {"sglang": ("cache_aware", "round_robin"), "vllm": ("cache_aware", "power_of_two"),
                  "smg": ("cache_aware", "least_load")}
 
@@ -54,7 +63,7 @@ class SystemSpec:
 
 def all_systems() -> list[SystemSpec]:
     """Every system of issue 7, DPLB first, then the peers, then the direct baseline."""
-    out = [SystemSpec("dplb", p) for p in DPLB_POLICIES]
+    out = [SystemSpec("dplb", p) for p in dplb_policies()]
     out += [SystemSpec(k, p) for k, ps in PEER_POLICIES.items() for p in ps]
     out.append(SystemSpec("direct", "none"))
     return out

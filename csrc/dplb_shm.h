@@ -2,7 +2,7 @@
  * dplb_shm.h -- the one owner of DPLB's shared-memory segment layout and its seqlock.
  *
  * Everything else (csrc/dplb_native.pyx, dplb_shm/layout.py, the dump tool) takes offsets and
- * sizes from here; tests/csrc/test_layout.py checks that Python's view equals offsetof() below.
+ * sizes from here; tests/dplb_shm/test_layout.py checks that Python's view equals offsetof() below.
  *
  * Segment (a POSIX shm object, /dev/shm/<name>, mode 0600), little-endian, all fields naturally
  * aligned, one cache line = 64 bytes:

@@ -1,6 +1,6 @@
 """Python's own view of the segment layout, written independently of ``csrc/dplb_shm.h``.
 
-``tests/csrc/test_layout.py`` checks every offset and size here against the ``offsetof`` /
+``tests/dplb_shm/test_layout.py`` checks every offset and size here against the ``offsetof`` /
 ``sizeof`` table compiled into the extension (``dplb_shm._native.offsets()``), so a change to the
 header that is not mirrored here (or the reverse) fails the tests. Tools that want to decode a raw
 segment image without the extension (post-mortem dumps) can use these ``ctypes`` structures; live

@@ -23,8 +23,9 @@ import signal
 import sys
 import uuid
 
-from router.config import POLICIES, load_config
+from router.config import load_config
 from router.errors import ConfigError
+from router.policies import policy_names
 
 BODY_MODES = {"BUFFERED": 2, "FULL_DUPLEX_STREAMED": 4}
 RESPONSE_BODY_MODES = {"STREAMED": 1, "FULL_DUPLEX_STREAMED": 4, "NONE": 0}
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the service account's, else 'default')")
     k.add_argument("--kubeconfig", help="kubeconfig file (default: the in-cluster service account)")
     k.add_argument("--pool-resync", type=float, default=300.0, help="seconds between full re-lists")
-    p.add_argument("--policy", choices=POLICIES)
+    p.add_argument("--policy", choices=policy_names())
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (0: any free one)")
     p.add_argument("--health-port", type=int, default=9003, help="gRPC health port (0: any free one)")

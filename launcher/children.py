@@ -17,7 +17,6 @@ import ctypes
 import os
 import signal
 import subprocess
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,21 +104,6 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
                              cwd=cwd, start_new_session=True,
                              preexec_fn=_term_with_parent)  # noqa: PLW1509 - the launcher is single-threaded
     return Child(name=name, popen=p, log_path=log_path, argv=list(argv))
-
-
-def log_tail(path: Path | str | None, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
-    """The last ``lines`` lines of ``path`` (reads at most ``max_bytes`` from the end); "" if unreadable."""
-    if path is None:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(deque(data.decode("utf-8", "replace").splitlines(), maxlen=lines))
 
 
 def descendants(pid: int | None = None) -> list[psutil.Process]:

@@ -30,6 +30,7 @@ import orjson
 
 from launcher.errors import LaunchError, UsageError
 from launcher.gpus import (
+    ENGINE_TABLE,
     ENGINES,
     GpuPlan,
     choose_engine,
@@ -50,16 +51,18 @@ from launcher.supervisor import (
     Supervisor,
     describe_workers,
 )
-from router.config import POLICIES
+from router.policies import policy_names
 from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
 from worker_agent.restart import RestartParams, add_restart_flags, restart_params
 
-#: start-up budget per engine kind, seconds: a real model can take many minutes to load.
-START_TIMEOUTS = {"sim": 120.0, "openai": 120.0, "vllm": 1800.0, "sglang": 1800.0}
+#: start-up budget per engine kind, seconds: a real model can take many minutes to load (the
+#: engine table's ``start_timeout_s``)
+START_TIMEOUTS = {name: kind.start_timeout_s for name, kind in ENGINE_TABLE.items()}
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` only where the help text does not already say it and X is a value
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` formatter of the launcher and the replay tool: shows ``(default: X)`` only where the help text does not already say it and X is a value
     (not None, and not the implicit default of a store_true/store_false flag)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -76,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="launch_dplb.sh",
         description="Start a DPLB endpoint: one router in front of N engines (one per GPU group).",
         epilog="Arguments after -- are passed to every engine. Example: launch_dplb.sh --num-workers 4",
-        formatter_class=_DefaultsFormatter)
+        formatter_class=DefaultsFormatter)
     p.add_argument("--num-workers", "-n", type=int, default=None,
                    help="number of workers (engines), all serving --model (not needed with --worker)")
     p.add_argument("--worker", action="append", default=[], dest="worker_specs", metavar="SPEC",
@@ -99,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dplb.yaml (see dplb.example.yaml); its router.host/port/shm and "
                         "routing_policy.latency_window_sec apply unless a flag says otherwise")
     p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
-    p.add_argument("--policy", default=None, choices=POLICIES, metavar="P",
-                   help=f"routing policy, one of: {', '.join(POLICIES)} (router default: dplb)")
+    p.add_argument("--policy", default=None, choices=policy_names(), metavar="P",
+                   help=f"routing policy, one of: {', '.join(policy_names())} (router default: dplb)")
     p.add_argument("--time-scale", type=float, default=None, help="sim engines: simulated seconds per wall-clock second (10 = ten times faster than real time)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the router's GET /metrics on a port of its own too (router metrics.port; SGLang router's "
@@ -148,8 +151,10 @@ def split_engine_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def router_settings(args: argparse.Namespace) -> Any:
     """The router's effective configuration as the launch will run it: built-in defaults, then
     ``--config``, then the launcher's flags (the same rule and the same loader,
-    :func:`router.config.load_config`, as ``dplb-router`` itself). Raises :class:`UsageError`
-    naming the field when the file or a flag is invalid."""
+    :func:`router.config.load_config`, as ``dplb-router`` itself, with the launcher's own section
+    validated: :class:`launcher.config.LaunchConfig`). Raises :class:`UsageError` naming the field
+    when the file or a flag is invalid."""
+    from launcher.config import LaunchConfig
     from router.config import load_config
     from router.errors import ConfigError
 
@@ -159,7 +164,7 @@ def router_settings(args: argparse.Namespace) -> Any:
                  "routing_policy.policy": args.policy, "router.workers": args.router_workers,
                  "router.log_level": args.log_level, "metrics.port": args.metrics_port}
     try:
-        return load_config(args.config, overrides)
+        return load_config(args.config, overrides, model=LaunchConfig)
     except ConfigError as e:
         raise UsageError(f"{'--config ' + args.config + ': ' if args.config else ''}{e}") from None
 

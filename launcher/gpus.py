@@ -17,8 +17,10 @@ import subprocess
 from dataclasses import dataclass, field
 
 from launcher.errors import GpuPlanError, UsageError
+from worker_agent.engines import ENGINE_NAMES
+from worker_agent.engines import ENGINES as ENGINE_TABLE
 
-ENGINES = ("sim", "vllm", "sglang", "openai")
+ENGINES = ENGINE_NAMES  # the engine table's (worker_agent/engines.py)
 _SMI_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
 
 
@@ -143,6 +145,6 @@ def choose_engine(engine: str | None, have_gpus: bool, model: str | None, gpus_e
         return "vllm" if (have_gpus and model) else "sim"
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)} (got {engine!r})")
-    if engine in ("vllm", "sglang") and not model:
+    if ENGINE_TABLE[engine].needs_model and not model:
         raise UsageError(f"--engine {engine} needs --model (a Hugging Face id or a local model folder)")
     return engine

@@ -6,7 +6,7 @@ GPUs 0-3 and one worker of another on GPUs 4-7::
     launch_dplb.sh --worker "model=Qwen/Qwen2.5-7B-Instruct,gpus=0-3,count=2" \\
                    --worker "model=meta-llama/Llama-3.1-8B-Instruct,gpus=4-7,args=--max-model-len 8192"
 
-or the config file's ``workers:`` section (:class:`router.config.LaunchWorker`, same keys). A spec
+or the config file's ``workers:`` section (:class:`launcher.config.LaunchWorker`, same keys). A spec
 is ``key=value`` pairs separated by commas; a piece without ``=`` continues the previous value
 (so ``gpus=0,1,2,3`` and ``args=--x a,b`` read as written). Keys: ``model``, ``engine``
 (sim|vllm|sglang|openai; default: the launcher's ``--engine``, else vllm with GPUs and a model,
@@ -15,7 +15,7 @@ per worker), ``count`` (workers of this spec, default 1), ``url`` (``--engine op
 server to attach to; count 1), ``args`` (engine arguments, shell-split, after the launcher's
 ``-- ...`` ones), ``weight`` (routing weight). The config file's names ``engine_url`` and
 ``engine_args`` are accepted for ``url`` and ``args``, here and there
-(:data:`router.config.WORKER_KEY_ALIASES`).
+(:data:`launcher.config.WORKER_KEY_ALIASES`).
 
 Worker ids follow the order of the specs. Two specs may not share a GPU; a real engine (vllm,
 sglang) needs ``gpus`` once there are several specs (the discovered GPUs serve a single spec).
@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
 
+from launcher.config import WORKER_KEY_ALIASES, LaunchWorker
 from launcher.errors import UsageError
-from launcher.gpus import ENGINES, choose_engine, parse_gpu_list, plan_gpus
-from router.config import WORKER_KEY_ALIASES
+from launcher.gpus import (
+    ENGINE_TABLE,
+    ENGINES,
+    choose_engine,
+    parse_gpu_list,
+    plan_gpus,
+)
 
 KEYS = ("model", "engine", "gpus", "count", "url", "args", "weight")
 #: the config file's spellings, accepted on the flag too (``engine_args=`` is ``args=``)
@@ -117,8 +122,8 @@ def make_spec(*, model: str | None, engine: str | None, gpus: str | None, count:
     return WorkerSpec(model, engine, gpus, count, engine_url, tuple(engine_args), weight)
 
 
-def spec_from_config(entry: Any, index: int) -> WorkerSpec:
-    """A :class:`WorkerSpec` from one ``workers:`` entry of the config (:class:`router.config.LaunchWorker`)."""
+def spec_from_config(entry: LaunchWorker, index: int) -> WorkerSpec:
+    """A :class:`WorkerSpec` from one ``workers:`` entry of the config (:class:`launcher.config.LaunchWorker`)."""
     return make_spec(model=entry.model, engine=entry.engine, gpus=entry.gpus, count=entry.count,
                      engine_url=entry.engine_url, engine_args=list(entry.engine_args), weight=entry.weight,
                      where=f"workers[{index}]")
@@ -145,12 +150,12 @@ def plan_workers(specs: list[WorkerSpec], *, default_engine: str | None = None, 
         engine = choose_engine(sp.engine or default_engine, bool(gpus), model, gpus_explicit=explicit or len(specs) > 1)
         if engine == "sim" and not explicit:
             gpus = []
-        if engine in ("vllm", "sglang") and not gpus:
+        if ENGINE_TABLE[engine].needs_gpus and not gpus:
             raise UsageError(f"worker spec {i + 1} ({model}): engine {engine} needs gpus=... when several specs "
                              f"share the box")
-        if engine == "openai" and not sp.engine_url:
+        if not ENGINE_TABLE[engine].spawns and not sp.engine_url:
             raise UsageError(f"worker spec {i + 1}: engine openai needs url=... (the server to attach to)")
-        if engine != "openai" and sp.engine_url:
+        if ENGINE_TABLE[engine].spawns and sp.engine_url:
             raise UsageError(f"worker spec {i + 1}: url=... is only for engine openai")
         for g in gpus:
             if g in owner:

@@ -35,7 +35,8 @@ from typing import Any, Self
 
 import orjson
 
-from launcher.children import Child, log_tail
+from launcher.children import Child
+from worker_agent.logtail import log_tail
 
 LOOPBACK = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,19 +210,41 @@ class ProcessGroup:
         self.close()
 
 
+class ChildExited(ChildProcessError):
+    """A child :func:`wait_for` was told to watch exited while it waited; ``child`` is that child."""
+
+    def __init__(self, message: str, child: Child) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+class WaitTimeout(TimeoutError):
+    """:func:`wait_for` ran out of time; ``last`` is the last exception ``pred`` raised (or None)."""
+
+    def __init__(self, message: str, last: BaseException | None) -> None:
+        super().__init__(message)
+        self.last = last
+
+
 def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.05,
              children: Sequence[Child] = ()) -> object:
-    """Poll ``pred()`` until it is truthy and return its value. Raises ``TimeoutError`` after
-    ``timeout`` seconds and ``ChildProcessError`` (with the log's last lines) when one of
-    ``children`` exits meanwhile. Exceptions from ``pred`` count as "not yet"."""
+    """Poll ``pred()`` every ``interval`` seconds until it is truthy and return its value: the one
+    polling loop of the launcher, the harness (``bench.procs.wait_until``) and the tests
+    (``tests.helpers.wait_until``). Exceptions from ``pred`` count as "not yet" (the last one is
+    quoted on timeout).
+
+    Raises:
+        WaitTimeout: (a ``TimeoutError``) ``pred`` was not truthy within ``timeout`` seconds.
+        ChildExited: one of ``children`` exited meanwhile (the message quotes its log's last lines).
+    """
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while True:
         for c in children:
             if c.poll() is not None:
                 tail = log_tail(c.log_path, 20) if c.log_path else ""
-                raise ChildProcessError(f"{c.name} exited with status {c.popen.returncode} while waiting for "
-                                        f"{what}" + (f"; last lines of {c.log_path}:\n{tail}" if tail else ""))
+                raise ChildExited(f"{c.name} exited with status {c.popen.returncode} while waiting for "
+                                  f"{what}" + (f"; last lines of {c.log_path}:\n{tail}" if tail else ""), c)
         try:
             v = pred()
             if v:
@@ -229,8 +252,8 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, interval: fl
         except Exception as e:  # noqa: BLE001 - polled predicates fail while things start
             last = e
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}"
-                               + (f" (last error: {last!r})" if last else ""))
+            raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}"
+                              + (f" (last error: {last!r})" if last else ""), last)
         time.sleep(interval)
 
 

@@ -70,7 +70,6 @@ import orjson
 from launcher.children import (
     Child,
     become_subreaper,
-    log_tail,
     reap_orphans,
     start_child,
     stop_tree,
@@ -81,6 +80,7 @@ from launcher.specs import WorkerPlan
 from launcher.stack import LOOPBACK, agent_argv, router_argv
 from router.workers import exit_words
 from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
+from worker_agent.logtail import log_tail
 from worker_agent.restart import RestartParams, RestartPolicy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,8 +20,9 @@ import sys
 import tempfile
 from typing import Any
 
-from router.config import POLICIES, load_config
+from router.config import load_config
 from router.errors import ConfigError
+from router.policies import policy_names
 from worker_agent.config import DRAIN_TIMEOUT_S
 
 
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--shm", help="segment name (default dplb-<port>)")
-    p.add_argument("--policy", choices=POLICIES)
+    p.add_argument("--policy", choices=policy_names())
     p.add_argument("--workers", type=int, help="router processes sharing the segment")
     p.add_argument("--admin-token")
     p.add_argument("--api-key")

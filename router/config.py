@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import yaml
 from pydantic import (
@@ -31,13 +30,23 @@ from pydantic import (
 
 from dplb_shm.types import HEARTBEAT_TIMEOUT_MS
 from router.errors import ConfigError
+from router.policies import (
+    REGISTRY,
+    CacheAwareParams,
+    DplbParams,
+    KvCostParams,
+    LeastLoadParams,
+    LMetricParams,
+    SessionParams,
+    WeightedParams,
+    policy_names,
+)
 
 #: a host name, an IPv4 literal or an IPv6 literal (bare or in brackets)
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*")
-POLICIES = ("dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
-            "least_load", "lmetric", "kv_cost", "session")  # == router.policies.POLICY_NAMES (tested)
-PolicyName = Literal["dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
-                     "least_load", "lmetric", "kv_cost", "session"]
+#: every policy name at import, from the registry (kept for old imports; the parsers and the
+#: validation read router.policies.policy_names(), which also holds a policy registered later)
+POLICIES = policy_names()
 
 
 def is_loopback(host: str) -> bool:
@@ -141,70 +150,25 @@ class HealthCheck(_Strict):
     enabled: bool = True
 
 
-class RoutingPolicy(_Strict):
-    """Policy choice and its parameters (docs/DESIGN.md "Scoring"; each policy's module docstring
-    gives its formula)."""
+class RoutingPolicy(DplbParams, WeightedParams, CacheAwareParams, LeastLoadParams, LMetricParams, KvCostParams,
+                    SessionParams, _Strict):
+    """Policy choice and every registered policy's parameters (docs/DESIGN.md "Scoring"; each
+    field is declared once, by the policy that reads it: ``router.policies.<name>.<Name>Params``,
+    or a group several share in :mod:`router.policies.registry`; each policy's module docstring
+    gives its formula). It subclasses every registered ``PolicySpec.params`` (a test checks that
+    none is missing), so one section stays valid whichever policy ``policy`` names."""
 
-    policy: PolicyName = "dplb"
-    # dplb (estimated TTFT, csrc/dplb_kernel.h): a worker's prefill speed until it has learned its
-    # own, and what each engine step costs besides our prefill. Defaults: the sim engine's model
-    # of Llama-3.1-8B on one H100 (sim_engine/config.py: 0.0325 ms per prefill token, 5 ms per
-    # step, 0.05 ms per decoding request, 39 ns per context token; vLLM's max_num_batched_tokens)
-    prefill_tokens_per_s: float = Field(default=30_769.0, gt=0)
-    # prompt tokens assumed per request waiting in an engine that the routers did not send
-    waiting_tokens: int = Field(default=1024, ge=0)
-    step_tokens: int = Field(default=8192, ge=1)
-    step_base_ms: float = Field(default=5.0, ge=0)
-    decode_seq_ms: float = Field(default=0.05, ge=0)
-    decode_ctx_ns: float = Field(default=39.0, ge=0)
-    # convex barrier kv_barrier_s·k/(1−k) as the KV cache fills (SGLang gateway least_load's 0.15 s)
-    kv_barrier_s: float = Field(default=0.15, ge=0)
-    # weight of the batch term (what a worker's batch adds to this request's decode; 0 = TTFT only)
-    # and the output length assumed when a request has no max_tokens
-    w_decode: float = Field(default=0.25, ge=0)
-    default_output_tokens: int = Field(default=256, ge=1)
-    # learning each worker's prefill rate from observed TTFTs (router/accounting.py)
-    rate_alpha: float = Field(default=0.1, gt=0, le=1)
-    rate_clip: float = Field(default=4.0, ge=1)
-    rate_min_tokens: int = Field(default=1024, ge=1)
-    # learned rates within this fraction of the workers' median count as the median (sampling
-    # noise between identical engines must not steer a burst; csrc/dplb_kernel.h); 0 = off
-    rate_band: float = Field(default=0.25, ge=0)
-    # session: consistent hashing with bounded load
-    session_header: str = Field(default="x-session-id", min_length=1)
-    max_load_skew: float = Field(default=1.5, ge=1)
-    # kv_cost (Dynamo KV router): weight of prefill blocks against decode blocks, KV block size
-    overlap_weight: float = Field(default=1.0, ge=0)
-    kv_block_size: int = Field(default=16, ge=1)
-    # weighted (the seeds' formula)
-    w_pending: float = Field(default=0.4, ge=0)
-    w_kv: float = Field(default=0.3, ge=0)
-    w_latency: float = Field(default=0.2, ge=0)
-    w_length: float = Field(default=0.1, ge=0)
-    enable_length_compatibility: bool = True
+    policy: str = "dplb"
     # age at which TTFT/TPOT/e2e samples leave the slots' latency windows; the launcher passes it to
     # every agent as --latency-window-s (the agents own those windows)
     latency_window_sec: float = Field(default=10.0, gt=0)
-    latency_scale_ms: float = Field(default=100.0, gt=0)
-    kv_cache_threshold: float = Field(default=0.8, gt=0, le=1)
-    # queue scale of the kernel's queue term w_pending·(1 − pending/max_queue), not clipped: one
-    # request is worth w_pending/max_queue of score at any depth (csrc/dplb_kernel.h); 0: max_num_seqs
-    max_queue: int = Field(default=16, ge=0, description="queue scale: one request costs w_pending/max_queue")
-    # prefix affinity (dplb): bonus = w_affinity * matched fraction of the prompt
-    w_affinity: float = Field(default=0.3, ge=0)
-    # the bonus fades to 0 once the affine worker has this many more pending requests than the least
-    # loaded: with w_affinity 0.3 and max_queue 256, a burst sharing one prefix leaves the affine
-    # worker at most ~8 requests ahead of the others (bonus = pending-term cost at x ≈ 7.8)
-    affinity_max_imbalance: float = Field(default=8.0, gt=0)
-    # cache_aware: SGLang router's published defaults (sglang-router 0.3.x launch_router:
-    # cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5)
-    cache_threshold: float = Field(default=0.3, ge=0, le=1)
-    balance_abs_threshold: int = Field(default=64, ge=0)
-    balance_rel_threshold: float = Field(default=1.5, ge=1)
-    # approximate prefix index: prompt text cut in chunks of this many characters (~16 tokens)
-    prefix_chunk_chars: int = Field(default=64, ge=4)
-    prefix_max_chunks: int = Field(default=2048, ge=1)
-    prefix_index_max_entries: int = Field(default=200_000, ge=16)  # ~50 MB; 12.8M chars of prompt history
+
+    @field_validator("policy")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in REGISTRY:
+            raise ValueError(f"unknown routing policy {v!r}; one of {', '.join(policy_names())}")
+        return v
 
 
 class CircuitBreaker(_Strict):
@@ -241,58 +205,6 @@ class Retries(_Strict):
     retry_on_disconnect: bool = True
 
 
-#: one worker spec, two spellings: the ``--worker`` flag's short keys name the config file's
-#: fields; both are accepted in both places (``launcher.specs.parse_worker_spec`` reads this too)
-WORKER_KEY_ALIASES = {"args": "engine_args", "url": "engine_url"}
-
-
-class LaunchWorker(_Strict):
-    """One entry of ``workers``: ``count`` workers the launcher starts, all serving ``model`` with
-    ``engine`` (default: the launcher's ``--engine`` rule) on ``gpus`` (``"0-3"``, ``"4,5"`` or a
-    list; split evenly among the ``count`` workers, tensor parallel = GPUs per worker), with
-    ``engine_args`` added after the launcher's own; ``engine_url`` attaches ``--engine openai`` to a
-    running server (``count`` 1); ``weight`` is the routing weight. The router does not read this
-    section (it routes by each request's ``model``); ``launch_dplb.sh --worker`` says the same on
-    the command line, with the same keys: ``args`` and ``url`` are accepted for ``engine_args`` and
-    ``engine_url`` (:data:`WORKER_KEY_ALIASES`), and ``engine_args`` may be one string
-    (shell-split, as ``args=`` is on the flag)."""
-
-    model: str | None = None
-    engine: Literal["sim", "vllm", "sglang", "openai"] | None = None
-    gpus: str | None = None
-    count: int = Field(default=1, ge=1, le=64)
-    engine_url: str | None = None
-    engine_args: list[str] = Field(default_factory=list)
-    weight: float = Field(default=1.0, gt=0, le=100)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _short_keys(cls, d: Any) -> Any:
-        if not isinstance(d, dict):
-            return d
-        d = dict(d)
-        for short, long in WORKER_KEY_ALIASES.items():
-            if short in d:
-                if long in d:
-                    raise ValueError(f"give {long} or {short} (the same field), not both")
-                d[long] = d.pop(short)
-        if isinstance(d.get("engine_args"), str):
-            try:
-                d["engine_args"] = shlex.split(d["engine_args"])
-            except ValueError as e:
-                raise ValueError(f"engine_args: {e}") from None
-        return d
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _gpus(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return ",".join(str(x) for x in v)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return str(v)
-        return v
-
-
 class MetricsSection(_Strict):
     """Where ``GET /metrics`` is served. ``port``: a port of its own (``dplb-router --metrics-port``,
     like SGLang router's ``--prometheus-port``) on ``router.host``, serving the same exposition as
@@ -311,8 +223,10 @@ class Config(_Strict):
     circuit_breaker: CircuitBreaker = Field(default_factory=lambda: CircuitBreaker())
     retries: Retries = Field(default_factory=lambda: Retries())
     metrics: MetricsSection = Field(default_factory=lambda: MetricsSection())
-    # what the launcher starts (several models on one box); empty: --num-workers/--model decide
-    workers: list[LaunchWorker] = Field(default_factory=list)
+    # what the launcher starts (several models on one box); empty: --num-workers/--model decide.
+    # The router does not read it: the launcher validates it (launcher.config.LaunchWorker,
+    # loaded with load_config(..., model=launcher.config.LaunchConfig))
+    workers: list[dict[str, object]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _metrics_port(self) -> Config:
@@ -352,8 +266,23 @@ def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
     d[keys[-1]] = value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Config:
+C = TypeVar("C", bound=Config)
+
+
+@overload
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Config: ...
+
+
+@overload
+def load_config(path: str | os.PathLike | None, overrides: dict[str, Any] | None, model: type[C]) -> C: ...
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                model: type[Config] = Config) -> Config:
     """Load and validate ``path`` (YAML; ``None`` → defaults), then apply ``overrides``.
+
+    ``model``: the class to validate with (a subclass of :class:`Config` that says more about a
+    section, e.g. the launcher's ``LaunchConfig`` for ``workers``).
 
     ``overrides`` maps dotted field names to values, e.g. ``{"router.port": 30001,
     "routing_policy.policy": "round_robin"}``; ``None`` values are skipped (flag not given).
@@ -377,7 +306,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         if v is not None:
             _set_dotted(raw, k, v)
     try:
-        return Config.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as e:
         raise _field_error(e) from None
 

@@ -6,9 +6,9 @@ The proxy relays bodies byte for byte; this module only watches them (issue 16):
   carries generated content (``choices[].delta.content`` / ``reasoning_content`` / ``tool_calls``,
   ``choices[].text``, ``token_ids``, or SGLang's ``text`` / ``output_ids``), not to the first
   byte: a chat stream starts with a role-only event (``delta: {"role": "assistant"}``), which vLLM
-  sends just before the first token and other servers may send before the prefill. The agent's
-  meter (``worker_agent/meter.py``) uses the same definition, as do vLLM's and SGLang's benchmark
-  clients. A chunked body that is not an event stream counts its first byte.
+  sends just before the first token and other servers may send before the prefill. The endpoint
+  picker (``epp/server.py``) reads answers with this module too, and vLLM's and SGLang's benchmark
+  clients use the same definition. A chunked body that is not an event stream counts its first byte.
 - **Tokens.** Output tokens are ``usage.completion_tokens`` (OpenAI, when the client asked for
   ``stream_options.include_usage``, and every non-streamed answer) or ``meta_info.completion_tokens``
   (SGLang) when the answer carries them, else one per content event (vLLM streams one event per

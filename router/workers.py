@@ -1,6 +1,6 @@
 """Router-side worker handles and the registry that keeps them in step with the segment.
 
-Snapshot vs handle (STYLE.md): the segment holds the *shared* truth (state, heartbeat, queue,
+Snapshot vs handle: the segment holds the *shared* truth (state, heartbeat, queue,
 KV use, router in-flight); a :class:`WorkerHandle` holds what is local to this router process —
 the worker's two addresses (``endpoint``: the engine, where requests go; ``control``: its agent),
 probe results (written by the health monitor only), the circuit breaker, admin drain, this

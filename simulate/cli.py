@@ -20,8 +20,9 @@ from typing import Any
 
 from bench.errors import TraceFormatError
 from bench.trace import DEFAULT_TRACE, TraceRequest
-from router.config import POLICIES, Config, load_config
+from router.config import Config, load_config
 from router.errors import ConfigError
+from router.policies import policy_names
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
 from simulate.capacity import find_capacity, min_engines, trace_rate
 from simulate.cluster import (
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="age at which latency samples leave the slot windows (agent default: 10)")
     r = p.add_argument_group("routing")
     r.add_argument("--policy", default=None,
-                   help=f"comma-separated policies to compare (of {', '.join(POLICIES)}; default: the config's)")
+                   help=f"comma-separated policies to compare (of {', '.join(policy_names())}; default: the config's)")
     r.add_argument("--config", default=None, help="router config (dplb.yaml): weights, thresholds, health interval")
     r.add_argument("--oracle-prefix", action="store_true",
                    help="simulator only: prefix-aware policies see each engine's true cached prefix of the "
@@ -235,10 +236,10 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
 
 def _policies(ns: argparse.Namespace, cfg: Config) -> list[str]:
     names = [x.strip() for x in (ns.policy or cfg.routing_policy.policy).split(",") if x.strip()]
-    bad = [x for x in names if x not in POLICIES]
+    bad = [x for x in names if x not in policy_names()]
     if bad or not names:
         raise UsageError(f"--policy {ns.policy!r}: unknown {', '.join(bad) or 'empty list'}; "
-                         f"one of {', '.join(POLICIES)}")
+                         f"one of {', '.join(policy_names())}")
     if len(set(names)) != len(names):
         raise UsageError(f"--policy {ns.policy!r}: a policy is named twice")
     return names

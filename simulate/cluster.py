@@ -14,7 +14,7 @@ Events (virtual seconds; no sockets, no sleeping)::
                        and Lease.release(); then the next step is scheduled if the engine has work
     agent tick (k)     every state interval (default 200 ms, the agent's --state-interval-ms), at a
                        seeded phase per agent: the engine's running / waiting / KV usage are
-                       published into slot k (Agent._publish_engine, the live probe loop's body)
+                       published into slot k (Agent.publish_engine, the live probe loop's body)
                        with a fresh heartbeat
     router tick        every health_check.interval_ms: Registry.sync(segment snapshot), the
                        health monitor's sync (probes always pass: no faults are simulated)
@@ -70,10 +70,14 @@ from simulate.workload import (
 )
 from worker_agent.agent import Agent
 from worker_agent.config import AgentConfig
+from worker_agent.engines import ENGINES
 from worker_agent.metrics import EngineMetrics
 
 #: virtual time 0 is this many ns on the segment's clock (heartbeat 0 means "never written")
 OFFSET_NS = 1_000_000_000
+#: the engine kind every simulated worker's agent is (the engine table, worker_agent/engines.py):
+#: its vLLM metric names are the ones the virtual engines' counts stand for
+SIM = ENGINES["sim"]
 
 STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE = 0, 1, 2, 3
 OK = 200
@@ -239,7 +243,7 @@ def release_segment(seg: Segment) -> None:
 class _NoAdapter:
     """The agent's engine adapter is replaced by the simulator (no process, no HTTP)."""
 
-    name = "sim"
+    name = SIM.name
     upstream = None
     proc = None
     log_path = ""
@@ -343,7 +347,7 @@ class Simulation:
         engines: list[_Engine] = []
         for k, ecfg in enumerate(s.engines):
             core = EngineCore(ecfg)
-            acfg = AgentConfig(worker_id=k, shm=seg.name, uds=f"/sim/agent-{k}.sock", engine="sim",
+            acfg = AgentConfig(worker_id=k, shm=seg.name, uds=f"/sim/agent-{k}.sock", engine=SIM.name,
                                model=ecfg.model, state_interval_ms=s.state_interval_ms,
                                max_num_seqs=ecfg.max_num_seqs, latency_window_s=s.latency_window_s)
             agent = Agent(acfg, adapter=_NoAdapter(), segment=seg, nvml=_NoGpu())  # type: ignore[arg-type]
@@ -352,7 +356,7 @@ class Simulation:
                                model=ecfg.model, max_num_seqs=ecfg.max_num_seqs)
             agent.state = WorkerState.READY
             agent.writer.set_state(WorkerState.READY)
-            agent._publish_engine(EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0))
+            agent.publish_engine(EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0))
             key = (ecfg.block_size, s.api)
             if key not in self.hashers:
                 self.hashers[key] = EngineHasher(ecfg.block_size, s.api)
@@ -514,7 +518,7 @@ class Simulation:
                     e = engines[k]
                     core = e.core
                     e.writer.now_override_ns = now_ns()
-                    e.agent._publish_engine(EngineMetrics(num_running=len(core.running),
+                    e.agent.publish_engine(EngineMetrics(num_running=len(core.running),
                                                           num_waiting=len(core.waiting),
                                                           kv_cache_usage=core.kv.usage))
                     tick_no[k] += 1

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from bench.trace import DEFAULT_TRACE as TRACE  # noqa: F401  (the in-repository
 from launcher.stack import (  # noqa: F401  (one of each for the launcher, the harness and the tests)
     ProcessGroup,
     free_port,
+    wait_for,
     wait_for_port,
     wait_for_unix_socket,
 )
@@ -40,18 +40,9 @@ def script(name: str) -> str:
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll ``pred()`` until it returns a truthy value; raise TimeoutError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # noqa: BLE001 - polled predicates may fail while things start
-            last_exc = e
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+    """Poll ``pred()`` until it returns a truthy value (:func:`launcher.stack.wait_for`, the one
+    polling loop, with the tests' defaults); raises ``TimeoutError`` after ``timeout`` s."""
+    return wait_for(pred, timeout, what, interval=interval)
 
 
 #: every process a test starts goes through the launcher's process-group manager (own session each,

@@ -67,6 +67,7 @@ from router.protocol import error_body
 from .adapters import EngineAdapter, build_adapter
 from .config import AgentConfig
 from .errors import AgentError, EngineExitedError, UpstreamError
+from .logtail import log_tail
 from .metrics import EngineMetrics
 from .nvml import GpuMemoryProbe
 from .restart import RestartPolicy
@@ -123,19 +124,6 @@ def bind_tcp_socket(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
-
-
-def file_tail(path: str, lines: int = 10, max_bytes: int = 8192) -> str:
-    """The last ``lines`` lines of the text file ``path`` (at most ``max_bytes`` read), or ``""``."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
 class Agent:
@@ -259,8 +247,9 @@ class Agent:
         if lat:
             self.writer.record_latency(**lat)
 
-    def _publish_engine(self, m: EngineMetrics, inflight: int | None = None) -> None:
-        """Publish one scrape of the engine. With the engine's request counts goes the routers'
+    def publish_engine(self, m: EngineMetrics, inflight: int | None = None) -> None:
+        """Publish one scrape of the engine (the probe loop's body; the simulator calls it with its
+        virtual engines' counts). With the engine's request counts goes the routers'
         in-flight count taken at the same scrape (``inflight``: the larger of the counts read just
         before and just after it; None: read now), so that ``running + waiting − inflight`` is
         what the engine holds that no router dispatched, whatever the publication's age
@@ -287,7 +276,7 @@ class Agent:
             if self.state in (WorkerState.READY, WorkerState.DRAINING):
                 try:
                     before = self.inflight
-                    self._publish_engine(await self.adapter.probe(), inflight=before)
+                    self.publish_engine(await self.adapter.probe(), inflight=before)
                 except UpstreamError as e:
                     log.debug("engine probe failed: %s", e)
             await asyncio.sleep(interval)
@@ -345,12 +334,12 @@ class Agent:
             if not self._stopping:
                 self.exit_code = e.exit_code
                 log.error("worker %d: %s (log: %s); last lines:\n%s", self.worker_id, e, self.adapter.log_path,
-                          file_tail(self.adapter.log_path))
+                          log_tail(self.adapter.log_path, 10, 8192))
             return StateReason.START_FAILED
         except AgentError as e:
             if not self._stopping:
                 log.error("worker %d: engine did not start: %s (log: %s); last lines:\n%s", self.worker_id, e,
-                          self.adapter.log_path, file_tail(self.adapter.log_path))
+                          self.adapter.log_path, log_tail(self.adapter.log_path, 10, 8192))
             return StateReason.START_FAILED
         if self._stopping:
             return StateReason.NONE
@@ -383,7 +372,7 @@ class Agent:
             self.writer.publish(engine_pid=0)
             log.error("worker %d: engine %s exited unexpectedly with code %s (log: %s); last lines:\n%s",
                       self.worker_id, self.adapter.name, rc, self.adapter.log_path,
-                      file_tail(self.adapter.log_path))
+                      log_tail(self.adapter.log_path, 10, 8192))
             return StateReason.ENGINE_EXITED
         return StateReason.ADMIN_RESTART
 

@@ -14,11 +14,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .engines import ENGINE_NAMES
 from .errors import ConfigError
 from .restart import DEFAULTS as RESTART
 from .restart import add_restart_flags, restart_params
 
-ENGINES = ("sim", "vllm", "sglang", "openai")
+ENGINES = ENGINE_NAMES  # the table's (worker_agent/engines.py)
 
 #: vLLM's and SGLang's default cap on concurrently running sequences (vLLM ``--max-num-seqs``
 #: default 256 for the OpenAI server on GPUs; SGLang derives ``max_running_requests`` from memory)

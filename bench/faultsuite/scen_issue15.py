@@ -31,11 +31,6 @@ from launcher.stack import ROOT, free_port, wait_for
 from router.config import Config
 
 
-def wait_until(pred: Any, timeout: float, what: str) -> Any:
-    """:func:`launcher.stack.wait_for` with a 20 ms poll."""
-    return wait_for(pred, timeout, what, interval=0.02)
-
-
 def _outcome(r: httpx.Response, t0: float, stream: bool = False) -> Outcome:
     o = Outcome(t0, time.monotonic(), stream, status=r.status_code, worker=r.headers.get("x-dplb-worker-id"),
                 body=r.content)
@@ -62,12 +57,12 @@ def run_crash_loop_gave_up_then_admin_restart() -> Result:
         a0 = st.agents[0]
         t0 = time.monotonic()
         os.kill(a0.engine_pid(), signal.SIGKILL)
-        wait_until(lambda: st.seg.read_slot(0).restarts == 1 and st.seg.read_slot(0).state.name == "READY", 60,
+        wait_for(lambda: st.seg.read_slot(0).restarts == 1 and st.seg.read_slot(0).state.name == "READY", 60,
                    what="first crash restarted")
         res.extra["first_restart_s"] = round(time.monotonic() - t0, 3)
         t1 = time.monotonic()
         os.kill(a0.engine_pid(), signal.SIGKILL)
-        wait_until(lambda: (_row(base, 0) or {}).get("state_reason") == "gave_up", 30, what="gave up in /dplb/status")
+        wait_for(lambda: (_row(base, 0) or {}).get("state_reason") == "gave_up", 30, what="gave up in /dplb/status")
         res.detection_s = round(time.monotonic() - t1, 3)
         row = _row(base, 0)
         res.extra["row_gave_up"] = {k: row[k] for k in ("state", "state_reason", "restarts", "last_exit_code",
@@ -86,7 +81,7 @@ def run_crash_loop_gave_up_then_admin_restart() -> Result:
         t2 = time.monotonic()
         r = httpx.post(base + "/dplb/workers/0/restart", timeout=15)
         res.extra["admin_restart"] = (r.status_code, r.json())
-        wait_until(lambda: (_row(base, 0) or {}).get("eligible") is True, 60, what="worker 0 back after admin restart")
+        wait_for(lambda: (_row(base, 0) or {}).get("eligible") is True, 60, what="worker 0 back after admin restart")
         res.recovery_s = round(time.monotonic() - t2, 3)
         res.extra["slot_after"] = {"state": st.seg.read_slot(0).state.name, "restarts": st.seg.read_slot(0).restarts}
         res.extra["unknown_restart"] = httpx.post(base + "/dplb/workers/9/restart", timeout=10).status_code
@@ -135,7 +130,7 @@ def run_dead_and_departed_workers_in_plain_sight() -> Result:
                 "ready_gauge": {w: metric_value(text, "dplb_worker_ready", worker=str(w)) for w in (0, 1, 2)},
             }
 
-        wait_until(lambda: states()["metric_state"] == {0: "dead", 1: "ready", 2: "draining"}, 20,
+        wait_for(lambda: states()["metric_state"] == {0: "dead", 1: "ready", 2: "draining"}, 20,
                    what="dead and draining in the metrics")
         res.detection_s = round(time.monotonic() - t0, 3)
         res.extra["seen"] = states()
@@ -146,8 +141,8 @@ def run_dead_and_departed_workers_in_plain_sight() -> Result:
         res.extra["remove_2"] = r.status_code
         st.agents[0].proc.popen.send_signal(signal.SIGTERM)
         st.agents[0].proc.popen.wait(30)
-        wait_until(lambda: st.seg.read_slot(0).state.name == "EMPTY", 10, what="slot 0 EMPTY")
-        wait_until(lambda: _row(base, 0) is None, 10, what="worker 0 unlisted")
+        wait_for(lambda: st.seg.read_slot(0).state.name == "EMPTY", 10, what="slot 0 EMPTY")
+        wait_for(lambda: _row(base, 0) is None, 10, what="worker 0 unlisted")
         time.sleep(0.5)   # a health tick or two
         text = httpx.get(base + "/metrics", timeout=10).text
         res.extra["after_leave"] = {

@@ -1,4 +1,8 @@
-"""Routing policies, one per file; :func:`build_policy` is the factory (choosing one is config's job).
+"""Routing policies, one per file, each registered in :mod:`router.policies.registry` with its name,
+its parameters and its factory; :func:`build_policy` builds one by name (choosing one is config's job).
+
+The modules are imported below in the order the docs list them (the registry keeps that order).
+What each one reads (``PolicySpec.reads``; the docs' table is checked against it):
 
 | name            | file               | reads                                                        |
 |-----------------|--------------------|--------------------------------------------------------------|
@@ -16,84 +20,82 @@
 """
 from __future__ import annotations
 
+import random as _random
+from collections.abc import Callable
 from typing import Any
 
+# the registration order is the docs' order: these imports stay in it
+# isort: off
 from router.policies.base import Decision, Policy, RequestInfo, pending
-from router.policies.cache_aware import CacheAwarePolicy
-from router.policies.dplb import DplbPolicy
-from router.policies.kv_cost import KvCostPolicy
-from router.policies.least_load import LeastLoadPolicy
-from router.policies.lmetric import LMetricPolicy
-from router.policies.power_of_two import PowerOfTwoPolicy
-from router.policies.prefix_index import PrefixIndex
-from router.policies.random import RandomPolicy
+from router.policies.dplb import DplbParams, DplbPolicy
+from router.policies.weighted import WeightedParams, WeightedPolicy
 from router.policies.round_robin import RoundRobinPolicy
-from router.policies.session import SessionPolicy
+from router.policies.random import RandomPolicy
 from router.policies.shortest_queue import ShortestQueuePolicy
-from router.policies.weighted import WeightedPolicy
-
-#: every policy name, in the order the docs list them (config validates against this)
-POLICY_NAMES = ("dplb", "weighted", "round_robin", "random", "shortest_queue", "power_of_two", "cache_aware",
-                "least_load", "lmetric", "kv_cost", "session")
+from router.policies.power_of_two import PowerOfTwoPolicy
+from router.policies.cache_aware import CacheAwareParams, CacheAwarePolicy
+from router.policies.least_load import LeastLoadParams, LeastLoadPolicy
+from router.policies.lmetric import LMetricParams, LMetricPolicy
+from router.policies.kv_cost import KvCostParams, KvCostPolicy
+from router.policies.session import SessionParams, SessionPolicy
+# isort: on
+from router.policies.prefix_index import PrefixIndex, PrefixParams
+from router.policies.registry import (
+    REGISTRY,
+    PolicyContext,
+    PolicyParams,
+    PolicySpec,
+    policy_names,
+    register,
+    spec_of,
+)
 
 __all__ = [
-    "POLICY_NAMES",
+    "REGISTRY",
+    "CacheAwareParams",
     "CacheAwarePolicy",
     "Decision",
+    "DplbParams",
     "DplbPolicy",
+    "KvCostParams",
     "KvCostPolicy",
+    "LMetricParams",
     "LMetricPolicy",
+    "LeastLoadParams",
     "LeastLoadPolicy",
     "Policy",
+    "PolicyContext",
+    "PolicyParams",
+    "PolicySpec",
     "PowerOfTwoPolicy",
     "PrefixIndex",
+    "PrefixParams",
     "RandomPolicy",
     "RequestInfo",
     "RoundRobinPolicy",
+    "SessionParams",
     "SessionPolicy",
     "ShortestQueuePolicy",
+    "WeightedParams",
     "WeightedPolicy",
     "build_policy",
     "pending",
+    "policy_names",
+    "register",
+    "spec_of",
 ]
 
 
-def build_policy(name: str, rp: Any, kernel: Any = None, params: Any = None, rng=None,
-                 ttft_params: Any = None, clock: Any = None) -> Policy:
-    """Build policy ``name`` from a ``RoutingPolicy`` config section ``rp``.
+def build_policy(name: str, rp: PolicyParams, kernel: Any = None, params: Any = None,
+                 rng: _random.Random | None = None, ttft_params: Any = None,
+                 clock: Callable[[], int] | None = None) -> Policy:
+    """Build the registered policy ``name`` from ``rp`` (the ``routing_policy`` config section,
+    :class:`router.config.RoutingPolicy`, or that policy's own parameters).
 
     ``kernel`` (a ``dplb_shm.Segment``) is required for the kernel policies: ``weighted`` also
     needs ``params`` (its ``ScoringParams``), ``dplb`` needs ``ttft_params`` (``TtftParams``).
     ``clock``: optional ``() -> ns`` for the kernel policies' heartbeat check (virtual time in the
     simulator; the other policies read no time). Raises ``ValueError`` for an unknown name or a missing kernel.
     """
-    def index() -> PrefixIndex:
-        return PrefixIndex(rp.prefix_chunk_chars, rp.prefix_max_chunks, rp.prefix_index_max_entries)
-
-    if name in ("dplb", "weighted") and kernel is None:
-        raise ValueError(f"the {name} policy needs the segment's kernel")
-    if name == "dplb":
-        return DplbPolicy(kernel, ttft_params, index(), rng=rng, clock=clock,
-                          default_output_tokens=rp.default_output_tokens)
-    if name == "weighted":
-        return WeightedPolicy(kernel, params, index(), w_affinity=rp.w_affinity,
-                              affinity_max_imbalance=rp.affinity_max_imbalance,
-                              balance_abs_threshold=rp.balance_abs_threshold,
-                              balance_rel_threshold=rp.balance_rel_threshold, rng=rng, clock=clock)
-    if name == "cache_aware":
-        return CacheAwarePolicy(rp.cache_threshold, rp.balance_abs_threshold, rp.balance_rel_threshold,
-                                index(), rng=rng)
-    if name == "least_load":
-        return LeastLoadPolicy(rp.prefill_tokens_per_s, rp.kv_barrier_s, rng=rng)
-    if name == "lmetric":
-        return LMetricPolicy(index(), rng=rng)
-    if name == "kv_cost":
-        return KvCostPolicy(index(), rp.overlap_weight, rp.kv_block_size, rng=rng)
-    if name == "session":
-        return SessionPolicy(rp.max_load_skew, rng=rng)
-    simple: dict[str, Any] = {"round_robin": RoundRobinPolicy, "random": RandomPolicy,
-                              "shortest_queue": ShortestQueuePolicy, "power_of_two": PowerOfTwoPolicy}
-    if name not in simple:
-        raise ValueError(f"unknown routing policy {name!r}; one of {', '.join(POLICY_NAMES)}")
-    policy: Policy = simple[name](rng=rng)
-    return policy
+    ctx = PolicyContext(kernel=kernel, scoring=params, ttft=ttft_params, rng=rng, clock=clock)
+    return spec_of(name).build(rp, ctx)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import Field
+
 from router.policies.base import (
     BasePolicy,
     Decision,
@@ -27,7 +29,13 @@ from router.policies.base import (
     least_loaded,
     pending,
 )
-from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy
+from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy, PrefixParams
+from router.policies.registry import (
+    BalanceParams,
+    PolicyContext,
+    PolicySpec,
+    register,
+)
 
 
 class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
@@ -72,3 +80,19 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
         smallest = min(self.index.size(w.worker_id) for w in workers)
         tied = [w.worker_id for w in workers if self.index.size(w.worker_id) == smallest]
         return Decision(tied[0] if len(tied) == 1 else self.rng.choice(tied), "cache_miss", rows)
+
+
+class CacheAwareParams(BalanceParams, PrefixParams):
+    """``cache_aware``'s parameters: the match rate above which the best-matching worker wins
+    (SGLang router's published default 0.3)."""
+
+    cache_threshold: float = Field(default=0.3, ge=0, le=1)
+
+
+def _build(p: CacheAwareParams, ctx: PolicyContext) -> CacheAwarePolicy:
+    return CacheAwarePolicy(p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold,
+                            p.prefix_index(), rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("cache_aware", CacheAwareParams, _build,
+                           reads="pending + prefix index (SGLang router's rule)"))

@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from pydantic import Field
+
 from router.policies.base import (
     BasePolicy,
     Decision,
@@ -55,7 +57,16 @@ from router.policies.base import (
 from router.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexedPolicy,
+    PrefixParams,
     uncached_tokens,
+)
+from router.policies.registry import (
+    KvBarrierParams,
+    KvThresholdParams,
+    PolicyContext,
+    PolicySpec,
+    RateParams,
+    register,
 )
 
 EXCLUDED = -1.0  # an uncached-token entry below 0 rules the slot out in the kernel
@@ -132,3 +143,26 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
             least = min((matches.get(w.worker_id, 0) for w in workers), default=0)
             reason = "prefix" if matches.get(wid, 0) > least else "ttft"
         return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est)
+
+
+class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
+    """``dplb``'s parameters (besides the shared groups): prompt tokens assumed per request waiting
+    in an engine that the routers did not send (``waiting_tokens``); the weight of the batch term
+    (``w_decode``: what a worker's batch adds to this request's decode; 0 = TTFT only) and the
+    output length assumed when a request has no ``max_tokens``; ``rate_band``: learned rates within
+    this fraction of the workers' median count as the median (sampling noise between identical
+    engines must not steer a burst; csrc/dplb_kernel.h), 0 = off."""
+
+    waiting_tokens: int = Field(default=1024, ge=0)
+    w_decode: float = Field(default=0.25, ge=0)
+    default_output_tokens: int = Field(default=256, ge=1)
+    rate_band: float = Field(default=0.25, ge=0)
+
+
+def _build(p: DplbParams, ctx: PolicyContext) -> DplbPolicy:
+    return DplbPolicy(ctx.kernel, ctx.ttft, p.prefix_index(), rng=ctx.rng, clock=ctx.clock,
+                      default_output_tokens=p.default_output_tokens)
+
+
+SPEC = register(PolicySpec("dplb", DplbParams, _build, needs_kernel=True,
+                           reads="native kernel: estimated TTFT in tokens + prefix index"))

@@ -19,12 +19,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import Field
+
 from router.policies.base import BasePolicy, Decision, RequestInfo, pick_min
 from router.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexedPolicy,
+    PrefixParams,
     uncached_tokens,
 )
+from router.policies.registry import PolicyContext, PolicySpec, register
 
 
 class KvCostPolicy(PrefixIndexedPolicy, BasePolicy):
@@ -58,3 +62,19 @@ class KvCostPolicy(PrefixIndexedPolicy, BasePolicy):
                              "decode_blocks": decode, "uncached_tokens": u})
         wid = pick_min(costs, self.rng)
         return Decision(wid, "kv_cost", rows, uncached_tokens=unc[wid])
+
+
+class KvCostParams(PrefixParams):
+    """``kv_cost``'s parameters (Dynamo KV router): the weight of prefill blocks against decode
+    blocks (Dynamo's ``overlap_score_weight``, 1.0) and the KV block size, tokens."""
+
+    overlap_weight: float = Field(default=1.0, ge=0)
+    kv_block_size: int = Field(default=16, ge=1)
+
+
+def _build(p: KvCostParams, ctx: PolicyContext) -> KvCostPolicy:
+    return KvCostPolicy(p.prefix_index(), p.overlap_weight, p.kv_block_size, rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("kv_cost", KvCostParams, _build,
+                           reads="prefill + decode KV blocks (Dynamo KV router, temperature 0)"))

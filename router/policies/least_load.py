@@ -20,6 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, pick_min
+from router.policies.registry import (
+    KvBarrierParams,
+    PolicyContext,
+    PolicySpec,
+    RateParams,
+    register,
+)
 
 
 class LeastLoadPolicy(BasePolicy):
@@ -45,3 +52,15 @@ class LeastLoadPolicy(BasePolicy):
                  "queue_tokens": int(w.prefill_tokens), "kv_cache_usage": float(w.kv_cache_usage)}
                 for w in workers] if explain else []
         return Decision(wid, "least_load", rows)
+
+
+class LeastLoadParams(RateParams, KvBarrierParams):
+    """``least_load``'s parameters: the shared prefill-rate seed and the KV barrier."""
+
+
+def _build(p: LeastLoadParams, ctx: PolicyContext) -> LeastLoadPolicy:
+    return LeastLoadPolicy(p.prefill_tokens_per_s, p.kv_barrier_s, rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("least_load", LeastLoadParams, _build,
+                           reads="queued prefill tokens / rate + KV barrier (SGLang gateway)"))

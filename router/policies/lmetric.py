@@ -22,8 +22,10 @@ from router.policies.base import BasePolicy, Decision, RequestInfo, pending, pic
 from router.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexedPolicy,
+    PrefixParams,
     uncached_tokens,
 )
+from router.policies.registry import PolicyContext, PolicySpec, register
 
 
 class LMetricPolicy(PrefixIndexedPolicy, BasePolicy):
@@ -46,3 +48,14 @@ class LMetricPolicy(PrefixIndexedPolicy, BasePolicy):
         rows = [{"worker_id": w.worker_id, "score": -scores[w.worker_id], "uncached_tokens": unc[w.worker_id],
                  "batch": pending(w)} for w in workers] if explain else []
         return Decision(wid, "lmetric", rows, uncached_tokens=unc[wid])
+
+
+class LMetricParams(PrefixParams):
+    """``lmetric``'s parameters: the prefix index's size only."""
+
+
+def _build(p: LMetricParams, ctx: PolicyContext) -> LMetricPolicy:
+    return LMetricPolicy(p.prefix_index(), rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("lmetric", LMetricParams, _build, reads="uncached tokens × (batch + 1) (LMetric)"))

@@ -16,6 +16,7 @@ from router.policies.base import (
     least_loaded,
     load_scores,
 )
+from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
 
 class PowerOfTwoPolicy(BasePolicy):
@@ -28,3 +29,10 @@ class PowerOfTwoPolicy(BasePolicy):
         pair = ws if len(ws) <= 2 else self.rng.sample(ws, 2)
         w = least_loaded(pair, self.rng)
         return Decision(w.worker_id, "power_of_two", load_scores(workers) if explain else [])
+
+
+def _build(p: PolicyParams, ctx: PolicyContext) -> PowerOfTwoPolicy:
+    return PowerOfTwoPolicy(rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("power_of_two", PolicyParams, _build, reads="pending of two random workers"))

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pydantic import Field
+
+from router.policies.registry import PolicyParams
+
 
 class PrefixIndex:
     """Bounded LRU map from chained chunk hashes to the workers that were sent that prefix.
@@ -108,6 +112,21 @@ class PrefixIndex:
                 dead.append(h)
         for h in dead:
             del self._entries[h]
+
+
+class PrefixParams(PolicyParams):
+    """The approximate prefix index's size (``dplb``, ``weighted``, ``cache_aware``, ``lmetric``,
+    ``kv_cost``): prompt text cut in chunks of ``prefix_chunk_chars`` characters (~16 tokens), the
+    first ``prefix_max_chunks`` of a prompt hashed, ``prefix_index_max_entries`` hashes kept (LRU;
+    200,000 is ~50 MB, 12.8M characters of prompt history)."""
+
+    prefix_chunk_chars: int = Field(default=64, ge=4)
+    prefix_max_chunks: int = Field(default=2048, ge=1)
+    prefix_index_max_entries: int = Field(default=200_000, ge=16)
+
+    def prefix_index(self) -> PrefixIndex:
+        """A fresh, empty index of this size."""
+        return PrefixIndex(self.prefix_chunk_chars, self.prefix_max_chunks, self.prefix_index_max_entries)
 
 
 def uncached_tokens(index: PrefixIndex, matches: dict[int, int], text: str, prompt_len: int, worker_id: int) -> int:

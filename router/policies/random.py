@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
+from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
 
 class RandomPolicy(BasePolicy):
@@ -23,3 +24,10 @@ class RandomPolicy(BasePolicy):
         else:
             w = self.rng.choices(list(workers), weights=weights, k=1)[0]
         return Decision(w.worker_id, "random", load_scores(workers) if explain else [])
+
+
+def _build(p: PolicyParams, ctx: PolicyContext) -> RandomPolicy:
+    return RandomPolicy(rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("random", PolicyParams, _build, reads="static weights"))

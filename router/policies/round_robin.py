@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
+from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
 
 class RoundRobinPolicy(BasePolicy):
@@ -42,3 +43,10 @@ class RoundRobinPolicy(BasePolicy):
         # a dry run (/dplb/route) shows the next choice without consuming it
         self._n[key] = n if explain else n + 1
         return Decision(w.worker_id, "rotate", load_scores(workers) if explain else [])
+
+
+def _build(p: PolicyParams, ctx: PolicyContext) -> RoundRobinPolicy:
+    return RoundRobinPolicy(rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("round_robin", PolicyParams, _build, reads="ids"))

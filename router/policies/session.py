@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import Field
+
 from router.policies.base import (
     BasePolicy,
     Decision,
@@ -27,6 +29,7 @@ from router.policies.base import (
     load_scores,
     pending,
 )
+from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
 
 def _h(s: str) -> int:
@@ -75,3 +78,19 @@ class SessionPolicy(BasePolicy):
             if len(seen) == len(by_id):
                 break
         return Decision(least_loaded(workers, self.rng).worker_id, "session_spill", rows)
+
+
+class SessionParams(PolicyParams):
+    """``session``'s parameters: the header naming a request's session (the router reads it for
+    every policy's ``RequestInfo.session``) and the bounded-load factor."""
+
+    session_header: str = Field(default="x-session-id", min_length=1)
+    max_load_skew: float = Field(default=1.5, ge=1)
+
+
+def _build(p: SessionParams, ctx: PolicyContext) -> SessionPolicy:
+    return SessionPolicy(p.max_load_skew, rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("session", SessionParams, _build,
+                           reads="consistent hash of a session key, bounded load"))

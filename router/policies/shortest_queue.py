@@ -16,6 +16,7 @@ from router.policies.base import (
     least_loaded,
     load_scores,
 )
+from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
 
 class ShortestQueuePolicy(BasePolicy):
@@ -26,3 +27,10 @@ class ShortestQueuePolicy(BasePolicy):
     def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
         w = least_loaded(workers, self.rng)
         return Decision(w.worker_id, "shortest", load_scores(workers) if explain else [])
+
+
+def _build(p: PolicyParams, ctx: PolicyContext) -> ShortestQueuePolicy:
+    return ShortestQueuePolicy(rng=ctx.rng)
+
+
+SPEC = register(PolicySpec("shortest_queue", PolicyParams, _build, reads="pending"))

@@ -40,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import Field
+
 from router.policies.base import (
     BasePolicy,
     Decision,
@@ -47,7 +49,14 @@ from router.policies.base import (
     least_loaded,
     pending,
 )
-from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy
+from router.policies.prefix_index import PrefixIndex, PrefixIndexedPolicy, PrefixParams
+from router.policies.registry import (
+    BalanceParams,
+    KvThresholdParams,
+    PolicyContext,
+    PolicySpec,
+    register,
+)
 
 EXCLUDED = -1.0e9
 TERM_FIELDS = ("score", "pending", "pending_term", "kv_term", "latency_term", "length_term", "affinity", "weight")
@@ -159,3 +168,34 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
             reason = "score"
         rows = [terms_row(t, bonuses.get(int(t.worker_id), 0.0)) for t in terms] if explain else []
         return Decision(wid, reason, rows)
+
+
+class WeightedParams(KvThresholdParams, BalanceParams, PrefixParams):
+    """``weighted``'s parameters: the seeds' term weights (``w_pending``, ``w_kv``, ``w_latency``,
+    ``w_length``; ``enable_length_compatibility`` false zeroes the last), the latency term's scale
+    (``latency_scale_ms``), the queue scale of the queue term ``w_pending·(1 − pending/max_queue)``,
+    not clipped: one request is worth ``w_pending/max_queue`` of score at any depth
+    (csrc/dplb_kernel.h; 0: each worker's ``max_num_seqs``), and the prefix-affinity bonus
+    ``w_affinity`` × matched fraction, which fades to 0 once the affine worker has
+    ``affinity_max_imbalance`` more pending requests than the least loaded."""
+
+    w_pending: float = Field(default=0.4, ge=0)
+    w_kv: float = Field(default=0.3, ge=0)
+    w_latency: float = Field(default=0.2, ge=0)
+    w_length: float = Field(default=0.1, ge=0)
+    enable_length_compatibility: bool = True
+    latency_scale_ms: float = Field(default=100.0, gt=0)
+    max_queue: int = Field(default=16, ge=0, description="queue scale: one request costs w_pending/max_queue")
+    w_affinity: float = Field(default=0.3, ge=0)
+    affinity_max_imbalance: float = Field(default=8.0, gt=0)
+
+
+def _build(p: WeightedParams, ctx: PolicyContext) -> WeightedPolicy:
+    return WeightedPolicy(ctx.kernel, ctx.scoring, p.prefix_index(), w_affinity=p.w_affinity,
+                          affinity_max_imbalance=p.affinity_max_imbalance,
+                          balance_abs_threshold=p.balance_abs_threshold,
+                          balance_rel_threshold=p.balance_rel_threshold, rng=ctx.rng, clock=ctx.clock)
+
+
+SPEC = register(PolicySpec("weighted", WeightedParams, _build, needs_kernel=True,
+                           reads="native kernel: the seeds' weighted score + prefix affinity"))

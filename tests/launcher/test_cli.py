@@ -117,10 +117,10 @@ def test_script_help_lists_flags():
     for flag in ("--num-workers", "--gpus", "--engine", "--model", "--port", "--config", "--state-interval-ms",
                  "--policy", "--time-scale"):
         assert flag in cp.stdout
-    from router.config import POLICIES
+    from router.policies import policy_names
 
     text = " ".join(cp.stdout.split())
-    assert all(p in text for p in POLICIES) and "one of: dplb, weighted" in text   # the --policy choices
+    assert all(p in text for p in policy_names()) and "one of: dplb, weighted" in text   # the --policy choices
     bad = launch("--policy", "fastest", "--dry-run")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
@@ -238,8 +238,8 @@ def test_worker_spec_parsing():
 def test_one_set_of_keys_for_a_worker_spec_in_the_flag_and_the_file(tmp_path):
     """Issue 32: the README said the file's ``workers:`` take "the same keys" as ``--worker``; the
     flag's ``args``/``url`` and the file's ``engine_args``/``engine_url`` are now both accepted in both."""
+    from launcher.config import LaunchWorker
     from launcher.specs import parse_worker_spec
-    from router.config import LaunchWorker
 
     assert parse_worker_spec("model=m,engine_args=--x 1").engine_args == ("--x", "1")
     assert parse_worker_spec("engine=openai,engine_url=http://127.0.0.1:8000").engine_url == "http://127.0.0.1:8000"
@@ -260,3 +260,24 @@ def test_metrics_port_reaches_the_router_and_is_checked():
     assert "--metrics-port" not in plan("-n", "1")["router"]["argv"]
     cp = launch("-n", "1", "--port", "30111", "--metrics-port", "30111", "--dry-run")
     assert cp.returncode == 2 and "metrics.port 30111 is router.port" in cp.stderr
+
+
+def test_the_workers_section_is_the_launchers(tmp_path):
+    """Issue 28: ``LaunchWorker`` lives in launcher/; the launcher validates ``workers:`` (errors
+    name the field, engines from the engine table), the router reads the same file and leaves the
+    section alone."""
+    from launcher.config import LaunchConfig
+    from router.config import config_from_json, load_config
+    from router.errors import ConfigError
+
+    p = tmp_path / "dplb.yaml"
+    p.write_text("workers:\n  - {model: m, engine: tgi}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, model=LaunchConfig)
+    assert ei.value.field == "workers.0.engine" and "sim, vllm, sglang, openai" in str(ei.value)
+    rcfg = load_config(p)                     # the router: the section is not its to judge
+    assert rcfg.workers == [{"model": "m", "engine": "tgi"}]
+    assert config_from_json(rcfg.model_dump_json()) == rcfg
+    p.write_text("workers:\n  - {model: m, engine: sglang, gpus: [0, 1], args: '--x 1'}\n")
+    w = load_config(p, model=LaunchConfig).workers[0]
+    assert (w.engine, w.gpus, w.engine_args) == ("sglang", "0,1", ["--x", "1"])

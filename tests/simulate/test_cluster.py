@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from bench.trace import TraceRequest
-from router.config import POLICIES, Config
+from router.config import Config
+from router.policies import policy_names
 from sim_engine.config import EngineConfig
 from simulate import cluster as cl
 from simulate.capacity import find_capacity, min_engines
@@ -133,10 +134,10 @@ def test_policy_objects_come_from_build_policy_and_every_config_policy_runs(monk
 
     monkeypatch.setattr(cl, "build_policy", spy)
     reqs = load_workload(TRACE, requests=12)
-    for name in POLICIES:
+    for name in policy_names():
         _, fig = _run(reqs, name, 2)
         assert fig["served"] == 12
-    assert [b[0] for b in built] == list(POLICIES)
+    assert [b[0] for b in built] == list(policy_names())
     assert all(mod.startswith("router.policies.") and clocked for _, mod, clocked in built)
 
 
@@ -144,7 +145,7 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
     """What the router reads of running / waiting / KV usage is what the agent published at its
     last tick (stale in between), while the agent's in-flight count is current at every decision."""
     published: dict[int, list[tuple[int, tuple]]] = {}
-    real_publish = cl.Agent._publish_engine
+    real_publish = cl.Agent.publish_engine
 
     def publish(self, m):
         published.setdefault(self.worker_id, []).append(
@@ -163,7 +164,7 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
                          s.router_inflight, i))
         return real_select(self, req, exclude, now=now_s)
 
-    monkeypatch.setattr(cl.Agent, "_publish_engine", publish)
+    monkeypatch.setattr(cl.Agent, "publish_engine", publish)
     monkeypatch.setattr(cl.Scheduler, "select", select)
     reqs = load_workload(TRACE, requests=120)
     res, _ = _run(reqs, "dplb", 3, rate_scale=4, state_interval_ms=500)

@@ -1,10 +1,14 @@
 """Engine adapters: one small interface (:class:`EngineAdapter`), one module per engine.
 
-``build_adapter(cfg)`` picks the adapter named by ``--engine``.
+``build_adapter(cfg)`` picks the adapter the engine table (:mod:`worker_agent.engines`) names for
+``--engine``.
 """
 from __future__ import annotations
 
+import importlib
+
 from ..config import AgentConfig
+from ..engines import ENGINES
 from ..errors import ConfigError
 from .base import EngineAdapter
 from .openai import OpenAIAdapter
@@ -12,12 +16,20 @@ from .sglang import SglangAdapter
 from .sim import SimAdapter
 from .vllm import VllmAdapter
 
-ADAPTERS: dict[str, type[EngineAdapter]] = {
-    "sim": SimAdapter,
-    "vllm": VllmAdapter,
-    "sglang": SglangAdapter,
-    "openai": OpenAIAdapter,
-}
+
+def adapter_class(engine: str) -> type[EngineAdapter]:
+    """The adapter class the engine table names for ``engine`` (``EngineKind.adapter``).
+
+    Raises:
+        KeyError: ``engine`` is not in the table.
+    """
+    module, _, name = ENGINES[engine].adapter.partition(":")
+    cls: type[EngineAdapter] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+#: engine name -> adapter class, from the table
+ADAPTERS: dict[str, type[EngineAdapter]] = {name: adapter_class(name) for name in ENGINES}
 
 
 def build_adapter(cfg: AgentConfig) -> EngineAdapter:
@@ -34,4 +46,4 @@ def build_adapter(cfg: AgentConfig) -> EngineAdapter:
 
 
 __all__ = ["ADAPTERS", "EngineAdapter", "OpenAIAdapter", "SglangAdapter", "SimAdapter", "VllmAdapter",
-           "build_adapter"]
+           "adapter_class", "build_adapter"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+from ..engines import ENGINES
 from ..metrics import SGLANG, VLLM, EngineMetrics, MetricNames, parse_engine_metrics
 from ..upstream import EngineAddress
 from .base import EngineAdapter
@@ -22,7 +23,7 @@ class OpenAIAdapter(EngineAdapter):
     """Attach to ``--engine-url`` (``http://host:port``, loopback or a remote node)."""
 
     name: ClassVar[str] = "openai"
-    metric_names: ClassVar[MetricNames | None] = VLLM
+    metric_names: ClassVar[MetricNames | None] = ENGINES["openai"].metric_names
     health_path: ClassVar[str] = "/v1/models"
 
     def _make_address(self) -> EngineAddress:

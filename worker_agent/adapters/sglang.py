@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..config import AgentConfig
+from ..engines import ENGINES
 from ..errors import ConfigError
-from ..metrics import SGLANG, MetricNames
+from ..metrics import MetricNames
 from ..upstream import EngineAddress
 from .base import EngineAdapter, free_loopback_port
 
@@ -29,7 +30,7 @@ class SglangAdapter(EngineAdapter):
     """
 
     name: ClassVar[str] = "sglang"
-    metric_names: ClassVar[MetricNames | None] = SGLANG
+    metric_names: ClassVar[MetricNames | None] = ENGINES["sglang"].metric_names
     poll_interval_s: ClassVar[float] = 1.0
 
     def __init__(self, cfg: AgentConfig, *, port: int | None = None) -> None:
@@ -43,7 +44,7 @@ class SglangAdapter(EngineAdapter):
 
     def command(self) -> list[str]:
         """argv of the SGLang server (see module docstring)."""
-        argv = [self.cfg.engine_python, "-m", "sglang.launch_server",
+        argv = [self.cfg.engine_python, "-m", str(ENGINES["sglang"].module),
                 "--model-path", str(self.cfg.model), "--host", self.cfg.engine_host or "127.0.0.1",
                 "--port", str(self.port),
                 "--tp-size", str(self.cfg.tp_size)]

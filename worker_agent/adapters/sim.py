@@ -14,7 +14,8 @@ import os
 from typing import ClassVar
 
 from ..config import ENGINE_STOP_GRACE_S
-from ..metrics import VLLM, MetricNames
+from ..engines import ENGINES
+from ..metrics import MetricNames
 from ..upstream import EngineAddress
 from .base import EngineAdapter, free_loopback_port
 
@@ -23,7 +24,7 @@ class SimAdapter(EngineAdapter):
     """Runs ``python -m sim_engine`` on ``<run-dir>/engine-<K>.sock``."""
 
     name: ClassVar[str] = "sim"
-    metric_names: ClassVar[MetricNames | None] = VLLM
+    metric_names: ClassVar[MetricNames | None] = ENGINES["sim"].metric_names
     poll_interval_s: ClassVar[float] = 0.05
 
     #: the simulated device (sim_engine/config.py: one H100 80 GB), its memory held as vLLM holds
@@ -52,10 +53,11 @@ class SimAdapter(EngineAdapter):
 
     def command(self) -> list[str]:
         """argv of the simulated engine (see module docstring)."""
+        start = [self.cfg.engine_python, "-m", str(ENGINES["sim"].module)]
         if self.cfg.engine_host is not None:
-            argv = [self.cfg.engine_python, "-m", "sim_engine", "--host", self.cfg.engine_host, "--port", str(self.port)]
+            argv = [*start, "--host", self.cfg.engine_host, "--port", str(self.port)]
         else:
-            argv = [self.cfg.engine_python, "-m", "sim_engine", "--uds", self.socket_path]
+            argv = [*start, "--uds", self.socket_path]
         if self.cfg.model:
             argv += ["--model", self.cfg.model]
         return argv + list(self.cfg.engine_args)

@@ -24,8 +24,9 @@ import os
 from typing import ClassVar
 
 from ..config import AgentConfig
+from ..engines import ENGINES
 from ..errors import ConfigError, EngineExitedError
-from ..metrics import VLLM, MetricNames
+from ..metrics import MetricNames
 from ..upstream import EngineAddress
 from .base import EngineAdapter, free_loopback_port
 
@@ -58,7 +59,7 @@ class VllmAdapter(EngineAdapter):
     """
 
     name: ClassVar[str] = "vllm"
-    metric_names: ClassVar[MetricNames | None] = VLLM
+    metric_names: ClassVar[MetricNames | None] = ENGINES["vllm"].metric_names
     poll_interval_s: ClassVar[float] = 1.0
 
     def __init__(self, cfg: AgentConfig, *, port: int | None = None) -> None:
@@ -81,7 +82,7 @@ class VllmAdapter(EngineAdapter):
         """argv of the vLLM server (see module docstring)."""
         where = (["--host", self.cfg.engine_host, "--port", str(self.port)] if self.cfg.engine_host is not None
                  else ["--uds", self.socket_path])
-        return [self.cfg.engine_python, "-m", "vllm.entrypoints.openai.api_server",
+        return [self.cfg.engine_python, "-m", str(ENGINES["vllm"].module),
                 "--model", str(self.cfg.model), *where,
                 "--tensor-parallel-size", str(self.cfg.tp_size), *self.cfg.engine_args]
 

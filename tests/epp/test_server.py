@@ -1,0 +1,37 @@
+"""The ext_proc server's answers without a gateway (epp/server.py): immediate errors, the destination."""
+from __future__ import annotations
+
+import orjson
+
+from epp.envoy import HEADER
+from epp.server import CHUNK, Exchange, destination, envoy_target, immediate
+from router.errors import NoEligibleWorker
+
+
+def test_immediate_response_is_openai_shaped():
+    r = immediate(NoEligibleWorker("no worker can take the request now")).immediate_response
+    assert r.status.code == 503
+    hs = {h.header.key: h.header.raw_value.decode() for h in r.headers.set_headers}
+    assert hs == {"content-type": "application/json", "x-dplb-worker-id": "none", "retry-after": "1"}
+    assert orjson.loads(r.body)["error"] == {"message": "no worker can take the request now",
+                                             "type": "service_unavailable", "param": None, "code": 503}
+
+
+def test_destination_sets_header_and_envoy_lb_metadata():
+    mutation, md = destination("10.1.2.3:8000")
+    assert [(h.header.key, h.header.raw_value) for h in mutation.set_headers] == [(HEADER, b"10.1.2.3:8000")]
+    assert md["envoy.lb"][HEADER] == "10.1.2.3:8000"
+
+
+def test_envoy_targets_are_ip_literals():
+    assert envoy_target("0.0.0.0:8000") == "127.0.0.1:8000"
+    assert envoy_target("localhost:8000") == "127.0.0.1:8000"
+    assert envoy_target("[::]:8000") == "[::1]:8000"
+    assert envoy_target("10.0.0.5:8000") == "10.0.0.5:8000"
+    assert destination("0.0.0.0:9")[1]["envoy.lb"][HEADER] == "127.0.0.1:9"
+
+
+def test_an_exchange_without_a_lease_releases_nothing():
+    ex = Exchange(None, 2)  # type: ignore[arg-type]
+    ex.close()              # a stream that ended before any pick: nothing to give back
+    assert CHUNK == 62_000
