@@ -124,25 +124,21 @@ def test_admin_is_not_open_through_a_reverse_proxy_nor_beyond_loopback_without_a
 
 def test_registry_keeps_a_dead_worker_listed_and_resets_it_when_its_engine_restarts():
     """The router dropped a dead worker's handle (it vanished from the listings, its gauges froze)."""
-    from dataclasses import dataclass, replace
+    from dataclasses import replace
 
-    from dplb_shm import StateReason, WorkerState
+    from dplb_shm import StateReason, WorkerSnapshot, WorkerState
     from router.config import Config
     from router.policies.round_robin import RoundRobinPolicy
     from router.scheduling import Scheduler
     from router.workers import Registry
 
-    @dataclass(frozen=True)
-    class Snap:
-        worker_id: int
-        state: WorkerState
-        endpoint: str = "/tmp/x.sock"
-        pid: int = 7
-        model: str = "m"
-        restarts: int = 0
-        state_reason: StateReason = StateReason.NONE
-        heartbeat_age_ms: float = 1.0
-        circuit: int = 0
+    def Snap(wid: int, state: WorkerState) -> WorkerSnapshot:   # a real snapshot: every field the registry reads
+        return WorkerSnapshot(worker_id=wid, state=state, pid=7, endpoint="/tmp/x.sock", model="m", gpu_ids=[],
+                              weight=1.0, heartbeat_ns=0, heartbeat_age_ms=1.0, num_running=0, num_waiting=0,
+                              inflight=0, router_inflight=0, dispatched=0, queued_prompt_tokens=0, max_num_seqs=0,
+                              kv_cache_usage=0.0, gpu_mem_used_bytes=0, gpu_mem_total_bytes=0, ttft_ms=0.0,
+                              tpot_ms=0.0, e2e_ms=0.0, ttft_p99_ms=0.0, tpot_p99_ms=0.0, e2e_p99_ms=0.0,
+                              prompt_len_hist=[], completed=0, failed=0, circuit=0)
 
     resets: list[int] = []
     reg = Registry(seg=None, cfg=Config(), on_reset=resets.append)
