@@ -173,7 +173,7 @@ def test_interference_term_keeps_a_long_prefill_off_a_busy_batch(seg, native):
             return seg.pick_ttft_explain(params, 8000, unc, now_ns=NOW, rng_u=0.0)
         return reference.pick_ttft(seg.snapshot(), params, 8000, unc, NOW, 0.0)
 
-    off = TtftParams(w_decode=0.0)
+    off = TtftParams(w_decode=0.0, w_interf=0.0, w_miss=0.0)
     assert pick(off)[0] == 0
     chosen, terms = pick(replace(off, w_interf=1.0))
     assert chosen == 1
@@ -196,7 +196,7 @@ def test_miss_term_keeps_a_long_context_on_its_holder(seg, native):
             return seg.pick_ttft_explain(params, 32_000, unc, now_ns=NOW, rng_u=0.0)
         return reference.pick_ttft(seg.snapshot(), params, 32_000, unc, NOW, 0.0)
 
-    off = TtftParams(w_decode=0.0)
+    off = TtftParams(w_decode=0.0, w_interf=0.0, w_miss=0.0)
     assert pick(off)[0] == 1
     chosen, terms = pick(replace(off, w_miss=1.0))
     assert chosen == 0
