@@ -284,7 +284,7 @@ class TtftParams:
     kv_cache_threshold: float = 0.8
     heartbeat_timeout_ms: float = float(HEARTBEAT_TIMEOUT_MS)
     rate_band: float = 0.25
-    w_interf: float = 0.0
+    w_interf: float = 0.5
     w_miss: float = 0.0
 
     def __post_init__(self) -> None:

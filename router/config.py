@@ -165,7 +165,7 @@ class RoutingPolicy(_Strict):
     # what a choice costs the work already on the worker (csrc/dplb_kernel.h, docs/DESIGN.md):
     # w_interf weighs our prefill's delay summed over the requests sharing its steps (B·u/r);
     # w_miss counts the later requests that wait behind a prefix miss's recompute ((u − u_min)/r)
-    w_interf: float = Field(default=0.0, ge=0)
+    w_interf: float = Field(default=0.5, ge=0)
     w_miss: float = Field(default=0.0, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     # learning each worker's prefill rate from observed TTFTs (router/accounting.py)
