@@ -245,7 +245,22 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  *             pile a burst that shares a cached prefix onto one worker (each costs it ~0 prefill),
  *             where every TPOT suffers; this term prices that. out_tokens is the request's expected
  *             output (its max_tokens, capped); w_decode = 0 turns the term off.
- *   est_i     = (((prefill_s + decode_s) + kv_s) + batch_s) / weight_i
+ *   interf_s  = w_interf * B_i * u_i / r_i
+ *             what our prefill costs the work already on i (the cluster's side of the choice, not
+ *             this request's): continuous batching runs our u_i prompt tokens in the same steps as
+ *             the B_i requests in flight there (the decodes, and the prefills queued ahead, which
+ *             decode while ours runs), so each of their next tokens comes u_i / r_i later; the
+ *             summed delay is B_i * u_i / r_i seconds. A queued prefill behind a FCFS arrival does
+ *             not exist (we queue last), so nothing else is delayed. With w_interf = 1,
+ *             prefill_s's own u_i/r_i plus this is u_i * (B_i + 1) / r_i: lmetric's score in
+ *             seconds (lmetric leaves out the queue ahead; we keep it). 0 turns the term off.
+ *   miss_s    = w_miss * (u_i - u_min) / r_i,  u_min = min over the eligible workers of u_j
+ *             the compute a prefix miss spends that the best-hit placement would not: worker i's
+ *             prefill is busy that much longer, and each request that arrives there before the
+ *             recompute drains waits for it in full (FCFS). w_miss is that number of requests (a
+ *             count; 0 turns the term off), so miss_s is their summed delay in seconds. It prices
+ *             the recompute once more than prefill_s does (which counts only this request's wait).
+ *   est_i     = (((((prefill_s + decode_s) + kv_s) + batch_s) + interf_s) + miss_s) / weight_i
  *
  * Pick the smallest est_i; ties (est <= best + 1e-9 s) break uniformly at random in slot order.
  * The prefix-cache bonus is exactly the prefill time a hit saves (u_i smaller), so a hot prefix
@@ -264,6 +279,8 @@ typedef struct dplb_ttft_params {
     double kv_cache_threshold;
     double heartbeat_timeout_ms;
     double rate_band;           /* learned rates within this fraction of the median count as the median; 0 = off */
+    double w_interf;            /* weight of interf_s (0 = off) */
+    double w_miss;              /* weight of miss_s: later requests assumed to wait behind a recompute (0 = off) */
 } dplb_ttft_params_t;
 
 typedef struct dplb_ttft_terms {
@@ -278,6 +295,8 @@ typedef struct dplb_ttft_terms {
     double decode_s;
     double kv_s;
     double batch_s;
+    double interf_s;            /* our prefill's delay summed over the B_i requests sharing its steps */
+    double miss_s;              /* the recompute a prefix miss costs the requests arriving behind it */
     double decode_reqs;
     double batch;
     double outside_reqs;        /* X_i: requests in the engine no router here dispatched */
@@ -391,12 +410,17 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
             ests[j] = __builtin_nan("");
         }
     }
-    /* pass 2: estimates */
+    /* pass 2: estimates; u_min for the miss term */
+    double umin = terms[0].uncached_tokens;
+    for (int j = 1; j < nt; j++)
+        if (terms[j].uncached_tokens < umin) umin = terms[j].uncached_tokens;
     double best = 0.0;
     for (int j = 0; j < nt; j++) {
         dplb_ttft_terms_t *t = &terms[j];
         t->prefill_s = (t->queue_tokens + t->uncached_tokens) / t->rate;
-        t->est_s = (((t->prefill_s + t->decode_s) + t->kv_s) + t->batch_s) / t->weight;
+        t->interf_s = p->w_interf * t->batch * t->uncached_tokens / t->rate;
+        t->miss_s = p->w_miss * (t->uncached_tokens - umin) / t->rate;
+        t->est_s = (((((t->prefill_s + t->decode_s) + t->kv_s) + t->batch_s) + t->interf_s) + t->miss_s) / t->weight;
         ests[t->worker_id] = t->est_s;
         if (j == 0 || t->est_s < best) best = t->est_s;
     }

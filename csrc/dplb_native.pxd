@@ -148,6 +148,8 @@ cdef extern from "dplb_kernel.h" nogil:
         double kv_cache_threshold
         double heartbeat_timeout_ms
         double rate_band
+        double w_interf
+        double w_miss
 
     ctypedef struct dplb_ttft_terms_t:
         int32_t worker_id
@@ -161,6 +163,8 @@ cdef extern from "dplb_kernel.h" nogil:
         double decode_s
         double kv_s
         double batch_s
+        double interf_s
+        double miss_s
         double decode_reqs
         double batch
         double outside_reqs

@@ -534,6 +534,8 @@ cdef class Segment:
             self.tparams.kv_cache_threshold = params.kv_cache_threshold
             self.tparams.heartbeat_timeout_ms = params.heartbeat_timeout_ms
             self.tparams.rate_band = params.rate_band
+            self.tparams.w_interf = params.w_interf
+            self.tparams.w_miss = params.w_miss
             self.tparams_obj = params
         if uncached is None:
             n_unc[0] = 0
@@ -595,6 +597,7 @@ cdef class Segment:
                                  uncached_tokens=t.uncached_tokens, rate=t.rate, own_rate=t.own_rate,
                                  steps=t.steps,
                                  prefill_s=t.prefill_s, decode_s=t.decode_s, kv_s=t.kv_s, batch_s=t.batch_s,
+                                 interf_s=t.interf_s, miss_s=t.miss_s,
                                  decode_reqs=t.decode_reqs, batch=t.batch, outside_reqs=t.outside_reqs,
                                  weight=t.weight))
         return chosen, out

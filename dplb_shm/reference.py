@@ -152,15 +152,18 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
     batch_s = params.w_decode * out_tokens * (params.decode_seq_s * batch + params.decode_ctx_s * dctx)
     return priced(TtftTerms(worker_id=s.worker_id, est_s=0.0, queue_tokens=queue, uncached_tokens=u, rate=rate,
                             own_rate=rate, steps=steps, prefill_s=0.0, decode_s=decode_s, kv_s=kv_s,
-                            batch_s=batch_s, decode_reqs=dreq, batch=batch, outside_reqs=float(ext),
-                            weight=s.weight), rate)
+                            batch_s=batch_s, interf_s=0.0, miss_s=0.0, decode_reqs=dreq, batch=batch,
+                            outside_reqs=float(ext), weight=s.weight), rate, params, u)
 
 
-def priced(t: TtftTerms, rate: float) -> TtftTerms:
-    """``t`` with its prefill priced at ``rate`` tokens/s (pass 2 of ``dplb_pick_ttft``)."""
+def priced(t: TtftTerms, rate: float, params: TtftParams, umin: float) -> TtftTerms:
+    """``t`` priced at ``rate`` tokens/s (pass 2 of ``dplb_pick_ttft``); ``umin``: the fewest
+    uncached tokens over the eligible workers (the miss term's reference)."""
     prefill_s = (t.queue_tokens + t.uncached_tokens) / rate
-    est = (((prefill_s + t.decode_s) + t.kv_s) + t.batch_s) / t.weight
-    return dataclasses.replace(t, rate=rate, prefill_s=prefill_s, est_s=est)
+    interf_s = params.w_interf * t.batch * t.uncached_tokens / rate
+    miss_s = params.w_miss * (t.uncached_tokens - umin) / rate
+    est = (((((prefill_s + t.decode_s) + t.kv_s) + t.batch_s) + interf_s) + miss_s) / t.weight
+    return dataclasses.replace(t, rate=rate, prefill_s=prefill_s, interf_s=interf_s, miss_s=miss_s, est_s=est)
 
 
 def pick_ttft(snapshots: Sequence[WorkerSnapshot], params: TtftParams, prompt_len: int,
@@ -176,10 +179,13 @@ def pick_ttft(snapshots: Sequence[WorkerSnapshot], params: TtftParams, prompt_le
             terms.append(t)
     if not terms:
         return -1, terms
+    umin = min(t.uncached_tokens for t in terms)
     if params.rate_band > 0.0 and len(terms) > 1:
         m = statistics.median(t.own_rate for t in terms)
         lo, hi = m / (1.0 + params.rate_band), m * (1.0 + params.rate_band)
-        terms = [priced(t, m) if lo <= t.own_rate <= hi else t for t in terms]
+        terms = [priced(t, m if lo <= t.own_rate <= hi else t.own_rate, params, umin) for t in terms]
+    else:
+        terms = [priced(t, t.own_rate, params, umin) for t in terms]
     best = min(t.est_s for t in terms)
     ties = [t.worker_id for t in terms if t.est_s <= best + TIE_EPS]
     j = min(len(ties) - 1, max(0, int(rng_u * len(ties))))

@@ -265,7 +265,11 @@ class TtftParams:
     ``kv_cache_threshold`` and ``heartbeat_timeout_ms`` as in :class:`ScoringParams`;
     ``rate_band``: learned prefill rates within this fraction of the eligible workers' median
     count as the median (0.25: identical engines whose learned rates drifted apart by sampling
-    noise are priced alike; a worker more than 25 % off keeps its own rate; 0 turns pooling off).
+    noise are priced alike; a worker more than 25 % off keeps its own rate; 0 turns pooling off);
+    ``w_interf``: weight of the interference term ``B·u/r`` (our prefill's delay summed over the
+    requests sharing its steps; 0 = off); ``w_miss``: later requests assumed to wait behind a
+    prefix miss's recompute, term ``w_miss·(u − u_min)/r`` (0 = off). Derivations in
+    csrc/dplb_kernel.h and docs/DESIGN.md.
     Raises :class:`SlotFieldError` on a non-finite value or a non-positive rate, step size or timeout.
     """
 
@@ -280,6 +284,8 @@ class TtftParams:
     kv_cache_threshold: float = 0.8
     heartbeat_timeout_ms: float = float(HEARTBEAT_TIMEOUT_MS)
     rate_band: float = 0.25
+    w_interf: float = 0.5
+    w_miss: float = 0.0
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -290,7 +296,7 @@ class TtftParams:
             if getattr(self, name) <= 0:
                 raise SlotFieldError(f"TtftParams.{name} must be > 0", field=name)
         for name in ("waiting_tokens", "step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s", "w_decode",
-                     "rate_band"):
+                     "rate_band", "w_interf", "w_miss"):
             if getattr(self, name) < 0:
                 raise SlotFieldError(f"TtftParams.{name} must be >= 0", field=name)
 
@@ -299,7 +305,9 @@ class TtftParams:
 class TtftTerms:
     """Every term of one eligible worker's estimated TTFT (seconds unless named otherwise).
 
-    ``est_s = (((prefill_s + decode_s) + kv_s) + batch_s) / weight``; ``batch``: requests sharing the
+    ``est_s = (((((prefill_s + decode_s) + kv_s) + batch_s) + interf_s) + miss_s) / weight``;
+    ``interf_s``: our prefill's delay summed over the ``batch`` requests sharing its steps;
+    ``miss_s``: the recompute a prefix miss costs the requests arriving behind it; ``batch``: requests sharing the
     worker's steps; ``queue_tokens``: outstanding prefill
     tokens ahead; ``uncached_tokens``: this request's prompt tokens not cached there; ``rate``:
     the prefill rate used (tokens/s; the pool's median when ``own_rate``, the worker's learned or
@@ -320,6 +328,8 @@ class TtftTerms:
     decode_s: float
     kv_s: float
     batch_s: float
+    interf_s: float
+    miss_s: float
     decode_reqs: float
     batch: float
     outside_reqs: float

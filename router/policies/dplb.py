@@ -6,7 +6,9 @@ csrc/dplb_kernel.h) estimates, in seconds::
     est_i = ( (W_i + u_i) / r_i                                        # prefill queue + own prefill
             + steps_i · (step_base + decode_seq·D_i + decode_ctx·C_i)   # decodes sharing those steps
             + kv_barrier · k_i / (1 − k_i)                              # KV cache filling up
-            + w_decode · out · (decode_seq·B_i + decode_ctx·C_i) ) / weight_i   # the batch, on our decode
+            + w_decode · out · (decode_seq·B_i + decode_ctx·C_i)          # the batch, on our decode
+            + w_interf · B_i · u_i / r_i                                   # our prefill, on the batch there
+            + w_miss · (u_i − u_min) / r_i ) / weight_i                    # a prefix miss, on those behind it
 
 * ``W_i``: outstanding prefill tokens on i (uncached prompt tokens dispatched by any router whose
   first token has not come back; :mod:`router.accounting`), fresh at every dispatch;
@@ -24,6 +26,26 @@ csrc/dplb_kernel.h) estimates, in seconds::
   burst sharing a cached prefix would pile onto its holder (each request costs it ~0 prefill)
   while every TPOT there suffers; with it, one more request in the batch costs what it costs.
 
+The last two terms price what the choice costs the work already on the worker, not this request
+(issue 29 item 4; each in seconds of other requests' delay, summed — the marginal cost of an
+arrival in queueing theory is its own delay plus the delay it adds to everyone else):
+
+* **interference** ``w_interf · B_i · u_i / r_i``: continuous batching runs our ``u_i`` prompt
+  tokens in the steps that also carry the ``B_i`` requests in flight on i (its decodes, and the
+  prefills queued ahead, which decode while ours runs), so each of their next tokens comes
+  ``u_i / r_i`` later; under FCFS nothing queued behind us exists yet. Summed: ``B_i·u_i/r_i``.
+  With ``w_interf = 1`` the own prefill plus this is ``u_i·(B_i + 1)/r_i``, LMetric's score in
+  seconds (LMetric leaves the queue ahead out; we keep it).
+* **prefix miss** ``w_miss · (u_i − u_min) / r_i``, ``u_min`` the fewest uncached tokens over the
+  eligible workers: the compute this placement spends that the best-hit placement would not.
+  Worker i's prefill is busy that much longer and every request reaching it before the recompute
+  drains waits for it in full (FCFS); ``w_miss`` is that number of requests (a count), so the
+  term is their summed delay in seconds. ``prefill_s`` already counts the recompute once, for
+  this request alone.
+
+Each is switched off by a weight of 0; the defaults were chosen by the ablation in
+docs/DESIGN.md ("Pricing the cluster") over every workload, not one.
+
 Ties break at random. The field's versions of the same idea, for comparison (each is a policy of
 its own here): SGLang gateway's ``least_load`` (queued tokens / throughput + the same KV barrier,
 no prefix term), Dynamo's KV router (``kv_cost``: uncached prefill blocks + active decode blocks)
@@ -37,6 +59,7 @@ worker is taken (reason ``fallback``) rather than refusing service.
 Config::
 
     routing_policy: {policy: dplb, prefill_tokens_per_s: 30769, step_tokens: 8192, kv_barrier_s: 0.15,
+                     w_decode: 0.25, w_interf: 0.5, w_miss: 0.0,
                      kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
 """
 from __future__ import annotations
@@ -149,12 +172,17 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     """``dplb``'s parameters (besides the shared groups): prompt tokens assumed per request waiting
     in an engine that the routers did not send (``waiting_tokens``); the weight of the batch term
     (``w_decode``: what a worker's batch adds to this request's decode; 0 = TTFT only) and the
-    output length assumed when a request has no ``max_tokens``; ``rate_band``: learned rates within
+    output length assumed when a request has no ``max_tokens``; what a choice costs the work
+    already on the worker (csrc/dplb_kernel.h, docs/DESIGN.md "Pricing the cluster"): ``w_interf``
+    weighs our prefill's delay summed over the requests sharing its steps (B·u/r), ``w_miss``
+    counts the later requests that wait behind a prefix miss's recompute ((u − u_min)/r); ``rate_band``: learned rates within
     this fraction of the workers' median count as the median (sampling noise between identical
     engines must not steer a burst; csrc/dplb_kernel.h), 0 = off."""
 
     waiting_tokens: int = Field(default=1024, ge=0)
     w_decode: float = Field(default=0.25, ge=0)
+    w_interf: float = Field(default=0.5, ge=0)
+    w_miss: float = Field(default=0.0, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     rate_band: float = Field(default=0.25, ge=0)
 

@@ -3,6 +3,7 @@ states, and each term moves the choice the way its formula says (csrc/dplb_kerne
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -79,6 +80,8 @@ params_st = st.builds(
     kv_cache_threshold=st.sampled_from([0.8, 1.0]),
     heartbeat_timeout_ms=st.sampled_from([1000.0, 50.0]),
     rate_band=st.sampled_from([0.25, 0.0, 1.0]),
+    w_interf=st.sampled_from([0.0, 1.0, 0.5]),
+    w_miss=st.sampled_from([0.0, 1.0, 4.0]),
 )
 
 uncached_st = st.none() | st.lists(st.sampled_from([-1.0, 0.0, 100.0, 6600.0]) | st.floats(-10.0, 1e6),
@@ -151,6 +154,53 @@ def test_batch_term_spreads_a_burst_that_shares_a_cached_prefix(seg):
     _, terms = _pick(seg, [5.0, 355.0], out_tokens=256.0)                  # default weight 0.25
     assert terms[0].batch_s == pytest.approx(0.25 * 256 * 3 * 5e-5)
     seg.router_inflight_add(0, -3)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+def test_interference_term_keeps_a_long_prefill_off_a_busy_batch(seg, native):
+    """Worker 0 runs 20 decodes and has 2,000 prefill tokens queued; worker 1 has 4,000 queued and
+    nothing decoding (say a long prompt just landed there). Our 8,000-token prompt reaches its first
+    token sooner on worker 0 (10,000 vs 12,000 tokens ahead and own), so the request-only estimate
+    picks 0 — and stretches the next token of 20 requests by 0.26 s each (5.2 s summed). With the
+    interference term (w_interf 1) worker 0 costs 0.33 + 5.2 s against worker 1's 0.39 s: it goes to 1."""
+    clear(seg)
+    put(seg, 0, queue=2000, rinfl=20, dreq=20, dctx=20_000)
+    put(seg, 1, queue=4000)
+    unc = [8000.0, 8000.0]
+
+    def pick(params):
+        if native:
+            return seg.pick_ttft_explain(params, 8000, unc, now_ns=NOW, rng_u=0.0)
+        return reference.pick_ttft(seg.snapshot(), params, 8000, unc, NOW, 0.0)
+
+    off = TtftParams(w_decode=0.0, w_interf=0.0, w_miss=0.0)
+    assert pick(off)[0] == 0
+    chosen, terms = pick(replace(off, w_interf=1.0))
+    assert chosen == 1
+    assert terms[0].interf_s == pytest.approx(20 * 8000 / 30_769.0) and terms[1].interf_s == 0.0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+def test_miss_term_keeps_a_long_context_on_its_holder(seg, native):
+    """Worker 0 holds 30,000 of the request's 32,000 prompt tokens but has 31,000 queued ahead;
+    worker 1 is idle. Request-only, worker 1 is sooner (32,000 tokens against 33,000): it picks 1,
+    spending 0.98 s of prefill that a hit would not, for a 1,000-token (33 ms) gain. Pricing that
+    recompute for one request arriving behind it (w_miss 1) keeps the request on 0."""
+    clear(seg)
+    put(seg, 0, queue=31_000)
+    put(seg, 1)
+    unc = [2000.0, 32_000.0]
+
+    def pick(params):
+        if native:
+            return seg.pick_ttft_explain(params, 32_000, unc, now_ns=NOW, rng_u=0.0)
+        return reference.pick_ttft(seg.snapshot(), params, 32_000, unc, NOW, 0.0)
+
+    off = TtftParams(w_decode=0.0, w_interf=0.0, w_miss=0.0)
+    assert pick(off)[0] == 1
+    chosen, terms = pick(replace(off, w_miss=1.0))
+    assert chosen == 0
+    assert terms[0].miss_s == 0.0 and terms[1].miss_s == pytest.approx(30_000 / 30_769.0)
 
 
 def test_engine_counts_older_than_the_routers_counters_are_not_load(seg):

@@ -87,8 +87,10 @@ def test_explain_rows_show_each_term_in_seconds(seg):
     assert set(rows) == {0, 1, 2, 3}
     assert rows[1]["prefill_s"] == pytest.approx((30_769 + 3) / 30_769)
     for r in rows.values():
-        assert {"est_s", "prefill_s", "decode_s", "kv_s", "queue_tokens", "uncached_tokens", "rate"} <= set(r)
-        assert r["est_s"] == pytest.approx(r["prefill_s"] + r["decode_s"] + r["kv_s"])
+        assert {"est_s", "prefill_s", "decode_s", "kv_s", "batch_s", "interf_s", "miss_s", "queue_tokens",
+                "uncached_tokens", "rate"} <= set(r)
+        assert r["est_s"] == pytest.approx(r["prefill_s"] + r["decode_s"] + r["kv_s"] + r["batch_s"]
+                                           + r["interf_s"] + r["miss_s"])
 
 
 def test_kv_above_threshold_everywhere_still_routes_by_estimate(seg):
@@ -282,3 +284,14 @@ async def test_a_lease_that_fails_after_the_write_closes_that_connection(seg):
     with pytest.raises(RuntimeError):
         await proxy.forward(_exchange(info("x y"), send))
     assert len(t.conns) == 1 and t.conns[0].closed                     # the engine is told to stop
+
+
+def test_cluster_cost_terms_are_config_keys():
+    """``routing_policy.w_interf`` / ``w_miss`` reach the kernel's parameters (each term switchable)."""
+    from router.state import ttft_params
+    from router.config import load_config
+
+    p = ttft_params(load_config(None, {"routing_policy.w_interf": 0.0, "routing_policy.w_miss": 2.5}))
+    assert (p.w_interf, p.w_miss) == (0.0, 2.5)
+    d = ttft_params(load_config(None))
+    assert (d.w_interf, d.w_miss) == (TtftParams().w_interf, TtftParams().w_miss)
