@@ -98,7 +98,8 @@ class RouterState:
     """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
     from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
 
-    def __init__(self, cfg: Config, seg: Any = None) -> None:
+    # Any: a dplb_shm.Segment, None until start() attaches one; its readers hold it non-None without a check
+    def __init__(self, cfg: Config, seg: Any = None) -> None:  # type: ignore[explicit-any]
         self.cfg = cfg
         self.seg = seg
         self._own_seg = seg is None
