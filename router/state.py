@@ -32,6 +32,7 @@ from router.workers import Registry
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
+    from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.router")
 
@@ -215,8 +216,8 @@ class RouterState:
         self.registry.removed = set(a.removed)
         for wid, h in self.registry.handles.items():
             h.drained = wid in a.drained
-        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers
-                  if b.endpoint not in a.unmirrored}
+        wanted: dict[str, MirrorSpec] = {b.endpoint: {"weight": b.weight, "model": b.model}
+                                         for b in self.cfg.backend_servers if b.endpoint not in a.unmirrored}
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
         self.mirrors.version = a.version
