@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from fastapi import APIRouter, Request
@@ -232,7 +232,7 @@ def _sglang_routes(r: APIRouter, state: RouterState) -> None:
         wid = next((w["id"] for w in rows if ep in (w["endpoint"], w["control"])), None)
         if wid is None:
             raise NotFound(f"no worker at {url} (GET /list_workers lists them)", param="url")
-        resp = await _remove(state, int(wid))
+        resp = await _remove(state, int(cast("int", wid)))   # a status row's "id" is a worker id
         if resp.status_code in (200, 202):
             d = orjson.loads(bytes(resp.body))
             d["message"] = f"Successfully removed worker: {url}"
