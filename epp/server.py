@@ -56,7 +56,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -84,6 +84,9 @@ from router.stream_meter import (
     on_stream_end,
 )
 from router.workers import WorkerHandle
+
+if TYPE_CHECKING:
+    from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.epp")
 
@@ -220,7 +223,8 @@ class Picker:
         if self.kube is not None and (keps := self.kube.poll()) is not None:
             self._kube_eps, changed = keps, True
         if changed:
-            self.scrape.wanted = {**self._kube_eps, **self._file_eps}
+            # the endpoint specs ({"model", "weight"}) as the mirror manager reads them
+            self.scrape.wanted = cast("dict[str, MirrorSpec]", {**self._kube_eps, **self._file_eps})
         await self.scrape.tick()
         self.state.registry.refresh()   # this tick's decisions see the scrape's heartbeat and counts
 

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_COUNT] = str(cfg.router.max_headers)
     LimitedHttpToolsProtocol.max_header_bytes = cfg.router.max_header_bytes   # this process imported it already
     LimitedHttpToolsProtocol.max_headers = cfg.router.max_headers
-    common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",
+    # Any: uvicorn.run's keyword arguments (str, int, bool, float...), spread into its typed parameters
+    common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",  # type: ignore[explicit-any]
                               "http": "router.server:LimitedHttpToolsProtocol", "log_level": cfg.router.log_level, "access_log": False,
                               "server_header": False, "date_header": False, "timeout_keep_alive": 30,
                               "backlog": 4096,

@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
+    from router.ledger import AccountedSegment
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +83,7 @@ class RequestAccount:
     __slots__ = ("_decode_ctx", "_decode_reqs", "_first", "_open", "learn", "prompt_tokens", "queue_ahead",
                  "seg", "t_dispatch", "t_first", "uncached_tokens", "worker_id")
 
-    def __init__(self, seg: Any, worker_id: int, prompt_tokens: int, uncached_tokens: int, now: float,
+    def __init__(self, seg: Segment | AccountedSegment, worker_id: int, prompt_tokens: int, uncached_tokens: int, now: float,
                  learn: LearnSettings | None = None, observed: bool = True) -> None:
         self.seg = seg
         self.worker_id = worker_id

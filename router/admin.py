@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import orjson
 from fastapi import APIRouter, Request
@@ -163,7 +163,7 @@ async def check_resolves(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) ->
                          "resolves, or an IP address", param="endpoint") from None
 
 
-def _json(obj: Any, status: int = 200) -> Response:
+def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
                     headers={"x-dplb-worker-id": "none"})
 
@@ -232,7 +232,7 @@ def _sglang_routes(r: APIRouter, state: RouterState) -> None:
         wid = next((w["id"] for w in rows if ep in (w["endpoint"], w["control"])), None)
         if wid is None:
             raise NotFound(f"no worker at {url} (GET /list_workers lists them)", param="url")
-        resp = await _remove(state, int(wid))
+        resp = await _remove(state, int(cast("int", wid)))   # a status row's "id" is a worker id
         if resp.status_code in (200, 202):
             d = orjson.loads(bytes(resp.body))
             d["message"] = f"Successfully removed worker: {url}"
@@ -327,7 +327,7 @@ def _lifecycle_routes(r: APIRouter, state: RouterState) -> None:
         return _json({"worker_id": wid, "draining": False})
 
 
-async def _add(state: RouterState, d: Any) -> Response:
+async def _add(state: RouterState, d: object) -> Response:
     """``POST /dplb/workers`` with the parsed body ``d`` (the module docstring's answers)."""
     if not isinstance(d, dict):
         raise BadRequest("body must be a JSON object")
@@ -439,7 +439,7 @@ async def _remove(state: RouterState, wid: int) -> Response:
     return _json({"worker_id": wid, "removed": True})
 
 
-def _url_of(row: dict[str, Any]) -> str:
+def _url_of(row: dict[str, object]) -> str:
     """A worker's address as ``/list_workers`` lists it and ``/remove_worker?url=`` takes it:
     a remote worker's agent ``http://host:port``, a local one's engine socket path."""
     if row.get("remote"):
@@ -447,10 +447,10 @@ def _url_of(row: dict[str, Any]) -> str:
     return str(row["endpoint"])
 
 
-async def _flush_one(transport: Transport, h: WorkerHandle) -> dict[str, Any]:
+async def _flush_one(transport: Transport, h: WorkerHandle) -> dict[str, object]:
     """``POST /flush_cache``'s row of worker ``h``: its engine's ``/flush_cache``, else (404)
     ``/reset_prefix_cache``."""
-    out: dict[str, Any] = {"id": h.worker_id, "url": h.endpoint}
+    out: dict[str, object] = {"id": h.worker_id, "url": h.endpoint}
     for path in ("/flush_cache", "/reset_prefix_cache"):
         try:
             status, body = await transport.get(h.endpoint, path, FLUSH_TIMEOUT_S, method="POST")

@@ -9,9 +9,18 @@ import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TypedDict
 
 import orjson
+
+
+class MirrorSpec(TypedDict, total=False):
+    """A remote worker to mirror into a slot, as the admin API or ``backend_servers`` asks:
+    its ``weight`` (1.0 when missing) and the ``model`` it serves (None or missing: the one its agent
+    reports)."""
+
+    weight: float
+    model: str | None
 
 
 class AdminStore:
@@ -26,7 +35,7 @@ class AdminStore:
         self.version = 0
         self.drained: set[int] = set()
         self.removed: set[int] = set()
-        self.mirrors: dict[str, dict[str, Any]] = {}
+        self.mirrors: dict[str, MirrorSpec] = {}
         self.unmirrored: set[str] = set()
         self._stamp: tuple[int, int, int] | None = None
 

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from router.answers import send_error
+from router.asgi import ASGIApp, Message, Receive, Scope, Send
 from router.config import Config, config_from_json
 from router.control import build_fastapi
 from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
 from router.server import check_headers
 from router.state import RouterState
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 #: every router log line: time, level, logger, message
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -48,7 +51,7 @@ class DPLBApp:
         self.max_header_bytes = state.cfg.router.max_header_bytes
         self.max_headers = state.cfg.router.max_headers
 
-    def start_request(self, scope: MutableMapping[str, Any], body: bytes) -> Any:
+    def start_request(self, scope: Scope, body: bytes) -> ASGIApp | None:
         """Start a ``POST`` whose whole ``body`` came in with its head, from the router's protocol
         callback (:class:`router.server.LimitedHttpToolsProtocol`): a proxied path within the
         head limits goes to :meth:`Proxy.start`, which writes it to its worker before the event
@@ -65,7 +68,7 @@ class DPLBApp:
             return None
         return proxy.start(scope, body)
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:  # ~1 µs for an ordinary request
                 check_headers(scope["headers"], self.max_header_bytes, self.max_headers)
@@ -88,7 +91,7 @@ class DPLBApp:
             await self.fastapi(scope, receive, send)
             return
 
-        async def send_named(msg: MutableMapping[str, Any]) -> None:
+        async def send_named(msg: Message) -> None:
             # control answers are the router's own: X-DPLB-Worker-ID: none (every response carries it)
             if msg["type"] == "http.response.start":
                 hs = list(msg.get("headers", []))
@@ -100,7 +103,7 @@ class DPLBApp:
         await self.fastapi(scope, receive, send_named)
 
 
-def create_app(cfg: Config | None = None, seg: Any = None) -> DPLBApp:
+def create_app(cfg: Config | None = None, seg: Segment | None = None) -> DPLBApp:
     """Build the ASGI app for ``cfg`` (defaults when None); ``seg`` injects an attached segment."""
     state = RouterState(cfg or Config(), seg)
     return DPLBApp(state, build_fastapi(state))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
@@ -257,7 +258,8 @@ def _field_error(e: ValidationError) -> ConfigError:
     return ConfigError(field, err.get("input"), err.get("msg", "invalid"))
 
 
-def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+# Any: the YAML document's nested mappings, each level narrowed by the isinstance below
+def _set_dotted(d: dict[str, Any], dotted: str, value: object) -> None:  # type: ignore[explicit-any]
     keys = dotted.split(".")
     for k in keys[:-1]:
         d = d.setdefault(k, {})
@@ -270,14 +272,14 @@ C = TypeVar("C", bound=Config)
 
 
 @overload
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> Config: ...
+def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, object] | None = None) -> Config: ...
 
 
 @overload
-def load_config(path: str | os.PathLike | None, overrides: dict[str, Any] | None, model: type[C]) -> C: ...
+def load_config(path: str | os.PathLike | None, overrides: Mapping[str, object] | None, model: type[C]) -> C: ...
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+def load_config(path: str | os.PathLike | None = None, overrides: Mapping[str, object] | None = None,
                 model: type[Config] = Config) -> Config:
     """Load and validate ``path`` (YAML; ``None`` → defaults), then apply ``overrides``.
 
@@ -288,7 +290,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     "routing_policy.policy": "round_robin"}``; ``None`` values are skipped (flag not given).
     Raises :class:`ConfigError` naming the field on any invalid value, unknown key or YAML error.
     """
-    raw: dict[str, Any] = {}
+    raw: dict[str, object] = {}
     if path is not None:
         p = Path(path)
         try:

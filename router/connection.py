@@ -9,9 +9,12 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
+
+if TYPE_CHECKING:
+    from router._relay import ChunkRelay
 
 #: pause reading a connection once this many body bytes wait for the relay (flow control)
 HIGH_WATER = 1 << 20
@@ -38,16 +41,18 @@ class Connection(asyncio.Protocol):
                  "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
-        self.transport: Any = None
-        self.parser: Any = None
+        # Any: asyncio's transport (connection_made gets a BaseTransport; the socket one has pause_reading)
+        self.transport: Any = None  # type: ignore[explicit-any]
+        # Any: httptools' HttpResponseParser, None before the first request (read only from its callbacks)
+        self.parser: Any = None  # type: ignore[explicit-any]
         self.waiter: asyncio.Future[bool | None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.last_rx = 0.0
         self.lost = False
         self.idle_since = 0.0
         self.sink: Callable[[bytes], bool] | None = None
-        self.handoff: Callable[[], Any] | None = None   # see Upstream.pipe
-        self.relay: Any = None                          # a router._relay.ChunkRelay while it has the body
+        self.handoff: Callable[[], ChunkRelay | None] | None = None   # see Upstream.pipe
+        self.relay: ChunkRelay | None = None                          # a router._relay.ChunkRelay while it has the body
         self.on_whole: Callable[[Connection], None] | None = None   # see Transport.send
         self.home: Pool | None = None                  # the pool of its endpoint (liveness: Pool.last_rx)
         self._reset()
@@ -74,7 +79,8 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
-    def connection_made(self, transport: Any) -> None:
+    # Any: asyncio.Protocol's BaseTransport, used as the socket transport it is
+    def connection_made(self, transport: Any) -> None:  # type: ignore[explicit-any]
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
@@ -255,7 +261,7 @@ class Connection(asyncio.Protocol):
             self.timer = None
 
 
-def _expire(w: asyncio.Future[Any]) -> None:
+def _expire(w: asyncio.Future[bool | None]) -> None:
     if not w.done():
         w.set_result(False)
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import FastAPI, Request
@@ -33,12 +33,15 @@ from router.metrics_port import start_metrics_port
 from router.protocol import parse_request
 from router.state import RouterState
 
+if TYPE_CHECKING:
+    from router.workers import WorkerHandle
+
 log = logging.getLogger("dplb.router")
 ENGINE_METRICS_TIMEOUT_S = 5.0
 PROM_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     h = {"x-dplb-worker-id": "none"}
     if headers:
         h.update(headers)
@@ -171,8 +174,8 @@ def _model_routes(app: FastAPI, state: RouterState) -> None:
                 return n
         return None
 
-    async def model_card(m: str) -> dict[str, Any]:
-        card: dict[str, Any] = {"id": m, "object": "model", "created": state.started, "owned_by": "dplb",
+    async def model_card(m: str) -> dict[str, object]:
+        card: dict[str, object] = {"id": m, "object": "model", "created": state.started, "owned_by": "dplb",
                                 "root": m, "parent": None}
         n = await model_len(m)
         if n is not None:
@@ -219,9 +222,9 @@ def _sglang_routes(app: FastAPI, state: RouterState) -> None:
         ``status`` or ``error``. Needs the API key when one is set (it makes the engines work)."""
         check_key(request, state.cfg)
 
-        async def one(h: Any) -> dict[str, Any]:
+        async def one(h: WorkerHandle) -> dict[str, object]:
             body = orjson.dumps({"model": h.model or "default", "prompt": "ping", "max_tokens": 1})
-            out: dict[str, Any] = {"id": h.worker_id, "endpoint": h.endpoint, "model": h.model}
+            out: dict[str, object] = {"id": h.worker_id, "endpoint": h.endpoint, "model": h.model}
             try:
                 up = await state.transport.send(h.endpoint, "POST", "/v1/completions",
                                                 [(b"content-type", b"application/json")], body,

@@ -26,10 +26,17 @@ as an int everywhere; :class:`BadRequest` too (request parsing raises it there).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict, Unpack
 
 from router.protocol import BadRequest, error_body, sse_error_event
 from router.protocol import OpenAIError as RouterError
+
+
+class ErrorFields(TypedDict, total=False):
+    """The keyword fields an error subclass passes on to :class:`RouterError` (``param``: the
+    request field at fault, as in the OpenAI error body)."""
+
+    param: str | None
 
 
 class Unauthorized(RouterError):
@@ -59,7 +66,7 @@ class MethodNotAllowed(RouterError):
     status = 405
     type = "invalid_request_error"
 
-    def __init__(self, method: str, path: str, **kw: Any) -> None:
+    def __init__(self, method: str, path: str, **kw: Unpack[ErrorFields]) -> None:
         super().__init__(f"method {method} not allowed on {path}; use POST", headers={"allow": "POST"}, **kw)
 
 
@@ -112,7 +119,7 @@ class NoEligibleWorker(RouterError):
     type = "service_unavailable"
 
     def __init__(self, message: str = "no worker can take the request now", *, reason: str = "no_workers",
-                 retry_after: int = 1, **kw: Any) -> None:
+                 retry_after: int = 1, **kw: Unpack[ErrorFields]) -> None:
         super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
         self.reason = reason
         self.retry_after = retry_after
@@ -124,7 +131,7 @@ class NoFreeSlot(RouterError):
     status = 503
     type = "service_unavailable"
 
-    def __init__(self, message: str, *, retry_after: int = 5, **kw: Any) -> None:
+    def __init__(self, message: str, *, retry_after: int = 5, **kw: Unpack[ErrorFields]) -> None:
         super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
 
 
@@ -134,7 +141,7 @@ class UpstreamError(RouterError):
     status = 502
     type = "upstream_error"
 
-    def __init__(self, message: str, *, worker_id: int | None = None, **kw: Any) -> None:
+    def __init__(self, message: str, *, worker_id: int | None = None, **kw: Unpack[ErrorFields]) -> None:
         super().__init__(message, **kw)
         self.worker_id = worker_id
 
@@ -147,7 +154,7 @@ class GatewayTimeout(RouterError):
     status = 504
     type = "timeout_error"
 
-    def __init__(self, message: str, *, worker_id: int | None = None, **kw: Any) -> None:
+    def __init__(self, message: str, *, worker_id: int | None = None, **kw: Unpack[ErrorFields]) -> None:
         super().__init__(message, **kw)
         self.worker_id = worker_id
 
@@ -155,7 +162,7 @@ class GatewayTimeout(RouterError):
 class ConfigError(ValueError):
     """Invalid configuration. ``field`` is the dotted path of the offending field."""
 
-    def __init__(self, field: str, value: Any, reason: str) -> None:
+    def __init__(self, field: str, value: object, reason: str) -> None:
         super().__init__(f"config field '{field}' = {value!r}: {reason}")
         self.field = field
         self.value = value

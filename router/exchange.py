@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from router.asgi import Message, Receive, Scope, Send
 from router.connection import Connection
 from router.errors import BadRequest, BodyTooLarge, NoEligibleWorker
 from router.policies.base import RequestInfo
@@ -28,11 +27,7 @@ from router.workers import WorkerHandle
 _XRID = b"x-request-id"
 _XWID = b"x-dplb-worker-id"
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-
-
-async def _no_send(message: MutableMapping[str, Any]) -> None:
+async def _no_send(message: Message) -> None:
     raise RuntimeError("the exchange has no client to answer yet")   # set by Proxy._serve
 
 
@@ -58,7 +53,7 @@ class Exchange:
     rid: bytes
     t0: float
     send: Send = _no_send
-    scope: MutableMapping[str, Any] | None = None
+    scope: Scope | None = None
     tried: set[int] = field(default_factory=set)
     last: Exception | None = None
     last_wid: int | None = None
@@ -100,7 +95,7 @@ def relayed_headers(up: Upstream, rid: bytes, wid_b: bytes) -> list[tuple[bytes,
 _UNSAFE_IN_TARGET = frozenset(b" \r\n\x00")
 
 
-def request_target(scope: MutableMapping[str, Any]) -> str:
+def request_target(scope: Scope) -> str:
     """The request target to forward to the engine: the path as the client sent it (``raw_path``,
     still percent-encoded) and its query string. Forwarding the decoded ``path`` instead would
     turn a client's ``%0d%0a`` into a line break of the engine's request line, i.e. headers or a

@@ -34,11 +34,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.errors import TransportError
 from router.transport import Transport
 from router.workers import DRAINING, READY, Registry, WorkerHandle
+
+if TYPE_CHECKING:
+    from router.metrics import Metrics
 
 log = logging.getLogger("dplb.router.health")
 
@@ -46,7 +49,7 @@ log = logging.getLogger("dplb.router.health")
 class HealthMonitor:
     """Periodic sync + probes. ``extra``: async callables run every tick (admin reload, mirrors)."""
 
-    def __init__(self, registry: Registry, transport: Transport, metrics: Any, interval_ms: int = 200,
+    def __init__(self, registry: Registry, transport: Transport, metrics: Metrics, interval_ms: int = 200,
                  timeout_ms: int = 50, max_failures: int = 3, probes: bool = True) -> None:
         self.registry = registry
         self.transport = transport

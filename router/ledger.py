@@ -31,7 +31,10 @@ import logging
 import mmap
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 log = logging.getLogger("dplb.router.ledger")
 
@@ -107,7 +110,7 @@ class Ledger:
         i = HEADER_WORDS + ROW_WORDS * slot
         return {name: int(self.rows[i + k]) for k, name in enumerate(FIELDS)}
 
-    def close(self, seg: Any | None = None) -> None:
+    def close(self, seg: Segment | None = None) -> None:
         """Stop recording. With ``seg``, first give back whatever share is left (a lease never
         finished at the stop) and remove the file; idempotent."""
         if self._map.closed:
@@ -129,7 +132,7 @@ class AccountedSegment:
     __slots__ = ("decode_add", "dispatched_add", "latency_observe", "ledger", "outcome_add", "prefill_add",
                  "prefill_rate_observe", "router_inflight_add", "router_line", "seg")
 
-    def __init__(self, seg: Any, ledger: Ledger) -> None:
+    def __init__(self, seg: Segment, ledger: Ledger) -> None:
         self.seg, self.ledger = seg, ledger
         self.dispatched_add = seg.dispatched_add
         self.prefill_rate_observe = seg.prefill_rate_observe
@@ -158,7 +161,7 @@ class AccountedSegment:
         return add
 
 
-def _give_back(seg: Any, rows: list[int], num_slots: int) -> dict[str, int]:
+def _give_back(seg: Segment, rows: list[int], num_slots: int) -> dict[str, int]:
     """Subtract a ledger's ``rows`` (flat, ``ROW_WORDS`` per slot) from ``seg``'s router lines,
     never below zero. Returns the totals given back by field name."""
     totals = dict.fromkeys(FIELDS, 0)
@@ -192,7 +195,7 @@ def read_rows(path: str) -> tuple[int, int, int, list[int]] | None:
     return int(words[1]), int(words[2]), int(words[3]), [int(v) for v in words[HEADER_WORDS:]]
 
 
-def sweep_dead(seg: Any, state_dir: str, everyone: bool = False) -> list[tuple[int, dict[str, int]]]:
+def sweep_dead(seg: Segment, state_dir: str, everyone: bool = False) -> list[tuple[int, dict[str, int]]]:
     """Give back the share of every router process of this deployment that is no longer running
     (``everyone``: of every ledger but this process's own, for the first router process of a
     deployment, when no other one can be alive). Each ledger is claimed by renaming it, so two

@@ -72,7 +72,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -261,10 +261,10 @@ class _ByWorker:
 
     __slots__ = ("counter", "model_of")
 
-    def __init__(self, counter: Counter, model_of: Any) -> None:
+    def __init__(self, counter: Counter, model_of: Callable[[str], str]) -> None:
         self.counter, self.model_of = counter, model_of
 
-    def labels(self, worker: str, kind: str) -> Any:
+    def labels(self, worker: str, kind: str) -> Counter:
         """The child of ``worker`` (its label) and ``kind`` (``ERROR_KINDS``)."""
         return self.counter.labels(worker, kind, self.model_of(worker))
 
@@ -304,8 +304,8 @@ class Metrics:
                                       "workers after those read them, before the first byte (a query of death)",
                                       registry=r)
         self.collector: SegmentCollector | None = None
-        self._req_children: dict[tuple[str, int], object] = {}
-        self._dec_children: dict[tuple[str, str], object] = {}
+        self._req_children: dict[tuple[str, int], Counter] = {}
+        self._dec_children: dict[tuple[str, str], Counter] = {}
         self._dur: dict[tuple[str, str], object] = {}
         self._ttft: dict[tuple[str, str], object] = {}
         #: worker label → its model (from the attached state's registry; see :meth:`model_of`)
@@ -313,10 +313,10 @@ class Metrics:
         #: the attached router's worker registry (:meth:`attach`), read by :meth:`model_of`
         self._registry: Registry | None = None
         self._phase: dict[tuple[str, str], object] = {}
-        self._tok: dict[tuple[int, str], tuple[Any, Any]] = {}
+        self._tok: dict[tuple[int, str], tuple[Counter, Counter]] = {}
         self._seen: set[int] = set()
         #: per-request counter increments not yet added to their prometheus_client child (see :meth:`flush`)
-        self._pending: dict[Any, float] = {}
+        self._pending: dict[Counter, float] = {}
         #: with ``--workers`` > 1 a scrape reads every process's files: counts go there at once
         self._direct = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
@@ -420,7 +420,7 @@ class Metrics:
             c = self._dec_children[key] = self.decisions.labels(policy, reason)
         self._add(c, 1.0)
 
-    def _add(self, child: Any, n: float) -> None:
+    def _add(self, child: Counter, n: float) -> None:
         """Count ``n`` on a per-request counter's child: coalesced until :meth:`flush`."""
         p = self._pending
         p[child] = p.get(child, 0.0) + n

@@ -21,13 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+from router.asgi import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from router.config import Config
 
 log = logging.getLogger("dplb.router")
-
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
 
 
 def _socket(host: str, port: int) -> socket.socket:
@@ -63,9 +66,9 @@ class MetricsPort:
 
     def __init__(self, app: ASGIApp, host: str, port: int) -> None:
         self.app, self.host, self.port = app, host, port
-        self.server: Any = None
+        self.server: uvicorn.Server | None = None
 
-    async def _asgi(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/metrics" and scope["method"] == "GET":
             await self.app(scope, receive, send)
             return
@@ -108,7 +111,7 @@ class MetricsPort:
                 pass
 
 
-async def start_metrics_port(cfg: Any, app: ASGIApp) -> MetricsPort | None:
+async def start_metrics_port(cfg: Config, app: ASGIApp) -> MetricsPort | None:
     """Start the metrics listener ``cfg.metrics.port`` asks for (a :class:`router.config.Config`),
     on ``cfg.router.host``; None when no port of its own is configured."""
     if cfg.metrics.port is None:

@@ -55,7 +55,7 @@ import contextlib
 import fcntl
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -63,6 +63,10 @@ from dplb_shm import WorkerSnapshot
 from router.errors import TransportError
 from router.transport import Transport
 from router.workers import EMPTY
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment, SlotWriter
+    from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.router.mirror")
 
@@ -114,22 +118,23 @@ class MirrorManager:
     #: the file in ``state_dir`` where the writer records what it owns (module docstring)
     RECORD = RECORD
 
-    def __init__(self, seg: Any, transport: Transport, state_dir: str, timeout_s: float = 0.5,
+    def __init__(self, seg: Segment, transport: Transport, state_dir: str, timeout_s: float = 0.5,
                  max_failures: int = 3) -> None:
         self.seg = seg
         self.transport = transport
         self.state_dir = state_dir
         self.timeout_s = timeout_s
         self.max_failures = max_failures
-        self.wanted: dict[str, dict[str, Any]] = {}
+        self.wanted: dict[str, MirrorSpec] = {}
         self.version = 0
-        self.writers: dict[str, Any] = {}
+        self.writers: dict[str, SlotWriter] = {}
         self.errors: dict[str, str] = {}
         self.failures: dict[str, int] = {}
         self._data: dict[str, str] = {}           # endpoint → the engine address last published
         self._fetching: dict[str, asyncio.Lock] = {}
         self._lock_fd: int | None = None
-        self._written: Any = None                  # the record last written (rewritten when it changes)
+        # Any: a JSON document (the leader's record file), its fields read with int() and get(); the record last written (rewritten when it changes)
+        self._written: Any = None                  # type: ignore[explicit-any]
         self.pid = os.getpid()
 
     # -- who owns what --------------------------------------------------------------------------
@@ -179,7 +184,8 @@ class MirrorManager:
         slot = (rec or {}).get("slots", {}).get(endpoint)
         return None if slot is None else int(slot)
 
-    def read_record(self) -> dict[str, Any] | None:
+    # Any: a JSON document (the leader's record file), its fields read with int() and get()
+    def read_record(self) -> dict[str, Any] | None:  # type: ignore[explicit-any]
         """The leader's record (module docstring), or None when there is none (yet)."""
         try:
             with open(os.path.join(self.state_dir, self.RECORD), "rb") as f:
@@ -259,7 +265,8 @@ class MirrorManager:
             self.errors.pop(ep, None)
         self._write_record()
 
-    async def wait_applied(self, version: int, timeout_s: float) -> dict[str, Any] | None:
+    # Any: a JSON document (the leader's record file), its fields read with int() and get()
+    async def wait_applied(self, version: int, timeout_s: float) -> dict[str, Any] | None:  # type: ignore[explicit-any]
         """Wait until the leader's record shows admin ``version`` (or a later one) applied and
         return the record; None after ``timeout_s``. Becomes the leader itself if there is none
         (the last one died), then the record is its own."""
@@ -288,11 +295,12 @@ class MirrorManager:
         was released, replaced or taken by another writer while the fetch was out."""
         lock = self._fetching.setdefault(endpoint, asyncio.Lock())
         async with lock:
-            w: Any = self.writers.get(endpoint)
+            w: SlotWriter | None = self.writers.get(endpoint)
             if w is None:
                 return
             before = self._router_inflight(w)
-            d: Any = None
+            # Any: the remote agent's /dplb/state JSON, checked a dict below, its fields read with get()
+            d: Any = None  # type: ignore[explicit-any]
             err: Exception | None = None
             try:
                 status, body = await self.transport.get(endpoint, "/dplb/state", self.timeout_s)
@@ -319,7 +327,8 @@ class MirrorManager:
                 return
             self._publish(endpoint, spec, w, cur, d, before)
 
-    def _publish(self, endpoint: str, spec: dict[str, Any], w: Any, cur: Any, d: dict[str, Any],
+    # Any: d: the remote agent's /dplb/state JSON object (fields read with get(), copied as they came)
+    def _publish(self, endpoint: str, spec: MirrorSpec, w: SlotWriter, cur: WorkerSnapshot, d: dict[str, Any],  # type: ignore[explicit-any]
                  before: int) -> None:
         data = data_endpoint(d.get("endpoint"), endpoint)
         if data is None:
@@ -350,7 +359,7 @@ class MirrorManager:
         w.publish(**fields)
         self.failures[endpoint] = 0
 
-    def _router_inflight(self, w: Any) -> int:
+    def _router_inflight(self, w: SlotWriter | None) -> int:
         """This node's routers' in-flight count on ``w``'s slot (0 before it has one)."""
         if w is None:
             return 0

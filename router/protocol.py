@@ -38,7 +38,6 @@ This module imports nothing from the rest of DPLB (it is the bottom of the impor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
@@ -76,7 +75,7 @@ class OpenAIError(Exception):
     type = "internal_error"
 
     def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None,
-                 **fields: Any) -> None:
+                 **fields: object) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -121,7 +120,7 @@ def _words(s: str) -> int:
     return len(s.split()) if s else 0
 
 
-def _prompt(p: Any, param: str, texts: list[str] | None) -> int:
+def _prompt(p: object, param: str, texts: list[str] | None) -> int:
     """Tokens of a completions-style prompt (string, strings, ids, id lists); appends the text
     parts to ``texts`` when given. Raises BadRequest for any other shape."""
     if isinstance(p, str):
@@ -140,7 +139,7 @@ def _prompt(p: Any, param: str, texts: list[str] | None) -> int:
     raise BadRequest(f"'{param}' must be a string, a list of strings or token ids", param=param)
 
 
-def _content(c: Any, i: int, texts: list[str] | None, role: Any) -> int:
+def _content(c: object, i: int, texts: list[str] | None, role: object) -> int:
     if c is None:
         return 0
     if isinstance(c, str):
@@ -160,7 +159,7 @@ def _content(c: Any, i: int, texts: list[str] | None, role: Any) -> int:
     raise BadRequest(f"messages[{i}].content must be a string, a list of parts or null", param="messages")
 
 
-def _chat(messages: Any, texts: list[str] | None) -> int:
+def _chat(messages: object, texts: list[str] | None) -> int:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of message objects", param="messages")
     n = CHAT_GENERATION_PROMPT_TOKENS
@@ -171,7 +170,7 @@ def _chat(messages: Any, texts: list[str] | None) -> int:
     return n
 
 
-def prompt_tokens(path: str, d: dict[str, Any], texts: list[str] | None = None) -> int:
+def prompt_tokens(path: str, d: dict[str, object], texts: list[str] | None = None) -> int:
     """The prompt length of the decoded body ``d`` of a request to ``path``, in tokens (the table
     in the module docstring). With ``texts``, the prompt's text pieces are appended to it. Raises
     :class:`BadRequest` when the body has no prompt of a usable shape."""

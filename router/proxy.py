@@ -50,12 +50,12 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from router.access_log import AccessLog
 from router.answers import send_error
+from router.asgi import ASGIApp, Scope
 from router.config import Config
 from router.errors import (
     BadRequest,
@@ -164,7 +164,7 @@ class Proxy:
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
 
-    def _head(self, scope: MutableMapping[str, Any]) -> tuple[bytes, int | None, bytes | None, bytes | None,
+    def _head(self, scope: Scope) -> tuple[bytes, int | None, bytes | None, bytes | None,
                                                               list[tuple[bytes, bytes]], bytes | None, bytes | None]:
         """One pass over the request's headers: ``(request id, declared Content-Length,
         Authorization, Content-Type, headers to forward, session id, Upgrade)``. The request id is
@@ -255,7 +255,7 @@ class Proxy:
             raise
         return Attempt(h, lease, written, number)
 
-    def start(self, scope: MutableMapping[str, Any], body: bytes) -> Callable[..., Awaitable[None]] | None:
+    def start(self, scope: Scope, body: bytes) -> ASGIApp | None:
         """Start a request whose whole ``body`` came in with its head, without a task: check, parse,
         choose and write it to its worker now, from the router's protocol callback
         (:class:`router.server.LimitedHttpToolsProtocol`), before the event loop turns. Returns
@@ -277,14 +277,14 @@ class Proxy:
         except RouterError:
             return None
 
-        async def rest(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        async def rest(scope: Scope, receive: Receive, send: Send) -> None:
             # (run as the request's task in the same turn of the event loop; nothing cancels a task
             # before its first step but the loop's own shutdown)
             await self._serve(scope, receive, send, ex, pre)
 
         return rest
 
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
         rid, declared, auth, ctype, fwd, session, upgrade = self._head(scope)
         path = scope["path"]
@@ -308,7 +308,7 @@ class Proxy:
         await self._serve(scope, receive, send, Exchange(scope["method"], route, target, fwd, body, info, rid, t0),
                           None)
 
-    async def _serve(self, scope: MutableMapping[str, Any], receive: Receive, send: Send, ex: Exchange,
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, ex: Exchange,
                      pre: Attempt | None) -> None:
         """Watch for the client leaving, then :meth:`forward` ``ex`` to ``send`` (``pre``: the
         first attempt, already dispatched by :meth:`start`)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.access_log import AccessLog
 from router.errors import TransportError, sse_error_event
@@ -24,6 +24,9 @@ from router.stream_meter import (
     on_stream_end,
 )
 from router.upstream import Upstream
+
+if TYPE_CHECKING:
+    from router._relay import ChunkRelay
 
 
 def delivered(meter: StreamMeter, writer: ChunkedWriter | None) -> bool:
@@ -125,7 +128,7 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
             ttft.append(on_first_content(metrics, route, t0, lease))
         return sent
 
-    def handoff() -> Any:
+    def handoff() -> ChunkRelay | None:
         # after the first content the meter only counts events and keeps the
         # tail, which the native relay does as it writes
         if not meter.first_seen:

@@ -39,7 +39,7 @@ gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dplb_shm import WorkerSnapshot, heartbeat_stale
 from router.accounting import LearnSettings, RequestAccount
@@ -47,6 +47,10 @@ from router.errors import NoEligibleWorker
 from router.metrics import Metrics
 from router.policies.base import Decision, Policy, RequestInfo
 from router.workers import DEAD, DRAINING, READY, STATE_NAMES, Registry, WorkerHandle
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
+    from router.ledger import AccountedSegment
 
 
 class HealthReporter(Protocol):
@@ -79,7 +83,7 @@ class Lease:
 
     __slots__ = ("account", "deadline", "handle", "health", "judged")
 
-    def __init__(self, handle: WorkerHandle, seg: Any, prompt_tokens: int = 0, uncached_tokens: int | None = None,
+    def __init__(self, handle: WorkerHandle, seg: Segment | AccountedSegment, prompt_tokens: int = 0, uncached_tokens: int | None = None,
                  now: float | None = None, learn: LearnSettings | None = None, deadline: float | None = None,
                  health: HealthReporter | None = None) -> None:
         self.handle = handle
@@ -151,9 +155,9 @@ class Lease:
 class Scheduler:
     """Runs the pipeline for ``policy`` over ``registry`` (see module docstring)."""
 
-    def __init__(self, registry: Registry, policy: Policy, seg: Any, metrics: Metrics | None = None,
+    def __init__(self, registry: Registry, policy: Policy, seg: Segment, metrics: Metrics | None = None,
                  learn: LearnSettings | None = None, default_rate: float = 30_769.0,
-                 health: HealthReporter | None = None, accounts: Any = None) -> None:
+                 health: HealthReporter | None = None, accounts: AccountedSegment | None = None) -> None:
         self.registry = registry
         #: what leases account on: ``seg``, or a :class:`router.ledger.AccountedSegment` that also
         #: records this process's share so that it can be given back should the process die
@@ -395,7 +399,7 @@ class Scheduler:
             return "circuit_open"
         return "eligible"
 
-    def status_rows(self) -> list[dict[str, Any]]:
+    def status_rows(self) -> list[dict[str, object]]:
         """``/dplb/status`` rows: :meth:`router.workers.Registry.status_rows` with this verdict."""
         return self.registry.status_rows(self.routing_state)
 

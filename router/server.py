@@ -44,16 +44,20 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from router._relay import ChunkRelay
+from router.asgi import Scope
 from router.errors import HeadersTooLarge
 from router.protocol import error_body
+
+if TYPE_CHECKING:
+    import asyncio
 
 ENV_BYTES = "DPLB_ROUTER_MAX_HEADER_BYTES"
 ENV_COUNT = "DPLB_ROUTER_MAX_HEADERS"
@@ -106,7 +110,8 @@ class ChunkedWriter:
 
     __slots__ = ("_cycle", "_flow", "_relay", "_write", "ended")
 
-    def __init__(self, cycle: Any) -> None:
+    # Any: uvicorn's RequestResponseCycle, read across uvicorn versions (AttributeError guarded)
+    def __init__(self, cycle: Any) -> None:  # type: ignore[explicit-any]
         self._cycle = cycle
         self._flow = cycle.flow
         self._write = cycle.transport.write
@@ -179,7 +184,7 @@ class ChunkedWriter:
             raise ClientGone("the client closed the connection")
 
 
-def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
+def chunked_writer(scope: Scope) -> ChunkedWriter | None:
     """A :class:`ChunkedWriter` for the request of ``scope`` once its response head went out with
     chunked framing (uvicorn frames every response without a Content-Length that way); None
     otherwise (a response with a Content-Length, a server other than
@@ -198,7 +203,8 @@ def chunked_writer(scope: MutableMapping[str, Any]) -> ChunkedWriter | None:
         return None
 
 
-def _our_cycle(scope: MutableMapping[str, Any]) -> Any:
+# Any: uvicorn's RequestResponseCycle, read across uvicorn versions (AttributeError guarded)
+def _our_cycle(scope: Scope) -> Any:  # type: ignore[explicit-any]
     """The uvicorn cycle of ``scope``'s request when :class:`LimitedHttpToolsProtocol` serves it
     and no response started yet; else None."""
     ext = scope.get("extensions")
@@ -208,7 +214,8 @@ def _our_cycle(scope: MutableMapping[str, Any]) -> Any:
     return cycle
 
 
-def _head(cycle: Any, scope: Any, status: int,
+# Any: uvicorn's RequestResponseCycle (read across versions) and the scope its helpers type HTTPScope
+def _head(cycle: Any, scope: Any, status: int,  # type: ignore[explicit-any]
           headers: list[tuple[bytes, bytes]]) -> tuple[list[bytes], bool] | None:
     """The response head's pieces up to (not including) its framing header and the blank line,
     and whether the connection closes after the response; None for a status uvicorn has no status
@@ -232,7 +239,7 @@ def _head(cycle: Any, scope: Any, status: int,
     return content, close
 
 
-def start_chunked(scope: MutableMapping[str, Any], status: int, headers: list[tuple[bytes, bytes]],
+def start_chunked(scope: Scope, status: int, headers: list[tuple[bytes, bytes]],
                   first: bytes, end: bool = False) -> ChunkedWriter | None:
     """Start a chunked response to ``scope``'s request: the status line, ``headers``,
     ``Transfer-Encoding: chunked`` and ``first`` (the body's first chunk, b"" for none; ``end``:
@@ -272,7 +279,7 @@ def start_chunked(scope: MutableMapping[str, Any], status: int, headers: list[tu
         return None
 
 
-def write_response(scope: MutableMapping[str, Any], status: int, headers: list[tuple[bytes, bytes]],
+def write_response(scope: Scope, status: int, headers: list[tuple[bytes, bytes]],
                    body: bytes) -> bool:
     """Write a whole response (status line, ``headers``, a Content-Length and ``body``) to the
     client of ``scope``'s request in one write, with the bookkeeping uvicorn's ``send`` does for an
@@ -316,7 +323,7 @@ def write_response(scope: MutableMapping[str, Any], status: int, headers: list[t
         return False
 
 
-def watch_disconnect(scope: MutableMapping[str, Any], on_gone: Callable[[], None]) -> Callable[[], None] | None:
+def watch_disconnect(scope: Scope, on_gone: Callable[[], None]) -> Callable[[], None] | None:
     """Call ``on_gone()`` once, from the protocol's ``connection_lost``, if the client's connection
     closes before the returned ``unwatch()`` is called (at once when it closed already). One
     callback instead of a task per request waiting on ASGI ``receive()`` for ``http.disconnect``.
@@ -357,10 +364,10 @@ def _nothing() -> None:
 
 #: the event loop that started a request from a protocol callback in its current turn (see
 #: LimitedHttpToolsProtocol._start_deferred); cleared by the turn's ready callbacks
-_busy_loop: Any = None
+_busy_loop: asyncio.AbstractEventLoop | None = None
 
 
-def _turn_over(loop: Any) -> None:
+def _turn_over(loop: asyncio.AbstractEventLoop) -> None:
     global _busy_loop
     if _busy_loop is loop:
         _busy_loop = None
@@ -373,7 +380,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     max_header_bytes = int(os.environ.get(ENV_BYTES, DEFAULT_MAX_HEADER_BYTES))
     max_headers = int(os.environ.get(ENV_COUNT, DEFAULT_MAX_HEADERS))
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
+    # Any: uvicorn's protocol arguments (config, server state...), passed through unchanged
+    def __init__(self, *args: Any, **kw: Any) -> None:  # type: ignore[explicit-any]
         super().__init__(*args, **kw)
         self._in_head = False
         self._head_raw = 0
@@ -381,7 +389,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._raw_limit = raw_head_limit(self.max_header_bytes)
         self.on_lost: Callable[[], None] | None = None   # see watch_disconnect
         self._feeding = False    # inside data_received: a request may be started from there
-        self._deferred: tuple[Any, Any] | None = None   # (cycle, app) to start at the read's end
+        # Any: uvicorn's cycle and ASGI app, as _start_asgi_task gets them; (cycle, app) to start at the read's end
+        self._deferred: tuple[Any, Any] | None = None   # type: ignore[explicit-any]
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -393,7 +402,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:
-            scope: Any = self.scope   # uvicorn types "extensions" as dict[str, dict[object, object]]
+            # Any: uvicorn types the scope an HTTPScope TypedDict, "extensions" dict[str, dict[object, object]]
+            scope: Any = self.scope   # type: ignore[explicit-any]
             ext = scope.get("extensions")
             if ext is None:
                 scope["extensions"] = {CYCLE_KEY: cycle, PROTOCOL_KEY: self}
@@ -407,7 +417,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cb is not None:
             cb()
 
-    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+    # Any: uvicorn's cycle and its app (an override of uvicorn's method)
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:  # type: ignore[explicit-any]
         # a POST whose head arrives in this read waits for the read's end: when its whole body
         # came with it, the app may start it from here (see _start_deferred), unless another
         # request was started that way in this turn of the event loop
@@ -417,7 +428,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         super()._start_asgi_task(cycle, app)
 
-    def _start_deferred(self, cycle: Any, app: Any) -> None:
+    # Any: uvicorn's cycle and an app with start_request (checked by hasattr)
+    def _start_deferred(self, cycle: Any, app: Any) -> None:  # type: ignore[explicit-any]
         """Start the request of ``cycle``, deferred to the end of the read that brought its head.
         When its whole body is in and the connection is open, the app's ``start_request(scope,
         body)`` may write it to its worker now, without waiting for the event loop to run a task

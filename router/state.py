@@ -32,6 +32,7 @@ from router.workers import Registry
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
+    from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.router")
 
@@ -99,7 +100,8 @@ class RouterState:
     """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
     from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
 
-    def __init__(self, cfg: Config, seg: Any = None) -> None:
+    # Any: a dplb_shm.Segment, None until start() attaches one; its readers hold it non-None without a check
+    def __init__(self, cfg: Config, seg: Any = None) -> None:  # type: ignore[explicit-any]
         self.cfg = cfg
         self.seg = seg
         self._own_seg = seg is None
@@ -215,8 +217,8 @@ class RouterState:
         self.registry.removed = set(a.removed)
         for wid, h in self.registry.handles.items():
             h.drained = wid in a.drained
-        wanted = {b.endpoint: {"weight": b.weight, "model": b.model} for b in self.cfg.backend_servers
-                  if b.endpoint not in a.unmirrored}
+        wanted: dict[str, MirrorSpec] = {b.endpoint: {"weight": b.weight, "model": b.model}
+                                         for b in self.cfg.backend_servers if b.endpoint not in a.unmirrored}
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
         self.mirrors.version = a.version

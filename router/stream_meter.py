@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
+
+if TYPE_CHECKING:
+    from router.metrics import Metrics
+    from router.scheduling import Lease
 
 _SEP = b"\n\n"
 _TAIL = 4096  # bytes of the stream's end kept to read its last events
@@ -217,7 +221,7 @@ def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 # ---- what the proxy calls (kept here so that router/proxy.py changes by a few lines) ----------
-def on_first_content(metrics: Any, route: str, t0: float, lease: Any) -> float:
+def on_first_content(metrics: Metrics, route: str, t0: float, lease: Lease) -> float:
     """A stream's first content reached the client: the router's TTFT histogram (from the request's
     arrival, ``t0`` on ``time.perf_counter``), the lease leaves prefill (router accounting, learned
     prefill rate, TTFT EWMA), and the request's routing and queueing/prefill phases. Returns the
@@ -236,7 +240,7 @@ def on_first_content(metrics: Any, route: str, t0: float, lease: Any) -> float:
     return ttft
 
 
-def on_stream_end(metrics: Any, meter: StreamMeter, lease: Any, complete: bool) -> tuple[int, int] | None:
+def on_stream_end(metrics: Metrics, meter: StreamMeter, lease: Lease, complete: bool) -> tuple[int, int] | None:
     """A relayed stream ended: count its tokens on the worker, the decode phase of a complete one,
     and release the lease with the output token count (the router's TPOT EWMA learns from it).
     Returns ``(prompt tokens, output tokens)`` (None without a lease)."""
@@ -255,7 +259,7 @@ def on_stream_end(metrics: Any, meter: StreamMeter, lease: Any, complete: bool) 
     return prompt_n, out
 
 
-def on_answer(metrics: Any, lease: Any, body: bytes) -> tuple[int, int]:
+def on_answer(metrics: Metrics, lease: Lease, body: bytes) -> tuple[int, int]:
     """A non-streamed answer was relayed: count its tokens on the worker (its ``usage``; the
     router's prompt estimate when it has none). Returns ``(prompt tokens, output tokens)``."""
     prompt, out = usage_from_body(body)

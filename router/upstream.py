@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.connection import Connection, Pool
 from router.errors import TransportError
 from router.protocol import HOP_BY_HOP
+
+if TYPE_CHECKING:
+    from router._relay import ChunkRelay
 
 
 class Upstream:
@@ -104,7 +107,7 @@ class Upstream:
             self.release()
 
     async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]],
-                   handoff: Callable[[], Any] | None = None) -> None:
+                   handoff: Callable[[], ChunkRelay | None] | None = None) -> None:
         """Relay the rest of the body through ``sink(bytes) -> bool``, called from the
         connection's ``data_received`` with everything one network read brought (de-chunked):
         no task wakes up per chunk. ``sink`` returns False when its client cannot take more for

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dplb_shm import StateReason, WorkerSnapshot, WorkerState
 from router.breaker import CLOSED, CircuitBreaker
@@ -78,14 +78,14 @@ def log_state_change(wid: int, before: int | None, snap: WorkerSnapshot) -> None
 
 
 #: the slot's columns of a status row before the worker's slot was first read
-NO_SLOT_COLUMNS: dict[str, Any] = {
+NO_SLOT_COLUMNS: dict[str, object] = {
     "agent_pid": None, "pid": None, "engine_pid": None, "inflight": None, "router_inflight": None, "running": None,
     "waiting": None, "kv_cache_usage": None, "latency_ms": {"ttft": None, "tpot": None, "e2e": None},
     "heartbeat_age_ms": None, "weight": None, "restarts": 0, "last_exit_code": None, "completed": 0, "failed": 0,
     "state_reason": "none", "restart_in_s": None}
 
 
-def slot_columns(s: WorkerSnapshot, now: int) -> dict[str, Any]:
+def slot_columns(s: WorkerSnapshot, now: int) -> dict[str, object]:
     """The columns of a status row (:meth:`Registry.status_rows`) that come from the worker's slot
     ``s``; ``now``: ``dplb_shm.now_ns()`` (``restart_in_s`` is counted from it)."""
     nxt = s.next_restart_ns
@@ -255,7 +255,7 @@ class Registry:
         if self.on_leave is not None:
             self.on_leave(h.worker_id, h.endpoint)
 
-    def status_rows(self, routing_state: Callable[[WorkerHandle], str]) -> list[dict[str, Any]]:
+    def status_rows(self, routing_state: Callable[[WorkerHandle], str]) -> list[dict[str, object]]:
         """Per-worker rows of ``GET /dplb/status`` and ``GET /dplb/workers``: every slot that is
         not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
         ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict (``routing_state``, the
@@ -280,7 +280,7 @@ class Registry:
                 if live is not None and int(live.state) != 0:
                     s = live
             routing = routing_state(h)
-            row: dict[str, Any] = {
+            row: dict[str, object] = {
                 "id": wid, "worker_id": wid, "state": "unknown", "eligible": routing == "eligible", "routing": routing,
                 "draining": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
                 "local_inflight": h.local_inflight,

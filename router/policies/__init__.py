@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random as _random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 # the registration order is the docs' order: these imports stay in it
 # isort: off
@@ -49,6 +49,10 @@ from router.policies.registry import (
     register,
     spec_of,
 )
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
+    from dplb_shm.types import ScoringParams, TtftParams
 
 __all__ = [
     "REGISTRY",
@@ -86,8 +90,8 @@ __all__ = [
 ]
 
 
-def build_policy(name: str, rp: PolicyParams, kernel: Any = None, params: Any = None,
-                 rng: _random.Random | None = None, ttft_params: Any = None,
+def build_policy(name: str, rp: PolicyParams, kernel: Segment | None = None, params: ScoringParams | None = None,
+                 rng: _random.Random | None = None, ttft_params: TtftParams | None = None,
                  clock: Callable[[], int] | None = None) -> Policy:
     """Build the registered policy ``name`` from ``rp`` (the ``routing_policy`` config section,
     :class:`router.config.RoutingPolicy`, or that policy's own parameters).

@@ -9,13 +9,21 @@ network and never raise for an empty list (the pipeline guarantees at least one 
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from router.protocol import (
     RequestInfo,  # what the request says, parsed once (re-exported)
 )
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
+
+#: one value of an explanation row (``/dplb/route?explain``): a number, a label, or None
+ScoreValue: TypeAlias = "int | float | str | bool | None"
+#: one explanation row: ``worker_id``, ``score`` and each term of the policy
+ScoreRow: TypeAlias = "Mapping[str, ScoreValue]"
 
 
 @dataclass(slots=True)
@@ -29,7 +37,7 @@ class Decision:
 
     worker_id: int
     reason: str
-    scores: list[dict[str, Any]] = field(default_factory=list)
+    scores: Sequence[ScoreRow] = field(default_factory=list)
     uncached_tokens: int | None = None
     est_s: float | None = None
 
@@ -54,14 +62,14 @@ class Policy(Protocol):
     name: str
     needs_text: bool
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision: ...
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision: ...
 
     def on_dispatch(self, worker_id: int, req: RequestInfo) -> None: ...
 
     def forget(self, worker_id: int) -> None: ...
 
 
-def pending(s: Any) -> int:
+def pending(s: WorkerSnapshot) -> int:
     """Requests queued on or headed to worker ``s``, the same measure as the native kernel
     (``csrc/dplb_kernel.h``): ``max(running + waiting, agent in-flight)`` plus the router's
     in-flight requests the agent has not seen yet (``router_inflight - inflight``, never negative).
@@ -74,9 +82,9 @@ def pending(s: Any) -> int:
     return max(int(s.num_waiting) + int(s.num_running), inflight) + max(0, int(s.router_inflight) - inflight)
 
 
-def least_loaded(workers: Sequence[Any], rng: _random.Random) -> Any:
+def least_loaded(workers: Sequence[WorkerSnapshot], rng: _random.Random) -> WorkerSnapshot:
     """The worker with the smallest :func:`pending`; ties broken at random (never towards id 0)."""
-    best: list[Any] = []
+    best: list[WorkerSnapshot] = []
     best_p = None
     for w in workers:
         p = pending(w)
@@ -94,7 +102,7 @@ def pick_min(costs: dict[int, float], rng: _random.Random, eps: float = 1e-12) -
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
-def load_scores(workers: Sequence[Any]) -> list[dict[str, Any]]:
+def load_scores(workers: Sequence[WorkerSnapshot]) -> list[ScoreRow]:
     """Explanation rows for load-based baselines: score = -pending (higher is better)."""
     return [{"worker_id": w.worker_id, "score": float(-pending(w)), "pending": pending(w),
              "num_running": w.num_running, "num_waiting": w.num_waiting,

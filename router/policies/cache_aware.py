@@ -18,7 +18,7 @@ balance_rel_threshold: 1.5}``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -37,6 +37,9 @@ from router.policies.registry import (
     register,
 )
 
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
+
 
 class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
     """SGLang's cache-aware rule over a :class:`PrefixIndex` (one index for all models)."""
@@ -53,7 +56,7 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
         self.index = index or PrefixIndex()
         self._pending_hashes: tuple[int, list[int]] | None = None
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         loads = {w.worker_id: pending(w) for w in workers}
         mx, mn = max(loads.values()), min(loads.values())
         hashes = self.index.hashes(req.text, req.model)

@@ -64,9 +64,9 @@ Config::
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -92,6 +92,10 @@ from router.policies.registry import (
     register,
 )
 
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
+    from router.policies.base import ScoreValue
+
 EXCLUDED = -1.0  # an uncached-token entry below 0 rules the slot out in the kernel
 
 
@@ -108,8 +112,9 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
     needs_text = True
     uses_kernel = True
 
-    def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, rng=None,
-                 clock: Any = None, default_output_tokens: int = 256, max_output_tokens: int = 4096) -> None:
+    # Any: a Segment and TtftParams, which PolicyContext holds as Optional (build() checks needs_kernel)
+    def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, rng=None,  # type: ignore[explicit-any]
+                 clock: Callable[[], int] | None = None, default_output_tokens: int = 256, max_output_tokens: int = 4096) -> None:
         super().__init__(rng)
         self.kernel = kernel
         self.params = params
@@ -122,7 +127,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
                          if params is not None and params.kv_cache_threshold < 1.0 else None)
         self._pending_hashes: tuple[int, list[int]] | None = None
 
-    def uncached_vector(self, workers: Sequence[Any], req: RequestInfo) -> tuple[list[float], dict[int, int]]:
+    def uncached_vector(self, workers: Sequence[WorkerSnapshot], req: RequestInfo) -> tuple[list[float], dict[int, int]]:
         """Per slot, the prompt tokens to compute there (``EXCLUDED`` for workers not offered), and
         the prefix matches (``{worker_id: chunks}``)."""
         matches = self.matches(req) if req.text else {}
@@ -136,10 +141,10 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
             vec[w.worker_id] = float(uncached_tokens(self.index, matches, req.text, req.prompt_len, w.worker_id))
         return vec, matches
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         vec, matches = self.uncached_vector(workers, req)
         now = self.clock() if self.clock is not None else None
-        rows: list[dict[str, Any]] = []
+        rows: list[dict[str, ScoreValue]] = []
         out = float(min(req.max_tokens or self.default_output_tokens, self.max_output_tokens))
         if explain:
             wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, vec, now_ns=now, out_tokens=out)

@@ -17,7 +17,7 @@ Config: ``routing_policy: {policy: kv_cost, overlap_weight: 1.0, kv_block_size: 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -29,6 +29,9 @@ from router.policies.prefix_index import (
     uncached_tokens,
 )
 from router.policies.registry import PolicyContext, PolicySpec, register
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
 
 
 class KvCostPolicy(PrefixIndexedPolicy, BasePolicy):
@@ -45,7 +48,7 @@ class KvCostPolicy(PrefixIndexedPolicy, BasePolicy):
         self.block_size = max(1, block_size)
         self._pending_hashes: tuple[int, list[int]] | None = None
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         matches = self.matches(req) if req.text else {}
         bs = float(self.block_size)
         rows = []

@@ -17,7 +17,7 @@ Config: ``routing_policy: {policy: least_load, prefill_tokens_per_s: 30769, kv_b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, pick_min
 from router.policies.registry import (
@@ -27,6 +27,9 @@ from router.policies.registry import (
     RateParams,
     register,
 )
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
 
 
 class LeastLoadPolicy(BasePolicy):
@@ -39,13 +42,13 @@ class LeastLoadPolicy(BasePolicy):
         self.prefill_rate = prefill_rate
         self.kv_barrier_s = kv_barrier_s
 
-    def cost(self, w: Any) -> float:
+    def cost(self, w: WorkerSnapshot) -> float:
         """``cost_i`` of worker ``w`` (a snapshot), seconds."""
         rate = w.prefill_rate if w.prefill_rate > 0 else self.prefill_rate
         k = min(max(float(w.kv_cache_usage), 0.0), 0.99)
         return max(0, int(w.prefill_tokens)) / rate + self.kv_barrier_s * k / (1.0 - k)
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         costs = {w.worker_id: self.cost(w) for w in workers}
         wid = pick_min(costs, self.rng)
         rows = [{"worker_id": w.worker_id, "score": -costs[w.worker_id], "cost_s": costs[w.worker_id],

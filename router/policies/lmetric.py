@@ -16,7 +16,7 @@ Config: ``routing_policy: {policy: lmetric, prefix_chunk_chars: 64}``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, pending, pick_min
 from router.policies.prefix_index import (
@@ -26,6 +26,9 @@ from router.policies.prefix_index import (
     uncached_tokens,
 )
 from router.policies.registry import PolicyContext, PolicySpec, register
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
 
 
 class LMetricPolicy(PrefixIndexedPolicy, BasePolicy):
@@ -39,7 +42,7 @@ class LMetricPolicy(PrefixIndexedPolicy, BasePolicy):
         self.index = index or PrefixIndex()
         self._pending_hashes: tuple[int, list[int]] | None = None
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         matches = self.matches(req) if req.text else {}
         unc = {w.worker_id: uncached_tokens(self.index, matches, req.text, req.prompt_len, w.worker_id)
                for w in workers}

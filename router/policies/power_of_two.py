@@ -7,7 +7,7 @@ Config: ``routing_policy: {policy: power_of_two}``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.policies.base import (
     BasePolicy,
@@ -18,13 +18,16 @@ from router.policies.base import (
 )
 from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
+
 
 class PowerOfTwoPolicy(BasePolicy):
     """Two random candidates, the one with fewer pending requests wins."""
 
     name = "power_of_two"
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         ws = list(workers)
         pair = ws if len(ws) <= 2 else self.rng.sample(ws, 2)
         w = least_loaded(pair, self.rng)

@@ -5,10 +5,13 @@ Reads: ``weight``. Formula: P(worker i) = weight_i / Σ weight. Config: ``routin
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
 from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
 
 
 class RandomPolicy(BasePolicy):
@@ -17,7 +20,7 @@ class RandomPolicy(BasePolicy):
     name = "random"
     reads_load = False  # eligibility from the last tick's snapshots (no per-request slot reads)
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         weights = [max(float(w.weight), 0.0) for w in workers]
         if sum(weights) <= 0:
             w = self.rng.choice(list(workers))

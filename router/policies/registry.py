@@ -23,12 +23,15 @@ from __future__ import annotations
 import random as _random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dplb_shm.types import ScoringParams, TtftParams
 from router.policies.base import Policy
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 
 class PolicyParams(BaseModel):
@@ -84,7 +87,7 @@ class PolicyContext:
     ``ttft`` (``TtftParams``, ``dplb``), ``rng`` (deterministic tests) and ``clock`` (``() -> ns``
     for the kernel's heartbeat check: the simulator's virtual time)."""
 
-    kernel: Any = None   # a dplb_shm.Segment (or a test's stand-in with the same pick methods)
+    kernel: Segment | None = None   # a dplb_shm.Segment (or a test's stand-in with the same pick methods)
     scoring: ScoringParams | None = None
     ttft: TtftParams | None = None
     rng: _random.Random | None = None
@@ -122,8 +125,27 @@ class PolicySpec(Generic[P]):
         return self.factory(mine, ctx)
 
 
+class RegisteredSpec(Protocol):
+    """A :class:`PolicySpec` of any parameter class, as :data:`REGISTRY` holds it (read-only; its
+    ``factory`` is reached through :meth:`build`, which accepts any :class:`PolicyParams`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def params(self) -> type[PolicyParams]: ...
+
+    @property
+    def reads(self) -> str: ...
+
+    @property
+    def needs_kernel(self) -> bool: ...
+
+    def build(self, params: PolicyParams, ctx: PolicyContext) -> Policy: ...
+
+
 #: name -> spec, in registration order (the order the docs list them)
-REGISTRY: dict[str, PolicySpec[Any]] = {}
+REGISTRY: dict[str, RegisteredSpec] = {}
 
 
 def register(spec: PolicySpec[P]) -> PolicySpec[P]:
@@ -144,7 +166,7 @@ def policy_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def spec_of(name: str) -> PolicySpec[Any]:
+def spec_of(name: str) -> RegisteredSpec:
     """The registered spec of ``name``.
 
     Raises:

@@ -11,10 +11,13 @@ Config: ``routing_policy: {policy: round_robin}``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.policies.base import BasePolicy, Decision, RequestInfo, load_scores
 from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
 
 
 class RoundRobinPolicy(BasePolicy):
@@ -31,7 +34,7 @@ class RoundRobinPolicy(BasePolicy):
         super().__init__(rng)
         self._n: dict[str | None, int] = {}
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         ordered = sorted(workers, key=lambda w: w.worker_id)
         key = req.model
         n = self._n.pop(key, None)

@@ -17,7 +17,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -30,6 +30,9 @@ from router.policies.base import (
     pending,
 )
 from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
+
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
 
 
 def _h(s: str) -> int:
@@ -58,7 +61,7 @@ class SessionPolicy(BasePolicy):
             self._rings[ids] = r
         return r
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         rows = load_scores(workers) if explain else []
         if not req.session:
             return Decision(least_loaded(workers, self.rng).worker_id, "no_session", rows)

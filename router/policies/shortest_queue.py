@@ -7,7 +7,7 @@ ties at random. Config: ``routing_policy: {policy: shortest_queue}``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from router.policies.base import (
     BasePolicy,
@@ -18,13 +18,16 @@ from router.policies.base import (
 )
 from router.policies.registry import PolicyContext, PolicyParams, PolicySpec, register
 
+if TYPE_CHECKING:
+    from dplb_shm.types import WorkerSnapshot
+
 
 class ShortestQueuePolicy(BasePolicy):
     """Join-the-shortest-queue over :func:`router.policies.base.pending`."""
 
     name = "shortest_queue"
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         w = least_loaded(workers, self.rng)
         return Decision(w.worker_id, "shortest", load_scores(workers) if explain else [])
 

@@ -37,8 +37,8 @@ Config::
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 from pydantic import Field
 
@@ -58,13 +58,18 @@ from router.policies.registry import (
     register,
 )
 
+if TYPE_CHECKING:
+    from dplb_shm import Segment
+    from dplb_shm.types import ScoreTerms, ScoringParams, WorkerSnapshot
+    from router.policies.base import ScoreValue
+
 EXCLUDED = -1.0e9
 TERM_FIELDS = ("score", "pending", "pending_term", "kv_term", "latency_term", "length_term", "affinity", "weight")
 
 
-def terms_row(t: Any, bonus: float = 0.0) -> dict[str, Any]:
+def terms_row(t: ScoreTerms, bonus: float = 0.0) -> dict[str, ScoreValue]:
     """One ``/dplb/route`` explanation row from a kernel ``ScoreTerms`` (plus the router's bonus)."""
-    row: dict[str, Any] = {"worker_id": int(t.worker_id)}
+    row: dict[str, ScoreValue] = {"worker_id": int(t.worker_id)}
     for f in TERM_FIELDS:
         row[f] = getattr(t, f, None)
     row["affinity"] = bonus
@@ -84,9 +89,9 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
     needs_text = True
     uses_kernel = True
 
-    def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, w_affinity: float = 0.3,
+    def __init__(self, kernel: Segment, params: ScoringParams, index: PrefixIndex | None = None, w_affinity: float = 0.3,
                  affinity_max_imbalance: float = 8.0, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, rng=None, clock: Any = None) -> None:
+                 balance_rel_threshold: float = 1.5, rng=None, clock: Callable[[], int] | None = None) -> None:
         super().__init__(rng)
         self.clock = clock  # optional () -> ns for the kernel's heartbeat check (the simulator's)
         self.kernel = kernel
@@ -102,7 +107,7 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
         """``now_ns=`` for the kernel when a clock was given (virtual time), else nothing."""
         return {} if self.clock is None else {"now_ns": self.clock()}
 
-    def _base_affinity(self, workers: Sequence[Any]) -> list[float]:
+    def _base_affinity(self, workers: Sequence[WorkerSnapshot]) -> list[float]:
         aff = [EXCLUDED] * int(self.kernel.num_slots)
         for w in workers:
             aff[w.worker_id] = 0.0
@@ -119,7 +124,7 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
             return 0.0
         return self.w_affinity * match_frac * max(0.0, 1.0 - (p - min_p) / self.affinity_max_imbalance)
 
-    def choose(self, workers: Sequence[Any], req: RequestInfo, explain: bool = False) -> Decision:
+    def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         hashes = self.index.hashes(req.text, req.model) if self.w_affinity > 0 else []
         self._pending_hashes = (id(req), hashes)
         matches = self.index.match(hashes) if hashes else {}
@@ -191,7 +196,8 @@ class WeightedParams(KvThresholdParams, BalanceParams, PrefixParams):
 
 
 def _build(p: WeightedParams, ctx: PolicyContext) -> WeightedPolicy:
-    return WeightedPolicy(ctx.kernel, ctx.scoring, p.prefix_index(), w_affinity=p.w_affinity,
+    # build() has checked the kernel (needs_kernel); the config gives the scoring parameters
+    return WeightedPolicy(cast("Segment", ctx.kernel), cast("ScoringParams", ctx.scoring), p.prefix_index(), w_affinity=p.w_affinity,
                           affinity_max_imbalance=p.affinity_max_imbalance,
                           balance_abs_threshold=p.balance_abs_threshold,
                           balance_rel_threshold=p.balance_rel_threshold, rng=ctx.rng, clock=ctx.clock)
