@@ -505,8 +505,8 @@ class Supervisor:
         locks, self._locks = self._locks, []
         for f in locks:
             release_lock(f)
-        self._say(f"dplb: stopped (workers, engines{' and the router' if self.cfg.with_router else ''} stopped, "
-                  f"segment {self.cfg.shm_name} removed)")
+        front = (" and Envoy and dplb-epp" if self.cfg.envoy else " and the router") if self.cfg.with_router else ""
+        self._say(f"dplb: stopped (workers, engines{front} stopped, segment {self.cfg.shm_name} removed)")
 
     def drain_workers(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_MARGIN_S) -> None:
         """SIGTERM to the agents alone, while the router still runs, and wait up to ``timeout_s``

@@ -338,7 +338,8 @@ class Metrics:
 
     def model_of(self, worker: str) -> str:
         """The model of worker label ``worker`` (``"none"``, or a worker not in the registry of the
-        attached state: ``""``); cached until :meth:`forget_worker`."""
+        attached state, or one whose slot names no model yet: ``""``); a model once known is cached
+        until :meth:`forget_worker`."""
         m = self._models.get(worker)
         if m is not None:
             return m
@@ -346,7 +347,9 @@ class Metrics:
         h = reg.handles.get(int(worker)) if reg is not None and worker.isdigit() else None
         if h is None:
             return ""
-        m = self._models[worker] = str(h.model or "")
+        m = str(h.model or "")
+        if m:   # a slot still starting has no model yet: ask again next time
+            self._models[worker] = m
         return m
 
     def observe_request(self, worker: str, status: int, route: str, seconds: float) -> None:

@@ -22,3 +22,25 @@ def test_coalesced_request_counters_are_on_every_page_and_counted_once():
     m.decision("dplb", "ttft")
     m.flush()   # what the health tick does
     assert metric(m.render()[0].decode(), "dplb_router_routing_decisions_total", policy="dplb", reason="ttft") == 4
+
+
+def test_a_worker_seen_before_its_slot_names_a_model_gets_its_model_once_known():
+    """Behind Envoy the picker saw each worker while its slot was still starting (no model yet):
+    the empty model was cached and every request counted with ``model=""`` for ever."""
+    from types import SimpleNamespace
+
+    from router.metrics import Metrics
+
+    h = SimpleNamespace(model="")
+    m = Metrics()
+    m.attach(SimpleNamespace(handles={0: h}), object(), "dplb", lambda h, s: None)  # type: ignore[arg-type]
+    m.see_worker(0)                          # the slot is starting: no model in it yet
+    h.model = "m1"                           # the agent wrote the engine's model
+    m.observe_request("0", 200, "/v1/chat/completions", 0.01)
+    m.errors.labels("0", "connect").inc()
+    m.flush()
+    def labelled(counter):
+        return {tuple(sorted(s.labels.items())): s.value for fam in counter.collect() for s in fam.samples
+                if s.name.endswith("_total")}
+    assert labelled(m.requests)[(("model", "m1"), ("status", "200"), ("worker", "0"))] == 1.0
+    assert labelled(m.errors.counter)[(("kind", "connect"), ("model", "m1"), ("worker", "0"))] == 1.0
