@@ -288,8 +288,8 @@ async def test_a_lease_that_fails_after_the_write_closes_that_connection(seg):
 
 def test_cluster_cost_terms_are_config_keys():
     """``routing_policy.w_interf`` / ``w_miss`` reach the kernel's parameters (each term switchable)."""
-    from router.state import ttft_params
     from router.config import load_config
+    from router.state import ttft_params
 
     p = ttft_params(load_config(None, {"routing_policy.w_interf": 0.0, "routing_policy.w_miss": 2.5}))
     assert (p.w_interf, p.w_miss) == (0.0, 2.5)
