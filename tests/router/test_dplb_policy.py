@@ -307,7 +307,7 @@ def test_the_configured_prefix_index_size_is_the_one_used(seg, name):
     from router.policies import build_policy
     from router.state import scoring_params, ttft_params
 
-    cfg = load_config(None, {"routing_policy.prefix_max_chunks": 8192, "routing_policy.prefix_chunk_chars": 32})
+    cfg = load_config(None, {"routing_policy.prefix_max_chunks": 4096, "routing_policy.prefix_chunk_chars": 32})
     pol = build_policy(name, cfg.routing_policy, kernel=seg, params=scoring_params(cfg),
                        ttft_params=ttft_params(cfg), rng=random.Random(0), clock=lambda: NOW_NS)
-    assert (pol.index.max_chunks, pol.index.chunk_chars) == (8192, 32)
+    assert (pol.index.max_chunks, pol.index.chunk_chars) == (4096, 32)
