@@ -53,7 +53,7 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.index = index or PrefixIndex()
+        self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
         self._pending_hashes: tuple[int, list[int]] | None = None
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:

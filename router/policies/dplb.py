@@ -120,7 +120,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         self.params = params
         self.default_output_tokens = default_output_tokens
         self.max_output_tokens = max_output_tokens
-        self.index = index or PrefixIndex()
+        self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
         self.clock = clock
         #: the same parameters without the KV threshold, for when every worker is above it
         self._relaxed = (replace(params, kv_cache_threshold=1.0)

@@ -43,7 +43,7 @@ class KvCostPolicy(PrefixIndexedPolicy, BasePolicy):
     def __init__(self, index: PrefixIndex | None = None, overlap_weight: float = 1.0, block_size: int = 16,
                  rng=None) -> None:
         super().__init__(rng)
-        self.index = index or PrefixIndex()
+        self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
         self.overlap_weight = overlap_weight
         self.block_size = max(1, block_size)
         self._pending_hashes: tuple[int, list[int]] | None = None

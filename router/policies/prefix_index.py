@@ -28,7 +28,7 @@ class PrefixIndex:
     chunks of a prompt are hashed (bounds the cost per request); ``max_entries``: LRU bound.
     """
 
-    def __init__(self, chunk_chars: int = 64, max_chunks: int = 2048, max_entries: int = 200_000) -> None:
+    def __init__(self, chunk_chars: int = 64, max_chunks: int = 8192, max_entries: int = 200_000) -> None:
         if chunk_chars < 1 or max_chunks < 1 or max_entries < 1:
             raise ValueError("chunk_chars, max_chunks and max_entries must be >= 1")
         self.chunk_chars = chunk_chars
@@ -118,10 +118,14 @@ class PrefixParams(PolicyParams):
     """The approximate prefix index's size (``dplb``, ``weighted``, ``cache_aware``, ``lmetric``,
     ``kv_cost``): prompt text cut in chunks of ``prefix_chunk_chars`` characters (~16 tokens), the
     first ``prefix_max_chunks`` of a prompt hashed, ``prefix_index_max_entries`` hashes kept (LRU;
-    200,000 is ~50 MB, 12.8M characters of prompt history)."""
+    200,000 is ~50 MB, 12.8M characters of prompt history). The horizon, 8,192 chunks = 524k
+    characters (~105k tokens at 5 characters a token), covers a 128k-context model's prompts: past
+    it a cached prefix is credited only up to the horizon and the rest priced as a recompute
+    (2,048, the old default, credited a 54k-token document half its cache; docs/DESIGN.md
+    "Pricing the cluster")."""
 
     prefix_chunk_chars: int = Field(default=64, ge=4)
-    prefix_max_chunks: int = Field(default=2048, ge=1)
+    prefix_max_chunks: int = Field(default=8192, ge=1)
     prefix_index_max_entries: int = Field(default=200_000, ge=16)
 
     def prefix_index(self) -> PrefixIndex:

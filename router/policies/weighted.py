@@ -96,7 +96,7 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
         self.clock = clock  # optional () -> ns for the kernel's heartbeat check (the simulator's)
         self.kernel = kernel
         self.params = params
-        self.index = index or PrefixIndex()
+        self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
         self.w_affinity = w_affinity
         self.affinity_max_imbalance = max(affinity_max_imbalance, 1e-9)
         self.balance_abs_threshold = balance_abs_threshold

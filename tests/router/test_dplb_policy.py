@@ -295,3 +295,19 @@ def test_cluster_cost_terms_are_config_keys():
     assert (p.w_interf, p.w_miss) == (0.0, 2.5)
     d = ttft_params(load_config(None))
     assert (d.w_interf, d.w_miss) == (TtftParams().w_interf, TtftParams().w_miss)
+
+
+@pytest.mark.parametrize("name", ["dplb", "weighted", "cache_aware", "lmetric", "kv_cost"])
+def test_the_configured_prefix_index_size_is_the_one_used(seg, name):
+    """``prefix_max_chunks`` / ``prefix_chunk_chars`` reach the policy's index. An empty
+    :class:`PrefixIndex` is falsy (``__len__`` 0), so ``index or PrefixIndex()`` silently swapped
+    the configured index for the default one (2,048 chunks: a 54k-token document was credited
+    half its cached prefix on docqa; issue 29 item 4)."""
+    from router.config import load_config
+    from router.policies import build_policy
+    from router.state import scoring_params, ttft_params
+
+    cfg = load_config(None, {"routing_policy.prefix_max_chunks": 4096, "routing_policy.prefix_chunk_chars": 32})
+    pol = build_policy(name, cfg.routing_policy, kernel=seg, params=scoring_params(cfg),
+                       ttft_params=ttft_params(cfg), rng=random.Random(0), clock=lambda: NOW_NS)
+    assert (pol.index.max_chunks, pol.index.chunk_chars) == (4096, 32)
