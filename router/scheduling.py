@@ -172,8 +172,7 @@ class Scheduler:
         self.blind: set[Lease] = set()
         # what eligibility reads: the kernel re-reads live slots itself; load-blind baselines use
         # the last tick's snapshots; load-aware ones re-read every slot
-        self.fresh: str = ("kernel" if getattr(policy, "uses_kernel", False) else
-                           "fresh" if getattr(policy, "reads_load", True) else "cached")
+        self.fresh: str = ("kernel" if policy.uses_kernel else "fresh" if policy.reads_load else "cached")
 
     def decide(self, req: RequestInfo, exclude: set[int] | frozenset[int] = frozenset(),
                explain: bool = False) -> tuple[WorkerHandle, Decision]:

@@ -151,7 +151,7 @@ class RouterState:
         self.metrics.attach(self.registry, self.seg, self.policy.name, self.scheduler.routing_state,
                             cfg.retries.retry_on_status, cfg.routing_policy.prefill_tokens_per_s)
         self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
-                           ProxySettings.from_config(cfg, bool(getattr(self.policy, "needs_text", True))))
+                           ProxySettings.from_config(cfg, self.policy.needs_text))
 
     def _hold_router_lock(self) -> None:
         """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life and open

@@ -56,11 +56,16 @@ class Snap(Protocol):
 
 
 class Policy(Protocol):
-    """A routing policy. ``name`` is its config name; ``needs_text``: whether the pipeline must
-    extract the prompt text."""
+    """A routing policy. ``name`` is its config name; what it reads, declared here and read by the
+    pipeline (:class:`router.scheduling.Scheduler`, :class:`router.state.RouterState`):
+    ``needs_text`` (the pipeline must extract the prompt text), ``uses_kernel`` (it scores with the
+    native kernel, which reads the slots itself), ``reads_load`` (it needs each slot read afresh
+    per request; False: the last health tick's snapshots will do)."""
 
     name: str
     needs_text: bool
+    uses_kernel: bool
+    reads_load: bool
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision: ...
 
@@ -114,6 +119,8 @@ class BasePolicy:
 
     name = "base"
     needs_text = False
+    uses_kernel = False
+    reads_load = True
 
     def __init__(self, rng: _random.Random | None = None) -> None:
         self.rng = rng or _random.Random()
