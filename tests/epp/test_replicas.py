@@ -89,7 +89,12 @@ def test_replicas_share_the_load_and_a_killed_one_is_given_back(procs, run_dir, 
     busy = int(held.worker)                             # type: ignore[arg-type]
     assert inflight(busy) == 1
     # replica 2's shortest_queue sees replica 1's request in the shared router line: the other worker, every time
+    (spare,) = slots - {busy}
     for _ in range(4):
+        # the spare worker's scraped batch back to empty first: a scrape taken while the last
+        # request ran there says running 1 until the next tick, a tie with the busy worker
+        wait_for(lambda: segment.read_slot(spare).num_running + segment.read_slot(spare).num_waiting == 0, 15,
+                 "the spare worker's scraped batch empty")
         r = httpx.post(g2 + "/v1/chat/completions", json=CHAT, timeout=30)
         assert r.status_code == 200 and int(r.headers["x-dplb-worker-id"]) != busy, r.headers
     # replica 2 takes a stream of its own (the idle worker), then dies with SIGKILL
