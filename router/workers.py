@@ -255,11 +255,11 @@ class Registry:
         if self.on_leave is not None:
             self.on_leave(h.worker_id, h.endpoint)
 
-    def status_rows(self, routing_state: Callable[[WorkerHandle], str]) -> list[dict[str, object]]:
+    def status_rows(self, routing_state: Callable[[WorkerHandle, WorkerSnapshot | None], str]) -> list[dict[str, object]]:
         """Per-worker rows of ``GET /dplb/status`` and ``GET /dplb/workers``: every slot that is
         not EMPTY (removed ones excepted). ``state`` is the slot's own state, exactly as
         ``dplb-shm-dump`` prints it; ``routing`` is this router's verdict (``routing_state``, the
-        scheduler's); the slot's fields are read now, as the dump and ``/metrics`` read them (the
+        scheduler's, on the same read of the slot); the slot's fields are read now, as the dump and ``/metrics`` read them (the
         health tick's snapshot only when the read fails or finds the slot released), so the
         counts do not lag one tick; ``endpoint`` the engine's address, ``control`` the agent's;
         ``agent_pid`` the slot writer's pid (the agent; a mirror: the router that mirrors it; also
@@ -279,7 +279,7 @@ class Registry:
                 live = self.seg.read_slot(wid)
                 if live is not None and int(live.state) != 0:
                     s = live
-            routing = routing_state(h)
+            routing = routing_state(h, s)   # the verdict on the same read as the row's state
             row: dict[str, object] = {
                 "id": wid, "worker_id": wid, "state": "unknown", "eligible": routing == "eligible", "routing": routing,
                 "draining": h.drained, "endpoint": h.endpoint, "control": h.control, "model": h.model, "remote": h.mirror,
