@@ -524,6 +524,8 @@ class Proxy:
                              "status_5xx" if status >= 500 else None, up)
                 self.metrics.retries.labels(f"status_{status}").inc()
                 return _RETRY
+            if status >= 500:  # relayed as answered (no retry left, or not a retried status): still the worker's error
+                self.metrics.errors.labels(att.handle.label, "status_5xx").inc()
             # the first body byte, within the first-byte deadline, before anything reaches the client
             first = up.whole if up.whole is not None else await up.first_chunk()
             if up.is_stream:

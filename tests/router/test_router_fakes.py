@@ -428,10 +428,23 @@ def test_breaker_ignores_4xx_and_opens_on_5xx(make_cluster):
             assert r.status_code == int(code)
             assert r.json()["error"]["message"] == f"fake {code}"
     assert [w["circuit"] for w in status(c.base)["workers"]] == ["closed", "closed"]
+
+    def errors_5xx() -> float:
+        text = httpx.get(c.base + "/metrics").text
+        return sum(metric(text, "dplb_router_request_errors_total", worker=str(w), kind="status_5xx") or 0
+                   for w in (0, 1))
+
+    assert errors_5xx() == 0                    # a 4xx is the client's error, not the worker's
+    relayed = 0
     for _ in range(60):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
                        headers={"x-fake-mode": "500"})
         assert r.status_code in (500, 503)
+        relayed += r.status_code == 500
+    # every engine 500 relayed is counted as the worker's error (a whole answer can leave before its
+    # task counts it, hence the wait)
+    assert relayed > 0
+    wait_until(lambda: errors_5xx() == relayed, 10, what=f"{relayed} status_5xx errors counted")
     ws = status(c.base)["workers"]
     assert [w["circuit"] for w in ws] == ["open", "open"]
     assert [c.seg.read_slot(i).circuit for i in (0, 1)] == [1, 1]       # shared through the segment
