@@ -43,8 +43,7 @@ import orjson
 from bench.errors import BenchError, ReplayError
 from bench.trace import DEFAULT_TRACE, TraceRequest, load_trace, prompt_for
 from launcher.cli import DefaultsFormatter
-
-WORKER_HEADER = "x-dplb-worker-id"
+from router.protocol import WORKER_HEADER
 
 
 @dataclass

@@ -72,7 +72,7 @@ from epp.envoy import HEADER, NAMESPACE, SERVED, write_eds
 from router.config import Config
 from router.errors import BodyTooLarge, NoEligibleWorker
 from router.policies.base import Decision, pending
-from router.protocol import BadRequest, OpenAIError
+from router.protocol import WORKER_HEADER, BadRequest, OpenAIError
 from router.proxy import ROUTES
 from router.scheduling import Lease
 from router.state import RouterState
@@ -96,7 +96,6 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 CHUNK = 62_000
 #: a non-streamed answer is kept up to this many bytes to read its ``usage`` (then its tail only)
 ANSWER_KEEP = 1 << 20
-WORKER_HEADER = "x-dplb-worker-id"
 CLIENT_CLOSED = 499
 _FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 _NONE = 0          # ProcessingMode.BodySendMode.NONE

@@ -76,6 +76,7 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
+from router.protocol import WORKER_HEADER
 from router.state import RouterState
 from router.transport import Transport
 from router.workers import DEAD, EMPTY, WorkerHandle
@@ -165,7 +166,7 @@ async def check_resolves(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) ->
 
 def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
-                    headers={"x-dplb-worker-id": "none"})
+                    headers={WORKER_HEADER: "none"})
 
 
 def admin_router(state: RouterState) -> APIRouter:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from router.errors import RouterError
 from router.exchange import Send
+from router.protocol import WORKER_HEADER_B as _XWID
 
 _XRID = b"x-request-id"
-_XWID = b"x-dplb-worker-id"
 _JSON = (b"content-type", b"application/json")
 _NONE = b"none"
 

@@ -23,6 +23,7 @@ from router.asgi import ASGIApp, Message, Receive, Scope, Send
 from router.config import Config, config_from_json
 from router.control import build_fastapi
 from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
+from router.protocol import WORKER_HEADER_B
 from router.server import check_headers
 from router.state import RouterState
 
@@ -95,8 +96,8 @@ class DPLBApp:
             # control answers are the router's own: X-DPLB-Worker-ID: none (every response carries it)
             if msg["type"] == "http.response.start":
                 hs = list(msg.get("headers", []))
-                if not any(k.lower() == b"x-dplb-worker-id" for k, _ in hs):
-                    hs.append((b"x-dplb-worker-id", b"none"))
+                if not any(k.lower() == WORKER_HEADER_B for k, _ in hs):
+                    hs.append((WORKER_HEADER_B, b"none"))
                 msg = {**msg, "headers": hs}
             await send(msg)
 

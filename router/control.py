@@ -30,7 +30,7 @@ from router.errors import (
     error_body,
 )
 from router.metrics_port import start_metrics_port
-from router.protocol import parse_request
+from router.protocol import WORKER_HEADER, parse_request
 from router.state import RouterState
 
 if TYPE_CHECKING:
@@ -42,14 +42,14 @@ PROM_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    h = {"x-dplb-worker-id": "none"}
+    h = {WORKER_HEADER: "none"}
     if headers:
         h.update(headers)
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json", headers=h)
 
 
 def _error(e: RouterError) -> Response:
-    h = {"x-dplb-worker-id": "none", **e.headers}
+    h = {WORKER_HEADER: "none", **e.headers}
     return Response(e.body(), status_code=e.status, media_type="application/json", headers=h)
 
 
@@ -124,7 +124,7 @@ def _error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
         t = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return Response(error_body(str(e.detail), t, e.status_code), status_code=e.status_code,
-                        media_type="application/json", headers={"x-dplb-worker-id": "none"})
+                        media_type="application/json", headers={WORKER_HEADER: "none"})
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> Response:
@@ -141,7 +141,7 @@ def _error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, e: Exception) -> Response:
         log.exception("unexpected error")
         return Response(error_body(f"internal router error: {type(e).__name__}", "internal_error", 500),
-                        status_code=500, media_type="application/json", headers={"x-dplb-worker-id": "none"})
+                        status_code=500, media_type="application/json", headers={WORKER_HEADER: "none"})
 
 
 def _model_routes(app: FastAPI, state: RouterState) -> None:
@@ -290,7 +290,7 @@ def _dplb_routes(app: FastAPI, state: RouterState) -> None:
                                 worker_id=wid) from None
         if status != 200:
             raise UpstreamError(f"worker {wid}'s engine answered GET /metrics with {status}", worker_id=wid)
-        return Response(body, media_type=PROM_TEXT, headers={"x-dplb-worker-id": str(wid)})
+        return Response(body, media_type=PROM_TEXT, headers={WORKER_HEADER: str(wid)})
 
     @app.get("/dplb/prometheus/targets")
     async def prometheus_targets(request: Request) -> Response:

@@ -20,12 +20,12 @@ from router.asgi import Message, Receive, Scope, Send
 from router.connection import Connection
 from router.errors import BadRequest, BodyTooLarge, NoEligibleWorker
 from router.policies.base import RequestInfo
+from router.protocol import WORKER_HEADER_B as _XWID
 from router.scheduling import Lease
 from router.upstream import Upstream
 from router.workers import WorkerHandle
 
 _XRID = b"x-request-id"
-_XWID = b"x-dplb-worker-id"
 
 async def _no_send(message: Message) -> None:
     raise RuntimeError("the exchange has no client to answer yet")   # set by Proxy._serve

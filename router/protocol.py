@@ -46,6 +46,10 @@ COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
 EMBEDDINGS = "/v1/embeddings"
 
+#: the response header naming the worker that answered (its slot), ``none`` on the router's own answers
+WORKER_HEADER = "x-dplb-worker-id"
+WORKER_HEADER_B = WORKER_HEADER.encode()
+
 #: header names never forwarded, request or response (lower-case bytes, as ASGI and the client use)
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                         b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host",

@@ -54,7 +54,7 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from router._relay import ChunkRelay
 from router.asgi import Scope
 from router.errors import HeadersTooLarge
-from router.protocol import error_body
+from router.protocol import WORKER_HEADER_B, error_body
 
 if TYPE_CHECKING:
     import asyncio
@@ -89,8 +89,8 @@ def check_headers(headers: list[tuple[bytes, bytes]], max_bytes: int, max_count:
 def _431(message: str) -> bytes:
     body = error_body(message, HeadersTooLarge.type, 431)
     return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n"
-            b"x-dplb-worker-id: none\r\n\r\n" + body)
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n" +
+            WORKER_HEADER_B + b": none\r\n\r\n" + body)
 
 
 #: the ``scope["extensions"]`` keys under which the protocol puts the request's uvicorn cycle and itself
@@ -470,8 +470,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         content = [STATUS_LINE[400]]
         for name, value in self.server_state.default_headers:
             content += (name, b": ", value, b"\r\n")
-        content += (b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
-                    b"x-dplb-worker-id: none\r\n\r\n" % len(body), body)
+        content += (b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body),
+                    WORKER_HEADER_B, b": none\r\n\r\n", body)
         self.transport.write(b"".join(content))
         self.transport.close()
 
