@@ -6,10 +6,10 @@ That is what the estimated-TTFT kernel prices (csrc/dplb_kernel.h, ``dplb_pick_t
 router keeps it itself, per worker, in the segment (atomics: every router process, and the
 simulator, share one truth without a lock)::
 
-    dispatch      router_inflight += 1, dispatched += 1, prefill_tokens += uncached
-    first token   prefill_tokens -= uncached, decode_reqs += 1, decode_ctx_tokens += prompt
+    dispatch      router_inflight += 1, dispatched += 1, prefill_tokens += work(uncached)
+    first token   prefill_tokens -= work, decode_reqs += 1, decode_ctx_tokens += prompt
                   learn: prefill rate sample, TTFT sample
-    end           router_inflight -= 1, and prefill_tokens -= uncached (no first token seen)
+    end           router_inflight -= 1, and prefill_tokens -= work (no first token seen)
                   or decode_reqs -= 1, decode_ctx_tokens -= prompt; TPOT sample
 
 Each transition happens exactly once (:class:`RequestAccount` guards it), on success, error and
@@ -23,6 +23,23 @@ in the segment (``Segment.prefill_rate_observe``: clipped to 4x the current valu
 a slower GPU, another model, a tensor-parallel group or a degraded engine is priced by what it
 does. Requests with fewer than ``min_tokens`` tokens to compute are not learned from (their TTFT
 is one engine step, not a prefill), nor are requests whose first token was inferred, not seen.
+
+**Prefill work, not tokens.** Attention makes a prompt token dearer the longer its context: the
+dense layers cost about ``2·P`` FLOPs per token (``P`` parameters), attention about ``4·L·d``
+per token and per token of context before it (``L`` layers, width ``d``; Kaplan et al. 2020,
+"Scaling Laws for Neural Language Models", Table 1). Computing ``u`` tokens after ``c`` cached
+ones touches ``u·c + u²/2`` (token, context) pairs, so in units of one context-free token the
+work is::
+
+    work(u, c) = u · (1 + (c + u/2) / A),    A = 2·P / (4·L·d) = P / (2·L·d)
+
+``A`` (``routing_policy.attention_tokens``) is the context length at which attention costs as
+much as the dense layers: 30,500 for Llama-3.1-8B (8.0e9 / (2·32·4096)). With ``A`` > 0 the
+router's lines hold work (``prefill_tokens``, the queue ahead), the rate is learned in work per
+second and ``dplb`` prices work, so an 85k-token prompt (2.4 times its tokens in work at 30,500)
+does not make the worker that served it look slow, nor a short prompt's worker fast. The default
+is 0 (plain tokens): on the generated workloads pricing work lost more goodput than it won
+(docs/DESIGN.md "Pricing attention").
 
 Time is passed in (``now``, seconds on one monotonic clock), never read here: the live router
 passes ``time.monotonic()``, the simulator its virtual clock.
@@ -38,6 +55,17 @@ if TYPE_CHECKING:
     from router.ledger import AccountedSegment
 
 
+def prefill_work(uncached: float, prompt: float, attention_tokens: float) -> float:
+    """Prefill work of computing the last ``uncached`` tokens of a ``prompt``-token prompt (the
+    rest cached), in token-equivalents: ``u · (1 + (c + u/2) / A)`` with ``c = prompt − u`` and
+    ``A = attention_tokens`` (see the module docstring; ``A <= 0``: ``u``). Negative ``uncached``
+    (the policies' "ruled out") is returned unchanged."""
+    if attention_tokens <= 0.0 or uncached <= 0.0:
+        return uncached
+    cached = max(0.0, prompt - uncached)
+    return uncached * (1.0 + (cached + 0.5 * uncached) / attention_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class LearnSettings:
     """How observed TTFTs teach each worker's prefill rate (see the module docstring).
@@ -47,7 +75,8 @@ class LearnSettings:
     computed fewer prompt tokens than this teach nothing; ``step_tokens``, ``step_base_s``,
     ``decode_seq_s``, ``decode_ctx_s``: the kernel's decode-cost constants (:class:`dplb_shm.TtftParams`),
     subtracted from the TTFT so the rate is a prefill rate; ``latency_alpha``: EWMA weight of the
-    router-side TTFT/TPOT averages.
+    router-side TTFT/TPOT averages; ``attention_tokens``: the ``A`` of :func:`prefill_work` (0:
+    the lines count plain tokens).
     """
 
     alpha: float = 0.1
@@ -58,6 +87,7 @@ class LearnSettings:
     decode_seq_s: float = 0.00005
     decode_ctx_s: float = 3.9e-8
     latency_alpha: float = 0.1
+    attention_tokens: float = 0.0
 
     def decode_s(self, tokens: float, decode_reqs: float, decode_ctx: float) -> float:
         """What the decodes sharing the steps of a ``tokens``-token prefill cost, s (the kernel's
@@ -72,7 +102,8 @@ class RequestAccount:
     ``seg``: the segment (``router_inflight_add``, ``dispatched_add``, ``prefill_add``,
     ``decode_add``, ``prefill_rate_observe``, ``latency_observe``, ``router_line``);
     ``worker_id``: the slot; ``prompt_tokens``: the prompt's length in tokens; ``uncached_tokens``:
-    the part of it the worker is expected to compute (the rest is in its prefix cache);
+    the part of it the worker is expected to compute (the rest is in its prefix cache), charged
+    to the line as :func:`prefill_work` (``learn.attention_tokens``; plain tokens without ``learn``);
     ``now``: dispatch time, s; ``learn``: :class:`LearnSettings`, or None to learn nothing;
     ``observed``: False when the router does not expect to see the first token (a non-streamed
     request): the worker's decode load at dispatch is not read, and should the first content be
@@ -81,7 +112,7 @@ class RequestAccount:
     """
 
     __slots__ = ("_decode_ctx", "_decode_reqs", "_first", "_open", "learn", "prompt_tokens", "queue_ahead",
-                 "seg", "t_dispatch", "t_first", "uncached_tokens", "worker_id")
+                 "seg", "t_dispatch", "t_first", "uncached_tokens", "work", "worker_id")
 
     def __init__(self, seg: Segment | AccountedSegment, worker_id: int, prompt_tokens: int, uncached_tokens: int, now: float,
                  learn: LearnSettings | None = None, observed: bool = True) -> None:
@@ -89,6 +120,9 @@ class RequestAccount:
         self.worker_id = worker_id
         self.prompt_tokens = max(0, int(prompt_tokens))
         self.uncached_tokens = max(0, min(int(uncached_tokens), self.prompt_tokens))
+        #: what the line is charged: the prefill work of those tokens (token-equivalents)
+        self.work = (self.uncached_tokens if learn is None or learn.attention_tokens <= 0 else
+                     round(prefill_work(self.uncached_tokens, self.prompt_tokens, learn.attention_tokens)))
         self.learn = learn
         self.t_dispatch = now
         self.t_first: float | None = None
@@ -96,9 +130,9 @@ class RequestAccount:
         self._open = True
         seg.router_inflight_add(worker_id, 1)
         seg.dispatched_add(worker_id, 1)
-        after = seg.prefill_add(worker_id, self.uncached_tokens)
-        #: outstanding prefill tokens ahead of this request when it was dispatched
-        self.queue_ahead = max(0, int(after) - self.uncached_tokens)
+        after = seg.prefill_add(worker_id, self.work)
+        #: outstanding prefill work ahead of this request when it was dispatched
+        self.queue_ahead = max(0, int(after) - self.work)
         self._decode_reqs: float | None = None   # None: not read at dispatch (``observed`` False)
         self._decode_ctx = 0.0
         if learn is not None and observed:
@@ -126,13 +160,13 @@ class RequestAccount:
         self._first = True
         self.t_first = now
         seg, wid = self.seg, self.worker_id
-        seg.prefill_add(wid, -self.uncached_tokens)
+        seg.prefill_add(wid, -self.work)
         seg.decode_add(wid, 1, self.prompt_tokens)
         ttft = now - self.t_dispatch
         lr = self.learn
         if observed and lr is not None and ttft > 0:
             seg.latency_observe(wid, ttft_s=ttft, alpha=lr.latency_alpha)
-            tokens = float(self.queue_ahead + self.uncached_tokens)
+            tokens = float(self.queue_ahead + self.work)
             if tokens >= lr.min_tokens and self._decode_reqs is not None:
                 compute = ttft - lr.decode_s(tokens, self._decode_reqs, self._decode_ctx)
                 if compute > 0:
@@ -151,7 +185,7 @@ class RequestAccount:
             if self._first:
                 seg.decode_add(wid, -1, -self.prompt_tokens)
             else:
-                seg.prefill_add(wid, -self.uncached_tokens)
+                seg.prefill_add(wid, -self.work)
         finally:
             seg.router_inflight_add(wid, -1)
         lr = self.learn
@@ -161,4 +195,4 @@ class RequestAccount:
         return True
 
 
-__all__ = ["LearnSettings", "RequestAccount"]
+__all__ = ["LearnSettings", "RequestAccount", "prefill_work"]

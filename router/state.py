@@ -93,7 +93,8 @@ def learn_settings(cfg: Config) -> LearnSettings:
     rp = cfg.routing_policy
     return LearnSettings(alpha=rp.rate_alpha, clip=rp.rate_clip, min_tokens=rp.rate_min_tokens,
                          step_tokens=float(rp.step_tokens), step_base_s=rp.step_base_ms / 1e3,
-                         decode_seq_s=rp.decode_seq_ms / 1e3, decode_ctx_s=rp.decode_ctx_ns / 1e9)
+                         decode_seq_s=rp.decode_seq_ms / 1e3, decode_ctx_s=rp.decode_ctx_ns / 1e9,
+                         attention_tokens=rp.attention_tokens)
 
 
 class RouterState:

@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from router.accounting import prefill_work
 from router.policies.base import (
     BasePolicy,
     Decision,
@@ -114,8 +115,11 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
 
     # Any: a Segment and TtftParams, which PolicyContext holds as Optional (build() checks needs_kernel)
     def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, rng=None,  # type: ignore[explicit-any]
-                 clock: Callable[[], int] | None = None, default_output_tokens: int = 256, max_output_tokens: int = 4096) -> None:
+                 clock: Callable[[], int] | None = None, default_output_tokens: int = 256, max_output_tokens: int = 4096,
+                 attention_tokens: float = 0.0) -> None:
         super().__init__(rng)
+        #: ``A`` of :func:`router.accounting.prefill_work` (0: the kernel prices plain tokens)
+        self.attention_tokens = attention_tokens
         self.kernel = kernel
         self.params = params
         self.default_output_tokens = default_output_tokens
@@ -141,22 +145,36 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
             vec[w.worker_id] = float(uncached_tokens(self.index, matches, req.text, req.prompt_len, w.worker_id))
         return vec, matches
 
+    def work_vector(self, vec: Sequence[float], prompt_len: int) -> list[float]:
+        """``vec`` (uncached tokens per slot) as prefill work, token-equivalents
+        (:func:`router.accounting.prefill_work` with ``attention_tokens``; ruled-out slots stay
+        below 0): what the kernel prices, in the units of the router lines' queue."""
+        a = self.attention_tokens
+        if a <= 0.0:
+            return list(vec)
+        return [prefill_work(u, prompt_len, a) for u in vec]
+
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         vec, matches = self.uncached_vector(workers, req)
+        work = self.work_vector(vec, req.prompt_len)
         now = self.clock() if self.clock is not None else None
         rows: list[dict[str, ScoreValue]] = []
         out = float(min(req.max_tokens or self.default_output_tokens, self.max_output_tokens))
         if explain:
-            wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, vec, now_ns=now, out_tokens=out)
-            rows = [{"worker_id": int(t.worker_id), "score": -float(t.est_s), **t.to_dict()} for t in terms]
+            wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
+            # the kernel's ``uncached_tokens`` is the work it was given: shown as ``prefill_work``,
+            # beside the tokens themselves
+            rows = [{"worker_id": int(t.worker_id), "score": -float(t.est_s),
+                     **t.to_dict(), "uncached_tokens": vec[int(t.worker_id)], "prefill_work": float(t.uncached_tokens)}
+                    for t in terms]
             est = next((float(t.est_s) for t in terms if int(t.worker_id) == wid), None)
         else:
-            wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, vec, now_ns=now, out_tokens=out)
+            wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
         wid = int(wid)
         if wid < 0 and self._relaxed is not None:
             # every offered worker's KV cache is above the threshold (overload): still route by the
             # estimate, whose KV barrier ranks them, not by request counts
-            wid, est = self.kernel.pick_ttft(self._relaxed, req.prompt_len, vec, now_ns=now, out_tokens=out)
+            wid, est = self.kernel.pick_ttft(self._relaxed, req.prompt_len, work, now_ns=now, out_tokens=out)
             wid = int(wid)
             if wid >= 0:
                 return Decision(wid, "kv_full", rows, uncached_tokens=int(vec[wid]), est_s=est)
@@ -194,7 +212,7 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
 
 def _build(p: DplbParams, ctx: PolicyContext) -> DplbPolicy:
     return DplbPolicy(ctx.kernel, ctx.ttft, p.prefix_index(), rng=ctx.rng, clock=ctx.clock,
-                      default_output_tokens=p.default_output_tokens)
+                      default_output_tokens=p.default_output_tokens, attention_tokens=p.attention_tokens)
 
 
 SPEC = register(PolicySpec("dplb", DplbParams, _build, needs_kernel=True,

@@ -56,6 +56,10 @@ class RateParams(PolicyParams):
     rate_alpha: float = Field(default=0.1, gt=0, le=1)
     rate_clip: float = Field(default=4.0, ge=1)
     rate_min_tokens: int = Field(default=1024, ge=1)
+    # the context length at which attention costs as much as the dense layers (router/accounting.py
+    # prefill_work): P / (2·L·d) = 8.0e9 / (2·32·4096) = 30,500 for Llama-3.1-8B; 0 (the default:
+    # the ablation in docs/DESIGN.md "Pricing attention") counts plain tokens
+    attention_tokens: float = Field(default=0.0, ge=0)
 
 
 class KvThresholdParams(PolicyParams):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dplb_shm import Segment, TtftParams, WorkerState
-from router.accounting import LearnSettings, RequestAccount
+from router.accounting import LearnSettings, RequestAccount, prefill_work
 from router.policies import DplbPolicy, PrefixIndex, RequestInfo
 from tests.helpers import unique_shm_name
 
@@ -146,6 +146,48 @@ def test_rate_is_learned_from_observed_ttft_only(seg):
     assert line(seg, 0)["prefill_rate_n"] == 1
     for x in (a, b, c):
         x.finish(3.0)
+
+
+def test_prefill_work_prices_attention_over_the_context():
+    assert prefill_work(1000, 1000, 0.0) == 1000                       # A = 0: plain tokens
+    assert prefill_work(1000, 1000, 1000.0) == pytest.approx(1500.0)   # u·(1 + (0 + u/2)/A)
+    assert prefill_work(100, 1000, 1000.0) == pytest.approx(195.0)     # after 900 cached: 100·(1 + 950/1000)
+    assert prefill_work(-1.0, 1000, 1000.0) == -1.0                    # a ruled-out slot stays ruled out
+    # Llama-3.1-8B's A: an 85k-token prompt is 2.4 times its tokens of work, a 1k one 1.02 times
+    assert prefill_work(85_000, 85_000, 30_500.0) / 85_000 == pytest.approx(2.393, abs=1e-3)
+    assert prefill_work(1_000, 1_000, 30_500.0) / 1_000 == pytest.approx(1.016, abs=1e-3)
+
+
+def test_the_line_is_charged_prefill_work_and_long_and_short_prompts_teach_the_same_rate(seg):
+    a_tok = 30_500.0
+    rate = 30_000.0                  # an engine whose prefill takes work / rate seconds
+    long, short = 60_000, 2_000
+    for slot, a in ((0, a_tok), (2, 0.0)):
+        ls = LearnSettings(min_tokens=1000, step_base_s=0.0, decode_seq_s=0.0, decode_ctx_s=0.0, attention_tokens=a)
+        x = RequestAccount(seg, slot, long, long, now=0.0, learn=ls)
+        assert line(seg, slot)["prefill_tokens"] == round(prefill_work(long, long, a))
+        x.first_token(prefill_work(long, long, a_tok) / rate)
+        y = RequestAccount(seg, slot + 1, short, short, now=0.0, learn=ls)
+        y.first_token(prefill_work(short, short, a_tok) / rate)
+        for r in (x, y):
+            r.finish(100.0)
+        assert line(seg, slot)["prefill_tokens"] == line(seg, slot + 1)["prefill_tokens"] == 0
+    # in work per second both workers learn the engine's rate
+    assert line(seg, 0)["prefill_rate"] == pytest.approx(rate, rel=1e-3)
+    assert line(seg, 1)["prefill_rate"] == pytest.approx(rate, rel=1e-3)
+    # in plain tokens the worker that served the long prompt looks half as fast as the other
+    assert line(seg, 2)["prefill_rate"] < 0.55 * line(seg, 3)["prefill_rate"]
+
+
+def test_the_kernel_prices_prefill_work_and_route_rows_show_both(seg):
+    pol = DplbPolicy(seg, TtftParams(), PrefixIndex(64), rng=random.Random(0), clock=lambda: NOW_NS,
+                     attention_tokens=30_500.0)
+    d = pol.choose(snaps(seg), info(WORDS), explain=True)
+    work = prefill_work(3000, 3000, 30_500.0)
+    for row in d.scores:
+        assert row["uncached_tokens"] == 3000 and row["prefill_work"] == pytest.approx(work)
+        assert row["prefill_s"] == pytest.approx(work / TtftParams().prefill_rate)
+    assert d.uncached_tokens == 3000          # the lease converts tokens to work itself
 
 
 def test_a_non_streamed_request_answered_as_a_stream_teaches_its_ttft_but_not_the_rate(seg):
