@@ -18,6 +18,11 @@ csrc/dplb_kernel.h) estimates, in seconds::
   costs more than recomputing the prefix elsewhere. A block every request shares (a system prompt)
   is indexed on every worker that served it and discounts them all alike, so it pulls nothing;
 * ``r_i``: i's prefill rate learned from its observed TTFTs (seeded by ``prefill_tokens_per_s``);
+* with ``attention_tokens`` ``A`` > 0, ``u_i`` and ``W_i`` are prefill work in token-equivalents,
+  ``u·(1 + (cached + u/2)/A)`` (:func:`router.accounting.prefill_work`: attention's cost grows
+  with the context), and ``r_i`` is learned in the same units; ``/dplb/route`` then shows
+  ``prefill_work`` beside ``uncached_tokens``. Default 0: plain tokens (docs/DESIGN.md
+  "Pricing attention");
 * ``D_i``, ``C_i``: decoding requests on i and their context tokens; ``steps_i = 1 +
   floor((W_i + u_i) / step_tokens)``;
 * ``k_i``: KV-cache usage (above ``kv_cache_threshold`` the worker is not eligible at all);
@@ -59,7 +64,7 @@ worker is taken (reason ``fallback``) rather than refusing service.
 Config::
 
     routing_policy: {policy: dplb, prefill_tokens_per_s: 30769, step_tokens: 8192, kv_barrier_s: 0.15,
-                     w_decode: 0.25, w_interf: 0.5, w_miss: 0.0,
+                     w_decode: 0.25, w_interf: 0.5, w_miss: 0.0, attention_tokens: 0,
                      kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
 """
 from __future__ import annotations
