@@ -121,8 +121,8 @@ class RequestAccount:
         self.prompt_tokens = max(0, int(prompt_tokens))
         self.uncached_tokens = max(0, min(int(uncached_tokens), self.prompt_tokens))
         #: what the line is charged: the prefill work of those tokens (token-equivalents)
-        self.work = (self.uncached_tokens if learn is None or learn.attention_tokens <= 0 else
-                     round(prefill_work(self.uncached_tokens, self.prompt_tokens, learn.attention_tokens)))
+        self.work = round(prefill_work(self.uncached_tokens, self.prompt_tokens,
+                                       learn.attention_tokens if learn is not None else 0.0))
         self.learn = learn
         self.t_dispatch = now
         self.t_first: float | None = None

@@ -150,13 +150,14 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
             vec[w.worker_id] = float(uncached_tokens(self.index, matches, req.text, req.prompt_len, w.worker_id))
         return vec, matches
 
-    def work_vector(self, vec: Sequence[float], prompt_len: int) -> list[float]:
+    def work_vector(self, vec: list[float], prompt_len: int) -> list[float]:
         """``vec`` (uncached tokens per slot) as prefill work, token-equivalents
         (:func:`router.accounting.prefill_work` with ``attention_tokens``; ruled-out slots stay
-        below 0): what the kernel prices, in the units of the router lines' queue."""
+        below 0): what the kernel prices, in the units of the router lines' queue. ``vec``
+        itself when ``attention_tokens`` is 0 (no copy on the default path)."""
         a = self.attention_tokens
         if a <= 0.0:
-            return list(vec)
+            return vec
         return [prefill_work(u, prompt_len, a) for u in vec]
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
