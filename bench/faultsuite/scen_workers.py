@@ -179,7 +179,7 @@ def run_long_prefill_default(delay: float = 3.0) -> Result:
 # ------------------------------------------------------------------------------------ scenario 3
 
 
-def run_breaker(n_fail: int = 30, open_time_s: float = 2.5) -> Result:
+def run_breaker(n_fail: int = 30, open_time_s: float = 2.5, min_requests: int = 6) -> Result:
     """Scenario 3: worker 0 answers 500 → its breaker opens (requests are retried on worker 1);
     it recovers → a half-open probe closes the breaker. Then worker 0 answers 400 and 429 for a
     while: its breaker stays closed with a failure rate of 0."""
@@ -188,7 +188,7 @@ def run_breaker(n_fail: int = 30, open_time_s: float = 2.5) -> Result:
         f0 = st.fake(0, "--mode", "500")
         st.fake(1)
         # the operator opts into retrying 500s (the default retries only 429/503: what cost nothing)
-        base = st.router({"circuit_breaker": {"minimum_requests": 6, "open_time_s": open_time_s},
+        base = st.router({"circuit_breaker": {"minimum_requests": min_requests, "open_time_s": open_time_s},
                           "retries": {"retry_on_status": [429, 500, 503]}}, ready=2)
         t0 = time.monotonic()
         with DispatchWatch(st.seg, 0) as watch:
@@ -215,11 +215,15 @@ def run_breaker(n_fail: int = 30, open_time_s: float = 2.5) -> Result:
         res.recovery_s = round(time.monotonic() - t1, 3)
         res.extra["circuit_after_recovery"] = circuit_of(st, base, 0)
         res.extra["served_by_0_after"] = sum(1 for o in outs if o.worker == "0")
-        # 4xx / 429: the client's or backpressure's doing, never the worker's fault
+        # 4xx / 429: the client's or backpressure's doing, never the worker's fault. Load goes on
+        # in 0.5 s rounds until worker 0 has answered more of them than the breaker's
+        # minimum_requests (how many the policy sends it depends on timing), at most 8 rounds.
         for code in ("400", "429"):
             f0.client().set_mode(code, reset_stats=True)
-            outs = asyncio.run(steady(base, 20.0, 1.0, lambda i: chat(tag=i), timeout=15))
-            res.add(outs)
+            for _ in range(8):
+                res.add(asyncio.run(steady(base, 20.0, 0.5, lambda i: chat(tag=i), timeout=15)))
+                if f0.client().stats()["requests"] >= min_requests + 2:
+                    break
             res.extra[f"requests_to_0_{code}"] = f0.client().stats()["requests"]
             row = st.row(base, 0)
             res.extra[f"circuit_after_{code}"] = row["circuit"] if row else None

@@ -93,7 +93,7 @@ def test_500s_open_the_breaker_recovery_closes_it_and_4xx_429_never_open_it():
     assert r.extra["circuit_after_500s"] == "open" and r.extra["segment_circuit"] == 1
     assert r.extra["circuit_after_recovery"] == "closed" and r.extra["served_by_0_after"] >= 1
     for code in ("400", "429"):
-        assert r.extra[f"requests_to_0_{code}"] >= 5
+        assert r.extra[f"requests_to_0_{code}"] >= 6 + 2    # more than the breaker's minimum_requests
         assert r.extra[f"circuit_after_{code}"] == "closed"
         assert r.extra[f"failure_rate_after_{code}"] == 0.0
     # the 500s were retried on worker 1 and 429s too; only the client's own 400s came back
