@@ -1,0 +1,120 @@
+"""Experiment (issue 29, fourth round): interference priced by the victims' TPOT, in the simulator.
+
+``dplb``'s interference term charges a placement ``w_interf · B_i · u_i / r_i``: our ``u_i``
+prompt tokens delay each of the ``B_i`` requests in flight on worker ``i`` by ``u_i / r_i``
+seconds, counted alike. Under a TPOT bound they are not alike: the delay raises a victim's TPOT
+by ``delay / (o_v − 1)`` (``o_v`` its output tokens), and chunked prefill can add at most one
+chunk (``step_tokens / r``) to each of its ``o_v − 1`` decode steps. A request with 4 output
+tokens that shares three steps with an 8,192-token chunk has a TPOT near 300 ms; one with 256
+output tokens hardly notices a 1 s prefill. On Mooncake's synthetic trace most of ``dplb``'s SLO
+misses at the edge of capacity are exactly those: long prompts with 3-13 output tokens whose
+decode steps carried another long prefill.
+
+This script runs ``dplb-simulate`` (same flags, same output) with ``dplb`` given one extra
+term per candidate worker, in seconds::
+
+    tpot_s_i = w_tpot · Σ_v min(u_i, (o_v − 1)·S) / (r_i · (o_v − 1)) · (o_ref − 1)
+
+over the requests ``v`` in flight on ``i`` (queued or running) with ``o_v`` > 1: each victim's
+TPOT increase, converted to the end-to-end delay that would raise a reference request's
+(``o_ref`` output tokens, ``dplb``'s default 256) TPOT as much. ``S`` is the kernel's
+``step_tokens``, ``r_i`` the worker's (pooled) rate from the kernel's own terms. ``--only-whole``
+counts only the victims whose every remaining step would carry our prefill (``(o_v − 1)·S <
+u_i``); ``--replace`` drops ``interf_s`` so the TPOT form stands in for it.
+
+It is a prototype, not a policy: the victims' ``max_tokens`` are read from the simulated
+engines' queues (what a router could count in its lines, but does not), and the choice is made
+in Python over the kernel's explanation rows (no tie breaking). Measured with it
+(docs/DESIGN.md "TPOT-priced interference"): it recovers the held-out trace and loses the
+generated workloads, so it was not built into the kernel.
+
+Usage: ``python -m bench.tpot_interference --w-tpot 0.2 [--only-whole] [--replace] DPLB-SIMULATE-ARGS``
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+#: o_ref: the output length the TPOT increase is converted at (dplb's default_output_tokens)
+REFERENCE_OUTPUT_TOKENS = 256
+
+
+def tpot_penalty_s(uncached: float, rate: float, victim_outputs: Sequence[int], step_tokens: float,
+                   reference_output: int = REFERENCE_OUTPUT_TOKENS, only_whole: bool = False) -> float:
+    """The summed TPOT increase our ``uncached``-token prefill gives the requests in flight on a
+    worker (``victim_outputs``: their output tokens), in seconds of a reference request's delay
+    (see the module docstring). ``rate``: prompt tokens/s (> 0); ``step_tokens``: tokens per step
+    (> 0). Victims with one output token (no TPOT) count 0. Raises ValueError on a rate or step
+    size that is not positive."""
+    if rate <= 0 or step_tokens <= 0:
+        raise ValueError(f"rate {rate} and step_tokens {step_tokens} must be > 0")
+    total = 0.0
+    for o in victim_outputs:
+        if o <= 1:
+            continue
+        steps = o - 1
+        if only_whole and steps * step_tokens >= uncached:
+            continue
+        total += min(uncached, steps * step_tokens) / (rate * steps) * (reference_output - 1)
+    return total
+
+
+def install(w_tpot: float, only_whole: bool = False, replace: bool = False) -> None:
+    """Patch ``DplbPolicy.choose`` and ``EngineCore`` in this process (see the module docstring).
+    With ``w_tpot`` 0 and not ``replace`` nothing is patched: plain ``dplb``."""
+    if w_tpot <= 0 and not replace:
+        return
+    import router.policies.dplb as dplb_mod
+    from sim_engine import engine as engine_mod
+
+    cores: list[Any] = []
+    plain_init = engine_mod.EngineCore.__init__
+    plain_choose = dplb_mod.DplbPolicy.choose
+
+    def init(self: Any, config: Any) -> None:
+        plain_init(self, config)
+        cores.append(self)
+
+    def choose(self: Any, workers: Any, req: Any, explain: bool = False) -> Any:
+        vec, _ = self.uncached_vector(workers, req)
+        work = self.work_vector(vec, req.prompt_len)
+        now = self.clock() if self.clock is not None else None
+        out = float(min(req.max_tokens or self.default_output_tokens, self.max_output_tokens))
+        wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
+        if int(wid) < 0:
+            return plain_choose(self, workers, req, explain)
+        mine = cores[-int(self.kernel.num_slots):]   # this simulation's engines, in slot order
+        best: tuple[float, int] | None = None
+        for t in terms:
+            k = int(t.worker_id)
+            victims = [v.max_tokens for v in (*mine[k].running, *mine[k].waiting)]
+            est = float(t.est_s) - (float(t.interf_s) if replace else 0.0)
+            est += w_tpot * tpot_penalty_s(float(t.uncached_tokens), float(t.rate), victims,
+                                           float(self.params.step_tokens), only_whole=only_whole)
+            if best is None or est < best[0]:
+                best = (est, k)
+        assert best is not None
+        return dplb_mod.Decision(best[1], "ttft", [], uncached_tokens=int(vec[best[1]]), est_s=best[0])
+
+    engine_mod.EngineCore.__init__ = init   # type: ignore[method-assign]
+    dplb_mod.DplbPolicy.choose = choose     # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse this script's flags, patch, and hand the rest to ``dplb-simulate``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--w-tpot", type=float, default=0.0, help="weight of the TPOT-priced term (0: off)")
+    ap.add_argument("--only-whole", action="store_true", help="count only victims whose every step we would share")
+    ap.add_argument("--replace", action="store_true", help="drop dplb's interf_s (the TPOT form replaces it)")
+    ns, rest = ap.parse_known_args(argv)
+    if ns.w_tpot < 0:
+        ap.error(f"--w-tpot {ns.w_tpot}: must be >= 0")
+    install(ns.w_tpot, ns.only_whole, ns.replace)
+    from simulate.cli import main as simulate_main
+    return simulate_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

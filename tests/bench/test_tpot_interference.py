@@ -1,0 +1,62 @@
+"""The TPOT-priced interference experiment (bench/tpot_interference.py): its formula, and that the
+patched simulator runs and routes differently from plain dplb (in a subprocess: the patch is
+process-wide)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.tpot_interference import tpot_penalty_s
+
+S = 8192.0
+R = 30000.0
+
+
+def test_a_short_output_victim_costs_far_more_than_a_long_one():
+    long_victim = tpot_penalty_s(30000, R, [256], S)
+    short_victim = tpot_penalty_s(30000, R, [4], S)
+    # 256 tokens: the whole delay u/r spread over 255 steps = exactly the reference's
+    assert long_victim == pytest.approx(30000 / R)
+    # 4 tokens: three steps, each at most one 8,192-token chunk: 3·8192/(r·3) per token, × 255
+    assert short_victim == pytest.approx(S / R * 255)
+    assert short_victim > 50 * long_victim
+
+
+def test_victims_add_up_and_one_token_outputs_have_no_tpot():
+    assert tpot_penalty_s(30000, R, [256, 4, 1], S) == pytest.approx(
+        tpot_penalty_s(30000, R, [256], S) + tpot_penalty_s(30000, R, [4], S))
+    assert tpot_penalty_s(30000, R, [1, 0], S) == 0.0
+    assert tpot_penalty_s(0, R, [4, 256], S) == 0.0
+
+
+def test_only_whole_keeps_the_victims_whose_every_step_we_share():
+    # u = 30,000 tokens covers 3 steps of 8,192 (4 output tokens) but not 255
+    assert tpot_penalty_s(30000, R, [4, 256], S, only_whole=True) == pytest.approx(tpot_penalty_s(30000, R, [4], S))
+    assert tpot_penalty_s(1000, R, [4], S, only_whole=True) == 0.0
+
+
+@pytest.mark.parametrize(("rate", "step"), [(0.0, S), (R, 0.0), (-1.0, S)])
+def test_a_rate_or_step_that_is_not_positive_is_refused(rate, step):
+    with pytest.raises(ValueError, match="must be > 0"):
+        tpot_penalty_s(1000, rate, [4], step)
+
+
+def _run(tmp_path, *flags: str) -> dict:
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
+    cmd = [sys.executable, "-m", "bench.tpot_interference", *flags, "--workload", "mixed", "--requests", "150",
+           "--engines", "2", "--rate-scale", "4", "--seed", "0", "--policy", "dplb", "--progress", "off",
+           "--json-out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())
+    return row
+
+
+def test_the_patched_simulator_serves_everything_and_routes_otherwise(tmp_path):
+    plain = _run(tmp_path)
+    priced = _run(tmp_path, "--w-tpot", "50")
+    assert plain["served"] == priced["served"] == 150
+    # a weight this large moves long prompts off the workers carrying short-output decodes
+    assert plain["per_engine"]["requests"] != priced["per_engine"]["requests"]
