@@ -11,12 +11,7 @@ a test fails.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -24,7 +19,6 @@ from pathlib import Path
 from typing import Self
 
 import httpx
-import psutil
 import pytest
 import yaml
 
@@ -35,7 +29,7 @@ from tests.deploy.promql import (
     dashboard_exprs,
     recording_exprs,
 )
-from tests.helpers import ROOT, Procs, free_port, metric, wait_until
+from tests.helpers import Procs, free_port, launched, metric, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,60 +38,13 @@ WORKERS = {"alpha": {"0", "1"}, "beta": {"2"}}
 ENGINE_TIME_SCALE = "2"  # prefills long enough to time, short enough for a test
 
 
-class Launch:
-    def __init__(self, base: Path) -> None:
-        self.port = free_port()
-        self.dir = base
-        self.log = base / "launch.out"
-        self.proc = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def out(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def logs(self) -> str:
-        parts = [f"--- launcher ---\n{self.out()[-3000:]}"]
-        for p in sorted((self.dir / "rd").glob("*.log")):
-            parts.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-1500:]}")
-        return "\n".join(parts)
-
-
 @pytest.fixture(scope="module")
 def launch():
-    d = Path(tempfile.mkdtemp(prefix="dplb-op-", dir="/tmp"))
-    ln = Launch(d)
-    procs = Procs()
-    seen: set[int] = set()
-    try:
-        argv = ["bash", str(ROOT / "scripts" / "launch_dplb.sh"), "--port", str(ln.port), "--run-dir", str(d / "rd"),
-                "--time-scale", ENGINE_TIME_SCALE, "--start-timeout", "240"]
-        for s in SPECS:
-            argv += ["--worker", s]
-        ln.proc = procs.start(argv, log=ln.log, env={"DPLB_PYTHON": sys.executable}, cwd=ROOT)
-        wait_until(lambda: "DPLB ready" in ln.out() or ln.proc.poll() is not None, timeout=300, interval=0.2,
-                   what="the launch's ready banner")
-        assert ln.proc.poll() is None, "launch exited before ready:\n" + ln.logs()
-        seen.update(p.pid for p in psutil.Process(ln.proc.pid).children(recursive=True))
+    args = ["--time-scale", ENGINE_TIME_SCALE, "--start-timeout", "240"]
+    for s in SPECS:
+        args += ["--worker", s]
+    with launched(*args, prefix="dplb-op-") as ln:
         yield ln
-    finally:
-        if ln.proc is not None and ln.proc.poll() is None:
-            os.kill(ln.proc.pid, signal.SIGINT)
-            try:
-                ln.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in sorted(seen):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        procs.close()
-        if os.path.exists(f"/dev/shm/dplb-{ln.port}"):
-            os.unlink(f"/dev/shm/dplb-{ln.port}")
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def chat(base: str, model: str, words: int = 20, stream: bool = False, max_tokens: int = 8,
@@ -129,7 +76,7 @@ def chat(base: str, model: str, words: int = 20, stream: bool = False, max_token
 
 
 def test_two_models_answered_by_their_own_workers(launch):
-    base = launch.base
+    base = launch.url.removesuffix("/v1")
     out = launch.out()
     assert "models           alpha, beta" in out and "worker 0-1: engine sim model alpha" in out, out
     assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["alpha", "beta"]
@@ -155,7 +102,7 @@ def test_two_models_answered_by_their_own_workers(launch):
 def test_router_ttft_agrees_with_the_client(launch):
     """Sequential streamed chats with long prompts (a prefill of ~0.3 s of wall time): the
     router's TTFT histogram (arrival to first content) and the client's agree within 10 %."""
-    base = launch.base
+    base = launch.url.removesuffix("/v1")
 
     def hist() -> tuple[float, float]:
         t = httpx.get(base + "/metrics").text
@@ -230,7 +177,7 @@ class Traffic:
 @pytest.mark.skipif(shutil.which("prometheus") is None,
                     reason="prometheus not installed (Debian package prometheus; .ci/run installs it)")
 def test_a_real_prometheus_evaluates_every_dashboard_and_rule_expression(launch, tmp_path):
-    base = launch.base
+    base = launch.url.removesuffix("/v1")
     port = free_port()
     cfg = _prometheus_config(tmp_path, launch.port)
     prom = f"http://127.0.0.1:{port}"
