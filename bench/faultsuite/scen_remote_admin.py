@@ -104,8 +104,16 @@ def run_concurrent_add_remove(threads: int = 4, cycles: int = 50, router_workers
                                    if (v == "POST" and s not in (200, 201, 409)) or (v == "DELETE" and s not in (200, 404))][:5]
         res.extra["nonempty_slots"] = sorted(s.worker_id for s in st.seg.snapshot() if int(s.state) != 0)
         res.extra["dead_slots"] = sorted(s.worker_id for s in st.seg.snapshot() if int(s.state) == 4)
-        rows = httpx.get(base + ADMIN, timeout=10).json()["workers"]
-        res.extra["remote_rows"] = sorted(w["id"] for w in rows if w.get("remote") or w["control"] == endpoint)
+        # the list is the answering process's registry, which drops a released slot at its next
+        # health tick (100 ms here; with --workers 2 the other process's tick): a row may outlive
+        # the last DELETE by a tick or two on a busy machine, never for 5 s
+        settle = time.monotonic() + 5.0
+        while True:
+            rows = httpx.get(base + ADMIN, timeout=10).json()["workers"]
+            res.extra["remote_rows"] = sorted(w["id"] for w in rows if w.get("remote") or w["control"] == endpoint)
+            if not res.extra["remote_rows"] or time.monotonic() > settle:
+                break
+            time.sleep(0.1)
         removed = next((w for v, s, w, _ in reversed(log) if v == "DELETE" and s == 200), 15)
         r = httpx.delete(f"{base}{ADMIN}/{removed}", timeout=10)
         res.extra["delete_removed"] = (r.status_code, r.json().get("error", {}).get("type"))

@@ -73,7 +73,10 @@ def test_direct_and_dplb_rows_and_cleanup(tmp_path):
     # round robin over 4 idle engines: 6 requests each, counted by the engines themselves
     assert burst["max_share"] == pytest.approx(0.25) and burst["min_share"] == pytest.approx(0.25)
     assert by[("dplb", "f_overhead")]["requests"] == 40 and by[("dplb", "f_overhead")]["errors"] == 0
-    assert by[("dplb", "f_overhead")]["router_cpu_s_per_1k"] > 0
+    # measured for a routed system (None for direct); it may read 0: 40 tiny requests can cost the
+    # router less than one clock tick (10 ms) of CPU, the resolution of /proc's cpu times
+    cpu = by[("dplb", "f_overhead")]["router_cpu_s_per_1k"]
+    assert isinstance(cpu, float) and cpu >= 0.0
     md = (out / "latest.md").read_text()
     assert "python -m bench.run --systems direct,dplb/round_robin" in md and "## Router overhead" in md and "(f) tiny non-streaming" in md
     assert (out / "share_e.png").exists()
