@@ -15,6 +15,12 @@ serves the same tokens/s, so tokens/s alone cannot rank policies; goodput can.
   --goodput``'s): ``x`` passes when at least a share ``q`` of the window's requests meets the
   per-request SLO (:class:`simulate.cluster.AttainmentSLO`; a rejected or unfinished request
   misses). A probe stops early once more than ``(1 − q)`` of the requests have certainly missed.
+* :func:`rate_sweep`: every policy at one fixed grid of rates (``--rate-grid``), complete runs:
+  the misses at each rate, their sum, and the *sustained* capacity at each Q, the highest grid
+  rate at and below which every grid rate attains Q. Near capacity a bursty window's attainment
+  is not monotone in the rate (a burst that lands in one engine's long prefill at one rate misses
+  that engine at the next), so one bisection's answer depends on which rates it happened to
+  probe; the summed misses over a band of rates ranks policies by the whole band instead.
 * :func:`min_engines`: the fewest engines (copies of the configured engine list, cycled) whose run
   at the given rate meets the SLO: doubling, then integer bisection.
 
@@ -146,6 +152,50 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
         "probes": probes,
         "figures": figures,
     }
+
+
+def rate_sweep(run: RunFn, base: SimSettings, factors: Sequence[float], rate: float | None,
+               targets: Sequence[float], known: dict[float, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Complete runs at rate multiples ``base.rate_scale × f`` for each ``f`` of ``factors`` (sorted
+    ascending, duplicates dropped; each > 0), judged by each run's ``slo_attainment``.
+
+    Returns ``points`` (per rate: ``x``, ``requests_per_s`` (None when ``rate`` is), ``attainment``,
+    ``missed`` = requests − met, and ``missed_by`` cause), ``missed_total`` (Σ missed: the figure
+    to rank policies by over the band), and ``sustained``: per Q of ``targets`` (key ``f"{q:g}"``),
+    the highest ``x`` such that every grid point at or below it attains ``q`` (None when the lowest
+    does not), with ``bound`` ``"above"`` when every point attains it. ``known``: figures of
+    complete runs already made, by rate multiple. Raises ValueError on an empty grid, a factor
+    that is not > 0, or a Q outside (0, 1]."""
+    grid = sorted(set(factors))
+    if not grid or grid[0] <= 0:
+        raise ValueError(f"rate grid {list(factors)}: needs factors > 0")
+    for q in targets:
+        if not 0 < q <= 1:
+            raise ValueError(f"attainment target must be in (0, 1] (got {q})")
+    points: list[dict[str, Any]] = []
+    for f in grid:
+        x = base.rate_scale * f
+        fig = (known or {}).get(x) or run(replace(base, rate_scale=x, abort_on=None, abort_below=None))
+        att = fig["slo_attainment"]
+        points.append({"x": round(x, 6), "requests_per_s": None if rate is None else round(x * rate, 4),
+                       "attainment": att["attainment"], "missed": att["requests"] - att["met"],
+                       "missed_by": att.get("missed"), "_fig": fig})
+    sustained: dict[str, dict[str, Any]] = {}
+    for q in targets:
+        best: float | None = None
+        bound = "above"
+        for pt in points:
+            if not attains(pt["_fig"], q):
+                bound = "found" if best is not None else "below"
+                break
+            best = pt["x"]
+        sustained[f"{q:g}"] = {"capacity_rate_scale": best, "bound": bound,
+                               "capacity_requests_per_s": None if best is None or rate is None
+                               else round(best * rate, 4)}
+    for pt in points:
+        del pt["_fig"]
+    return {"factors": grid, "base_rate_scale": base.rate_scale, "points": points,
+            "missed_total": sum(pt["missed"] for pt in points), "sustained": sustained}
 
 
 def engines_of(base: Sequence[EngineConfig], n: int) -> list[EngineConfig]:

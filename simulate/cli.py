@@ -24,7 +24,7 @@ from router.config import Config, load_config
 from router.errors import ConfigError
 from router.policies import policy_names
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
-from simulate.capacity import find_capacity, min_engines, trace_rate
+from simulate.capacity import find_capacity, min_engines, rate_sweep, trace_rate
 from simulate.cluster import (
     DEFAULT_ATTAINMENT,
     DEFAULT_TPOT_S,
@@ -41,6 +41,7 @@ from simulate.report import (
     Progress,
     attainment_line,
     capacity_table,
+    grid_table,
     plot,
     progress_enabled,
     table,
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "comma-separated (default 0.99 and 0.90)")
     k.add_argument("--capacity-tolerance", type=float, default=0.05,
                    help="stop bisecting when hi/lo <= 1 + this (default 0.05)")
+    k.add_argument("--rate-grid", default=None, metavar="F,F,...",
+                   help="per policy, complete runs at --rate-scale x each factor (e.g. 0.7,0.8,0.9,1,1.1,1.2,1.3): "
+                        "SLO misses per rate, their sum, and the sustained capacity at each Q (the highest grid "
+                        "rate with every grid rate at or below it attaining Q); the same rates for every policy")
     k.add_argument("--max-engines", type=int, default=64, help="upper bound of --min-engines (64)")
     add_engine_args(p)  # every dplb-sim-engine engine flag (--seed also seeds the router and agents)
     return p
@@ -281,6 +286,7 @@ def _main(ns: argparse.Namespace) -> int:
         raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
     att_slo = attainment_slo(ns)
     targets = attainment_targets(ns)
+    grid = parse_floats("--rate-grid", ns.rate_grid) if ns.rate_grid is not None else None
     p99 = ns.slo_ttft_p99 is not None or ns.slo_tpot_p99 is not None
     # a p99 SLO alone keeps today's search; --slo-attainment (or no p99 bound) adds one per Q
     search_q = targets if ns.slo_attainment is not None or not p99 else []
@@ -361,6 +367,14 @@ def _main(ns: argparse.Namespace) -> int:
                                             tolerance=ns.capacity_tolerance, known=complete,
                                             attainment=(att_slo, q))
                     for q in search_q}
+        if grid is not None:
+            def grid_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
+                f, _ = run(st, f"{_name} grid x{st.rate_scale:.3g}")
+                f.pop("_wall_s", None)
+                return f
+
+            row["rate_grid"] = rate_sweep(grid_run, settings, grid, trace_rate(reqs), targets,
+                                          known={ns.rate_scale: fig})
         if ns.min_engines:
             def eng_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
                 f, _ = run(st, f"{_name} {len(st.engines)} engines")
@@ -388,6 +402,9 @@ def _main(ns: argparse.Namespace) -> int:
     if (ns.find_capacity or ns.min_engines) and search_q:
         print(f"\ncapacity at SLO attainment Q (x = multiple of the trace's own rate; {att_slo_text(att_slo)})")
         print(capacity_table(rows, [f"{q:g}" for q in search_q]))
+    if grid is not None:
+        print(f"\nSLO misses over the rate grid (of {len(reqs)} requests per rate; {att_slo_text(att_slo)})")
+        print(grid_table(rows, [f"{q:g}" for q in targets]))
     print("wall: " + ", ".join(walls), file=sys.stderr)
     if ns.json_out:
         write_json(ns.json_out, rows)

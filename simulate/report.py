@@ -80,6 +80,24 @@ def capacity_table(rows: Sequence[dict[str, Any]], qs: Sequence[str] | None = No
     return "\n".join(lines)
 
 
+def grid_table(rows: Sequence[dict[str, Any]], qs: Sequence[str]) -> str:
+    """Misses per policy at each rate of the ``rate_grid`` (:func:`simulate.capacity.rate_sweep`),
+    their sum, and the sustained capacity at each Q of ``qs``."""
+    have = [r for r in rows if r.get("rate_grid")]
+    if not have:
+        return ""
+    xs = [p["x"] for p in have[0]["rate_grid"]["points"]]
+    head = (f"{'policy':<14}" + "".join(f" {'x' + format(x, '.3g'):>8}" for x in xs) + f" {'total':>6}"
+            + "".join(f" {'sust@' + q:>10}" for q in qs))
+    lines = [head]
+    for r in have:
+        g = r["rate_grid"]
+        cells = "".join(f" {p['missed']:>8}" for p in g["points"]) + f" {g['missed_total']:>6}"
+        cells += "".join(f" {_f(g['sustained'].get(q, {}).get('capacity_rate_scale'), 3):>10}" for q in qs)
+        lines.append(f"{r['policy']:<14}{cells}")
+    return "\n".join(lines)
+
+
 def attainment_line(rows: Sequence[dict[str, Any]], slo: Any) -> str:
     """One line: each policy's SLO attainment in the table's runs (share of requests meeting ``slo``,
     an :class:`simulate.cluster.AttainmentSLO`)."""

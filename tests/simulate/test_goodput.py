@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from bench.trace import TraceRequest
 from sim_engine.config import EngineConfig
 from simulate import cluster as cl
-from simulate.capacity import find_capacity, min_engines
+from simulate.capacity import find_capacity, min_engines, rate_sweep
 from simulate.cli import main
 from simulate.cluster import OK, SLO, AttainmentSLO, RunResult, SimSettings, Simulation
 from simulate.stats import attains, slo_attainment, summarize
@@ -148,6 +149,37 @@ def test_capacity_search_is_monotone_safe_on_a_noisy_curve():
     assert cap < 2.0                               # it stays below the failure it saw
 
 
+def test_rate_sweep_sums_misses_and_sustains_only_below_the_first_failure():
+    """A curve that fails at 2.0 and passes again above it: the sustained capacity stops below
+    the failure, the misses add up per point, every probe is a complete run, and a known run is
+    not run again."""
+    curve = {0.5: 1.0, 1.0: 0.995, 1.5: 1.0, 2.0: 0.95, 2.5: 1.0, 3.0: 0.92, 3.5: 0.5}
+    run, calls = _synthetic(lambda x: curve[round(x, 6)])
+    base = SimSettings(engines=[EngineConfig()], rate_scale=1.0, abort_below=(AttainmentSLO(), 0.99))
+    known = {1.0: run(replace(base, rate_scale=1.0))}
+    calls.clear()
+    out = rate_sweep(run, base, [3.5, 0.5, 1.5, 2.0, 2.5, 3.0, 1.0, 2.0], rate=4.0, targets=[0.99, 0.9, 0.4],
+                     known=known)
+    assert out["factors"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]                  # sorted, once each
+    assert [p["x"] for p in out["points"]] == out["factors"]
+    assert sorted(c[0] for c in calls) == [0.5, 1.5, 2.0, 2.5, 3.0, 3.5]         # 1.0 was known
+    assert all(ab is None and ao is None for _, ab, ao in calls)                  # complete runs
+    missed = [10**6 - math.floor(curve[x] * 1e6 + 1e-6) for x in out["factors"]]
+    assert [p["missed"] for p in out["points"]] == missed
+    assert out["missed_total"] == sum(missed)
+    assert out["points"][3]["requests_per_s"] == pytest.approx(8.0)
+    s = out["sustained"]
+    assert s["0.99"] == {"capacity_rate_scale": 1.5, "bound": "found", "capacity_requests_per_s": 6.0}
+    assert s["0.9"]["capacity_rate_scale"] == 3.0 and s["0.9"]["bound"] == "found"
+    assert s["0.4"]["capacity_rate_scale"] == 3.5 and s["0.4"]["bound"] == "above"
+    low, _ = _synthetic(lambda x: 0.5)
+    assert rate_sweep(low, base, [1, 2], rate=None, targets=[0.9])["sustained"]["0.9"] == \
+        {"capacity_rate_scale": None, "bound": "below", "capacity_requests_per_s": None}
+    for bad_grid, bad_q in (([], [0.9]), ([0, 1], [0.9]), ([1], [1.5])):
+        with pytest.raises(ValueError):
+            rate_sweep(low, base, bad_grid, rate=None, targets=bad_q)
+
+
 def test_min_engines_at_an_attainment_target():
     run, _ = _synthetic(lambda x: 1.0)
 
@@ -198,6 +230,27 @@ def test_cli_attainment_capacity_json(tmp_path, capsys):
         assert "capacity" not in r and "min_engines" not in r              # no p99 SLO asked for
 
 
+def test_cli_rate_grid_runs_every_policy_at_the_same_rates(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["--workload", "docqa", "--requests", "40", "--engines", "2", "--policy", "round_robin,dplb",
+               "--max-tokens-cap", "32", "--rate-scale", "2", "--rate-grid", "2,0.5,1", "--slo-attainment", "0.9",
+               "--json-out", str(out), "--progress", "off"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "SLO misses over the rate grid (of 40 requests per rate" in text and "sust@0.9" in text
+    rows = json.loads(out.read_text())
+    for r in rows:
+        g = r["rate_grid"]
+        assert [p["x"] for p in g["points"]] == [1.0, 2.0, 4.0]
+        assert g["missed_total"] == sum(p["missed"] for p in g["points"])
+        # the grid point at --rate-scale is the table's own run
+        assert g["points"][1]["missed"] == 40 - r["slo_attainment"]["met"]
+        for p in g["points"]:
+            assert p["missed"] == sum(p["missed_by"].values()) and 0 <= p["missed"] <= 40
+        assert text.count(r["policy"]) >= 3          # main table, attainment line, grid table
+    assert "capacity_attainment" not in rows[0]      # a grid alone searches nothing
+
+
 def test_cli_p99_slo_alone_is_searched_as_before(tmp_path):
     out = tmp_path / "sim.json"
     rc = main(["--requests", "30", "--engines", "2", "--policy", "round_robin", "--max-tokens-cap", "32",
@@ -216,6 +269,8 @@ def test_cli_p99_slo_alone_is_searched_as_before(tmp_path):
     (["--slo-ttft-s", "0"], "--slo-ttft-s"),
     (["--slo-tpot-s", "-1"], "--slo-tpot-s"),
     (["--arrival-spread-ms", "-5"], "--arrival-spread-ms"),
+    (["--rate-grid", "0,1"], "--rate-grid"),
+    (["--rate-grid", "a"], "--rate-grid 'a'"),
 ])
 def test_bad_slo_flags_exit_2_naming_the_flag(argv, fragment, capsys):
     assert main(["--requests", "5", "--progress", "off", *argv]) == 2
