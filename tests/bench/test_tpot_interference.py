@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.tpot_interference import tpot_penalty_s
+from bench.tpot_interference import VICTIM_KNOWLEDGE, tpot_penalty_s
 
 S = 8192.0
 R = 30000.0
@@ -42,6 +42,17 @@ def test_only_whole_keeps_the_victims_whose_every_step_we_share():
 def test_a_rate_or_step_that_is_not_positive_is_refused(rate, step):
     with pytest.raises(ValueError, match="must be > 0"):
         tpot_penalty_s(1000, rate, [4], step)
+
+
+def test_victim_knowledge_is_an_upper_bound_with_the_stated_slack():
+    exact, pow2, x4 = VICTIM_KNOWLEDGE["exact"], VICTIM_KNOWLEDGE["pow2"], VICTIM_KNOWLEDGE["x4"]
+    assert [pow2(o) for o in (1, 2, 3, 4, 5, 13, 256, 257)] == [1, 2, 4, 4, 8, 16, 256, 512]
+    for o in range(1, 600):
+        assert exact(o) == o
+        assert o <= pow2(o) < 2 * o or o == pow2(o) == 1
+        assert x4(o) == 4 * o
+    # a looser bound can only lower the price: a victim thought longer feels our delay less
+    assert tpot_penalty_s(30000, R, [x4(4)], S) < tpot_penalty_s(30000, R, [pow2(3)], S) <= tpot_penalty_s(30000, R, [3], S)
 
 
 def _run(tmp_path, *flags: str) -> dict:
