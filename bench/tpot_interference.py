@@ -29,14 +29,19 @@ well those lengths are known: ``exact`` (the trace's output length, which the si
 ``max_tokens``: an oracle), ``pow2`` or ``x4`` (a client's looser bound). Measured with it
 (docs/DESIGN.md "TPOT-priced interference", bench/results/goodput.md "Round 5"): over a grid of
 rates it misses fewer requests than plain dplb with exact lengths, and the gain on the generated
-workloads is gone with ``pow2`` or ``x4``, so it was not built into the kernel.
+workloads is gone with ``pow2`` or ``x4``, so it was not built into the kernel. ``learned``
+(``LearnedOutputs``: the lengths of finished requests of the victim's prompt-length class, as a
+router counts them in the streams it proxies) and ``learned-pow2`` / ``learned-x4`` (the same,
+capped by the client's bound) need no oracle; Round 6 in bench/results/goodput.md: they help on
+the windows they were tried on and lose on two seeds they were not, so they are not adopted either.
 
-Usage: ``python -m bench.tpot_interference --w-tpot 0.2 [--victim-outputs exact|pow2|x4] [--only-whole] [--replace] DPLB-SIMULATE-ARGS``
+Usage: ``python -m bench.tpot_interference --w-tpot 0.2 [--victim-outputs exact|pow2|x4|learned|learned-pow2|learned-x4] [--only-whole] [--replace] DPLB-SIMULATE-ARGS``
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,11 +78,74 @@ VICTIM_KNOWLEDGE = {
 }
 
 
+#: --victim-outputs modes that learn: "learned" (the class's lengths), "learned-pow2" / "learned-x4"
+#: (the same, each capped by the victim's own bound as VICTIM_KNOWLEDGE's pow2 / x4 give it)
+LEARNED_MODES = ("learned", "learned-pow2", "learned-x4")
+
+
+class LearnedOutputs:
+    """Output lengths learned from finished requests, the way a router sees them (it proxies the
+    stream, so it counts each finished request's output tokens): per prompt-length class (the
+    log2 of the prompt's tokens) the last ``keep`` lengths. ``expected_penalty`` prices a victim
+    by the mean of ``tpot_penalty_s`` over its class's lengths longer than what it has streamed so
+    far (a request that has streamed ``k`` tokens has at least ``k + 1``); with no such length
+    seen, the victim counts at ``2 (k + 1)``, and before any request has finished at ``fallback``
+    (its ``max_tokens`` rounded up to a power of two: a client's bound, not the oracle)."""
+
+    def __init__(self, keep: int = 64, bound: str = "pow2", capped: bool = False) -> None:
+        if keep < 1:
+            raise ValueError(f"keep {keep}: must be >= 1")
+        if bound not in ("pow2", "x4"):
+            raise ValueError(f"bound {bound!r}: pow2 or x4 (a client's max_tokens, never the oracle)")
+        self.bound, self.capped, self.keep = bound, capped, keep
+        self.by_class: dict[int, deque[int]] = {}
+
+    @staticmethod
+    def prompt_class(prompt_tokens: int) -> int:
+        """The class of a prompt of ``prompt_tokens`` tokens: floor(log2), 0 for 0 or 1 token."""
+        return max(1, int(prompt_tokens)).bit_length() - 1
+
+    def observe(self, prompt_tokens: int, output_tokens: int) -> None:
+        """Record one finished request (output ≥ 1 token)."""
+        if output_tokens >= 1:
+            c = self.prompt_class(prompt_tokens)
+            q = self.by_class.get(c)
+            if q is None:
+                q = self.by_class[c] = deque(maxlen=self.keep)
+            q.append(int(output_tokens))
+
+    def lengths(self, prompt_tokens: int, streamed: int, fallback: int) -> list[int]:
+        """The output lengths a victim of ``prompt_tokens`` that has streamed ``streamed`` tokens
+        may have, per the module's rule above (never empty)."""
+        q = self.by_class.get(self.prompt_class(prompt_tokens))
+        if not q:
+            return [max(fallback, streamed + 1)]
+        longer = [o for o in q if o > streamed]
+        return longer or [2 * (streamed + 1)]
+
+    def expected_penalty(self, uncached: float, rate: float, victims: Sequence[tuple[int, int, int]],
+                         step_tokens: float, only_whole: bool = False) -> float:
+        """Sum over ``victims`` ((prompt tokens, streamed tokens, max_tokens) each) of the mean
+        ``tpot_penalty_s`` over their possible lengths, in seconds."""
+        total = 0.0
+        for prompt, streamed, max_tokens in victims:
+            bound = VICTIM_KNOWLEDGE[self.bound](max_tokens)
+            ls = self.lengths(prompt, streamed, bound)
+            if self.capped:
+                ls = [min(o, bound) for o in ls]
+            total += tpot_penalty_s(uncached, rate, ls, step_tokens, only_whole=only_whole) / len(ls)
+        return total
+
+
 def install(w_tpot: float, only_whole: bool = False, replace: bool = False, known: str = "exact") -> None:
     """Patch ``DplbPolicy.choose`` and ``EngineCore`` in this process (see the module docstring).
     With ``w_tpot`` 0 and not ``replace`` nothing is patched: plain ``dplb``. ``known``: a key
-    of ``VICTIM_KNOWLEDGE`` (KeyError otherwise)."""
-    seen = VICTIM_KNOWLEDGE[known]
+    of ``VICTIM_KNOWLEDGE`` or "learned" (``LearnedOutputs``; KeyError otherwise)."""
+    learned = None
+    if known.startswith("learned"):
+        bound = known.partition("-")[2]
+        learned = LearnedOutputs(bound=bound or "pow2", capped=bool(bound))
+    seen = VICTIM_KNOWLEDGE["exact"] if learned is not None else VICTIM_KNOWLEDGE[known]
     if w_tpot <= 0 and not replace:
         return
     import router.policies.dplb as dplb_mod
@@ -86,6 +154,12 @@ def install(w_tpot: float, only_whole: bool = False, replace: bool = False, know
     cores: list[Any] = []
     plain_init = engine_mod.EngineCore.__init__
     plain_choose = dplb_mod.DplbPolicy.choose
+    plain_finish = engine_mod.EngineCore._finish
+
+    def finish(self: Any, req: Any, reason: str, now: float) -> None:
+        plain_finish(self, req, reason, now)
+        if learned is not None and reason != "abort":
+            learned.observe(req.num_prompt_tokens, len(req.output))
 
     def init(self: Any, config: Any) -> None:
         plain_init(self, config)
@@ -103,16 +177,24 @@ def install(w_tpot: float, only_whole: bool = False, replace: bool = False, know
         best: tuple[float, int] | None = None
         for t in terms:
             k = int(t.worker_id)
-            victims = [seen(v.max_tokens) for v in (*mine[k].running, *mine[k].waiting)]
+            inflight = (*mine[k].running, *mine[k].waiting)
             est = float(t.est_s) - (float(t.interf_s) if replace else 0.0)
-            est += w_tpot * tpot_penalty_s(float(t.uncached_tokens), float(t.rate), victims,
-                                           float(self.params.step_tokens), only_whole=only_whole)
+            if learned is not None:
+                est += w_tpot * learned.expected_penalty(
+                    float(t.uncached_tokens), float(t.rate),
+                    [(v.num_prompt_tokens, len(v.output), v.max_tokens) for v in inflight],
+                    float(self.params.step_tokens), only_whole=only_whole)
+            else:
+                est += w_tpot * tpot_penalty_s(float(t.uncached_tokens), float(t.rate),
+                                               [seen(v.max_tokens) for v in inflight],
+                                               float(self.params.step_tokens), only_whole=only_whole)
             if best is None or est < best[0]:
                 best = (est, k)
         assert best is not None
         return dplb_mod.Decision(best[1], "ttft", [], uncached_tokens=int(vec[best[1]]), est_s=best[0])
 
     engine_mod.EngineCore.__init__ = init   # type: ignore[method-assign]
+    engine_mod.EngineCore._finish = finish  # type: ignore[method-assign]
     dplb_mod.DplbPolicy.choose = choose     # type: ignore[method-assign]
 
 
@@ -122,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w-tpot", type=float, default=0.0, help="weight of the TPOT-priced term (0: off)")
     ap.add_argument("--only-whole", action="store_true", help="count only victims whose every step we would share")
     ap.add_argument("--replace", action="store_true", help="drop dplb's interf_s (the TPOT form replaces it)")
-    ap.add_argument("--victim-outputs", choices=sorted(VICTIM_KNOWLEDGE), default="exact",
-                    help="how the victims' output lengths are known (exact: the trace's, an oracle)")
+    ap.add_argument("--victim-outputs", choices=[*sorted(VICTIM_KNOWLEDGE), *LEARNED_MODES], default="exact",
+                    help="how the victims' output lengths are known (exact: the trace's, an oracle; "
+                         "learned: from finished requests of the same prompt-length class; "
+                         "learned-pow2/-x4: those, capped by the client's bound)")
     ns, rest = ap.parse_known_args(argv)
     if ns.w_tpot < 0:
         ap.error(f"--w-tpot {ns.w_tpot}: must be >= 0")

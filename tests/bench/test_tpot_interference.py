@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.tpot_interference import VICTIM_KNOWLEDGE, tpot_penalty_s
+from bench.tpot_interference import VICTIM_KNOWLEDGE, LearnedOutputs, tpot_penalty_s
 
 S = 8192.0
 R = 30000.0
@@ -71,3 +71,31 @@ def test_the_patched_simulator_serves_everything_and_routes_otherwise(tmp_path):
     assert plain["served"] == priced["served"] == 150
     # a weight this large moves long prompts off the workers carrying short-output decodes
     assert plain["per_engine"]["requests"] != priced["per_engine"]["requests"]
+
+
+def test_learned_outputs_price_a_victim_by_its_class_and_what_it_has_streamed():
+    lo = LearnedOutputs(keep=3)
+    assert LearnedOutputs.prompt_class(0) == LearnedOutputs.prompt_class(1) == 0
+    assert LearnedOutputs.prompt_class(32768) == LearnedOutputs.prompt_class(65535) == 15
+    # before anything finished in its class: the client's bound (pow2 of max_tokens), not the oracle
+    assert lo.lengths(40000, 0, fallback=8) == [8]
+    for o in (4, 7, 300, 6):   # keep=3: the 4 falls out
+        lo.observe(40000, o)
+    lo.observe(100, 500)       # another class: no influence
+    assert lo.lengths(40000, 0, fallback=8) == [7, 300, 6]
+    # a victim that has streamed 6 tokens is at least 7 long: the 6 is ruled out
+    assert lo.lengths(40000, 6, fallback=8) == [7, 300]
+    # longer than anything seen: doubled
+    assert lo.lengths(40000, 400, fallback=8) == [802]
+    got = lo.expected_penalty(30000, R, [(40000, 0, 6)], S)
+    assert got == pytest.approx(sum(tpot_penalty_s(30000, R, [o], S) for o in (7, 300, 6)) / 3)
+    capped = LearnedOutputs(keep=3, bound="pow2", capped=True)
+    for o in (7, 300, 6):
+        capped.observe(40000, o)
+    # capped by the victim's own bound: pow2(6) = 8, so 300 counts as 8
+    assert capped.expected_penalty(30000, R, [(40000, 0, 6)], S) == pytest.approx(
+        sum(tpot_penalty_s(30000, R, [o], S) for o in (7, 8, 6)) / 3)
+    with pytest.raises(ValueError, match="keep"):
+        LearnedOutputs(keep=0)
+    with pytest.raises(ValueError, match="bound"):
+        LearnedOutputs(bound="exact")
