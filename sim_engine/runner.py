@@ -57,8 +57,10 @@ class OutputChannel:
 
     @property
     def done(self) -> bool:
-        """True when every choice has finished."""
-        return self.open_choices <= 0
+        """True when every choice has finished and every buffered event has been drained (a
+        consumer suspended in a write while the runner pushes a burst's last tokens still has
+        them to send)."""
+        return self.open_choices <= 0 and not self.items
 
 
 class EngineRunner:

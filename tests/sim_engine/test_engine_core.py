@@ -247,3 +247,25 @@ def test_admission_reserves_the_whole_prompt_like_vllm(reserve, admitted_second)
     add(core, "b", words("b", 400), 4)          # 25 blocks: fewer are free, its first chunk (4) fits
     plan = core.schedule(1.0)
     assert ("b" in [r.request_id for r, _ in plan.scheduled]) is admitted_second
+
+
+def test_output_channel_is_done_only_when_its_last_events_are_drained():
+    # a stream's consumer can be suspended in a write while the runner pushes a burst's remaining
+    # tokens, the last one included: the channel must not call itself done before they are sent
+    import asyncio
+
+    from sim_engine.runner import OutputChannel
+
+    req = SimRequest("r", words("p", 4), 3, 16)
+    ch = OutputChannel(1)
+    req.append_output("a")
+    ch.push(0, req, 1)
+    got = [k for _, _, k in asyncio.run(ch.drain())]
+    for w in ("b", "c"):
+        req.append_output(w)
+    req.finish_reason = "length"
+    ch.push(0, req, 2)
+    ch.push(0, req, 3)
+    assert not ch.done, "the choice finished but two of its tokens are still buffered"
+    got += [k for _, _, k in asyncio.run(ch.drain())]
+    assert got == [1, 2, 3] and ch.done
