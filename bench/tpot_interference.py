@@ -33,7 +33,8 @@ workloads is gone with ``pow2`` or ``x4``, so it was not built into the kernel. 
 (``LearnedOutputs``: the lengths of finished requests of the victim's prompt-length class, as a
 router counts them in the streams it proxies) and ``learned-pow2`` / ``learned-x4`` (the same,
 capped by the client's bound) need no oracle; Round 6 in bench/results/goodput.md: they help on
-the windows they were tried on and lose on two seeds they were not, so they are not adopted either.
+Round 5's windows and not on sixteen windows of seeds 2-5 chosen in advance (the agentic workload
+loses), so they are not adopted either.
 
 Usage: ``python -m bench.tpot_interference --w-tpot 0.2 [--victim-outputs exact|pow2|x4|learned|learned-pow2|learned-x4] [--only-whole] [--replace] DPLB-SIMULATE-ARGS``
 """
@@ -140,7 +141,8 @@ class LearnedOutputs:
 def install(w_tpot: float, only_whole: bool = False, replace: bool = False, known: str = "exact") -> None:
     """Patch ``DplbPolicy.choose`` and ``EngineCore`` in this process (see the module docstring).
     With ``w_tpot`` 0 and not ``replace`` nothing is patched: plain ``dplb``. ``known``: a key
-    of ``VICTIM_KNOWLEDGE`` or "learned" (``LearnedOutputs``; KeyError otherwise)."""
+    of ``VICTIM_KNOWLEDGE`` or one of ``LEARNED_MODES`` (``LearnedOutputs``); KeyError or
+    ValueError otherwise."""
     learned = None
     if known.startswith("learned"):
         bound = known.partition("-")[2]
