@@ -42,25 +42,34 @@ def slo_attainment(res: RunResult, slo: AttainmentSLO) -> dict[str, Any]:
     misses by first cause:
     ``not_served`` (rejected or unfinished), ``ttft`` (served, TTFT over its bound), ``tpot``
     (TTFT within, TPOT over), plus ``slo`` and ``aborted_early`` (then the unfinished requests
-    count as misses, so the share is a lower bound)."""
+    count as misses, so the share is a lower bound). ``misses``: one row per missed request, in
+    window order: ``index`` (position in the window), ``cause`` (as above), ``worker``,
+    ``prompt_tokens``, ``cached_tokens`` (its prefix-cache hit), ``output_tokens``, ``ttft_s`` and
+    ``tpot_s`` (None where not measured) and ``ttft_limit_s``."""
     n = len(res.status)
-    met = not_served = over_ttft = over_tpot = 0
+    met = 0
+    causes = {"not_served": 0, "ttft": 0, "tpot": 0}
+    misses: list[dict[str, Any]] = []
     for i, st in enumerate(res.status):
-        ft, total = res.ttft[i], res.e2e[i]
+        ft, total, n_out = res.ttft[i], res.e2e[i], res.output_tokens[i]
+        limit = slo.ttft_limit_s(res.prompt_tokens[i])
+        tpot = (total - ft) / (n_out - 1) if ft is not None and total is not None and n_out > 1 else None
         if st != OK or ft is None or total is None:
-            not_served += 1
+            cause = "not_served"
+        elif ft > limit:
+            cause = "ttft"
+        elif slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
+            cause = "tpot"
+        else:
+            met += 1
             continue
-        if ft > slo.ttft_limit_s(res.prompt_tokens[i]):
-            over_ttft += 1
-            continue
-        n_out = res.output_tokens[i]
-        if slo.tpot_s is not None and n_out > 1 and (total - ft) / (n_out - 1) > slo.tpot_s:
-            over_tpot += 1
-            continue
-        met += 1
-    return {"attainment": round(met / n, 6), "met": met, "requests": n,
-            "missed": {"not_served": not_served, "ttft": over_ttft, "tpot": over_tpot},
-            "slo": slo.as_dict(), "aborted_early": res.aborted}
+        causes[cause] += 1
+        misses.append({"index": i, "cause": cause, "worker": res.worker[i],
+                       "prompt_tokens": res.prompt_tokens[i], "cached_tokens": res.cached_tokens[i],
+                       "output_tokens": n_out, "ttft_s": _r(ft), "tpot_s": _r(tpot),
+                       "ttft_limit_s": _r(limit)})
+    return {"attainment": round(met / n, 6), "met": met, "requests": n, "missed": causes,
+            "misses": misses, "slo": slo.as_dict(), "aborted_early": res.aborted}
 
 
 def attains(fig: dict[str, Any], q: float) -> bool:

@@ -59,6 +59,12 @@ def test_attainment_by_hand_arithmetic():
     assert (a["met"], a["requests"]) == (4, 8)
     assert a["attainment"] == 0.5
     assert a["missed"] == {"not_served": 2, "ttft": 1, "tpot": 1}
+    # one row per miss, in window order, with its cause and the figures it was judged on
+    assert [(m["index"], m["cause"]) for m in a["misses"]] == [
+        (1, "ttft"), (3, "tpot"), (5, "not_served"), (6, "not_served")]
+    assert a["misses"][0]["ttft_s"] == 1.3 and a["misses"][0]["ttft_limit_s"] == 1.2
+    assert a["misses"][1]["tpot_s"] == 0.2 and a["misses"][1]["prompt_tokens"] == 1000
+    assert a["misses"][2]["ttft_s"] is None and a["misses"][3]["tpot_s"] is None
     assert a["slo"] == {"ttft_base_s": 1.0, "ttft_per_1k_s": 0.1, "tpot_s": 0.1}
     # no TPOT bound: the TPOT miss is met; no per-1k allowance: the 40k-token request misses
     assert slo_attainment(res, AttainmentSLO(1.0, 0.1, None))["met"] == 5
