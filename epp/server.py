@@ -10,7 +10,7 @@ request headers     kept (``:path``, ``x-session-id``); answered at once in ``BU
                     worker at once, without a lease; a ``POST`` without one is a 400.
 request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED``: chunks,
                     buffered to the end of stream. At its end: parse once
-                    (:meth:`router.proxy.Proxy.request_info`: 400, 404), choose and take the
+                    (:meth:`router.proxy.Proxy.parse_info` and ``check_model``: 400, 404), choose and take the
                     lease (:meth:`router.scheduling.Scheduler.admit` / ``lease``: 503 with
                     ``retry-after`` when no worker can take it), answer with the header
                     ``x-gateway-destination-endpoint: ip:port`` and the same value in the dynamic
@@ -416,7 +416,9 @@ class Exchange:
         p = self.picker
         try:
             session = self.headers.get(p.state.proxy.settings.session_header.decode("latin-1"))  # type: ignore[union-attr]
-            info = p.state.proxy.request_info(self.path, body, session.encode("latin-1") if session else None)  # type: ignore[union-attr]
+            proxy = p.state.proxy
+            info = proxy.parse_info(self.path, body, session.encode("latin-1") if session else None)  # type: ignore[union-attr]
+            proxy.check_model(info)  # type: ignore[union-attr]
             self.streaming = info.stream
             self.info = info
             self.handle, self.lease, self.fallbacks = p.dispatch(info)

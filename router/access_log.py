@@ -15,7 +15,10 @@ router answers (served, refused, failed, or left by its client) ends with one li
 was seen), ``duration_ms`` from its arrival to the end of its answer; tokens are the engine's
 ``usage`` where it sent one, else the router's estimate of the prompt and its count of streamed
 events (a stream its client cut, logged 499, counts the events the client was written);
-``worker`` is ``-`` when no worker was chosen. Every 5xx also gets a WARNING line with its
+``worker`` is ``-`` when no worker was chosen; ``model`` is the model the request named (also on a
+404 for an unknown one), ``-`` when it named none or its body did not parse. A refusal before any
+worker (400, 401, 404, 405, 413, 415) has its line too, under the same minted ``rid`` it was
+answered with. Every 5xx also gets a WARNING line with its
 cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``).
 """
 from __future__ import annotations

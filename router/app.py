@@ -86,7 +86,12 @@ class DPLBApp:
                 await send_error(send, NoEligibleWorker("router is starting", reason="starting"))
                 return
         elif scope["type"] == "http" and scope["path"] in POST_ONLY:
-            await send_error(send, MethodNotAllowed(scope["method"], scope["path"]))
+            refused = MethodNotAllowed(scope["method"], scope["path"])
+            proxy = self.state.proxy
+            if proxy is not None:
+                await proxy.refuse(scope, send, refused)   # under a request id, with its access line
+            else:
+                await send_error(send, refused)
             return
         if scope["type"] != "http":
             await self.fastapi(scope, receive, send)

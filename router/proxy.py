@@ -90,6 +90,7 @@ from router.upstream import Upstream
 log = logging.getLogger("dplb.router.proxy")
 
 _XRID = b"x-request-id"
+_MINTED = "dplb.minted_request_id"   # scope key: the id start() minted for a request it left
 _NONE = b"none"
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 #: a request whose connection broke on this many workers after they read it, before any byte
@@ -200,8 +201,10 @@ class Proxy:
             elif k == b"connection" and b"upgrade" in v.lower():
                 conn_upgrade = True
         if rid is None:
-            self._n += 1
-            rid = b"%s%08x" % (self._prefix, self._n)
+            rid = scope.pop(_MINTED, None)   # one per request: the id start() minted for one it left
+            if rid is None:
+                self._n += 1
+                rid = b"%s%08x" % (self._prefix, self._n)
             fwd.append((_XRID, rid))
         return rid, declared, auth, ctype, fwd, session, upgrade if conn_upgrade else None
 
@@ -220,14 +223,17 @@ class Proxy:
             raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
                                        "as JSON with 'Content-Type: application/json'")
 
-    def request_info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
-        """Parse ``body`` (:func:`router.protocol.parse_request`) and check its model against the
-        known ones (:meth:`Scheduler.models`). Raises BadRequest (malformed; no model named where
-        several are known) or NotFound (a model no slot of this router ever served; a known one
-        whose workers are all out is a 503, raised by the pipeline)."""
+    def parse_info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
+        """``body`` parsed (:func:`router.protocol.parse_request`), with the session; raises BadRequest."""
         info = parse_request(path, body, self.settings.needs_text)
         if session:
             info.session = session.decode("latin-1")
+        return info
+
+    def check_model(self, info: RequestInfo) -> None:
+        """Check ``info``'s model against the known ones (:meth:`Scheduler.models`). Raises BadRequest
+        (no model named where several are known) or NotFound (a model no slot of this router ever
+        served; a known one whose workers are all out is a 503, raised by the pipeline)."""
         sched = self.scheduler
         sched.registry.refresh_if_changed()
         if info.model is None and len(sched.models()) > 1:
@@ -235,7 +241,6 @@ class Proxy:
                              param="model")
         if not sched.knows_model(info.model):
             raise NotFound(f"the model '{info.model}' does not exist (served: {sched.served()})", param="model")
-        return info
 
     def _dispatch(self, ex: Exchange, number: int) -> Attempt:
         """Choose a worker for try ``number`` of ``ex`` (:meth:`Scheduler.admit`, the workers
@@ -264,17 +269,21 @@ class Proxy:
         answer, no eligible worker, a body above the limit): then nothing was sent or recorded
         and the caller serves the request through :meth:`__call__`, which answers the error."""
         t0 = time.perf_counter()
+        rid = None
         try:
             rid, _declared, auth, ctype, fwd, session, upgrade = self._head(scope)
             self._check(auth, ctype, upgrade)
             if len(body) > self.settings.max_body_bytes:
                 return None
             path = scope["path"]
-            info = self.request_info(path, body, session)
+            info = self.parse_info(path, body, session)
+            self.check_model(info)
             ex = Exchange(scope["method"], path if path in ROUTES else "/v1/other", request_target(scope), fwd, body,
                           info, rid, t0)
             pre = self._dispatch(ex, 0)
         except RouterError:
+            if rid is not None and not any(k == _XRID for k, _ in scope["headers"]):
+                scope[_MINTED] = rid   # :meth:`__call__` answers it under the same id
             return None
 
         async def rest(scope: Scope, receive: Receive, send: Send) -> None:
@@ -284,21 +293,32 @@ class Proxy:
 
         return rest
 
+    async def refuse(self, scope: Scope, send: Send, error: RouterError) -> None:
+        """Answer ``error`` (a ``GET`` on a ``POST``-only path: 405) as any refusal: with an id, counted, logged."""
+        await self._refused(send, error, scope["method"], scope["path"], self._head(scope)[0], time.perf_counter(), None)
+
+    async def _refused(self, send: Send, e: RouterError, method: str, path: str, rid: bytes, t0: float,
+                       model: str | None) -> None:
+        """Answer ``e`` before any worker was chosen, under ``rid``; count it and log it (``model``: as named)."""
+        await send_error(send, e, rid)
+        dt = time.perf_counter() - t0
+        self.metrics.observe_request("none", e.status, path if path in ROUTES else "/v1/other", dt)
+        self.access.emit(rid, method, path, model, "none", e.status, dt, attempts=0, cause=e.message)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
         rid, declared, auth, ctype, fwd, session, upgrade = self._head(scope)
         path = scope["path"]
         route = path if path in ROUTES else "/v1/other"  # bounded metric label
+        info: RequestInfo | None = None
         try:
             self._check(auth, ctype, upgrade)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
-            info = self.request_info(path, body, session)
+            info = self.parse_info(path, body, session)
+            self.check_model(info)
             target = request_target(scope)
         except RouterError as e:
-            await send_error(send, e, rid)
-            dt = time.perf_counter() - t0
-            self.metrics.observe_request("none", e.status, route, dt)
-            self.access.emit(rid, scope["method"], path, None, "none", e.status, dt, attempts=0, cause=e.message)
+            await self._refused(send, e, scope["method"], path, rid, t0, None if info is None else info.model)
             return
         except asyncio.CancelledError:   # the client left while sending its body
             dt = time.perf_counter() - t0

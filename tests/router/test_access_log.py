@@ -101,3 +101,28 @@ def test_a_stream_the_client_cut_logs_the_tokens_it_was_sent(make_cluster):
     out = int(line.split("output_tokens=", 1)[1].split()[0])
     assert 3 <= out < 40, line
     assert "ttft_ms=-" not in line, line
+
+
+def test_refusals_keep_the_request_id_sequence_and_name_what_was_asked(make_cluster):
+    """A 4xx skipped one minted request id (the head was read twice); a 405 had neither an id nor an
+    access line; a 404 for an unknown model logged ``model=-`` (found by a new user's trial)."""
+    c = make_cluster(1)
+
+    def minted(r: httpx.Response) -> int:
+        return int(r.headers["x-request-id"][-8:], 16)
+
+    first = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": 2})
+    missing = httpx.post(c.base + "/v1/chat/completions", json={"model": "no-such-model", "messages": MSG})
+    wrong = httpx.get(c.base + "/v1/chat/completions")
+    last = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": 2})
+    assert (first.status_code, missing.status_code, wrong.status_code, last.status_code) == (200, 404, 405, 200)
+    assert wrong.headers["allow"] == "POST" and wrong.json()["error"]["code"] == 405
+    assert [minted(r) - minted(first) for r in (missing, wrong, last)] == [1, 2, 3]
+    ids = {k: r.headers["x-request-id"] for k, r in (("404", missing), ("405", wrong))}
+    wait_until(lambda: all(_lines(c, f"rid={v} ") for v in ids.values()), 10, what="the refusals' access lines")
+    nf = _lines(c, f"rid={ids['404']} ")[0]
+    assert "status=404 " in nf and "model=no-such-model " in nf and "worker=- " in nf
+    na = _lines(c, f"rid={ids['405']} ")[0]
+    assert "GET /v1/chat/completions" in na and "status=405 " in na
+    text = httpx.get(c.base + "/metrics").text
+    assert any(ln.startswith("dplb_router_requests_total") and 'status="405"' in ln for ln in text.splitlines())
