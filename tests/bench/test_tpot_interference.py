@@ -9,7 +9,12 @@ import sys
 
 import pytest
 
-from bench.tpot_interference import VICTIM_KNOWLEDGE, LearnedOutputs, tpot_penalty_s
+from bench.tpot_interference import (
+    VICTIM_KNOWLEDGE,
+    LearnedOutputs,
+    slo_misses,
+    tpot_penalty_s,
+)
 
 S = 8192.0
 R = 30000.0
@@ -99,3 +104,25 @@ def test_learned_outputs_price_a_victim_by_its_class_and_what_it_has_streamed():
         LearnedOutputs(keep=0)
     with pytest.raises(ValueError, match="bound"):
         LearnedOutputs(bound="exact")
+
+
+def test_slo_misses_count_only_the_victims_our_prefill_pushes_over_the_bound():
+    t = 0.1
+    # 4 output tokens, 2 streamed in 0.02 s (mean step 0.02 s): 0.02 + 2·0.02 = 0.06 s of a 0.3 s
+    # budget; our 30k tokens add min(30000, 2·8192)/r = 0.546 s -> pushed over
+    assert slo_misses(30000, R, [(4, 2, 0.02)], S, t) == 1.0
+    # the same victim under a prefill of 3,000 tokens: 0.1 s more, 0.16 s < 0.3 s -> not a miss
+    assert slo_misses(3000, R, [(4, 2, 0.02)], S, t) == 0.0
+    # 256 tokens at 0.01 s a step: 25.5 s of budget absorbs a 1 s prefill
+    assert slo_misses(30000, R, [(256, 10, 0.09)], S, t) == 0.0
+    # a victim already over its bound without us (mean step 0.2 s) is not ours to count
+    assert slo_misses(30000, R, [(4, 2, 0.2)], S, t) == 0.0
+    # one-token outputs have no TPOT; a queued victim (nothing streamed) with 3 tokens is pushed over
+    assert slo_misses(30000, R, [(1, 0, 0.0), (3, 0, 0.0)], S, t) == 1.0
+    with pytest.raises(ValueError):
+        slo_misses(1, 0.0, [(4, 2, 0.0)], S, t)
+
+
+def test_the_slo_miss_priced_simulator_serves_everything(tmp_path):
+    row = _run(tmp_path, "--w-tpot", "1", "--tpot-slo-s", "0.1", "--victim-outputs", "pow2")
+    assert row["served"] == 150 and row["rejected"] == 0
