@@ -90,7 +90,7 @@ from router.upstream import Upstream
 log = logging.getLogger("dplb.router.proxy")
 
 _XRID = b"x-request-id"
-_MINTED = "dplb.minted_request_id"   # scope key: the id start() minted for a request it left
+_MINTED = "dplb.minted_request_id"   # scope key: the id minted for this request
 _NONE = b"none"
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 #: a request whose connection broke on this many workers after they read it, before any byte
@@ -201,10 +201,10 @@ class Proxy:
             elif k == b"connection" and b"upgrade" in v.lower():
                 conn_upgrade = True
         if rid is None:
-            rid = scope.pop(_MINTED, None)   # one per request: the id start() minted for one it left
+            rid = scope.get(_MINTED)   # one id per request, however often its head is read
             if rid is None:
                 self._n += 1
-                rid = b"%s%08x" % (self._prefix, self._n)
+                rid = scope[_MINTED] = b"%s%08x" % (self._prefix, self._n)
             fwd.append((_XRID, rid))
         return rid, declared, auth, ctype, fwd, session, upgrade if conn_upgrade else None
 
@@ -269,7 +269,6 @@ class Proxy:
         answer, no eligible worker, a body above the limit): then nothing was sent or recorded
         and the caller serves the request through :meth:`__call__`, which answers the error."""
         t0 = time.perf_counter()
-        rid = None
         try:
             rid, _declared, auth, ctype, fwd, session, upgrade = self._head(scope)
             self._check(auth, ctype, upgrade)
@@ -282,8 +281,6 @@ class Proxy:
                           info, rid, t0)
             pre = self._dispatch(ex, 0)
         except RouterError:
-            if rid is not None and not any(k == _XRID for k, _ in scope["headers"]):
-                scope[_MINTED] = rid   # :meth:`__call__` answers it under the same id
             return None
 
         async def rest(scope: Scope, receive: Receive, send: Send) -> None:
