@@ -229,13 +229,18 @@ class PoolWatcher:
                 self._stop.wait(self.backoff_s)
 
     def _cut(self, resp: Any = None) -> None:
-        """Shut the open pod watch's connection (or ``resp``'s), ending its blocked read."""
+        """Shut the open pod watch's connection (or ``resp``'s), ending its blocked read.
+
+        The watch thread may close or release the response at any moment (its stream ended, a
+        410, a re-list), and urllib3's ``HTTPResponse.shutdown`` then raises ``ValueError`` (closed:
+        no socket to shut) or ``RuntimeError`` (released to the pool): either way no read is
+        blocked on it any more, so there is nothing to cut."""
         resp = resp if resp is not None else self._pod_resp
         if resp is not None:
             try:
                 resp.shutdown()
-            except OSError:
-                log.debug("cutting the pod watch", exc_info=True)
+            except (OSError, ValueError, RuntimeError):
+                log.debug("cutting the watch", exc_info=True)
 
     def _stream(self, fn: Any, rv: str, **kw: Any) -> Any:
         """Yield ``(type, object, resourceVersion)`` of a watch from ``rv``; raises :class:`Gone`."""
@@ -253,11 +258,11 @@ class PoolWatcher:
         if pods:
             self._pod_resp = resp
             if self._reselect.is_set():
-                resp.shutdown()
+                self._cut(resp)
         else:
             self._pool_resp = resp
         if self._stop.is_set():
-            resp.shutdown()
+            self._cut(resp)
         try:
             for line in iter_resp_lines(resp):
                 if self._stop.is_set():
