@@ -52,6 +52,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from router.policies.tpot_slo import count_pushed, victim_rows
+
 #: o_ref: the output length the TPOT increase is converted at (dplb's default_output_tokens)
 REFERENCE_OUTPUT_TOKENS = 256
 
@@ -150,22 +152,13 @@ def slo_misses(uncached: float, rate: float, victims: Sequence[tuple[int, int, f
     ``tpot_slo_s``: each ``(output tokens, streamed tokens, decode seconds so far)``; a victim's
     remaining ``o − k`` steps are assumed as long as its mean step so far (a queued one: 0), and
     our prefill adds ``min(u, (o − k)·S) / r`` to them. A victim already over its bound without us,
-    or under it with us, counts 0 (a miss is priced once, where it is caused)."""
+    or under it with us, counts 0 (a miss is priced once, where it is caused). The router's own
+    rule (:mod:`router.policies.tpot_slo`, built from this experiment in Round 8); raises
+    ValueError on a rate or step size that is not positive."""
     if rate <= 0 or step_tokens <= 0:
         raise ValueError(f"rate {rate} and step_tokens {step_tokens} must be > 0")
-    n = 0.0
-    for o, k, spent in victims:
-        if o <= 1 or k >= o:
-            continue
-        left = o - max(k, 1)
-        mean = spent / (k - 1) if k > 1 else 0.0
-        base = spent + left * mean
-        budget = tpot_slo_s * (o - 1)
-        if base > budget:
-            continue
-        if base + min(uncached, left * step_tokens) / rate > budget:
-            n += 1.0
-    return n
+    rows = victim_rows(((o, k, spent) for o, k, spent in victims), tpot_slo_s, step_tokens, REFERENCE_OUTPUT_TOKENS)
+    return float(count_pushed(rows, uncached, rate))
 
 
 def install(w_tpot: float, only_whole: bool = False, replace: bool = False, known: str = "exact",

@@ -477,6 +477,7 @@ class Exchange:
                 self.lease.first_token(observed=False)
             elif self.streaming:
                 self.meter = StreamMeter(sse)
+                self.lease.progress = self.meter.content_events   # tokens so far (the TPOT-SLO term)
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
         if msg.end_of_stream:

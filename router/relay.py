@@ -112,13 +112,17 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
     Raises TransportError (broken, stalled), ClientGone or CancelledError (the client left)."""
     route, t0, lease = ex.route, ex.t0, att.lease
     if writer is None:
+        lease.progress = meter.content_events   # output tokens so far, for the TPOT-SLO term
         async for chunk in up.chunks():
             if meter.feed(chunk):
                 ttft.append(on_first_content(metrics, route, t0, lease))
             await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
         return
     write = writer.write
-    relays = []
+    relays: list[ChunkRelay] = []
+    # output tokens so far (router.policies.tpot_slo): the meter's events, then the native relay's
+    # (it meters what it writes; its counts reach the meter only at the end)
+    lease.progress = lambda: meter.content_events() + sum(r.events for r in relays)
 
     def sink(chunk: bytes) -> bool:
         # the body's last bytes carry its end (one write, not two); the meter sees

@@ -39,6 +39,7 @@ gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from dplb_shm import WorkerSnapshot, heartbeat_stale
@@ -79,13 +80,19 @@ class Lease:
     in-flight count. :meth:`first_token` once prefill is done, :meth:`finish` (or :meth:`release`,
     without a breaker verdict) exactly once at the end (idempotent). ``deadline``: when a request
     whose first token the router cannot see (not
-    streamed) is assumed past prefill (dispatch + its estimated TTFT; :meth:`Scheduler.sweep`)."""
+    streamed) is assumed past prefill (dispatch + its estimated TTFT; :meth:`Scheduler.sweep`).
 
-    __slots__ = ("account", "deadline", "handle", "health", "judged")
+    While open, a streamed request's lease sits in ``book`` (a :class:`DecodeBook`, what the policy
+    reads of the decodes in flight): ``max_tokens`` (the request's output bound, None when it sent
+    none) and :meth:`streamed` (output tokens so far: ``progress()`` when the proxy set a counter,
+    else ``tokens``, which the simulator sets at every token)."""
+
+    __slots__ = ("account", "book", "deadline", "handle", "health", "judged", "max_tokens", "progress", "tokens")
 
     def __init__(self, handle: WorkerHandle, seg: Segment | AccountedSegment, prompt_tokens: int = 0, uncached_tokens: int | None = None,
                  now: float | None = None, learn: LearnSettings | None = None, deadline: float | None = None,
-                 health: HealthReporter | None = None) -> None:
+                 health: HealthReporter | None = None, max_tokens: int | None = None,
+                 book: DecodeBook | None = None) -> None:
         self.handle = handle
         self.health: HealthReporter = health if health is not None else _NoHealth()
         self.judged = False
@@ -94,7 +101,20 @@ class Lease:
                                       prompt_tokens if uncached_tokens is None else uncached_tokens, t, learn,
                                       observed=deadline is None)
         self.deadline = deadline
+        self.max_tokens = max_tokens
+        #: output tokens streamed so far (set by whoever watches the stream; see :meth:`streamed`)
+        self.tokens = 0
+        self.progress: Callable[[], int] | None = None
         handle.local_inflight += 1
+        # streamed: a TPOT victim while in flight (non-streamed: no TPOT)
+        self.book = book if deadline is None else None
+        if self.book is not None:
+            self.book.add(self)
+
+    def streamed(self) -> int:
+        """Output tokens this request has streamed so far (0 before its first)."""
+        p = self.progress
+        return p() if p is not None else self.tokens
 
     @property
     def released(self) -> bool:
@@ -115,6 +135,9 @@ class Lease:
             self.account.finish(time.monotonic() if now is None else now, output_tokens)
         finally:
             self.handle.local_inflight -= 1
+            if self.book is not None:
+                self.book.discard(self)
+            self.progress = None     # drops the stream meter it may hold
         return True
 
     def head_seen(self) -> None:
@@ -152,18 +175,61 @@ class Lease:
         return True
 
 
+class DecodeBook:
+    """This process's streamed requests in flight, per worker, as a policy reads them (the TPOT
+    victims of :mod:`router.policies.tpot_slo`): each open :class:`Lease` of a streamed request,
+    added when taken and dropped when released. ``clock_s``: the leases' clock, seconds
+    (``time.monotonic`` live, the virtual clock in the simulator)."""
+
+    __slots__ = ("by_worker", "clock_s")
+
+    def __init__(self, clock_s: Callable[[], float] = time.monotonic) -> None:
+        self.clock_s = clock_s
+        self.by_worker: dict[int, set[Lease]] = {}
+
+    def add(self, lease: Lease) -> None:
+        """Hold ``lease`` (its worker is ``lease.handle.worker_id``) until :meth:`discard`."""
+        self.by_worker.setdefault(lease.handle.worker_id, set()).add(lease)
+
+    def discard(self, lease: Lease) -> None:
+        """Drop ``lease`` (no-op when not held)."""
+        held = self.by_worker.get(lease.handle.worker_id)
+        if held is not None:
+            held.discard(lease)
+
+    def has_requests(self, worker_id: int) -> bool:
+        """Whether worker ``worker_id`` has any streamed request of this process in flight."""
+        return bool(self.by_worker.get(worker_id))
+
+    def requests(self, worker_id: int) -> Iterator[tuple[int | None, int, float | None]]:
+        """``(max_tokens or None, output tokens streamed so far, seconds since its first token or
+        None before it)`` for each streamed request of this process in flight on ``worker_id``."""
+        held = self.by_worker.get(worker_id)
+        if not held:
+            return
+        now = self.clock_s()
+        for lease in tuple(held):
+            tf = lease.account.t_first
+            yield lease.max_tokens, lease.streamed(), None if tf is None else now - tf
+
+
 class Scheduler:
     """Runs the pipeline for ``policy`` over ``registry`` (see module docstring)."""
 
     def __init__(self, registry: Registry, policy: Policy, seg: Segment, metrics: Metrics | None = None,
                  learn: LearnSettings | None = None, default_rate: float = 30_769.0,
-                 health: HealthReporter | None = None, accounts: AccountedSegment | None = None) -> None:
+                 health: HealthReporter | None = None, accounts: AccountedSegment | None = None,
+                 clock_s: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         #: what leases account on: ``seg``, or a :class:`router.ledger.AccountedSegment` that also
         #: records this process's share so that it can be given back should the process die
         self.accounts = seg if accounts is None else accounts
         self.health: HealthReporter = health if health is not None else _NoHealth()
         self.policy = policy
+        #: this process's streamed requests per worker, for policies that price their decodes
+        #: (``clock_s``: the clock the leases are stamped with, seconds)
+        self.decodes = DecodeBook(clock_s)
+        policy.bind_decodes(self.decodes)
         self.seg = seg
         self.metrics = metrics
         self.learn = learn if learn is not None else LearnSettings()
@@ -247,7 +313,8 @@ class Scheduler:
             if est is None or not est < float("inf"):
                 est = u / self.default_rate
             deadline = t + est
-        lease = Lease(h, self.accounts, req.prompt_len, u, t, self.learn, deadline, self.health)
+        lease = Lease(h, self.accounts, req.prompt_len, u, t, self.learn, deadline, self.health, req.max_tokens,
+                      self.decodes)
         if deadline is not None:
             self.blind.add(lease)
         self.policy.on_dispatch(h.worker_id, req)

@@ -149,6 +149,12 @@ class StreamMeter:
                 self._tail = (self._tail + chunk)[-_TAIL:]
                 return True
 
+    def content_events(self) -> int:
+        """Events fed since the first content, that one included (0 before it): about the output
+        tokens streamed so far, one per event (a trailing ``[DONE]`` or usage event counts too;
+        :meth:`output_tokens` is the exact count at the end). O(1): read while the stream runs."""
+        return 1 + self._events_after if self.first_seen else 0
+
     @property
     def carry(self) -> bytes:
         """The last byte fed after the first content (b"" before): a separator may straddle it."""

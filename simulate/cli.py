@@ -26,6 +26,7 @@ from router.policies import policy_names
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
 from simulate.capacity import find_capacity, min_engines, rate_sweep, trace_rate
 from simulate.cluster import (
+    CLIENT_BOUNDS,
     DEFAULT_ATTAINMENT,
     DEFAULT_TPOT_S,
     DEFAULT_TTFT_BASE_S,
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--oracle-prefix", action="store_true",
                    help="simulator only: prefix-aware policies see each engine's true cached prefix of the "
                         "request instead of the router's prefix index (what the index costs)")
+    r.add_argument("--client-max-tokens", choices=CLIENT_BOUNDS, default="exact",
+                   help="the max_tokens the router is told (the engine still generates the trace's output "
+                        "length): exact (the trace's length, an oracle; default), pow2 (rounded up to a power "
+                        "of two), x4 (four times over) or none (absent: the policy's default)")
     o = p.add_argument_group("output")
     o.add_argument("--json-out", default=None, help="write one JSON object per policy (a JSON array)")
     o.add_argument("--plot-dir", default=None, help="write ttft_cdf.png and queue_<policy>.png here")
@@ -233,6 +238,7 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
         "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
         "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix,
+        "client_max_tokens": ns.client_max_tokens,
         "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
         "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
@@ -330,7 +336,8 @@ def _main(ns: argparse.Namespace) -> int:
 
     base = SimSettings(engines=engines, router=cfg, state_interval_ms=ns.state_interval_ms,
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
-                       seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix)
+                       seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
+                       client_max_tokens=ns.client_max_tokens)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
     rows: list[dict[str, Any]] = []
     ttfts: dict[str, list[float]] = {}

@@ -83,6 +83,17 @@ STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE = 0, 1, 2, 3
 OK = 200
 
 
+#: what a client tells the router as ``max_tokens`` for a request that will generate ``o`` tokens
+#: (``SimSettings.client_max_tokens``): the exact length (an oracle), rounded up to a power of two,
+#: four times over, or nothing
+CLIENT_BOUNDS: dict[str, Callable[[int], int | None]] = {
+    "exact": lambda o: o,
+    "pow2": lambda o: 1 << max(0, (int(o) - 1).bit_length()),
+    "x4": lambda o: 4 * int(o),
+    "none": lambda o: None,
+}
+
+
 class VirtualClock:
     """Simulated time ``t`` (seconds); :meth:`now_ns` is the same instant on the segment's clock."""
 
@@ -173,6 +184,10 @@ class SimSettings:
     #: run at ``--time-scale T`` has agents that measure wall time, T times shorter: 1/T mimics it
     #: (``simulate.fidelity``; with state interval, latency window and health interval × T)
     agent_latency_scale: float = 1.0
+    #: the ``max_tokens`` the router is told, of :data:`CLIENT_BOUNDS` (the engine generates the
+    #: trace's output length whatever it is): the trace's length (``exact``, an oracle; what every
+    #: run before issue 29's round 8 used), a client's looser bound or none
+    client_max_tokens: str = "exact"
 
 
 @dataclass
@@ -367,7 +382,7 @@ class Simulation:
         registry = Registry(seg, cfg, clock=now_ns)
         registry.sync(seg.snapshot())
         scheduler = Scheduler(registry, policy, seg, metrics=None, learn=learn_settings(cfg),
-                              default_rate=cfg.routing_policy.prefill_tokens_per_s)
+                              default_rate=cfg.routing_policy.prefill_tokens_per_s, clock_s=lambda: clock.t)
         needs_text = bool(getattr(policy, "needs_text", True))
         oracle: OracleIndex | None = None
         n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
@@ -375,6 +390,7 @@ class Simulation:
             oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
             policy.index = oracle                # type: ignore[attr-defined]
         path = CHAT if s.api == "chat" else COMPLETIONS
+        bound = CLIENT_BOUNDS[s.client_max_tokens]
         model = s.engines[0].model
 
         # per request
@@ -481,6 +497,7 @@ class Simulation:
                         i = req.sink
                         n_out = len(req.output)
                         lease = leases[i]
+                        lease.tokens = n_out   # what the live proxy's stream meter counts
                         if n_out == 1:
                             ft = t - arr[i]
                             ttft[i] = ft
@@ -549,7 +566,7 @@ class Simulation:
                 r = reqs[i]
                 text = router_text(r, s.api) if needs_text else ""
                 info = RequestInfo(path, model, True, text, router_prompt_len(r, s.api),
-                                   max_tokens=r.output_length if r.output_length > 0 else None)
+                                   max_tokens=bound(r.output_length) if r.output_length > 0 else None)
                 if oracle is not None:
                     oracle.current = {}
                     by_hasher: dict[int, list[int]] = {}

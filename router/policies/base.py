@@ -9,7 +9,7 @@ network and never raise for an empty list (the pipeline guarantees at least one 
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
@@ -55,6 +55,15 @@ class Snap(Protocol):
     max_num_seqs: int
 
 
+class Decodes(Protocol):
+    """What a policy may read of the streamed requests in flight per worker (the scheduler's
+    :class:`router.scheduling.DecodeBook`; :mod:`router.policies.tpot_slo` prices them)."""
+
+    def has_requests(self, worker_id: int) -> bool: ...
+
+    def requests(self, worker_id: int) -> Iterator[tuple[int | None, int, float | None]]: ...
+
+
 class Policy(Protocol):
     """A routing policy. ``name`` is its config name; what it reads, declared here and read by the
     pipeline (:class:`router.scheduling.Scheduler`, :class:`router.state.RouterState`):
@@ -72,6 +81,8 @@ class Policy(Protocol):
     def on_dispatch(self, worker_id: int, req: RequestInfo) -> None: ...
 
     def forget(self, worker_id: int) -> None: ...
+
+    def bind_decodes(self, book: Decodes) -> None: ...
 
 
 def pending(s: WorkerSnapshot) -> int:
@@ -130,3 +141,7 @@ class BasePolicy:
 
     def forget(self, worker_id: int) -> None:
         """Called when a worker leaves (drop its prefix entries, counters...)."""
+
+    def bind_decodes(self, book: Decodes) -> None:
+        """Called once by the scheduler with its :class:`router.scheduling.DecodeBook` (the
+        streamed requests in flight per worker); policies that do not price them ignore it."""

@@ -79,6 +79,7 @@ from router.accounting import prefill_work
 from router.policies.base import (
     BasePolicy,
     Decision,
+    Decodes,
     RequestInfo,
     least_loaded,
     pending,
@@ -97,6 +98,7 @@ from router.policies.registry import (
     RateParams,
     register,
 )
+from router.policies.tpot_slo import count_pushed, victim_rows
 
 if TYPE_CHECKING:
     from dplb_shm.types import WorkerSnapshot
@@ -121,8 +123,13 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
     # Any: a Segment and TtftParams, which PolicyContext holds as Optional (build() checks needs_kernel)
     def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, rng=None,  # type: ignore[explicit-any]
                  clock: Callable[[], int] | None = None, default_output_tokens: int = 256, max_output_tokens: int = 4096,
-                 attention_tokens: float = 0.0) -> None:
+                 attention_tokens: float = 0.0, slo_tpot_s: float = 0.0, w_slo_miss: float = 1.0) -> None:
         super().__init__(rng)
+        #: the TPOT bound the SLO-miss term protects, s (0: the term is off), and its price per
+        #: victim pushed over it, s (router.policies.tpot_slo)
+        self.slo_tpot_s = slo_tpot_s
+        self.w_slo_miss = w_slo_miss
+        self.decodes: Decodes | None = None
         #: ``A`` of :func:`router.accounting.prefill_work` (0: the kernel prices plain tokens)
         self.attention_tokens = attention_tokens
         self.kernel = kernel
@@ -135,6 +142,26 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         self._relaxed = (replace(params, kv_cache_threshold=1.0)
                          if params is not None and params.kv_cache_threshold < 1.0 else None)
         self._pending_hashes: tuple[int, list[int]] | None = None
+
+    def bind_decodes(self, book: Decodes) -> None:
+        """Keep the scheduler's :class:`router.scheduling.DecodeBook`: the SLO-miss term's victims."""
+        self.decodes = book
+
+    def victims(self, workers: Sequence[WorkerSnapshot]) -> dict[int, list[tuple[float, float]]]:
+        """Per offered worker with any, the decodes our prefill could still push over the TPOT
+        bound (:func:`router.policies.tpot_slo.victim_rows`); empty when the term is off."""
+        book = self.decodes
+        if book is None or self.slo_tpot_s <= 0.0 or self.w_slo_miss <= 0.0:
+            return {}
+        step = float(self.params.step_tokens)
+        out: dict[int, list[tuple[float, float]]] = {}
+        for w in workers:
+            wid = w.worker_id
+            if book.has_requests(wid):
+                rows = victim_rows(book.requests(wid), self.slo_tpot_s, step, self.default_output_tokens)
+                if rows:
+                    out[wid] = rows
+        return out
 
     def uncached_vector(self, workers: Sequence[WorkerSnapshot], req: RequestInfo) -> tuple[list[float], dict[int, int]]:
         """Per slot, the prompt tokens to compute there (``EXCLUDED`` for workers not offered), and
@@ -166,14 +193,27 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         now = self.clock() if self.clock is not None else None
         rows: list[dict[str, ScoreValue]] = []
         out = float(min(req.max_tokens or self.default_output_tokens, self.max_output_tokens))
-        if explain:
+        victims = self.victims(workers)
+        if explain or victims:
+            # every term of every eligible worker: shown (explain), and the SLO-miss term added
             wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
-            # the kernel's ``uncached_tokens`` is the work it was given: shown as ``prefill_work``,
-            # beside the tokens themselves
-            rows = [{"worker_id": int(t.worker_id), "score": -float(t.est_s),
-                     **t.to_dict(), "uncached_tokens": vec[int(t.worker_id)], "prefill_work": float(t.uncached_tokens)}
-                    for t in terms]
-            est = next((float(t.est_s) for t in terms if int(t.worker_id) == wid), None)
+            missed: dict[int, int]
+            est: float | None
+            if victims and int(wid) >= 0:
+                wid, est, missed = self._with_slo_misses(terms, victims)
+            else:
+                missed = {}
+                est = next((float(t.est_s) for t in terms if int(t.worker_id) == wid), None)
+            if explain:
+                # the kernel's ``uncached_tokens`` is the work it was given: shown as ``prefill_work``,
+                # beside the tokens themselves
+                w_miss = self.w_slo_miss
+                rows = [{"worker_id": int(t.worker_id),
+                         "score": -(float(t.est_s) + w_miss * missed.get(int(t.worker_id), 0) / float(t.weight)),
+                         **t.to_dict(), "uncached_tokens": vec[int(t.worker_id)], "prefill_work": float(t.uncached_tokens),
+                         "slo_victims": missed.get(int(t.worker_id), 0),
+                         "slo_miss_s": w_miss * missed.get(int(t.worker_id), 0)}
+                        for t in terms]
         else:
             wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
         wid = int(wid)
@@ -197,6 +237,30 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est)
 
 
+    def _with_slo_misses(self, terms: Sequence[Any], victims: dict[int, list[tuple[float, float]]]  # type: ignore[explicit-any]
+                         ) -> tuple[int, float, dict[int, int]]:
+        """The kernel's eligible workers (``terms``: TtftTerms) re-ranked with the SLO-miss term:
+        ``est_s + w_slo_miss · pushed / weight``, ``pushed`` the victims our prefill (the row's
+        ``uncached_tokens`` at its pooled ``rate``) pushes over the TPOT bound. Returns ``(worker,
+        its estimate, {worker: pushed})``; ties (within 1e-9 s, as the kernel's) broken at random."""
+        w = self.w_slo_miss
+        missed: dict[int, int] = {}
+        best: list[int] = []
+        best_est = float("inf")
+        for t in terms:
+            k = int(t.worker_id)
+            rows = victims.get(k)
+            n = count_pushed(rows, float(t.uncached_tokens), float(t.rate)) if rows else 0
+            if n:
+                missed[k] = n
+            est = float(t.est_s) + w * n / float(t.weight)
+            if est < best_est - 1e-9:
+                best, best_est = [k], est
+            elif est <= best_est + 1e-9:
+                best.append(k)
+        return (best[0] if len(best) == 1 else self.rng.choice(best)), best_est, missed
+
+
 class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     """``dplb``'s parameters (besides the shared groups): prompt tokens assumed per request waiting
     in an engine that the routers did not send (``waiting_tokens``); the weight of the batch term
@@ -214,11 +278,14 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     w_miss: float = Field(default=0.0, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     rate_band: float = Field(default=0.25, ge=0)
+    slo_tpot_s: float = Field(default=0.0, ge=0)
+    w_slo_miss: float = Field(default=1.0, ge=0)
 
 
 def _build(p: DplbParams, ctx: PolicyContext) -> DplbPolicy:
     return DplbPolicy(ctx.kernel, ctx.ttft, p.prefix_index(), rng=ctx.rng, clock=ctx.clock,
-                      default_output_tokens=p.default_output_tokens, attention_tokens=p.attention_tokens)
+                      default_output_tokens=p.default_output_tokens, attention_tokens=p.attention_tokens,
+                      slo_tpot_s=p.slo_tpot_s, w_slo_miss=p.w_slo_miss)
 
 
 SPEC = register(PolicySpec("dplb", DplbParams, _build, needs_kernel=True,
