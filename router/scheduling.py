@@ -39,7 +39,7 @@ gauges of ``/metrics`` read the segment's counts when scraped.) The proxy calls
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from dplb_shm import WorkerSnapshot, heartbeat_stale
@@ -201,16 +201,21 @@ class DecodeBook:
         """Whether worker ``worker_id`` has any streamed request of this process in flight."""
         return bool(self.by_worker.get(worker_id))
 
-    def requests(self, worker_id: int) -> Iterator[tuple[int | None, int, float | None]]:
+    def requests(self, worker_id: int) -> list[tuple[int | None, int, float | None]]:
         """``(max_tokens or None, output tokens streamed so far, seconds since its first token or
-        None before it)`` for each streamed request of this process in flight on ``worker_id``."""
+        None before it)`` for each streamed request of this process in flight on ``worker_id``
+        (one pass per routing decision: kept lean, :meth:`Lease.streamed` inlined)."""
         held = self.by_worker.get(worker_id)
         if not held:
-            return
+            return []
         now = self.clock_s()
-        for lease in tuple(held):
+        out = []
+        append = out.append
+        for lease in held:
             tf = lease.account.t_first
-            yield lease.max_tokens, lease.streamed(), None if tf is None else now - tf
+            p = lease.progress
+            append((lease.max_tokens, p() if p is not None else lease.tokens, None if tf is None else now - tf))
+        return out
 
 
 class Scheduler:

@@ -9,7 +9,7 @@ network and never raise for an empty list (the pipeline guarantees at least one 
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
@@ -61,7 +61,7 @@ class Decodes(Protocol):
 
     def has_requests(self, worker_id: int) -> bool: ...
 
-    def requests(self, worker_id: int) -> Iterator[tuple[int | None, int, float | None]]: ...
+    def requests(self, worker_id: int) -> list[tuple[int | None, int, float | None]]: ...
 
 
 class Policy(Protocol):

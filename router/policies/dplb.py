@@ -8,7 +8,8 @@ csrc/dplb_kernel.h) estimates, in seconds::
             + kv_barrier · k_i / (1 − k_i)                              # KV cache filling up
             + w_decode · out · (decode_seq·B_i + decode_ctx·C_i)          # the batch, on our decode
             + w_interf · B_i · u_i / r_i                                   # our prefill, on the batch there
-            + w_miss · (u_i − u_min) / r_i ) / weight_i                    # a prefix miss, on those behind it
+            + w_miss · (u_i − u_min) / r_i                                 # a prefix miss, on those behind it
+            + w_slo_miss · n_i ) / weight_i                                # decodes pushed over their TPOT bound
 
 * ``W_i``: outstanding prefill tokens on i (uncached prompt tokens dispatched by any router whose
   first token has not come back; :mod:`router.accounting`), fresh at every dispatch;
@@ -51,6 +52,17 @@ arrival in queueing theory is its own delay plus the delay it adds to everyone e
 Each is switched off by a weight of 0; the defaults were chosen by the ablation in
 docs/DESIGN.md ("Pricing the cluster") over every workload, not one.
 
+* **TPOT-SLO misses** ``w_slo_miss · n_i`` (issue 29, round 8; :mod:`router.policies.tpot_slo`):
+  ``n_i`` is how many of this router process's streamed requests in flight on i our prefill
+  (``u_i`` at ``r_i``) would push over the TPOT bound ``slo_tpot_s`` (0.1 s; 0 = off): each
+  victim's slack is what its bound allows minus its decode time at its pace so far, and our
+  prefill adds ``min(u_i, left · step_tokens) / r_i`` to its remaining steps. A victim with slack
+  to spare costs nothing, nor does one already lost; ``w_slo_miss`` (1 s) is the price of one
+  miss. The kernel ranks, this term is added in Python over its rows (``pick_ttft_explain``) only
+  when some offered worker has a victim within reach; ``/dplb/route`` shows ``slo_victims`` and
+  ``slo_miss_s``. Output bounds are the requests' ``max_tokens`` (``default_output_tokens``
+  without one); streamed tokens come from the proxy's stream meter and native relay.
+
 Ties break at random. The field's versions of the same idea, for comparison (each is a policy of
 its own here): SGLang gateway's ``least_load`` (queued tokens / throughput + the same KV barrier,
 no prefix term), Dynamo's KV router (``kv_cost``: uncached prefill blocks + active decode blocks)
@@ -65,7 +77,7 @@ Config::
 
     routing_policy: {policy: dplb, prefill_tokens_per_s: 30769, step_tokens: 8192, kv_barrier_s: 0.15,
                      w_decode: 0.25, w_interf: 0.5, w_miss: 0.0, attention_tokens: 0,
-                     kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
+                     slo_tpot_s: 0.1, w_slo_miss: 1.0, kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
 """
 from __future__ import annotations
 
@@ -123,7 +135,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
     # Any: a Segment and TtftParams, which PolicyContext holds as Optional (build() checks needs_kernel)
     def __init__(self, kernel: Any, params: Any, index: PrefixIndex | None = None, rng=None,  # type: ignore[explicit-any]
                  clock: Callable[[], int] | None = None, default_output_tokens: int = 256, max_output_tokens: int = 4096,
-                 attention_tokens: float = 0.0, slo_tpot_s: float = 0.0, w_slo_miss: float = 1.0) -> None:
+                 attention_tokens: float = 0.0, slo_tpot_s: float = 0.1, w_slo_miss: float = 1.0) -> None:
         super().__init__(rng)
         #: the TPOT bound the SLO-miss term protects, s (0: the term is off), and its price per
         #: victim pushed over it, s (router.policies.tpot_slo)
@@ -270,7 +282,9 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     weighs our prefill's delay summed over the requests sharing its steps (B·u/r), ``w_miss``
     counts the later requests that wait behind a prefix miss's recompute ((u − u_min)/r); ``rate_band``: learned rates within
     this fraction of the workers' median count as the median (sampling noise between identical
-    engines must not steer a burst; csrc/dplb_kernel.h), 0 = off."""
+    engines must not steer a burst; csrc/dplb_kernel.h), 0 = off; ``slo_tpot_s``: the TPOT bound,
+    s, whose misses a placement is charged ``w_slo_miss`` s each (router.policies.tpot_slo; 0 =
+    off)."""
 
     waiting_tokens: int = Field(default=1024, ge=0)
     w_decode: float = Field(default=0.25, ge=0)
@@ -278,7 +292,7 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     w_miss: float = Field(default=0.0, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     rate_band: float = Field(default=0.25, ge=0)
-    slo_tpot_s: float = Field(default=0.0, ge=0)
+    slo_tpot_s: float = Field(default=0.1, ge=0)
     w_slo_miss: float = Field(default=1.0, ge=0)
 
 

@@ -49,16 +49,21 @@ def victim_rows(requests: Iterable[tuple[int | None, int, float | None]], tpot_s
     if tpot_slo_s <= 0 or step_tokens <= 0:
         raise ValueError(f"tpot_slo_s {tpot_slo_s} and step_tokens {step_tokens} must be > 0")
     rows: list[tuple[float, float]] = []
+    append = rows.append
     for max_tokens, k, since_first in requests:
         o = default_output_tokens if max_tokens is None else max_tokens
         if o <= 1 or k >= o:
             continue
-        spent = 0.0 if since_first is None or since_first < 0.0 else since_first
-        left = o - max(1, k)
-        mean = spent / (k - 1) if k > 1 else 0.0
-        slack = tpot_slo_s * (o - 1) - (spent + left * mean)
+        spent = since_first if since_first is not None and since_first > 0.0 else 0.0
+        if k > 1:
+            # base = spent + (o − k) · spent / (k − 1) = spent · (o − 1) / (k − 1)
+            slack = (o - 1) * (tpot_slo_s - spent / (k - 1))
+            left = o - k
+        else:
+            slack = (o - 1) * tpot_slo_s - spent
+            left = o - 1
         if slack >= 0.0:
-            rows.append((slack, left * step_tokens))
+            append((slack, left * step_tokens))
     return rows
 
 
