@@ -209,7 +209,7 @@ class DecodeBook:
         if not held:
             return []
         now = self.clock_s()
-        out = []
+        out: list[tuple[int | None, int, float | None]] = []
         append = out.append
         for lease in held:
             tf = lease.account.t_first
