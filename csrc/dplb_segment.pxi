@@ -602,6 +602,28 @@ cdef class Segment:
                                  weight=t.weight))
         return chosen, out
 
+    def pick_ttft_rows(self, params, int64_t prompt_len=0, uncached=None, now_ns=None, rng_u=None,
+                       double out_tokens=0.0):
+        """Like :meth:`pick_ttft_explain`, with only what a policy re-ranks by per eligible worker
+        (slot order): ``(chosen, [(worker_id, est_s, uncached_tokens, rate, weight), ...])``, plain
+        tuples (no :class:`TtftTerms` built: the hot path of ``dplb``'s TPOT-SLO term)."""
+        cdef uint32_t n_unc
+        cdef int64_t now
+        cdef double u
+        cdef int nt = 0, k, chosen
+        cdef dplb_ttft_terms_t *t
+        self._check_open()
+        self._load_ttft(params, uncached, &n_unc)
+        now = dplb_now_ns() if now_ns is None else <int64_t>now_ns
+        u = self._draw(rng_u)
+        chosen = dplb_pick_ttft(self.base, self.num_slots, &self.tparams, prompt_len, out_tokens,
+                                self.aff if n_unc else NULL, n_unc, now, u, self.scores, self.tterms, &nt)
+        out = []
+        for k in range(nt):
+            t = &self.tterms[k]
+            out.append((t.worker_id, t.est_s, t.uncached_tokens, t.rate, t.weight))
+        return chosen, out
+
     # ---- diagnostics ---------------------------------------------------------------------------
 
     def check_reads(self, int slot, long n_reads, bint locked=True):

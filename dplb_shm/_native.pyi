@@ -86,6 +86,9 @@ class Segment:
     def pick_ttft_explain(self, params: TtftParams, prompt_len: int = 0, uncached: Sequence[float] | None = None,
                           now_ns: int | None = None, rng_u: float | None = None,
                           out_tokens: float = 0.0) -> tuple[int, list[TtftTerms]]: ...
+    def pick_ttft_rows(self, params: TtftParams, prompt_len: int = 0, uncached: Sequence[float] | None = None,
+                       now_ns: int | None = None, rng_u: float | None = None,
+                       out_tokens: float = 0.0) -> tuple[int, list[tuple[int, float, float, float, float]]]: ...
     def check_reads(self, slot: int, n_reads: int, locked: bool = True) -> tuple[int, int, int]: ...
 
 class SlotWriter:

@@ -58,7 +58,7 @@ docs/DESIGN.md ("Pricing the cluster") over every workload, not one.
   victim's slack is what its bound allows minus its decode time at its pace so far, and our
   prefill adds ``min(u_i, left · step_tokens) / r_i`` to its remaining steps. A victim with slack
   to spare costs nothing, nor does one already lost; ``w_slo_miss`` (1 s) is the price of one
-  miss. The kernel ranks, this term is added in Python over its rows (``pick_ttft_explain``) only
+  miss. The kernel ranks, this term is added in Python over its rows (``pick_ttft_rows``) only
   when some offered worker has a victim within reach; ``/dplb/route`` shows ``slo_victims`` and
   ``slo_miss_s``. Output bounds are the requests' ``max_tokens`` (``default_output_tokens``
   without one); streamed tokens come from the proxy's stream meter and native relay.
@@ -123,7 +123,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
     """Estimated-TTFT routing over the native kernel (see the module docstring).
 
     ``kernel``: object with ``num_slots``, ``pick_ttft(params, prompt_len, uncached) -> (int, est)``
-    and ``pick_ttft_explain(...) -> (int, list[TtftTerms])`` (a ``dplb_shm.Segment``); ``params``: the
+    ``pick_ttft_explain(...) -> (int, list[TtftTerms])`` and ``pick_ttft_rows(...)`` (a ``dplb_shm.Segment``); ``params``: the
     ``dplb_shm.TtftParams`` handed to it; ``clock``: optional ``() -> ns`` for the kernel's heartbeat
     check (the simulator passes its virtual clock; None = the kernel's own CLOCK_MONOTONIC).
     """
@@ -206,26 +206,30 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         rows: list[dict[str, ScoreValue]] = []
         out = float(min(req.max_tokens or self.default_output_tokens, self.max_output_tokens))
         victims = self.victims(workers)
-        if explain or victims:
-            # every term of every eligible worker: shown (explain), and the SLO-miss term added
+        missed: dict[int, int] = {}
+        est: float | None
+        if explain:
             wid, terms = self.kernel.pick_ttft_explain(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
-            missed: dict[int, int]
-            est: float | None
             if victims and int(wid) >= 0:
-                wid, est, missed = self._with_slo_misses(terms, victims)
+                wid, est, missed = self._with_slo_misses(
+                    [(t.worker_id, t.est_s, t.uncached_tokens, t.rate, t.weight) for t in terms], victims)
             else:
-                missed = {}
                 est = next((float(t.est_s) for t in terms if int(t.worker_id) == wid), None)
-            if explain:
-                # the kernel's ``uncached_tokens`` is the work it was given: shown as ``prefill_work``,
-                # beside the tokens themselves
-                w_miss = self.w_slo_miss
-                rows = [{"worker_id": int(t.worker_id),
-                         "score": -(float(t.est_s) + w_miss * missed.get(int(t.worker_id), 0) / float(t.weight)),
-                         **t.to_dict(), "uncached_tokens": vec[int(t.worker_id)], "prefill_work": float(t.uncached_tokens),
-                         "slo_victims": missed.get(int(t.worker_id), 0),
-                         "slo_miss_s": w_miss * missed.get(int(t.worker_id), 0)}
-                        for t in terms]
+            # the kernel's ``uncached_tokens`` is the work it was given: shown as ``prefill_work``,
+            # beside the tokens themselves; the score includes the SLO-miss term
+            w_miss = self.w_slo_miss
+            rows = [{"worker_id": int(t.worker_id),
+                     "score": -(float(t.est_s) + w_miss * missed.get(int(t.worker_id), 0) / float(t.weight)),
+                     **t.to_dict(), "uncached_tokens": vec[int(t.worker_id)], "prefill_work": float(t.uncached_tokens),
+                     "slo_victims": missed.get(int(t.worker_id), 0),
+                     "slo_miss_s": w_miss * missed.get(int(t.worker_id), 0)}
+                    for t in terms]
+        elif victims:
+            # the kernel's rows (no TtftTerms built), re-ranked with the SLO-miss term
+            wid, krows = self.kernel.pick_ttft_rows(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
+            est = None
+            if int(wid) >= 0:
+                wid, est, _ = self._with_slo_misses(krows, victims)
         else:
             wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
         wid = int(wid)
@@ -249,23 +253,23 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est)
 
 
-    def _with_slo_misses(self, terms: Sequence[Any], victims: dict[int, list[tuple[float, float]]]  # type: ignore[explicit-any]
-                         ) -> tuple[int, float, dict[int, int]]:
-        """The kernel's eligible workers (``terms``: TtftTerms) re-ranked with the SLO-miss term:
-        ``est_s + w_slo_miss · pushed / weight``, ``pushed`` the victims our prefill (the row's
-        ``uncached_tokens`` at its pooled ``rate``) pushes over the TPOT bound. Returns ``(worker,
-        its estimate, {worker: pushed})``; ties (within 1e-9 s, as the kernel's) broken at random."""
+    def _with_slo_misses(self, krows: Sequence[tuple[int, float, float, float, float]],
+                         victims: dict[int, list[tuple[float, float]]]) -> tuple[int, float, dict[int, int]]:
+        """The kernel's eligible workers (``krows``: ``(worker_id, est_s, uncached work, rate,
+        weight)`` each, ``Segment.pick_ttft_rows``) re-ranked with the SLO-miss term: ``est_s +
+        w_slo_miss · pushed / weight``, ``pushed`` the victims our prefill (the row's work at its
+        pooled rate) pushes over the TPOT bound. Returns ``(worker, its estimate, {worker:
+        pushed})``; ties (within 1e-9 s, as the kernel's) broken at random."""
         w = self.w_slo_miss
         missed: dict[int, int] = {}
         best: list[int] = []
         best_est = float("inf")
-        for t in terms:
-            k = int(t.worker_id)
+        for k, est_s, unc, rate, weight in krows:
             rows = victims.get(k)
-            n = count_pushed(rows, float(t.uncached_tokens), float(t.rate)) if rows else 0
+            n = count_pushed(rows, unc, rate) if rows else 0
             if n:
                 missed[k] = n
-            est = float(t.est_s) + w * n / float(t.weight)
+            est = est_s + w * n / weight
             if est < best_est - 1e-9:
                 best, best_est = [k], est
             elif est <= best_est + 1e-9:

@@ -102,6 +102,9 @@ def test_native_equals_reference(seg, slots, params, prompt_len, uncached, rng_u
     chosen, est = seg.pick_ttft(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u, out_tokens=out_tokens)
     assert chosen == native[0]
     assert est == (next(t.est_s for t in native[1] if t.worker_id == chosen) if chosen >= 0 else float("inf"))
+    # the lean rows (dplb's TPOT-SLO term re-ranks them) are the same choice and the same numbers
+    rows = seg.pick_ttft_rows(params, prompt_len, uncached, now_ns=NOW, rng_u=rng_u, out_tokens=out_tokens)
+    assert rows == (native[0], [(t.worker_id, t.est_s, t.uncached_tokens, t.rate, t.weight) for t in native[1]])
 
 
 DEFAULT = TtftParams()
