@@ -33,6 +33,59 @@ def unique_shm_name(prefix: str = "dplb-test") -> str:
     return _unique_shm_name(prefix)
 
 
+@contextlib.contextmanager
+def ready_segment(workers: int, heartbeat_ns: int, num_slots: int = 8, endpoint: str = "/tmp/dplb-t/{}.sock") -> Iterator[Any]:
+    """A fresh segment whose first ``workers`` slots are claimed and READY (KV usage 0.1, the given
+    heartbeat time), unlinked on the way out even when the test failed."""
+    from dplb_shm import Segment, WorkerState
+
+    name = unique_shm_name()
+    s = Segment.create(name, num_slots=num_slots)
+    try:
+        for i in range(workers):
+            w = s.writer(i)
+            w.claim(i, endpoint=endpoint.format(i))
+            w.publish(state=WorkerState.READY, kv_cache_usage=0.1, heartbeat_ns=heartbeat_ns)
+        yield s
+    finally:
+        s.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+@contextlib.contextmanager
+def sim_agents_and_router(workers: int, engine_args: list[str], config: dict[str, Any] | None = None,
+                          prefix: str = "dplb-rs-") -> Iterator[tuple[str, Any]]:
+    """A segment, ``workers`` worker agents driving simulated engines (``engine_args``) and a router
+    over them (``config``: a dplb.yaml as a dict); yields ``(base url, segment)`` once every worker
+    is eligible. Every process, the segment and the directory go on the way out."""
+    import shutil
+    import tempfile
+
+    from bench.fakes import start_router
+    from dplb_shm import Segment
+    from launcher.stack import agent_argv
+
+    procs = Procs()
+    shm = unique_shm_name()
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    seg = Segment.create(shm, num_slots=16)
+    try:
+        for i in range(workers):
+            procs.start(agent_argv(i, shm, os.path.join(d, f"agent-{i}.sock"), engine="sim", state_interval_ms=100,
+                                   run_dir=d, engine_args=engine_args), log=os.path.join(d, f"agent-{i}.log"))
+        wait_until(lambda: all(seg.read_slot(i).state.name == "READY" for i in range(workers)), 90,
+                   what=f"{workers} agents READY")
+        cfg = {"router": {"log_level": "warning"}, **(config or {})}
+        yield start_router(procs, shm, d, cfg, ready_workers=workers, timeout=60), seg
+    finally:
+        procs.close()
+        seg.close()
+        if os.path.exists(f"/dev/shm/{shm}"):
+            os.unlink(f"/dev/shm/{shm}")
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def script(name: str) -> str:
     """Path of a console script installed in the running interpreter's environment."""
     p = BIN / name

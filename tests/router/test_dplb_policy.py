@@ -2,15 +2,14 @@
 accounting it reads (router/accounting.py, router/scheduling.py)."""
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-from dplb_shm import Segment, TtftParams, WorkerState
+from dplb_shm import TtftParams
 from router.accounting import LearnSettings, RequestAccount, prefill_work
 from router.policies import DplbPolicy, PrefixIndex, RequestInfo
-from tests.helpers import unique_shm_name
+from tests.helpers import ready_segment
 
 NOW_NS = 10 ** 15
 WORDS = " ".join(f"w{i}" for i in range(3000))  # 3,000 "tokens" of shared history
@@ -18,18 +17,8 @@ WORDS = " ".join(f"w{i}" for i in range(3000))  # 3,000 "tokens" of shared histo
 
 @pytest.fixture
 def seg():
-    name = unique_shm_name()
-    s = Segment.create(name, num_slots=8)
-    try:
-        for i in range(4):
-            w = s.writer(i)
-            w.claim(i, endpoint=f"/tmp/dplb-dp/{i}.sock")
-            w.publish(state=WorkerState.READY, kv_cache_usage=0.1, heartbeat_ns=NOW_NS)
+    with ready_segment(4, NOW_NS, endpoint="/tmp/dplb-dp/{}.sock") as s:
         yield s
-    finally:
-        s.close()
-        if os.path.exists(f"/dev/shm/{name}"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def policy(seg) -> DplbPolicy:

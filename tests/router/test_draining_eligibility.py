@@ -4,35 +4,24 @@ policy's fallback (the kernel found nobody) picks from them: the scheduler confi
 the live slot, and answers 503 + ``Retry-After`` when every worker drains."""
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-from dplb_shm import Segment, TtftParams, WorkerState, now_ns
+from dplb_shm import TtftParams, WorkerState, now_ns
 from router.config import load_config
 from router.errors import NoEligibleWorker
 from router.metrics import Metrics
 from router.policies import DplbPolicy, PrefixIndex, RequestInfo, RoundRobinPolicy
 from router.scheduling import Scheduler
 from router.workers import Registry
-from tests.helpers import unique_shm_name
+from tests.helpers import ready_segment
 
 
 @pytest.fixture
 def seg():
-    name = unique_shm_name()
-    s = Segment.create(name, num_slots=8)
-    try:
-        for i in range(4):
-            w = s.writer(i)
-            w.claim(i, endpoint=f"/tmp/dplb-de/{i}.sock")
-            w.publish(state=WorkerState.READY, kv_cache_usage=0.1, heartbeat_ns=now_ns())
+    with ready_segment(4, now_ns(), endpoint="/tmp/dplb-de/{}.sock") as s:
         yield s
-    finally:
-        s.close()
-        if os.path.exists(f"/dev/shm/{name}"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def scheduler(seg, policy_name: str) -> Scheduler:

@@ -1,17 +1,11 @@
 """The router in front of real worker agents driving simulated engines (slow: real processes)."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import httpx
 import openai
 import pytest
 
-from bench.fakes import start_router
-from launcher.stack import agent_argv
-from tests.helpers import Procs, unique_shm_name, wait_until
+from tests.helpers import sim_agents_and_router, wait_until
 
 pytestmark = pytest.mark.slow
 SIM_MODEL = "sim-llama-3.1-8b"
@@ -21,25 +15,8 @@ SIM_MODEL = "sim-llama-3.1-8b"
 def sim2():
     """Segment + 2 agents (sim engines 20× faster than real time) + a dplb router; yields
     (base url, segment)."""
-    from dplb_shm import Segment
-
-    procs = Procs()
-    shm = unique_shm_name()
-    d = tempfile.mkdtemp(prefix="dplb-rs-", dir="/tmp")
-    seg = Segment.create(shm, num_slots=16)
-    try:
-        for i in range(2):
-            procs.start(agent_argv(i, shm, os.path.join(d, f"agent-{i}.sock"), engine="sim", state_interval_ms=100,
-                                   run_dir=d, engine_args=["--time-scale", "20"]), log=os.path.join(d, f"agent-{i}.log"))
-        wait_until(lambda: all(seg.read_slot(i).state.name == "READY" for i in range(2)), 90, what="2 agents READY")
-        base = start_router(procs, shm, d, {"router": {"log_level": "warning"}}, ready_workers=2, timeout=60)
+    with sim_agents_and_router(2, ["--time-scale", "20"]) as (base, seg):
         yield base, seg
-    finally:
-        procs.close()
-        seg.close()
-        if os.path.exists(f"/dev/shm/{shm}"):
-            os.unlink(f"/dev/shm/{shm}")
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_openai_client_through_router_to_sim_engines(sim2):

@@ -3,12 +3,11 @@ their bound, the scheduler's book of streamed requests in flight, and the choice
 real segment and kernel."""
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-from dplb_shm import Segment, TtftParams, WorkerState
+from dplb_shm import TtftParams
 from router.config import load_config
 from router.metrics import Metrics
 from router.policies import DplbPolicy, PrefixIndex, RequestInfo
@@ -17,7 +16,7 @@ from router.policies.tpot_slo import count_pushed, victim_rows
 from router.scheduling import Scheduler
 from router.stream_meter import StreamMeter
 from router.workers import Registry
-from tests.helpers import unique_shm_name
+from tests.helpers import ready_segment
 
 T, S, R = 0.1, 8192.0, 30000.0
 NOW_NS = 10 ** 15
@@ -60,18 +59,8 @@ def test_the_chunk_cap_limits_what_one_remaining_step_can_carry():
 
 @pytest.fixture
 def seg():
-    name = unique_shm_name()
-    s = Segment.create(name, num_slots=8)
-    try:
-        for i in range(2):
-            w = s.writer(i)
-            w.claim(i, endpoint=f"/tmp/dplb-slo/{i}.sock")
-            w.publish(state=WorkerState.READY, kv_cache_usage=0.1, heartbeat_ns=NOW_NS)
+    with ready_segment(2, NOW_NS, endpoint="/tmp/dplb-slo/{}.sock") as s:
         yield s
-    finally:
-        s.close()
-        if os.path.exists(f"/dev/shm/{name}"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def _scheduler(seg, slo_tpot_s: float) -> tuple[Scheduler, DplbPolicy]:

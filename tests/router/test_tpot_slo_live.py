@@ -11,16 +11,10 @@ only if the router reads its streamed tokens as they pass (without them it would
 streamed, 59 steps left, and still price it)."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import httpx
 import pytest
 
-from bench.fakes import start_router
-from launcher.stack import agent_argv
-from tests.helpers import Procs, unique_shm_name, wait_until
+from tests.helpers import sim_agents_and_router, wait_until
 
 pytestmark = pytest.mark.slow
 SIM_MODEL = "sim-llama-3.1-8b"
@@ -29,30 +23,11 @@ OUT = 60
 
 @pytest.fixture(scope="module")
 def slow2():
-    """Segment + 2 agents (sim engines, ~100 ms steps) + a dplb router with the TPOT-SLO term."""
-    from dplb_shm import Segment
-
-    procs = Procs()
-    shm = unique_shm_name()
-    d = tempfile.mkdtemp(prefix="dplb-slo-", dir="/tmp")
-    seg = Segment.create(shm, num_slots=16)
-    try:
-        for i in range(2):
-            procs.start(agent_argv(i, shm, os.path.join(d, f"agent-{i}.sock"), engine="sim", state_interval_ms=100,
-                                   run_dir=d, engine_args=["--base-step-ms", "100"]),
-                        log=os.path.join(d, f"agent-{i}.log"))
-        wait_until(lambda: all(seg.read_slot(i).state.name == "READY" for i in range(2)), 90, what="2 agents READY")
-        cfg = {"router": {"log_level": "warning"},
-               "routing_policy": {"policy": "dplb", "slo_tpot_s": 0.5, "w_slo_miss": 1.0,
-                                  "prefill_tokens_per_s": 1000, "step_tokens": 1024}}
-        base = start_router(procs, shm, d, cfg, ready_workers=2, timeout=60)
+    """2 agents (sim engines, ~100 ms steps) + a dplb router with the TPOT-SLO term; yields its URL."""
+    cfg = {"routing_policy": {"policy": "dplb", "slo_tpot_s": 0.5, "w_slo_miss": 1.0,
+                              "prefill_tokens_per_s": 1000, "step_tokens": 1024}}
+    with sim_agents_and_router(2, ["--base-step-ms", "100"], cfg, prefix="dplb-slo-") as (base, _):
         yield base
-    finally:
-        procs.close()
-        seg.close()
-        if os.path.exists(f"/dev/shm/{shm}"):
-            os.unlink(f"/dev/shm/{shm}")
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _victims(base: str) -> dict[int, int]:
