@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.policies.tpot_slo import count_pushed, victim_rows
+from simulate.cluster import CLIENT_BOUNDS
 
 #: o_ref: the output length the TPOT increase is converted at (dplb's default_output_tokens)
 REFERENCE_OUTPUT_TOKENS = 256
@@ -80,11 +81,7 @@ def tpot_penalty_s(uncached: float, rate: float, victim_outputs: Sequence[int], 
 
 #: How the victims' output lengths are known: "exact" (the trace's, an oracle), "pow2" (rounded up
 #: to a power of two, a client's max_tokens with up to 2x slack), "x4" (four times, a looser bound)
-VICTIM_KNOWLEDGE = {
-    "exact": lambda o: o,
-    "pow2": lambda o: 1 << max(0, (int(o) - 1).bit_length()),
-    "x4": lambda o: 4 * int(o),
-}
+VICTIM_KNOWLEDGE = {k: CLIENT_BOUNDS[k] for k in ("exact", "pow2", "x4")}   # dplb-simulate --client-max-tokens' bounds
 
 
 #: --victim-outputs modes that learn: "learned" (the class's lengths), "learned-pow2" / "learned-x4"
