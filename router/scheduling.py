@@ -204,7 +204,7 @@ class DecodeBook:
     def requests(self, worker_id: int) -> list[tuple[int | None, int, float | None]]:
         """``(max_tokens or None, output tokens streamed so far, seconds since its first token or
         None before it)`` for each streamed request of this process in flight on ``worker_id``
-        (one pass per routing decision: kept lean, :meth:`Lease.streamed` inlined)."""
+        (one pass per routing decision)."""
         held = self.by_worker.get(worker_id)
         if not held:
             return []
@@ -213,8 +213,7 @@ class DecodeBook:
         append = out.append
         for lease in held:
             tf = lease.account.t_first
-            p = lease.progress
-            append((lease.max_tokens, p() if p is not None else lease.tokens, None if tf is None else now - tf))
+            append((lease.max_tokens, lease.streamed(), None if tf is None else now - tf))
         return out
 
 
