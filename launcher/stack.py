@@ -19,6 +19,7 @@ Lower level: :func:`agent_argv`, :func:`router_argv`, :class:`ProcessGroup`, :fu
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,8 +43,50 @@ LOOPBACK = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: lowest port :func:`free_port` hands out (above the registered ports most services listen on)
+PORT_FLOOR = 20000
+_handed: set[int] = set()
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """First port of the kernel's ephemeral range (the local ports ``connect()`` picks); 32768 when
+    the file cannot be read (Linux's default, ``Documentation/networking/ip-sysctl.rst``)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    """A TCP port on ``host`` that was free a moment ago and that this process has not handed out.
+
+    Picked at random *below* the kernel's ephemeral range (``[PORT_FLOOR, ip_local_port_range low)``,
+    20000-32767 on a default Linux), not with ``bind(port 0)``: a port the OS picks comes from the
+    ephemeral range, and in the second or so before the child that was given it binds, any outgoing
+    connection on the machine may take it as its local port, so the child fails with ``EADDRINUSE``
+    (seen in CI: a simulated engine's port taken while other tests were connecting). Falls back to an
+    OS-picked port when the range below is empty or 200 draws find nothing.
+    """
+    low = _ephemeral_low()
+    if low - PORT_FLOOR >= 1000:
+        if len(_handed) > (low - PORT_FLOOR) // 2:
+            _handed.clear()
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(PORT_FLOOR, low)
+            if port not in _handed and _bindable(host, port):
+                _handed.add(port)
+                return port
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(fam, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
