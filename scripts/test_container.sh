@@ -37,7 +37,15 @@ secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 # podman without systemd cannot schedule the image's HEALTHCHECK (it says so on every run, "unable to
 # get systemd connection"); the test runs the check itself with `podman healthcheck run`
 quiet() { "$@" 2> >(grep -v "systemd connection" >&2); }
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# a free port below the kernel's ephemeral range (32768+), as launcher.stack.free_port picks: an
+# OS-picked port can be taken by an outgoing connection before the router binds it
+free_port() { python3 -c 'import random, socket
+for _ in range(200):
+    p = random.randrange(20000, 32768); s = socket.socket()
+    try: s.bind(("127.0.0.1", p)); break
+    except OSError: pass
+    finally: s.close()
+print(p)'; }
 
 cleanup() {
     local rc=$?

@@ -20,7 +20,7 @@ VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 VPY="$VENV/bin/python"
 MODEL_DIR="$VENV/dplb-tiny-llama"
 WORK=$(mktemp -d /tmp/dplb-fidelity-XXXXXX)
-PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+PORT=$("$PY" -c 'from launcher.stack import free_port; print(free_port())')
 VLLM_PID=""
 SHM_BEFORE=$(ls /dev/shm 2>/dev/null || true)
 BLOCK=32 BLOCKS=128 SEQS=8 BATCH=512
