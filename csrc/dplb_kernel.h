@@ -245,7 +245,7 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  *             pile a burst that shares a cached prefix onto one worker (each costs it ~0 prefill),
  *             where every TPOT suffers; this term prices that. out_tokens is the request's expected
  *             output (its max_tokens, capped); w_decode = 0 turns the term off.
- *   interf_s  = w_interf * B_i * u_i / r_i
+ *   interf_s  = w_interf * min(B_i, interf_batch_cap) * u_i / r_i   (cap 0 = none)
  *             what our prefill costs the work already on i (the cluster's side of the choice, not
  *             this request's): continuous batching runs our u_i prompt tokens in the same steps as
  *             the B_i requests in flight there (the decodes, and the prefills queued ahead, which
@@ -254,6 +254,11 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
  *             not exist (we queue last), so nothing else is delayed. With w_interf = 1,
  *             prefill_s's own u_i/r_i plus this is u_i * (B_i + 1) / r_i: lmetric's score in
  *             seconds (lmetric leaves out the queue ahead; we keep it). 0 turns the term off.
+ *             The cap (64): beyond it the differences in B_i between workers say which worker
+ *             holds the long outputs, not how much harm our prefill does (decodes with slack
+ *             absorb it; the router's TPOT-SLO term prices the ones without); uncapped, a worker
+ *             with a small batch drew every long prompt until its prefill saturated (Azure's
+ *             conversation trace, docs/DESIGN.md "Capping the batch the interference counts").
  *   miss_s    = w_miss * (u_i - u_min) / r_i,  u_min = min over the eligible workers of u_j
  *             the compute a prefix miss spends that the best-hit placement would not: worker i's
  *             prefill is busy that much longer, and each request that arrives there before the
@@ -281,6 +286,7 @@ typedef struct dplb_ttft_params {
     double rate_band;           /* learned rates within this fraction of the median count as the median; 0 = off */
     double w_interf;            /* weight of interf_s (0 = off) */
     double w_miss;              /* weight of miss_s: later requests assumed to wait behind a recompute (0 = off) */
+    double interf_batch_cap;    /* interf_s counts at most this many of B_i (0 = no cap) */
 } dplb_ttft_params_t;
 
 typedef struct dplb_ttft_terms {
@@ -418,7 +424,8 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
     for (int j = 0; j < nt; j++) {
         dplb_ttft_terms_t *t = &terms[j];
         t->prefill_s = (t->queue_tokens + t->uncached_tokens) / t->rate;
-        t->interf_s = p->w_interf * t->batch * t->uncached_tokens / t->rate;
+        double b_int = (p->interf_batch_cap > 0.0 && t->batch > p->interf_batch_cap) ? p->interf_batch_cap : t->batch;
+        t->interf_s = p->w_interf * b_int * t->uncached_tokens / t->rate;
         t->miss_s = p->w_miss * (t->uncached_tokens - umin) / t->rate;
         t->est_s = (((((t->prefill_s + t->decode_s) + t->kv_s) + t->batch_s) + t->interf_s) + t->miss_s) / t->weight;
         ests[t->worker_id] = t->est_s;

@@ -150,6 +150,7 @@ cdef extern from "dplb_kernel.h" nogil:
         double rate_band
         double w_interf
         double w_miss
+        double interf_batch_cap
 
     ctypedef struct dplb_ttft_terms_t:
         int32_t worker_id

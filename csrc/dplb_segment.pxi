@@ -536,6 +536,7 @@ cdef class Segment:
             self.tparams.rate_band = params.rate_band
             self.tparams.w_interf = params.w_interf
             self.tparams.w_miss = params.w_miss
+            self.tparams.interf_batch_cap = params.interf_batch_cap
             self.tparams_obj = params
         if uncached is None:
             n_unc[0] = 0

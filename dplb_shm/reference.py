@@ -160,7 +160,8 @@ def priced(t: TtftTerms, rate: float, params: TtftParams, umin: float) -> TtftTe
     """``t`` priced at ``rate`` tokens/s (pass 2 of ``dplb_pick_ttft``); ``umin``: the fewest
     uncached tokens over the eligible workers (the miss term's reference)."""
     prefill_s = (t.queue_tokens + t.uncached_tokens) / rate
-    interf_s = params.w_interf * t.batch * t.uncached_tokens / rate
+    b_int = params.interf_batch_cap if 0.0 < params.interf_batch_cap < t.batch else t.batch
+    interf_s = params.w_interf * b_int * t.uncached_tokens / rate
     miss_s = params.w_miss * (t.uncached_tokens - umin) / rate
     est = (((((prefill_s + t.decode_s) + t.kv_s) + t.batch_s) + interf_s) + miss_s) / t.weight
     return dataclasses.replace(t, rate=rate, prefill_s=prefill_s, interf_s=interf_s, miss_s=miss_s, est_s=est)

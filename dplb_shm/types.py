@@ -268,7 +268,9 @@ class TtftParams:
     noise are priced alike; a worker more than 25 % off keeps its own rate; 0 turns pooling off);
     ``w_interf``: weight of the interference term ``B·u/r`` (our prefill's delay summed over the
     requests sharing its steps; 0 = off); ``w_miss``: later requests assumed to wait behind a
-    prefix miss's recompute, term ``w_miss·(u − u_min)/r`` (0 = off). Derivations in
+    prefix miss's recompute, term ``w_miss·(u − u_min)/r`` (0 = off); ``interf_batch_cap``: the
+    interference term counts at most this many requests of a worker's batch, ``min(B, cap)·u/r``
+    (64; 0 = no cap; issue 29 round 9, docs/DESIGN.md). Derivations in
     csrc/dplb_kernel.h and docs/DESIGN.md.
     Raises :class:`SlotFieldError` on a non-finite value or a non-positive rate, step size or timeout.
     """
@@ -286,6 +288,7 @@ class TtftParams:
     rate_band: float = 0.25
     w_interf: float = 0.5
     w_miss: float = 0.0
+    interf_batch_cap: float = 64.0
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -296,7 +299,7 @@ class TtftParams:
             if getattr(self, name) <= 0:
                 raise SlotFieldError(f"TtftParams.{name} must be > 0", field=name)
         for name in ("waiting_tokens", "step_base_s", "decode_seq_s", "decode_ctx_s", "kv_barrier_s", "w_decode",
-                     "rate_band", "w_interf", "w_miss"):
+                     "rate_band", "w_interf", "w_miss", "interf_batch_cap"):
             if getattr(self, name) < 0:
                 raise SlotFieldError(f"TtftParams.{name} must be >= 0", field=name)
 

@@ -73,7 +73,7 @@ def ttft_params(cfg: Config) -> TtftParams:
                       step_tokens=float(rp.step_tokens),
                       step_base_s=rp.step_base_ms / 1e3, decode_seq_s=rp.decode_seq_ms / 1e3,
                       decode_ctx_s=rp.decode_ctx_ns / 1e9, kv_barrier_s=rp.kv_barrier_s, w_decode=rp.w_decode,
-                      w_interf=rp.w_interf, w_miss=rp.w_miss,
+                      w_interf=rp.w_interf, w_miss=rp.w_miss, interf_batch_cap=float(rp.interf_batch_cap),
                       kv_cache_threshold=rp.kv_cache_threshold, rate_band=rp.rate_band,
                       heartbeat_timeout_ms=float(cfg.health_check.heartbeat_timeout_ms))
 

@@ -7,7 +7,7 @@ csrc/dplb_kernel.h) estimates, in seconds::
             + steps_i · (step_base + decode_seq·D_i + decode_ctx·C_i)   # decodes sharing those steps
             + kv_barrier · k_i / (1 − k_i)                              # KV cache filling up
             + w_decode · out · (decode_seq·B_i + decode_ctx·C_i)          # the batch, on our decode
-            + w_interf · B_i · u_i / r_i                                   # our prefill, on the batch there
+            + w_interf · min(B_i, 64) · u_i / r_i                          # our prefill, on the batch there
             + w_miss · (u_i − u_min) / r_i                                 # a prefix miss, on those behind it
             + w_slo_miss · n_i ) / weight_i                                # decodes pushed over their TPOT bound
 
@@ -41,7 +41,12 @@ arrival in queueing theory is its own delay plus the delay it adds to everyone e
   prefills queued ahead, which decode while ours runs), so each of their next tokens comes
   ``u_i / r_i`` later; under FCFS nothing queued behind us exists yet. Summed: ``B_i·u_i/r_i``.
   With ``w_interf = 1`` the own prefill plus this is ``u_i·(B_i + 1)/r_i``, LMetric's score in
-  seconds (LMetric leaves the queue ahead out; we keep it).
+  seconds (LMetric leaves the queue ahead out; we keep it). ``B_i`` counts at most
+  ``interf_batch_cap`` (64; 0 = no cap): in larger batches the differences between workers say
+  where the long outputs are, not how much our prefill harms (decodes with slack absorb it; the
+  TPOT-SLO term below prices those without), and uncapped, the worker with the smallest batch
+  drew every long prompt until its prefill saturated (docs/DESIGN.md "Capping the batch the
+  interference counts").
 * **prefix miss** ``w_miss · (u_i − u_min) / r_i``, ``u_min`` the fewest uncached tokens over the
   eligible workers: the compute this placement spends that the best-hit placement would not.
   Worker i's prefill is busy that much longer and every request reaching it before the recompute
@@ -76,7 +81,7 @@ worker is taken (reason ``fallback``) rather than refusing service.
 Config::
 
     routing_policy: {policy: dplb, prefill_tokens_per_s: 30769, step_tokens: 8192, kv_barrier_s: 0.15,
-                     w_decode: 0.25, w_interf: 0.5, w_miss: 0.0, attention_tokens: 0,
+                     w_decode: 0.25, w_interf: 0.5, interf_batch_cap: 64, w_miss: 0.0, attention_tokens: 0,
                      slo_tpot_s: 0.1, w_slo_miss: 1.0, kv_cache_threshold: 0.8, prefix_chunk_chars: 64}
 """
 from __future__ import annotations
@@ -284,7 +289,9 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     output length assumed when a request has no ``max_tokens``; what a choice costs the work
     already on the worker (csrc/dplb_kernel.h, docs/DESIGN.md "Pricing the cluster"): ``w_interf``
     weighs our prefill's delay summed over the requests sharing its steps (B·u/r), ``w_miss``
-    counts the later requests that wait behind a prefix miss's recompute ((u − u_min)/r); ``rate_band``: learned rates within
+    counts the later requests that wait behind a prefix miss's recompute ((u − u_min)/r);
+    ``interf_batch_cap``: the interference term counts at most this many requests of a batch (0 =
+    no cap); ``rate_band``: learned rates within
     this fraction of the workers' median count as the median (sampling noise between identical
     engines must not steer a burst; csrc/dplb_kernel.h), 0 = off; ``slo_tpot_s``: the TPOT bound,
     s, whose misses a placement is charged ``w_slo_miss`` s each (router.policies.tpot_slo; 0 =
@@ -294,6 +301,7 @@ class DplbParams(RateParams, KvThresholdParams, KvBarrierParams, PrefixParams):
     w_decode: float = Field(default=0.25, ge=0)
     w_interf: float = Field(default=0.5, ge=0)
     w_miss: float = Field(default=0.0, ge=0)
+    interf_batch_cap: int = Field(default=64, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     rate_band: float = Field(default=0.25, ge=0)
     slo_tpot_s: float = Field(default=0.1, ge=0)

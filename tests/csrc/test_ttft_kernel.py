@@ -82,6 +82,7 @@ params_st = st.builds(
     rate_band=st.sampled_from([0.25, 0.0, 1.0]),
     w_interf=st.sampled_from([0.0, 1.0, 0.5]),
     w_miss=st.sampled_from([0.0, 1.0, 4.0]),
+    interf_batch_cap=st.sampled_from([0.0, 2.0, 64.0]),
 )
 
 uncached_st = st.none() | st.lists(st.sampled_from([-1.0, 0.0, 100.0, 6600.0]) | st.floats(-10.0, 1e6),
@@ -181,6 +182,34 @@ def test_interference_term_keeps_a_long_prefill_off_a_busy_batch(seg, native):
     chosen, terms = pick(replace(off, w_interf=1.0))
     assert chosen == 1
     assert terms[0].interf_s == pytest.approx(20 * 8000 / 30_769.0) and terms[1].interf_s == 0.0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+def test_interference_counts_at_most_the_capped_batch(seg, native):
+    """Issue 29 round 9 (Azure's conversation trace). Worker 0 carries 150 decodes (long outputs),
+    2,000 prefill tokens queued; worker 1 carries 100 and 40,000 tokens queued (it drew the long
+    prompts). A 4,000-token prompt: uncapped, the 50 requests fewer on worker 1 are worth 0.5 · 50
+    · 0.13 = 3.25 s of interference, more than its 1.24 s longer queue, so it goes to 1 and
+    saturates its prefill further; with the batch counted up to 64 on both, the queue decides: 0."""
+    clear(seg)
+    put(seg, 0, queue=2000, rinfl=150, dreq=150)
+    put(seg, 1, queue=40_000, rinfl=100, dreq=100)
+    unc = [4000.0, 4000.0]
+
+    def pick(params):
+        if native:
+            return seg.pick_ttft_explain(params, 4000, unc, now_ns=NOW, rng_u=0.0)
+        return reference.pick_ttft(seg.snapshot(), params, 4000, unc, NOW, 0.0)
+
+    base = TtftParams(w_decode=0.0, w_interf=0.5, w_miss=0.0)
+    assert pick(replace(base, interf_batch_cap=0.0))[0] == 1
+    chosen, terms = pick(base)
+    assert base.interf_batch_cap == 64.0 and chosen == 0
+    assert terms[0].interf_s == pytest.approx(terms[1].interf_s) == pytest.approx(0.5 * 64 * 4000 / 30_769.0)
+    # a batch below the cap is counted whole
+    clear(seg)
+    put(seg, 0, rinfl=20, dreq=20)
+    assert pick(base)[1][0].interf_s == pytest.approx(0.5 * 20 * 4000 / 30_769.0)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])

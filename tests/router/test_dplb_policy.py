@@ -318,14 +318,15 @@ async def test_a_lease_that_fails_after_the_write_closes_that_connection(seg):
 
 
 def test_cluster_cost_terms_are_config_keys():
-    """``routing_policy.w_interf`` / ``w_miss`` reach the kernel's parameters (each term switchable)."""
+    """``routing_policy.w_interf`` / ``w_miss`` / ``interf_batch_cap`` reach the kernel's parameters (each term switchable)."""
     from router.config import load_config
     from router.state import ttft_params
 
-    p = ttft_params(load_config(None, {"routing_policy.w_interf": 0.0, "routing_policy.w_miss": 2.5}))
-    assert (p.w_interf, p.w_miss) == (0.0, 2.5)
+    p = ttft_params(load_config(None, {"routing_policy.w_interf": 0.0, "routing_policy.w_miss": 2.5,
+                                       "routing_policy.interf_batch_cap": 0}))
+    assert (p.w_interf, p.w_miss, p.interf_batch_cap) == (0.0, 2.5, 0.0)
     d = ttft_params(load_config(None))
-    assert (d.w_interf, d.w_miss) == (TtftParams().w_interf, TtftParams().w_miss)
+    assert (d.w_interf, d.w_miss, d.interf_batch_cap) == (TtftParams().w_interf, TtftParams().w_miss, 64.0)
 
 
 @pytest.mark.parametrize("name", ["dplb", "weighted", "cache_aware", "lmetric", "kv_cost"])
