@@ -160,6 +160,13 @@ def test_batch_term_spreads_a_burst_that_shares_a_cached_prefix(seg):
     seg.router_inflight_add(0, -3)
 
 
+def pick_both(seg, native, params, prompt_len, unc):
+    """``pick_ttft_explain`` of the native kernel (``native``) or of the Python reference, rng 0."""
+    if native:
+        return seg.pick_ttft_explain(params, prompt_len, unc, now_ns=NOW, rng_u=0.0)
+    return reference.pick_ttft(seg.snapshot(), params, prompt_len, unc, NOW, 0.0)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
 def test_interference_term_keeps_a_long_prefill_off_a_busy_batch(seg, native):
     """Worker 0 runs 20 decodes and has 2,000 prefill tokens queued; worker 1 has 4,000 queued and
@@ -173,9 +180,7 @@ def test_interference_term_keeps_a_long_prefill_off_a_busy_batch(seg, native):
     unc = [8000.0, 8000.0]
 
     def pick(params):
-        if native:
-            return seg.pick_ttft_explain(params, 8000, unc, now_ns=NOW, rng_u=0.0)
-        return reference.pick_ttft(seg.snapshot(), params, 8000, unc, NOW, 0.0)
+        return pick_both(seg, native, params, 8000, unc)
 
     off = TtftParams(w_decode=0.0, w_interf=0.0, w_miss=0.0)
     assert pick(off)[0] == 0
@@ -197,9 +202,7 @@ def test_interference_counts_at_most_the_capped_batch(seg, native):
     unc = [4000.0, 4000.0]
 
     def pick(params):
-        if native:
-            return seg.pick_ttft_explain(params, 4000, unc, now_ns=NOW, rng_u=0.0)
-        return reference.pick_ttft(seg.snapshot(), params, 4000, unc, NOW, 0.0)
+        return pick_both(seg, native, params, 4000, unc)
 
     base = TtftParams(w_decode=0.0, w_interf=0.5, w_miss=0.0)
     assert pick(replace(base, interf_batch_cap=0.0))[0] == 1
@@ -224,9 +227,7 @@ def test_miss_term_keeps_a_long_context_on_its_holder(seg, native):
     unc = [2000.0, 32_000.0]
 
     def pick(params):
-        if native:
-            return seg.pick_ttft_explain(params, 32_000, unc, now_ns=NOW, rng_u=0.0)
-        return reference.pick_ttft(seg.snapshot(), params, 32_000, unc, NOW, 0.0)
+        return pick_both(seg, native, params, 32_000, unc)
 
     off = TtftParams(w_decode=0.0, w_interf=0.0, w_miss=0.0)
     assert pick(off)[0] == 1
