@@ -222,12 +222,12 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
                 est = next((float(t.est_s) for t in terms if int(t.worker_id) == wid), None)
             # the kernel's ``uncached_tokens`` is the work it was given: shown as ``prefill_work``,
             # beside the tokens themselves; the score includes the SLO-miss term
-            w_miss = self.w_slo_miss
+            w_slo = self.w_slo_miss
             rows = [{"worker_id": int(t.worker_id),
-                     "score": -(float(t.est_s) + w_miss * missed.get(int(t.worker_id), 0) / float(t.weight)),
+                     "score": -(float(t.est_s) + w_slo * missed.get(int(t.worker_id), 0) / float(t.weight)),
                      **t.to_dict(), "uncached_tokens": vec[int(t.worker_id)], "prefill_work": float(t.uncached_tokens),
                      "slo_victims": missed.get(int(t.worker_id), 0),
-                     "slo_miss_s": w_miss * missed.get(int(t.worker_id), 0)}
+                     "slo_miss_s": w_slo * missed.get(int(t.worker_id), 0)}
                     for t in terms]
         elif victims:
             # the kernel's rows (no TtftTerms built), re-ranked with the SLO-miss term
