@@ -11,7 +11,8 @@ Behaviour (``mode``), set at start (``--mode``), at run time (``POST /fake/mode`
 ok       answer at once (OpenAI shape; ``stream: true`` → SSE chunks then ``[DONE]``)
 slow     wait ``delay`` seconds, then answer
 500      answer 500 (OpenAI error body);  ``400`` and ``429`` likewise; ``600``: a status that is
-         not an HTTP status; ``103``: an interim answer (Early Hints), then the answer as ``ok``
+         not an HTTP status; ``103``: an interim answer (Early Hints), then the answer as ``ok``;
+         ``499``: an empty 499 (what an engine that dropped the request answers)
 hang     never answer (until the client goes away)
 drop     close the connection before sending any byte
 stream   SSE: ``chunks`` chunks, ``delay`` seconds apart (every streamed answer ends with a usage
@@ -136,6 +137,8 @@ def build_app(agent: FakeAgent):
                 request.transport.write(b"HTTP/1.1 103 Early Hints\r\nlink: </hint.css>; rel=preload\r\n\r\n")
             if mode == "600":
                 return web.Response(status=600, body=b"not final")
+            if mode == "499":
+                return web.Response(status=499)
             if mode in ("500", "400", "429"):
                 code = int(mode)
                 err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": code}}

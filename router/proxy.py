@@ -20,7 +20,10 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    after the worker read the request (the engine exited or reset it; ``retries.retry_on_disconnect``,
    on by default) once: a request that has broken the connections of
    :data:`BROKEN_ENGINES_LIMIT` (2) workers is answered **502** and not tried again (a query of
-   death must not take the fleet down; ``dplb_router_query_of_death_total``). A timeout is
+   death must not take the fleet down; ``dplb_router_query_of_death_total``). An engine's **499**
+   ("client closed request" to a client still connected: it dropped the request, e.g. aborted it
+   while shutting down) is never relayed: it is retried like a broken connection (kind
+   ``engine_abort``), and answered 502 when no attempt is left. A timeout is
    answered **504** on the worker that timed out (retried only with ``retries.retry_on_timeout``).
    When no worker is left to take the request (none eligible, or every one tried refused it),
    the answer is **503** with ``Retry-After``, whatever made them fail; 502 and 504 name the
@@ -532,6 +535,19 @@ class Proxy:
                 self._failed(ex, att, UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
                                                     "not a final status (200-599)", worker_id=wid), "status_5xx", up)
                 return _STOP
+            if status == CLIENT_CLOSED:
+                # "client closed request" from the engine while our client is still here (had it
+                # left, this task would be cancelled): the engine dropped the request (aborted it
+                # while shutting down). Never relayed: a 499 is no answer, and the request cost
+                # the client nothing yet, so it goes to another worker like a broken connection.
+                att.outcome = False
+                self._failed(ex, att, UpstreamError(f"worker {wid} answered 499 (client closed request) to a client "
+                                                    "still connected: the engine dropped the request", worker_id=wid),
+                             "engine_abort", up)
+                if att.number + 1 < settings.max_attempts:
+                    self.metrics.retries.labels("engine_abort").inc()
+                    return _RETRY
+                return _STOP
             if status < 500:
                 att.lease.head_seen()  # liveness evidence for the health monitor
             if status in settings.retry_status and att.number + 1 < settings.max_attempts and \
@@ -574,7 +590,7 @@ class Proxy:
 
         def answer(u: Upstream) -> bool:
             st = u.status
-            if not 200 <= st <= 599 or st in retry_status or u.whole is None:
+            if not 200 <= st <= 599 or st in retry_status or st == CLIENT_CLOSED or u.whole is None:
                 return False
             return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
         return answer

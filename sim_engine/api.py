@@ -117,10 +117,12 @@ class Generation:
         finally:
             for t in (work, gone):
                 t.cancel()
-        if not ch.done:
-            self.abort()
-            return False
-        return True
+        # decided by the consumer, not by ch.done afterwards: an event pushed between the two
+        # (abort_all at shutdown) must not turn a finished answer into a 499
+        if work.done() and not work.cancelled() and work.exception() is None:
+            return True
+        self.abort()
+        return False
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -199,7 +199,10 @@ class EngineRunner:
                 await asyncio.sleep(max(0.0, due - mono()))
                 t_c = mono()
                 for ch, idx, req, k in events:
-                    ch.push(idx, req, k)
+                    # tokens of a request aborted since this burst was planned (abort_all at
+                    # shutdown already told its consumer it ended): too late to deliver
+                    if req.finish_reason != "abort":
+                        ch.push(idx, req, k)
                 self.wall_busy += mono() - t_c
             steps.clear()
             self.wall_active += mono() - t_start

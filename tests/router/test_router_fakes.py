@@ -419,6 +419,31 @@ def test_worker_dropping_the_connection_is_retried_elsewhere_by_default(make_clu
     assert 'dplb_router_retries_total{reason="connect"}' in httpx.get(c.base + "/metrics").text
 
 
+def test_an_engine_that_answers_499_to_a_connected_client_is_retried_elsewhere(make_cluster):
+    """An engine's 499 ("client closed request") to a client still connected means it dropped
+    the request (a sim engine did so while shutting down, CI of stop 42): never relayed, the
+    request goes to another worker; with no attempt left it is a 502, OpenAI-shaped."""
+    c = make_cluster(2, {"routing_policy": {"policy": "round_robin"}})
+    bad = c.fakes[1].client()
+    bad.set_mode("499")
+    served = Counter()
+    for _ in range(8):
+        r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+        assert r.status_code == 200, r.text
+        served[r.headers["x-dplb-worker-id"]] += 1
+    assert served["1"] == 0 and bad.stats()["requests"] >= 1
+    text = httpx.get(c.base + "/metrics").text
+    assert metric(text, "dplb_router_retries_total", reason="engine_abort") == bad.stats()["requests"]
+    assert metric(text, "dplb_router_request_errors_total", worker="1", kind="engine_abort") == bad.stats()["requests"]
+    assert not metric(text, "dplb_router_requests_total", status="499")    # nobody left
+
+    one = make_cluster(1, {"retries": {"max_attempts": 1}})
+    one.fakes[0].client().set_mode("499")
+    r = httpx.post(one.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG}, timeout=30)
+    assert r.status_code == 502 and r.headers["x-dplb-worker-id"] == "0", (r.status_code, r.text)
+    assert r.json()["error"]["type"] == "upstream_error" and "499" in r.json()["error"]["message"]
+
+
 def test_breaker_ignores_4xx_and_opens_on_5xx(make_cluster):
     c = make_cluster(2, {"circuit_breaker": {"open_time_s": 30}, "retries": {"max_attempts": 1}})
     for code in ("400", "429"):
