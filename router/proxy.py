@@ -20,10 +20,9 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    after the worker read the request (the engine exited or reset it; ``retries.retry_on_disconnect``,
    on by default) once: a request that has broken the connections of
    :data:`BROKEN_ENGINES_LIMIT` (2) workers is answered **502** and not tried again (a query of
-   death must not take the fleet down; ``dplb_router_query_of_death_total``). An engine's **499**
-   ("client closed request" to a client still connected: it dropped the request, e.g. aborted it
-   while shutting down) is never relayed: it is retried like a broken connection (kind
-   ``engine_abort``), and answered 502 when no attempt is left. A timeout is
+   death must not take the fleet down; ``dplb_router_query_of_death_total``). An engine's 499 to a
+   client still connected (it dropped the request: aborted at shutdown) is retried, never relayed
+   (kind ``engine_abort``; 502 when no attempt is left). A timeout is
    answered **504** on the worker that timed out (retried only with ``retries.retry_on_timeout``).
    When no worker is left to take the request (none eligible, or every one tried refused it),
    the answer is **503** with ``Retry-After``, whatever made them fail; 502 and 504 name the
@@ -102,7 +101,6 @@ BROKEN_ENGINES_LIMIT = 2
 #: the status a request the client left before its answer is counted with (nginx's 499, "client
 #: closed request"; never sent: nobody is there to read it)
 CLIENT_CLOSED = 499
-
 
 
 class Step(enum.Enum):
@@ -247,10 +245,9 @@ class Proxy:
 
     def _dispatch(self, ex: Exchange, number: int) -> Attempt:
         """Choose a worker for try ``number`` of ``ex`` (:meth:`Scheduler.admit`, the workers
-        tried left out), write the request to it when an idle pooled connection is at hand, then
-        take the lease. The lease is written while the engine already reads the request, with no
-        await in between, so this process's next decision still sees the load. Raises
-        NoEligibleWorker (nothing written then)."""
+        tried left out), write the request to it when an idle pooled connection is at hand, then take
+        the lease, while the engine already reads it (no await between: this process's next decision
+        sees the load). Raises NoEligibleWorker (nothing written then)."""
         sched = self.scheduler
         info = ex.info
         h, d = sched.admit(info, ex.tried)
@@ -266,11 +263,10 @@ class Proxy:
     def start(self, scope: Scope, body: bytes) -> ASGIApp | None:
         """Start a request whose whole ``body`` came in with its head, without a task: check, parse,
         choose and write it to its worker now, from the router's protocol callback
-        (:class:`router.server.LimitedHttpToolsProtocol`), before the event loop turns. Returns
-        the ASGI callable that serves the rest (the answer, retries, bookkeeping), to be run as
-        the request's task; None when the request is not a plain success so far (an error to
-        answer, no eligible worker, a body above the limit): then nothing was sent or recorded
-        and the caller serves the request through :meth:`__call__`, which answers the error."""
+        (:class:`router.server.LimitedHttpToolsProtocol`), before the event loop turns. Returns the
+        ASGI callable that serves the rest (answer, retries, bookkeeping) as the request's task; None
+        when it is no plain success so far (an error, no eligible worker, a body above the limit):
+        nothing was sent or recorded, and :meth:`__call__` serves it (and answers the error)."""
         t0 = time.perf_counter()
         try:
             rid, _declared, auth, ctype, fwd, session, upgrade = self._head(scope)
@@ -287,8 +283,7 @@ class Proxy:
             return None
 
         async def rest(scope: Scope, receive: Receive, send: Send) -> None:
-            # (run as the request's task in the same turn of the event loop; nothing cancels a task
-            # before its first step but the loop's own shutdown)
+            # the request's task, same turn of the loop: only the loop's shutdown cancels it before its first step
             await self._serve(scope, receive, send, ex, pre)
 
         return rest
@@ -325,8 +320,7 @@ class Proxy:
             self.metrics.observe_request("none", CLIENT_CLOSED, route, dt)
             self.access.emit(rid, scope["method"], path, None, "none", CLIENT_CLOSED, dt, attempts=0)
             return
-        await self._serve(scope, receive, send, Exchange(scope["method"], route, target, fwd, body, info, rid, t0),
-                          None)
+        await self._serve(scope, receive, send, Exchange(scope["method"], route, target, fwd, body, info, rid, t0), None)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, ex: Exchange,
                      pre: Attempt | None) -> None:
@@ -406,8 +400,7 @@ class Proxy:
         if isinstance(e, TransportError) and e.kind == "timeout":
             return GatewayTimeout(f"worker {wid} sent no response within the first-byte timeout "
                                   f"(router.first_byte_timeout_s={self.settings.first_byte_timeout_s:g}); a timed-out "
-                                  "request is not retried on another worker (retries.retry_on_timeout)",
-                                  worker_id=wid)
+                                  "request is not retried on another worker (retries.retry_on_timeout)", worker_id=wid)
         if broken >= BROKEN_ENGINES_LIMIT:
             return UpstreamError(f"the request broke the connection of {broken} workers after they read it, before "
                                  f"the first byte (last: worker {wid}: {e}); it is not tried again: a request that "
@@ -535,11 +528,7 @@ class Proxy:
                 self._failed(ex, att, UpstreamError(f"worker {wid} answered with HTTP status {status}, which is "
                                                     "not a final status (200-599)", worker_id=wid), "status_5xx", up)
                 return _STOP
-            if status == CLIENT_CLOSED:
-                # "client closed request" from the engine while our client is still here (had it
-                # left, this task would be cancelled): the engine dropped the request (aborted it
-                # while shutting down). Never relayed: a 499 is no answer, and the request cost
-                # the client nothing yet, so it goes to another worker like a broken connection.
+            if status == CLIENT_CLOSED:  # to a client still here (else this task is cancelled): the engine dropped it
                 att.outcome = False
                 self._failed(ex, att, UpstreamError(f"worker {wid} answered 499 (client closed request) to a client "
                                                     "still connected: the engine dropped the request", worker_id=wid),
@@ -563,9 +552,8 @@ class Proxy:
             first = up.whole if up.whole is not None else await up.first_chunk()
             if up.is_stream:
                 return up, first, None
-            # the rest of the body: the client has seen none of it yet either (a non-streamed answer
-            # reaches it whole), so a failure here is one before the first byte too (a whole body
-            # taken in the callback: nothing to read)
+            # the rest of the body: the client has seen none of it (a non-streamed answer reaches it
+            # whole), so a failure here is before the first byte too (a body taken whole: nothing to read)
             ex.mid_body = True
             return up, first, first if up.whole is not None else await up.read(first)
         except TransportError as e:
