@@ -165,12 +165,14 @@ class PoolWatcher:
             t.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop the watches (cuts the open streams) and join the threads for up to ``timeout_s``."""
+        """Stop the watches (cuts the open streams) and join the threads for up to ``timeout_s``
+        each (a watcher never started stops too)."""
         self._stop.set()
         self._cut()
         self._cut(self._pool_resp)
         for t in self._threads:
-            t.join(timeout_s)
+            if t.ident is not None:
+                t.join(timeout_s)
 
     def endpoints(self) -> dict[str, dict[str, Any]]:
         """The current endpoints: address → ``{"model", "weight"}`` (empty without a valid pool)."""

@@ -119,23 +119,36 @@ def test_410_gone_relists_without_losing_endpoints(api: tuple[KubeStandIn, str],
     assert all("10.0.0.1:8000" in e for e in seen)   # p0 never left during the re-list
 
 
-def test_stop_after_the_watch_closed_its_response_does_not_raise(api: tuple[KubeStandIn, str], watcher: Any) -> None:
+def test_stop_after_the_watch_closed_its_response_does_not_raise(api: tuple[KubeStandIn, str]) -> None:
     """A watch thread may close its response (stream end, 410, re-list) just as ``stop`` cuts it:
     urllib3's ``shutdown`` of a closed response raises ValueError, and a stop must not (CI saw this
-    as a teardown error). The cut of a closed or never-opened response is a no-op."""
+    as a teardown error). The cut of a closed or never-opened response is a no-op. (A watcher never
+    started holds the closed responses here: a started one would replace them with its own.)"""
     import io
 
     from urllib3.response import HTTPResponse
 
-    w = watcher()
+    _, kc = api
+    w = PoolWatcher("pool-a", default_namespace(kc), api_client(kc), backoff_s=0.1)
     closed = HTTPResponse(body=io.BytesIO(b""), preload_content=False)
     closed.close()
     with pytest.raises(ValueError):
         closed.shutdown()                  # what the old cut let through
     w._cut(closed)                         # no error: nothing is blocked on a closed response
-    w._pool_resp = closed
-    w.stop()                               # the stop path cuts it too, and joins the threads
-    assert all(not t.is_alive() for t in w._threads)
+    w._pool_resp = w._pod_resp = closed
+    w.stop()                               # the stop path cuts both, and skips unstarted threads
+    assert not any(t.is_alive() for t in w._threads)
+
+
+def test_stop_cuts_the_open_watches_and_joins_the_threads(api: tuple[KubeStandIn, str], watcher: Any) -> None:
+    """Both watch threads are blocked in a watch of 60 s; ``stop`` ends them at once."""
+    s, _ = api
+    s.put("pools", pool("pool-a", APP, [8000]))
+    s.put("pods", pod("p0", "10.0.0.1", APP))
+    w = watcher()
+    wait_for(lambda: s.watches["pods"] >= 1 and s.watches["pools"] >= 1, "both watches")
+    w.stop(timeout_s=WAIT_S)
+    assert not any(t.is_alive() for t in w._threads)
 
 
 def test_periodic_resync_relists(api: tuple[KubeStandIn, str], watcher: Any) -> None:
