@@ -87,15 +87,22 @@ class AdminStore:
     def edit(self) -> Iterator[AdminStore]:
         """Read-modify-write of the shared state: holds the exclusive lock, re-reads the file,
         yields the store; when the body changed something, bumps ``version`` and saves before the
-        lock is dropped. A body that raises saves nothing (it must raise before changing). The
-        body must not await: the lock blocks every other router process's admin calls."""
+        lock is dropped. A body that raises saves nothing (it must raise before changing), and the
+        next :meth:`reload_if_changed` loads the file again: the re-read here may have brought in
+        another process's change that a raising caller does not apply, and without that reload this
+        process would not apply it until the next change (a mirror removal waited out its 10 s).
+        The body must not await: the lock blocks every other router process's admin calls."""
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._load()
             before = self._dump()
-            yield self
+            try:
+                yield self
+            except BaseException:
+                self._stamp = None
+                raise
             if self._dump() != before:
                 self.version += 1
                 self.save()
