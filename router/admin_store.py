@@ -37,35 +37,46 @@ class AdminStore:
         self.removed: set[int] = set()
         self.mirrors: dict[str, MirrorSpec] = {}
         self.unmirrored: set[str] = set()
-        self._stamp: tuple[int, int, int] | None = None
+        self._raw: bytes | None = None   # the file as last loaded or saved here
 
     def _dump(self) -> bytes:
         return orjson.dumps({"version": self.version, "drained": sorted(self.drained), "removed": sorted(self.removed),
                              "mirrors": self.mirrors, "unmirrored": sorted(self.unmirrored)},
                             option=orjson.OPT_SORT_KEYS)
 
-    @staticmethod
-    def _stat_stamp(st: os.stat_result) -> tuple[int, int, int]:
-        # every save is a rename of a new file: a new inode, whatever the mtime granularity
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
     def save(self) -> None:
         """Write the state atomically (tmp file + rename); callers hold the lock (:meth:`edit`)."""
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._dump())
-        os.replace(tmp, self.path)
-        self._stamp = self._stat_stamp(os.stat(self.path))
+        data = self._dump()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._raw = data
 
-    def _load(self) -> bool:
+    def _read(self) -> bytes | None:
         try:
             with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                d = orjson.loads(f.read())
-        except (OSError, orjson.JSONDecodeError):
+                return f.read()
+        except OSError:
+            return None
+
+    def _load(self, raw: bytes | None = None) -> bool:
+        raw = self._read() if raw is None else raw
+        if raw is None:
             return False
-        self._stamp = self._stat_stamp(st)
+        try:
+            d = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(d, dict):
+            return False
+        self._raw = raw
         self.version = int(d.get("version", 0))
         self.drained = set(d.get("drained", []))
         self.removed = set(d.get("removed", []))
@@ -74,23 +85,25 @@ class AdminStore:
         return True
 
     def reload_if_changed(self) -> bool:
-        """Re-read the file when another process changed it; True when something was loaded."""
-        try:
-            stamp = self._stat_stamp(os.stat(self.path))
-        except FileNotFoundError:
+        """Re-read the file when another process changed it; True when something was loaded.
+        Compares the file's bytes (a few KB at most, read once per health tick) with what this process
+        last loaded or saved: a stat stamp can miss a change (``os.replace`` frees the inode, the
+        next save may get it again, with the same size within one coarse mtime tick), and every
+        change bumps ``version``, so equal bytes are the same state."""
+        raw = self._read()
+        if raw is None or raw == self._raw:
             return False
-        if stamp == self._stamp:
-            return False
-        return self._load()
+        return self._load(raw)
 
     @contextlib.contextmanager
     def edit(self) -> Iterator[AdminStore]:
         """Read-modify-write of the shared state: holds the exclusive lock, re-reads the file,
         yields the store; when the body changed something, bumps ``version`` and saves before the
-        lock is dropped. A body that raises saves nothing (it must raise before changing), and the
-        next :meth:`reload_if_changed` loads the file again: the re-read here may have brought in
-        another process's change that a raising caller does not apply, and without that reload this
-        process would not apply it until the next change (a mirror removal waited out its 10 s).
+        lock is dropped. A body that raises saves nothing (it must raise before changing); after it,
+        or a failed save, the next :meth:`reload_if_changed` loads the file again: the re-read here
+        may have brought in another process's change that the failing caller does not apply, and
+        without that reload this process would not apply it until the next change (a mirror
+        removal waited out its 10 s).
         The body must not await: the lock blocks every other router process's admin calls."""
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -100,11 +113,11 @@ class AdminStore:
             before = self._dump()
             try:
                 yield self
+                if self._dump() != before:
+                    self.version += 1
+                    self.save()
             except BaseException:
-                self._stamp = None
+                self._raw = None         # the next reload_if_changed loads (and the tick applies)
                 raise
-            if self._dump() != before:
-                self.version += 1
-                self.save()
         finally:
             os.close(fd)
