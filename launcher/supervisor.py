@@ -410,11 +410,16 @@ class Supervisor:
 
     def front_ready(self) -> bool:
         """The front door answers: the router's ``GET /health`` is 200, or (``--gateway envoy``)
-        Envoy's admin ``/ready`` is 200 and the picker's ``/metrics`` answers."""
+        Envoy's admin ``/ready`` is 200, the picker's ``/metrics`` answers and Envoy's pool cluster
+        holds every worker (the picker writes the EDS file on its own health tick and Envoy loads it
+        after that: until both happened a request is answered 503 although every slot is READY)."""
         cfg = self.cfg
         if cfg.envoy:
+            from epp.envoy import POOL_CLUSTER
+
             return (http_ok(cfg.envoy_admin_url + "/ready")
-                    and http_ok(f"http://{LOOPBACK}:{cfg.epp_metrics_port}/metrics"))
+                    and http_ok(f"http://{LOOPBACK}:{cfg.epp_metrics_port}/metrics")
+                    and envoy_cluster_hosts(cfg.envoy_admin_url, POOL_CLUSTER) >= cfg.num_workers)
         return http_ok(cfg.url + "/health")
 
     def serve(self) -> int:
@@ -934,6 +939,22 @@ def remove_sockets(path: Path) -> None:
                 pass
     except OSError:
         pass
+
+
+def envoy_cluster_hosts(admin_url: str, cluster: str, timeout_s: float = 1.0) -> int:
+    """How many hosts Envoy's cluster ``cluster`` holds now, from the admin API's
+    ``GET /clusters?format=json`` (``cluster_statuses[].host_statuses[]``); 0 when the admin API
+    does not answer, answers something else, or has no such cluster. Never raises."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(admin_url + "/clusters?format=json", timeout=timeout_s) as r:
+            doc = orjson.loads(r.read())
+        for c in doc.get("cluster_statuses") or []:
+            if c.get("name") == cluster:
+                return len(c.get("host_statuses") or [])
+    except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
+        pass
+    return 0
 
 
 def http_ok(url: str, timeout_s: float = 1.0) -> bool:

@@ -44,8 +44,11 @@ def test_launch_gateway_envoy_serves_and_stops_clean():
         c = openai.OpenAI(base_url=ln.url, api_key="none", timeout=60, max_retries=0)
         workers = set()
         for _ in range(2):
-            r = c.chat.completions.with_raw_response.create(
-                model="sim-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=8)
+            try:
+                r = c.chat.completions.with_raw_response.create(
+                    model="sim-model", messages=[{"role": "user", "content": "hello there"}], max_tokens=8)
+            except openai.APIError as e:   # the logs say whether Envoy, the picker or an engine failed
+                pytest.fail(f"{e!r}\n{ln.logs()}")
             workers.add(r.headers["x-dplb-worker-id"])
             assert r.parse().choices[0].message.content
         for _ in range(2):
