@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from router.errors import TransportError
-from router.mirror import MirrorManager
+from router.mirror import MirrorManager, starved_timeout
 from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics
 
 log = logging.getLogger("dplb.epp.discovery")
@@ -150,11 +151,14 @@ class ScrapeManager(MirrorManager):
             return
         spec = self.wanted.get(endpoint, {})
         before = self._router_inflight(w)
+        t0 = time.monotonic()
         try:
             status, body = await self.transport.get(endpoint, "/metrics", self.timeout_s)
             if status >= 500:
                 raise TransportError("status", endpoint, str(status))
         except TransportError as e:
+            if starved_timeout(e, t0, self.timeout_s):
+                return   # no verdict: this process was starved, not the engine slow
             n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
             if n >= self.max_failures:
                 if n == self.max_failures:

@@ -55,6 +55,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -82,6 +83,15 @@ def split_host(endpoint: str) -> tuple[str, str]:
     """``host:port`` → (host, port); an IPv6 host keeps its brackets."""
     host, _, port = endpoint.rpartition(":")
     return host, port
+
+
+def starved_timeout(err: BaseException, t0: float, timeout_s: float) -> bool:
+    """True when ``err`` is a timeout that says nothing about the far end: the call, started at
+    ``t0`` (``time.monotonic()``), ended more than ``2 * timeout_s`` later, so this process's own
+    timers fired late (a starved event loop on a busy machine) and the answer may never have been
+    read. Such a fetch is no verdict, the same rule as :meth:`router.health.HealthMonitor.probe`."""
+    return (isinstance(err, TransportError) and err.kind == "timeout"
+            and time.monotonic() - t0 > 2 * timeout_s)
 
 
 def data_endpoint(published: str | None, control: str) -> str | None:
@@ -302,6 +312,7 @@ class MirrorManager:
             # Any: the remote agent's /dplb/state JSON, checked a dict below, its fields read with get()
             d: Any = None  # type: ignore[explicit-any]
             err: Exception | None = None
+            t0 = time.monotonic()
             try:
                 status, body = await self.transport.get(endpoint, "/dplb/state", self.timeout_s)
                 if status != 200:
@@ -319,6 +330,8 @@ class MirrorManager:
             if not self.owns(cur, endpoint):
                 return                               # taken by another writer: reconcile moves it
             if err is not None:
+                if starved_timeout(err, t0, self.timeout_s):
+                    return                           # no verdict: this process was starved, not the agent slow
                 n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
                 if n >= self.max_failures:
                     if n == self.max_failures:

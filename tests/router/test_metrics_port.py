@@ -10,7 +10,7 @@ import httpx
 
 from bench.fakes import MODEL
 from launcher.stack import ROOT, free_port
-from tests.helpers import metric
+from tests.helpers import metric, wait_until
 
 
 def _requests(page: str) -> float:
@@ -59,6 +59,13 @@ def test_metrics_port_adds_up_every_router_process(make_cluster):
     for _ in range(n):
         _chat(c.base)
     mbase = f"http://127.0.0.1:{mport}"
+
+    def scraped() -> int:
+        with httpx.Client() as client:
+            return _requests(client.get(mbase + "/metrics", timeout=5).text)
+
+    # a process counts a non-streamed answer just after writing it: the other may be scraped first
+    wait_until(lambda: scraped() == n, 10, what=f"{n} requests counted")
     for _ in range(8):   # new connections: the kernel hands them to either process
         with httpx.Client() as client:
             page = client.get(mbase + "/metrics", timeout=5).text

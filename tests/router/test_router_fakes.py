@@ -600,7 +600,9 @@ def test_burst_sharing_a_long_system_prompt_does_not_pile_onto_its_worker(cluste
 
 
 def test_open_circuit_half_opens_and_closes_on_a_successful_probe(make_cluster):
-    c = make_cluster(1, {"circuit_breaker": {"open_time_s": 1.0}, "retries": {"max_attempts": 1}})
+    # open 4 s: a busy machine's stall between the 20th 500 and the next request must not turn that
+    # request into the half-open probe
+    c = make_cluster(1, {"circuit_breaker": {"open_time_s": 4.0}, "retries": {"max_attempts": 1}})
     for _ in range(20):
         r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG},
                        headers={"x-fake-mode": "500"})
@@ -608,7 +610,7 @@ def test_open_circuit_half_opens_and_closes_on_a_successful_probe(make_cluster):
     assert status(c.base)["workers"][0]["circuit"] == "open"
     r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     assert r.status_code == 503 and r.headers["retry-after"]
-    time.sleep(1.2)
+    time.sleep(4.2)
     r = httpx.post(c.base + "/v1/chat/completions", json={"model": MODEL, "messages": MSG})
     assert r.status_code == 200                     # the half-open probe
     w = status(c.base)["workers"][0]

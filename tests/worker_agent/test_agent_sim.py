@@ -71,8 +71,7 @@ def test_slot_names_the_engine_and_the_agent_serves_only_its_control_api(start_a
         err = r.json()["error"]
         assert err["code"] == 404 and engine_sock in err["message"]
     h1 = segment.read_slot(4).heartbeat_ns
-    time.sleep(0.35)
-    assert segment.read_slot(4).heartbeat_ns > h1
+    slot_wait(segment, 4, lambda s: s.heartbeat_ns > h1, 5, "the heartbeat goes on")
 
 
 async def test_engine_figures_reach_the_slot_while_requests_go_straight_to_the_engine(start_agent, segment):
@@ -94,16 +93,17 @@ def test_heartbeat_goes_on_and_engine_death_marks_slot_dead(start_agent, segment
     assert "sim_engine" in " ".join(engine.cmdline())
     t0 = time.monotonic()
     os.kill(engine.pid, signal.SIGKILL)
-    slot_wait(segment, 2, lambda s: s.state.name == "DEAD", 5, "slot DEAD")
+    slot_wait(segment, 2, lambda s: s.state.name == "DEAD", 10, "slot DEAD")
     dead_after = time.monotonic() - t0
-    assert dead_after < 0.1 + 0.5, f"DEAD after {dead_after:.3f}s (interval 0.1s, 0.5s slack for load)"
+    # the agent sees its child exit (not a missed health check, seconds later); the bound is loose
+    # so that a busy machine's stalls cannot fail it (bench/faultsuite times detection)
+    assert dead_after < 3.0, f"DEAD after {dead_after:.3f}s (interval 0.1s)"
     assert a.proc.poll() is None       # the agent stays up and keeps its heartbeat
     h = segment.read_slot(2).heartbeat_ns
     with a.client() as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "dead" and r.headers["retry-after"]
-    time.sleep(0.3)
-    assert segment.read_slot(2).heartbeat_ns > h
+    slot_wait(segment, 2, lambda s: s.heartbeat_ns > h, 5, "the heartbeat goes on after the engine died")
     assert "exited unexpectedly with code -9" in a.log_text()
 
 
@@ -135,12 +135,13 @@ def test_sigterm_drains_on_the_routers_in_flight_count_then_empties_slot(start_a
 def test_a_request_dispatched_just_after_the_count_reached_0_is_waited_for_not_cut(start_agent, segment):
     """Issue 27 item 6: the agent stopped its engine at the first read of 0 in flight, so a request
     a router dispatched right then (it checked the slot READY just before the drain) was cut. The
-    count must stay 0, with ``dispatched`` unchanged, for one state interval (0.5 s here)."""
-    a = start_agent(4, "--drain-timeout", "60", interval_ms=500)
+    count must stay 0, with ``dispatched`` unchanged, for one state interval (2 s here: the 0.1 s
+    gap below must stay well inside it on a busy machine; the agent reads the count every 20 ms)."""
+    a = start_agent(4, "--drain-timeout", "60", interval_ms=2000)
     segment.router_inflight_add(4, 1)           # one request in flight when the stop comes
     a.proc.send_signal(signal.SIGTERM)
-    slot_wait(segment, 4, lambda s: s.state.name == "DRAINING", 5, "DRAINING")
-    time.sleep(0.7)                             # past the agent's first state interval
+    slot_wait(segment, 4, lambda s: s.state.name == "DRAINING", 10, "DRAINING")
+    time.sleep(2.3)                             # past the agent's first state interval
     segment.router_inflight_add(4, -1)          # it ends ...
     time.sleep(0.1)
     segment.dispatched_add(4, 1)                # ... and a router dispatches one more right after
