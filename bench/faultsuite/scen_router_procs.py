@@ -39,6 +39,18 @@ def _router_pids(base: str, want: int, tries: int = 200) -> set[int]:
     return pids
 
 
+def _held_by_process(base: str, want: int, tries: int = 200) -> dict[int, int]:
+    """Each router process's own in-flight requests (``local_inflight`` summed over its
+    ``/dplb/status`` rows), by pid, from fresh connections until ``want`` processes answered."""
+    held: dict[int, int] = {}
+    for _ in range(tries):
+        d = httpx.get(base + "/dplb/status", timeout=10).json()
+        held[int(d["pid"])] = sum(int(w.get("local_inflight") or 0) for w in d["workers"])
+        if len(held) >= want:
+            break
+    return held
+
+
 def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40) -> Result:
     """``--workers 2`` in front of two fake workers; ``n`` streams in flight (half still in prefill,
     their first byte ``hold_s`` away, half decoding one chunk every 0.1 s for ``hold_s``), then
@@ -55,7 +67,6 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
         pids = _router_pids(base, 2)
         if len(pids) < 2:
             raise AssertionError(f"only router process(es) {pids} answered")
-        victim = min(pids)
         box: dict[str, Any] = {}
 
         def hdr(i: int) -> dict[str, str]:
@@ -72,6 +83,13 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
                 while _totals(st.seg, 2)["router_inflight"] < n and time.monotonic() - t0 < 30:
                     await asyncio.sleep(0.02)
                 await asyncio.sleep(0.3)   # the decoding half past its first chunk
+                # the kernel hands each new connection to either process, not evenly: a burst can
+                # land on one; the victim must hold some streams and its peer the rest
+                held = await asyncio.to_thread(_held_by_process, base, 2)
+                box["held"] = held
+                if len(held) < 2 or min(held.values()) == 0:
+                    return list(await asyncio.gather(*tasks))   # no kill: the caller tries again
+                box["victim"] = victim = min(held)
                 box["at_kill"] = _totals(st.seg, 2)
                 box["t_kill"] = time.monotonic()
                 os.kill(victim, signal.SIGKILL)
@@ -85,8 +103,16 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
                     await asyncio.sleep(0.02)
                 return list(await asyncio.gather(*tasks))
 
-        outs = asyncio.run(streams())
-        res.add(outs)
+        for _attempt in range(3):
+            box.clear()
+            outs = asyncio.run(streams())
+            res.add(outs)
+            if "t_kill" in box:
+                break
+        else:
+            raise AssertionError(f"3 tries, each time one router process held every stream: {box.get('held')}")
+        victim = box["victim"]
+        res.extra["victim_held"] = box["held"][victim]
         res.extra["at_kill"] = box.get("at_kill")
         res.extra["cut_by_the_kill"] = sum(1 for o in outs if o.kind != "ok")
         res.detection_s = box.get("share_left_s")
@@ -110,6 +136,10 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
         res.add(bouts)
         res.extra["burst_lost"] = sum(1 for o in bouts if o.kind != "ok")
         res.extra["burst_split"] = dict(sorted(Counter(o.worker for o in bouts).items(), key=lambda kv: str(kv[0])))
+        try:   # the parent starts a replacement; on a busy machine its import can take seconds
+            wait_for(lambda: len(_router_pids(base, 2, tries=20)) == 2, 60, "two router processes again")
+        except TimeoutError:
+            pass
         res.extra["processes_after"] = sorted(_router_pids(base, 2))
         with open(st.routers[-1][0].log or os.devnull, errors="replace") as f:
             log = f.read()

@@ -17,6 +17,7 @@ def test_a_killed_router_process_leaves_no_phantom_load_and_its_death_is_logged(
     at_kill = r.extra["at_kill"]
     assert at_kill["router_inflight"] == 40 and at_kill["prefill_tokens"] > 0 and at_kill["decode_reqs"] > 0
     assert 1 <= r.extra["cut_by_the_kill"] < 40      # both processes held streams; only the victim's broke
+    assert r.extra["cut_by_the_kill"] == r.extra["victim_held"]
     assert r.detection_s is not None, "the killed process's share never left the segment"
     assert r.extra["after_streams"] == dict.fromkeys(("router_inflight", "prefill_tokens", "decode_reqs",
                                                       "decode_ctx_tokens"), 0)
