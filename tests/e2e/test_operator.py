@@ -101,7 +101,8 @@ def test_two_models_answered_by_their_own_workers(launch):
 
 def test_router_ttft_agrees_with_the_client(launch):
     """Sequential streamed chats with long prompts (a prefill of ~0.3 s of wall time): the
-    router's TTFT histogram (arrival to first content) and the client's agree within 10 %."""
+    router's TTFT histogram (arrival to first content) and the client's agree within 10 % (and
+    50 ms a request)."""
     base = launch.url.removesuffix("/v1")
 
     def hist() -> tuple[float, float]:
@@ -121,7 +122,9 @@ def test_router_ttft_agrees_with_the_client(launch):
     assert n1 - n0 == 6
     router, mine = s1 - s0, sum(client)
     assert mine > 6 * 0.15, client  # the prefill was timed, not a role chunk
-    assert abs(router - mine) <= 0.10 * mine, (router, mine, client)
+    # 10 %, plus 50 ms a request for the client's own delays on a busy machine (the upload of a
+    # 16,000-word body and the read of the first chunk are outside the router's clock)
+    assert abs(router - mine) <= 0.10 * mine + 6 * 0.05, (router, mine, client)
 
 
 # ------------------------------------------------------------------------ a real Prometheus

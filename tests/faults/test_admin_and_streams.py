@@ -35,8 +35,9 @@ def test_client_disconnect_aborts_in_the_engine_within_one_second():
 def test_streams_are_relayed_chunk_by_chunk_and_byte_exact():
     r = sc.run_stream_fidelity()
     assert r.ok == 2, lost_details(r.outcomes)
-    # 10 chunks 100 ms apart: the first arrives while the worker still has ~0.9 s to go
-    assert r.extra["first_chunk_s"] < 0.5 and r.extra["total_s"] >= 0.9
+    # 10 chunks 100 ms apart: the first arrives while the worker still has ~0.9 s to go (relative to
+    # the whole stream, so that a busy machine's late start of the client cannot fail it)
+    assert r.extra["total_s"] >= 0.9
     assert r.extra["first_chunk_s"] < r.extra["total_s"] - 0.5
     assert r.extra["done_last"] and r.extra["usage_before_done"]
     assert r.extra["body_at_worker_equal"]
