@@ -104,7 +104,11 @@ def gateway():
         eps.write_text("".join(f"- {{address: '{f.endpoint}', model: fake-model}}\n" for f in fakes)
                        + f"- {{address: '{dead}', model: dead-model}}\n")
         epp_port, health_port, metrics_port = free_port(), free_port(), free_port()
-        epp = procs.start([script("dplb-epp"), "--shm", name, "--endpoints-file", str(eps), "--policy", "round_robin",
+        # a busy machine can stall the picker past the default 1 s heartbeat limit (the router tests' value)
+        conf = Path(run_dir) / "dplb.yaml"
+        conf.write_text("health_check:\n  heartbeat_timeout_ms: 2000\n")
+        epp = procs.start([script("dplb-epp"), "--config", str(conf), "--shm", name, "--endpoints-file", str(eps),
+                           "--policy", "round_robin",
                            "--port", str(epp_port), "--health-port", str(health_port), "--metrics-port",
                            str(metrics_port), "--state-dir", os.path.join(run_dir, "state"), "--log-level", "info"],
                           log=os.path.join(run_dir, "epp.log"), cwd=str(ROOT))
