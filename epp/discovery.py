@@ -61,7 +61,11 @@ def load_endpoints(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     """The endpoints of file ``path``: address → ``{"model": str, "weight": float}`` (in file
     order). Raises :class:`EndpointsFileError` naming the entry (bad YAML, a missing or malformed address, a
     duplicate, a weight that is not a positive number) and OSError when unreadable."""
-    text = Path(path).read_text()
+    return parse_endpoints(Path(path).read_text(), path)
+
+
+def parse_endpoints(text: str, path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """:func:`load_endpoints` of the file's text (``path`` names it in errors)."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -93,30 +97,32 @@ def load_endpoints(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
 
 
 class EndpointsFile:
-    """A watched endpoints file: :meth:`poll` returns the new list when the file changed (its
-    mtime, size or inode), else None."""
+    """A watched endpoints file: :meth:`poll` returns the new list when the file's bytes changed,
+    else None (the bytes, not a stat stamp: an editor's save can reuse the inode with the same size
+    within one coarse mtime tick; the file is a few KB at most, read once per health tick)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._sig: tuple[int, int, int] | None = None
+        self._raw: bytes | None = None     # the bytes last read; None after a failed read
+        self._unreadable = False
 
     def poll(self) -> dict[str, dict[str, Any]] | None:
         """Re-read the file if it changed; None when unchanged, missing or invalid (logged once
         per change; the previous list stays in force)."""
         try:
-            st = os.stat(self.path)
+            raw = Path(self.path).read_bytes()
         except OSError as e:
-            if self._sig != (0, 0, 0):
+            if not self._unreadable:
                 log.warning("endpoints file %s: %s (keeping the previous endpoints)", self.path, e)
-                self._sig = (0, 0, 0)
+                self._unreadable, self._raw = True, None
             return None
-        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if sig == self._sig:
+        self._unreadable = False
+        if raw == self._raw:
             return None
-        self._sig = sig
+        self._raw = raw
         try:
-            eps = load_endpoints(self.path)
-        except (OSError, ValueError) as e:
+            eps = parse_endpoints(raw.decode("utf-8"), self.path)
+        except ValueError as e:   # EndpointsFileError, UnicodeDecodeError
             log.warning("%s (keeping the previous endpoints)", e)
             return None
         log.info("endpoints file %s: %d endpoint(s)", self.path, len(eps))
@@ -186,4 +192,5 @@ class ScrapeManager(MirrorManager):
         w.publish(**fields)
 
 
-__all__ = ["EndpointsFile", "EndpointsFileError", "ScrapeManager", "engine_metrics", "load_endpoints", "parse_address"]
+__all__ = ["EndpointsFile", "EndpointsFileError", "ScrapeManager", "engine_metrics", "load_endpoints", "parse_address",
+           "parse_endpoints"]

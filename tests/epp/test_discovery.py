@@ -53,8 +53,13 @@ def test_endpoints_file_is_reread_when_it_changes_and_kept_when_broken(tmp_path)
     assert list(f.poll() or {}) == ["h:1"]
     assert f.poll() is None                       # unchanged
     p.write_text("- {address: 'h:1'}\n- {address: 'h:2'}\n")
-    os.utime(p, ns=(1, 1))                        # a new mtime even within the clock's resolution
     assert list(f.poll() or {}) == ["h:1", "h:2"]
+    # same size, same inode, the same mtime (two saves in one coarse clock tick): seen, by its bytes
+    st = p.stat()
+    p.write_text("- {address: 'h:1'}\n- {address: 'h:4'}\n")
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (p.stat().st_ino, p.stat().st_size) == (st.st_ino, st.st_size)
+    assert list(f.poll() or {}) == ["h:1", "h:4"]
     p.write_text("- {address: nope}\n")
     assert f.poll() is None                       # invalid: the previous list stays in force
     p.unlink()
