@@ -287,10 +287,14 @@ cdef class SlotWriter:
 
     def fill_pattern(self, int64_t v):
         """Diagnostics (seqlock self-test): set every field of the slot from one counter ``v``
-        and publish; :meth:`Segment.check_reads` verifies reads of this pattern.
+        and publish; :meth:`Segment.check_reads` verifies reads of this pattern. ``v`` is taken
+        modulo 2**30 so that the 32-bit fields hold it whole (a hammer writing ~10 million times a
+        second passes 2**31 within minutes; the check would then read a wrapped ``num_running``
+        against the 64-bit fields and call every read torn).
         """
         cdef int k
         self._live()
+        v &= 0x3FFFFFFF
         self.st.num_running = self.st.num_waiting = self.st.inflight = self.st.max_num_seqs = <int32_t>v
         self.st.pid = self.st.engine_pid = <int32_t>v
         self.st.queued_prompt_tokens = self.st.heartbeat_ns = v

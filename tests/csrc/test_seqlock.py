@@ -106,3 +106,13 @@ def test_writer_killed_mid_write_is_skipped_then_repaired(segment, shm_name):
     s = segment.read_slot(0)
     assert s.state == WorkerState.READY and s.seq % 2 == 0 and s.seq > seq
     assert {segment.pick(ScoringParams(heartbeat_timeout_ms=600_000.0), 10) for _ in range(200)} == {0, 1}
+
+
+def test_the_pattern_check_holds_past_the_32_bit_range(segment):
+    """A hammer that ran minutes (a busy machine: the reader's batches slow, the writer goes on)
+    passed 2**31 writes; the 32-bit fields wrapped and the check called every read torn."""
+    w = segment.writer(3)
+    for v in (1, 2**31 - 1, 2**31 + 5, 2**40 + 7):
+        w.fill_pattern(v)
+        torn, _retries, distinct = segment.check_reads(3, 1_000)
+        assert (torn, distinct) == (0, 1), v
