@@ -352,11 +352,11 @@ class Proxy:
         except asyncio.CancelledError:
             if not gone:
                 raise
-        except OSError:
-            # ClientGone from a piped stream, or uvicorn's send once the client socket is gone (upstream
-            # errors arrive wrapped as TransportError); the lease and the upstream connection were
-            # released on the way out
-            pass
+        except OSError as e:
+            # ClientGone, or uvicorn's send once the client socket is gone (upstream errors arrive as
+            # TransportError; lease and upstream released on the way out); anything else is logged
+            if not isinstance(e, ClientGone):
+                log.warning("request %s: %r while answering it", ex.rid.decode("latin-1"), e, exc_info=True)
         finally:
             if watch is not None:
                 watch.remove_done_callback(on_message)
