@@ -102,6 +102,9 @@ def run_engine_kill_retried(workers: int = 3, rate: float = 24.0, duration: floa
         res.extra["query_of_death"] = metric_value(text, "dplb_router_query_of_death_total")
         res.extra["by_worker"] = dict(sorted(Counter(o.worker for o in outs).items(), key=str))
         res.detection_s = None
+        if res.lost:   # the run dir goes with the stack: keep what the router logged for the report
+            with open(st.routers[-1][0].log or os.devnull, errors="replace") as f:
+                res.extra["router_log_tail"] = f.read()[-4000:]
     return res
 
 

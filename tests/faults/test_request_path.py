@@ -16,7 +16,7 @@ def test_kill9_of_an_engine_under_streamed_and_non_streamed_load_fails_no_reques
     What may still fail is a stream cut after its first events (its bytes are the client's), and
     it then ends with an SSE error event."""
     r = sc.run_engine_kill_retried()
-    assert r.lost == 0, lost_details(r.outcomes)
+    assert r.lost == 0, (lost_details(r.outcomes), r.extra.get("router_log_tail"))
     assert r.extra["inflight_at_kill"] >= 2
     assert r.extra["failed_non_streamed"] == [] and r.extra["failed_before_first_byte"] == []
     assert r.ok + r.extra["cut_mid_stream"] == r.sent and r.honest == r.extra["cut_mid_stream"]
