@@ -326,3 +326,19 @@ def launched(*args: str, port: int | None = None, ready_timeout: float = 300.0, 
         if os.path.exists(f"/dev/shm/dplb-{port}"):
             os.unlink(f"/dev/shm/dplb-{port}")
         shutil.rmtree(base, ignore_errors=True)
+
+
+class TimingOutTransport:
+    """A worker transport whose every ``get`` times out after blocking the event loop ``stall_s``
+    seconds (a starved process on a busy machine: its own timer fires that late)."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+
+    async def get(self, endpoint: str, path: str, timeout: float, method: str = "GET") -> tuple[int, bytes]:
+        import time
+
+        from router.errors import TransportError
+
+        time.sleep(self.stall_s)   # noqa: ASYNC251 - the stall is the point: the loop itself is blocked
+        raise TransportError("timeout", endpoint, "read timeout")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 
@@ -14,8 +13,7 @@ from epp.discovery import (
     engine_metrics,
     load_endpoints,
 )
-from router.errors import TransportError
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TimingOutTransport
 
 
 def test_endpoints_file_entries(tmp_path):
@@ -75,24 +73,12 @@ def test_engine_metrics_reads_vllm_then_sglang():
     assert engine_metrics("vllm:num_requests_running{ garbage\n").empty
 
 
-class _TimingOut:
-    """A transport whose every fetch times out; ``stall_s``: how long it blocks the event loop
-    first (a starved process on a busy machine: its own timer fires that late)."""
-
-    def __init__(self, stall_s: float) -> None:
-        self.stall_s = stall_s
-
-    async def get(self, endpoint: str, path: str, timeout: float) -> tuple[int, bytes]:
-        time.sleep(self.stall_s)   # noqa: ASYNC251 - the stall is the point: the loop itself is blocked
-        raise TransportError("timeout", endpoint, "read timeout")
-
-
 @pytest.mark.parametrize(("stall_s", "dead"), [(0.0, True), (0.3, False)])
 def test_a_scrape_timeout_marks_the_engine_dead_only_when_this_process_was_not_starved(segment, tmp_path,
                                                                                        stall_s, dead):
     """A timeout that ended far past its limit (0.3 s for a 0.05 s timeout) says this process's
     timers fired late, not that the engine is slow: no verdict (the router's probe rule)."""
-    sm = ScrapeManager(segment, _TimingOut(stall_s), str(tmp_path / "state"), timeout_s=0.05, max_failures=1)
+    sm = ScrapeManager(segment, TimingOutTransport(stall_s), str(tmp_path / "state"), timeout_s=0.05, max_failures=1)
     sm.wanted = {"127.0.0.1:9": {"model": "m", "weight": 1.0}}
     try:
         asyncio.run(sm.tick())

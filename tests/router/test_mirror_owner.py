@@ -7,13 +7,12 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 
 import orjson
 import pytest
 
-from router.errors import TransportError
 from router.mirror import RECORD, MirrorManager
+from tests.helpers import TimingOutTransport
 
 A = "127.0.0.1:9101"
 B = "127.0.0.1:9102"
@@ -126,23 +125,12 @@ def test_no_free_slot_is_recorded_as_the_reason(shm_name, tmp_path):
         seg.close()
 
 
-class TimingOut:
-    """Every fetch times out after blocking the event loop ``stall_s`` (a starved process)."""
-
-    def __init__(self, stall_s: float) -> None:
-        self.stall_s = stall_s
-
-    async def get(self, endpoint: str, path: str, timeout: float, method: str = "GET") -> tuple[int, bytes]:
-        time.sleep(self.stall_s)   # noqa: ASYNC251 - the stall is the point: the loop itself is blocked
-        raise TransportError("timeout", endpoint, "read timeout")
-
-
 @pytest.mark.parametrize(("stall_s", "dead"), [(0.0, True), (0.3, False)])
 def test_a_state_fetch_timeout_marks_the_remote_worker_dead_only_when_this_process_was_not_starved(
         segment, tmp_path, stall_s, dead):
     """A timeout that ended far past its limit (0.3 s for 0.05 s) is this process's lateness, not the
     remote agent's: no verdict (:func:`router.mirror.starved_timeout`)."""
-    m = MirrorManager(segment, TimingOut(stall_s), str(tmp_path), timeout_s=0.05, max_failures=1)
+    m = MirrorManager(segment, TimingOutTransport(stall_s), str(tmp_path), timeout_s=0.05, max_failures=1)
     m.wanted = {A: {"weight": 1.0}}
     try:
         asyncio.run(m.tick())
