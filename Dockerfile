@@ -80,5 +80,5 @@ STOPSIGNAL SIGINT
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["/opt/dplb/bin/python", "-c", "import os, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(os.environ['DPLB_HEALTH_URL'], timeout=4)"]
 ENTRYPOINT ["tini", "--", "/opt/dplb/bin/python", "-m", "launcher"]
-# simulated engines by default; pass the launcher's flags to change it (see README)
+# simulated engines by default; pass the launcher's flags to change it (see README.md, docs/containers.md)
 CMD ["--num-workers", "2"]

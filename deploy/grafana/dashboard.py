@@ -151,7 +151,7 @@ y[0] += 8
 
 dash = {
 
-    "title": "DPLB", "uid": "dplb-overview", "description": "DPLB: router, workers and engines (issue 16). Series: README 'Monitoring'.",
+    "title": "DPLB", "uid": "dplb-overview", "description": "DPLB: router, workers and engines. Series: docs/operating.md 'Monitoring'.",
     "tags": ["dplb", "llm", "serving"], "timezone": "browser", "editable": True, "graphTooltip": 1,
     "schemaVersion": 39, "version": 1, "refresh": "10s", "time": {"from": "now-1h", "to": "now"},
     "templating": {"list": [

@@ -31,7 +31,7 @@ def test_banner_curl_sends_the_key_once_one_is_set():
     chat = next(x for x in keyed.splitlines() if "chat/completions" in x)
     assert '-H "Authorization: Bearer $DPLB_API_KEY"' in chat and "export DPLB_API_KEY" in keyed
     status = next(x for x in keyed.splitlines() if "/dplb/status" in x)
-    assert "Authorization" not in status          # open on loopback (README "What the API key ... guard")
+    assert "Authorization" not in status          # open on loopback (docs/api.md "What the API key and the admin token guard")
     wide = banner(api_key_set=True, host="0.0.0.0")
     assert "Authorization" in next(x for x in wide.splitlines() if "/dplb/status" in x)
 

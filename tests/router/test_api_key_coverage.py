@@ -1,4 +1,5 @@
-"""Which endpoints ``router.api_key`` and ``router.admin_token`` guard (issue 32; README "API key").
+"""Which endpoints ``router.api_key`` and ``router.admin_token`` guard (issue 32; docs/api.md,
+"What the API key and the admin token guard").
 
 The rule: ``/v1/*``, ``/generate`` and ``/dplb/route`` need the API key; admin calls need the admin
 token (and a loopback client by default); ``/health`` is always open; the read-only pages that show

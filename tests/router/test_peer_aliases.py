@@ -1,5 +1,5 @@
-"""SGLang's and vLLM's router conventions as aliases of DPLB's own API (issue 32; README "Coming
-from SGLang's or vLLM's router"): ``/add_worker?url=``, ``/remove_worker?url=``, ``/list_workers``,
+"""SGLang's and vLLM's router conventions as aliases of DPLB's own API (issue 32;
+docs/coming-from-sglang-vllm.md): ``/add_worker?url=``, ``/remove_worker?url=``, ``/list_workers``,
 ``/get_loads``, ``/health_generate``, ``/flush_cache`` fanned out to the engines, ``max_model_len``
 in ``/v1/models``. Shapes from sgl-router's ``src/server.rs`` and ``protocols/worker_spec.rs``."""
 from __future__ import annotations
