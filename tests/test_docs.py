@@ -312,3 +312,11 @@ def test_the_checks_catch_what_they_should():
     assert list(_commands_and_flags("dplb-epp --shm x && curl --max-time 3")) == [("dplb-epp", "--shm")]
     assert "nope" not in _make_targets() and "test" in _make_targets()
     assert _slug("Scoring (csrc/dplb_kernel.h)") == "scoring-csrcdplb_kernelh"
+
+
+def test_every_policy_is_on_the_routing_page():
+    from router.policies import policy_names
+
+    text = (ROOT / "docs" / "routing.md").read_text()
+    missing = [name for name in policy_names() if f"`{name}`" not in text]
+    assert not missing, f"policies docs/routing.md does not name: {missing}"
