@@ -62,6 +62,7 @@ FLAG_RE = re.compile(r"(?<![\w=:/.-])--[a-z0-9][a-z0-9.-]*[a-z0-9]")
 SEPARATORS = re.compile(r"\|\||&&|[|;]|\$\(|\)|`")
 
 
+@cache
 def _console_scripts() -> dict[str, str]:
     eps = entry_points(group="console_scripts")
     return {ep.name: ep.value for ep in eps if ep.name.startswith("dplb-")}
@@ -161,12 +162,17 @@ def _code_contexts(text: str) -> Iterator[tuple[int, str]]:
                 yield no, span
 
 
+@cache
+def _command_re() -> re.Pattern[str]:
+    scripts = "|".join(map(re.escape, sorted(_console_scripts(), key=len, reverse=True)))
+    return re.compile(rf"(?<![\w-])(?:{SCRIPT_RE}|{MODULE_RE}|(?:\.venv/bin/)?({scripts})(?![\w-]))")
+
+
 def _commands_and_flags(context: str) -> Iterator[tuple[str | None, str]]:
     """(command, flag) for every flag of a code context; command None for a flag written alone.
     A piece of a shell line (split at ``|``, ``&&``, ``;``) belongs to the last DPLB command named
     before the flag; flags after a bare ``--`` are the engine's; a piece run by another tool is skipped."""
-    scripts = sorted(_console_scripts(), key=len, reverse=True)
-    cmd_re = re.compile(rf"(?<![\w-])(?:{SCRIPT_RE}|{MODULE_RE}|(?:\.venv/bin/)?({'|'.join(map(re.escape, scripts))})(?![\w-]))")
+    cmd_re = _command_re()
     for piece in SEPARATORS.split(context):
         piece = re.split(r"\s--(?:\s|$)", piece)[0]
         words = piece.split()
