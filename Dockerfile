@@ -1,4 +1,4 @@
-# DPLB in a container: router + worker agents + engines in one image (issue 31).
+# DPLB in a container: router + worker agents + engines in one image.
 #
 #   podman build --network=host -t dplb .                                  # simulated engines (default base)
 #   docker build --build-arg BASE=vllm/vllm-openai:<tag> -t dplb:vllm .    # on an engine's own image

@@ -127,7 +127,7 @@ async def replay(base: str, reqs: list[Any], time_scale: float, stream_every: in
 def main(argv: list[str] | None = None) -> int:
     """Run the soak, print a summary line per process, write the report; 1 on failure."""
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sim-minutes", type=float, default=30.0, help="simulated minutes of trace (>= 30 for issue 8)")
+    p.add_argument("--sim-minutes", type=float, default=30.0, help="simulated minutes of trace (30 or more for a full soak)")
     # 5: the Mooncake rate (3.4 req/s) x 5 = 17 req/s of ~12k-token prompts, about what router + 2 agents +
     # 2 sim engines sustain on a shared 2-core machine (at 10, a third of the requests wait client-side)
     p.add_argument("--time-scale", type=float, default=5.0, help="engines and arrivals run this much faster")
