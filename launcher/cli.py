@@ -38,6 +38,7 @@ from launcher.gpus import (
     parse_gpu_list,
     plan_gpus,
 )
+from launcher.plan import LaunchPlan, describe_workers
 from launcher.specs import (
     WorkerPlan,
     WorkerSpec,
@@ -45,12 +46,7 @@ from launcher.specs import (
     plan_workers,
     spec_from_config,
 )
-from launcher.supervisor import (
-    STOP_MARGIN_S,
-    LaunchConfig,
-    Supervisor,
-    describe_workers,
-)
+from launcher.supervisor import STOP_MARGIN_S, Supervisor
 from router.policies import policy_names
 from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
@@ -177,7 +173,7 @@ def worker_specs(args: argparse.Namespace, rcfg: Any) -> list[WorkerSpec]:
     return [spec_from_config(e, i) for i, e in enumerate(rcfg.workers)]
 
 
-def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> LaunchConfig:
+def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> LaunchPlan:
     """Validate flags, read the router's config file and plan GPUs; raises :class:`UsageError` /
     :class:`GpuPlanError`.
 
@@ -239,7 +235,7 @@ def config_from_args(args: argparse.Namespace, engine_args: list[str]) -> Launch
     gateway = gateway_fields(args)
     run_dir = Path(args.run_dir or os.environ.get("DPLB_RUN_DIR")
                    or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dplb-{port}"))
-    return LaunchConfig(
+    return LaunchPlan(
         num_workers=num_workers, plan=plan, engine=engine, model=model, host=rcfg.router.host, port=port,
         config=os.path.abspath(args.config) if args.config else None, state_interval_ms=args.state_interval_ms,
         policy=args.policy, router_policy=rcfg.routing_policy.policy, api_key_set=bool(rcfg.router.api_key),
@@ -262,7 +258,7 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 
 def gateway_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`LaunchConfig` fields of ``--gateway`` (empty for the router): the Envoy binary
+    """The :class:`LaunchPlan` fields of ``--gateway`` (empty for the router): the Envoy binary
     and the ports of the picker and Envoy's admin (free ones where a flag says 0). Raises
     :class:`UsageError` when Envoy is not installed or the flags contradict each other."""
     if args.gateway != "envoy":
@@ -301,7 +297,7 @@ def agent_restart_params(args: argparse.Namespace) -> RestartParams:
         raise UsageError(f"{flag} {reason} (got {v})") from None
 
 
-def engine_argv(cfg: LaunchConfig, k: int) -> list[str] | None:
+def engine_argv(cfg: LaunchPlan, k: int) -> list[str] | None:
     """The command line worker ``k``'s agent will start its engine with (the adapter's own
     :meth:`~worker_agent.adapters.base.EngineAdapter.command` on the agent's parsed argv); None
     for ``--engine openai`` (it attaches, nothing is started). SGLang's private port is picked
@@ -317,7 +313,7 @@ def engine_argv(cfg: LaunchConfig, k: int) -> list[str] | None:
         return [f"(cannot tell: {type(e).__name__}: {e})"]
 
 
-def plan_document(cfg: LaunchConfig) -> dict:
+def plan_document(cfg: LaunchPlan) -> dict:
     """The ``--dry-run --json`` document: engine, tp size, models, and per worker its engine, model,
     GPUs, env, the agent's ``argv`` and the engine's own ``engine_argv`` (None: an attached server)
     (``engine`` is ``mixed`` and ``tp_size`` 0 when the workers differ)."""

@@ -1,5 +1,9 @@
 """The supervisor behind ``scripts/launch_dplb.sh``: segment, router, N worker agents, one lifetime.
 
+Three rooms serve it: the plan of the launch (:class:`launcher.plan.LaunchPlan`: every child's
+command line and environment), the host checks and probes (:mod:`launcher.host`) and what it
+prints once ready (:mod:`launcher.banner`); this module runs the lifetime.
+
 Start-up, in order (each step fails with a :class:`launcher.errors.LaunchError` naming what and
 why, after undoing the steps before it):
 
@@ -11,7 +15,7 @@ why, after undoing the steps before it):
    undoes only what this launch owns;
 1. check the router port is free and the run dir's socket paths fit ``sun_path`` (108 bytes);
 2. create the run dir (mode 0700) and drop sockets a previous run left behind;
-3. check ``/dev/shm`` has room for the segment (:func:`check_shm_space`: a container's default
+3. check ``/dev/shm`` has room for the segment (:func:`launcher.host.check_shm_space`: a container's default
    64 MB, or a ``--shm-size`` too small, would otherwise end in SIGBUS on the first write past the
    limit) and create the segment ``dplb-<port>`` (64 slots, replacing a stale one — the port being
    free means no live launch owns it);
@@ -51,22 +55,14 @@ and when the agent restarts it, each restart, the return to READY, and an agent 
 """
 from __future__ import annotations
 
-import fcntl
 import os
-import shlex
-import shutil
 import signal
-import socket
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import orjson
-
+from launcher.banner import banner, describe_slot
 from launcher.children import (
     Child,
     become_subreaper,
@@ -75,200 +71,29 @@ from launcher.children import (
     stop_tree,
 )
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
-from launcher.gpus import GpuPlan
-from launcher.specs import WorkerPlan
-from launcher.stack import LOOPBACK, agent_argv, router_argv
+from launcher.host import (
+    check_port_free,
+    check_shm_space,
+    check_socket_paths,
+    envoy_cluster_hosts,
+    http_ok,
+    lock_dir,
+    prepare_run_dir,
+    release_lock,
+    remove_sockets,
+    take_lock,
+)
+from launcher.plan import DEFAULT_SIM_MODEL, LaunchPlan, describe_workers
+from launcher.stack import LOOPBACK
 from router.workers import exit_words
 from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
 from worker_agent.logtail import log_tail
-from worker_agent.restart import RestartParams, RestartPolicy
+from worker_agent.restart import RestartPolicy
 
-ROOT = Path(__file__).resolve().parent.parent
-SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 #: how long a stop waits for the agents beyond the drain limit (``--drain-timeout``) before it stops
 #: the rest: an agent past its drain limit stops its engine (SIGTERM, SIGKILL after
 #: ``ENGINE_STOP_GRACE_S``, 15 s), closes its control API (2 s) and exits; 3 s to spare
 STOP_MARGIN_S = ENGINE_STOP_GRACE_S + 5.0
-DEFAULT_SIM_MODEL = "sim-llama-3.1-8b"  # sim engine's default model name (docs/INTERFACES.md)
-
-
-@dataclass
-class LaunchConfig:
-    """Everything one launch needs; built by :func:`launcher.cli.config_from_args`.
-
-    ``time_scale``: passed to sim engines as ``--time-scale`` (None: the engine's default);
-    ``engine_args``: extra engine flags given after ``--``; ``latency_window_s``: the config's
-    ``routing_policy.latency_window_sec``, passed to every agent; ``engine_urls``: one per worker for
-    ``--engine openai``; ``start_timeout_s``: how long every worker has to become ready;
-    ``agent_module``/``router_module``: what ``python -m`` runs (the launcher's own tests run
-    stand-ins that speak the same CLIs).
-    """
-
-    num_workers: int
-    plan: GpuPlan
-    engine: str
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    config: str | None = None
-    state_interval_ms: int = 200
-    policy: str | None = None
-    #: the policy the router runs (the flag, else the config file, else its default): the banner's
-    router_policy: str = "dplb"
-    #: the config sets ``router.api_key``: the banner's curl lines send ``$DPLB_API_KEY``
-    api_key_set: bool = False
-    time_scale: float | None = None
-    router_workers: int | None = None
-    #: ``--metrics-port``: the router's ``GET /metrics`` on a port of its own too (None: the main port only)
-    metrics_port: int | None = None
-    log_level: str | None = None
-    engine_urls: list[str] = field(default_factory=list)
-    engine_args: list[str] = field(default_factory=list)
-    run_dir: Path = Path("/tmp/dplb-30000")
-    shm_name: str = "dplb-30000"
-    num_slots: int = 64
-    latency_window_s: float | None = None
-    start_timeout_s: float = 120.0
-    #: the drain limit: what the agents and the router are told (``--drain-timeout``)
-    drain_timeout_s: float = DRAIN_TIMEOUT_S
-    python: str = sys.executable
-    #: start no router: the agents and the segment only (``--no-router``); routers elsewhere attach to
-    #: ``shm_name`` and reach the engines through the run dir's sockets
-    with_router: bool = True
-    #: where POSIX shared memory lives (the free space :func:`check_shm_space` checks)
-    shm_dir: Path = Path("/dev/shm")
-    agent_module: str = "worker_agent"  # ``python -m`` module of the agent (tests swap in a fake)
-    router_module: str = "router"
-    #: every worker's plan (:class:`launcher.specs.WorkerPlan`); empty: one model for all, from
-    #: ``plan``/``engine``/``model``/``engine_urls``/``engine_args``
-    workers: list[WorkerPlan] = field(default_factory=list)
-    #: how a dead agent is restarted (``--agent-restart-*``; the agent's own engine policy's defaults)
-    agent_restart: RestartParams = field(default_factory=RestartParams)
-    #: what serves ``port``: ``"router"`` (dplb-router) or ``"envoy"`` (Envoy + ``dplb-epp`` over the
-    #: segment; the engines listen on loopback TCP, ``--engine-host``, for Envoy's ORIGINAL_DST cluster)
-    gateway: str = "router"
-    #: ``--gateway envoy``: the picker's ext_proc, gRPC health and /metrics ports, Envoy's admin port
-    epp_port: int = 9002
-    epp_health_port: int = 9003
-    epp_metrics_port: int = 9090
-    envoy_admin_port: int = 9901
-    #: ``--gateway envoy``: the Envoy executable (:func:`epp.envoy.envoy_binary`)
-    envoy_bin: str = "envoy"
-
-    def __post_init__(self) -> None:
-        if not self.workers:
-            self.workers = [
-                WorkerPlan(engine=self.engine, model=self.model, gpus=list(self.plan.groups[k]),
-                           tp_size=self.plan.tp_size if self.plan.groups[k] else 1,
-                           engine_url=self.engine_urls[k] if self.engine == "openai" else None,
-                           engine_args=list(self.engine_args))
-                for k in range(self.num_workers)]
-        self.num_workers = len(self.workers)
-
-    @property
-    def models(self) -> list[str]:
-        """The models served, in worker order, each once (the sim default for a sim worker naming none)."""
-        out: list[str] = []
-        for w in self.workers:
-            m = w.model or (DEFAULT_SIM_MODEL if w.engine == "sim" else "")
-            if m and m not in out:
-                out.append(m)
-        return out
-
-    def agent_socket(self, k: int) -> Path:
-        """Unix socket worker ``k``'s agent serves on."""
-        return self.run_dir / f"agent-{k}.sock"
-
-    def agent_argv(self, k: int) -> list[str]:
-        """Command line of worker ``k``'s agent (:func:`launcher.stack.agent_argv`)."""
-        w = self.workers[k]
-        extra = list(w.engine_args)
-        if w.engine == "sim" and self.time_scale is not None:
-            extra = ["--time-scale", f"{self.time_scale:g}", *extra]
-        return agent_argv(k, self.shm_name, self.agent_socket(k), engine=w.engine, model=w.model,
-                          gpus=w.gpus, tp_size=w.tp_size if w.gpus else None, engine_url=w.engine_url,
-                          state_interval_ms=self.state_interval_ms, run_dir=self.run_dir,
-                          latency_window_s=self.latency_window_s, engine_args=extra, python=self.python,
-                          module=self.agent_module,
-                          extra=["--drain-timeout", f"{self.drain_timeout_s:g}",
-                                 *(["--weight", f"{w.weight:g}"] if w.weight != 1.0 else []),
-                                 *(["--engine-host", LOOPBACK] if self.envoy else [])])
-
-    @property
-    def envoy(self) -> bool:
-        """True for ``--gateway envoy`` (Envoy + ``dplb-epp`` instead of the router)."""
-        return self.gateway == "envoy" and self.with_router
-
-    def epp_argv(self) -> list[str]:
-        """Command line of ``dplb-epp`` over this launch's segment (``--gateway envoy``); its state
-        directory is in the run dir."""
-        argv = [self.python, "-m", "epp", "--shm", self.shm_name, "--host", LOOPBACK, "--port", str(self.epp_port),
-                "--health-port", str(self.epp_health_port), "--metrics-port", str(self.epp_metrics_port),
-                "--state-dir", str(self.run_dir / "epp-state"), "--envoy-eds", str(self.envoy_eds_path)]
-        if self.config:
-            argv += ["--config", self.config]
-        if self.policy:
-            argv += ["--policy", self.policy]
-        if self.log_level:
-            argv += ["--log-level", self.log_level]
-        return argv
-
-    @property
-    def envoy_config_path(self) -> Path:
-        """Where Envoy's bootstrap is written (the run dir)."""
-        return self.run_dir / "envoy.yaml"
-
-    @property
-    def envoy_eds_path(self) -> Path:
-        """The pool cluster's EDS file (:mod:`epp.envoy`), written by the picker (the run dir)."""
-        return self.run_dir / "envoy-eds" / "pool.json"
-
-    def envoy_config(self) -> str:
-        """Envoy's bootstrap as YAML (:func:`epp.envoy.bootstrap_yaml`): listener on ``host:port``,
-        admin on loopback, ext_proc to the picker, the pool cluster on the picker's EDS file
-        (fallbacks and retries: a killed engine loses no request), access log in the run dir."""
-        from epp.envoy import EnvoySettings, bootstrap_yaml
-
-        return bootstrap_yaml(EnvoySettings(listen_port=self.port, admin_port=self.envoy_admin_port,
-                                            epp_port=self.epp_port, host=self.host, epp_host=LOOPBACK,
-                                            access_log=str(self.run_dir / "envoy-access.log"),
-                                            pool_eds=str(self.envoy_eds_path)))
-
-    def envoy_argv(self) -> list[str]:
-        """Command line of Envoy on :attr:`envoy_config_path` (hot restart off: no shared memory)."""
-        return [self.envoy_bin, "-c", str(self.envoy_config_path), "--disable-hot-restart", "-l", "warning"]
-
-    @property
-    def envoy_admin_url(self) -> str:
-        """Envoy's admin base URL (loopback)."""
-        return f"http://{LOOPBACK}:{self.envoy_admin_port}"
-
-    def router_argv(self) -> list[str]:
-        """Command line of the router (:func:`launcher.stack.router_argv`)."""
-        return router_argv(port=self.port, shm=self.shm_name, host=self.host, config=self.config,
-                           policy=self.policy, workers=self.router_workers, log_level=self.log_level,
-                           python=self.python, module=self.router_module,
-                           extra=["--drain-timeout", f"{self.drain_timeout_s:g}",
-                                  *(["--metrics-port", str(self.metrics_port)] if self.metrics_port else [])])
-
-    def child_env(self, k: int | None) -> dict[str, str]:
-        """Environment of worker ``k`` (``None``: the router): ours + PYTHONPATH + its GPU group."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        env["PYTHONUNBUFFERED"] = "1"
-        if k is not None:
-            cvd = self.workers[k].cuda_visible_devices()
-            if cvd is not None:
-                env["CUDA_VISIBLE_DEVICES"] = cvd
-        return env
-
-    @property
-    def url(self) -> str:
-        """The router's base URL as a client on this machine reaches it."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host == "::" else self.host)
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
 
 
 class _Stop(Exception):
@@ -282,7 +107,7 @@ class Supervisor:
     ``create(name, num_slots=, replace=)`` makes the segment (default ``dplb_shm.Segment``).
     """
 
-    def __init__(self, cfg: LaunchConfig, out: TextIO | None = None, segment_api: Any = None) -> None:
+    def __init__(self, cfg: LaunchPlan, out: TextIO | None = None, segment_api: Any = None) -> None:
         self.cfg = cfg
         self.out = out or sys.stdout
         self._segment_api = segment_api
@@ -344,10 +169,7 @@ class Supervisor:
             check_port_free(cfg.host, cfg.port)
             if cfg.metrics_port:
                 check_port_free(cfg.host, cfg.metrics_port)
-        longest = cfg.run_dir / f"engine-{cfg.num_workers - 1}.sock"
-        if len(os.fsencode(longest)) > SUN_PATH_MAX:
-            raise UsageError(f"run dir {cfg.run_dir} is too long for Unix socket paths ({longest} > "
-                             f"{SUN_PATH_MAX} bytes); set DPLB_RUN_DIR to a shorter directory")
+        check_socket_paths(cfg.run_dir, cfg.num_workers)
         prepare_run_dir(cfg.run_dir)
         become_subreaper()
         check_shm_space(cfg.shm_dir, cfg.shm_name, cfg.num_slots)
@@ -575,67 +397,8 @@ class Supervisor:
         return self.served_models()[0]
 
     def print_banner(self) -> None:
-        """The ready banner: URL, a curl line, the segment dump command, logs, how to stop (with
-        ``--no-router``: the segment and the command that starts a router on it)."""
-        cfg = self.cfg
-        if not cfg.with_router:
-            lines = [
-                "",
-                (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
-                 f"no router (--no-router); segment {cfg.shm_name}"),
-                f"  models           {', '.join(self.served_models())}",
-                (f"  start a router   dplb-router --shm {cfg.shm_name} --port {cfg.port}   (same IPC namespace, "
-                 f"and {cfg.run_dir} mounted at the same path: the engines' sockets are there)"),
-                f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
-                f"  logs             {cfg.run_dir}/agent-<k>.log, {cfg.run_dir}/engine-<k>.log",
-                "Press Ctrl-C to drain and stop every worker and engine.",
-            ]
-            self._say("\n".join(lines))
-            return
-        body = orjson.dumps({"model": self.served_model(), "messages": [{"role": "user", "content": "Hello!"}],
-                             "max_tokens": 32}).decode()
-        if cfg.envoy:
-            self._say("\n".join([
-                "",
-                (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
-                 f"Envoy gateway on {cfg.url} (endpoint picker: dplb-epp on {LOOPBACK}:{cfg.epp_port})"),
-                f"  OpenAI base URL  {cfg.url}/v1",
-                f"  models           {', '.join(self.served_models())}",
-                (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json' "
-                 f"-d {shlex.quote(body)}"),
-                f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
-                (f"  metrics          http://{LOOPBACK}:{cfg.epp_metrics_port}/metrics (dplb-epp), "
-                 f"{cfg.envoy_admin_url}/stats/prometheus (Envoy)"),
-                (f"  logs             {cfg.run_dir}/envoy.log, {cfg.run_dir}/envoy-access.log, {cfg.run_dir}/epp.log, "
-                 f"{cfg.run_dir}/agent-<k>.log; Envoy's config: {cfg.envoy_config_path}"),
-                "Press Ctrl-C to drain and stop every worker, engine, dplb-epp and Envoy.",
-            ]))
-            return
-        # with router.api_key set the key goes in a header; the banner names a variable, not the key
-        key = ' -H "Authorization: Bearer $DPLB_API_KEY"' if cfg.api_key_set else ""
-        from router.config import is_loopback
-
-        status_key = key if cfg.api_key_set and not is_loopback(cfg.host) else ""
-        lines = [
-            "",
-            (f"DPLB ready: {cfg.num_workers} worker(s) ({'/'.join(sorted({w.engine for w in cfg.workers}))}), "
-            f"router on {cfg.url}, policy {cfg.policy or cfg.router_policy}"),
-            f"  OpenAI base URL  {cfg.url}/v1",
-            f"  models           {', '.join(self.served_models())}",
-            (f"  try              curl -s {cfg.url}/v1/chat/completions -H 'Content-Type: application/json'{key} "
-             f"-d {shlex.quote(body)}"),
-            *(["  API key          router.api_key is set: export DPLB_API_KEY=<the key> for the curl lines"]
-              if cfg.api_key_set else []),
-            f"  live state       {dump_command()} --shm {cfg.shm_name}   (add --watch 1 to follow it)",
-            f"  router status    curl -s{status_key} {cfg.url}/dplb/status",
-            (f"  metrics          {cfg.url}/metrics (router and workers), {cfg.url}/dplb/prometheus/targets "
-            "(engines, Prometheus http_sd)"),
-            *([f"                   also http://{cfg.host}:{cfg.metrics_port}/metrics (--metrics-port)"]
-              if cfg.metrics_port else []),
-            f"  logs             {cfg.run_dir}/router.log, {cfg.run_dir}/agent-<k>.log",
-            "Press Ctrl-C to stop every worker, engine and the router.",
-        ]
-        self._say("\n".join(lines))
+        """The ready banner (:func:`launcher.banner.banner`) with the models the workers serve."""
+        self._say(banner(self.cfg, self.served_models()))
 
     # ---------------------------------------------------------------- helpers
     def _start(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> Child:
@@ -777,43 +540,11 @@ class Supervisor:
         self.out.flush()
 
 
-def describe_slot(s: Any) -> str:
-    """``agent pid A, engine pid E, model M`` of a slot snapshot (``engine pid -`` when the agent
-    spawned no engine: an attached server; ``model -`` when none is known yet)."""
-    epid = int(getattr(s, "engine_pid", 0) or 0)
-    return (f"agent pid {getattr(s, 'pid', '?')}, engine pid {epid or '-'}, "
-            f"model {getattr(s, 'model', '') or '-'}")
-
-
-def describe_workers(workers: list[WorkerPlan]) -> str:
-    """One line of what runs where: per run of workers with the same engine and model, their ids,
-    engine, model and GPU groups (tensor parallel size)."""
-    parts: list[str] = []
-    k = 0
-    while k < len(workers):
-        w = workers[k]
-        j = k
-        while j + 1 < len(workers) and (workers[j + 1].engine, workers[j + 1].model) == (w.engine, w.model):
-            j += 1
-        ids = str(k) if j == k else f"{k}-{j}"
-        groups = [x.gpus for x in workers[k:j + 1]]
-        gpu = f"GPUs {groups} (tp {w.tp_size})" if any(groups) else "no GPU"
-        parts.append(f"worker {ids}: engine {w.engine}{' model ' + w.model if w.model else ''}, {gpu}")
-        k = j + 1
-    return "; ".join(parts)
-
-
 def _now_ns() -> int:
     """CLOCK_MONOTONIC in ns (the slots' clock)."""
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
-def dump_command() -> str:
-    """How to run ``dplb-shm-dump`` from this shell: the bare name when it is on PATH, else its path."""
-    if shutil.which("dplb-shm-dump"):
-        return "dplb-shm-dump"
-    sibling = Path(sys.executable).parent / "dplb-shm-dump"
-    return str(sibling) if sibling.exists() else f"{sys.executable} -m dplb_shm.dump"
 
 
 def _segment_class() -> Any:
@@ -822,147 +553,3 @@ def _segment_class() -> Any:
     except ImportError as e:
         raise LaunchError(f"cannot import the segment library dplb_shm ({e}); run `make install`") from None
     return Segment
-
-
-def lock_dir() -> Path:
-    """Where the segment-name locks live: ``$XDG_RUNTIME_DIR/dplb-locks``, else ``/tmp/dplb-locks``."""
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / "dplb-locks"
-
-
-def take_lock(path: Path, what: str) -> TextIO:
-    """Take an exclusive, non-blocking ``flock`` on ``path`` (created, parents too) and write this
-    pid into it; returns the open file, which holds the lock until closed or the process exits
-    (the descriptor is not inherited by children). Raises :class:`UsageError` naming ``what`` and
-    the holder's pid when another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        f = open(path, "a+")  # noqa: SIM115 - held open for the launcher's life
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            pid = f.read().strip() or "unknown"
-            f.close()
-            raise UsageError(f"{what} belongs to a running DPLB launch (pid {pid}); stop it first, or start "
-                             f"this one on another --port (and --run-dir)") from None
-        try:
-            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        f.close()   # its owner unlinked it on the way out (release_lock) before we locked: open it anew
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def release_lock(f: TextIO) -> None:
-    """Unlink a lock file :func:`take_lock` returned, then close it (unlinked while still held, so
-    a launch that opened it meanwhile sees it gone and opens the path afresh)."""
-    try:
-        os.unlink(f.name)
-    except OSError:
-        pass
-    f.close()
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise :class:`UsageError` when ``host:port`` cannot be bound (another router runs there)."""
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise UsageError(f"port {port} on {host} is not free ({e.strerror}); is another DPLB running? "
-                             f"Choose another with --port") from None
-
-
-def segment_bytes(num_slots: int) -> int:
-    """Size in bytes of a segment of ``num_slots`` slots: the 128-byte header plus 1,536 bytes per
-    slot (``DPLB_HEADER_SIZE + num_slots * DPLB_SLOT_SIZE``, csrc/dplb_shm.h; 98,432 B for 64)."""
-    from dplb_shm.layout import HEADER_SIZE, SLOT_SIZE
-
-    return HEADER_SIZE + num_slots * SLOT_SIZE
-
-
-def check_shm_space(shm_dir: Path, name: str, num_slots: int) -> None:
-    """Raise :class:`UsageError` when ``shm_dir`` (``/dev/shm``) has less free space than the segment
-    ``name`` of ``num_slots`` slots needs (:func:`segment_bytes`), counting the space of a stale
-    segment of the same name that the launch replaces. The message names ``--shm-size``.
-
-    Why before creating it: tmpfs accepts an ``ftruncate`` past its limit (the file is sparse), and
-    the first write to a page beyond it kills the writer with SIGBUS, an error that names nothing.
-    A container's ``/dev/shm`` is 64 MB unless ``--shm-size`` says otherwise, and the engines
-    (NCCL, PyTorch's worker processes) share it. Nothing is checked when ``shm_dir`` cannot be
-    read (no ``/dev/shm``: creating the segment then fails with its own error)."""
-    need = segment_bytes(num_slots)
-    try:
-        st = os.statvfs(shm_dir)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    try:
-        free += os.stat(shm_dir / name).st_blocks * 512   # the stale segment we unlink first
-    except OSError:
-        pass
-    if free >= need:
-        return
-    total = st.f_blocks * st.f_frsize
-    raise UsageError(
-        f"{shm_dir} has {_kib(free)} free of {_kib(total)}, but the segment {name} needs {_kib(need)} "
-        f"({num_slots} slots x 1536 B + 128 B header); give the container a larger /dev/shm: "
-        f"docker/podman run --shm-size=1g (compose: shm_size: 1g; the engines use /dev/shm too), "
-        f"or free space in {shm_dir}")
-
-
-def _kib(n: int) -> str:
-    return f"{n / 1024:.1f} KiB" if n < 1024 * 1024 else f"{n / 1048576:.1f} MiB"
-
-
-def prepare_run_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700) and remove stale ``*.sock`` files; logs are kept and appended to."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    remove_sockets(path)
-
-
-def remove_sockets(path: Path) -> None:
-    """Delete every ``*.sock`` in ``path`` (sockets of this launch's agents and engines)."""
-    try:
-        for p in path.glob("*.sock"):
-            try:
-                p.unlink()
-            except OSError:
-                pass
-    except OSError:
-        pass
-
-
-def envoy_cluster_hosts(admin_url: str, cluster: str, timeout_s: float = 1.0) -> int:
-    """How many hosts Envoy's cluster ``cluster`` holds now, from the admin API's
-    ``GET /clusters?format=json`` (``cluster_statuses[].host_statuses[]``); 0 when the admin API
-    does not answer, answers something else, or has no such cluster. Never raises."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(admin_url + "/clusters?format=json", timeout=timeout_s) as r:
-            doc = orjson.loads(r.read())
-        for c in doc.get("cluster_statuses") or []:
-            if c.get("name") == cluster:
-                return len(c.get("host_statuses") or [])
-    except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
-        pass
-    return 0
-
-
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
-    """True when ``GET url`` answers 200 (no proxy, loopback only in practice)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout_s) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-

@@ -4,13 +4,15 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from launcher.banner import describe_slot
 from launcher.gpus import GpuPlan
+from launcher.plan import LaunchPlan
 from launcher.specs import WorkerPlan
-from launcher.supervisor import LaunchConfig, Supervisor, describe_slot
+from launcher.supervisor import Supervisor
 
 
 def banner(**kw) -> str:
-    cfg = LaunchConfig(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]]), engine="sim",
+    cfg = LaunchPlan(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]]), engine="sim",
                        run_dir=Path("/tmp/dplb-banner-test"), workers=[WorkerPlan(engine="sim", model="m")], **kw)
     out = io.StringIO()
     sup = Supervisor(cfg, out=out)

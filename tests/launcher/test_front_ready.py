@@ -14,8 +14,10 @@ import pytest
 
 from epp.envoy import POOL_CLUSTER
 from launcher.gpus import GpuPlan
+from launcher.host import envoy_cluster_hosts
+from launcher.plan import LaunchPlan
 from launcher.specs import WorkerPlan
-from launcher.supervisor import LaunchConfig, Supervisor, envoy_cluster_hosts
+from launcher.supervisor import Supervisor
 
 
 class Admin:
@@ -59,7 +61,7 @@ def admin() -> Iterator[tuple[str, int, type[Admin]]]:
 
 
 def supervisor(port: int, n: int) -> Supervisor:
-    cfg = LaunchConfig(num_workers=n, plan=GpuPlan(num_workers=n, groups=[[]] * n), engine="sim",
+    cfg = LaunchPlan(num_workers=n, plan=GpuPlan(num_workers=n, groups=[[]] * n), engine="sim",
                        run_dir=Path("/tmp/dplb-front-ready-test"),
                        workers=[WorkerPlan(engine="sim", model="m") for _ in range(n)],
                        gateway="envoy", envoy_admin_port=port, epp_metrics_port=port)

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher import supervisor
+from launcher import host, supervisor
 from launcher.errors import UsageError
 from launcher.gpus import GpuPlan
-from launcher.supervisor import LaunchConfig, Supervisor, check_shm_space, segment_bytes
+from launcher.host import check_shm_space, segment_bytes
+from launcher.plan import LaunchPlan
+from launcher.supervisor import Supervisor
 from tests.helpers import free_port
 
 
@@ -35,7 +37,7 @@ def _statvfs(free_bytes: int, total_bytes: int = 64 * 1024):
 
 
 def test_too_small_shm_is_a_usage_error_naming_shm_size(monkeypatch, tmp_path):
-    monkeypatch.setattr(supervisor.os, "statvfs", _statvfs(64 * 1024))
+    monkeypatch.setattr(host.os, "statvfs", _statvfs(64 * 1024))
     with pytest.raises(UsageError) as ei:
         check_shm_space(tmp_path, "dplb-30000", 64)
     msg = str(ei.value)
@@ -45,9 +47,9 @@ def test_too_small_shm_is_a_usage_error_naming_shm_size(monkeypatch, tmp_path):
 
 
 def test_enough_shm_passes_and_a_stale_segment_of_the_name_counts_as_free(monkeypatch, tmp_path):
-    monkeypatch.setattr(supervisor.os, "statvfs", _statvfs(100 * 1024))
+    monkeypatch.setattr(host.os, "statvfs", _statvfs(100 * 1024))
     check_shm_space(tmp_path, "dplb-30000", 64)          # 100 KiB >= 96.1 KiB
-    monkeypatch.setattr(supervisor.os, "statvfs", _statvfs(4096))
+    monkeypatch.setattr(host.os, "statvfs", _statvfs(4096))
     stale = tmp_path / "dplb-30000"
     stale.write_bytes(b"\1" * segment_bytes(64))          # the launch unlinks it before creating its own
     check_shm_space(tmp_path, "dplb-30000", 64)
@@ -69,10 +71,10 @@ def test_launch_stops_before_creating_the_segment(monkeypatch, run_dir):
             created.append(name)
             raise AssertionError("the segment must not be created")
 
-    monkeypatch.setattr(supervisor.os, "statvfs", _statvfs(16 * 1024))
+    monkeypatch.setattr(host.os, "statvfs", _statvfs(16 * 1024))
     monkeypatch.setattr(supervisor, "become_subreaper", lambda: None)
     port = free_port()
-    cfg = LaunchConfig(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]], tp_size=0), engine="sim",
+    cfg = LaunchPlan(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]], tp_size=0), engine="sim",
                        port=port, run_dir=Path(run_dir) / "rd", shm_name=f"dplb-{port}")
     sup = Supervisor(cfg, out=io.StringIO(), segment_api=Seg)
     try:
@@ -98,6 +100,6 @@ def test_sleep_never_asks_for_a_negative_sleep(monkeypatch):
         slept.append(s)
 
     monkeypatch.setattr(supervisor.time, "sleep", fake_sleep)
-    cfg = LaunchConfig(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]], tp_size=0), engine="sim")
+    cfg = LaunchPlan(num_workers=1, plan=GpuPlan(num_workers=1, groups=[[]], tp_size=0), engine="sim")
     Supervisor(cfg, out=io.StringIO())._sleep(0.25)
     assert all(0 < s <= 0.05 for s in slept), slept
