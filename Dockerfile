@@ -40,7 +40,7 @@ RUN python3 -m venv /opt/dplb \
 RUN /opt/dplb/bin/pip install -q --no-cache-dir 'Cython>=3.0' 'setuptools>=68' wheel
 COPY . /src
 RUN /opt/dplb/bin/pip install -q --no-cache-dir --no-build-isolation /src \
-    && /opt/dplb/bin/python -c 'import dplb_shm, router._relay, launcher, worker_agent, sim_engine' \
+    && /opt/dplb/bin/python -c 'import dplb_shm, dplb_prefix, router._relay, launcher, worker_agent, sim_engine' \
     && /opt/dplb/bin/pip uninstall -q -y Cython wheel
 
 # ---------------------------------------------------------------------------------------------------

@@ -37,8 +37,13 @@ ext = Extension(
 relay = Extension("router._relay", sources=["csrc/dplb_relay.pyx"],
                   extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"])
 
+# the prompt's per-byte work and the prefix index (dplb_prefix); not part of the segment's build hash
+prefix = Extension("dplb_prefix._native", sources=["csrc/dplb_prefix.pyx"], include_dirs=["csrc"],
+                   depends=["csrc/dplb_prefix.h"],
+                   extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"])
+
 setup(
-    ext_modules=cythonize([ext, relay], language_level=3, include_path=["csrc"],
+    ext_modules=cythonize([ext, relay, prefix], language_level=3, include_path=["csrc"],
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     cmdclass={"build_ext": BuildExt},
 )

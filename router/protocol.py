@@ -33,13 +33,17 @@ so there is one definition of each:
   ``expect``: the router has the whole body before it forwards, so a ``100-continue`` was already
   answered to the client and would only make the engine send an interim answer).
 
-This module imports nothing from the rest of DPLB (it is the bottom of the import graph).
+This module imports nothing from the rest of DPLB (it is the bottom of the import graph); the
+word count is :func:`dplb_prefix.count_words` (native ``len(s.split())`` without building the
+words), a leaf below it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import orjson
+
+from dplb_prefix import count_words
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -121,7 +125,7 @@ class RequestInfo:
 
 
 def _words(s: str) -> int:
-    return len(s.split()) if s else 0
+    return count_words(s) if s else 0   # len(s.split()), without building the words (native)
 
 
 def _prompt(p: object, param: str, texts: list[str] | None) -> int:

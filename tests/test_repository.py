@@ -60,7 +60,7 @@ def _imports(path) -> set[str]:
     return mods
 
 
-@pytest.mark.parametrize("package", ["bench", "launcher", "router", "worker_agent", "sim_engine", "dplb_shm", "epp"])
+@pytest.mark.parametrize("package", ["bench", "launcher", "router", "worker_agent", "sim_engine", "dplb_shm", "dplb_prefix", "epp"])
 def test_installed_packages_never_import_the_tests(package):
     # an installed DPLB has no tests/: bench.faults and bench.soak could not even import before
     offenders = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted((ROOT / package).rglob("*.py"))

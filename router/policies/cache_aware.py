@@ -54,7 +54,7 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
-        self._pending_hashes: tuple[int, list[int]] | None = None
+        self._pending_hashes: tuple[int, Sequence[int]] | None = None
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         loads = {w.worker_id: pending(w) for w in workers}

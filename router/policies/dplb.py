@@ -158,7 +158,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         #: the same parameters without the KV threshold, for when every worker is above it
         self._relaxed = (replace(params, kv_cache_threshold=1.0)
                          if params is not None and params.kv_cache_threshold < 1.0 else None)
-        self._pending_hashes: tuple[int, list[int]] | None = None
+        self._pending_hashes: tuple[int, Sequence[int]] | None = None
 
     def bind_decodes(self, book: Decodes) -> None:
         """Keep the scheduler's :class:`router.scheduling.DecodeBook`: the SLO-miss term's victims."""

@@ -46,7 +46,7 @@ class KvCostPolicy(PrefixIndexedPolicy, BasePolicy):
         self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
         self.overlap_weight = overlap_weight
         self.block_size = max(1, block_size)
-        self._pending_hashes: tuple[int, list[int]] | None = None
+        self._pending_hashes: tuple[int, Sequence[int]] | None = None
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         matches = self.matches(req) if req.text else {}

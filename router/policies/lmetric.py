@@ -40,7 +40,7 @@ class LMetricPolicy(PrefixIndexedPolicy, BasePolicy):
     def __init__(self, index: PrefixIndex | None = None, rng=None) -> None:
         super().__init__(rng)
         self.index = index if index is not None else PrefixIndex()   # an empty index is falsy (len 0)
-        self._pending_hashes: tuple[int, list[int]] | None = None
+        self._pending_hashes: tuple[int, Sequence[int]] | None = None
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision:
         matches = self.matches(req) if req.text else {}

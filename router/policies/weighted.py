@@ -101,7 +101,7 @@ class WeightedPolicy(PrefixIndexedPolicy, BasePolicy):
         self.affinity_max_imbalance = max(affinity_max_imbalance, 1e-9)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self._pending_hashes: tuple[int, list[int]] | None = None
+        self._pending_hashes: tuple[int, Sequence[int]] | None = None
 
     def _clock_kw(self) -> dict[str, int]:
         """``now_ns=`` for the kernel when a clock was given (virtual time), else nothing."""

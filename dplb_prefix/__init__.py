@@ -1,0 +1,29 @@
+"""dplb_prefix: the per-byte work of a prompt and the approximate prefix index, native.
+
+- :func:`count_words`: ``len(s.split())`` without building the words (the prompt length in
+  tokens of the simulated engine's tokenizer, :mod:`router.protocol`).
+- :func:`chain_hashes`: the 64-bit chained hashes (``array('Q')``) of a text's full chunks of
+  ``chunk_chars`` code points, read from the str's own buffer (no slice, no copy, no Python loop
+  over chunks); at most ``max_chunks`` of them.
+- :class:`PrefixIndex`: the bounded LRU map hash → workers that the prefix-aware policies keep
+  (:mod:`router.policies.prefix_index` describes its use): match, insert, eviction and removal
+  in C arrays.
+
+Built from csrc/dplb_prefix.pyx and csrc/dplb_prefix.h (``make build``); a missing build raises
+ImportError naming the fix. The pure-Python reference, bit-identical and slow, is
+:mod:`dplb_prefix.reference`. Imports nothing from the rest of DPLB.
+"""
+from __future__ import annotations
+
+try:
+    from dplb_prefix._native import (
+        MAX_WORKER_ID,
+        PrefixIndex,
+        chain_hashes,
+        count_words,
+        model_seed,
+    )
+except ImportError as e:   # pragma: no cover - only without a build
+    raise ImportError(f"dplb_prefix's native extension is not built ({e}): run `make build`") from e
+
+__all__ = ["MAX_WORKER_ID", "PrefixIndex", "chain_hashes", "count_words", "model_seed"]
