@@ -18,6 +18,7 @@ Lower level: :func:`agent_argv`, :func:`router_argv`, :class:`ProcessGroup`, :fu
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import orjson
+import psutil
 
 from launcher.children import Child
 from worker_agent.logtail import log_tail
@@ -172,8 +174,10 @@ class ProcessGroup:
     """Child processes that are always stopped together.
 
     Every child leads a session of its own (``start_new_session=True``), so stopping it signals its
-    whole process group: an agent's engine, a uvicorn worker die with their parent. Nothing is
-    looked up by name (peer routers rename themselves): the ``Popen`` pid is the only handle.
+    whole process group (a uvicorn worker dies with its parent); its descendants in sessions of
+    their own (an agent's engine, which outlives a dead agent by design) are collected when the stop
+    begins and killed with it if still alive after the grace period. Nothing is looked up by name
+    (peer routers rename themselves): the ``Popen`` pid is the only handle.
 
     ``log_dir``: when set, a child started without ``log=`` writes to ``<log_dir>/<name>.log`` and
     every start is appended to ``<log_dir>/pids.txt`` (``<pid> <name>``). ``grace_s``: how long
@@ -226,6 +230,10 @@ class ProcessGroup:
         """Stop ``kids`` together: SIGTERM every group (newest first), wait up to ``grace_s`` for all
         of them at once, then SIGKILL what is left of each group (grandchildren included)."""
         kids = list(reversed(list(kids)))
+        below: list[psutil.Process] = []   # engines in sessions of their own, under their agents
+        for c in kids:
+            with contextlib.suppress(psutil.Error):
+                below += psutil.Process(c.pid).children(recursive=True)
         for c in kids:
             if c.poll() is None:
                 _signal_group(c.pid, signal.SIGTERM)
@@ -243,6 +251,10 @@ class ProcessGroup:
                 pass
             if c in self.children:
                 self.children.remove(c)
+        _, left = psutil.wait_procs(below, timeout=max(0.0, deadline - time.monotonic()))
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
     def close(self) -> None:
         """Stop every child."""

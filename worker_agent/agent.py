@@ -25,6 +25,13 @@ Lifecycle written to the slot::
   ``POST /dplb/restart``. The slot carries ``restarts``, ``last_exit_code``, ``state_reason`` and
   ``next_restart_ns`` so every router, the launcher and ``dplb-shm-dump`` see the history.
   SIGTERM ends the agent from any state (EMPTY).
+- The agent dies (kill -9, a crash): its engine does not — it keeps serving what it was given
+  (requests never pass through the agent). The launcher marks the slot DEAD (``agent_exited``) and
+  starts a new agent, which claims the slot (``state_reason`` ``agent_exited`` while STARTING, the
+  worker's ``restarts`` carried on and counted one more), **re-attaches to the running engine**
+  named in ``<run-dir>/engine-<K>.pid`` (pid checked by its start time) and turns READY after the
+  health check and warm-up; only an engine that is gone is started again
+  (:meth:`worker_agent.adapters.base.EngineAdapter.start`).
 - ``POST /dplb/restart`` (the router's admin API calls it): stop taking requests (STARTING,
   reason ``admin_restart``), let in-flight ones finish (up to ``--drain-timeout``), stop the
   engine and start it again; also lifts a ``gave_up``. 202 at once.
@@ -62,6 +69,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from dplb_shm import Segment, StateReason, WorkerState, now_ns
+from dplb_shm.exits import exit_words
 from router.protocol import error_body
 
 from .adapters import EngineAdapter, build_adapter
@@ -148,7 +156,8 @@ class Agent:
         self.nvml = nvml or GpuMemoryProbe(cfg.gpus)
         self.state = WorkerState.EMPTY
         self.exit_code: int | None = None
-        self.restarts = 0
+        self.restarts = 0          # the worker's restarts: its engine's and its agent's (``restarts``)
+        self.agent_restarts = 0    # 1 when this agent took a dead agent's place
         self.restart_policy = RestartPolicy(cfg.restart_max, cfg.restart_window_s, cfg.restart_backoff_s,
                                             cfg.restart_backoff_max_s)
         self._restart_req = asyncio.Event()
@@ -329,6 +338,10 @@ class Agent:
         try:
             await self.adapter.start()
             self.writer.publish(engine_pid=self.adapter.engine_pid)
+            if self.adapter.adopted:   # a previous agent's engine: requests it serves go on
+                log.warning("worker %d: re-attached to the running engine %s (pid %d) at %s", self.worker_id,
+                            self.adapter.name, self.adapter.engine_pid, self.endpoint)
+                self.writer.publish(endpoint=self.endpoint)
             model = await self.adapter.wait_ready(self.cfg.engine_start_timeout_s)
         except EngineExitedError as e:
             if not self._stopping:
@@ -370,8 +383,9 @@ class Agent:
             rc = exit_task.result()
             self.exit_code = rc
             self.writer.publish(engine_pid=0)
-            log.error("worker %d: engine %s exited unexpectedly with code %s (log: %s); last lines:\n%s",
-                      self.worker_id, self.adapter.name, rc, self.adapter.log_path,
+            log.error("worker %d: engine %s exited unexpectedly with code %s (%s; log: %s); last lines:\n%s",
+                      self.worker_id, self.adapter.name, "null" if rc is None else rc, exit_words(rc),
+                      self.adapter.log_path,
                       log_tail(self.adapter.log_path, 10, 8192))
             return StateReason.ENGINE_EXITED
         return StateReason.ADMIN_RESTART
@@ -494,6 +508,26 @@ class Agent:
 
         return app
 
+    def _previous_agent(self) -> Any | None:
+        """The slot as a previous agent of this worker left it when that agent died (its pid no
+        longer runs; the launcher may have marked the slot DEAD ``agent_exited``), else None (a
+        fresh slot, or one released by a clean stop)."""
+        try:
+            prev = self.segment.read_slot(self.worker_id)
+        except Exception:  # noqa: BLE001 - an unreadable slot: start afresh
+            return None
+        pid = int(prev.pid)
+        if prev.state == WorkerState.EMPTY or pid <= 0 or pid == os.getpid():
+            return None
+        try:
+            import psutil
+
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return None    # it still runs (a mirror, or an agent being replaced by hand)
+        except psutil.Error:
+            pass
+        return prev
+
     # -- main ----------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT (or :meth:`request_stop`); return the process exit code (0)."""
@@ -505,10 +539,18 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig)
+        before = self._previous_agent()
         self.writer.claim(worker_id=self.worker_id, pid=os.getpid(), endpoint=self.endpoint, control=self.cfg.uds,
                           gpu_ids=self.cfg.gpus, weight=self.cfg.weight, model=self.cfg.model or "",
                           max_num_seqs=self.cfg.max_num_seqs)
         self.state = WorkerState.STARTING
+        if before is not None:   # this agent restarts a dead one: the worker's history goes on
+            self.restarts = int(before.restarts) + 1
+            self.agent_restarts = 1
+            log.warning("worker %d: agent restart (the previous agent, pid %d, died; worker restart %d); "
+                        "looking for its engine", self.worker_id, before.pid, self.restarts)
+            self.writer.publish(restarts=self.restarts, last_exit_code=int(before.last_exit_code),
+                                state_reason=StateReason.AGENT_EXITED)
         config = uvicorn.Config(self._control_app(), lifespan="off", log_level="warning", access_log=False,
                                 http="httptools", loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30,
                                 server_header=False, date_header=False)

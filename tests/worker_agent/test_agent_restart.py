@@ -55,7 +55,7 @@ def test_killed_engine_is_restarted_after_backoff_and_serves_again(start_agent, 
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"]
     log = a.log_text()
-    assert "exited unexpectedly with code -9" in log and "restarting engine" in log
+    assert "exited unexpectedly with code -9 (killed by SIGKILL (-9)" in log and "restarting engine" in log
     assert "last lines" in log                                        # the engine log's tail is in the agent log
 
 

@@ -8,22 +8,25 @@ how to stop it (:meth:`EngineAdapter.stop`). Command line and environment are pu
 the config (:meth:`EngineAdapter.command`, :meth:`EngineAdapter.env_overrides`) so tests check them
 without starting anything.
 
-Spawned engines run in their own session (so stopping one kills its whole process tree, e.g. vLLM's
-EngineCore processes) and get ``PR_SET_PDEATHSIG=SIGTERM``, so an agent killed with SIGKILL does not
-leave an orphan engine holding a GPU.
+Spawned engines run in their own session (so stopping one stops its whole process tree, e.g. vLLM's
+EngineCore processes) and **outlive their agent**: an agent that dies (kill -9, a crash) leaves its
+engine serving, since requests never pass through the agent (routers forward to the engine's own
+address). Each spawned engine's pid, start time and address are kept in ``<run-dir>/engine-<K>.pid``
+(``<pid> <start time, s since the epoch> <address>``). An agent started in a dead one's place (the
+launcher restarts it) re-attaches to that engine when it still runs — same pid, same start time (a
+pid reused by another process is not mistaken for it) — instead of starting a fresh one
+(:meth:`EngineAdapter.start`): the requests the engine is serving go on, its KV cache and loaded
+model are kept. Only an engine that is gone (or does not answer within the start timeout) is
+started again. An agent that stops cleanly (SIGTERM) stops its engine, as before.
 
-An engine dies with its agent, so an agent started in a dead one's place (the launcher restarts
-it) never attaches to the old engine: that engine got SIGTERM when its agent died and is shutting
-down (the sim engine aborts what it was generating; a real one frees its GPU memory). Each spawned
-engine's pid and start time are kept in ``<run-dir>/engine-<K>.pid``; :meth:`EngineAdapter.start`
-first stops whatever of a previous agent's engine still runs (SIGTERM to its group, SIGKILL after
-the grace period; a pid reused by another process is left alone), then starts a fresh one, so the
-two never share the engine's socket or GPU.
+Writes to the run dir are best effort: on a full file system (``ENOSPC``) the pid file or the
+engine's log may be missing, the engine is started all the same (logging degrades, serving does
+not); without its pid file the engine cannot be re-attached after another agent death.
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import contextlib
 import logging
 import os
 import signal
@@ -42,14 +45,28 @@ from ..upstream import EngineAddress, Upstream
 
 log = logging.getLogger("worker_agent.engine")
 
-_PR_SET_PDEATHSIG = 1
+
+def parse_address(text: str) -> EngineAddress | None:
+    """An :class:`EngineAddress` from its ``str()`` form (``unix:/path`` or ``http://host:port``);
+    None for anything else."""
+    if text.startswith("unix:/"):
+        return EngineAddress(uds=text[len("unix:"):])
+    if text.startswith("http://"):
+        return EngineAddress(url=text)
+    return None
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+def _same_process(pid: int, started: float) -> psutil.Process | None:
+    """The running process ``pid`` when it started at ``started`` (s since the epoch, as
+    ``psutil`` reports it; 10 ms tolerance); None when it exited, is a zombie, or the pid now names
+    another process (reused)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+        p = psutil.Process(pid)
+        if abs(p.create_time() - started) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.Error:
+        return None
+    return p
 
 
 def free_loopback_port() -> int:
@@ -78,6 +95,8 @@ class EngineAdapter(ABC):
     health_path: ClassVar[str] = "/health"
     #: seconds between readiness polls
     poll_interval_s: ClassVar[float] = 0.5
+    #: the engine's TCP port (adapters whose engine listens on TCP set it)
+    port: int = 0
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
@@ -87,6 +106,8 @@ class EngineAdapter(ABC):
         self.served_model: str | None = cfg.model
         self._log_file: int | None = None
         self._metrics_missing = False
+        self._adopted: psutil.Process | None = None   # a previous agent's engine, re-attached
+        self._adopted_started = 0.0
 
     # -- pure description (tested without starting anything) ------------------------------
     @abstractmethod
@@ -127,44 +148,99 @@ class EngineAdapter(ABC):
         return os.path.join(self.cfg.run_dir, f"engine-{self.cfg.worker_id}.pid")
 
     def _write_pid_file(self, pid: int) -> None:
+        """Record the spawned engine (``<pid> <start time> <address>``) for an agent started in
+        this one's place; best effort (a full file system only costs the re-attachment)."""
         try:
             started = psutil.Process(pid).create_time()
         except psutil.Error:
             return   # already gone: wait_ready reports its exit
         tmp = self.pid_path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{pid} {started!r}\n")
-        os.replace(tmp, self.pid_path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{pid} {started!r} {self.address}\n")
+            os.replace(tmp, self.pid_path)
+        except OSError as e:
+            log.warning("worker %d: cannot record the engine's pid in %s (%s): a later agent cannot re-attach "
+                        "to it", self.cfg.worker_id, self.pid_path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def _remove_pid_file(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.pid_path)
-        except FileNotFoundError:
-            pass
+
+    def _read_pid_file(self) -> tuple[int, float, EngineAddress | None] | None:
+        """``(pid, start time, address)`` from the pid file (address None in a file without
+        one); None when there is no readable file."""
+        try:
+            with open(self.pid_path) as f:
+                parts = f.read().split()
+            pid, started = int(parts[0]), float(parts[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid, started, parse_address(parts[2]) if len(parts) > 2 else None
 
     def previous_engine(self) -> psutil.Process | None:
         """The engine a previous agent of this worker started, when it still runs (the pid file
         names it and the process of that pid started at the recorded time); else None."""
-        try:
-            with open(self.pid_path) as f:
-                pid_s, started_s = f.read().split()
-            pid, started = int(pid_s), float(started_s)
-        except (OSError, ValueError):
+        rec = self._read_pid_file()
+        if rec is None:
             return None
+        pid, started, _ = rec
         if self.proc is not None and pid == self.proc.pid:
             return None   # our own engine
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - started) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
-                return None   # exited (a zombie the launcher reaps), or the pid was reused
-        except psutil.Error:
-            return None
-        return p
+        return _same_process(pid, started)
+
+    def _can_adopt(self, addr: EngineAddress | None) -> bool:
+        """True when an engine recorded at ``addr`` is where this agent's config would put its own
+        (the same socket path; a TCP address on the same host)."""
+        if addr is None:
+            return False
+        mine = self.address
+        if mine.uds or addr.uds:
+            return mine.uds == addr.uds
+        from yarl import URL
+
+        return URL(str(mine.url)).host == URL(str(addr.url)).host
+
+    def adopt_previous(self) -> bool:
+        """Re-attach to the engine a previous (dead) agent of this worker started, when it still
+        runs at the address this agent would use (module docstring). Returns True when adopted:
+        :attr:`address` is the engine's, :attr:`engine_pid` its pid, :meth:`stop` stops it."""
+        rec = self._read_pid_file()
+        if rec is None:
+            return False
+        pid, started, addr = rec
+        p = _same_process(pid, started)
+        if p is None or not self._can_adopt(addr):
+            return False
+        assert addr is not None
+        self._adopted = p
+        self._adopted_started = started
+        if addr != self.address:
+            self.address = addr
+            self.upstream = Upstream(addr)
+            if addr.url:
+                from yarl import URL
+
+                self.port = int(URL(addr.url).port or 80)
+        log.warning("worker %d: re-attaching to engine %s (pid %d) that a previous agent started; it kept "
+                    "serving while no agent ran", self.cfg.worker_id, self.name, pid)
+        return True
+
+    @property
+    def adopted(self) -> bool:
+        """True when the engine is one a previous agent started (:meth:`adopt_previous`)."""
+        return self._adopted is not None
+
+    def _adopted_alive(self) -> bool:
+        p = self._adopted
+        return p is not None and _same_process(p.pid, self._adopted_started) is not None
 
     async def stop_previous(self, timeout_s: float = 15.0) -> bool:
-        """Stop what still runs of the engine a previous (dead) agent of this worker started:
-        SIGTERM to its process group, SIGKILL after ``timeout_s`` seconds. Returns True when there
-        was one. The pid file is removed either way."""
+        """Stop what still runs of the engine a previous (dead) agent of this worker started when
+        it cannot be re-attached (another address): SIGTERM to its process group, SIGKILL after
+        ``timeout_s`` seconds. Returns True when there was one. The pid file is removed either way."""
         p = self.previous_engine()
         if p is None:
             self._remove_pid_file()
@@ -182,10 +258,23 @@ class EngineAdapter(ABC):
         self._remove_pid_file()
         return True
 
+    def _before_spawn(self) -> None:
+        """Hook run right before a fresh engine is spawned (e.g. remove a stale socket file)."""
+
+    def _open_log(self) -> int:
+        """The engine's log file, opened for appending; ``/dev/null`` when the run dir refuses it."""
+        try:
+            return os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        except OSError as e:
+            log.warning("worker %d: cannot open the engine log %s (%s); the engine's output is discarded",
+                        self.cfg.worker_id, self.log_path, e)
+            return os.open(os.devnull, os.O_WRONLY)
+
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn the engine (no-op for attaching adapters), after stopping what still runs of a
-        previous agent's engine (:meth:`stop_previous`).
+        """Re-attach to a previous agent's engine that still runs (:meth:`adopt_previous`), else
+        spawn the engine (no-op for attaching adapters), after stopping what still runs of a
+        previous agent's engine at another address (:meth:`stop_previous`).
 
         Raises:
             EngineStartError: the executable cannot be started.
@@ -193,14 +282,20 @@ class EngineAdapter(ABC):
         argv = self.command()
         if argv is None:
             return
-        os.makedirs(self.cfg.run_dir, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.makedirs(self.cfg.run_dir, exist_ok=True)
+        if self.adopt_previous():
+            return
         await self.stop_previous()
-        self._log_file = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        self._before_spawn()
+        self._log_file = self._open_log()
         log.info("starting engine %s: %s (log %s)", self.name, " ".join(argv), self.log_path)
         try:
+            # its own session: stopping it stops its whole tree; no PR_SET_PDEATHSIG: it outlives
+            # a dead agent and the next one re-attaches (module docstring)
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, env=self.environment(), stdin=asyncio.subprocess.DEVNULL, stdout=self._log_file,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             )
         except OSError as e:
             raise EngineStartError(f"cannot start {argv[0]}: {e}", engine=self.name,
@@ -211,6 +306,8 @@ class EngineAdapter(ABC):
     def engine_pid(self) -> int:
         """pid of the engine process this adapter spawned while it runs; 0 when there is none
         (an attaching adapter, not started yet, or exited)."""
+        if self._adopted is not None:
+            return int(self._adopted.pid) if self._adopted_alive() else 0
         if self.proc is None or self.proc.returncode is not None:
             return 0
         return int(self.proc.pid)
@@ -220,17 +317,24 @@ class EngineAdapter(ABC):
         """Exit code of the engine process; None while it runs (or when there is no process)."""
         return None if self.proc is None else self.proc.returncode
 
-    async def wait_exit(self) -> int:
-        """Wait until the engine process exits and return its exit code (negative: signal).
+    async def wait_exit(self) -> int | None:
+        """Wait until the engine process exits and return its exit code (negative: signal); None
+        for a re-attached engine (not this agent's child: its status goes to its reaper).
 
         Attaching adapters have no process: this waits forever (cancel it).
         """
+        if self._adopted is not None:
+            while self._adopted_alive():
+                await asyncio.sleep(0.1)
+            return None
         if self.proc is None:
             await asyncio.Event().wait()
         assert self.proc is not None
         return await self.proc.wait()
 
     def _check_alive(self) -> None:
+        if self._adopted is not None and not self._adopted_alive():
+            raise EngineExitedError(None, engine=self.name, worker_id=self.cfg.worker_id)
         if self.proc is not None and self.proc.returncode is not None:
             raise EngineExitedError(self.proc.returncode, engine=self.name, worker_id=self.cfg.worker_id)
 
@@ -331,12 +435,25 @@ class EngineAdapter(ABC):
         """Stop the engine: SIGTERM to its process group, SIGKILL after ``timeout_s``.
 
         Returns:
-            The exit code, or None when there was no process.
+            The exit code, or None when there was no process (or a re-attached one: not this
+            agent's child, its status is its reaper's).
         """
         await self.upstream.close()
         proc = self.proc
         rc: int | None = None
-        if proc is not None:
+        if self._adopted is not None:
+            pid = self._adopted.pid
+            if self._adopted_alive():
+                self._signal_group(pid, signal.SIGTERM)
+                deadline = time.monotonic() + timeout_s
+                while self._adopted_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if self._adopted_alive():
+                    log.warning("engine %s ignored SIGTERM for %.0fs; killing it", self.name, timeout_s)
+            self._signal_group(pid, signal.SIGKILL)   # and whatever it left in its group
+            self._adopted = None
+            self._remove_pid_file()
+        elif proc is not None:
             if proc.returncode is None:
                 self._signal_group(proc.pid, signal.SIGTERM)
                 try:

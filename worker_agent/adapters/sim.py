@@ -62,15 +62,12 @@ class SimAdapter(EngineAdapter):
             argv += ["--model", self.cfg.model]
         return argv + list(self.cfg.engine_args)
 
-    async def start(self) -> None:
-        """Stop a previous agent's simulator, remove a stale socket left by an earlier run, then
-        spawn the simulator."""
-        await self.stop_previous()
+    def _before_spawn(self) -> None:
+        """Remove a stale socket left by an earlier run before a fresh simulator binds it."""
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        await super().start()
 
     async def stop(self, timeout_s: float = ENGINE_STOP_GRACE_S) -> int | None:
         """Stop the simulator and remove its socket file."""

@@ -97,13 +97,11 @@ class VllmAdapter(EngineAdapter):
                                         hint=UDS_HINT) from None
             raise
 
-    async def start(self) -> None:
-        """Stop a previous agent's vLLM (its GPU memory must be free), remove a stale socket left
-        by an earlier run, then spawn vLLM."""
-        await self.stop_previous()
+    def _before_spawn(self) -> None:
+        """Remove a stale socket left by an earlier run before a fresh vLLM binds it (a previous
+        agent's vLLM that still runs is re-attached or stopped first: its GPU memory must be free)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        await super().start()
 
     def env_overrides(self) -> dict[str, str]:
         """``CUDA_VISIBLE_DEVICES``, ``VLLM_HOST_IP=127.0.0.1``, ``VLLM_NO_USAGE_STATS=1``."""
