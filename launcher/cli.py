@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds every worker has to become ready (default: 120 sim/openai, 1800 vllm/sglang)")
     add_restart_flags(p, "agent-", "agent death",
-                      "a worker agent that dies (kill -9, crash) is restarted, with a fresh engine, this many "
+                      "a worker agent that dies (kill -9, crash) is restarted (it re-attaches to its running engine) this many "
                       "times within --agent-restart-window; one more death leaves its slot DEAD (gave_up) "
                       f"while the rest serves (default: {RESTART.max_restarts}, as the agent's --restart-max "
                       "for its engine; 0 = never restart)")
