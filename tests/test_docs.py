@@ -300,6 +300,14 @@ def test_every_config_key_named_exists():
     assert not wrong, "config keys that router/config.py does not have:\n" + "\n".join(wrong)
 
 
+def test_interfaces_has_a_row_for_every_package():
+    """docs/INTERFACES.md is the contract between the packages: its table names every one."""
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+    rows = set(re.findall(r"^\| `([a-z_]+)/`", (ROOT / "docs" / "INTERFACES.md").read_text(), re.MULTILINE))
+    missing = [p for p in packages if p not in rows]
+    assert not missing, f"packages docs/INTERFACES.md's table does not name: {missing}"
+
+
 def test_every_page_is_linked_from_the_readme():
     linked = {(README.parent / t.partition("#")[0]).resolve() for _, t in _links(README)}
     assert PAGES, "docs/ has no page"
