@@ -139,7 +139,7 @@ static inline int dplb_pick(const void *base, uint32_t num_slots, const dplb_par
         const dplb_slot_t *src = dplb_slot_at((void *)base, i);
         scores[i] = -1.0 / 0.0;
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
-        if (dplb_seqlock_read_hot(src, &s, b, DPLB_KERNEL_MAX_SPINS) < 0) continue;
+        if (dplb_seqlock_read_hot(src, &s, b, DPLB_KERNEL_MAX_SPINS, now_ns - hb_timeout_ns) < 0) continue;
         int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
         int64_t rinfl = __atomic_load_n(&src->router.router_inflight, __ATOMIC_RELAXED);
         if (s.state != DPLB_STATE_READY) continue;
@@ -360,7 +360,7 @@ static inline int dplb_pick_ttft(const void *base, uint32_t num_slots, const dpl
         if (__atomic_load_n(&src->state, __ATOMIC_RELAXED) != DPLB_STATE_READY) continue;
         double u = uncached && i < n_unc ? uncached[i] : (double)prompt_len;
         if (u < 0.0) continue;
-        if (dplb_seqlock_read_hot(src, &s, 0, DPLB_KERNEL_MAX_SPINS) < 0) continue;
+        if (dplb_seqlock_read_hot(src, &s, 0, DPLB_KERNEL_MAX_SPINS, now_ns - hb_timeout_ns) < 0) continue;
         int32_t circuit = __atomic_load_n(&src->router.circuit, __ATOMIC_RELAXED);
         int64_t rinfl = __atomic_load_n(&src->router.router_inflight, __ATOMIC_RELAXED);
         int64_t w_tok = __atomic_load_n(&src->router.prefill_tokens, __ATOMIC_RELAXED);

@@ -104,7 +104,11 @@ cdef extern from "dplb_shm.h" nogil:
     int64_t dplb_realtime_ns()
     void dplb_seqlock_write(dplb_slot_t *dst, const dplb_slot_t *src)
     int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, size_t end, long max_spins)
-    int dplb_seqlock_read_hot(const dplb_slot_t *src, dplb_slot_t *dst, int b, long max_spins)
+    long dplb_seqlock_read_ex(const dplb_slot_t *src, dplb_slot_t *dst, size_t end, long max_spins,
+                              int64_t stale_before_ns, int *result)
+    const int DPLB_READ_TORN
+    const int DPLB_READ_STALE
+    const int64_t DPLB_STALE_WRITE_NS
 
 
 cdef extern from "dplb_kernel.h" nogil:

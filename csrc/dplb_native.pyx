@@ -52,6 +52,8 @@ SOURCE_SHA256 = DPLB_SOURCE_SHA256.decode("ascii")
 
 
 cdef uint64_t _fork_gen = 0
+# the heartbeat of SlotWriter.fill_pattern's slot, 2**62 + v: in the future, never "stopped"
+cdef int64_t DPLB_PATTERN_HEARTBEAT = 4611686018427387904
 
 
 def _after_fork_in_child():
@@ -195,8 +197,9 @@ cdef dict _router_dict(dplb_slot_t *src):
             "completed": dplb_u64_get(&src.rstats.completed), "failed": dplb_u64_get(&src.rstats.failed)}
 
 
-cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
-    """``s``: the slot's data as read under the seqlock; ``src``: the live slot (router lines)."""
+cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now, bint stale=False):
+    """``s``: the slot's data as read under the seqlock (``stale``: copied without it, the writer
+    having stopped inside a write); ``src``: the live slot (router lines)."""
     cdef dict r = _router_dict(src)
     cdef int ng = s.num_gpus
     if ng < 0:
@@ -227,7 +230,7 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now):
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
         router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"],
         restarts=s.restarts, last_exit_code=s.last_exit_code, state_reason=_reason(s.state_reason),
-        next_restart_ns=s.next_restart_ns, engine_pid=s.engine_pid)
+        next_restart_ns=s.next_restart_ns, engine_pid=s.engine_pid, stale=stale)
 
 
 cdef object _reason(uint32_t r):

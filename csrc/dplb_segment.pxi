@@ -31,6 +31,10 @@ cdef class Segment:
     cdef dplb_params_t params
     cdef object tparams_obj
     cdef dplb_ttft_params_t tparams
+    #: spins (retries) made by this mapping's :meth:`read_slot` calls in all: how long readers
+    #: waited for writers (a diagnostic; a slot whose writer stopped mid-write adds at most
+    #: ``DPLB_YIELD_EVERY`` (1024) per read once its heartbeat is 1 s old)
+    cdef readonly long long read_spins
 
     def __cinit__(self):
         self.base = NULL
@@ -266,15 +270,28 @@ cdef class Segment:
     def read_slot(self, int slot):
         """One slot as a :class:`WorkerSnapshot`, consistent under the seqlock.
 
-        A slot whose writer died inside a write (sequence odd for 10^6 spins) reads as EMPTY.
+        The read spins while the slot's writer is inside a write. A slot whose sequence is still
+        odd at a yield point (every 1024 spins) while its heartbeat is over 1 s old
+        (``DPLB_STALE_WRITE_NS``, csrc/dplb_shm.h: its writer was killed between its two stores, or
+        a stray write) reads at once with ``stale=True``, its other fields copied without the
+        seqlock (they may be torn); so does one that stays odd for 10^6 spins. A stale worker is
+        out of routing (:meth:`router.scheduling.Scheduler.live`) until its writer (its restarted
+        agent) publishes again. :attr:`read_spins` counts the spins.
         """
         cdef dplb_slot_t s
         cdef dplb_slot_t *src
+        cdef int res
+        cdef int64_t now
         self._check(slot)
         src = dplb_slot_at(self.base, slot)
-        if dplb_seqlock_read(src, &s, DPLB_DATA_END, DPLB_READ_MAX_SPINS) < 0:
-            _empty_slot(&s, slot)
-        return _snapshot(&s, src, dplb_now_ns())
+        now = dplb_now_ns()
+        self.read_spins += dplb_seqlock_read_ex(src, &s, DPLB_DATA_END, DPLB_READ_MAX_SPINS,
+                                                now - DPLB_STALE_WRITE_NS, &res)
+        if res == 0:
+            return _snapshot(&s, src, now)
+        memcpy(<char *>&s + 8, <const char *>src + 8, DPLB_DATA_END - 8)
+        s.seq = src.seq
+        return _snapshot(&s, src, now, True)
 
     def snapshot(self):
         """Every slot (EMPTY ones included) as a list of :class:`WorkerSnapshot`, index == slot."""
@@ -654,7 +671,8 @@ cdef class Segment:
                 retries += r
                 v = s.num_running
                 bad = (s.num_waiting != v or s.inflight != v or s.max_num_seqs != v
-                       or s.pid != v or s.engine_pid != v or s.queued_prompt_tokens != v or s.heartbeat_ns != v
+                       or s.pid != v or s.engine_pid != v or s.queued_prompt_tokens != v
+                       or s.heartbeat_ns != DPLB_PATTERN_HEARTBEAT + v
                        or s.gpu_mem_used_bytes != v or s.gpu_mem_total_bytes != v
                        or s.weight != <double>v or s.kv_cache_usage != <double>v
                        or s.ttft_ms != <double>v or s.tpot_ms != <double>v or s.e2e_ms != <double>v

@@ -335,18 +335,45 @@ static inline void dplb_seqlock_write(dplb_slot_t *dst, const dplb_slot_t *src) 
     __atomic_store_n(&dst->seq, s + 2, __ATOMIC_RELEASE);
 }
 
-/* Reader: copy bytes [8, end) of `src` into `dst` as one consistent version. Returns the number
- * of retries (0 on a clean first read). `end` is DPLB_HOT_END for the kernel, DPLB_DATA_END for
- * full snapshots. Spins while a write is in progress; a writer that died mid-write (odd seq
- * forever) is bounded by `max_spins`, after which the slot reads as EMPTY and -1 is returned. */
-static inline int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, size_t end,
-                                    long max_spins) {
-    int retries = 0;
-    for (long spin = 0; spin < max_spins; spin++) {
+/* Results of a guarded read besides success (a retry count >= 0). */
+#define DPLB_READ_TORN (-1)  /* no consistent version within max_spins (a writer preempted that long) */
+#define DPLB_READ_STALE (-2) /* the writer stopped inside a write: see DPLB_STALE_WRITE_NS */
+
+/* A full read that finds the sequence odd at a yield point (every DPLB_YIELD_EVERY spins) while the
+ * slot's heartbeat (loaded without the seqlock: the time of the writer's last publish, at latest
+ * the start of the write in progress) is older than this gives up at once: the writer was killed
+ * between its two stores (or a stray write made the sequence odd) and will never finish. A live
+ * writer's copy takes well under a microsecond; 1 s is the routers' default heartbeat timeout
+ * (health_check.heartbeat_timeout_ms), past which the worker is out of routing by its heartbeat
+ * anyway, so the verdict changes no routing decision about a writer that is merely slow. Without
+ * this, every read of such a slot spun DPLB_READ_MAX_SPINS (~10^6 pauses and 1000 yields) before
+ * giving up: an idle router's health tick spent a third of a core. */
+#define DPLB_STALE_WRITE_NS 1000000000LL
+
+/* Is `src`'s heartbeat before `stale_before_ns`? (a relaxed load outside the seqlock: made only
+ * while the sequence is odd, to tell a writer that stopped from one inside its copy) */
+static inline int dplb_heartbeat_before(const dplb_slot_t *src, int64_t stale_before_ns) {
+    return __atomic_load_n(&src->heartbeat_ns, __ATOMIC_RELAXED) < stale_before_ns;
+}
+
+/* Reader: copy bytes [8, end) of `src` into `dst` as one consistent version. `end` is
+ * DPLB_HOT_END for the kernel, DPLB_DATA_END for full snapshots. Spins while a write is in
+ * progress, at most `max_spins` times (DPLB_READ_TORN after that); at each yield point a sequence
+ * still odd with the heartbeat before `stale_before_ns` ends the read as DPLB_READ_STALE
+ * (INT64_MIN: never). Returns the number of spins made (the retries: 0 on a clean first read) and
+ * stores 0, DPLB_READ_TORN or DPLB_READ_STALE in *result. On failure `dst` is unspecified. */
+static inline long dplb_seqlock_read_ex(const dplb_slot_t *src, dplb_slot_t *dst, size_t end,
+                                        long max_spins, int64_t stale_before_ns, int *result) {
+    long spin;
+    for (spin = 0; spin < max_spins; spin++) {
         uint64_t s1 = __atomic_load_n(&src->seq, __ATOMIC_ACQUIRE);
         if (s1 & 1) {
+            if ((spin & (DPLB_YIELD_EVERY - 1)) == DPLB_YIELD_EVERY - 1
+                && dplb_heartbeat_before(src, stale_before_ns)) {
+                *result = DPLB_READ_STALE;
+                return spin;
+            }
             dplb_wait_writer(spin);
-            retries++;
             continue;
         }
         memcpy((char *)dst + 8, (const char *)src + 8, end - 8);
@@ -354,23 +381,37 @@ static inline int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, si
         uint64_t s2 = __atomic_load_n(&src->seq, __ATOMIC_RELAXED);
         if (s1 == s2) {
             dst->seq = s1;
-            return retries;
+            *result = 0;
+            return spin;
         }
-        retries++;
     }
+    *result = DPLB_READ_TORN;
+    return spin;
+}
+
+/* dplb_seqlock_read_ex without the stale verdict: returns the retries, or -1 (the slot then reads
+ * as EMPTY in `dst`) when the sequence stayed odd for `max_spins`. The seqlock self-test's reader. */
+static inline int dplb_seqlock_read(const dplb_slot_t *src, dplb_slot_t *dst, size_t end,
+                                    long max_spins) {
+    int r;
+    long spins = dplb_seqlock_read_ex(src, dst, end, max_spins, INT64_MIN, &r);
+    if (r == 0) return (int)spins;
     memset((char *)dst + 8, 0, end - 8);
     dst->state = DPLB_STATE_EMPTY;
     return -1;
 }
 
 /* Kernel reader: line 0 (bytes [8, DPLB_HOT_END)) plus length_compat[b], as one consistent
- * version. Same protocol and return value as dplb_seqlock_read. */
+ * version. Returns the retries, or -1: the sequence stayed odd for `max_spins`, or it is odd while
+ * the heartbeat is before `stale_before_ns` (the kernel passes now - heartbeat timeout: such
+ * a slot is ineligible whatever the write brings, so the pick skips it without waiting). */
 static inline int dplb_seqlock_read_hot(const dplb_slot_t *src, dplb_slot_t *dst, int b,
-                                        long max_spins) {
+                                        long max_spins, int64_t stale_before_ns) {
     int retries = 0;
     for (long spin = 0; spin < max_spins; spin++) {
         uint64_t s1 = __atomic_load_n(&src->seq, __ATOMIC_ACQUIRE);
         if (s1 & 1) {
+            if (dplb_heartbeat_before(src, stale_before_ns)) break;
             dplb_wait_writer(spin);
             retries++;
             continue;

@@ -290,14 +290,17 @@ cdef class SlotWriter:
         and publish; :meth:`Segment.check_reads` verifies reads of this pattern. ``v`` is taken
         modulo 2**30 so that the 32-bit fields hold it whole (a hammer writing ~10 million times a
         second passes 2**31 within minutes; the check would then read a wrapped ``num_running``
-        against the 64-bit fields and call every read torn).
+        against the 64-bit fields and call every read torn). The heartbeat is ``2**62 + v``, in the
+        future: a reader that finds the hammer preempted inside a write keeps waiting for it instead
+        of taking it for a writer that stopped (``WorkerSnapshot.stale``).
         """
         cdef int k
         self._live()
         v &= 0x3FFFFFFF
         self.st.num_running = self.st.num_waiting = self.st.inflight = self.st.max_num_seqs = <int32_t>v
         self.st.pid = self.st.engine_pid = <int32_t>v
-        self.st.queued_prompt_tokens = self.st.heartbeat_ns = v
+        self.st.queued_prompt_tokens = v
+        self.st.heartbeat_ns = DPLB_PATTERN_HEARTBEAT + v
         self.st.gpu_mem_used_bytes = self.st.gpu_mem_total_bytes = v
         self.st.weight = self.st.kv_cache_usage = self.st.ttft_ms = self.st.tpot_ms = <double>v
         self.st.e2e_ms = self.st.ttft_p99_ms = self.st.tpot_p99_ms = self.st.e2e_p99_ms = <double>v

@@ -37,6 +37,7 @@ def length_compat(hist: Sequence[int], b: int) -> float: ...
 
 class Segment:
     num_slots: int
+    read_spins: int
     name: str
     readonly: bool
     @staticmethod

@@ -15,8 +15,10 @@ broken stream: the router stats line, local and mirrored workers alike); ``exit`
 exit status in the shell's convention (137: killed by SIGKILL; ``-``: it never exited). The table's state column says ``stale`` for a READY slot
 whose heartbeat is older than ``--heartbeat-timeout-ms`` (default: the router's
 ``health_check.heartbeat_timeout_ms`` default): its agent is gone or stuck and no router routes to
-it, the rule ``/dplb/status`` applies (:func:`dplb_shm.heartbeat_stale`). ``--json`` keeps the
-slot's own state (the ``/dplb/state`` shape) with ``heartbeat_age_ms`` beside it.
+it, the rule ``/dplb/status`` applies (:func:`dplb_shm.heartbeat_stale`); ``stale(mid-write)``
+for a slot whose writer stopped inside a write (its seqlock sequence stays odd: no router routes
+to it until its agent writes again). ``--json`` keeps the slot's own state (the ``/dplb/state``
+shape) with ``heartbeat_age_ms`` and ``stale`` beside it.
 
 Exit status: 0 ok; 1 no segment / segment error; 2 wrong magic or layout version, several
 segments and no ``--shm``, or bad usage.
@@ -58,8 +60,12 @@ def _fmt_exit(s: WorkerSnapshot) -> str:
 
 
 def state_label(s: WorkerSnapshot, heartbeat_timeout_ms: float = HEARTBEAT_TIMEOUT_MS) -> str:
-    """The state column: the slot's state in lower case, or ``stale`` for a READY slot whose
-    heartbeat is older than ``heartbeat_timeout_ms`` (:func:`dplb_shm.heartbeat_stale`)."""
+    """The state column: the slot's state in lower case; ``stale`` for a READY slot whose
+    heartbeat is older than ``heartbeat_timeout_ms`` (:func:`dplb_shm.heartbeat_stale`), and
+    ``stale(mid-write)`` for a slot whose writer stopped inside a write
+    (:attr:`WorkerSnapshot.stale`), whatever its torn state field says."""
+    if s.stale:
+        return "stale(mid-write)"
     return "stale" if heartbeat_stale(s.state, s.heartbeat_age_ms, heartbeat_timeout_ms) else s.state.name.lower()
 
 

@@ -8,6 +8,8 @@ docs/DESIGN.md "Scoring")::
 
     eligible     = state READY and now - heartbeat <= heartbeat_timeout and circuit != OPEN
                    and kv_cache_usage <= kv_cache_threshold (unknown -1 passes) and weight > 0
+                   and the slot was read consistently (not ``stale``: the kernel skips a slot
+                   whose seqlock stays odd)
     pending      = max(running + waiting, inflight) + max(0, router_inflight - inflight)
     max_queue    = params.max_queue or slot.max_num_seqs or 256 (vLLM's default max_num_seqs):
                    the queue scale, the pending count at which the queue term reaches 0
@@ -68,7 +70,7 @@ def length_compat(hist: Sequence[int], b: int) -> float:
 def score_terms(s: WorkerSnapshot, params: ScoringParams, prompt_len: int, affinity: float,
                 now_ns: int) -> ScoreTerms | None:
     """Terms of one worker's score, or None when it is not eligible."""
-    if s.state != WorkerState.READY:
+    if s.state != WorkerState.READY or s.stale:
         return None
     if now_ns - s.heartbeat_ns > int(params.heartbeat_timeout_ms * 1e6):
         return None
@@ -124,7 +126,7 @@ def ttft_terms(s: WorkerSnapshot, params: TtftParams, prompt_len: int, uncached:
     """Estimated-TTFT terms of one worker at its own rate (pass 1 of ``dplb_pick_ttft`` in
     csrc/dplb_kernel.h), or None when it is not eligible. ``uncached``: this request's prompt
     tokens not cached there (None: ``prompt_len``; negative: ruled out by the router)."""
-    if s.state != WorkerState.READY:
+    if s.state != WorkerState.READY or s.stale:
         return None
     u = float(prompt_len) if uncached is None else float(uncached)
     if u < 0.0:

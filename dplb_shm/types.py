@@ -139,6 +139,11 @@ class WorkerSnapshot:
     engine_completed: int = 0
     #: the slot writer's own failure count (``SlotWriter.count(failed=)``; the agent writes none)
     engine_failed: int = 0
+    #: the slot's writer stopped inside a write: its seqlock sequence stayed odd (killed between its
+    #: two stores, or a stray write) with a heartbeat over 1 s old, so this read gave up waiting
+    #: (``Segment.read_slot``); the other fields were copied without the seqlock and may be torn.
+    #: No router routes to a stale slot; ``dplb-shm-dump`` shows it as ``stale``.
+    stale: bool = False
 
     @property
     def agent_pid(self) -> int:

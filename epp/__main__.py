@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         kube = PoolWatcher(args.pool, args.namespace or default_namespace(args.kubeconfig), api,
                            resync_s=args.pool_resync)
     logging.basicConfig(level=cfg.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from router import logtext
+
+    logtext.install()   # every record on one line, whatever a client or an endpoint put in it
     return asyncio.run(_run(args, cfg, kube))
 
 

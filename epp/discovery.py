@@ -24,19 +24,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from router.errors import TransportError
-from router.mirror import MirrorManager, starved_timeout
-from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics
+from router.mirror import MirrorManager, engine_metrics
 
 log = logging.getLogger("dplb.epp.discovery")
-
-READY, DEAD = 2, 4
 
 
 class EndpointsFileError(ValueError):
@@ -129,19 +124,6 @@ class EndpointsFile:
         return eps
 
 
-def engine_metrics(text: str) -> EngineMetrics:
-    """Running, waiting and KV-cache usage of a ``/metrics`` page: vLLM's families, else
-    SGLang's (an empty :class:`EngineMetrics` when neither is there or the page is malformed)."""
-    for names in (VLLM, SGLANG):
-        try:
-            m = parse_engine_metrics(text, names)
-        except ValueError:
-            return EngineMetrics()
-        if not m.empty:
-            return m
-    return EngineMetrics()
-
-
 class ScrapeManager(MirrorManager):
     """Slots for engines without an agent (``wanted``: address → {"model", "weight"}), filled
     from each engine's ``/metrics`` (module docstring). One process of those sharing ``state_dir``
@@ -150,46 +132,11 @@ class ScrapeManager(MirrorManager):
     LOCK = "scrape.lock"
     RECORD = "scrape-slots.json"
 
-    async def refresh_one(self, endpoint: str) -> None:
-        """Scrape the engine at ``endpoint`` once into its slot (claimed by :meth:`reconcile`)."""
-        w = self.writers.get(endpoint)
-        if w is None:
-            return
-        spec = self.wanted.get(endpoint, {})
-        before = self._router_inflight(w)
-        t0 = time.monotonic()
-        try:
-            status, body = await self.transport.get(endpoint, "/metrics", self.timeout_s)
-            if status >= 500:
-                raise TransportError("status", endpoint, str(status))
-        except TransportError as e:
-            if starved_timeout(e, t0, self.timeout_s):
-                return   # no verdict: this process was starved, not the engine slow
-            n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
-            if n >= self.max_failures:
-                if n == self.max_failures:
-                    log.warning("endpoint %s fails (%s): marking it dead", endpoint, e)
-                w.publish(state=DEAD)
-            return
-        m = engine_metrics(body.decode("utf-8", "replace")) if status == 200 else EngineMetrics()
-        inflight = max(before, self._router_inflight(w))
-        fields: dict[str, Any] = {"state": READY, "weight": float(spec.get("weight", 1.0))}
-        if spec.get("model"):
-            fields["model"] = spec["model"]
-        if m.num_running is None and m.num_waiting is None:
-            fields.update(num_running=inflight, num_waiting=0, inflight=inflight)
-        else:
-            if m.num_running is not None:
-                fields["num_running"] = m.num_running
-            if m.num_waiting is not None:
-                fields["num_waiting"] = m.num_waiting
-            fields["inflight"] = inflight
-        if m.kv_cache_usage is not None:
-            fields["kv_cache_usage"] = m.kv_cache_usage
-        if self.failures.get(endpoint, 0) >= self.max_failures:
-            log.warning("endpoint %s answers again", endpoint)
-        self.failures[endpoint] = 0
-        w.publish(**fields)
+    def is_engine(self, endpoint: str) -> bool:
+        """Every endpoint of the file is a plain engine: scraped
+        (:meth:`router.mirror.MirrorManager.scrape_one`, the router's ``/add_worker?url=`` of an
+        engine uses the same)."""
+        return True
 
 
 __all__ = ["EndpointsFile", "EndpointsFileError", "ScrapeManager", "engine_metrics", "load_endpoints", "parse_address",

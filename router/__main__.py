@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from router.app import configure_logging
+    from router.logtext import uvicorn_log_config
 
     configure_logging(cfg.router.log_level)
     from router.server import ENV_BYTES, ENV_COUNT, LimitedHttpToolsProtocol
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     # Any: uvicorn.run's keyword arguments (str, int, bool, float...), spread into its typed parameters
     common: dict[str, Any] = {"host": cfg.router.host, "port": cfg.router.port, "loop": "uvloop",  # type: ignore[explicit-any]
                               "http": "router.server:LimitedHttpToolsProtocol", "log_level": cfg.router.log_level, "access_log": False,
+                              # uvicorn's handlers keep each record on one line too (router.logtext)
+                              "log_config": uvicorn_log_config(),
                               "server_header": False, "date_header": False, "timeout_keep_alive": 30,
                               "backlog": 4096,
                               # SIGTERM: stop accepting, relay what is in flight to its end (drain limit)

@@ -20,6 +20,12 @@ events (a stream its client cut, logged 499, counts the events the client was wr
 worker (400, 401, 404, 405, 413, 415) has its line too, under the same minted ``rid`` it was
 answered with. Every 5xx also gets a WARNING line with its
 cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``).
+
+What the client sent (``rid`` from its ``X-Request-Id``, ``method``, ``route``, ``model``, and the
+error message quoting them) is escaped and cut to 256 characters (:mod:`router.logtext`): in text
+lines a value holding a space, ``=`` or ``"`` is double-quoted, so that no client can end the line
+or add a field (``X-Request-Id: x worker=9 status=500`` logs ``rid="x worker=9 status=500"``); JSON
+lines are valid JSON whatever the bytes (orjson escapes them), their values cut the same way.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ import logging
 import sys
 
 import orjson
+
+from router.logtext import OneLineFilter, field, text
 
 log = logging.getLogger("dplb.router.access")
 errors = logging.getLogger("dplb.router")
@@ -47,6 +55,7 @@ class AccessLog:
             h = logging.StreamHandler(sys.stderr)
             h.setFormatter(logging.Formatter("%(message)s"))
             h.dplb_json = True  # type: ignore[attr-defined]
+            h.addFilter(OneLineFilter())
             log.addHandler(h)
             log.propagate = False
 
@@ -58,21 +67,28 @@ class AccessLog:
         r = rid.decode("latin-1")
         w = "-" if worker in ("", "none") else worker
         if status >= 500:
-            errors.warning("request %s (%s %s, model %s) answered %d by worker %s: %s", r, method, route,
-                           model or "-", status, w, cause or "no cause recorded")
+            errors.warning("request %s (%s %s, model %s) answered %d by worker %s: %s", text(r), text(method),
+                           text(route), text(model or "-"), status, w, text(cause or "no cause recorded", 1024))
         if not self.on or not log.isEnabledFor(logging.INFO):
             return
         if self.json:
-            log.info(orjson.dumps({"rid": r, "method": method, "route": route, "model": model, "worker": w,
+            log.info(orjson.dumps({"rid": _cut(r), "method": _cut(method), "route": _cut(route),
+                                   "model": None if model is None else _cut(model), "worker": w,
                                    "status": status, "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 1),
                                    "duration_ms": round(duration_s * 1e3, 1), "prompt_tokens": prompt_tokens,
                                    "output_tokens": output_tokens, "attempts": attempts}).decode())
             return
         log.info("rid=%s %s %s model=%s worker=%s status=%d ttft_ms=%s duration_ms=%.1f prompt_tokens=%s "
-                 "output_tokens=%s attempts=%d", r, method, route, model or "-", w, status,
+                 "output_tokens=%s attempts=%d", field(r), field(method), field(route), field(model or "-"), w, status,
                  "-" if ttft_s is None else f"{ttft_s * 1e3:.1f}", duration_s * 1e3,
                  "-" if prompt_tokens is None else prompt_tokens, "-" if output_tokens is None else output_tokens,
                  attempts)
+
+
+def _cut(s: str, limit: int = 256) -> str:
+    """A JSON access-log value: at most ``limit`` characters plus ``...(+N chars)`` (orjson escapes
+    the rest)."""
+    return s if len(s) <= limit else f"{s[:limit]}...(+{len(s) - limit} chars)"
 
 
 __all__ = ["AccessLog"]

@@ -164,6 +164,56 @@ async def check_resolves(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) ->
                          "resolves, or an IP address", param="endpoint") from None
 
 
+#: seconds each question that tells a DPLB agent from a plain engine (``endpoint_kind``) may take
+KIND_TIMEOUT_S = 5.0
+
+
+async def endpoint_kind(transport: Transport, endpoint: str, timeout_s: float = KIND_TIMEOUT_S) -> tuple[str, str | None]:
+    """What answers at the TCP ``endpoint`` (``host:port``), as ``(kind, model)``:
+
+    - ``("agent", None)``: a DPLB agent's control API (``GET /dplb/state`` answers a JSON object
+      with a ``state``): mirrored from its state;
+    - ``("engine", model)``: a plain OpenAI-compatible engine without an agent (vLLM, SGLang, any
+      OpenAI server: ``GET /v1/models`` answers a model list; ``model`` the first one's ``id``,
+      None when it lists none): probed and scraped by the router (:meth:`MirrorManager.scrape_one`);
+    - ``("unreachable", None)``: nothing answers now: mirrored as an agent, as before (DEAD until
+      one answers there).
+
+    Raises:
+        BadRequest: something answers HTTP there, but as neither (the message says what each of
+            the two paths answered).
+    """
+    try:
+        st, body = await transport.get(endpoint, "/dplb/state", timeout_s)
+    except TransportError:
+        return "unreachable", None
+    d = _loads(body) if st == 200 else None
+    if isinstance(d, dict) and "state" in d:
+        return "agent", None
+    try:
+        st2, body2 = await transport.get(endpoint, "/v1/models", timeout_s)
+    except TransportError as e:
+        raise BadRequest(f"{endpoint} is not a DPLB agent (GET /dplb/state answered {st}) and did not answer "
+                         f"GET /v1/models ({e.kind}): give a DPLB agent's control address or an OpenAI-compatible "
+                         "engine's address (vLLM, SGLang)", param="endpoint") from None
+    d2 = _loads(body2) if st2 == 200 else None
+    data = d2.get("data") if isinstance(d2, dict) else None
+    if isinstance(data, list):
+        ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        return "engine", (ids[0] if ids else None)
+    raise BadRequest(f"{endpoint} is neither a DPLB agent's control address (GET /dplb/state answered {st}) nor "
+                     f"an OpenAI-compatible engine (GET /v1/models answered {st2}, without a model list)",
+                     param="endpoint")
+
+
+def _loads(body: bytes) -> object:
+    """``body`` as JSON, None when it is not JSON."""
+    try:
+        return cast(object, orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+
+
 def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json",
                     headers={WORKER_HEADER: "none"})
@@ -207,11 +257,13 @@ def _sglang_routes(r: APIRouter, state: RouterState) -> None:
     @r.post("/add_worker")
     async def sglang_add_worker(request: Request, url: str = "") -> Response:
         """SGLang router's ``POST /add_worker?url=http://host:port``: ``POST /dplb/workers
-        {"endpoint": url}`` (a remote node's agent, or a removed local worker's socket), answered
-        with DPLB's JSON plus SGLang's ``message``; 200 where DPLB's own call says 201."""
+        {"endpoint": url}`` (a remote node's agent, a plain vLLM/SGLang/OpenAI engine, or a
+        removed local worker's socket), answered with DPLB's JSON plus SGLang's ``message``; 200
+        where DPLB's own call says 201."""
         check_admin(request, state.cfg)
         if not url:
-            raise BadRequest("give the worker as ?url=http://host:port (its agent's control address)", param="url")
+            raise BadRequest("give the worker as ?url=http://host:port (a DPLB agent's control address, or an "
+                             "OpenAI-compatible engine's address)", param="url")
         resp = await _add(state, {"endpoint": url})
         if resp.status_code in (200, 201):
             d = orjson.loads(bytes(resp.body))
@@ -344,6 +396,8 @@ async def _add(state: RouterState, d: object) -> Response:
         raise BadRequest("'endpoint' is required (host:port or an absolute socket path)", param="endpoint")
     ep = spec.endpoint
     await check_resolves(ep)     # before any change: a name that does not resolve is a 400
+    # an agent's control API or a plain engine? (a 400 for neither, before any change)
+    kind, served = ("agent", None) if ep.startswith("/") else await endpoint_kind(state.transport, ep)
     mirrors = state.mirrors
     configured = {b.endpoint for b in state.cfg.backend_servers}
     # one synchronous section (no await) from the read of the state to its change: in this
@@ -364,7 +418,8 @@ async def _add(state: RouterState, d: object) -> Response:
         elif not wanted:
             store.unmirrored.discard(ep)
             if ep not in configured:
-                store.mirrors[ep] = {"weight": spec.weight, "model": spec.model}
+                store.mirrors[ep] = ({"weight": spec.weight, "model": spec.model or served, "engine": True}
+                                     if kind == "engine" else {"weight": spec.weight, "model": spec.model})
     version = state.admin.version    # bumped by the edit's save, when it changed something
     state.apply_admin()
     if local is not None:
@@ -394,8 +449,8 @@ async def _add(state: RouterState, d: object) -> Response:
         raise Conflict(f"{ep} was removed by a concurrent call before it got a slot", param="endpoint")
     await mirrors.refresh_one(ep)    # its state in its slot before we answer (leader only: no-op else)
     state.monitor.sync()
-    return _json({"worker_id": slot, "endpoint": ep, "mirrored": True, "created": not wanted},
-                 200 if wanted else 201)
+    return _json({"worker_id": slot, "endpoint": ep, "mirrored": True, "created": not wanted,
+                  "engine": mirrors.is_engine(ep)}, 200 if wanted else 201)
 
 
 def _known(state: RouterState, wid: int) -> WorkerHandle | None:

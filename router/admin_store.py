@@ -17,10 +17,12 @@ import orjson
 class MirrorSpec(TypedDict, total=False):
     """A remote worker to mirror into a slot, as the admin API or ``backend_servers`` asks:
     its ``weight`` (1.0 when missing) and the ``model`` it serves (None or missing: the one its agent
-    reports)."""
+    reports); ``engine``: True for a plain engine without a DPLB agent (vLLM, SGLang, any OpenAI
+    server), which the router probes and scrapes itself (:meth:`router.mirror.MirrorManager.scrape_one`)."""
 
     weight: float
     model: str | None
+    engine: bool
 
 
 class AdminStore:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
+from router import logtext
 from router.answers import send_error
 from router.asgi import ASGIApp, Message, Receive, Scope, Send
 from router.config import Config, config_from_json
@@ -126,5 +127,7 @@ def create_app_from_env() -> DPLBApp:
 
 
 def configure_logging(level: str) -> None:
-    """The router's log format on the root logger (``level``: ``router.log_level``); idempotent."""
+    """The router's log format on the root logger (``level``: ``router.log_level``), each handler
+    keeping every record on one line (:class:`router.logtext.OneLineFilter`); idempotent."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    logtext.install()

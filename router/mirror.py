@@ -64,6 +64,7 @@ from dplb_shm import WorkerSnapshot
 from router.errors import TransportError
 from router.transport import Transport
 from router.workers import EMPTY
+from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics
 
 if TYPE_CHECKING:
     from dplb_shm import Segment, SlotWriter
@@ -106,6 +107,22 @@ def data_endpoint(published: str | None, control: str) -> str | None:
     if host.startswith("127.") or host in LOCAL_HOSTS:
         host = split_host(control)[0]
     return f"{host}:{port}"
+READY, DEAD = 2, 4
+
+
+def engine_metrics(text: str) -> EngineMetrics:
+    """Running, waiting and KV-cache usage of a ``/metrics`` page: vLLM's families, else
+    SGLang's (an empty :class:`EngineMetrics` when neither is there or the page is malformed)."""
+    for names in (VLLM, SGLANG):
+        try:
+            m = parse_engine_metrics(text, names)
+        except ValueError:
+            return EngineMetrics()
+        if not m.empty:
+            return m
+    return EngineMetrics()
+
+
 REASONS = {"none": 0, "engine_exited": 1, "start_failed": 2, "gave_up": 3, "admin_restart": 4, "agent_exited": 5}
 
 
@@ -299,12 +316,21 @@ class MirrorManager:
             return
         await asyncio.gather(*(self.refresh_one(ep) for ep in list(self.writers)))
 
+    def is_engine(self, endpoint: str) -> bool:
+        """Is the wanted ``endpoint`` a plain engine without an agent (``MirrorSpec["engine"]``),
+        scraped (:meth:`scrape_one`) rather than asked for its ``/dplb/state``?"""
+        return bool(self.wanted.get(endpoint, {}).get("engine"))
+
     async def refresh_one(self, endpoint: str) -> None:
         """Pull one remote agent's state (``endpoint``: its control address) into its slot,
-        claiming the slot again when the engine's address changed. Writes nothing when the slot
-        was released, replaced or taken by another writer while the fetch was out."""
+        claiming the slot again when the engine's address changed (a plain engine is scraped
+        instead: :meth:`scrape_one`). Writes nothing when the slot was released, replaced or taken
+        by another writer while the fetch was out."""
         lock = self._fetching.setdefault(endpoint, asyncio.Lock())
         async with lock:
+            if self.is_engine(endpoint):
+                await self.scrape_one(endpoint)
+                return
             w: SlotWriter | None = self.writers.get(endpoint)
             if w is None:
                 return
@@ -371,6 +397,57 @@ class MirrorManager:
             fields["state_reason"] = REASONS.get(str(fields["state_reason"]).lower(), 0)
         w.publish(**fields)
         self.failures[endpoint] = 0
+
+    async def scrape_one(self, endpoint: str) -> None:
+        """Scrape the plain engine at ``endpoint`` (no agent: its address is the slot's endpoint
+        and its owner mark) once into its slot, as ``dplb-epp --endpoints-file`` does
+        (:mod:`epp.discovery`): its Prometheus ``/metrics`` with the agent's parser (vLLM's names,
+        else SGLang's): running, waiting, KV-cache usage, and this node's in-flight count read at
+        the same scrape. A page without those families (or no ``/metrics``, answered below 500)
+        publishes the in-flight count as the engine's running requests. READY after a scrape
+        answered, DEAD after ``max_failures`` failed ones in a row; the router's probes
+        (``GET /health``) still decide eligibility."""
+        w = self.writers.get(endpoint)
+        if w is None:
+            return
+        before = self._router_inflight(w)
+        t0 = time.monotonic()
+        try:
+            status, body = await self.transport.get(endpoint, "/metrics", self.timeout_s)
+            if status >= 500:
+                raise TransportError("status", endpoint, str(status))
+        except TransportError as e:
+            if starved_timeout(e, t0, self.timeout_s) or self.writers.get(endpoint) is not w:
+                return   # no verdict (this process was starved, not the engine slow), or released meanwhile
+            n = self.failures[endpoint] = max(0, self.failures.get(endpoint, 0)) + 1
+            if n >= self.max_failures:
+                if n == self.max_failures:
+                    log.warning("endpoint %s fails (%s): marking it dead", endpoint, e)
+                w.publish(state=DEAD)
+            return
+        spec = self.wanted.get(endpoint)
+        if spec is None or self.writers.get(endpoint) is not w or not self.owns(self.seg.read_slot(w.slot_index), endpoint):
+            return   # released, replaced or taken by another writer while the scrape was out
+        m = engine_metrics(body.decode("utf-8", "replace")) if status == 200 else EngineMetrics()
+        inflight = max(before, self._router_inflight(w))
+        # Any: SlotWriter.publish's keyword fields (ints, floats, str)
+        fields: dict[str, Any] = {"state": READY, "weight": float(spec.get("weight", 1.0))}  # type: ignore[explicit-any]
+        if spec.get("model"):
+            fields["model"] = spec["model"]
+        if m.num_running is None and m.num_waiting is None:
+            fields.update(num_running=inflight, num_waiting=0, inflight=inflight)
+        else:
+            if m.num_running is not None:
+                fields["num_running"] = m.num_running
+            if m.num_waiting is not None:
+                fields["num_waiting"] = m.num_waiting
+            fields["inflight"] = inflight
+        if m.kv_cache_usage is not None:
+            fields["kv_cache_usage"] = m.kv_cache_usage
+        if self.failures.get(endpoint, 0) >= self.max_failures:
+            log.warning("endpoint %s answers again", endpoint)
+        self.failures[endpoint] = 0
+        w.publish(**fields)
 
     def _router_inflight(self, w: SlotWriter | None) -> int:
         """This node's routers' in-flight count on ``w``'s slot (0 before it has one)."""

@@ -79,6 +79,7 @@ from router.exchange import (
     relayed_headers,
     request_target,
 )
+from router.logtext import text
 from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
@@ -356,7 +357,7 @@ class Proxy:
             # ClientGone, or uvicorn's send once the client socket is gone (upstream errors arrive as
             # TransportError; lease and upstream released on the way out); anything else is logged
             if not isinstance(e, ClientGone):
-                log.warning("request %s: %r while answering it", ex.rid.decode("latin-1"), e, exc_info=True)
+                log.warning("request %s: %s while answering it", text(ex.rid), text(repr(e), 1024), exc_info=True)
         finally:
             if watch is not None:
                 watch.remove_done_callback(on_message)
@@ -453,7 +454,7 @@ class Proxy:
         if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
             self.metrics.query_of_death.inc()
             log.warning("request %s broke the connection of %d workers (last: worker %s); answered 502, not tried "
-                        "again", ex.rid.decode("latin-1"), ex.broken, ex.last_wid)
+                        "again", text(ex.rid), ex.broken, ex.last_wid)
         wb = str(ex.last_wid).encode() if ex.last_wid is not None and err.status != 503 else _NONE
         await self._answer_error(ex, err, wb.decode(), len(ex.tried), wb)
 

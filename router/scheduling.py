@@ -344,13 +344,15 @@ class Scheduler:
     # -- eligibility: the one definition (module docstring) -----------------------------------
     def live(self, s: WorkerSnapshot) -> bool:
         """Slot READY with a fresh heartbeat: ``heartbeat_age_ms`` (computed at read time), or the
-        age on the registry's routing clock when it has one (the simulator's virtual clock)."""
+        age on the registry's routing clock when it has one (the simulator's virtual clock); and
+        read consistently (not ``stale``: a writer that stopped inside a write)."""
         clock = self.registry.clock
         if clock is None:
             age_ms = float(s.heartbeat_age_ms)
         else:
             age_ms = (clock() - int(s.heartbeat_ns)) / 1e6 if int(s.heartbeat_ns) > 0 else -1.0
-        return int(s.state) == READY and not heartbeat_stale(s.state, age_ms, self.registry.hb_timeout_ms)
+        return (int(s.state) == READY and not s.stale
+                and not heartbeat_stale(s.state, age_ms, self.registry.hb_timeout_ms))
 
     def ready_now(self, h: WorkerHandle) -> bool:
         """Is ``h``'s slot READY at this instant? One relaxed load of the live slot's state
@@ -449,13 +451,16 @@ class Scheduler:
     def routing_state(self, h: WorkerHandle, snap: WorkerSnapshot | None = None) -> str:
         """Why this router does or does not send requests to ``h``: ``eligible``; else the first of
         the slot's state when not ready (``starting``, ``draining``, ``dead``, ``unknown``),
-        ``stale`` (heartbeat older than ``heartbeat_timeout_ms``: the agent itself is gone or
-        stuck), ``draining`` (an admin's drain: the one word for a drain, in the slot state, this verdict
+        ``stale`` (heartbeat older than ``heartbeat_timeout_ms``, or the slot's writer stopped
+        inside a write, whatever state the torn copy shows: the agent itself is gone or stuck),
+        ``draining`` (an admin's drain: the one word for a drain, in the slot state, this verdict
         and the row's ``draining`` flag), ``unhealthy`` (probes failing), ``circuit_open``. ``snap``: a
         fresher read of the slot than the last synced one (``/metrics`` reads it at scrape time)."""
         s = h.snap if snap is None else snap
         if s is None:
             return "unknown"
+        if s.stale:
+            return "stale"
         st = int(s.state)
         if st != READY:
             return STATE_NAMES.get(st, "unknown")

@@ -54,6 +54,7 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from router._relay import ChunkRelay
 from router.asgi import Scope
 from router.errors import HeadersTooLarge
+from router.logtext import text
 from router.protocol import WORKER_HEADER_B, error_body
 
 if TYPE_CHECKING:
@@ -480,8 +481,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # (``ws="none"``); the request is answered over HTTP (the proxy refuses one asking to
         # upgrade, 400), and since the parser takes every byte after this head for the other
         # protocol, the connection closes after that answer instead of hanging on the next request
-        self.logger.debug("a request asked to upgrade the connection to %r; answered over HTTP/1.1, then closed",
-                          self._get_upgrade())
+        self.logger.debug("a request asked to upgrade the connection to %s; answered over HTTP/1.1, then closed",
+                          text(repr(self._get_upgrade())))
         if self.cycle is not None:
             self.cycle.keep_alive = False
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from dplb_shm import StateReason, WorkerSnapshot, WorkerState
 from router.breaker import CLOSED, CircuitBreaker
 from router.config import Config
+from router.logtext import text
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
@@ -74,7 +75,7 @@ def log_state_change(wid: int, before: int | None, snap: WorkerSnapshot) -> None
     why = "" if reason is None else f" ({reason}" + (f", engine {exit_words(code)}" if code else "") + ")"
     was = "new" if before is None else STATE_NAMES.get(before, str(before))
     log.warning("worker %d: %s -> %s%s, engine %s, model %s", wid, was, STATE_NAMES.get(st, str(st)), why,
-                snap.endpoint or "-", snap.model or "-")
+                text(snap.endpoint or "-"), text(snap.model or "-"))
 
 
 #: the slot's columns of a status row before the worker's slot was first read

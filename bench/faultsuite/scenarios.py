@@ -22,6 +22,11 @@ from bench.faultsuite.scen_clients import (
     run_stream_fidelity,
     run_ties_and_bursts,
 )
+from bench.faultsuite.scen_contained import (
+    run_add_plain_engine,
+    run_log_injection,
+    run_slot_frozen_mid_write,
+)
 from bench.faultsuite.scen_issue15 import (
     run_admin_exposure,
     run_crash_loop_gave_up_then_admin_restart,
@@ -80,3 +85,5 @@ __all__ += ["run_killed_agent_restarted"]
 __all__ += ["run_stop_under_traffic"]
 # issue 27 item 7, admin races on a remote worker (rows 27.7, 27.7w, 27.7k)
 __all__ += ["run_concurrent_add_remove", "run_mirror_owner_killed"]
+# issue 46, what fails stays contained (rows 46.*)
+__all__ += ["run_add_plain_engine", "run_log_injection", "run_slot_frozen_mid_write"]

@@ -83,7 +83,8 @@ def test_router_atomics_do_not_disturb_seqlock(segment):
 
 def test_writer_killed_mid_write_is_skipped_then_repaired(segment, shm_name):
     """A writer SIGKILLed inside a write leaves the sequence odd: the kernel skips that slot (it
-    does not stall the router), snapshots show it EMPTY, and the restarted agent's claim repairs it."""
+    does not stall the router), snapshots show it ``stale`` (a torn copy), and the restarted agent's
+    claim repairs it."""
     import mmap
 
     from dplb_shm import ScoringParams, WorkerState, layout
@@ -101,7 +102,7 @@ def test_writer_killed_mid_write_is_skipped_then_repaired(segment, shm_name):
         finally:
             mm.close()
     assert {segment.pick(ScoringParams(heartbeat_timeout_ms=600_000.0), 10) for _ in range(50)} == {1}
-    assert segment.read_slot(0).state == WorkerState.EMPTY
+    assert segment.read_slot(0).stale
     w = segment.writer(0)          # the restarted agent
     w.claim(0, endpoint="/tmp/dplb-k/0.sock")
     w.set_state(WorkerState.READY)
