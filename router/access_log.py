@@ -91,4 +91,4 @@ def _cut(s: str, limit: int = 256) -> str:
     return s if len(s) <= limit else f"{s[:limit]}...(+{len(s) - limit} chars)"
 
 
-__all__ = ["AccessLog"]
+__all__ = ["AccessLog", "text"]

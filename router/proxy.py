@@ -55,7 +55,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.access_log import AccessLog
+from router.access_log import AccessLog, text
 from router.answers import send_error
 from router.asgi import ASGIApp, Scope
 from router.config import Config
@@ -79,7 +79,6 @@ from router.exchange import (
     relayed_headers,
     request_target,
 )
-from router.logtext import text
 from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.protocol import HOP_BY_HOP, parse_request
