@@ -9,9 +9,10 @@ request headers     kept (``:path``, ``x-session-id``); answered at once in ``BU
                     stream's ``protocol_config``). A request without a body (``GET``) gets a
                     worker at once, without a lease; a ``POST`` without one is a 400.
 request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED``: chunks,
-                    buffered to the end of stream. At its end: parse once
-                    (:meth:`router.proxy.Proxy.parse_info` and ``check_model``: 400, 404), choose and take the
-                    lease (:meth:`router.scheduling.Scheduler.admit` / ``lease``: 503 with
+                    buffered to the end of stream. At its end, request control
+                    (:class:`router.director.Director`, the HTTP router's too): parse once and
+                    check the model (400, 404), admission (the stream is held while the request
+                    waits), choose and take the lease (503 with
                     ``retry-after`` when no worker can take it), answer with the header
                     ``x-gateway-destination-endpoint: ip:port`` and the same value in the dynamic
                     metadata (``envoy.lb``), followed by up to :attr:`Picker.fallbacks` other
@@ -70,19 +71,13 @@ from grpc_health.v1.health import aio as health_aio
 from epp.discovery import EndpointsFile, ScrapeManager
 from epp.envoy import HEADER, NAMESPACE, SERVED, write_eds
 from router.config import Config
+from router.director import Director, route_of
 from router.errors import BodyTooLarge, NoEligibleWorker
-from router.policies.base import Decision, pending
+from router.policies.base import Decision, RequestInfo, pending
 from router.protocol import WORKER_HEADER, BadRequest, OpenAIError
-from router.proxy import ROUTES
 from router.scheduling import Lease
 from router.state import RouterState
-from router.stream_meter import (
-    StreamMeter,
-    is_event_stream,
-    on_answer,
-    on_first_content,
-    on_stream_end,
-)
+from router.stream_meter import StreamMeter, is_event_stream
 from router.workers import WorkerHandle
 
 if TYPE_CHECKING:
@@ -96,7 +91,6 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 CHUNK = 62_000
 #: a non-streamed answer is kept up to this many bytes to read its ``usage`` (then its tail only)
 ANSWER_KEEP = 1 << 20
-CLIENT_CLOSED = 499
 _FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 _NONE = 0          # ProcessingMode.BodySendMode.NONE
 
@@ -170,6 +164,8 @@ class Picker:
     def __init__(self, cfg: Config, seg: Any = None, endpoints_file: str | None = None, kube: Any = None,
                  fallbacks: int = 0, eds_path: str | None = None) -> None:
         self.state = RouterState(cfg, seg)
+        #: the session header's name as the ext_proc headers carry it (lower case)
+        self.session_header = cfg.routing_policy.session_header.lower()
         #: how many fallback endpoints follow the pick in the header (Envoy's pool cluster walks
         #: them on a connect failure or a reset before the response head; 0 for ORIGINAL_DST)
         self.fallbacks = fallbacks
@@ -285,19 +281,28 @@ class Picker:
                                 "left out (start its agent with --engine-host 127.0.0.1, or launch with --gateway envoy)", wid, h.endpoint)
         return out
 
-    def dispatch(self, info: Any) -> tuple[WorkerHandle, Lease, list[WorkerHandle]]:
-        """Choose a worker for ``info`` and take its lease; also up to :attr:`fallbacks` other
+    @property
+    def director(self) -> Director:
+        """Request control (:class:`router.director.Director`); the state must be started."""
+        d = self.state.director
+        assert d is not None, "the picker is not started"
+        return d
+
+    def dispatch(self, info: RequestInfo) -> tuple[WorkerHandle, Lease, list[WorkerHandle]]:
+        """Choose a worker for ``info`` and take its lease (:meth:`Director.pick`, then
+        :meth:`Director.lease`, the workers on Unix sockets left out); also up to :attr:`fallbacks` other
         eligible workers serving the model, least pending first (no lease, no policy state touched:
         they serve only when Envoy retries). Raises NoEligibleWorker."""
         sched = self.state.scheduler
+        director = self.director
         unix = self._unix()
         try:
-            h, d = sched.admit(info, unix)
+            h, d = director.pick(info, unix)
         except NoEligibleWorker as e:
             if unix:
                 e.message += f" ({len(unix)} worker(s) on Unix sockets left out: Envoy routes to ip:port only)"
             raise
-        lease = sched.lease(h, d, info)
+        lease = director.lease(h, d, info)
         if not self.fallbacks:
             return h, lease, []
         cands = sched.candidates(info.model, unix | {h.worker_id}, "cached")
@@ -305,12 +310,12 @@ class Picker:
         alts = [handles[s.worker_id] for s in sorted(cands, key=pending)[:self.fallbacks] if s.worker_id in handles]
         return h, lease, alts
 
-    def served_by(self, info: Any, endpoint: str) -> tuple[WorkerHandle, Lease] | None:
+    def served_by(self, info: RequestInfo, endpoint: str) -> tuple[WorkerHandle, Lease] | None:
         """A lease on the worker at ``endpoint`` (as Envoy connects to it), which served a request
         picked for another (Envoy retried it there); None when no worker has that address."""
         for h in self.state.registry.handles.values():
             if envoy_target(h.endpoint) == endpoint:
-                return h, self.state.scheduler.lease(h, Decision(h.worker_id, "fallback"), info)
+                return h, self.director.lease(h, Decision(h.worker_id, "fallback"), info)
         return None
 
     def any_worker(self, path: str) -> WorkerHandle:
@@ -328,14 +333,17 @@ class Exchange:
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
     __slots__ = ("body", "body_mode", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
-                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers")
+                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers", "waiting")
 
     def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1) -> None:
         self.picker = picker
         self.body_mode = body_mode
         #: the response body mode (``ProcessingMode.BodySendMode``: 1 STREAMED, 4 full duplex, 0 none)
         self.resp_mode = resp_mode
-        self.info: Any = None
+        self.info: RequestInfo | None = None
+        #: a request admission holds back (:meth:`Director.may_dispatch` said no): ``(body,
+        #: trailers)`` to dispatch once :meth:`admit` returns; the stream's driver awaits it
+        self.waiting: tuple[bytes, bool] | None = None
         self.fallbacks: list[WorkerHandle] = []
         self.t0 = time.perf_counter()
         self.duplex = False
@@ -387,7 +395,7 @@ class Exchange:
     def _request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.headers = _headers(req.request_headers)
         self.path = self.headers.get(":path", "/").split("?", 1)[0]
-        self.route = self.path if self.path in ROUTES else "/v1/other"
+        self.route = route_of(self.path)
         mode = self.body_mode
         if req.HasField("protocol_config"):
             mode, self.resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
@@ -408,20 +416,44 @@ class Exchange:
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
     def _refuse(self, e: OpenAIError) -> pb.ProcessingResponse:
-        self.picker.state.metrics.observe_request("none", e.status, self.route, time.perf_counter() - self.t0)
+        """The immediate response refusing the request with ``e``, counted (no worker chosen)."""
+        self.picker.director.refused(e, self.route, self.t0)
         return immediate(e)
 
     def _pick(self, body: bytes, trailers: bool = False) -> list[pb.ProcessingResponse]:
-        """Parse, choose, lease; the answers that send the request to the chosen worker."""
+        """Parse and check the request (:meth:`Director.request`), then, when admission lets it
+        through at once, :meth:`_dispatch` it; else it waits (:attr:`waiting`, :meth:`admit`)."""
         p = self.picker
+        director = p.director
         try:
-            session = self.headers.get(p.state.proxy.settings.session_header.decode("latin-1"))  # type: ignore[union-attr]
-            proxy = p.state.proxy
-            info = proxy.parse_info(self.path, body, session.encode("latin-1") if session else None)  # type: ignore[union-attr]
-            proxy.check_model(info)  # type: ignore[union-attr]
-            self.streaming = info.stream
-            self.info = info
-            self.handle, self.lease, self.fallbacks = p.dispatch(info)
+            session = self.headers.get(p.session_header)
+            info = director.request(self.path, body, session.encode("latin-1") if session else None)
+        except OpenAIError as e:
+            return [self._refuse(e)]
+        self.streaming = info.stream
+        self.info = info
+        if not director.may_dispatch(info):
+            self.waiting = (body, trailers)
+            return []
+        return self._dispatch(info, body, trailers)
+
+    async def admit(self) -> list[pb.ProcessingResponse]:
+        """The request :attr:`waiting` passes admission (:meth:`Director.admit`; the ext_proc
+        stream is held meanwhile), then is dispatched: the answers that send it on, or the
+        immediate response refusing it."""
+        assert self.waiting is not None and self.info is not None
+        (body, trailers), self.waiting = self.waiting, None
+        try:
+            await self.picker.director.admit(self.info)
+        except OpenAIError as e:
+            return [self._refuse(e)]
+        return self._dispatch(self.info, body, trailers)
+
+    def _dispatch(self, info: RequestInfo, body: bytes, trailers: bool) -> list[pb.ProcessingResponse]:
+        """Choose and lease (:meth:`Picker.dispatch`); the answers that send the request to the
+        chosen worker (and its fallbacks)."""
+        try:
+            self.handle, self.lease, self.fallbacks = self.picker.dispatch(info)
         except OpenAIError as e:
             return [self._refuse(e)]
         mutation, md = destination(self.handle.endpoint, *(f.endpoint for f in self.fallbacks))
@@ -456,6 +488,7 @@ class Exchange:
         metrics.errors.labels(h.label, "connect").inc()
         metrics.retries.labels("connect").inc()
         log.info("worker %s (%s) failed before answering; Envoy retried on %s", h.label, h.endpoint, served)
+        assert self.info is not None   # a lease was taken for it
         moved = self.picker.served_by(self.info, served)
         self.handle, self.lease = moved if moved is not None else (None, None)
 
@@ -490,7 +523,7 @@ class Exchange:
             m = self.meter
             if m is not None:
                 if m.feed(b.body):
-                    on_first_content(self.picker.state.metrics, self.route, self.t0, lease)
+                    self.picker.director.first_content(self.route, self.t0, lease)
             elif sum(len(x) for x in self.kept) < ANSWER_KEEP:
                 self.kept.append(b.body)
         if b.end_of_stream:
@@ -506,17 +539,17 @@ class Exchange:
         lease = self.lease
         if lease is None or lease.judged:
             return
-        metrics = self.picker.state.metrics
+        director = self.picker.director
         label = lease.handle.label
         if self.meter is not None:
-            on_stream_end(metrics, self.meter, lease, complete)
+            director.stream_end(self.meter, lease, complete)
         elif complete:
-            on_answer(metrics, lease, b"".join(self.kept))
+            director.answer(lease, b"".join(self.kept))
         lease.finish((0 < self.status < 500) if complete else None)
-        if not complete:
-            metrics.errors.labels(label, "client_disconnect").inc()
-        metrics.observe_request(label, self.status if complete else CLIENT_CLOSED, self.route,
-                                time.perf_counter() - self.t0)
+        if complete:
+            director.finished(label, self.status, self.route, self.t0)
+        else:
+            director.client_left(label, self.route, self.t0)
 
     def close(self) -> None:
         """The stream ended: a lease still open is released, complete when the stream had its
@@ -542,7 +575,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         ex = Exchange(self.picker, self.body_mode, self.resp_mode)
         try:
             async for req in request_iterator:
-                for resp in ex.on_message(req):
+                out = ex.on_message(req)
+                if ex.waiting is not None:   # admission holds the request: wait here, the stream held
+                    out = await ex.admit()
+                for resp in out:
                     yield resp
         finally:
             ex.close()

@@ -2,7 +2,8 @@
 
     app = create_app(cfg)          # ASGI callable served by uvicorn (uvloop + httptools)
 
-:func:`create_app` puts together the router's state (:class:`router.state.RouterState`) and its
+:func:`create_app` puts together the router's state (:class:`HttpRouterState`: the
+:class:`router.state.RouterState` with its HTTP edge, the :class:`router.proxy.Proxy`) and its
 control API (:func:`router.control.build_fastapi`, started in FastAPI's lifespan). Requests are
 dispatched in :class:`DPLBApp`: ``POST /v1/*`` and ``POST /generate`` go straight to the raw-ASGI
 :class:`router.proxy.Proxy` (the hot path); everything else — ``GET /health``, ``GET /v1/models``,
@@ -25,6 +26,7 @@ from router.config import Config, config_from_json
 from router.control import build_fastapi
 from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
 from router.protocol import WORKER_HEADER_B
+from router.proxy import Proxy, ProxySettings
 from router.server import check_headers
 from router.state import RouterState
 
@@ -38,6 +40,25 @@ CONFIG_ENV = "DPLB_ROUTER_CONFIG_JSON"
 POST_ONLY = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
 
+class HttpRouterState(RouterState):
+    """The router's state with its HTTP edge: :meth:`start` builds the :class:`Proxy` on the
+    state's :class:`~router.director.Director` (which writes the access lines here)."""
+
+    access_log = True
+
+    def __init__(self, cfg: Config, seg: Segment | None = None) -> None:
+        super().__init__(cfg, seg)
+        #: the hot path, None until :meth:`start`
+        self.proxy: Proxy | None = None
+
+    async def start(self) -> None:
+        """Start the state (:meth:`RouterState.start`), then build the proxy."""
+        await super().start()
+        cfg = self.cfg
+        self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
+                           ProxySettings.from_config(cfg, self.policy.needs_text), self.director)
+
+
 def proxied(path: str) -> bool:
     """Whether a ``POST`` to ``path`` goes to the :class:`Proxy` (``/v1/*``, ``/generate``)."""
     return path.startswith("/v1/") or path == "/generate"
@@ -47,7 +68,7 @@ class DPLBApp:
     """ASGI entry: request-head limits first (431, :mod:`router.server`), then hot proxy paths to
     :class:`Proxy`, everything else to FastAPI."""
 
-    def __init__(self, state: RouterState, fastapi_app: FastAPI) -> None:
+    def __init__(self, state: HttpRouterState, fastapi_app: FastAPI) -> None:
         self.state = state
         self.fastapi = fastapi_app
         self.max_header_bytes = state.cfg.router.max_header_bytes
@@ -112,7 +133,7 @@ class DPLBApp:
 
 def create_app(cfg: Config | None = None, seg: Segment | None = None) -> DPLBApp:
     """Build the ASGI app for ``cfg`` (defaults when None); ``seg`` injects an attached segment."""
-    state = RouterState(cfg or Config(), seg)
+    state = HttpRouterState(cfg or Config(), seg)
     return DPLBApp(state, build_fastapi(state))
 
 

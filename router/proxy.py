@@ -5,8 +5,9 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
 1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
 2. read the body once and parse only what routing needs (:mod:`router.protocol`); 400 if malformed,
    404 if no slot of this router ever served the named model (a known model whose workers are
-   all out is a 503 at step 3);
-3. pick a worker through the scheduling pipeline (:meth:`~router.scheduling.Scheduler.admit`);
+   all out is a 503 at step 3); then admission, where a request may wait
+   (:meth:`~router.director.Director.admit`);
+3. pick a worker through the scheduling pipeline (:meth:`~router.director.Director.pick`);
 4. forward the original bytes and headers (plus a minted ``X-Request-Id`` when absent) and take
    the worker's :class:`~router.scheduling.Lease` (on a pooled connection the request is written
    first, the lease while the engine reads it);
@@ -43,6 +44,10 @@ For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other 
    it had its whole answer: a stream whose chunked terminator, or whose SSE ``data: [DONE]``, was
    written to it is complete (200) whatever the client does afterwards (the official sync
    ``openai`` client closes its connection at ``[DONE]``, before the engine's last chunk).
+
+The Proxy speaks HTTP; what it decides and records (parse, model check, admission, the
+admit-then-lease dispatch, the bookkeeping at first content and at the end) is request control's
+(:class:`router.director.Director`), which the gateway's endpoint picker calls too.
 """
 from __future__ import annotations
 
@@ -59,11 +64,11 @@ from router.access_log import AccessLog, text
 from router.answers import send_error
 from router.asgi import ASGIApp, Scope
 from router.config import Config
+from router.director import CLIENT_CLOSED, NO_WORKER, ROUTES, Director
 from router.errors import (
     BadRequest,
     GatewayTimeout,
     NoEligibleWorker,
-    NotFound,
     RouterError,
     TransportError,
     Unauthorized,
@@ -81,11 +86,10 @@ from router.exchange import (
 )
 from router.metrics import Metrics
 from router.policies.base import RequestInfo
-from router.protocol import HOP_BY_HOP, parse_request
+from router.protocol import HOP_BY_HOP
 from router.relay import relay_stream
 from router.scheduling import Scheduler
 from router.server import ClientGone, watch_disconnect, write_response
-from router.stream_meter import on_answer
 from router.transport import Transport
 from router.upstream import Upstream
 
@@ -94,13 +98,9 @@ log = logging.getLogger("dplb.router.proxy")
 _XRID = b"x-request-id"
 _MINTED = "dplb.minted_request_id"   # scope key: the id minted for this request
 _NONE = b"none"
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
 #: a request whose connection broke on this many workers after they read it, before any byte
 #: reached the client, is answered 502 and not tried again (a query of death: each try crashed an engine)
 BROKEN_ENGINES_LIMIT = 2
-#: the status a request the client left before its answer is counted with (nginx's 499, "client
-#: closed request"; never sent: nobody is there to read it)
-CLIENT_CLOSED = 499
 
 
 class Step(enum.Enum):
@@ -151,17 +151,21 @@ class ProxySettings:
 
 
 class Proxy:
-    """ASGI callable for the proxied paths. Collaborators: the :class:`Scheduler` (eligibility,
-    policy, breaker admission, leases), the :class:`Transport` (forwarding to engines), the
-    :class:`Metrics` and the :class:`ProxySettings`. It decides nothing about health: each
+    """ASGI callable for the proxied paths: the HTTP edge of request control. Collaborators: the
+    :class:`Scheduler` (eligibility, policy, breaker admission, leases), the :class:`Transport`
+    (forwarding to engines), the :class:`Metrics`, the :class:`ProxySettings` and the
+    :class:`~router.director.Director` (parse, model check, admission, dispatch, bookkeeping; one
+    is built from the others when none is given). It decides nothing about health: each
     attempt's outcome goes to its lease (``head_seen``, ``refused``, ``finish(ok)``)."""
 
-    def __init__(self, scheduler: Scheduler, transport: Transport, metrics: Metrics, settings: ProxySettings) -> None:
+    def __init__(self, scheduler: Scheduler, transport: Transport, metrics: Metrics, settings: ProxySettings,
+                 director: Director | None = None) -> None:
         self.scheduler = scheduler
         self.transport = transport
         self.metrics = metrics
         self.settings = settings
-        self.access = AccessLog(settings.access_log)
+        self.director = director if director is not None else \
+            Director(scheduler, metrics, settings.needs_text, AccessLog(settings.access_log))
         # minted request ids: a random per-process prefix + a counter (one urandom call per process)
         self._prefix = uuid.uuid4().hex[:16].encode()
         self._n = 0
@@ -224,36 +228,17 @@ class Proxy:
             raise UnsupportedMediaType(f"unsupported Content-Type '{ctype.decode('latin-1')}': send the body "
                                        "as JSON with 'Content-Type: application/json'")
 
-    def parse_info(self, path: str, body: bytes, session: bytes | None) -> RequestInfo:
-        """``body`` parsed (:func:`router.protocol.parse_request`), with the session; raises BadRequest."""
-        info = parse_request(path, body, self.settings.needs_text)
-        if session:
-            info.session = session.decode("latin-1")
-        return info
-
-    def check_model(self, info: RequestInfo) -> None:
-        """Check ``info``'s model against the known ones (:meth:`Scheduler.models`). Raises BadRequest
-        (no model named where several are known) or NotFound (a model no slot of this router ever
-        served; a known one whose workers are all out is a 503, raised by the pipeline)."""
-        sched = self.scheduler
-        sched.registry.refresh_if_changed()
-        if info.model is None and len(sched.models()) > 1:
-            raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
-                             param="model")
-        if not sched.knows_model(info.model):
-            raise NotFound(f"the model '{info.model}' does not exist (served: {sched.served()})", param="model")
-
     def _dispatch(self, ex: Exchange, number: int) -> Attempt:
         """Choose a worker for try ``number`` of ``ex`` (:meth:`Scheduler.admit`, the workers
         tried left out), write the request to it when an idle pooled connection is at hand, then take
         the lease, while the engine already reads it (no await between: this process's next decision
         sees the load). Raises NoEligibleWorker (nothing written then)."""
-        sched = self.scheduler
+        director = self.director
         info = ex.info
-        h, d = sched.admit(info, ex.tried)
+        h, d = director.pick(info, ex.tried)
         written = self.transport.write_pooled(h.endpoint, ex.method, ex.target, ex.headers, ex.body)
         try:
-            lease = sched.lease(h, d, info)
+            lease = director.lease(h, d, info)
         except BaseException:
             if written is not None:
                 written.transport.close()
@@ -265,8 +250,9 @@ class Proxy:
         choose and write it to its worker now, from the router's protocol callback
         (:class:`router.server.LimitedHttpToolsProtocol`), before the event loop turns. Returns the
         ASGI callable that serves the rest (answer, retries, bookkeeping) as the request's task; None
-        when it is no plain success so far (an error, no eligible worker, a body above the limit):
-        nothing was sent or recorded, and :meth:`__call__` serves it (and answers the error)."""
+        when it is no plain success so far (an error, no eligible worker, a body above the limit, a
+        request admission holds back: :meth:`Director.may_dispatch`): nothing was sent or recorded,
+        and :meth:`__call__` serves it (answers the error, awaits admission)."""
         t0 = time.perf_counter()
         try:
             rid, _declared, auth, ctype, fwd, session, upgrade = self._head(scope)
@@ -274,8 +260,10 @@ class Proxy:
             if len(body) > self.settings.max_body_bytes:
                 return None
             path = scope["path"]
-            info = self.parse_info(path, body, session)
-            self.check_model(info)
+            director = self.director
+            info = director.request(path, body, session)
+            if not director.may_dispatch(info):
+                return None
             ex = Exchange(scope["method"], path if path in ROUTES else "/v1/other", request_target(scope), fwd, body,
                           info, rid, t0)
             pre = self._dispatch(ex, 0)
@@ -296,9 +284,7 @@ class Proxy:
                        model: str | None) -> None:
         """Answer ``e`` before any worker was chosen, under ``rid``; count it and log it (``model``: as named)."""
         await send_error(send, e, rid)
-        dt = time.perf_counter() - t0
-        self.metrics.observe_request("none", e.status, path if path in ROUTES else "/v1/other", dt)
-        self.access.emit(rid, method, path, model, "none", e.status, dt, attempts=0, cause=e.message)
+        self.director.refused(e, path if path in ROUTES else "/v1/other", t0, rid, method, path, model)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
@@ -309,16 +295,14 @@ class Proxy:
         try:
             self._check(auth, ctype, upgrade)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
-            info = self.parse_info(path, body, session)
-            self.check_model(info)
+            info = self.director.parse(path, body, session)   # the access line names the model of a 404
+            self.director.check_model(info)
             target = request_target(scope)
         except RouterError as e:
             await self._refused(send, e, scope["method"], path, rid, t0, None if info is None else info.model)
             return
         except asyncio.CancelledError:   # the client left while sending its body
-            dt = time.perf_counter() - t0
-            self.metrics.observe_request("none", CLIENT_CLOSED, route, dt)
-            self.access.emit(rid, scope["method"], path, None, "none", CLIENT_CLOSED, dt, attempts=0)
+            self.director.finished(NO_WORKER, CLIENT_CLOSED, route, t0, rid, scope["method"], path, attempts=0)
             return
         await self._serve(scope, receive, send, Exchange(scope["method"], route, target, fwd, body, info, rid, t0), None)
 
@@ -417,9 +401,17 @@ class Proxy:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
         raises RouterError to the caller; a client that left is counted (status 499) and its
         CancelledError / ClientGone re-raised. ``pre``: the first attempt when :meth:`start`
-        dispatched it already."""
+        dispatched it already; else the request passes admission first (:meth:`Director.admit`,
+        where it may wait; a refusal is answered with its status)."""
         label = "none"  # the worker of the current attempt (metric label)
+        director = self.director
         try:
+            if pre is None and not director.may_dispatch(ex.info):
+                try:
+                    await director.admit(ex.info)
+                except RouterError as e:
+                    await self._answer_error(ex, e, NO_WORKER, 0)
+                    return
             for n in range(self.settings.max_attempts):
                 if n:
                     await self._backoff(n)
@@ -442,12 +434,9 @@ class Proxy:
                     break
         except (asyncio.CancelledError, ClientGone):
             # the client left before its answer was complete (see relay_stream for one that had it all)
-            self.metrics.errors.labels(label, "client_disconnect").inc()
-            dt = time.perf_counter() - ex.t0
-            self.metrics.observe_request(label, CLIENT_CLOSED, ex.route, dt)
             sent, ttft = ex.cut if ex.cut is not None else (None, None)   # a stream cut: the tokens it was sent
-            self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, CLIENT_CLOSED, dt, ttft,
-                             ex.info.prompt_len, sent, len(ex.tried) + 1)
+            director.client_left(label, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model, ttft,
+                                 ex.info.prompt_len, sent, len(ex.tried) + 1)
             raise
         err = self.final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker)
         if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
@@ -469,10 +458,8 @@ class Proxy:
         """Answer ``ex`` with the router's error ``e`` (``worker``: its ``X-DPLB-Worker-ID``),
         count it under ``label`` and write its access-log line (``attempts`` tries)."""
         await send_error(ex.send, e, ex.rid, worker)
-        dt = time.perf_counter() - ex.t0
-        self.metrics.observe_request(label, e.status, ex.route, dt)
-        self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, e.status, dt, None,
-                         ex.info.prompt_len, None, attempts, e.message)
+        self.director.finished(label, e.status, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model,
+                               None, ex.info.prompt_len, None, attempts, e.message)
 
     def _failed(self, ex: Exchange, att: Attempt, e: Exception, kind: str | None, up: Upstream | None) -> None:
         """Attempt ``att`` failed before its first byte reached the client: its upstream (if any)
@@ -495,8 +482,8 @@ class Proxy:
             up, first, data = got
             resp_headers = relayed_headers(up, ex.rid, att.handle.label_b)
             if data is None:
-                ok = await relay_stream(ex, att, up, first, resp_headers, self.metrics, self.settings.idle_timeout_s,
-                                        self.access)
+                ok = await relay_stream(ex, att, up, first, resp_headers, self.director,
+                                        self.settings.idle_timeout_s)
                 att.outcome = ok and up.status < 500
                 return _DONE
             att.outcome = up.status < 500
@@ -593,8 +580,7 @@ class Proxy:
             headers.append((b"content-length", b"%d" % len(data)))
             await ex.send({"type": "http.response.start", "status": status, "headers": headers})
             await ex.send({"type": "http.response.body", "body": data, "more_body": False})
-        prompt_n, out_n = on_answer(self.metrics, att.lease, data)
-        dt = time.perf_counter() - ex.t0
-        self.metrics.observe_request(label, status, ex.route, dt)
-        self.access.emit(ex.rid, ex.method, ex.info.path, ex.info.model, label, status, dt, None, prompt_n, out_n,
-                         att.number + 1, None if status < 500 else f"the engine answered {status}")
+        director = self.director
+        prompt_n, out_n = director.answer(att.lease, data)
+        director.finished(label, status, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model, None,
+                          prompt_n, out_n, att.number + 1, None if status < 500 else f"the engine answered {status}")

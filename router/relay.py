@@ -5,24 +5,18 @@ stalls after its first byte ends with an SSE ``error`` event (504 ``timeout_erro
 engine connection's callback into a :class:`router.server.ChunkedWriter` and, after the first
 content, by the native relay: one client write per engine read. The stream meter
 (:class:`router.stream_meter.StreamMeter`) finds the TTFT and the end of the answer
-(:func:`delivered`)."""
+(:func:`delivered`); request control (:class:`router.director.Director`) keeps the books."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
 
-from router.access_log import AccessLog
+from router.director import Director
 from router.errors import TransportError, sse_error_event
 from router.exchange import Attempt, Exchange
 from router.metrics import Metrics
 from router.server import ChunkedWriter, ClientGone, chunked_writer, start_chunked
-from router.stream_meter import (
-    StreamMeter,
-    is_event_stream,
-    on_first_content,
-    on_stream_end,
-)
+from router.stream_meter import StreamMeter, is_event_stream
 from router.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -43,13 +37,13 @@ def delivered(meter: StreamMeter, writer: ChunkedWriter | None) -> bool:
 
 
 async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, headers: list[tuple[bytes, bytes]],
-                       metrics: Metrics, idle_timeout_s: float, access: AccessLog | None = None) -> bool:
+                       director: Director, idle_timeout_s: float) -> bool:
     """Relay ``up``'s streamed body (status ``up.status``, ``headers`` as the client gets them),
     starting with ``first`` (already read); a broken or stalled upstream ends with an SSE error
     event. The first chunk that carries content (:mod:`router.stream_meter`) is the TTFT and ends
     the request's prefill in the lease's accounting. Returns False when the stream broke (a
     breaker failure). Counts the request (``dplb_router_requests_total``) and writes its
-    access-log line (``access``) at the end.
+    access-log line at the end (:meth:`Director.finished`).
 
     When the router's own uvicorn protocol serves the request (``ex.scope``), the head leaves
     with the first chunk in one write (:func:`router.server.start_chunked`), the chunks after it
@@ -60,7 +54,7 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     meter = StreamMeter(is_event_stream(headers))
     ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
     if first and meter.feed(first):
-        ttft.append(on_first_content(metrics, ex.route, ex.t0, att.lease))
+        ttft.append(director.first_content(ex.route, ex.t0, att.lease))
     writer = start_chunked(scope, status, headers, first, up.complete()) if scope is not None else None
     if writer is None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -71,7 +65,7 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     final, last, cause = status, b"", None
     try:
         if first:
-            await _relay_rest(ex, att, up, writer, meter, ttft, metrics)
+            await _relay_rest(ex, att, up, writer, meter, ttft, director)
         complete = True
     except (asyncio.CancelledError, ClientGone):
         if not delivered(meter, writer):
@@ -84,38 +78,36 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
             task.uncancel()
     except TransportError as e:
         ok = False
-        final, cause, last = _stream_failed(e, wid, metrics, idle_timeout_s)
+        final, cause, last = _stream_failed(e, wid, director.metrics, idle_timeout_s)
     finally:
         up.release(abort=not complete)
-        tokens = on_stream_end(metrics, meter, att.lease, complete)
+        tokens = director.stream_end(meter, att.lease, complete)
     if writer is not None:
         await writer.finish(last)
     else:
         if last:
             await send({"type": "http.response.body", "more_body": True, "body": last})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    dt = time.perf_counter() - ex.t0
-    metrics.observe_request(att.handle.label, final, ex.route, dt)
-    if access is not None:
-        info = ex.info
-        access.emit(ex.rid, ex.method, info.path, info.model, att.handle.label, final, dt, ttft[0] if ttft else None,
-                    None if tokens is None else tokens[0], None if tokens is None else tokens[1], att.number + 1,
-                    cause or (None if final < 500 else f"the engine answered {final}"))
+    info = ex.info
+    director.finished(att.handle.label, final, ex.route, ex.t0, ex.rid, ex.method, info.path, info.model,
+                      ttft[0] if ttft else None, None if tokens is None else tokens[0],
+                      None if tokens is None else tokens[1], att.number + 1,
+                      cause or (None if final < 500 else f"the engine answered {final}"))
     return ok
 
 
 async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedWriter | None, meter: StreamMeter,
-                      ttft: list[float], metrics: Metrics) -> None:
+                      ttft: list[float], director: Director) -> None:
     """The chunks after the first: piped into ``writer`` from the connection's callback (then by
     the native relay after the first content), else sent one ASGI message each; every chunk the
     client was written goes through ``meter`` (the first content appends the TTFT to ``ttft``).
     Raises TransportError (broken, stalled), ClientGone or CancelledError (the client left)."""
-    route, t0, lease = ex.route, ex.t0, att.lease
+    route, t0, lease, first_content = ex.route, ex.t0, att.lease, director.first_content
     if writer is None:
         lease.progress = meter.content_events   # output tokens so far, for the TPOT-SLO term
         async for chunk in up.chunks():
             if meter.feed(chunk):
-                ttft.append(on_first_content(metrics, route, t0, lease))
+                ttft.append(first_content(route, t0, lease))
             await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
         return
     write = writer.write
@@ -129,7 +121,7 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
         # what the client was written, nothing after it left (see delivered)
         sent = write(chunk, up.complete())
         if (sent or not writer.gone) and meter.feed(chunk):
-            ttft.append(on_first_content(metrics, route, t0, lease))
+            ttft.append(first_content(route, t0, lease))
         return sent
 
     def handoff() -> ChunkRelay | None:

@@ -1,10 +1,12 @@
 """The router's state: everything one router process holds (:class:`RouterState`: the segment,
 the registry, the policy, the scheduler and its lease accounting, the transport, the health monitor,
-the admin store, the mirrors, the metrics and the :class:`~router.proxy.Proxy`), and the builders
-of the kernel's and the accounting's parameters from the config.
+the admin store, the mirrors, the metrics and request control, the
+:class:`~router.director.Director`), and the builders of the kernel's and the accounting's
+parameters from the config.
 
-No web framework here: the HTTP router (:mod:`router.app`, FastAPI for the control API in
-:mod:`router.control`) and the gateway's endpoint picker (:mod:`epp.server`) both hold one.
+No web framework and no HTTP edge here: the HTTP router (:mod:`router.app`: its hot path
+:class:`~router.proxy.Proxy`, FastAPI for the control API in :mod:`router.control`) and the
+gateway's endpoint picker (:mod:`epp`) both hold one and call its Director.
 """
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dplb_shm import ScoringParams, TtftParams
+from router.access_log import AccessLog
 from router.accounting import LearnSettings
 from router.admin_store import AdminStore
 from router.config import Config
+from router.director import Director
 from router.health import HealthMonitor
 from router.ledger import AccountedSegment, Ledger, shares_dir, sweep_dead
 from router.metrics import Metrics
 from router.mirror import MirrorManager
 from router.policies import build_policy
-from router.proxy import Proxy, ProxySettings
 from router.scheduling import Scheduler
 from router.transport import Transport
 from router.workers import Registry
@@ -101,6 +104,10 @@ class RouterState:
     """Everything one router process holds. ``seg``: an attached ``dplb_shm.Segment`` (attached
     from ``cfg.shm_name`` in :meth:`start` when None; closed in :meth:`stop` only if we attached)."""
 
+    #: whether the Director writes access lines (``router.access_log``): the HTTP router's do,
+    #: the endpoint picker's not (Envoy keeps the gateway's access log)
+    access_log = False
+
     # Any: a dplb_shm.Segment, None until start() attaches one; its readers hold it non-None without a check
     def __init__(self, cfg: Config, seg: Any = None) -> None:  # type: ignore[explicit-any]
         self.cfg = cfg
@@ -114,7 +121,8 @@ class RouterState:
         self.started = int(time.time())
         #: model → ``max_model_len`` as one of its engines' ``GET /v1/models`` gave it (vLLM's field)
         self.model_lens: dict[str, int] = {}
-        self.proxy: Proxy | None = None
+        #: request control (:class:`~router.director.Director`), built by :meth:`start`
+        self.director: Director | None = None
 
     async def start(self) -> None:
         """Attach, build the pipeline, start the health monitor."""
@@ -151,8 +159,8 @@ class RouterState:
         self.monitor.start()
         self.metrics.attach(self.registry, self.seg, self.policy.name, self.scheduler.routing_state,
                             cfg.retries.retry_on_status, cfg.routing_policy.prefill_tokens_per_s)
-        self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
-                           ProxySettings.from_config(cfg, self.policy.needs_text))
+        self.director = Director(self.scheduler, self.metrics, self.policy.needs_text,
+                                 AccessLog(cfg.router.access_log) if self.access_log else None)
 
     def _hold_router_lock(self) -> None:
         """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life and open

@@ -7,7 +7,7 @@ The proxy relays bodies byte for byte; this module only watches them (issue 16):
   ``choices[].text``, ``token_ids``, or SGLang's ``text`` / ``output_ids``), not to the first
   byte: a chat stream starts with a role-only event (``delta: {"role": "assistant"}``), which vLLM
   sends just before the first token and other servers may send before the prefill. The endpoint
-  picker (``epp/server.py``) reads answers with this module too, and vLLM's and SGLang's benchmark
+  picker (:mod:`epp`) reads answers with this module too, and vLLM's and SGLang's benchmark
   clients use the same definition. A chunked body that is not an event stream counts its first byte.
 - **Tokens.** Output tokens are ``usage.completion_tokens`` (OpenAI, when the client asked for
   ``stream_options.include_usage``, and every non-streamed answer) or ``meta_info.completion_tokens``
@@ -16,20 +16,17 @@ The proxy relays bodies byte for byte; this module only watches them (issue 16):
   are ``usage.prompt_tokens`` / ``meta_info.prompt_tokens`` when present, else None (the caller
   falls back on the router's estimate).
 
+What the router does with them (the TTFT, the lease, the token counts) is request control's
+(:class:`router.director.Director`).
+
 Cost: the events up to the first content one and the last few are JSON-parsed; the events in
 between are counted with ``bytes.count`` on the separators (a few hundred ns per chunk).
 """
 from __future__ import annotations
 
 import re
-import time
-from typing import TYPE_CHECKING
 
 import orjson
-
-if TYPE_CHECKING:
-    from router.metrics import Metrics
-    from router.scheduling import Lease
 
 _SEP = b"\n\n"
 _TAIL = 4096  # bytes of the stream's end kept to read its last events
@@ -226,54 +223,4 @@ def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
-# ---- what the proxy calls (kept here so that router/proxy.py changes by a few lines) ----------
-def on_first_content(metrics: Metrics, route: str, t0: float, lease: Lease) -> float:
-    """A stream's first content reached the client: the router's TTFT histogram (from the request's
-    arrival, ``t0`` on ``time.perf_counter``), the lease leaves prefill (router accounting, learned
-    prefill rate, TTFT EWMA), and the request's routing and queueing/prefill phases. Returns the
-    TTFT, s."""
-    now = time.perf_counter()
-    ttft = now - t0
-    if lease is None:
-        metrics.observe_ttft(route, ttft)
-        return ttft
-    metrics.observe_ttft(route, ttft, lease.handle.model or "")
-    since_dispatch = lease.first_token()
-    if since_dispatch is not None:
-        model = lease.handle.model or ""
-        metrics.observe_phase("routing", model, max(0.0, ttft - since_dispatch))
-        metrics.observe_phase("queue_prefill", model, since_dispatch)
-    return ttft
-
-
-def on_stream_end(metrics: Metrics, meter: StreamMeter, lease: Lease, complete: bool) -> tuple[int, int] | None:
-    """A relayed stream ended: count its tokens on the worker, the decode phase of a complete one,
-    and release the lease with the output token count (the router's TPOT EWMA learns from it).
-    Returns ``(prompt tokens, output tokens)`` (None without a lease)."""
-    if lease is None:
-        return None
-    out = meter.output_tokens()
-    prompt, _ = meter.usage()
-    h = lease.handle
-    model = h.model or ""
-    prompt_n = lease.account.prompt_tokens if prompt is None else prompt
-    metrics.count_tokens(h.worker_id, model, prompt_n, out)
-    t_first = lease.account.t_first
-    if complete and t_first is not None:
-        metrics.observe_phase("decode", model, max(0.0, time.monotonic() - t_first))
-    lease.release(output_tokens=out if complete else None)
-    return prompt_n, out
-
-
-def on_answer(metrics: Metrics, lease: Lease, body: bytes) -> tuple[int, int]:
-    """A non-streamed answer was relayed: count its tokens on the worker (its ``usage``; the
-    router's prompt estimate when it has none). Returns ``(prompt tokens, output tokens)``."""
-    prompt, out = usage_from_body(body)
-    h = lease.handle
-    prompt_n = lease.account.prompt_tokens if prompt is None else prompt
-    metrics.count_tokens(h.worker_id, h.model or "", prompt_n, out or 0)
-    return prompt_n, out or 0
-
-
-__all__ = ["StreamMeter", "event_json", "has_content", "is_event_stream", "on_answer", "on_first_content",
-           "on_stream_end", "usage_from_body", "usage_of"]
+__all__ = ["StreamMeter", "event_json", "has_content", "is_event_stream", "usage_from_body", "usage_of"]

@@ -2,6 +2,8 @@
 picker answers, and that the lease is released exactly once whichever way the stream ends."""
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -268,4 +270,37 @@ async def test_full_duplex_response_chunks_are_sent_back(picker):
     assert sr.body == CONTENT and not sr.end_of_stream
     [r] = ex.on_message(body(b"data: [DONE]\n\n", True, response=True))
     assert r.response_body.response.body_mutation.streamed_response.end_of_stream
+    assert picker.state.seg.router_line(0)["router_inflight"] == 0
+
+
+class _Holding:
+    """An admission that holds every request until ``go`` is set (router.director.Admission)."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    def ready(self, info) -> bool:  # type: ignore[no-untyped-def]
+        return self.go.is_set()
+
+    async def wait(self, info) -> None:  # type: ignore[no-untyped-def]
+        await self.go.wait()
+
+
+async def test_a_request_admission_holds_back_waits_with_its_stream_then_goes(picker):
+    # the picker's admission step is request control's (router.director): while it holds the
+    # request, the ext_proc stream gets no answer and no lease is taken
+    adm = _Holding()
+    picker.director.admission = adm
+    ex = Exchange(picker, 2)
+    ex.on_message(headers(**{":path": "/v1/chat/completions"}))
+    assert ex.on_message(body(BODY, True)) == [] and ex.waiting is not None
+    assert picker.state.seg.router_line(0)["router_inflight"] == 0
+    task = asyncio.ensure_future(ex.admit())
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    adm.go.set()
+    [r] = await asyncio.wait_for(task, 10)
+    assert r.request_body.response.header_mutation.set_headers[0].header.key == HEADER
+    assert picker.state.seg.router_line(0)["router_inflight"] == 1 and ex.waiting is None
+    ex.close()
     assert picker.state.seg.router_line(0)["router_inflight"] == 0

@@ -11,10 +11,10 @@ from tests.helpers import ROOT
 WEB = ("fastapi", "starlette")
 
 
-def loaded_after(module: str) -> list[str]:
-    """The modules of :data:`WEB` (or under them) loaded by a fresh interpreter that imports ``module``."""
+def loaded_after(module: str, roots: tuple[str, ...] = WEB) -> list[str]:
+    """The modules of ``roots`` (or under them) loaded by a fresh interpreter that imports ``module``."""
     code = (f"import sys, {module}\n"
-            f"print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {WEB!r})))")
+            f"print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {roots!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          check=True)
     return out.stdout.split()
@@ -23,6 +23,14 @@ def loaded_after(module: str) -> list[str]:
 def test_the_picker_does_not_import_the_web_framework():
     assert loaded_after("epp.server") == []
     assert loaded_after("router.state") == []
+
+
+def test_the_picker_does_not_import_the_http_edge():
+    # request control (router.director) is shared; the HTTP proxy and uvicorn are the router's own
+    loaded = loaded_after("epp.server", ("uvicorn", "router"))
+    assert [m for m in loaded if m.split(".")[0] == "uvicorn" or m in ("router.proxy", "router.relay",
+                                                                     "router.server", "router.app")] == []
+    assert "router.director" in loaded
 
 
 def test_the_router_assembly_still_does():

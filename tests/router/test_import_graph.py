@@ -119,6 +119,15 @@ def test_no_router_module_or_function_is_too_long():
     assert too_long == []
 
 
+def test_request_control_sits_below_both_edges():
+    # router.director: one request-control room that the HTTP edge (router.proxy) and the picker
+    # (epp, through router.state) call; it knows neither edge, and the state holds no HTTP edge
+    g = graph()
+    assert "router.director" in g["router.proxy"] and "router.director" in g["router.state"]
+    assert not {"router.proxy", "router.relay", "router.server", "router.app"} & g["router.director"]
+    assert not {"router.proxy", "router.relay", "router.server"} & g["router.state"]
+
+
 def test_the_router_state_sits_below_its_control_api_and_above_the_metrics():
     g = graph()
     assert "router.app" not in g["router.state"] and "router.control" not in g["router.state"]

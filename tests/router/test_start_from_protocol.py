@@ -289,3 +289,39 @@ def test_a_head_the_parser_refuses_is_answered_in_the_openai_error_shape_and_rea
     assert err["type"] == "invalid_request_error" and err["code"] == 400
     assert err["message"].startswith("malformed HTTP/1.1 request: ") and len(err["message"]) > 30
     proto.connection_lost(None)
+
+
+class _Holding:
+    """An admission that holds every request until ``go`` is set (router.director.Admission)."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    def ready(self, info) -> bool:  # type: ignore[no-untyped-def]
+        return self.go.is_set()
+
+    async def wait(self, info) -> None:  # type: ignore[no-untyped-def]
+        await self.go.wait()
+
+
+def test_a_request_admission_holds_back_waits_in_its_task_then_reaches_its_worker(loop):
+    # the admission step is request control's (router.director): the protocol's callback does not
+    # dispatch a request it holds back; the request's task waits, then dispatches it
+    with in_process_router(loop, "127.0.0.1:9") as (app, seg, make):
+        engine = Engine(seg)
+        app.state.proxy.transport = engine
+        adm = _Holding()
+        app.state.proxy.director.admission = adm
+        c = RecordingTransport()
+        proto = make(c)
+        head, body = post(BODY)
+        proto.data_received(head + body)
+        for _ in range(5):
+            turn(loop)
+        assert engine.written == [] and c.writes == [] and seg.router_line(0)["router_inflight"] == 0
+        adm.go.set()
+        for _ in range(5):
+            turn(loop)
+        assert [(p, b) for p, b, _ in engine.written] == [("/v1/chat/completions", BODY)]
+        assert b"".join(c.writes).endswith(ANSWER) and seg.router_line(0)["router_inflight"] == 0
+        proto.connection_lost(None)

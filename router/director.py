@@ -1,0 +1,264 @@
+"""Request control, apart from the protocols that carry the request (llm-d's ``Director``,
+``pkg/epp/requestcontrol/director.go``, beside its ext_proc handlers): the one place both edges
+call, the HTTP router's hot path (:class:`router.proxy.Proxy`) and the gateway's endpoint picker
+(``epp``'s ext_proc stream). An edge speaks its protocol (headers, bodies, retries, Envoy's
+messages); the :class:`Director` decides and keeps the books:
+
+==================  ===========================================================================
+step                what it does (and what the client gets when it fails)
+==================  ===========================================================================
+parse               the body, once, for what routing reads (:func:`router.protocol.parse_request`)
+                    and the session id: :meth:`Director.parse` (400)
+model check         :meth:`Director.check_model`: 400 when several models are served and none is
+                    named, 404 for a model no slot of this router ever served (a known model whose
+                    workers are all out is a 503 at dispatch)
+admission           the point where a request may **wait** before it is dispatched:
+                    :meth:`Director.may_dispatch` (synchronous: the hot path dispatches from the
+                    connection's callback when it says yes) and :meth:`Director.admit` (awaited by
+                    an edge otherwise). The :class:`Admission` in place decides; today's
+                    (:class:`OpenAdmission`) lets every request through at once
+dispatch            admit-then-lease (:meth:`Director.pick`, then :meth:`Director.lease`; the HTTP
+                    edge writes the request to a pooled connection between the two, so the engine
+                    reads while the lease is taken): eligibility → policy → breaker admission
+                    (:class:`router.scheduling.Scheduler`); 503 + ``Retry-After``
+                    (:class:`router.errors.NoEligibleWorker`) when no worker can take it
+first content       :meth:`Director.first_content`: the TTFT histogram, the lease leaves prefill
+                    (router accounting, learned prefill rate), the routing and queue/prefill phases
+stream end          :meth:`Director.stream_end`: the stream's token counts on the worker, its decode
+                    phase, the lease released with the output token count (the TPOT EWMA and the
+                    TPOT-SLO term learn from it)
+answer              :meth:`Director.answer`: a non-streamed answer's token counts (its ``usage``)
+the request's end   :meth:`Director.finished` (the answer's status, under the worker's label and
+                    so its model), :meth:`Director.client_left` (status **499**, nginx's "client
+                    closed request", and a ``client_disconnect`` error on the worker),
+                    :meth:`Director.refused` (an error answered before any worker was chosen,
+                    under ``none``): ``dplb_router_requests_total`` and the duration histogram,
+                    and the access line where the edge keeps one (the HTTP router's)
+==================  ===========================================================================
+
+The 499 rule both edges apply: a client that leaves before its whole answer is counted 499 and
+its lease finished without a breaker verdict; a stream whose end (the chunked terminator, or its
+SSE ``data: [DONE]``) reached the client is complete (200) whatever the client does afterwards
+(the official ``openai`` client closes its connection at ``[DONE]``).
+
+The Director holds no per-request state (no allocation per request): an edge passes what each
+step needs. Its collaborators are the :class:`~router.scheduling.Scheduler`, the
+:class:`~router.metrics.Metrics` and an optional :class:`~router.access_log.AccessLog`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from router.access_log import AccessLog
+from router.errors import BadRequest, NotFound, RouterError
+from router.metrics import Metrics
+from router.policies.base import Decision, RequestInfo
+from router.protocol import parse_request
+from router.scheduling import Lease, Scheduler
+from router.stream_meter import StreamMeter, usage_from_body
+from router.workers import WorkerHandle
+
+#: the status a request the client left before its answer is counted with (nginx's 499, "client
+#: closed request"; never sent: nobody is there to read it)
+CLIENT_CLOSED = 499
+#: the worker label of a request answered before any worker was chosen
+NO_WORKER = "none"
+#: the paths counted under their own name (``route`` label of the request metrics); any other
+#: proxied path is counted as ``/v1/other`` (:func:`route_of`): the label's values stay bounded
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/generate", "/v1/embeddings"})
+
+
+def route_of(path: str) -> str:
+    """The bounded ``route`` metric label of a request to ``path`` (:data:`ROUTES`)."""
+    return path if path in ROUTES else "/v1/other"
+
+
+class Admission(Protocol):
+    """Decides when a parsed, known request may be dispatched (the :class:`Director`'s admission
+    step). :meth:`ready` is asked first, synchronously, on the hot path; only when it says no does
+    an edge await :meth:`wait`, which returns when the request may go (a fresh routing decision
+    follows) or raises a :class:`~router.errors.RouterError` to refuse it (e.g. a 429 with
+    ``Retry-After`` for one that waited its budget); a client that leaves cancels the wait."""
+
+    def ready(self, info: RequestInfo) -> bool:
+        """May ``info`` be dispatched now, without waiting?"""
+        ...
+
+    async def wait(self, info: RequestInfo) -> None:
+        """Wait until ``info`` may be dispatched; raises RouterError to refuse it."""
+        ...
+
+
+class OpenAdmission:
+    """Every request may be dispatched at once (no queue): :meth:`ready` is always True."""
+
+    __slots__ = ()
+
+    def ready(self, info: RequestInfo) -> bool:
+        """Always True."""
+        return True
+
+    async def wait(self, info: RequestInfo) -> None:
+        """Returns at once (never called while :meth:`ready` says yes)."""
+        return
+
+
+class Director:
+    """Request control for one router process or picker (module docstring). ``needs_text``: the
+    policy reads the prompt's text (:attr:`router.policies.base.Policy.needs_text`);
+    ``access``: the access log the edge keeps (None: none, the picker's case); ``admission``: the
+    admission step (default :class:`OpenAdmission`)."""
+
+    __slots__ = ("access", "admission", "metrics", "needs_text", "scheduler")
+
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, needs_text: bool = True,
+                 access: AccessLog | None = None, admission: Admission | None = None) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.needs_text = needs_text
+        self.access = access
+        self.admission: Admission = admission if admission is not None else OpenAdmission()
+
+    # -- parse and model check -------------------------------------------------------------------
+    def parse(self, path: str, body: bytes, session: bytes | None = None) -> RequestInfo:
+        """``body`` (the request's JSON, posted to ``path``) parsed for routing
+        (:func:`router.protocol.parse_request`), with ``session`` (the session header's value, if
+        any). Raises BadRequest (400) for a body that is no JSON object or a field of a wrong type."""
+        info = parse_request(path, body, self.needs_text)
+        if session:
+            info.session = session.decode("latin-1")
+        return info
+
+    def check_model(self, info: RequestInfo) -> None:
+        """Check ``info``'s model against the known ones (:meth:`Scheduler.models`). Raises BadRequest
+        (no model named where several are known) or NotFound (a model no slot of this router ever
+        served; a known one whose workers are all out is a 503, raised by :meth:`pick`)."""
+        sched = self.scheduler
+        sched.registry.refresh_if_changed()
+        if info.model is None and len(sched.models()) > 1:
+            raise BadRequest(f"name the model: this endpoint serves {', '.join(sched.models())}",
+                             param="model")
+        if not sched.knows_model(info.model):
+            raise NotFound(f"the model '{info.model}' does not exist (served: {sched.served()})", param="model")
+
+    def request(self, path: str, body: bytes, session: bytes | None = None) -> RequestInfo:
+        """:meth:`parse` then :meth:`check_model`: the request as routing sees it. Raises
+        BadRequest or NotFound."""
+        info = self.parse(path, body, session)
+        self.check_model(info)
+        return info
+
+    # -- admission -------------------------------------------------------------------------------
+    def may_dispatch(self, info: RequestInfo) -> bool:
+        """May ``info`` be dispatched now without waiting (:meth:`Admission.ready`)? An edge that
+        gets False awaits :meth:`admit` before :meth:`pick`."""
+        return self.admission.ready(info)
+
+    async def admit(self, info: RequestInfo) -> None:
+        """The admission step: returns when ``info`` may be dispatched (at once when
+        :meth:`may_dispatch`), else waits its turn (:meth:`Admission.wait`). Raises RouterError
+        when admission refuses it; a client that leaves cancels the wait (CancelledError)."""
+        adm = self.admission
+        if not adm.ready(info):
+            await adm.wait(info)
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def pick(self, info: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[WorkerHandle, Decision]:
+        """Choose a worker for ``info``, leaving out the workers of ``exclude`` (tried already, or
+        unreachable from the edge): :meth:`Scheduler.admit` (eligibility, policy, breaker admission).
+        Raises NoEligibleWorker (503 + ``Retry-After``)."""
+        return self.scheduler.admit(info, exclude)
+
+    def lease(self, handle: WorkerHandle, decision: Decision, info: RequestInfo) -> Lease:
+        """Take the lease of ``info`` on ``handle`` (chosen by :meth:`pick` with ``decision``): the
+        request's load in the segment until the lease is finished, exactly once."""
+        return self.scheduler.lease(handle, decision, info)
+
+    def dispatch(self, info: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[WorkerHandle, Lease]:
+        """:meth:`pick` then :meth:`lease` (an edge with nothing to do between). Raises
+        NoEligibleWorker."""
+        h, d = self.scheduler.admit(info, exclude)
+        return h, self.scheduler.lease(h, d, info)
+
+    # -- bookkeeping at first content and at the end ---------------------------------------------
+    def first_content(self, route: str, t0: float, lease: Lease | None) -> float:
+        """A stream's first content reached the client: the TTFT histogram (from the request's
+        arrival, ``t0`` on ``time.perf_counter``; labelled with the worker's model), the lease
+        leaves prefill (router accounting, learned prefill rate, TTFT EWMA), and the request's
+        routing and queueing/prefill phases. Returns the TTFT, s."""
+        metrics = self.metrics
+        ttft = time.perf_counter() - t0
+        if lease is None:
+            metrics.observe_ttft(route, ttft)
+            return ttft
+        model = lease.handle.model or ""
+        metrics.observe_ttft(route, ttft, model)
+        since_dispatch = lease.first_token()
+        if since_dispatch is not None:
+            metrics.observe_phase("routing", model, max(0.0, ttft - since_dispatch))
+            metrics.observe_phase("queue_prefill", model, since_dispatch)
+        return ttft
+
+    def stream_end(self, meter: StreamMeter, lease: Lease | None, complete: bool) -> tuple[int, int] | None:
+        """A relayed stream ended (``complete``: its whole answer reached the client): count its
+        tokens on the worker (``meter``'s output events; its ``usage``, else the router's prompt
+        estimate), the decode phase of a complete one, and release the lease with the output
+        token count (the TPOT EWMA learns from a complete one). Returns ``(prompt tokens, output
+        tokens)`` (None without a lease)."""
+        if lease is None:
+            return None
+        out = meter.output_tokens()
+        prompt, _ = meter.usage()
+        h = lease.handle
+        model = h.model or ""
+        prompt_n = lease.account.prompt_tokens if prompt is None else prompt
+        self.metrics.count_tokens(h.worker_id, model, prompt_n, out)
+        t_first = lease.account.t_first
+        if complete and t_first is not None:
+            self.metrics.observe_phase("decode", model, max(0.0, time.monotonic() - t_first))
+        lease.release(output_tokens=out if complete else None)
+        return prompt_n, out
+
+    def answer(self, lease: Lease, body: bytes) -> tuple[int, int]:
+        """A non-streamed answer ``body`` was relayed: count its tokens on the worker (its
+        ``usage``; the router's prompt estimate when it has none). Returns ``(prompt tokens,
+        output tokens)``."""
+        prompt, out = usage_from_body(body)
+        h = lease.handle
+        prompt_n = lease.account.prompt_tokens if prompt is None else prompt
+        self.metrics.count_tokens(h.worker_id, h.model or "", prompt_n, out or 0)
+        return prompt_n, out or 0
+
+    def finished(self, label: str, status: int, route: str, t0: float, rid: bytes = b"", method: str = "",
+                 path: str = "", model: str | None = None, ttft: float | None = None, prompt: int | None = None,
+                 out: int | None = None, attempts: int = 1, cause: str | None = None) -> float:
+        """The request ended with ``status`` on the worker labelled ``label`` (``none``: no
+        worker): ``dplb_router_requests_total`` and the duration histogram (``route``: the bounded
+        path label; the model is the worker's) and, where the edge keeps one, the access line
+        (request id, method, path, the model named, TTFT s, token counts, tries, the cause of a
+        5xx). Returns the duration, s, since ``t0`` (``time.perf_counter``)."""
+        dt = time.perf_counter() - t0
+        self.metrics.observe_request(label, status, route, dt)
+        if self.access is not None:
+            self.access.emit(rid, method, path, model, label, status, dt, ttft, prompt, out, attempts, cause)
+        return dt
+
+    def client_left(self, label: str, route: str, t0: float, rid: bytes = b"", method: str = "", path: str = "",
+                    model: str | None = None, ttft: float | None = None, prompt: int | None = None,
+                    out: int | None = None, attempts: int = 1) -> float:
+        """The client left before its whole answer (the 499 rule, module docstring): a
+        ``client_disconnect`` error on the worker ``label`` and the request counted 499
+        (:meth:`finished`; ``out``: the output tokens a cut stream had sent). Returns the duration, s."""
+        self.metrics.errors.labels(label, "client_disconnect").inc()
+        return self.finished(label, CLIENT_CLOSED, route, t0, rid, method, path, model, ttft, prompt, out, attempts)
+
+    def refused(self, e: RouterError, route: str, t0: float, rid: bytes = b"", method: str = "", path: str = "",
+                model: str | None = None) -> float:
+        """``e`` was answered before any worker was chosen (a bad request, an unknown model, no
+        eligible worker, admission's refusal): counted under ``none`` with ``e``'s status, no tries.
+        Returns the duration, s."""
+        return self.finished(NO_WORKER, e.status, route, t0, rid, method, path, model, attempts=0, cause=e.message)
+
+
+__all__ = ["CLIENT_CLOSED", "NO_WORKER", "ROUTES", "Admission", "Director", "OpenAdmission", "route_of"]
