@@ -35,8 +35,14 @@ to the endpoint that served. A request without the header (FailOpen with the pic
 round-robined over the pool by Envoy; a host that fails there is retried on another
 (``previous_hosts``).
 
-Upstream failures Envoy answers itself (every attempt failed, ``UF``/``URX``/``UH``/``UC``...) get an
-OpenAI-shaped JSON body (``local_reply_config``), like the picker's own errors.
+Every reply Envoy makes itself gets an OpenAI-shaped JSON body (``local_reply_config``), like the
+picker's own errors, with the router's types: upstream failures (every attempt failed,
+``UF``/``URX``/``UH``/``UC``...: ``upstream_error``), a body over the buffer limit (413,
+``invalid_request_error``), a malformed or oversized request head (400, 431), a request or idle
+timeout (408, 504: ``timeout_error``), no upstream (503: ``service_unavailable``), the picker failing
+(500, and 504 when it did not answer: ``gateway_error``). The picker's own immediate responses
+(already OpenAI-shaped; their response code details start ``dplb_epp``) are left as they are (a
+CEL filter, Envoy's ``envoy.access_loggers.filters.cel``).
 """
 from __future__ import annotations
 
@@ -115,6 +121,35 @@ def _status_is(code: int) -> dict[str, Any]:
                                                                         "runtime_key": f"dplb.local_reply.{code}"}}}}
 
 
+#: a local reply made by the picker itself (an ext_proc immediate response: details ``dplb_epp_<status>``)
+_PICKER_REPLY = {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+    "expression": "response.code_details.startsWith('dplb_epp')"}}}
+
+
+def _local_reply_mappers(s: EnvoySettings) -> list[dict[str, Any]]:
+    """``local_reply_config.mappers`` (module docstring), first match wins: the picker's own replies
+    unchanged, then Envoy's by response flag, then by status."""
+    return [
+        {"filter": _PICKER_REPLY},   # already OpenAI-shaped: no override
+        _json_reply({"response_flag_filter": {"flags": list(UPSTREAM_FLAGS)}}, "upstream_error",
+                    "%LOCAL_REPLY_BODY%"),
+        _json_reply(_status_is(413), "invalid_request_error",
+                    f"request body is larger than the gateway's limit of {s.buffer_limit_bytes} bytes"),
+        _json_reply({"or_filter": {"filters": [_status_is(400), _status_is(431)]}}, "invalid_request_error",
+                    "the gateway refused the request: %LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"),
+        _json_reply(_status_is(408), "timeout_error", "the request timed out at the gateway: %LOCAL_REPLY_BODY%"),
+        _json_reply(_status_is(503), "service_unavailable", "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"),
+        # Envoy's own 500/504 (the picker never answers either): the picker failed or timed out
+        _json_reply({"or_filter": {"filters": [_status_is(500), _status_is(504)]}}, "gateway_error",
+                    "the endpoint picker (dplb-epp) failed: %RESPONSE_CODE_DETAILS%"),
+        # anything else Envoy says itself: OpenAI-shaped too
+        _json_reply({"status_code_filter": {"comparison": {"op": "GE", "value": {
+            "default_value": 400, "runtime_key": "dplb.local_reply.any"}}}}, "gateway_error",
+            "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"),
+    ]
+
+
 def _json_reply(flt: dict[str, Any], kind: str, message: str) -> dict[str, Any]:
     """A ``local_reply_config`` mapper: Envoy's own replies matching ``flt`` get an OpenAI-shaped
     JSON body (``{"error": {"message", "type", "param", "code"}}``, :func:`router.protocol.error_body`'s shape)."""
@@ -167,13 +202,7 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
         "route_config": {"name": "dplb", "virtual_hosts": [{
             "name": "dplb", "domains": ["*"],
             "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
-        "local_reply_config": {"mappers": [
-            _json_reply({"response_flag_filter": {"flags": list(UPSTREAM_FLAGS)}}, "upstream_error",
-                        "%LOCAL_REPLY_BODY%"),
-            # Envoy's own 500/504 (the picker never answers either): the picker failed or timed out
-            _json_reply({"or_filter": {"filters": [_status_is(500), _status_is(504)]}}, "gateway_error",
-                        "the endpoint picker (dplb-epp) failed: %RESPONSE_CODE_DETAILS%"),
-        ]},
+        "local_reply_config": {"mappers": _local_reply_mappers(s)},
         "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }

@@ -543,6 +543,10 @@ class Proxy:
             # whole), so a failure here is before the first byte too (a body taken whole: nothing to read)
             ex.mid_body = True
             return up, first, first if up.whole is not None else await up.read(first)
+        except asyncio.CancelledError:
+            if up is not None:   # the client left before the first byte (queued at the engine): abort it there
+                up.release(abort=True)
+            raise
         except TransportError as e:
             att.outcome = False
             if up is None and e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)

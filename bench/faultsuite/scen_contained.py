@@ -248,6 +248,56 @@ def run_slot_frozen_mid_write(idle_s: float = 5.0, requests: int = 20) -> Result
     return res
 
 
+def _raw_chat(port: int, model: str, stream: bool, max_tokens: int) -> socket.socket:
+    """Send one chat request on a raw connection and return the connection, unread."""
+    b = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+                      "stream": stream, "ignore_eos": True})
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n" % len(b) + b)
+    return s
+
+
+def run_queued_client_leaves(stream: bool = True, timeout_s: float = 20.0) -> Result:
+    """One sim worker (``--max-num-seqs 1``) busy with a long non-streamed answer; a second request
+    (``stream``) waits in its queue; its client closes the connection. Records whether the engine
+    dropped the queued request while the long one still ran, and how many engine steps that took."""
+    import time
+
+    res = Result(f"46.6 client leaves while queued ({'streamed' if stream else 'non-streamed'})",
+                 "the client of a request waiting in the engine's queue (max_num_seqs 1, busy) closes its connection")
+    with Stack() as st:
+        a = st.agent(0, "--max-num-seqs", "1")
+        base = st.router({}, ready=1)
+        port = int(base.rsplit(":", 1)[1])
+        long = _raw_chat(port, MODEL_SIM, False, 4000)
+        try:
+            wait_for(lambda: a.engine_state()["running"] == 1, 30, "the long request running")
+            long_id = a.engine_state()["running_ids"][0]
+            q = _raw_chat(port, MODEL_SIM, stream, 50)
+            wait_for(lambda: a.engine_state()["waiting"] == 1, 30, "the second request queued")
+            queued_id = a.engine_state()["waiting_ids"][0]
+            steps0 = a.engine_state()["steps"]
+            q.close()
+            t0 = time.monotonic()
+
+            def dropped() -> bool:
+                s = a.engine_state()
+                return queued_id not in s["in_flight"] or long_id not in s["in_flight"]
+
+            wait_for(dropped, timeout_s, "the queued request dropped or the long one done", interval=0.01)
+            s = a.engine_state()
+            res.detection_s = round(time.monotonic() - t0, 3)
+            res.sent = 1
+            aborted = queued_id not in s["in_flight"] and long_id in s["running_ids"]
+            res.ok, res.lost = (1, 0) if aborted else (0, 1)
+            res.extra.update(aborted_while_queued=aborted, engine_steps_meanwhile=s["steps"] - steps0,
+                             long_still_running=long_id in s["running_ids"])
+        finally:
+            long.close()
+    return res
+
+
 def _http_ok(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200
@@ -308,4 +358,4 @@ def run_add_plain_engine(requests: int = 20) -> Result:
 
 
 __all__ = ["ACCESS_KEYS", "FORGED", "hostile_requests", "parse_access", "run_add_plain_engine", "run_log_injection",
-           "run_slot_frozen_mid_write"]
+           "run_queued_client_leaves", "run_slot_frozen_mid_write"]

@@ -187,3 +187,42 @@ def test_endpoints_file_changes_are_picked_up(gateway):
         with open(eps, "w") as fh:
             fh.write(original)
     wait_for(lambda: dead_addr in gateway.slots(), 15, "the endpoint listed again has a slot")
+
+
+def _raw_post(base: str, body: bytes) -> tuple[int, bytes, bytes]:
+    """POST ``body`` on a raw connection, sending until the server stops reading (Envoy answers a
+    body over its limit and closes while the client still sends); (status, head, body) of the answer."""
+    import socket
+
+    host, port = base.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(body))
+        try:
+            s.sendall(head)
+            for i in range(0, len(body), 1 << 16):
+                s.sendall(body[i:i + (1 << 16)])
+        except OSError:
+            pass   # the answer came first
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data or b"}}" not in data.split(b"\r\n\r\n", 1)[1]:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            pass
+    head_b, _, rest = data.partition(b"\r\n\r\n")
+    return int(head_b.split(b" ", 2)[1]), head_b.lower(), rest
+
+
+def test_envoys_own_413_for_a_large_body_is_openai_shaped_not_plain_text(gateway):
+    """Envoy's own replies (here: a body over its 16 MiB buffer) were its plain text ("Payload Too
+    Large"); now they carry the OpenAI error shape, as the picker's own replies do (the other tests
+    of this module check that those keep theirs)."""
+    body = b'{"model": "fake-model", "messages": [{"role": "user", "content": "' + b"x" * (17 << 20) + b'"}]}'
+    status, head, rest = _raw_post(gateway.envoy, body)
+    assert status == 413 and b"content-type: application/json" in head, (head, rest[:200])
+    err = orjson.loads(rest[rest.index(b"{"):rest.rindex(b"}") + 1])["error"]
+    assert err["code"] == 413 and err["type"] == "invalid_request_error" and "limit" in err["message"]
