@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.policies.tpot_slo import count_pushed, victim_rows
-from simulate.cluster import CLIENT_BOUNDS
+from simulate.settings import CLIENT_BOUNDS
 
 #: o_ref: the output length the TPOT increase is converted at (dplb's default_output_tokens)
 REFERENCE_OUTPUT_TOKENS = 256

@@ -20,8 +20,9 @@ from router import accounting
 from router.config import Config, load_config
 from router.policies import dplb
 from simulate.cli import build_parser, engine_configs
-from simulate.cluster import SimSettings, Simulation
+from simulate.cluster import Simulation
 from simulate.generators import generate
+from simulate.settings import SimSettings
 from simulate.workload import window_of
 
 

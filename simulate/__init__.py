@@ -13,6 +13,9 @@ Modules:
   for each trace line (the text ``dplb-replay`` sends, the engine's block hashes);
 * :mod:`simulate.cluster`: the event loop (:class:`~simulate.cluster.Simulation`) and its information
   model (what is published when);
+* :mod:`simulate.settings`: what a run is given (:class:`~simulate.settings.SimSettings`, the SLOs)
+  and returns (:class:`~simulate.settings.RunResult`); :mod:`simulate.virtual`: the cluster's parts
+  (virtual clock, private segment, engines with their agents, the oracle prefix index);
 * :mod:`simulate.stats`: the figures of a run (definitions, units: seconds);
 * :mod:`simulate.capacity`: goodput by bisection, fewest engines;
 * :mod:`simulate.report`: table, JSON, plots, progress bar;

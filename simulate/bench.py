@@ -13,8 +13,9 @@ import time
 
 from bench.trace import DEFAULT_TRACE
 from sim_engine.config import EngineConfig
-from simulate.cluster import SimSettings, Simulation
+from simulate.cluster import Simulation
 from simulate.report import table
+from simulate.settings import SimSettings
 from simulate.stats import summarize
 from simulate.workload import load_workload
 

@@ -13,7 +13,7 @@ serves the same tokens/s, so tokens/s alone cannot rank policies; goodput can.
   overloaded probes are cheap.
 * SLO attainment (``attainment=(slo, q)``, DistServe's goodput and ``vllm bench serve
   --goodput``'s): ``x`` passes when at least a share ``q`` of the window's requests meets the
-  per-request SLO (:class:`simulate.cluster.AttainmentSLO`; a rejected or unfinished request
+  per-request SLO (:class:`simulate.settings.AttainmentSLO`; a rejected or unfinished request
   misses). A probe stops early once more than ``(1 − q)`` of the requests have certainly missed.
 * :func:`rate_sweep`: every policy at one fixed grid of rates (``--rate-grid``), complete runs:
   the misses at each rate, their sum, and the *sustained* capacity at each Q, the highest grid
@@ -40,7 +40,7 @@ from typing import Any
 
 from bench.trace import TraceRequest
 from sim_engine.config import EngineConfig
-from simulate.cluster import SLO, AttainmentSLO, SimSettings
+from simulate.settings import SLO, AttainmentSLO, SimSettings
 from simulate.stats import attains, meets
 
 RunFn = Callable[[SimSettings], dict[str, Any]]

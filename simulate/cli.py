@@ -25,17 +25,7 @@ from router.errors import ConfigError
 from router.policies import policy_names
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
 from simulate.capacity import find_capacity, min_engines, rate_sweep, trace_rate
-from simulate.cluster import (
-    CLIENT_BOUNDS,
-    DEFAULT_ATTAINMENT,
-    DEFAULT_TPOT_S,
-    DEFAULT_TTFT_BASE_S,
-    DEFAULT_TTFT_PER_1K_S,
-    SLO,
-    AttainmentSLO,
-    SimSettings,
-    Simulation,
-)
+from simulate.cluster import Simulation
 from simulate.generators import DEFAULT_REQUESTS, WORKLOADS, describe, generate
 from simulate.report import (
     LEGEND,
@@ -47,6 +37,16 @@ from simulate.report import (
     progress_enabled,
     table,
     write_json,
+)
+from simulate.settings import (
+    CLIENT_BOUNDS,
+    DEFAULT_ATTAINMENT,
+    DEFAULT_TPOT_S,
+    DEFAULT_TTFT_BASE_S,
+    DEFAULT_TTFT_PER_1K_S,
+    SLO,
+    AttainmentSLO,
+    SimSettings,
 )
 from simulate.stats import summarize
 from simulate.workload import (

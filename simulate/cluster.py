@@ -36,20 +36,20 @@ run with ``now_override_ns``, policies and the registry get ``clock=``.
 
 What is not modelled: network and router/agent CPU time (zero), HTTP retries (the sim engine
 answers 400 only, which is never retried), probe failures, breaker trips, agent ``--max-queue``.
+
+Here: the event loop, one handler per event kind (:class:`_Run`). What a run is given and returns:
+:mod:`simulate.settings`; the cluster's parts (virtual clock, private segment, engines with their
+agents, the oracle prefix index): :mod:`simulate.virtual`.
 """
 from __future__ import annotations
 
-import atexit
 import heapq
-import os
 import random
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from bench.trace import TraceRequest
-from dplb_shm import Segment, WorkerState
+from dplb_shm import Segment
 from router.config import Config
 from router.errors import NoEligibleWorker
 from router.policies import RequestInfo, build_policy
@@ -57,10 +57,17 @@ from router.protocol import CHAT, COMPLETIONS
 from router.scheduling import Lease, Scheduler
 from router.state import learn_settings, scoring_params, ttft_params
 from router.workers import Registry
-from sim_engine.config import EngineConfig
-from sim_engine.engine import EngineCore
 from sim_engine.errors import SimEngineError
 from sim_engine.request import SimRequest
+from simulate.settings import CLIENT_BOUNDS, OK, RunResult, SimSettings
+from simulate.virtual import (
+    OracleIndex,
+    SimWorker,
+    VirtualClock,
+    private_segment,
+    release_segment,
+    start_engines,
+)
 from simulate.workload import (
     EngineHasher,
     RenderedPrompt,
@@ -68,254 +75,9 @@ from simulate.workload import (
     router_text,
     template,
 )
-from worker_agent.agent import Agent
-from worker_agent.config import AgentConfig
-from worker_agent.engines import ENGINES
 from worker_agent.metrics import EngineMetrics
 
-#: virtual time 0 is this many ns on the segment's clock (heartbeat 0 means "never written")
-OFFSET_NS = 1_000_000_000
-#: the engine kind every simulated worker's agent is (the engine table, worker_agent/engines.py):
-#: its vLLM metric names are the ones the virtual engines' counts stand for
-SIM = ENGINES["sim"]
-
 STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE = 0, 1, 2, 3
-OK = 200
-
-
-#: what a client tells the router as ``max_tokens`` for a request that will generate ``o`` tokens
-#: (``SimSettings.client_max_tokens``): the exact length (an oracle), rounded up to a power of two,
-#: four times over, or nothing
-CLIENT_BOUNDS: dict[str, Callable[[int], int | None]] = {
-    "exact": lambda o: o,
-    "pow2": lambda o: 1 << max(0, (int(o) - 1).bit_length()),
-    "x4": lambda o: 4 * int(o),
-    "none": lambda o: None,
-}
-
-
-class VirtualClock:
-    """Simulated time ``t`` (seconds); :meth:`now_ns` is the same instant on the segment's clock."""
-
-    __slots__ = ("t",)
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now_ns(self) -> int:
-        return OFFSET_NS + round(self.t * 1e9)
-
-
-@dataclass
-class SLO:
-    """Service-level objective; ``None`` = no bound. Percentiles as :func:`bench.stats.percentile`."""
-
-    ttft_p99_s: float | None = None
-    tpot_p99_s: float | None = None
-
-
-#: vLLM router's ``smetric`` policy defaults: ``smetric_ttft_slo_secs`` 1.0 and
-#: ``smetric_ttft_slo_secs_per_1k_tokens`` 0.0625 (vllm-project/router, docs/load_balancing/README.md,
-#: the SMetric section; the check is ``ttft_slo_base + ttft_slo_per_char * l`` in
-#: src/policies/smetric.rs)
-SMETRIC_TTFT_BASE_S = 1.0
-SMETRIC_TTFT_PER_1K_S = 0.0625
-#: the judging SLO's defaults. The fixed part is smetric's; the per-1k part is 0.1 s, not smetric's
-#: 0.0625 s: the engine model's prefill is quadratic in the prompt (0.0325 ms per token + 1.06 ns
-#: per attention pair), so an idle engine takes 1 + 0.092 s per 1k tokens for the longest prompt
-#: of the conversation trace (126,195 tokens: TTFT 12.6 s, measured) and more than 1 + 0.0625 s
-#: per 1k above about 79k tokens, 1.2 % of that trace, which no routing could then serve within the SLO (the
-#: attainment would stay below 0.99 at any rate). 0.1 s per 1k (a guaranteed 10k prompt tokens/s)
-#: covers every prompt up to the 131,072-token context on an idle engine. TPOT: DistServe's and
-#: ``vllm bench serve --goodput``'s usual 100 ms.
-DEFAULT_TTFT_BASE_S = SMETRIC_TTFT_BASE_S
-DEFAULT_TTFT_PER_1K_S = 0.1
-DEFAULT_TPOT_S = 0.1
-DEFAULT_ATTAINMENT = (0.99, 0.90)
-
-
-@dataclass(frozen=True)
-class AttainmentSLO:
-    """Per-request SLO (DistServe's SLO attainment, Zhong et al. OSDI'24; ``vllm bench serve
-    --goodput``): a request meets it when it was served, its TTFT ≤ ``ttft_base_s`` +
-    ``ttft_per_1k_s`` × prompt tokens / 1000 (prompt tokens = the trace's ``input_length``) and its
-    TPOT ≤ ``tpot_s`` (``None``: no TPOT bound). A request with one output token has no TPOT and is
-    judged on its TTFT alone (``benchmark_serving`` gives it TPOT 0, which passes any bound). A
-    request that was rejected (400, 503) or never finished (the run stopped early) misses."""
-
-    ttft_base_s: float = DEFAULT_TTFT_BASE_S
-    ttft_per_1k_s: float = DEFAULT_TTFT_PER_1K_S
-    tpot_s: float | None = DEFAULT_TPOT_S
-
-    def ttft_limit_s(self, prompt_tokens: int) -> float:
-        """The TTFT bound of a prompt of ``prompt_tokens`` tokens, seconds."""
-        return self.ttft_base_s + self.ttft_per_1k_s * prompt_tokens / 1000.0
-
-    def as_dict(self) -> dict[str, float | None]:
-        return {"ttft_base_s": self.ttft_base_s, "ttft_per_1k_s": self.ttft_per_1k_s, "tpot_s": self.tpot_s}
-
-
-@dataclass
-class SimSettings:
-    """One simulated run. ``engines``: one :class:`EngineConfig` per engine (heterogeneous allowed);
-    ``router``: the router's config (weights, thresholds, health interval); ``api``: what
-    ``dplb-replay`` would send (chat or completions); ``load_points``: most samples of load over
-    time kept per engine; ``abort_on``: stop as soon as this SLO is certainly missed (capacity
-    search); ``abort_below``: the same for an SLO-attainment target."""
-
-    engines: list[EngineConfig]
-    policy: str = "dplb"
-    router: Config = field(default_factory=Config)
-    state_interval_ms: int = 200
-    latency_window_s: float = 10.0
-    rate_scale: float = 1.0
-    api: str = "chat"
-    seed: int = 0
-    load_points: int = 300
-    abort_on: SLO | None = None
-    #: stop as soon as the share of requests meeting this SLO is certainly below the target
-    #: (``(slo, q)``: more than ``(1 − q)`` of the window has missed; capacity search)
-    abort_below: tuple[AttainmentSLO, float] | None = None
-    #: the prefix-aware policies see each engine's true cached prefix of the request (its KV cache
-    #: looked up with the request's block hashes at arrival) instead of the router's prefix index
-    #: (:class:`OracleIndex`; issue 29 item 2: what the index costs)
-    oracle_prefix: bool = False
-    #: factor on the latencies the agents publish (1: simulated time). A live cluster whose engines
-    #: run at ``--time-scale T`` has agents that measure wall time, T times shorter: 1/T mimics it
-    #: (``simulate.fidelity``; with state interval, latency window and health interval × T)
-    agent_latency_scale: float = 1.0
-    #: the ``max_tokens`` the router is told, of :data:`CLIENT_BOUNDS` (the engine generates the
-    #: trace's output length whatever it is): the trace's length (``exact``, an oracle; what every
-    #: run before issue 29's round 8 used), a client's looser bound or none
-    client_max_tokens: str = "exact"
-
-
-@dataclass
-class RunResult:
-    """Raw outcome of a run: per request (index = position in the window) and per engine.
-
-    Times in seconds. ``status``: 200 served, else the HTTP status the client got. ``ttft``/``e2e``/
-    ``queue``: None unless served. ``engine_stats``: per engine ``EngineCore.state()``-like counters.
-    ``load``: ``{"t": [...], "queue": [[per sample] per engine], "running": ..., "kv": ...}``.
-    """
-
-    policy: str
-    arrival: list[float]
-    status: list[int]
-    worker: list[int]
-    ttft: list[float | None]
-    e2e: list[float | None]
-    queue: list[float | None]
-    output_tokens: list[int]
-    cached_tokens: list[int]
-    prompt_tokens: list[int]
-    engine_stats: list[dict[str, Any]]
-    load: dict[str, Any]
-    end_time: float
-    aborted: bool = False
-    events: int = 0
-
-
-# ---- segments are always unlinked -----------------------------------------------------------------
-
-_LIVE_SEGMENTS: set[str] = set()
-
-
-def _unlink_leftovers() -> None:
-    for name in list(_LIVE_SEGMENTS):
-        try:
-            os.unlink(f"/dev/shm/{name}")
-        except OSError:
-            pass
-        _LIVE_SEGMENTS.discard(name)
-
-
-atexit.register(_unlink_leftovers)
-
-
-def private_segment(num_slots: int) -> Segment:
-    """A new segment with a unique name, registered for unlinking at exit as a last resort."""
-    name = f"dplb-sim-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-    seg = Segment.create(name, num_slots=num_slots)
-    _LIVE_SEGMENTS.add(name)
-    return seg
-
-
-def release_segment(seg: Segment) -> None:
-    """Close and unlink ``seg`` (idempotent)."""
-    name = seg.name
-    try:
-        if not seg.closed:
-            seg.close()
-    finally:
-        try:
-            os.unlink(f"/dev/shm/{name}")
-        except FileNotFoundError:
-            pass
-        _LIVE_SEGMENTS.discard(name)
-
-
-class _NoAdapter:
-    """The agent's engine adapter is replaced by the simulator (no process, no HTTP)."""
-
-    name = SIM.name
-    upstream = None
-    proc = None
-    log_path = ""
-
-
-class _NoGpu:
-    available = False
-
-
-# ---- the run --------------------------------------------------------------------------------------
-
-class OracleIndex:
-    """A policy's prefix index whose matches are the engines' truth (``--oracle-prefix``).
-
-    Wraps the policy's :class:`router.policies.prefix_index.PrefixIndex`: hashing, insertion, size
-    and removal go to it (so what a policy reads besides the matches, e.g. cache_aware's tree
-    sizes, is unchanged); :meth:`match` answers with :attr:`current`, set by the simulation before
-    each routing decision to ``{worker_id: characters}``, the share of the request's text equal to
-    the share of its engine prompt tokens that engine holds in its prefix cache. ``chunk_chars`` is
-    1, so :func:`router.policies.prefix_index.uncached_tokens` then gives prompt tokens minus cached
-    tokens (to rounding) and cache_aware's match rate is the cached fraction."""
-
-    chunk_chars = 1
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.current: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def hashes(self, text: str, model: str | None = None) -> list[int]:
-        return list(self.inner.hashes(text, model))
-
-    def match(self, hashes: list[int]) -> dict[int, int]:
-        return dict(self.current)
-
-    def insert(self, hashes: list[int], worker_id: int) -> None:
-        self.inner.insert(hashes, worker_id)
-
-    def size(self, worker_id: int) -> int:
-        return int(self.inner.size(worker_id))
-
-    def remove_worker(self, worker_id: int) -> None:
-        self.inner.remove_worker(worker_id)
-
-
-class _Engine:
-    __slots__ = ("agent", "core", "hasher", "k", "plan", "writer")
-
-    def __init__(self, k: int, core: EngineCore, agent: Agent, hasher: EngineHasher) -> None:
-        self.k = k
-        self.core = core
-        self.agent = agent
-        self.writer = agent.writer
-        self.hasher = hasher
-        self.plan: Any = None
 
 
 def _threshold_count(n: int, q: float = 99.0) -> int:
@@ -323,6 +85,351 @@ def _threshold_count(n: int, q: float = 99.0) -> int:
     for certain: with ``lo = floor((n-1)·q/100)`` the sorted value at ``lo`` is then above S."""
     lo = int((n - 1) * q / 100.0)
     return n - lo
+
+
+class _EarlyAbort:
+    """When a run may stop early: its p99 SLO (``SimSettings.abort_on``) certainly missed, or its
+    SLO-attainment target (``SimSettings.abort_below``) out of reach. Misses are certain at the
+    first token (TTFT over the request's bound), at the end (TPOT over the bound) or at a
+    rejection; a run stops once met <= n - misses can no longer reach q·n (the same comparison
+    :func:`simulate.stats.slo_attainment` judges by). Each method returns True when the run must
+    stop."""
+
+    __slots__ = ("att", "att_lim", "att_q", "att_tpot", "missed", "n", "n_missed", "over_needed",
+                 "over_tpot", "over_ttft", "tpot_lim", "ttft_lim")
+
+    def __init__(self, s: SimSettings, reqs: Sequence[TraceRequest]) -> None:
+        n = self.n = len(reqs)
+        slo = s.abort_on
+        self.ttft_lim = slo.ttft_p99_s if slo is not None else None
+        self.tpot_lim = slo.tpot_p99_s if slo is not None else None
+        self.over_needed = _threshold_count(n)
+        self.over_ttft = self.over_tpot = 0
+        att = self.att = s.abort_below
+        self.att_lim = [att[0].ttft_limit_s(r.input_length) for r in reqs] if att is not None else []
+        self.att_tpot = att[0].tpot_s if att is not None else None
+        self.att_q = att[1] if att is not None else 0.0
+        self.missed = bytearray(n)
+        self.n_missed = 0
+
+    def miss(self, i: int) -> bool:
+        """Count request ``i`` as missed (once); True when the target is now out of reach."""
+        if self.att is None or self.missed[i]:
+            return False
+        self.missed[i] = 1
+        self.n_missed += 1
+        return (self.n - self.n_missed) / self.n < self.att_q
+
+    def first_token(self, i: int, ft: float) -> bool:
+        """Request ``i``'s first token came ``ft`` s after its arrival."""
+        if self.ttft_lim is not None and ft > self.ttft_lim:
+            self.over_ttft += 1
+        return self.att is not None and ft > self.att_lim[i] and self.miss(i)
+
+    def finished(self, i: int, tpot: float | None) -> bool:
+        """Request ``i`` finished with a TPOT of ``tpot`` s (None: one output token)."""
+        if self.tpot_lim is not None and tpot is not None and tpot > self.tpot_lim:
+            self.over_tpot += 1
+        return self.att_tpot is not None and tpot is not None and tpot > self.att_tpot and self.miss(i)
+
+    def p99_missed(self) -> bool:
+        """The p99 SLO is certainly missed (never without ``abort_on``: the counts stay 0)."""
+        return self.over_ttft >= self.over_needed or self.over_tpot >= self.over_needed
+
+
+class _Load:
+    """Load over time (the SAMPLE event): every engine's true queue (running + waiting), running
+    count and KV usage at each sample time (an observer; nothing reads it)."""
+
+    __slots__ = ("kv", "queue", "running", "t")
+
+    def __init__(self, num_engines: int) -> None:
+        self.t: list[float] = []
+        self.queue: list[list[int]] = [[] for _ in range(num_engines)]
+        self.running: list[list[int]] = [[] for _ in range(num_engines)]
+        self.kv: list[list[float]] = [[] for _ in range(num_engines)]
+
+    def sample(self, t: float, engines: list[SimWorker]) -> None:
+        self.t.append(round(t, 3))
+        for e in engines:
+            core = e.core
+            nr = len(core.running)
+            self.queue[e.k].append(nr + len(core.waiting))
+            self.running[e.k].append(nr)
+            self.kv[e.k].append(round(core.kv.usage, 4))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "queue": self.queue, "running": self.running, "kv": self.kv}
+
+
+class _Run:
+    """One run's state between events, and one handler per event kind (the module docstring):
+    :meth:`step_end`, :meth:`agent_tick`, :meth:`router_tick`, :meth:`sample`, :meth:`arrival`;
+    :meth:`loop` pops the events in order and calls them."""
+
+    def __init__(self, reqs: list[TraceRequest], s: SimSettings,
+                 hashers: dict[tuple[int, str], EngineHasher], seg: Segment) -> None:
+        self.reqs = reqs
+        self.s = s
+        n = self.n = len(reqs)
+        rng = random.Random(s.seed)
+        self.clock = VirtualClock()
+        now_ns = self.now_ns = self.clock.now_ns
+        seg.seed(s.seed)
+        self.seg = seg
+        cfg = s.router
+        self.engines = start_engines(seg, s, hashers, now_ns)
+        self._start_router(cfg, rng)
+        self.path = CHAT if s.api == "chat" else COMPLETIONS
+        self.bound = CLIENT_BOUNDS[s.client_max_tokens]
+        self.model = s.engines[0].model
+        # per request
+        self.arr = [r.timestamp_ms / 1000.0 / s.rate_scale for r in reqs]
+        self.status = [0] * n
+        self.worker = [-1] * n
+        self.ttft: list[float | None] = [None] * n
+        self.e2e: list[float | None] = [None] * n
+        self.queue: list[float | None] = [None] * n
+        self.out_tok = [0] * n
+        self.cached = [0] * n
+        self.leases: list[Lease | None] = [None] * n
+        self.load = _Load(len(self.engines))
+        self.judge = _EarlyAbort(s, reqs)
+        self.aborted = False
+        self.done = 0
+        self.ms = 1000.0 * s.agent_latency_scale
+        self._schedule_ticks(cfg, rng)
+
+    def _start_router(self, cfg: Config, rng: random.Random) -> None:
+        """The router: its real pipeline over the segment, on the virtual clock; with
+        ``oracle_prefix`` its prefix index answers with the engines' truth (:class:`OracleIndex`)."""
+        s, seg, now_ns, clock = self.s, self.seg, self.now_ns, self.clock
+        policy = build_policy(s.policy, cfg.routing_policy, kernel=seg, params=scoring_params(cfg),
+                              ttft_params=ttft_params(cfg), rng=random.Random(rng.getrandbits(64)), clock=now_ns)
+        self.registry = Registry(seg, cfg, clock=now_ns)
+        self.registry.sync(seg.snapshot())
+        self.scheduler = Scheduler(self.registry, policy, seg, metrics=None, learn=learn_settings(cfg),
+                                   default_rate=cfg.routing_policy.prefill_tokens_per_s, clock_s=lambda: clock.t)
+        self.needs_text = bool(getattr(policy, "needs_text", True))
+        self.oracle: OracleIndex | None = None
+        self.n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
+        if s.oracle_prefix and getattr(policy, "index", None) is not None:
+            self.oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
+            policy.index = self.oracle                # type: ignore[attr-defined]
+
+    def _schedule_ticks(self, cfg: Config, rng: random.Random) -> None:
+        """The first agent ticks (each agent at a seeded phase: they start at different moments),
+        router tick and sample; the sample period is max(state interval, span / load_points)."""
+        s = self.s
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+        span = max(self.arr[-1], 1e-9)
+        self.interval = s.state_interval_ms / 1000.0
+        self.sample_dt = max(self.interval, span / max(1, s.load_points))
+        self.phase = [rng.uniform(0.0, self.interval) for _ in self.engines]
+        self.tick_no = [0] * len(self.engines)
+        for k in range(len(self.engines)):
+            self.push(self.phase[k], AGENT_TICK, k)
+        self.hc_interval = cfg.health_check.interval_ms / 1000.0
+        self.r_phase = rng.uniform(0.0, self.hc_interval)
+        self.r_tick = 0
+        self.push(self.r_phase, ROUTER_TICK, -1)
+        self.n_sample = 0
+        self.push(0.0, SAMPLE, -1)
+
+    def push(self, t: float, kind: int, k: int) -> None:
+        """Schedule an event of ``kind`` for engine ``k`` (-1: none) at ``t``."""
+        heapq.heappush(self.heap, (t, kind, self.seq, k))
+        self.seq += 1
+
+    def loop(self, progress: Callable[[int, int, float], None] | None) -> RunResult:
+        """Run every event in order (ties: step ends, agent ticks, router ticks, samples, then
+        arrivals) until every request is done or the run aborts; ``progress`` every 512 events."""
+        n, arr, heap, clock = self.n, self.arr, self.heap, self.clock
+        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample)
+        heappop = heapq.heappop
+        inf = float("inf")
+        i_next = 0
+        events = 0
+        while self.done < n:
+            ta = arr[i_next] if i_next < n else inf
+            if heap and heap[0][0] <= ta:
+                t, kind, _, k = heappop(heap)
+                clock.t = t
+                events += 1
+                handlers[kind](t, k)
+            else:
+                clock.t = ta
+                events += 1
+                self.arrival(i_next, ta)
+                i_next += 1
+            if self.aborted:
+                break
+            if progress is not None and events % 512 == 0:
+                progress(self.done, n, clock.t)
+        if progress is not None:
+            progress(self.done, n, clock.t)
+        return self.result(events)
+
+    # ---- one handler per event kind ----------------------------------------------------------------
+
+    def start_step(self, e: SimWorker, t: float) -> None:
+        """Engine ``e`` schedules its next step at ``t``: a STEP_END when it ends, in 1 ms when
+        nothing fits this instant (the live runner waits 1 ms too), none when it is idle."""
+        core = e.core
+        plan = core.schedule(t)
+        if plan.scheduled:
+            e.plan = plan
+            self.push(t + plan.duration, STEP_END, e.k)
+        elif core.has_work():
+            e.plan = False
+            self.push(t + 0.001, STEP_END, e.k)
+        else:
+            e.plan = None
+
+    def step_end(self, t: float, k: int) -> None:
+        """Engine ``k``'s step ends: its tokens reach their leases (first token, end), then the
+        next step starts unless the run aborts."""
+        e = self.engines[k]
+        plan = e.plan
+        e.plan = None
+        if plan is False:
+            self.start_step(e, t)
+            return
+        produced = e.core.complete(plan, t)
+        if produced:
+            e.writer.now_override_ns = self.now_ns()
+        leases = self.leases
+        aborted = False
+        for req in produced:
+            i = req.sink
+            n_out = len(req.output)
+            leases[i].tokens = n_out   # what the live proxy's stream meter counts
+            if n_out == 1 and self._first_token(req, i, t):
+                aborted = True
+            if req.finish_reason is not None and self._finished(e, i, n_out, t):
+                aborted = True
+        if aborted or self.judge.p99_missed():
+            self.aborted = True
+            return
+        self.start_step(e, t)
+
+    def _first_token(self, req: SimRequest, i: int, t: float) -> bool:
+        ft = t - self.arr[i]
+        self.ttft[i] = ft
+        first, lease = req.first_scheduled, self.leases[i]
+        assert first is not None and lease is not None   # scheduled and dispatched before its first token
+        self.queue[i] = first - self.arr[i]
+        self.cached[i] = req.num_cached_tokens
+        lease.first_token(now=t)
+        return self.judge.first_token(i, ft)
+
+    def _finished(self, e: SimWorker, i: int, n_out: int, t: float) -> bool:
+        total = t - self.arr[i]
+        ft, lease = self.ttft[i], self.leases[i]
+        assert ft is not None and lease is not None   # its first token came before (or with) its end
+        tpot = (total - ft) / (n_out - 1) if n_out > 1 else None
+        ms = self.ms
+        # the agent publishes latency windows from the engine's own histograms
+        e.writer.record_latency(ttft_ms=ft * ms, tpot_ms=None if tpot is None else tpot * ms, e2e_ms=total * ms)
+        lease.release(now=t)   # as the live proxy: without the output count
+        self.leases[i] = None
+        self.e2e[i] = total
+        self.out_tok[i] = n_out
+        self.status[i] = OK
+        self.done += 1
+        return self.judge.finished(i, tpot)
+
+    def agent_tick(self, t: float, k: int) -> None:
+        """Agent ``k`` publishes its engine's running / waiting / KV usage with a fresh heartbeat."""
+        e = self.engines[k]
+        core = e.core
+        e.writer.now_override_ns = self.now_ns()
+        e.agent.publish_engine(EngineMetrics(num_running=len(core.running), num_waiting=len(core.waiting),
+                                             kv_cache_usage=core.kv.usage))
+        self.tick_no[k] += 1
+        self.push(self.phase[k] + self.tick_no[k] * self.interval, AGENT_TICK, k)
+
+    def router_tick(self, t: float, k: int) -> None:
+        """The router's health tick: its registry syncs from a segment snapshot."""
+        self.registry.sync(self.seg.snapshot())
+        self.r_tick += 1
+        self.push(self.r_phase + self.r_tick * self.hc_interval, ROUTER_TICK, -1)
+
+    def sample(self, t: float, k: int) -> None:
+        """Every engine's load now (:class:`_Load`)."""
+        self.load.sample(t, self.engines)
+        self.n_sample += 1
+        self.push(self.n_sample * self.sample_dt, SAMPLE, -1)
+
+    def arrival(self, i: int, t: float) -> None:
+        """Request ``i`` arrives: the router's pipeline picks an engine (or rejects it), the engine
+        queues it (or rejects it with its HTTP status) and an idle engine starts a step."""
+        s = self.s
+        r = self.reqs[i]
+        text = router_text(r, s.api) if self.needs_text else ""
+        info = RequestInfo(self.path, self.model, True, text, router_prompt_len(r, s.api),
+                           max_tokens=self.bound(r.output_length) if r.output_length > 0 else None)
+        if self.oracle is not None:
+            self._oracle_matches(self.oracle, r, text)
+        try:
+            lease, d = self.scheduler.select(info, now=t)
+        except NoEligibleWorker as err:
+            self._rejected(i, err.status)
+            return
+        k = d.worker_id
+        e = self.engines[k]
+        self.worker[i] = k
+        e.writer.now_override_ns = self.now_ns()
+        sreq = SimRequest(str(i), RenderedPrompt(r, s.api), r.output_length, e.core.config.block_size,  # type: ignore[arg-type]
+                          sink=i, hashes=e.hasher.hashes(r))
+        try:
+            e.core.add_request(sreq, t)
+        except SimEngineError as err:
+            lease.release(now=t)
+            self._rejected(i, err.status)
+            return
+        self.leases[i] = lease
+        if e.plan is None:
+            self.start_step(e, t)
+
+    def _rejected(self, i: int, status: int) -> None:
+        self.status[i] = status
+        self.done += 1
+        if self.judge.miss(i):
+            self.aborted = True
+
+    def _oracle_matches(self, oracle: OracleIndex, r: TraceRequest, text: str) -> None:
+        """Set ``oracle.current``: per engine, the share of ``text`` its prefix cache holds."""
+        oracle.current = {}
+        by_hasher: dict[int, list[int]] = {}
+        for e in self.engines:
+            hs = by_hasher.get(id(e.hasher))
+            if hs is None:
+                hs = by_hasher[id(e.hasher)] = e.hasher.hashes(r)
+            bs = e.core.config.block_size
+            n_tok = r.input_length + self.n_template
+            hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
+            if hit and text:
+                oracle.current[e.k] = max(1, round(len(text) * hit / n_tok))
+
+    def result(self, events: int) -> RunResult:
+        """The outcome; whatever is still in flight after an abort gives its lease back."""
+        for lease in self.leases:
+            if lease is not None:
+                lease.release(now=self.clock.t)
+        stats = []
+        for e in self.engines:
+            st = e.core.stats
+            stats.append({"preemptions": st.num_preemptions, "prefix_cache_queries": st.prefix_cache_queries,
+                          "prefix_cache_hits": st.prefix_cache_hits, "steps": st.steps,
+                          "busy_time_s": st.busy_time, "generation_tokens": st.generation_tokens,
+                          "prompt_tokens": st.prompt_tokens})
+        return RunResult(policy=self.s.policy, arrival=self.arr, status=self.status, worker=self.worker,
+                         ttft=self.ttft, e2e=self.e2e, queue=self.queue, output_tokens=self.out_tok,
+                         cached_tokens=self.cached, prompt_tokens=[r.input_length for r in self.reqs],
+                         engine_stats=stats, load=self.load.as_dict(), end_time=self.clock.t,
+                         aborted=self.aborted, events=events)
 
 
 class Simulation:
@@ -345,284 +452,6 @@ class Simulation:
         few hundred events. The private segment is unlinked whatever happens."""
         seg = private_segment(len(self.s.engines))
         try:
-            return self._run(seg, progress)
+            return _Run(self.reqs, self.s, self.hashers, seg).loop(progress)
         finally:
             release_segment(seg)
-
-    def _run(self, seg: Segment, progress: Callable[[int, int, float], None] | None) -> RunResult:
-        s = self.s
-        reqs = self.reqs
-        n = len(reqs)
-        rng = random.Random(s.seed)
-        clock = VirtualClock()
-        now_ns = clock.now_ns
-        seg.seed(s.seed)
-        cfg = s.router
-        # agents: claim their slots, READY, first publication at t = 0
-        engines: list[_Engine] = []
-        for k, ecfg in enumerate(s.engines):
-            core = EngineCore(ecfg)
-            acfg = AgentConfig(worker_id=k, shm=seg.name, uds=f"/sim/agent-{k}.sock", engine=SIM.name,
-                               model=ecfg.model, state_interval_ms=s.state_interval_ms,
-                               max_num_seqs=ecfg.max_num_seqs, latency_window_s=s.latency_window_s)
-            agent = Agent(acfg, adapter=_NoAdapter(), segment=seg, nvml=_NoGpu())  # type: ignore[arg-type]
-            agent.writer.now_override_ns = now_ns()
-            agent.writer.claim(worker_id=k, pid=os.getpid(), endpoint=acfg.uds, gpu_ids=[], weight=1.0,
-                               model=ecfg.model, max_num_seqs=ecfg.max_num_seqs)
-            agent.state = WorkerState.READY
-            agent.writer.set_state(WorkerState.READY)
-            agent.publish_engine(EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0))
-            key = (ecfg.block_size, s.api)
-            if key not in self.hashers:
-                self.hashers[key] = EngineHasher(ecfg.block_size, s.api)
-            engines.append(_Engine(k, core, agent, self.hashers[key]))
-        # the router: its real pipeline over that segment, on the virtual clock
-        policy = build_policy(s.policy, cfg.routing_policy, kernel=seg, params=scoring_params(cfg),
-                              ttft_params=ttft_params(cfg), rng=random.Random(rng.getrandbits(64)), clock=now_ns)
-        registry = Registry(seg, cfg, clock=now_ns)
-        registry.sync(seg.snapshot())
-        scheduler = Scheduler(registry, policy, seg, metrics=None, learn=learn_settings(cfg),
-                              default_rate=cfg.routing_policy.prefill_tokens_per_s, clock_s=lambda: clock.t)
-        needs_text = bool(getattr(policy, "needs_text", True))
-        oracle: OracleIndex | None = None
-        n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
-        if s.oracle_prefix and getattr(policy, "index", None) is not None:
-            oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
-            policy.index = oracle                # type: ignore[attr-defined]
-        path = CHAT if s.api == "chat" else COMPLETIONS
-        bound = CLIENT_BOUNDS[s.client_max_tokens]
-        model = s.engines[0].model
-
-        # per request
-        arr = [r.timestamp_ms / 1000.0 / s.rate_scale for r in reqs]
-        status = [0] * n
-        worker = [-1] * n
-        ttft: list[float | None] = [None] * n
-        e2e: list[float | None] = [None] * n
-        queue: list[float | None] = [None] * n
-        out_tok = [0] * n
-        cached = [0] * n
-        prompt_tok = [r.input_length for r in reqs]
-        leases: list[Lease | None] = [None] * n
-
-        # load over time: every engine's true queue, sampled every `sample_dt` (a SAMPLE event)
-        span = max(arr[-1], 1e-9)
-        interval = s.state_interval_ms / 1000.0
-        sample_dt = max(interval, span / max(1, s.load_points))
-        load_t: list[float] = []
-        load_q: list[list[int]] = [[] for _ in engines]
-        load_r: list[list[int]] = [[] for _ in engines]
-        load_kv: list[list[float]] = [[] for _ in engines]
-
-        # SLO early abort
-        slo = s.abort_on
-        ttft_lim = slo.ttft_p99_s if slo is not None else None
-        tpot_lim = slo.tpot_p99_s if slo is not None else None
-        over_needed = _threshold_count(n)
-        over_ttft = over_tpot = 0
-        aborted = False
-        # SLO-attainment early abort: misses are certain at the first token (TTFT over the request's
-        # bound), at the end (TPOT over the bound) or at a rejection; stop once met <= n - misses
-        # can no longer reach q·n (the same comparison simulate.stats.slo_attainment judges by)
-        att = s.abort_below
-        att_lim = [att[0].ttft_limit_s(r.input_length) for r in reqs] if att is not None else []
-        att_tpot = att[0].tpot_s if att is not None else None
-        att_q = att[1] if att is not None else 0.0
-        missed = bytearray(n)
-        n_missed = 0
-
-        def miss(i: int) -> bool:
-            """Count request ``i`` as missed (once); True when the target is now out of reach."""
-            nonlocal n_missed
-            if att is None or missed[i]:
-                return False
-            missed[i] = 1
-            n_missed += 1
-            return (n - n_missed) / n < att_q
-
-        heap: list[tuple[float, int, int, int]] = []
-        seq = 0
-        phase = [rng.uniform(0.0, interval) for _ in engines]   # agents start at different moments
-        tick_no = [0] * len(engines)
-        for k in range(len(engines)):
-            heapq.heappush(heap, (phase[k], AGENT_TICK, seq, k))
-            seq += 1
-        hc_interval = cfg.health_check.interval_ms / 1000.0
-        r_phase = rng.uniform(0.0, hc_interval)
-        r_tick = 0
-        heapq.heappush(heap, (r_phase, ROUTER_TICK, seq, -1))
-        seq += 1
-        n_sample = 0
-        heapq.heappush(heap, (0.0, SAMPLE, seq, -1))
-        seq += 1
-
-        def start_step(e: _Engine, t: float) -> None:
-            nonlocal seq
-            core = e.core
-            plan = core.schedule(t)
-            if plan.scheduled:
-                e.plan = plan
-                heapq.heappush(heap, (t + plan.duration, STEP_END, seq, e.k))
-                seq += 1
-            elif core.has_work():  # nothing fits this instant (the live runner waits 1 ms too)
-                e.plan = False
-                heapq.heappush(heap, (t + 0.001, STEP_END, seq, e.k))
-                seq += 1
-            else:
-                e.plan = None
-
-        ms = 1000.0 * s.agent_latency_scale
-        done = 0
-        i_next = 0
-        events = 0
-        inf = float("inf")
-        heappop = heapq.heappop
-        while done < n:
-            ta = arr[i_next] if i_next < n else inf
-            if heap and heap[0][0] <= ta:
-                t, kind, _, k = heappop(heap)
-                clock.t = t
-                events += 1
-                if kind == STEP_END:
-                    e = engines[k]
-                    plan = e.plan
-                    e.plan = None
-                    if plan is False:
-                        start_step(e, t)
-                        continue
-                    produced = e.core.complete(plan, t)
-                    if produced:
-                        e.writer.now_override_ns = now_ns()
-                    for req in produced:
-                        i = req.sink
-                        n_out = len(req.output)
-                        lease = leases[i]
-                        lease.tokens = n_out   # what the live proxy's stream meter counts
-                        if n_out == 1:
-                            ft = t - arr[i]
-                            ttft[i] = ft
-                            queue[i] = req.first_scheduled - arr[i]
-                            cached[i] = req.num_cached_tokens
-                            lease.first_token(now=t)
-                            if ttft_lim is not None and ft > ttft_lim:
-                                over_ttft += 1
-                            if att is not None and ft > att_lim[i] and miss(i):
-                                aborted = True
-                        if req.finish_reason is not None:
-                            total = t - arr[i]
-                            ft = ttft[i]
-                            tpot = (total - ft) / (n_out - 1) if n_out > 1 else None
-                            # the agent publishes latency windows from the engine's own histograms
-                            e.writer.record_latency(ttft_ms=ft * ms, tpot_ms=None if tpot is None else tpot * ms,
-                                                    e2e_ms=total * ms)
-                            lease.release(now=t)   # as the live proxy: without the output count
-                            leases[i] = None
-                            e2e[i] = total
-                            out_tok[i] = n_out
-                            status[i] = OK
-                            done += 1
-                            if tpot_lim is not None and tpot is not None and tpot > tpot_lim:
-                                over_tpot += 1
-                            if (att_tpot is not None and tpot is not None and tpot > att_tpot
-                                    and miss(i)):
-                                aborted = True
-                    if over_ttft >= over_needed or over_tpot >= over_needed:  # 0 unless an SLO is set
-                        aborted = True
-                    if aborted:
-                        break
-                    start_step(e, t)
-                elif kind == AGENT_TICK:
-                    e = engines[k]
-                    core = e.core
-                    e.writer.now_override_ns = now_ns()
-                    e.agent.publish_engine(EngineMetrics(num_running=len(core.running),
-                                                          num_waiting=len(core.waiting),
-                                                          kv_cache_usage=core.kv.usage))
-                    tick_no[k] += 1
-                    heapq.heappush(heap, (phase[k] + tick_no[k] * interval, AGENT_TICK, seq, k))
-                    seq += 1
-                elif kind == ROUTER_TICK:
-                    registry.sync(seg.snapshot())
-                    r_tick += 1
-                    heapq.heappush(heap, (r_phase + r_tick * hc_interval, ROUTER_TICK, seq, -1))
-                    seq += 1
-                else:  # SAMPLE
-                    load_t.append(round(t, 3))
-                    for e in engines:
-                        core = e.core
-                        nr = len(core.running)
-                        load_q[e.k].append(nr + len(core.waiting))
-                        load_r[e.k].append(nr)
-                        load_kv[e.k].append(round(core.kv.usage, 4))
-                    n_sample += 1
-                    heapq.heappush(heap, (n_sample * sample_dt, SAMPLE, seq, -1))
-                    seq += 1
-            else:
-                i = i_next
-                i_next += 1
-                t = ta
-                clock.t = t
-                events += 1
-                r = reqs[i]
-                text = router_text(r, s.api) if needs_text else ""
-                info = RequestInfo(path, model, True, text, router_prompt_len(r, s.api),
-                                   max_tokens=bound(r.output_length) if r.output_length > 0 else None)
-                if oracle is not None:
-                    oracle.current = {}
-                    by_hasher: dict[int, list[int]] = {}
-                    for e in engines:
-                        hs = by_hasher.get(id(e.hasher))
-                        if hs is None:
-                            hs = by_hasher[id(e.hasher)] = e.hasher.hashes(r)
-                        bs = e.core.config.block_size
-                        n_tok = r.input_length + n_template
-                        hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
-                        if hit and text:
-                            oracle.current[e.k] = max(1, round(len(text) * hit / n_tok))
-                try:
-                    lease, d = scheduler.select(info, now=t)
-                except NoEligibleWorker as err:
-                    status[i] = err.status
-                    done += 1
-                    if miss(i):
-                        aborted = True
-                        break
-                    continue
-                k = d.worker_id
-                e = engines[k]
-                worker[i] = k
-                e.writer.now_override_ns = now_ns()
-                sreq = SimRequest(str(i), RenderedPrompt(r, s.api), r.output_length, e.core.config.block_size,  # type: ignore[arg-type]
-                                  sink=i, hashes=e.hasher.hashes(r))
-                try:
-                    e.core.add_request(sreq, t)
-                except SimEngineError as err:
-                    status[i] = err.status
-                    lease.release(now=t)
-                    done += 1
-                    if miss(i):
-                        aborted = True
-                        break
-                    continue
-                leases[i] = lease
-                if e.plan is None:
-                    start_step(e, t)
-            if progress is not None and events % 512 == 0:
-                progress(done, n, clock.t)
-        if progress is not None:
-            progress(done, n, clock.t)
-        # whatever is still in flight after an abort gives its lease back
-        for lease in leases:
-            if lease is not None:
-                lease.release(now=clock.t)
-        load = {"t": load_t, "queue": load_q, "running": load_r, "kv": load_kv}
-        stats = []
-        for e in engines:
-            st = e.core.stats
-            stats.append({"preemptions": st.num_preemptions, "prefix_cache_queries": st.prefix_cache_queries,
-                          "prefix_cache_hits": st.prefix_cache_hits, "steps": st.steps,
-                          "busy_time_s": st.busy_time, "generation_tokens": st.generation_tokens,
-                          "prompt_tokens": st.prompt_tokens})
-        return RunResult(policy=s.policy, arrival=arr, status=status, worker=worker, ttft=ttft, e2e=e2e,
-                         queue=queue, output_tokens=out_tok, cached_tokens=cached, prompt_tokens=prompt_tok,
-                         engine_stats=stats, load=load, end_time=clock.t, aborted=aborted, events=events)

@@ -38,7 +38,8 @@ from bench.systems import SystemSpec, start_system, stop_system
 from bench.trace import DEFAULT_TRACE, TraceRequest
 from router.config import Config
 from sim_engine.config import EngineConfig
-from simulate.cluster import SimSettings, Simulation
+from simulate.cluster import Simulation
+from simulate.settings import SimSettings
 from simulate.stats import summarize
 from simulate.workload import load_workload
 

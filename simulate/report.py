@@ -100,7 +100,7 @@ def grid_table(rows: Sequence[dict[str, Any]], qs: Sequence[str]) -> str:
 
 def attainment_line(rows: Sequence[dict[str, Any]], slo: Any) -> str:
     """One line: each policy's SLO attainment in the table's runs (share of requests meeting ``slo``,
-    an :class:`simulate.cluster.AttainmentSLO`)."""
+    an :class:`simulate.settings.AttainmentSLO`)."""
     tpot = f", TPOT <= {slo.tpot_s:g} s" if slo.tpot_s is not None else ""
     parts = ", ".join(f"{r['policy']} {r['slo_attainment']['attainment']:.4f}" for r in rows)
     return (f"SLO attainment (per request TTFT <= {slo.ttft_base_s:g} s + {slo.ttft_per_1k_s:g} s/1k prompt "

@@ -15,7 +15,7 @@ Definitions (the same as ``dplb-replay`` and ``bench/``, see :mod:`bench.stats`)
 * rejected: requests answered with an error, by HTTP status (400: longer than the context or the
   whole KV cache, as the engine answers; 503: no worker eligible);
 * ``slo_attainment`` (:func:`slo_attainment`): the share of the window's requests that meet a
-  per-request SLO (:class:`simulate.cluster.AttainmentSLO`: TTFT ≤ base + per-1k × prompt tokens
+  per-request SLO (:class:`simulate.settings.AttainmentSLO`: TTFT ≤ base + per-1k × prompt tokens
   / 1000 and TPOT ≤ bound); the denominator is every request of the window, so a rejected request
   or one left unfinished by an early stop is a miss.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from bench.stats import percentile
-from simulate.cluster import OK, AttainmentSLO, RunResult
+from simulate.settings import OK, AttainmentSLO, RunResult
 
 
 def _r(x: float | None, nd: int = 6) -> float | None:
@@ -36,7 +36,7 @@ def _pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
 
 
 def slo_attainment(res: RunResult, slo: AttainmentSLO) -> dict[str, Any]:
-    """The share of ``res``'s requests meeting ``slo`` (see :class:`~simulate.cluster.AttainmentSLO`).
+    """The share of ``res``'s requests meeting ``slo`` (see :class:`~simulate.settings.AttainmentSLO`).
 
     Returns ``attainment`` (met / requests, rounded to 6 decimals), ``met``, ``requests`` and the
     misses by first cause:
@@ -83,7 +83,7 @@ def attains(fig: dict[str, Any], q: float) -> bool:
 def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) -> dict[str, Any]:
     """The figures of ``res`` as a JSON-ready dict (see the module docstring for each one);
     ``slo``: the per-request SLO of the ``slo_attainment`` figure (default: the judging SLO's
-    defaults, :class:`~simulate.cluster.AttainmentSLO`)."""
+    defaults, :class:`~simulate.settings.AttainmentSLO`)."""
     served = [i for i, s in enumerate(res.status) if s == OK]
     # a served request has all three times
     ttft = cast(list[float], [res.ttft[i] for i in served])

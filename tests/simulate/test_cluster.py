@@ -15,8 +15,10 @@ from router.config import Config
 from router.policies import policy_names
 from sim_engine.config import EngineConfig
 from simulate import cluster as cl
+from simulate import virtual
 from simulate.capacity import find_capacity, min_engines
-from simulate.cluster import SLO, SimSettings, Simulation
+from simulate.cluster import Simulation
+from simulate.settings import SLO, SimSettings
 from simulate.stats import summarize
 from simulate.workload import load_workload
 from tests.helpers import ROOT, TRACE
@@ -145,7 +147,7 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
     """What the router reads of running / waiting / KV usage is what the agent published at its
     last tick (stale in between), while the agent's in-flight count is current at every decision."""
     published: dict[int, list[tuple[int, tuple]]] = {}
-    real_publish = cl.Agent.publish_engine
+    real_publish = virtual.Agent.publish_engine
 
     def publish(self, m):
         published.setdefault(self.worker_id, []).append(
@@ -157,14 +159,14 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
 
     def select(self, req, exclude=frozenset(), now=None):
         now_s = now
-        now = cl.OFFSET_NS + round(now_s * 1e9)
+        now = virtual.OFFSET_NS + round(now_s * 1e9)
         i = sum(1 for x in seen if x[1] == 0)   # decisions so far = index of this request
         for s in self.seg.snapshot():
             seen.append((now, s.worker_id, (s.num_running, s.num_waiting, round(s.kv_cache_usage, 9)),
                          s.router_inflight, i))
         return real_select(self, req, exclude, now=now_s)
 
-    monkeypatch.setattr(cl.Agent, "publish_engine", publish)
+    monkeypatch.setattr(virtual.Agent, "publish_engine", publish)
     monkeypatch.setattr(cl.Scheduler, "select", select)
     reqs = load_workload(TRACE, requests=120)
     res, _ = _run(reqs, "dplb", 3, rate_scale=4, state_interval_ms=500)
@@ -174,7 +176,7 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
         assert fields == last
         # the router's own count (router line) moves with every dispatch and finish, between ticks
         # too: requests routed before this one (index < i) to this worker and not finished yet
-        t_now = (now - cl.OFFSET_NS) / 1e9
+        t_now = (now - virtual.OFFSET_NS) / 1e9
         true_inflight = sum(1 for j in range(i) if res.worker[j] == wid and
                             res.arrival[j] + res.e2e[j] > t_now + 1e-9)
         assert inflight == true_inflight

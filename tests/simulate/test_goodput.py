@@ -15,7 +15,8 @@ from sim_engine.config import EngineConfig
 from simulate import cluster as cl
 from simulate.capacity import find_capacity, min_engines, rate_sweep
 from simulate.cli import main
-from simulate.cluster import OK, SLO, AttainmentSLO, RunResult, SimSettings, Simulation
+from simulate.cluster import Simulation
+from simulate.settings import OK, SLO, AttainmentSLO, RunResult, SimSettings
 from simulate.stats import attains, slo_attainment, summarize
 from simulate.workload import router_text, spread_arrivals
 

@@ -48,6 +48,6 @@ def test_each_adapter_is_its_row(tmp_path, name):
 
 
 def test_the_simulator_runs_the_sim_kind():
-    from simulate.cluster import SIM, _NoAdapter
+    from simulate.virtual import SIM, _NoAdapter
 
     assert SIM is ENGINES["sim"] and _NoAdapter.name == "sim"
