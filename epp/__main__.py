@@ -22,10 +22,14 @@ import os
 import signal
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from router.config import load_config
 from router.errors import ConfigError
 from router.policies import policy_names
+
+if TYPE_CHECKING:
+    from epp.kube import PoolWatcher
 
 BODY_MODES = {"BUFFERED": 2, "FULL_DUPLEX_STREAMED": 4}
 RESPONSE_BODY_MODES = {"STREAMED": 1, "FULL_DUPLEX_STREAMED": 4, "NONE": 0}
@@ -136,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(_run(args, cfg, kube))
 
 
-async def _run(args: argparse.Namespace, cfg: object, kube: object = None) -> int:
+async def _run(args: argparse.Namespace, cfg: object, kube: PoolWatcher | None = None) -> int:
     from dplb_shm import Segment
-    from epp.server import Picker, serve
+    from epp.picker import Picker
+    from epp.server import serve
     from router.config import Config
     from router.state import remove_state_dir
 

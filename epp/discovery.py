@@ -25,11 +25,14 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
 from router.mirror import MirrorManager, engine_metrics
+
+if TYPE_CHECKING:
+    from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.epp.discovery")
 
@@ -38,7 +41,7 @@ class EndpointsFileError(ValueError):
     """An endpoints file that cannot be used; the message names the file and the entry."""
 
 
-def parse_address(addr: Any, where: str) -> str:
+def parse_address(addr: object, where: str) -> str:
     """``host:port`` (IPv6 in brackets) checked and returned as given; raises
     :class:`EndpointsFileError` naming
     ``where`` for anything else (Unix sockets included: Envoy's ORIGINAL_DST routes to IP:port)."""
@@ -52,14 +55,14 @@ def parse_address(addr: Any, where: str) -> str:
     return addr
 
 
-def load_endpoints(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+def load_endpoints(path: str | os.PathLike[str]) -> dict[str, MirrorSpec]:
     """The endpoints of file ``path``: address → ``{"model": str, "weight": float}`` (in file
     order). Raises :class:`EndpointsFileError` naming the entry (bad YAML, a missing or malformed address, a
     duplicate, a weight that is not a positive number) and OSError when unreadable."""
     return parse_endpoints(Path(path).read_text(), path)
 
 
-def parse_endpoints(text: str, path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+def parse_endpoints(text: str, path: str | os.PathLike[str]) -> dict[str, MirrorSpec]:
     """:func:`load_endpoints` of the file's text (``path`` names it in errors)."""
     try:
         raw = yaml.safe_load(text)
@@ -73,7 +76,7 @@ def parse_endpoints(text: str, path: str | os.PathLike[str]) -> dict[str, dict[s
         raw = []
     if not isinstance(raw, list):
         raise EndpointsFileError(f"{path}: expected a list of endpoints (or 'endpoints: [...]')")
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, MirrorSpec] = {}
     for i, ent in enumerate(raw):
         where = f"{path}: endpoints[{i}]"
         if not isinstance(ent, dict):
@@ -101,7 +104,7 @@ class EndpointsFile:
         self._raw: bytes | None = None     # the bytes last read; None after a failed read
         self._unreadable = False
 
-    def poll(self) -> dict[str, dict[str, Any]] | None:
+    def poll(self) -> dict[str, MirrorSpec] | None:
         """Re-read the file if it changed; None when unchanged, missing or invalid (logged once
         per change; the previous list stays in force)."""
         try:

@@ -58,7 +58,7 @@ NAMESPACE = "envoy.lb"
 BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
 #: response body modes: every chunk to the picker and back (``STREAMED``), streamed both ways
 #: (``FULL_DUPLEX_STREAMED``: the picker sends each chunk back itself), or none (``NONE``: the
-#: response head and the stream's end only; see :mod:`epp.server` for what the lease loses)
+#: response head and the stream's end only; see :mod:`epp.stream` for what the lease loses)
 RESPONSE_BODY_MODES = ("STREAMED", "FULL_DUPLEX_STREAMED", "NONE")
 POOL_CLUSTER = "dplb_pool"
 #: Envoy's response flags for an upstream that failed before answering (local reply bodies)

@@ -42,10 +42,23 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+    from urllib3 import HTTPResponse
+
+    from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.epp.kube")
+
+# Any: a Kubernetes object as the API server's JSON gives it (a pod, an InferencePool, a watch
+# event's object), read with .get() at every level; the one explicit Any of epp/
+KubeObject = dict[str, Any]
+#: a pool's selector and target ports (:func:`pool_spec`)
+PoolSpec = tuple[dict[str, str], list[int]]
 
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 MODEL_KEY, WEIGHT_KEY = "dplb.io/model", "dplb.io/weight"
@@ -56,7 +69,7 @@ class Gone(Exception):
     """The API server answered 410 Gone (or an ERROR event): re-list."""
 
 
-def pod_ready(pod: dict[str, Any]) -> bool:
+def pod_ready(pod: KubeObject) -> bool:
     """True for a pod whose condition Ready is True, with a pod IP, not terminating."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     if meta.get("deletionTimestamp") or not status.get("podIP"):
@@ -64,14 +77,14 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def selects(match_labels: dict[str, str], pod: dict[str, Any]) -> bool:
+def selects(match_labels: dict[str, str], pod: KubeObject) -> bool:
     """True when ``pod``'s labels contain every ``match_labels`` pair (an empty selector selects none,
     so a pool without a selector routes nowhere rather than to every pod of the namespace)."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
     return bool(match_labels) and all(labels.get(k) == v for k, v in match_labels.items())
 
 
-def pool_spec(pool: dict[str, Any]) -> tuple[dict[str, str], list[int]]:
+def pool_spec(pool: KubeObject) -> PoolSpec:
     """``(matchLabels, target port numbers)`` of an InferencePool object; raises ValueError for a
     pool without matchLabels or with 0 or more than 8 valid ports."""
     spec = pool.get("spec") or {}
@@ -88,7 +101,7 @@ def pool_spec(pool: dict[str, Any]) -> tuple[dict[str, str], list[int]]:
     return {str(k): str(v) for k, v in ml.items()}, ports
 
 
-def pod_endpoints(pod: dict[str, Any], ports: list[int]) -> dict[str, dict[str, Any]]:
+def pod_endpoints(pod: KubeObject, ports: list[int]) -> dict[str, MirrorSpec]:
     """The endpoints of one Ready pod: ``ip:port`` for each target port → ``{"model", "weight"}``."""
     meta = pod.get("metadata") or {}
     ann, labels = meta.get("annotations") or {}, meta.get("labels") or {}
@@ -121,7 +134,7 @@ def default_namespace(kubeconfig: str | None) -> str:
         return "default"
 
 
-def api_client(kubeconfig: str | None) -> Any:
+def api_client(kubeconfig: str | None) -> ApiClient:
     """A ``kubernetes.client.ApiClient`` from ``kubeconfig``, or the in-cluster config when None
     (raises ``kubernetes.config.ConfigException`` when neither is usable)."""
     from kubernetes import client, config
@@ -138,7 +151,7 @@ class PoolWatcher:
     two watch threads. ``resync_s``: the period of the full re-list (s); ``watch_timeout_s``: the
     server-side length of one watch (s); ``backoff_s``: the wait after a failed request (s)."""
 
-    def __init__(self, pool: str, namespace: str, api: Any, resync_s: float = 300.0,
+    def __init__(self, pool: str, namespace: str, api: ApiClient, resync_s: float = 300.0,
                  watch_timeout_s: int = 60, backoff_s: float = 1.0) -> None:
         from kubernetes import client
 
@@ -146,14 +159,14 @@ class PoolWatcher:
         self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
         self.resync_s, self.watch_timeout_s, self.backoff_s = resync_s, watch_timeout_s, backoff_s
         self._lock = threading.Lock()
-        self._spec: tuple[dict[str, str], list[int]] | None = None
-        self._pods: dict[str, dict[str, Any]] = {}
+        self._spec: PoolSpec | None = None
+        self._pods: dict[str, KubeObject] = {}
         self._version = 0          # bumped on every change of the endpoints
         self._polled = -1
         self._stop = threading.Event()
         self._reselect = threading.Event()
-        self._pod_resp: Any = None
-        self._pool_resp: Any = None
+        self._pod_resp: HTTPResponse | None = None
+        self._pool_resp: HTTPResponse | None = None
         self.relists = 0           # pod lists done (tests and logs)
         self._threads = [threading.Thread(target=self._loop, args=(self._pool_round,), daemon=True, name="epp-kube-pool"),
                          threading.Thread(target=self._loop, args=(self._pod_round,), daemon=True, name="epp-kube-pods")]
@@ -174,12 +187,12 @@ class PoolWatcher:
             if t.ident is not None:
                 t.join(timeout_s)
 
-    def endpoints(self) -> dict[str, dict[str, Any]]:
+    def endpoints(self) -> dict[str, MirrorSpec]:
         """The current endpoints: address → ``{"model", "weight"}`` (empty without a valid pool)."""
         with self._lock:
             return self._endpoints_locked()
 
-    def poll(self) -> dict[str, dict[str, Any]] | None:
+    def poll(self) -> dict[str, MirrorSpec] | None:
         """The endpoints when they changed since the last call, else None (the endpoints file's
         interface)."""
         with self._lock:
@@ -189,18 +202,18 @@ class PoolWatcher:
             return self._endpoints_locked()
 
     # ---- state ----
-    def _endpoints_locked(self) -> dict[str, dict[str, Any]]:
+    def _endpoints_locked(self) -> dict[str, MirrorSpec]:
         if self._spec is None:
             return {}
         ml, ports = self._spec
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, MirrorSpec] = {}
         for pod in self._pods.values():
             if selects(ml, pod) and pod_ready(pod):
                 out.update(pod_endpoints(pod, ports))
         return out
 
-    def _set(self, spec: Any = False, pods: dict[str, dict[str, Any]] | None = None,
-             event: tuple[str, dict[str, Any]] | None = None) -> None:
+    def _set(self, spec: PoolSpec | None | Literal[False] = False, pods: dict[str, KubeObject] | None = None,
+             event: tuple[str, KubeObject] | None = None) -> None:
         with self._lock:
             before = self._endpoints_locked()
             if spec is not False:
@@ -220,7 +233,7 @@ class PoolWatcher:
                 log.info("pool %s/%s: %d endpoint(s)", self.namespace, self.pool, len(after))
 
     # ---- the watch loops ----
-    def _loop(self, round_fn: Any) -> None:
+    def _loop(self, round_fn: Callable[[], None]) -> None:
         while not self._stop.is_set():
             try:
                 round_fn()
@@ -230,7 +243,7 @@ class PoolWatcher:
                 log.warning("pool %s/%s: %s (retrying in %.1fs)", self.namespace, self.pool, e, self.backoff_s)
                 self._stop.wait(self.backoff_s)
 
-    def _cut(self, resp: Any = None) -> None:
+    def _cut(self, resp: HTTPResponse | None = None) -> None:
         """Shut the open pod watch's connection (or ``resp``'s), ending its blocked read.
 
         The watch thread may close or release the response at any moment (its stream ended, a
@@ -244,19 +257,20 @@ class PoolWatcher:
             except (OSError, ValueError, RuntimeError):
                 log.debug("cutting the watch", exc_info=True)
 
-    def _stream(self, fn: Any, rv: str, **kw: Any) -> Any:
-        """Yield ``(type, object, resourceVersion)`` of a watch from ``rv``; raises :class:`Gone`."""
+    def _stream(self, fn: Callable[[str], object], rv: str,
+                pods: bool) -> Iterator[tuple[str | None, KubeObject, str]]:
+        """Yield ``(type, object, resourceVersion)`` of a watch from ``rv`` (``fn(rv)`` opens it:
+        the pods' when ``pods``, else the pool's); raises :class:`Gone`."""
         from kubernetes.client.rest import ApiException
         from kubernetes.watch.watch import iter_resp_lines
 
         try:
-            resp = fn(self.namespace, watch=True, resource_version=rv, timeout_seconds=self.watch_timeout_s,
-                      allow_watch_bookmarks=True, _preload_content=False, **kw)
+            # with _preload_content=False the client hands over the raw urllib3 response
+            resp = cast("HTTPResponse", fn(rv))
         except ApiException as e:
             if e.status == 410:
                 raise Gone() from None
             raise
-        pods = fn == self.core.list_namespaced_pod
         if pods:
             self._pod_resp = resp
             if self._reselect.is_set():
@@ -299,12 +313,14 @@ class PoolWatcher:
         rv = body.get("metadata", {}).get("resourceVersion", "")
         deadline = time.monotonic() + self.resync_s
 
-        def watch_pool(ns: str, **kw: Any) -> Any:
-            return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, **kw)
+        def watch_pool(rv: str) -> object:
+            return self.custom.list_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, field_selector=fsel, watch=True, resource_version=rv,
+                timeout_seconds=self.watch_timeout_s, allow_watch_bookmarks=True, _preload_content=False)
 
         try:
             while not self._stop.is_set() and time.monotonic() < deadline:
-                for kind, obj, new_rv in self._stream(watch_pool, rv, field_selector=fsel):
+                for kind, obj, new_rv in self._stream(watch_pool, rv, pods=False):
                     rv = new_rv
                     if kind == "BOOKMARK":
                         continue
@@ -312,7 +328,7 @@ class PoolWatcher:
         except Gone:
             log.info("pool %s/%s: watch expired (410 Gone), re-listing", self.namespace, self.pool)
 
-    def _apply_pool(self, items: list[dict[str, Any]]) -> None:
+    def _apply_pool(self, items: list[KubeObject]) -> None:
         spec = None
         for it in items:
             if (it.get("metadata") or {}).get("name") == self.pool:
@@ -346,9 +362,15 @@ class PoolWatcher:
         self._set(pods={(p.get("metadata") or {}).get("name", ""): p for p in body.get("items") or []})
         rv = body.get("metadata", {}).get("resourceVersion", "")
         deadline = time.monotonic() + self.resync_s
+
+        def watch_pods(rv: str) -> object:
+            return self.core.list_namespaced_pod(
+                self.namespace, label_selector=lsel, watch=True, resource_version=rv,
+                timeout_seconds=self.watch_timeout_s, allow_watch_bookmarks=True, _preload_content=False)
+
         try:
             while not self._stop.is_set() and not self._reselect.is_set() and time.monotonic() < deadline:
-                for kind, obj, new_rv in self._stream(self.core.list_namespaced_pod, rv, label_selector=lsel):
+                for kind, obj, new_rv in self._stream(watch_pods, rv, pods=True):
                     rv = new_rv
                     if kind in ("ADDED", "MODIFIED", "DELETED"):
                         self._set(event=(kind, obj))

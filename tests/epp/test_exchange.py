@@ -10,7 +10,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.envoy import HEADER, SERVED
-from epp.server import CHUNK, Exchange, Picker
+from epp.picker import Picker
+from epp.stream import CHUNK, Exchange
 from router.config import Config
 from tests.helpers import metric
 

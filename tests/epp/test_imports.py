@@ -1,6 +1,7 @@
 """The endpoint picker holds the router's state without the HTTP router's web framework: importing
-:mod:`epp.server` (and through it :mod:`router.state`, the scheduler, the proxy's request parser)
-loads neither FastAPI nor Starlette (issue 28: the router's state out of the FastAPI assembly)."""
+:mod:`epp.server` (and through it :mod:`router.state`, the scheduler, request control) loads
+neither FastAPI nor Starlette; nor, for the picker and its stream, the HTTP proxy or uvicorn
+(a fresh interpreter's ``sys.modules``; tests/epp/test_picker_imports.py reads the same from the source)."""
 from __future__ import annotations
 
 import subprocess
@@ -27,10 +28,11 @@ def test_the_picker_does_not_import_the_web_framework():
 
 def test_the_picker_does_not_import_the_http_edge():
     # request control (router.director) is shared; the HTTP proxy and uvicorn are the router's own
-    loaded = loaded_after("epp.server", ("uvicorn", "router"))
-    assert [m for m in loaded if m.split(".")[0] == "uvicorn" or m in ("router.proxy", "router.relay",
-                                                                     "router.server", "router.app")] == []
-    assert "router.director" in loaded
+    for module in ("epp.picker", "epp.stream"):
+        loaded = loaded_after(module, ("uvicorn", "router"))
+        assert [m for m in loaded if m.split(".")[0] == "uvicorn" or m in ("router.proxy", "router.relay",
+                                                                         "router.server", "router.app")] == []
+        assert "router.director" in loaded
 
 
 def test_the_router_assembly_still_does():

@@ -182,7 +182,7 @@ async def test_pool_endpoints_reach_the_scrape_slots(api: tuple[KubeStandIn, str
     a deleted pod gives its slots back."""
     import asyncio
 
-    from epp.server import Picker
+    from epp.picker import Picker
     from router.config import Config
     from tests.epp.conftest import live_slots
 

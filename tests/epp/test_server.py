@@ -1,10 +1,11 @@
-"""The ext_proc server's answers without a gateway (epp/server.py): immediate errors, the destination."""
+"""The ext_proc stream's answers without a gateway (epp/stream.py): immediate errors, the destination."""
 from __future__ import annotations
 
 import orjson
 
 from epp.envoy import HEADER
-from epp.server import CHUNK, Exchange, destination, envoy_target, immediate
+from epp.picker import envoy_target
+from epp.stream import CHUNK, Exchange, destination, immediate
 from router.errors import NoEligibleWorker
 
 

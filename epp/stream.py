@@ -1,0 +1,381 @@
+"""The ext_proc stream handler: **one ext_proc stream per request**
+(``envoy.service.ext_proc.v3.ExternalProcessor/Process``, Envoy's processing mode from
+:mod:`epp.envoy`). :class:`Exchange` follows it:
+
+==================  ===========================================================================
+request headers     kept (``:path``, ``x-session-id``); answered at once in ``BUFFERED`` mode,
+                    not before the body's end in ``FULL_DUPLEX_STREAMED`` (the mode comes in the
+                    stream's ``protocol_config``). A request without a body (``GET``) gets a
+                    worker at once, without a lease; a ``POST`` without one is a 400.
+request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED``: chunks,
+                    buffered to the end of stream. At its end, request control
+                    (:class:`router.director.Director`, the HTTP router's too): parse once and
+                    check the model (400, 404), admission (the stream is held while the request
+                    waits), choose and take the lease (503 with
+                    ``retry-after`` when no worker can take it), answer with the header
+                    ``x-gateway-destination-endpoint: ip:port`` and the same value in the dynamic
+                    metadata (``envoy.lb``), followed by up to :attr:`Picker.fallbacks` other
+                    endpoints (``ip:port,ip:port``: Envoy's pool cluster retries down that list,
+                    :mod:`epp.envoy`); full duplex re-sends the body in chunks of at most
+                    :data:`CHUNK` bytes after the headers answer (GIE's protocol).
+response headers    ``:status``: below 500 is liveness evidence (the health monitor) and the
+                    breaker's "ok"; the answer adds ``x-dplb-worker-id``. An event stream, or a
+                    streamed request, is metered (:class:`router.stream_meter.StreamMeter`).
+                    When Envoy reports (``envoy.lb`` / ``x-gateway-destination-endpoint-served``)
+                    that a fallback served, the pick's lease is judged a failure and a lease is
+                    taken on the worker that served.
+response body       each chunk is answered unchanged (``FULL_DUPLEX_STREAMED``: sent back as a
+                    streamed body mutation); the first content event is the TTFT
+                    (the lease leaves prefill, the prefill rate is learned); the end of stream
+                    releases the lease with the output token count (TPOT) and the verdict.
+                    Response body mode ``NONE``: prefill is taken as done at the head, the gRPC
+                    stream's end settles the lease as complete (no token counts).
+stream's end        a stream that ends before the response's end (Envoy reset it: client gone,
+                    engine failed, timeout) releases the lease with no verdict (status 499 in
+                    ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`);
+                    unless its SSE ``data: [DONE]`` had passed: that stream was complete (the
+                    ``openai`` client closes its connection there).
+==================  ===========================================================================
+
+Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol.error_body`),
+``content-type: application/json`` and ``x-dplb-worker-id: none``.
+
+The decisions are the picker's (:class:`epp.picker.Picker`) and request control's
+(:class:`router.director.Director`); this module speaks Envoy's protocol only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from epp.envoy import HEADER, NAMESPACE, SERVED
+from epp.picker import Picker, envoy_target
+from router.director import route_of
+from router.errors import BodyTooLarge
+from router.policies.base import RequestInfo
+from router.protocol import WORKER_HEADER, BadRequest, OpenAIError
+from router.scheduling import Lease
+from router.stream_meter import StreamMeter, is_event_stream
+from router.workers import WorkerHandle
+
+log = logging.getLogger("dplb.epp")
+
+#: largest body chunk sent back in FULL_DUPLEX_STREAMED mode (GIE's EPP: 62,000 bytes, under
+#: Envoy's 64 KiB default gRPC message budget with headroom)
+CHUNK = 62_000
+#: a non-streamed answer is kept up to this many bytes to read its ``usage`` (then its tail only)
+ANSWER_KEEP = 1 << 20
+_FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+_NONE = 0          # ProcessingMode.BodySendMode.NONE
+
+
+def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
+    """An ext_proc ``HttpHeaders`` message's headers, lower-case names → values (the last wins)."""
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def immediate(e: OpenAIError) -> pb.ProcessingResponse:
+    """An immediate response for ``e``: its status, its OpenAI-shaped body, ``content-type:
+    application/json``, ``x-dplb-worker-id: none`` and its own headers (``retry-after``)."""
+    hs = [_hv("content-type", "application/json"), _hv(WORKER_HEADER, "none")]
+    hs += [_hv(k, v) for k, v in e.headers.items()]
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=e.status), 
+        headers=pb.HeaderMutation(set_headers=hs), body=e.body(), details=f"dplb_epp_{e.status}"))
+
+
+def destination(endpoint: str, *fallbacks: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
+    """The header mutation and the dynamic metadata that send a request to ``endpoint``, then, when
+    Envoy retries, to each of ``fallbacks`` in turn (GIE: ``ip:port,ip:port,...``; every address
+    through :func:`envoy_target`)."""
+    value = ",".join(envoy_target(e) for e in (endpoint, *fallbacks))
+    md = struct_pb2.Struct()
+    md.update({NAMESPACE: {HEADER: value}})
+    return pb.HeaderMutation(set_headers=[_hv(HEADER, value)]), md
+
+
+def served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    """The address that served, as Envoy reports it with the response (``metadata_context``,
+    namespace ``envoy.lb``, key ``x-gateway-destination-endpoint-served``: the pool cluster's
+    ``override_host`` policy writes it, :mod:`epp.envoy`); None when absent."""
+    if not req.HasField("metadata_context"):
+        return None
+    ns = req.metadata_context.filter_metadata.get(NAMESPACE)
+    if ns is None or SERVED not in ns.fields:
+        return None
+    v = ns.fields[SERVED].string_value
+    return v or None
+
+class Exchange:
+    """One request's ext_proc stream (module docstring). :meth:`on_message` answers each message
+    (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
+
+    __slots__ = ("body", "body_mode", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
+                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers", "waiting")
+
+    def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1) -> None:
+        self.picker = picker
+        self.body_mode = body_mode
+        #: the response body mode (``ProcessingMode.BodySendMode``: 1 STREAMED, 4 full duplex, 0 none)
+        self.resp_mode = resp_mode
+        self.info: RequestInfo | None = None
+        #: a request admission holds back (:meth:`Director.may_dispatch` said no): ``(body,
+        #: trailers)`` to dispatch once :meth:`admit` returns; the stream's driver awaits it
+        self.waiting: tuple[bytes, bool] | None = None
+        self.fallbacks: list[WorkerHandle] = []
+        self.t0 = time.perf_counter()
+        self.duplex = False
+        self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.size = 0
+        self.path = "/"
+        self.route = "/v1/other"
+        self.handle: WorkerHandle | None = None
+        self.lease: Lease | None = None
+        self.meter: StreamMeter | None = None
+        self.streaming = False
+        self.status = 0
+        self.kept: list[bytes] = []
+        self.trailers = False
+
+    # -- request side --------------------------------------------------------------------------
+    def on_message(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answers to one message of Envoy's."""
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(req)
+        if kind == "request_body":
+            b = req.request_body
+            if b.body:
+                self.body.append(b.body)
+                self.size += len(b.body)
+                limit = self.picker.state.cfg.router.max_body_bytes
+                if self.size > limit:   # full duplex buffers here: the router's limit holds (413)
+                    self.body = []
+                    return [self._refuse(BodyTooLarge(f"request body is larger than {limit} bytes "
+                                                      "(router.max_body_bytes)"))]
+            if not b.end_of_stream:
+                return [] if self.duplex else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+            return self._pick(b"".join(self.body))
+        if kind == "request_trailers":
+            out = self._pick(b"".join(self.body), trailers=True) if self.duplex and self.handle is None else []
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_headers":
+            self._served(req)
+            return self._response_headers(req.response_headers)
+        if kind == "response_body":
+            return self._response_body(req.response_body)
+        if kind == "response_trailers":
+            self._end(True)
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    def _request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.headers = _headers(req.request_headers)
+        self.path = self.headers.get(":path", "/").split("?", 1)[0]
+        self.route = route_of(self.path)
+        mode = self.body_mode
+        if req.HasField("protocol_config"):
+            mode, self.resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
+        self.duplex = mode == _FULL_DUPLEX
+        if req.request_headers.end_of_stream:
+            if self.headers.get(":method") == "POST":   # as the router answers it (router.protocol)
+                return [self._refuse(BadRequest("request body is empty; expected a JSON object"))]
+            try:
+                h = self.picker.any_worker(self.path)
+            except OpenAIError as e:
+                return [self._refuse(e)]
+            self.handle = h
+            mutation, md = destination(h.endpoint)
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
+        if self.duplex:
+            return []   # answered with the body's end (the pick changes the headers)
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    def _refuse(self, e: OpenAIError) -> pb.ProcessingResponse:
+        """The immediate response refusing the request with ``e``, counted (no worker chosen)."""
+        self.picker.director.refused(e, self.route, self.t0)
+        return immediate(e)
+
+    def _pick(self, body: bytes, trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """Parse and check the request (:meth:`Director.request`), then, when admission lets it
+        through at once, :meth:`_dispatch` it; else it waits (:attr:`waiting`, :meth:`admit`)."""
+        p = self.picker
+        director = p.director
+        try:
+            session = self.headers.get(p.session_header)
+            info = director.request(self.path, body, session.encode("latin-1") if session else None)
+        except OpenAIError as e:
+            return [self._refuse(e)]
+        self.streaming = info.stream
+        self.info = info
+        if not director.may_dispatch(info):
+            self.waiting = (body, trailers)
+            return []
+        return self._dispatch(info, body, trailers)
+
+    async def admit(self) -> list[pb.ProcessingResponse]:
+        """The request :attr:`waiting` passes admission (:meth:`Director.admit`; the ext_proc
+        stream is held meanwhile), then is dispatched: the answers that send it on, or the
+        immediate response refusing it."""
+        assert self.waiting is not None and self.info is not None
+        (body, trailers), self.waiting = self.waiting, None
+        try:
+            await self.picker.director.admit(self.info)
+        except OpenAIError as e:
+            return [self._refuse(e)]
+        return self._dispatch(self.info, body, trailers)
+
+    def _dispatch(self, info: RequestInfo, body: bytes, trailers: bool) -> list[pb.ProcessingResponse]:
+        """Choose and lease (:meth:`Picker.dispatch`); the answers that send the request to the
+        chosen worker (and its fallbacks)."""
+        try:
+            self.handle, self.lease, self.fallbacks = self.picker.dispatch(info)
+        except OpenAIError as e:
+            return [self._refuse(e)]
+        mutation, md = destination(self.handle.endpoint, *(f.endpoint for f in self.fallbacks))
+        if not self.duplex:
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
+        out = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
+        n = len(body)
+        for i in range(0, max(n, 1), CHUNK):
+            last = i + CHUNK >= n
+            out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=body[i:i + CHUNK], end_of_stream=last and not trailers))))))
+        self.body = []
+        return out
+
+    # -- response side -------------------------------------------------------------------------
+    def _served(self, req: pb.ProcessingRequest) -> None:
+        """Envoy retried the request on a fallback (a connect failure or a reset before the head on
+        the pick): the pick's attempt failed (refused: the health monitor takes the worker out until
+        a probe passes; breaker verdict False) and the lease moves to the worker that served."""
+        lease, h = self.lease, self.handle
+        if lease is None or h is None or lease.judged:
+            return
+        served = served_endpoint(req)
+        if served is None or served == envoy_target(h.endpoint):
+            return
+        metrics = self.picker.state.metrics
+        lease.refused()
+        lease.finish(False)
+        metrics.errors.labels(h.label, "connect").inc()
+        metrics.retries.labels("connect").inc()
+        log.info("worker %s (%s) failed before answering; Envoy retried on %s", h.label, h.endpoint, served)
+        assert self.info is not None   # a lease was taken for it
+        moved = self.picker.served_by(self.info, served)
+        self.handle, self.lease = moved if moved is not None else (None, None)
+
+    def _response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        hs = _headers(msg)
+        try:
+            self.status = int(hs.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        h = self.handle
+        if self.lease is not None:
+            if 0 < self.status < 500:
+                self.lease.head_seen()
+            sse = is_event_stream([(b"content-type", hs.get("content-type", "").encode("latin-1"))])
+            self.streaming = self.streaming or sse
+            if self.resp_mode == _NONE:
+                # no body comes: prefill is taken as done at the head (no TTFT learned) and the end is
+                # the stream's (no token counts, no TPOT; a client that left looks complete)
+                self.lease.first_token(observed=False)
+            elif self.streaming:
+                self.meter = StreamMeter(sse)
+                self.lease.progress = self.meter.content_events   # tokens so far (the TPOT-SLO term)
+        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
+        if msg.end_of_stream:
+            self._end(True)
+        return [resp]
+
+    def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        lease = self.lease
+        if lease is not None and b.body:
+            m = self.meter
+            if m is not None:
+                if m.feed(b.body):
+                    self.picker.director.first_content(self.route, self.t0, lease)
+            elif sum(len(x) for x in self.kept) < ANSWER_KEEP:
+                self.kept.append(b.body)
+        if b.end_of_stream:
+            self._end(True)
+        if self.resp_mode == _FULL_DUPLEX:   # the chunk goes on only as the picker sends it back
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=b.body, end_of_stream=b.end_of_stream)))))]
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+    def _end(self, complete: bool) -> None:
+        """The response ended (``complete``) or the stream did before it: release the lease once."""
+        lease = self.lease
+        if lease is None or lease.judged:
+            return
+        director = self.picker.director
+        label = lease.handle.label
+        if self.meter is not None:
+            director.stream_end(self.meter, lease, complete)
+        elif complete:
+            director.answer(lease, b"".join(self.kept))
+        lease.finish((0 < self.status < 500) if complete else None)
+        if complete:
+            director.finished(label, self.status, self.route, self.t0)
+        else:
+            director.client_left(label, self.route, self.t0)
+
+    def close(self) -> None:
+        """The stream ended: a lease still open is released, complete when the stream had its
+        whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
+        connection there, before the engine's terminating chunk, as :func:`router.relay.delivered`
+        counts it), else without a verdict (status 499)."""
+        self._end(self.meter.ended_with_done() if self.meter is not None
+                  else self.resp_mode == _NONE and self.status > 0)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """``ExternalProcessor/Process`` over a :class:`Picker`. ``body_mode``: the request body mode
+    assumed when Envoy sends no ``protocol_config`` (an int of ``ProcessingMode.BodySendMode``)."""
+
+    def __init__(self, picker: Picker, body_mode: int = 2, resp_mode: int = 1) -> None:
+        self.picker = picker
+        self.body_mode = body_mode
+        self.resp_mode = resp_mode
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        """One request's stream (module docstring); the lease is released in ``finally``."""
+        ex = Exchange(self.picker, self.body_mode, self.resp_mode)
+        try:
+            async for req in request_iterator:
+                out = ex.on_message(req)
+                if ex.waiting is not None:   # admission holds the request: wait here, the stream held
+                    out = await ex.admit()
+                for resp in out:
+                    yield resp
+        finally:
+            ex.close()
+
+
+__all__ = ["ANSWER_KEEP", "CHUNK", "Exchange", "ExtProcServicer", "destination", "immediate", "served_endpoint"]
