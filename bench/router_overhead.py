@@ -32,7 +32,13 @@ one system per run: ``--blocks`` blocks, each ``--block-requests`` sequential re
 the worker and through each router (the routers' order alternating from block to block), so the
 machine's drift, which on a shared VM moves a p50 by tens of µs between runs, hits both alike.
 Prints each router's added p50 (median over the blocks) and, per block, DPLB's minus the peer's;
-then ``--rounds`` closed loops per router, alternating, for the CPU per request.
+then ``--rounds`` closed loops per router, alternating, for the CPU per request. ``--versus`` may
+be given several times (the order rotates per block and round); ``--versus baseline`` runs a second
+DPLB checkout (``--baseline-dir``, built) as the peer: before/after figures from one run.
+
+Long prompts (``--prompt-bytes N``): the latency blocks and closed loops send chat requests of
+about N bytes, 10/11 of each one of 20 shared documents (:func:`long_prompt_requests`), after one
+pass over them (the prefix index warm); ``--rate R`` paces the closed loops at R requests/s in all.
 
 ``--profile FILE``: record the router with py-spy during the closed loop (and the SSE phase, to
 ``FILE`` with ``.sse`` before the suffix) and write the functions with the most samples (own and
@@ -169,9 +175,37 @@ def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.00
 # -------------------------------------------------------------------------------------- client
 
 
-def _request(host_header: bytes) -> bytes:
+def _request(host_header: bytes, body: bytes = BODY) -> bytes:
     return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: " + host_header + b"\r\ncontent-type: application/json"
-            b"\r\ncontent-length: " + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)
+            b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def long_prompt_requests(prompt_bytes: int, prefixes: int = 20, pool: int = 60, seed: int = 0) -> list[bytes]:
+    """``pool`` chat requests whose prompts are about ``prompt_bytes`` long: a system message that
+    is one of ``prefixes`` shared documents (10/11 of the prompt: 200 KB of a 220 KB prompt, the
+    shape of RAG and agent traffic) and a user message of its own (the rest); words of 2-8 letters,
+    about 4 bytes a token. Deterministic for a ``seed``."""
+    import random
+
+    import orjson
+
+    rnd = random.Random(seed)
+    vocab = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(2, 8))) for _ in range(5000)]
+
+    def text(n: int) -> str:
+        out: list[str] = []
+        size = 0
+        while size < n:
+            w = rnd.choice(vocab)
+            out.append(w)
+            size += len(w) + 1
+        return " ".join(out)
+
+    shared = max(1, prompt_bytes * 10 // 11)
+    docs = [text(shared) for _ in range(prefixes)]
+    return [_request(b"bench", orjson.dumps({"model": "bench", "max_tokens": 8, "messages": [
+        {"role": "system", "content": docs[i % prefixes]},
+        {"role": "user", "content": text(prompt_bytes - shared)}]})) for i in range(pool)]
 
 
 def _read_response(s: socket.socket, buf: bytearray) -> int:
@@ -229,19 +263,32 @@ def sequential(connect, n: int, req: bytes | None = None) -> list[float]:
 NON_200: list[int] = []
 
 
-def closed_loop(port: int, conns: int, seconds: float) -> int:
+def closed_loop(port: int, conns: int, seconds: float, reqs: list[bytes] | None = None, rate: float = 0.0) -> int:
     """``conns`` threads, each a keep-alive connection in a closed loop; total requests answered
-    200 (any other status is kept in :data:`NON_200` and reported: a fast error is no throughput)."""
+    200 (any other status is kept in :data:`NON_200` and reported: a fast error is no throughput).
+    ``reqs``: the requests, each connection cycling through them from its own offset (default: the
+    tiny chat); ``rate`` > 0: paced at ``rate`` requests/s over all connections (each connection
+    sends at most one every ``conns / rate`` s) instead of as fast as answers come."""
     stop = time.monotonic() + seconds
     counts = [0] * conns
-    req = _request(b"bench")
+    reqs = reqs or [_request(b"bench")]
 
     def run(k: int) -> None:
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buf = bytearray()
+        i = k * 7
+        gap = conns / rate if rate > 0 else 0.0
+        t_next = time.monotonic() + gap * k / conns
         try:
             while time.monotonic() < stop:
+                if gap:
+                    delay = t_next - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                    t_next += gap
+                req = reqs[i % len(reqs)]
+                i += 1
                 s.sendall(req)
                 st = _read_response(s, buf)
                 if st == 200:
@@ -392,40 +439,67 @@ def pct(xs: list[float], p: float) -> float:
 def versus(a: argparse.Namespace, launch: Callable[[str | None, str], tuple[int, int]],
            direct: Callable[[], socket.socket], to_port: Callable[[int], Callable[[], socket.socket]],
            cpu_of: Callable[[int], Callable[[], float]]) -> int:
-    """``--versus``: DPLB's router and ``a.versus``'s side by side, measured in alternating blocks
-    (module docstring). Prints the figures; returns the exit status."""
-    systems = [("dplb", *launch(None, "router.log")), (a.versus, *launch(a.versus, "peer.log"))]
-    print(f"dplb versus {a.versus}/{a.peer_policy}: both pinned to CPU {a.pin if a.pin >= 0 else 'none'}, "
-          f"worker on TCP; {a.blocks} blocks of {a.block_requests} sequential requests per path")
+    """``--versus``: DPLB's router and each of ``a.versus`` (peers, or ``baseline``: DPLB from
+    ``--baseline-dir``) side by side, measured in alternating blocks and rounds (module
+    docstring; the order rotates from one block or round to the next). Prints the figures;
+    returns the exit status."""
+    systems = [("dplb", *launch(None, "router.log"))]
+    systems += [(v, *launch(v, f"{v}.log")) for v in a.versus]
+    others = [name for name, _, _ in systems[1:]]
+    print(f"dplb versus {', '.join(others)} (peer policy {a.peer_policy}, dplb policy {a.policy}): all pinned to CPU "
+          f"{a.pin if a.pin >= 0 else 'none'}, worker on TCP; {a.blocks} blocks of {a.block_requests} sequential "
+          "requests per path")
+
+    def order(k: int) -> list[tuple[str, int, int]]:
+        r = k % len(systems)
+        return systems[r:] + systems[:r]
+
+    reqs = long_prompt_requests(a.prompt_bytes) if a.prompt_bytes else None
+    one = reqs[0] if reqs else None
+    warm = 500 if not reqs else 50
     for _, port, _ in systems:
-        sequential(to_port(port), 500)   # warm-up
-    sequential(direct, 500)
+        if reqs:
+            closed_loop(port, 2, 3.0, reqs)   # the shared documents seen once (the prefix index warm)
+        sequential(to_port(port), warm, one)   # warm-up
+    sequential(direct, warm, one)
     added: dict[str, list[float]] = {name: [] for name, _, _ in systems}
     for b in range(a.blocks):
-        d_p50 = pct(sequential(direct, a.block_requests), 50)
-        for name, port, _ in (systems if b % 2 == 0 else systems[::-1]):
-            added[name].append(pct(sequential(to_port(port), a.block_requests), 50) - d_p50)
-    mine, peer = added["dplb"], added[a.versus]
-    diff = [x - y for x, y in zip(mine, peer, strict=True)]
-    for name, xs in added.items():
-        print(f"added p50, {name:8s}: {1000 * statistics.median(xs):.0f} µs median of blocks "
-              f"[{1000 * min(xs):.0f}–{1000 * max(xs):.0f}]")
-    print(f"dplb minus {a.versus}, per block: median {1000 * statistics.median(diff):+.0f} µs; dplb at or below "
-          f"in {sum(x <= 0 for x in diff)} of {len(diff)} blocks")
+        d_p50 = pct(sequential(direct, a.block_requests, one), 50)
+        for name, port, _ in order(b):
+            added[name].append(pct(sequential(to_port(port), a.block_requests, one), 50) - d_p50)
+    if a.blocks:
+        for name, xs in added.items():
+            print(f"added p50, {name:8s}: {1000 * statistics.median(xs):.0f} µs median of blocks "
+                  f"[{1000 * min(xs):.0f}–{1000 * max(xs):.0f}]")
+        for other in others:
+            diff = [x - y for x, y in zip(added["dplb"], added[other], strict=True)]
+            print(f"dplb minus {other}, per block: median {1000 * statistics.median(diff):+.0f} µs; dplb at or "
+                  f"below in {sum(x <= 0 for x in diff)} of {len(diff)} blocks")
     cpu: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    failed: dict[str, list[int]] = {name: [] for name, _, _ in systems}
     for r in range(a.rounds):
-        for name, port, pid in (systems if r % 2 == 0 else systems[::-1]):
+        for name, port, pid in order(r):
             measure = cpu_of(pid)
             c0 = measure()
-            n = closed_loop(port, a.conns, a.seconds)
+            before = len(NON_200)
+            n = closed_loop(port, a.conns, a.seconds, reqs, a.rate)
             cpu[name].append((measure() - c0) * 1e6 / max(n, 1))
+            failed[name] += NON_200[before:]
     if a.rounds:
+        what = f"{a.prompt_bytes / 1000:g} KB prompts" if reqs else "tiny chat"
+        pace = f"paced at {a.rate:g}/s" if a.rate > 0 else "closed loops"
         for name, xs in cpu.items():
-            print(f"router CPU per request, {name:8s}: {statistics.median(xs):.0f} µs median of {len(xs)} closed "
-                  f"loops [{min(xs):.0f}–{max(xs):.0f}] ({a.conns} connections, {a.seconds:g} s each)")
-        print(f"dplb / {a.versus}: {statistics.median(cpu['dplb']) / statistics.median(cpu[a.versus]):.2f}×")
+            print(f"router CPU per request ({what}), {name:8s}: {statistics.median(xs):.0f} µs median of {len(xs)} "
+                  f"rounds [{min(xs):.0f}–{max(xs):.0f}] ({a.conns} connections, {pace}, {a.seconds:g} s each)")
+        for other in others:
+            ratios = [x / y for x, y in zip(cpu["dplb"], cpu[other], strict=True)]
+            print(f"dplb / {other}: {statistics.median(cpu['dplb']) / statistics.median(cpu[other]):.2f}× "
+                  f"(per round [{min(ratios):.2f}–{max(ratios):.2f}])")
     if NON_200:
-        print(f"  INVALID: {len(NON_200)} answers were not 200")
+        from collections import Counter
+
+        print(f"  INVALID: {len(NON_200)} answers were not 200: "
+              + ", ".join(f"{k} {dict(Counter(v))}" for k, v in failed.items() if v))
         return 1
     return 0
 
@@ -455,12 +529,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", choices=("sglang", "vllm", "smg"), help="measure this peer router (bench/peers.py) instead of "
                     "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
     ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
-    ap.add_argument("--versus", choices=("sglang", "vllm", "smg"), help="run DPLB's router and this peer's side by "
+    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline"), action="append", help="run DPLB's "
+                    "router and this peer's (repeatable; baseline: DPLB from --baseline-dir) side by "
                     "side and measure them in alternating blocks (implies --tcp; see the module docstring)")
+    ap.add_argument("--baseline-dir", help="a second DPLB checkout, built (make build), run as --versus baseline: "
+                    "before/after figures in the same run")
     ap.add_argument("--blocks", type=int, default=20, help="alternating blocks of --versus")
     ap.add_argument("--block-requests", type=int, default=300, help="sequential requests per path and block (--versus)")
     ap.add_argument("--profile", metavar="FILE", help="py-spy the router during the closed loop; top functions to FILE")
     ap.add_argument("--skip-latency", action="store_true", help="skip the sequential latency phase")
+    ap.add_argument("--prompt-bytes", type=int, default=0, help="long prompts of about this many bytes (20 shared "
+                    "documents making 10/11 of each, bench.router_overhead.long_prompt_requests) instead of the tiny "
+                    "chat, in the closed loops and the latency blocks")
+    ap.add_argument("--rate", type=float, default=0.0, help="pace the closed loops at this many requests/s in all "
+                    "(0: as fast as answers come)")
     ap.add_argument("--serve-worker", nargs=4, metavar=("SHM", "SOCK", "CHUNKS", "INTERVAL"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve_worker:
@@ -504,7 +586,13 @@ def main(argv: list[str] | None = None) -> int:
             """Start DPLB's router (``peer`` None) or ``peer``'s in front of the worker, pinned as
             asked; wait until it has a ready worker (GET /health → 200). Returns (port, pid)."""
             port = free_port()
-            if peer:
+            cwd, env = root, None
+            if peer == "baseline":
+                if not a.baseline_dir:
+                    raise SystemExit("--versus baseline needs --baseline-dir")
+                cwd, env = a.baseline_dir, {**os.environ, "PYTHONPATH": os.path.abspath(a.baseline_dir)}
+                rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning")
+            elif peer:
                 from bench.peers import ensure_peer, peer_command
 
                 ensure_peer(peer)
@@ -516,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.pin >= 0:
                 cpus = f"{a.pin}" if a.workers <= 1 else f"{a.pin}-{a.pin + a.workers - 1}"
                 rcmd = ["taskset", "-c", cpus] + rcmd
-            children.append(subprocess.Popen(rcmd, cwd=root, start_new_session=True, stdout=rlog, stderr=rlog))
+            children.append(subprocess.Popen(rcmd, cwd=cwd, env=env, start_new_session=True, stdout=rlog, stderr=rlog))
             deadline = time.monotonic() + 60
             while True:
                 try:
@@ -571,14 +659,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"system={a.peer + '/' + a.peer_policy if a.peer else 'dplb'}  worker on {'TCP' if tcp else 'a Unix socket'}  "
               f"policy={a.policy}  router pinned to CPU {a.pin if a.pin >= 0 else 'none'}"
               + (f"  router processes={a.workers}" if a.workers else ""))
+        reqs = long_prompt_requests(a.prompt_bytes) if a.prompt_bytes else None
+        one = reqs[0] if reqs else None
+        if reqs:
+            closed_loop(port, 2, 3.0, reqs)   # the shared documents seen once (the prefix index warm)
         if not a.skip_latency:
-            sequential(direct, 500)
-            sequential(routed, 500)   # warm-up: pools, caches, JIT-free but allocator warm
+            sequential(direct, 500, one)
+            sequential(routed, 500, one)   # warm-up: pools, caches, JIT-free but allocator warm
             dl: list[float] = []
             rl: list[float] = []
             for _ in range(a.rounds):
-                dl += sequential(direct, a.requests // a.rounds)
-                rl += sequential(routed, a.requests // a.rounds)
+                dl += sequential(direct, a.requests // a.rounds, one)
+                rl += sequential(routed, a.requests // a.rounds, one)
             print(f"{len(dl)} sequential requests per path")
             print(f"direct to {'engine' if a.through_agent else 'worker'} : p50 {pct(dl, 50):.3f} ms   "
                   f"p99 {pct(dl, 99):.3f} ms")
@@ -587,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         with Profiler(router_pid, a.profile):
             c0 = router_cpu()
             t0 = time.perf_counter()
-            n = closed_loop(port, a.conns, a.seconds)
+            n = closed_loop(port, a.conns, a.seconds, reqs, a.rate)
             wall = time.perf_counter() - t0
             cpu = router_cpu() - c0
         print(f"closed loop, {a.conns} connections, {a.seconds:.0f} s: {n / wall:,.0f} req/s measured; "

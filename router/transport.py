@@ -101,8 +101,11 @@ class Transport:
         for k, v in headers:
             parts += (k, b": ", v, b"\r\n")
         parts.append(b"\r\n")
-        parts.append(body)
-        c.transport.write(b"".join(parts))
+        if len(body) < 16384:
+            parts.append(body)
+            c.transport.write(b"".join(parts))
+        else:   # a long prompt: head and body in one vectored write (uvloop), the body not copied
+            c.transport.writelines((b"".join(parts), body))
 
     async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
                    body: bytes | None, timeout_s: float | None = None, written: Connection | None = None,
