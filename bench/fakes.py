@@ -20,6 +20,9 @@ stream   SSE: ``chunks`` chunks, ``delay`` seconds apart (every streamed answer 
 break    SSE: two chunks, then close the connection mid-stream
 utf8     SSE: ``chunks`` chunks, then one event (text :data:`UTF8_TEXT`) written in two parts
          ``delay`` seconds apart, split inside a 4-byte UTF-8 character
+abort    an engine-side abort: a non-streamed answer with ``finish_reason: "abort"``; a stream of
+         ``chunks`` content chunks (0: none) then a ``finish_reason: "abort"`` event and ``[DONE]``
+         (vLLM's answer to a request its engine dropped: its drain limit, a stop)
 ======== ===============================================================================
 
 Header ``X-Fake-First-Delay: S`` (streams): send the response head at once, then wait S seconds
@@ -90,6 +93,13 @@ class FakeAgent:
                     "usage": {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}, "fake": fake}
         return {"text": text, "meta_info": {"id": "fake"}, "fake": fake}
 
+    def abort_chunk(self, path: str) -> bytes:
+        """The event an engine sends for a request it aborted: no content, ``finish_reason: "abort"``."""
+        key = "text" if path == "/v1/completions" else "delta"
+        obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": self.model,
+               "choices": [{"index": 0, key: "" if key == "text" else {}, "finish_reason": "abort", "logprobs": None}]}
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
     def chunk(self, path: str, i: int, last: bool) -> bytes:
         now = int(time.time())
         if path == "/v1/completions":
@@ -155,11 +165,13 @@ def build_app(agent: FakeAgent):
                 first_delay = float(request.headers.get("x-fake-first-delay", 0))
                 if first_delay > 0:   # StreamResponse.prepare sent the head already
                     await asyncio.sleep(first_delay)
-                n = 2 if mode == "break" else max(1, chunks)
+                n = 2 if mode == "break" else max(0, chunks) if mode == "abort" else max(1, chunks)
                 for i in range(n):
                     if i and mode == "stream":
                         await asyncio.sleep(delay)
-                    await resp.write(agent.chunk(path, i, i == n - 1 and mode != "break"))
+                    await resp.write(agent.chunk(path, i, i == n - 1 and mode not in ("break", "abort")))
+                if mode == "abort":
+                    await resp.write(agent.abort_chunk(path))
                 if mode == "break":
                     await asyncio.sleep(0.05)
                     request.transport.close()
@@ -181,7 +193,10 @@ def build_app(agent: FakeAgent):
                 st["completed"] += 1
                 return resp
             st["completed"] += 1
-            return web.Response(body=orjson.dumps(agent.completion(path, body, headers)),
+            answer = agent.completion(path, body, headers)
+            if mode == "abort" and answer.get("choices"):
+                answer["choices"][0]["finish_reason"] = "abort"
+            return web.Response(body=orjson.dumps(answer),
                                 content_type="application/json", headers={"x-fake-worker": str(agent.worker_id)})
         except asyncio.CancelledError:
             st["disconnects"] += 1

@@ -100,12 +100,18 @@ def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
          lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
                                      for k, a in r.extra["answers"].items()}) + "; " + kv("forwarded")(r)),
         # issue 46: what fails stays contained (ids are the issue's items)
+        ("46.2", sc.run_engine_abort, kv("early", "cut", "non_streamed_everywhere", "requests_502",
+                                         "engine_abort_errors")),
         ("46.4", sc.run_slot_frozen_mid_write, kv("idle_cpu_before", "idle_cpu_frozen", "served", "routing_1",
                                                   "stale_read", "spins_per_read", "dump_state_1")),
         ("46.5", sc.run_log_injection, kv("statuses", "lines", "access_lines", "bad_access_lines", "forged_lines",
                                           "other_lines", "big_lines", "big_growth_bytes")),
         ("46.5j", lambda: sc.run_log_injection("json"), kv("lines", "access_lines", "bad_access_lines", "forged_lines",
                                                           "other_lines", "big_lines", "big_growth_bytes")),
+        ("46.6", sc.run_queued_client_leaves, kv("aborted_while_queued", "long_still_running",
+                                                 "engine_steps_meanwhile")),
+        ("46.6n", lambda: sc.run_queued_client_leaves(stream=False), kv("aborted_while_queued", "long_still_running",
+                                                                        "engine_steps_meanwhile")),
         ("46.8", sc.run_add_plain_engine, kv("engine_added", "engine_row", "served", "scraped_kv_cache_usage",
                                              "neither", "agent_added", "slots")),
     ]

@@ -17,9 +17,16 @@ meter in Python.
 With ``end=True`` the relay also ends the client's body: the read that completes the engine's body
 goes to the client in the same write as the terminating chunk (``0\\r\\n\\r\\n``), one write where
 there were two; ``ended`` then tells the router's writer that the terminator is out
-(router/server.py ``ChunkedWriter.finish``).
+(router/server.py ``ChunkedWriter.finish``). Unless the body's last 4 KiB hold ``"abort"`` (an
+engine-side ``finish_reason: "abort"``, or a false alarm the router's Python side tells apart): then
+the terminator is left to ``ChunkedWriter.finish``, which writes the SSE error event of a truncated
+answer before it (router/relay.py).
 """
 from libc.string cimport memcpy, memmove
+
+
+cdef extern from "<string.h>" nogil:
+    void *memmem(const void *haystack, size_t haystacklen, const void *needle, size_t needlelen)
 from libc.stdlib cimport malloc, realloc, free
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 
@@ -256,6 +263,9 @@ cdef class ChunkRelay:
         self._reserve(n + HEAD_ROOM + FOOT_ROOM)
         pay = self._decode(<const unsigned char *>PyBytes_AS_STRING(data), n, self.buf + HEAD_ROOM)
         end = self._end and self.done and not self.ended
+        if end and (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
+                    or (pay > 0 and memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL)):
+            end = False   # an engine's abort, maybe: the writer ends the body, after its error event
         if pay == 0 and not end:
             return OK
         if self._client.disconnected:

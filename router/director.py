@@ -51,17 +51,33 @@ import time
 from typing import Protocol
 
 from router.access_log import AccessLog
-from router.errors import BadRequest, NotFound, RouterError
+from router.errors import (
+    BadRequest,
+    NotFound,
+    RouterError,
+    UpstreamError,
+    sse_error_event,
+)
 from router.metrics import Metrics
 from router.policies.base import Decision, RequestInfo
 from router.protocol import parse_request
 from router.scheduling import Lease, Scheduler
-from router.stream_meter import StreamMeter, usage_from_body
+from router.stream_meter import (
+    StreamMeter,
+    body_aborted,
+    event_json,
+    events_aborted,
+    has_content,
+    usage_from_body,
+)
 from router.workers import WorkerHandle
 
 #: the status a request the client left before its answer is counted with (nginx's 499, "client
 #: closed request"; never sent: nobody is there to read it)
 CLIENT_CLOSED = 499
+#: the ``errors`` kind of an engine-side abort the client did not ask for (an engine's 499, a
+#: ``finish_reason: "abort"``): the request was dropped by the engine, not by its client
+ENGINE_ABORT = "engine_abort"
 #: the worker label of a request answered before any worker was chosen
 NO_WORKER = "none"
 #: the paths counted under their own name (``route`` label of the request metrics); any other
@@ -220,6 +236,44 @@ class Director:
         lease.release(output_tokens=out if complete else None)
         return prompt_n, out
 
+    # -- engine-side aborts: a truncated answer is a failure ------------------------------------
+    @staticmethod
+    def aborted_before_content(body: bytes, stream: bool) -> bool:
+        """Did the engine abort a request before anything of its answer could reach the client:
+        a non-streamed answer (``body``, whole) that reports ``finish_reason: "abort"``, or a
+        stream whose first bytes (``body``) report it with no content event before? Then the
+        edge tries it on another worker (the client has seen none of it), or answers 502."""
+        if not stream:
+            return body_aborted(body)
+        if not events_aborted(body):
+            return False
+        return not any((obj := event_json(e)) is not None and has_content(obj) for e in body.split(b"\n\n"))
+
+    @staticmethod
+    def aborted_anywhere(body: bytes, stream: bool) -> bool:
+        """Does ``body`` (a whole answer, or a stream's bytes) report an engine-side abort at all
+        (then it is not answered whole from the connection's callback)?"""
+        return events_aborted(body) if stream else body_aborted(body)
+
+    def abort_error(self, wid: int) -> UpstreamError:
+        """The error for a request worker ``wid``'s engine aborted before anything reached the
+        client (counted as an ``engine_abort`` error there)."""
+        self.metrics.errors.labels(str(wid), ENGINE_ABORT).inc()
+        return UpstreamError(f"worker {wid}'s engine aborted the request (finish_reason \"abort\") before its "
+                             "answer began", worker_id=wid)
+
+    def aborted_stream(self, meter: StreamMeter, wid: int) -> tuple[int, str, bytes] | None:
+        """A relayed stream whose last events report an engine-side abort (``meter``): the client
+        read a truncated answer. Returns ``(502, cause, the OpenAI-shaped SSE error event that
+        ends the stream)`` and counts an ``engine_abort`` error on worker ``wid``; None when the
+        stream was not aborted."""
+        if not meter.aborted():
+            return None
+        self.metrics.errors.labels(str(wid), ENGINE_ABORT).inc()
+        cause = (f"worker {wid}'s engine aborted the stream (finish_reason \"abort\") after "
+                 f"{meter.output_tokens()} output tokens: the answer is truncated")
+        return 502, cause, sse_error_event(cause, "upstream_error", 502)
+
     def answer(self, lease: Lease, body: bytes) -> tuple[int, int]:
         """A non-streamed answer ``body`` was relayed: count its tokens on the worker (its
         ``usage``; the router's prompt estimate when it has none). Returns ``(prompt tokens,
@@ -261,4 +315,4 @@ class Director:
         return self.finished(NO_WORKER, e.status, route, t0, rid, method, path, model, attempts=0, cause=e.message)
 
 
-__all__ = ["CLIENT_CLOSED", "NO_WORKER", "ROUTES", "Admission", "Director", "OpenAdmission", "route_of"]
+__all__ = ["CLIENT_CLOSED", "ENGINE_ABORT", "NO_WORKER", "ROUTES", "Admission", "Director", "OpenAdmission", "route_of"]

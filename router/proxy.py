@@ -537,12 +537,18 @@ class Proxy:
                 self.metrics.errors.labels(att.handle.label, "status_5xx").inc()
             # the first body byte, within the first-byte deadline, before anything reaches the client
             first = up.whole if up.whole is not None else await up.first_chunk()
-            if up.is_stream:
-                return up, first, None
-            # the rest of the body: the client has seen none of it (a non-streamed answer reaches it
-            # whole), so a failure here is before the first byte too (a body taken whole: nothing to read)
-            ex.mid_body = True
-            return up, first, first if up.whole is not None else await up.read(first)
+            # the rest of a non-streamed body: the client has seen none of it (a non-streamed answer
+            # reaches it whole), so a failure here is before the first byte too (a body taken whole: nothing to read)
+            ex.mid_body = not up.is_stream
+            data = None if up.is_stream else first if up.whole is not None else await up.read(first)
+            if not self.director.aborted_before_content(first if data is None else data, up.is_stream):
+                return up, first, data
+            att.outcome = False   # the engine aborted it before anything reached the client: another worker's turn
+            self._failed(ex, att, self.director.abort_error(wid), None, up)
+            if att.number + 1 < settings.max_attempts and self.scheduler.has_candidates(ex.info.model, ex.tried):
+                self.metrics.retries.labels("engine_abort").inc()
+                return _RETRY
+            return _STOP
         except asyncio.CancelledError:
             if up is not None:   # the client left before the first byte (queued at the engine): abort it there
                 up.release(abort=True)
@@ -565,11 +571,12 @@ class Proxy:
         scope = ex.scope
         if scope is None:
             return None
-        retry_status, rid = self.settings.retry_status, ex.rid
+        retry_status, rid, aborted = self.settings.retry_status, ex.rid, self.director.aborted_anywhere
 
         def answer(u: Upstream) -> bool:
             st = u.status
-            if not 200 <= st <= 599 or st in retry_status or st == CLIENT_CLOSED or u.whole is None:
+            if not 200 <= st <= 599 or st in retry_status or st == CLIENT_CLOSED or u.whole is None \
+                    or aborted(u.whole, u.is_stream):
                 return False
             return write_response(scope, st, relayed_headers(u, rid, wid_b), u.whole)
         return answer

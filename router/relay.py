@@ -1,7 +1,8 @@
 """Relaying a streamed answer to the client (:func:`relay_stream`): the head with the first
 chunk, then chunk by chunk, each gap bounded by ``router.idle_timeout_s``; a stream that breaks or
 stalls after its first byte ends with an SSE ``error`` event (504 ``timeout_error`` for a stall,
-502 otherwise). Where the router's own protocol serves the request the chunks are piped from the
+502 otherwise), and so does one whose engine aborted it (``finish_reason: "abort"`` in its last
+events: 502, an ``engine_abort`` error, :meth:`router.director.Director.aborted_stream`). Where the router's own protocol serves the request the chunks are piped from the
 engine connection's callback into a :class:`router.server.ChunkedWriter` and, after the first
 content, by the native relay: one client write per engine read. The stream meter
 (:class:`router.stream_meter.StreamMeter`) finds the TTFT and the end of the answer
@@ -16,7 +17,7 @@ from router.errors import TransportError, sse_error_event
 from router.exchange import Attempt, Exchange
 from router.metrics import Metrics
 from router.server import ChunkedWriter, ClientGone, chunked_writer, start_chunked
-from router.stream_meter import StreamMeter, is_event_stream
+from router.stream_meter import StreamMeter, events_aborted, is_event_stream
 from router.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -55,7 +56,9 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
     if first and meter.feed(first):
         ttft.append(director.first_content(ex.route, ex.t0, att.lease))
-    writer = start_chunked(scope, status, headers, first, up.complete()) if scope is not None else None
+    # a body already whole and aborted by its engine is not ended here: its error event follows
+    end = up.complete() and not meter.aborted()
+    writer = start_chunked(scope, status, headers, first, end) if scope is not None else None
     if writer is None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if first:
@@ -82,6 +85,11 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     finally:
         up.release(abort=not complete)
         tokens = director.stream_end(meter, att.lease, complete)
+    if complete and final < 500 and (cut := director.aborted_stream(meter, wid)) is not None:
+        # the engine aborted what the client was reading (its drain limit, a stop): a truncated
+        # answer is a failure, ended with an SSE error event after the events relayed
+        ok = False
+        final, cause, last = cut
     if writer is not None:
         await writer.finish(last)
     else:
@@ -117,9 +125,11 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
     lease.progress = lambda: meter.content_events() + sum(r.events for r in relays)
 
     def sink(chunk: bytes) -> bool:
-        # the body's last bytes carry its end (one write, not two); the meter sees
-        # what the client was written, nothing after it left (see delivered)
-        sent = write(chunk, up.complete())
+        # the body's last bytes carry its end (one write, not two), unless the engine aborted the
+        # stream (its error event follows); the meter sees what the client was written, nothing
+        # after it left (see delivered)
+        end = up.complete() and not events_aborted(chunk)
+        sent = write(chunk, end)
         if (sent or not writer.gone) and meter.feed(chunk):
             ttft.append(first_content(route, t0, lease))
         return sent

@@ -32,6 +32,9 @@ _SEP = b"\n\n"
 _TAIL = 4096  # bytes of the stream's end kept to read its last events
 _HEAD_MAX = 1 << 20  # stop looking for content after this much of a stream without any
 _USAGE = re.compile(rb'"(prompt|completion)_tokens"\s*:\s*(\d+)')
+#: a finish reason of ``abort`` (OpenAI-style ``"finish_reason": "abort"``, vLLM's; SGLang's
+#: ``meta_info.finish_reason`` ``{"type": "abort"}``), the cheap test before a JSON parse
+_ABORT = re.compile(rb'"(?:finish_reason|type)"\s*:\s*"abort"')
 
 
 def event_json(event: bytes) -> dict | None:
@@ -64,6 +67,40 @@ def has_content(obj: dict) -> bool:
                 return True
         return False
     return bool(obj.get("text") or obj.get("output_ids"))
+
+
+def is_abort(obj: dict | None) -> bool:
+    """Whether an answer or stream event reports an engine-side abort: a choice whose
+    ``finish_reason`` is ``abort`` (vLLM's, when the engine dropped the request: its own drain or
+    stop, a preemption it gave up on) or SGLang's ``meta_info.finish_reason.type`` ``abort``."""
+    if not obj:
+        return False
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+    meta = obj.get("meta_info")
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def body_aborted(body: bytes) -> bool:
+    """Whether a whole (non-streamed) answer reports an engine-side abort (:func:`is_abort`; an
+    SGLang batch: any of its items)."""
+    if _ABORT.search(body) is None:
+        return False
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    items = obj if isinstance(obj, list) else [obj]
+    return any(isinstance(o, dict) and is_abort(o) for o in items)
+
+
+def events_aborted(data: bytes) -> bool:
+    """Whether any complete SSE event in ``data`` reports an engine-side abort (:func:`is_abort`)."""
+    if _ABORT.search(data) is None:
+        return False
+    return any(is_abort(event_json(e)) for e in data.split(_SEP) if e.strip())
 
 
 def usage_of(obj: dict | None) -> tuple[int | None, int | None]:
@@ -176,6 +213,13 @@ class StreamMeter:
         return self.sse and (t.endswith((b"\ndata: [DONE]", b"\ndata:[DONE]"))
                              or t in (b"data: [DONE]", b"data:[DONE]"))
 
+    def aborted(self) -> bool:
+        """Whether the stream's last events (its kept tail) report an engine-side abort
+        (:func:`is_abort`): the engine dropped the request the client was still reading."""
+        if _ABORT.search(self._tail) is None:
+            return False
+        return events_aborted(self._tail) if self.sse else body_aborted(self._tail)
+
     def usage(self) -> tuple[int | None, int | None]:
         """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any."""
         for obj in reversed(self._last_events()):
@@ -223,4 +267,5 @@ def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
-__all__ = ["StreamMeter", "event_json", "has_content", "is_event_stream", "usage_from_body", "usage_of"]
+__all__ = ["StreamMeter", "body_aborted", "event_json", "events_aborted", "has_content", "is_abort", "is_event_stream",
+           "usage_from_body", "usage_of"]

@@ -248,6 +248,61 @@ def run_slot_frozen_mid_write(idle_s: float = 5.0, requests: int = 20) -> Result
     return res
 
 
+_ERROR_KEY = b'"error"'
+
+
+def _metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of every series ``name`` with ``labels`` in Prometheus exposition ``text``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(float(s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _chat(c: httpx.Client, stream: bool, mode: str | None = None, chunks: int = 3) -> tuple[int, str | None, bytes]:
+    hs = {"x-fake-mode": mode, "x-fake-chunks": str(chunks)} if mode else {}
+    r = c.post("/v1/chat/completions", headers=hs, json={"model": MODEL_FAKE, "stream": stream, "max_tokens": 8,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+    return r.status_code, r.headers.get("x-dplb-worker-id"), r.content
+
+
+def run_engine_abort(n: int = 6) -> Result:
+    """Two fake workers. (a) worker 0 answers every request with an engine-side abort before any
+    content (``n`` non-streamed and ``n`` streamed requests): each must be served whole by worker 1;
+    (b) a non-streamed abort on both workers: 502; (c) ``n`` streams aborted by the engine after 3
+    content chunks (both workers): each must end with an SSE error event and be counted 502."""
+    res = Result("46.2 engine-side abort", "finish_reason \"abort\" from the engine, before any content and "
+                 "after 3 content chunks, streamed and not")
+    with Stack() as st:
+        f0 = st.fake(0)
+        st.fake(1)
+        base = st.router({"routing_policy": {"policy": "round_robin"}}, ready=2)
+        f0.client().set_mode("abort", chunks=0)
+        early: Counter[str] = Counter()
+        with httpx.Client(base_url=base, timeout=60) as c:
+            for i in range(2 * n):
+                status, wid, body = _chat(c, stream=i % 2 == 1)
+                early[f"{status}/{wid}/{'abort' if b'abort' in body else 'whole'}"] += 1
+            f0.client().set_mode("ok")
+            status, _, body = _chat(c, stream=False, mode="abort")
+            res.extra["non_streamed_everywhere"] = (status, orjson.loads(body).get("error", {}).get("type"))
+            cut: Counter[str] = Counter()
+            for _ in range(n):
+                status, wid, body = _chat(c, stream=True, mode="abort", chunks=3)
+                events = [e for e in body.split(b"\n\n") if e.strip()]
+                last = "error_event_last" if events and _ERROR_KEY in events[-1] else "no_error_event"
+                cut[f"{status}/{last}"] += 1
+            text = httpx.get(base + "/metrics", timeout=10).text
+        res.extra.update(early=dict(early), cut=dict(cut))
+        res.extra["requests_502"] = _metric_sum(text, "dplb_router_requests_total", status="502")
+        res.extra["engine_abort_errors"] = _metric_sum(text, "dplb_router_request_errors_total", kind="engine_abort")
+        res.sent = 3 * n + 1
+        res.ok = early.get("200/1/whole", 0)
+        res.honest = cut.get("200/error_event_last", 0) + (res.extra["non_streamed_everywhere"][0] == 502)
+        res.lost = res.sent - res.ok - res.honest
+    return res
+
+
 def _raw_chat(port: int, model: str, stream: bool, max_tokens: int) -> socket.socket:
     """Send one chat request on a raw connection and return the connection, unread."""
     b = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
@@ -357,5 +412,5 @@ def run_add_plain_engine(requests: int = 20) -> Result:
     return res
 
 
-__all__ = ["ACCESS_KEYS", "FORGED", "hostile_requests", "parse_access", "run_add_plain_engine", "run_log_injection",
-           "run_queued_client_leaves", "run_slot_frozen_mid_write"]
+__all__ = ["ACCESS_KEYS", "FORGED", "hostile_requests", "parse_access", "run_add_plain_engine", "run_engine_abort",
+           "run_log_injection", "run_queued_client_leaves", "run_slot_frozen_mid_write"]
