@@ -18,6 +18,7 @@ so a flag removed from a parser fails here, wherever the parser is built.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import re
 from collections.abc import Callable, Iterator
@@ -298,6 +299,45 @@ def test_every_config_key_named_exists():
     wrong = [f"{_where(p, no)}: {key}" for p in USER_DOCS for no, ctx in _code_contexts(p.read_text())
              for key in _unknown_config_keys(ctx)]
     assert not wrong, "config keys that router/config.py does not have:\n" + "\n".join(wrong)
+
+
+def _python_imports(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, statement) of each ``import``/``from ... import`` line of the ```python blocks."""
+    in_python = False
+    stmt, start = "", 0
+    for no, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_python = line.strip() == "```python" and not in_python
+            continue
+        code = line.split("#")[0].strip()
+        if in_python and (stmt or re.match(r"(from \S+ )?import ", code)):
+            stmt, start = (stmt + " " + code if stmt else code), (start if stmt else no)
+            if stmt.count("(") == stmt.count(")"):
+                yield start, stmt
+                stmt = ""
+
+
+def test_every_import_in_a_python_block_works():
+    """A name that moves (``simulate.cluster.SLO`` to ``simulate.settings``) fails here."""
+    wrong = []
+    for page in USER_DOCS:
+        for no, stmt in _python_imports(page.read_text()):
+            for node in ast.walk(ast.parse(stmt)):
+                if isinstance(node, ast.Import):
+                    mods = [(a.name, None) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    mods = [(node.module or "", a.name) for a in node.names]
+                else:
+                    continue
+                for mod, name in mods:
+                    try:
+                        obj = importlib.import_module(mod)
+                    except ImportError as e:
+                        wrong.append(f"{_where(page, no)}: {stmt}: {e}")
+                        continue
+                    if name is not None and not hasattr(obj, name):
+                        wrong.append(f"{_where(page, no)}: {mod} has no {name}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_interfaces_has_a_row_for_every_package():
