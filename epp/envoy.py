@@ -47,7 +47,6 @@ CEL filter, Envoy's ``envoy.access_loggers.filters.cel``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import yaml
 
@@ -116,7 +115,7 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _status_is(code: int) -> dict[str, Any]:
+def _status_is(code: int) -> dict[str, object]:
     return {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": code,
                                                                         "runtime_key": f"dplb.local_reply.{code}"}}}}
 
@@ -127,7 +126,7 @@ _PICKER_REPLY = {"extension_filter": {"name": "envoy.access_loggers.extension_fi
     "expression": "response.code_details.startsWith('dplb_epp')"}}}
 
 
-def _local_reply_mappers(s: EnvoySettings) -> list[dict[str, Any]]:
+def _local_reply_mappers(s: EnvoySettings) -> list[dict[str, object]]:
     """``local_reply_config.mappers`` (module docstring), first match wins: the picker's own replies
     unchanged, then Envoy's by response flag, then by status."""
     return [
@@ -150,7 +149,7 @@ def _local_reply_mappers(s: EnvoySettings) -> list[dict[str, Any]]:
     ]
 
 
-def _json_reply(flt: dict[str, Any], kind: str, message: str) -> dict[str, Any]:
+def _json_reply(flt: dict[str, object], kind: str, message: str) -> dict[str, object]:
     """A ``local_reply_config`` mapper: Envoy's own replies matching ``flt`` get an OpenAI-shaped
     JSON body (``{"error": {"message", "type", "param", "code"}}``, :func:`router.protocol.error_body`'s shape)."""
     return {"filter": flt, "body_format_override": {
@@ -158,22 +157,45 @@ def _json_reply(flt: dict[str, Any], kind: str, message: str) -> dict[str, Any]:
         "content_type": "application/json"}}
 
 
-def bootstrap(s: EnvoySettings) -> dict[str, Any]:
-    """The Envoy bootstrap for ``s`` as a dict (see the module docstring). Raises ValueError for
-    an unknown ``request_body_mode``."""
+def bootstrap(s: EnvoySettings) -> dict[str, object]:
+    """The Envoy bootstrap for ``s`` as a dict (see the module docstring): one listener whose
+    connection manager (:func:`_connection_manager`) runs the ext_proc filter to the picker, and
+    the clusters (:func:`_clusters`). Raises ValueError for an unknown ``request_body_mode`` or
+    ``response_body_mode``."""
     if s.request_body_mode not in BODY_MODES:
         raise ValueError(f"request_body_mode must be one of {', '.join(BODY_MODES)}, not {s.request_body_mode!r}")
     if s.response_body_mode not in RESPONSE_BODY_MODES:
         raise ValueError(f"response_body_mode must be one of {', '.join(RESPONSE_BODY_MODES)}, "
                          f"not {s.response_body_mode!r}")
-    mode: dict[str, Any] = {"request_header_mode": "SEND", "request_body_mode": s.request_body_mode,
-                            "response_header_mode": "SEND", "response_body_mode": s.response_body_mode,
-                            "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+    return {
+        # an xDS subscription (the pool's EDS file) needs the node named
+        "node": {"id": "dplb-gateway", "cluster": "dplb-gateway"},
+        "admin": {"address": {"socket_address": {"address": s.admin_host or s.host, "port_value": s.admin_port}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "dplb_gateway",
+                "address": {"socket_address": {"address": s.host, "port_value": s.listen_port}},
+                "per_connection_buffer_limit_bytes": s.buffer_limit_bytes,
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": _connection_manager(s)}]}],
+            }],
+            "clusters": _clusters(s),
+        },
+    }
+
+
+def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
+    """The ext_proc HTTP filter: every request's stream to the picker's cluster ``epp``, in the
+    processing mode of ``s`` (with the trailers Envoy requires for a full-duplex body, or sends as
+    the only end of an answer without a body)."""
+    mode: dict[str, object] = {"request_header_mode": "SEND", "request_body_mode": s.request_body_mode,
+                               "response_header_mode": "SEND", "response_body_mode": s.response_body_mode,
+                               "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if s.request_body_mode == "FULL_DUPLEX_STREAMED":
         mode["request_trailer_mode"] = "SEND"   # Envoy requires it with a full-duplex body
     if s.response_body_mode in ("FULL_DUPLEX_STREAMED", "NONE"):
         mode["response_trailer_mode"] = "SEND"   # full duplex requires it; without a body, the only end an engine sends
-    ext_proc = {
+    return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -185,8 +207,13 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
                                  "forwarding_namespaces": {"untyped": [NAMESPACE]}},
         },
     }
-    route: dict[str, Any] = {"cluster": POOL_CLUSTER if s.pool_eds else "original_destination_cluster",
-                             "timeout": _secs(s.route_timeout_s), "idle_timeout": "300s"}
+
+
+def _route(s: EnvoySettings) -> dict[str, object]:
+    """The one route's action: the pool cluster (with its retries down the picker's fallbacks) or
+    the ``ORIGINAL_DST`` cluster."""
+    route: dict[str, object] = {"cluster": POOL_CLUSTER if s.pool_eds else "original_destination_cluster",
+                                "timeout": _secs(s.route_timeout_s), "idle_timeout": "300s"}
     if s.pool_eds and s.retries > 0:
         route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream", "num_retries": s.retries,
                                  "per_try_timeout": "0s",
@@ -194,32 +221,46 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
                                                            "typed_config": {"@type": PREVIOUS_HOSTS}}],
                                  "host_selection_retry_max_attempts": 3,
                                  "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"}}
-    hcm: dict[str, Any] = {
+    return route
+
+
+def _connection_manager(s: EnvoySettings) -> dict[str, object]:
+    """The listener's HTTP connection manager: the route (:func:`_route`), Envoy's own replies
+    OpenAI-shaped (:func:`_local_reply_mappers`), the ext_proc filter then the router filter, and
+    the access log when ``s.access_log`` names a file."""
+    hcm: dict[str, object] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "dplb_gateway",
         "codec_type": "AUTO",
         "stream_idle_timeout": "300s",
         "route_config": {"name": "dplb", "virtual_hosts": [{
             "name": "dplb", "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+            "routes": [{"match": {"prefix": "/"}, "route": _route(s)}]}]},
         "local_reply_config": {"mappers": _local_reply_mappers(s)},
-        "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
+        "http_filters": [_ext_proc_filter(s), {"name": "envoy.filters.http.router", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
     if s.access_log:
         hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
             "path": s.access_log, "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
-    epp_cluster = {
+    return hcm
+
+
+def _clusters(s: EnvoySettings) -> list[dict[str, object]]:
+    """The picker's cluster ``epp`` (HTTP/2), the ``ORIGINAL_DST`` cluster, and the pool cluster
+    (:func:`pool_cluster`) when ``s.pool_eds`` names its EDS file."""
+    epp_cluster: dict[str, object] = {
         # an IP literal: STATIC; a name (a Kubernetes Service, e.g. dplb-epp.default.svc): resolved by DNS
-        "name": "epp", "type": "STATIC" if _is_ip(s.epp_host) else "STRICT_DNS", "connect_timeout": _secs(s.connect_timeout_s), "lb_policy": "ROUND_ROBIN",
+        "name": "epp", "type": "STATIC" if _is_ip(s.epp_host) else "STRICT_DNS",
+        "connect_timeout": _secs(s.connect_timeout_s), "lb_policy": "ROUND_ROBIN",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}}}},
         "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
             "socket_address": {"address": s.epp_host, "port_value": s.epp_port}}}}]}]},
     }
-    original_dst = {
+    original_dst: dict[str, object] = {
         "name": "original_destination_cluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": _secs(s.connect_timeout_s),
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": HEADER},
@@ -228,27 +269,13 @@ def bootstrap(s: EnvoySettings) -> dict[str, Any]:
     clusters = [epp_cluster, original_dst]
     if s.pool_eds:
         clusters.append(pool_cluster(s))
-    return {
-        # an xDS subscription (the pool's EDS file) needs the node named
-        "node": {"id": "dplb-gateway", "cluster": "dplb-gateway"},
-        "admin": {"address": {"socket_address": {"address": s.admin_host or s.host, "port_value": s.admin_port}}},
-        "static_resources": {
-            "listeners": [{
-                "name": "dplb_gateway",
-                "address": {"socket_address": {"address": s.host, "port_value": s.listen_port}},
-                "per_connection_buffer_limit_bytes": s.buffer_limit_bytes,
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": hcm}]}],
-            }],
-            "clusters": clusters,
-        },
-    }
+    return clusters
 
 
 PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
-def pool_cluster(s: EnvoySettings) -> dict[str, Any]:
+def pool_cluster(s: EnvoySettings) -> dict[str, object]:
     """The pool cluster (module docstring): EDS from the file ``s.pool_eds``, Envoy's
     ``override_host`` load balancing on :data:`HEADER` (``ip:port[,ip:port...]``, tried in order
     by the retries) with round robin when there is none, the serving address written to
@@ -280,7 +307,7 @@ def pool_cluster(s: EnvoySettings) -> dict[str, Any]:
     }
 
 
-def eds_document(endpoints: list[str], version: str = "0") -> dict[str, Any]:
+def eds_document(endpoints: list[str], version: str = "0") -> dict[str, object]:
     """The pool cluster's endpoints as the ``DiscoveryResponse`` Envoy reads from the EDS file:
     ``endpoints`` are ``ip:port`` (IPv6 in brackets). Raises ValueError for one without a port."""
     lb = []

@@ -56,7 +56,7 @@ log = logging.getLogger("dplb.epp.kube")
 
 # Any: a Kubernetes object as the API server's JSON gives it (a pod, an InferencePool, a watch
 # event's object), read with .get() at every level; the one explicit Any of epp/
-KubeObject = dict[str, Any]
+KubeObject = dict[str, Any]  # type: ignore[explicit-any]
 #: a pool's selector and target ports (:func:`pool_spec`)
 PoolSpec = tuple[dict[str, str], list[int]]
 
