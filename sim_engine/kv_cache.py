@@ -22,6 +22,16 @@ three states::
   evicted before its head (vLLM does the same). One deviation from vLLM: blocks without a hash go to
   the *left* of the queue, so plain free blocks are used before any cached block is evicted.
 
+KV-cache events (vLLM's ``--kv-events-config``, off by default): with :attr:`KVCacheManager.events`
+set to a list, every change of the prefix cache is appended to it as it happens, in order::
+
+    ("stored", hash, parent hash, tokens)   a block's hash entered the cache (cache_block)
+    ("removed", block hash)     a hash left it (evicted by allocate, withdrawn by uncache_block)
+    ("cleared",)                every unreferenced hash left it (reset_prefix_cache)
+
+:mod:`sim_engine.kv_events` turns them into vLLM's wire format (it also needs the request's
+tokens, which the engine attaches to stored hashes).
+
 Invariants (checked by :meth:`check`): ``0 <= used <= num_blocks``; ``free + used == num_blocks``;
 every hash in the map names a block carrying that hash.
 """
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
 
@@ -70,6 +81,8 @@ class KVCacheManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.evictions = 0
+        #: KV-cache events since the consumer last took them (see the module docstring); None: off
+        self.events: list[tuple[Any, ...]] | None = None
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -125,11 +138,18 @@ class KVCacheManager:
                 del fq[b]
             rc[b] += 1
 
-    def cache_block(self, block: int, h: int) -> None:
-        """Register full ``block`` under hash ``h`` (no-op when caching is off or ``h`` is known)."""
+    def cache_block(self, block: int, h: int, parent: int | None = None,
+                    tokens: Sequence[str] | None = None) -> bool:
+        """Register full ``block`` under hash ``h`` (no-op when caching is off or ``h`` is known).
+        Returns True when ``h`` entered the cache. ``parent`` (the previous block's hash, None for
+        a first block) and ``tokens`` (the block's tokens) only go into the stored event."""
         if self.enable_prefix_caching and h not in self.cached and self.block_hash[block] is None:
             self.cached[h] = block
             self.block_hash[block] = h
+            if self.events is not None:
+                self.events.append(("stored", h, parent, tokens))
+            return True
+        return False
 
     def uncache_block(self, block: int) -> None:
         """Withdraw ``block``'s hash from the prefix cache (its KV was never computed)."""
@@ -137,6 +157,8 @@ class KVCacheManager:
         if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.append(("removed", h))
             self.block_hash[block] = None
             if self.ref_cnt[block] == 0:  # pragma: no cover - callers withdraw before freeing
                 self.free_queue.move_to_end(block, last=False)
@@ -157,6 +179,8 @@ class KVCacheManager:
                 del cached[h]
                 bh[b] = None
                 self.evictions += 1
+                if self.events is not None:
+                    self.events.append(("removed", h))
             rc[b] = 1
             out.append(b)
         return out
@@ -176,12 +200,19 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block (vLLM's /reset_prefix_cache). Returns the count."""
         n = 0
+        removed: list[int] = []
         for h, b in list(self.cached.items()):
             if self.ref_cnt[b] == 0:
+                removed.append(h)
                 del self.cached[h]
                 self.block_hash[b] = None
                 self.free_queue.move_to_end(b, last=False)
                 n += 1
+        if self.events is not None:
+            if self.cached:   # referenced blocks stay cached: say which hashes left, not "all"
+                self.events.extend(("removed", h) for h in removed)
+            else:
+                self.events.append(("cleared",))
         return n
 
     def check(self, held: Iterable[Sequence[int]] = ()) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import time
 
 from sim_engine.engine import EngineCore
+from sim_engine.kv_events import ZmqEventPublisher, wire_events
 from sim_engine.request import SimRequest
 
 
@@ -78,6 +79,16 @@ class EngineRunner:
         self._task: asyncio.Task | None = None
         self.wall_busy = 0.0  # wall seconds spent in schedule/complete (the core's own CPU cost)
         self.wall_active = 0.0  # wall seconds from each step's start to its completion (incl. sleep)
+        #: where the core's KV-cache events go (``--kv-events-config``; None: nowhere)
+        self.kv_publisher: ZmqEventPublisher | None = None
+
+    def flush_kv_events(self) -> None:
+        """Publish the core's KV-cache events since the last call as one batch (none: nothing)."""
+        pub, kv = self.kv_publisher, self.core.kv
+        if pub is not None and kv.events:
+            raw, kv.events = kv.events, []
+            cfg = self.core.config
+            pub.publish(wire_events(raw, cfg.block_size, cfg.vocab_size))
 
     def now(self) -> float:
         """Current simulated time, seconds.
@@ -126,6 +137,7 @@ class EngineRunner:
         for r in reqs:
             if r.finish_reason is None and self.core.abort(r.request_id, now) is not None:
                 n += 1
+        self.flush_kv_events()
         return n
 
     def abort_all(self) -> int:
@@ -139,6 +151,7 @@ class EngineRunner:
                 if req.sink is not None:
                     ch, idx = req.sink
                     ch.push_finish(idx, req)
+        self.flush_kv_events()
         return n
 
     async def _loop(self) -> None:
@@ -178,6 +191,7 @@ class EngineRunner:
                     ch, idx = req.sink
                     events.append((ch, idx, req, len(req.output)))
                 steps.append((base + wall, events))
+                self.flush_kv_events()
                 if wall >= self.MIN_SLICE_S or not core.has_work():
                     break
             self._sim_last = sim_t

@@ -33,6 +33,7 @@ from sim_engine.api import SimServer, build_router, json_response
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
 from sim_engine.engine import EngineCore
 from sim_engine.errors import SimEngineError
+from sim_engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from sim_engine.peers import build_peer_router
 from sim_engine.runner import EngineRunner
 
@@ -56,8 +57,11 @@ def error_response(
     )
 
 
-def create_app(config: EngineConfig, get_load_format: str = "sglang") -> Starlette:
+def create_app(config: EngineConfig, get_load_format: str = "sglang",
+               kv_events: KVEventsConfig | None = None) -> Starlette:
     """Build the ASGI app (Starlette) for ``config``; the step loop runs for the app's lifespan.
+    ``kv_events``: vLLM's ``--kv-events-config`` (active: the KV-cache events are published on
+    ZMQ for the app's lifespan, :mod:`sim_engine.kv_events`).
 
     ``app.state.sim`` is the :class:`SimServer` (core, runner) — tests use it in-process."""
     core = EngineCore(config)
@@ -67,6 +71,11 @@ def create_app(config: EngineConfig, get_load_format: str = "sglang") -> Starlet
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runner = sim.runner
+        if kv_events is not None and kv_events.active:
+            runner.kv_publisher = ZmqEventPublisher(kv_events)
+            core.kv.events = []
+            log.info("KV-cache events on %s (replay %s)", runner.kv_publisher.last_endpoint,
+                     runner.kv_publisher.replay_last_endpoint)
         runner.start()
         if getattr(app.state, "uvicorn_server", None) is not None:
             _install_shutdown(app)
@@ -74,6 +83,9 @@ def create_app(config: EngineConfig, get_load_format: str = "sglang") -> Starlet
             yield
         finally:
             await runner.stop()
+            if runner.kv_publisher is not None:
+                runner.kv_publisher.close()
+                runner.kv_publisher = None
 
     async def sim_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, SimEngineError)
@@ -136,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Shape of GET /get_load: SGLang's list (its router's power_of_two sums num_tokens) or "
         'vllm-router\'s {"load": N}; the two routers disagree, so pick the one in front.',
     )
+    ev = p.add_argument_group("KV-cache events")
+    ev.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s flag: publish KV-cache events, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (vLLM\'s wire format)',
+    )
     add_engine_args(p)
     return p
 
@@ -160,13 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
     except ValueError as e:
         print(f"dplb-sim-engine: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config, args.get_load_format)
+    app = create_app(config, args.get_load_format, kv_events)
     ucfg = uvicorn.Config(
         app,
         host=args.host,

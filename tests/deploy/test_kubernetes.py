@@ -56,7 +56,7 @@ def _epp_container(objs: dict) -> dict[str, Any]:
 def test_every_kind_present(objs):
     kinds = {k for k, _ in objs}
     assert {"InferencePool", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-            "Gateway", "HTTPRoute"} <= kinds
+            "Gateway", "HTTPRoute", "PodDisruptionBudget"} <= kinds
 
 
 def test_container_args_parse_with_dplb_epp_parser(objs):
@@ -114,6 +114,32 @@ def test_pool_service_deployment_agree(objs):
     served = {p["containerPort"] for c in ms["spec"]["containers"] for p in c["ports"]}
     assert {t["number"] for t in pool["spec"]["targetPorts"]} <= served
     assert 1 <= len(pool["spec"]["targetPorts"]) <= 8
+
+
+def test_pickers_run_replicated_with_a_disruption_budget(objs):
+    """2+ picker replicas; a PodDisruptionBudget that selects them keeps one through a voluntary
+    disruption; a rolling update adds a ready picker before it removes one; readiness is the
+    picker's gRPC readiness (SERVING once a scrape found an eligible engine)."""
+    dep = objs[("Deployment", "dplb-epp")]
+    n = dep["spec"]["replicas"]
+    assert n >= 2
+    pdb = objs[("PodDisruptionBudget", "dplb-epp")]
+    assert pdb["apiVersion"] == "policy/v1"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    spec = pdb["spec"]
+    assert ("minAvailable" in spec) != ("maxUnavailable" in spec)
+    if "minAvailable" in spec:
+        assert 1 <= int(spec["minAvailable"]) < n
+    else:
+        assert 1 <= int(spec["maxUnavailable"]) < n
+    ru = dep["spec"]["strategy"]["rollingUpdate"]
+    assert dep["spec"]["strategy"]["type"] == "RollingUpdate" and ru["maxUnavailable"] == 0 and ru["maxSurge"] >= 1
+    probe = _epp_container(objs)["readinessProbe"]["grpc"]
+    assert probe == {"port": 9003, "service": "readiness"}
+    spread = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert any(c["topologyKey"] == "kubernetes.io/hostname"
+               and c["labelSelector"]["matchLabels"].items() <= labels.items() for c in spread)
 
 
 def test_rbac_binds_the_epp_service_account(objs):
