@@ -40,6 +40,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
 import msgspec
 import zmq
 

@@ -173,7 +173,7 @@ class EngineCore:
         full = min(upto_tokens // self.config.block_size, len(req.hashes))
         if full > req.num_registered:
             kv, blocks, hashes = self.kv, req.blocks, req.hashes
-            if kv.events is not None:   # KV-cache events: each stored block with its parent and tokens
+            if kv.events is not None and kv.event_tokens:   # KV-cache events: with parent and tokens
                 bs = self.config.block_size
                 for j in range(req.num_registered, full):
                     kv.cache_block(blocks[j], hashes[j], hashes[j - 1] if j else None,

@@ -83,6 +83,9 @@ class KVCacheManager:
         self.evictions = 0
         #: KV-cache events since the consumer last took them (see the module docstring); None: off
         self.events: list[tuple[Any, ...]] | None = None
+        #: whether stored events carry the block's tokens (the wire format needs them; the
+        #: simulator, which matches by the engine's hashes, does not)
+        self.event_tokens = True
 
     # ---- views -------------------------------------------------------------------------------
     @property

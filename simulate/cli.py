@@ -102,9 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default=None,
                    help=f"comma-separated policies to compare (of {', '.join(policy_names())}; default: the config's)")
     r.add_argument("--config", default=None, help="router config (dplb.yaml): weights, thresholds, health interval")
+    r.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="R router replicas behind a round-robin front, each with its own policy state, "
+                        "prefix index and in-flight accounting (as on R nodes), the engines shared (default 1)")
     r.add_argument("--oracle-prefix", action="store_true",
                    help="simulator only: prefix-aware policies see each engine's true cached prefix of the "
                         "request instead of the router's prefix index (what the index costs)")
+    r.add_argument("--events-prefix", action="store_true",
+                   help="simulator only: prefix-aware policies see each engine's cached prefix of the request as "
+                        "the engines' KV-cache events tell it (one block set per engine, updated when each step "
+                        "ends, shared by every replica) instead of the router's prefix index")
     r.add_argument("--client-max-tokens", choices=CLIENT_BOUNDS, default="exact",
                    help="the max_tokens the router is told (the engine still generates the trace's output "
                         "length): exact (the trace's length, an oracle; default), pow2 (rounded up to a power "
@@ -237,8 +244,9 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
         "arrival_spread_ms": ns.arrival_spread_ms,
         "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
-        "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix,
+        "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix, "events_prefix": ns.events_prefix,
         "client_max_tokens": ns.client_max_tokens,
+        "replicas": ns.replicas,
         "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
         "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
@@ -288,6 +296,8 @@ def _main(ns: argparse.Namespace) -> int:
         raise UsageError(f"--rate-scale {ns.rate_scale}: must be > 0")
     if ns.state_interval_ms < 10:
         raise UsageError(f"--state-interval-ms {ns.state_interval_ms}: must be >= 10 (as the agent's)")
+    if ns.replicas < 1:
+        raise UsageError(f"--replicas {ns.replicas}: must be >= 1")
     if ns.latency_window_s < 0:
         raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
     att_slo = attainment_slo(ns)
@@ -337,7 +347,8 @@ def _main(ns: argparse.Namespace) -> int:
     base = SimSettings(engines=engines, router=cfg, state_interval_ms=ns.state_interval_ms,
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
-                       client_max_tokens=ns.client_max_tokens)
+                       client_max_tokens=ns.client_max_tokens, replicas=ns.replicas,
+                       events_prefix=ns.events_prefix)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
     rows: list[dict[str, Any]] = []
     ttfts: dict[str, list[float]] = {}
@@ -400,6 +411,12 @@ def _main(ns: argparse.Namespace) -> int:
     print(table(rows))
     print(f"({LEGEND})")
     print(attainment_line(rows, att_slo))
+    if ns.replicas > 1:
+        for row in rows:
+            acc = (row.get("replicas") or {}).get("accounting_error") or {}
+            print(f"{row['policy']}: {ns.replicas} router replicas (round robin); accounting error "
+                  f"{acc.get('inflight')} (sum over replicas of |requests a replica counts on an engine - "
+                  "requests there| / requests there)")
     if (ns.find_capacity or ns.min_engines) and p99:
         slo_txt = ", ".join(x for x in (f"TTFT p99 <= {ns.slo_ttft_p99} s" if ns.slo_ttft_p99 is not None else "",
                                         f"TPOT p99 <= {ns.slo_tpot_p99} s" if ns.slo_tpot_p99 is not None else "")

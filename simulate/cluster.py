@@ -37,6 +37,12 @@ run with ``now_override_ns``, policies and the registry get ``clock=``.
 What is not modelled: network and router/agent CPU time (zero), HTTP retries (the sim engine
 answers 400 only, which is never retried), probe failures, breaker trips, agent ``--max-queue``.
 
+Router replicas (``SimSettings.replicas`` R > 1, :mod:`simulate.replicas`): R routers behind a
+round-robin front, each with its own segment, policy and registry; every engine has one agent per
+replica's segment, all publishing at the engine's tick; the router tick syncs every registry.
+With ``events_prefix`` the engines' KV-cache events, taken at each step end, are every replica's
+prefix truth.
+
 Here: the event loop, one handler per event kind (:class:`_Run`). What a run is given and returns:
 :mod:`simulate.settings`; the cluster's parts (virtual clock, private segment, engines with their
 agents, the oracle prefix index): :mod:`simulate.virtual`.
@@ -52,6 +58,7 @@ from bench.trace import TraceRequest
 from dplb_shm import Segment
 from router.config import Config
 from router.errors import NoEligibleWorker
+from router.kv_events import BlockSet
 from router.policies import RequestInfo, build_policy
 from router.protocol import CHAT, COMPLETIONS
 from router.scheduling import Lease, Scheduler
@@ -59,6 +66,13 @@ from router.state import learn_settings, scoring_params, ttft_params
 from router.workers import Registry
 from sim_engine.errors import SimEngineError
 from sim_engine.request import SimRequest
+from simulate.replicas import (
+    AccountingError,
+    Replica,
+    RoundRobinFront,
+    add_scrapers,
+    apply_kv_events,
+)
 from simulate.settings import CLIENT_BOUNDS, OK, RunResult, SimSettings
 from simulate.virtual import (
     OracleIndex,
@@ -168,18 +182,31 @@ class _Run:
     :meth:`loop` pops the events in order and calls them."""
 
     def __init__(self, reqs: list[TraceRequest], s: SimSettings,
-                 hashers: dict[tuple[int, str], EngineHasher], seg: Segment) -> None:
+                 hashers: dict[tuple[int, str], EngineHasher], segs: list[Segment]) -> None:
         self.reqs = reqs
         self.s = s
         n = self.n = len(reqs)
         rng = random.Random(s.seed)
         self.clock = VirtualClock()
         now_ns = self.now_ns = self.clock.now_ns
-        seg.seed(s.seed)
-        self.seg = seg
+        for seg in segs:
+            seg.seed(s.seed)
+        self.segs = segs
         cfg = s.router
-        self.engines = start_engines(seg, s, hashers, now_ns)
-        self._start_router(cfg, rng)
+        self.engines = start_engines(segs[0], s, hashers, now_ns)
+        add_scrapers(self.engines, segs[1:], s, now_ns())
+        # the routers: R replicas behind a round-robin front (simulate.replicas), replica 0 first
+        self.replicas = [self._start_router(r, seg, cfg, rng) for r, seg in enumerate(segs)]
+        self.front = RoundRobinFront(len(segs))
+        self.accounting = AccountingError()
+        self.needs_text = bool(getattr(self.replicas[0].policy, "needs_text", True))
+        self.n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
+        self.block_sets: list[BlockSet] = []
+        if s.events_prefix:
+            for e in self.engines:
+                e.core.kv.events = []
+                e.core.kv.event_tokens = False   # matched by the engine's hashes: no tokens needed
+                self.block_sets.append(BlockSet(f"engine {e.k}"))
         self.path = CHAT if s.api == "chat" else COMPLETIONS
         self.bound = CLIENT_BOUNDS[s.client_max_tokens]
         self.model = s.engines[0].model
@@ -200,22 +227,22 @@ class _Run:
         self.ms = 1000.0 * s.agent_latency_scale
         self._schedule_ticks(cfg, rng)
 
-    def _start_router(self, cfg: Config, rng: random.Random) -> None:
-        """The router: its real pipeline over the segment, on the virtual clock; with
-        ``oracle_prefix`` its prefix index answers with the engines' truth (:class:`OracleIndex`)."""
-        s, seg, now_ns, clock = self.s, self.seg, self.now_ns, self.clock
+    def _start_router(self, r: int, seg: Segment, cfg: Config, rng: random.Random) -> Replica:
+        """Router replica ``r``: its real pipeline over its segment ``seg``, on the virtual clock;
+        with ``oracle_prefix`` or ``events_prefix`` its prefix index answers with the engines' truth
+        (:class:`OracleIndex`)."""
+        s, now_ns, clock = self.s, self.now_ns, self.clock
         policy = build_policy(s.policy, cfg.routing_policy, kernel=seg, params=scoring_params(cfg),
                               ttft_params=ttft_params(cfg), rng=random.Random(rng.getrandbits(64)), clock=now_ns)
-        self.registry = Registry(seg, cfg, clock=now_ns)
-        self.registry.sync(seg.snapshot())
-        self.scheduler = Scheduler(self.registry, policy, seg, metrics=None, learn=learn_settings(cfg),
-                                   default_rate=cfg.routing_policy.prefill_tokens_per_s, clock_s=lambda: clock.t)
-        self.needs_text = bool(getattr(policy, "needs_text", True))
-        self.oracle: OracleIndex | None = None
-        self.n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
-        if s.oracle_prefix and getattr(policy, "index", None) is not None:
-            self.oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
-            policy.index = self.oracle                # type: ignore[attr-defined]
+        registry = Registry(seg, cfg, clock=now_ns)
+        registry.sync(seg.snapshot())
+        scheduler = Scheduler(registry, policy, seg, metrics=None, learn=learn_settings(cfg),
+                              default_rate=cfg.routing_policy.prefill_tokens_per_s, clock_s=lambda: clock.t)
+        oracle: OracleIndex | None = None
+        if (s.oracle_prefix or s.events_prefix) and getattr(policy, "index", None) is not None:
+            oracle = OracleIndex(policy.index)   # type: ignore[attr-defined]
+            policy.index = oracle                # type: ignore[attr-defined]
+        return Replica(r, seg, policy, registry, scheduler, oracle)
 
     def _schedule_ticks(self, cfg: Config, rng: random.Random) -> None:
         """The first agent ticks (each agent at a seeded phase: they start at different moments),
@@ -297,8 +324,10 @@ class _Run:
             self.start_step(e, t)
             return
         produced = e.core.complete(plan, t)
+        if self.block_sets:
+            apply_kv_events(e.core.kv, self.block_sets[k])
         if produced:
-            e.writer.now_override_ns = self.now_ns()
+            e.stamp(self.now_ns())
         leases = self.leases
         aborted = False
         for req in produced:
@@ -331,7 +360,8 @@ class _Run:
         tpot = (total - ft) / (n_out - 1) if n_out > 1 else None
         ms = self.ms
         # the agent publishes latency windows from the engine's own histograms
-        e.writer.record_latency(ttft_ms=ft * ms, tpot_ms=None if tpot is None else tpot * ms, e2e_ms=total * ms)
+        for w in e.writers:
+            w.record_latency(ttft_ms=ft * ms, tpot_ms=None if tpot is None else tpot * ms, e2e_ms=total * ms)
         lease.release(now=t)   # as the live proxy: without the output count
         self.leases[i] = None
         self.e2e[i] = total
@@ -344,21 +374,24 @@ class _Run:
         """Agent ``k`` publishes its engine's running / waiting / KV usage with a fresh heartbeat."""
         e = self.engines[k]
         core = e.core
-        e.writer.now_override_ns = self.now_ns()
-        e.agent.publish_engine(EngineMetrics(num_running=len(core.running), num_waiting=len(core.waiting),
-                                             kv_cache_usage=core.kv.usage))
+        e.stamp(self.now_ns())
+        m = EngineMetrics(num_running=len(core.running), num_waiting=len(core.waiting), kv_cache_usage=core.kv.usage)
+        for agent in e.agents:   # one per router replica
+            agent.publish_engine(m)
         self.tick_no[k] += 1
         self.push(self.phase[k] + self.tick_no[k] * self.interval, AGENT_TICK, k)
 
     def router_tick(self, t: float, k: int) -> None:
         """The router's health tick: its registry syncs from a segment snapshot."""
-        self.registry.sync(self.seg.snapshot())
+        for rp in self.replicas:
+            rp.registry.sync(rp.seg.snapshot())
         self.r_tick += 1
         self.push(self.r_phase + self.r_tick * self.hc_interval, ROUTER_TICK, -1)
 
     def sample(self, t: float, k: int) -> None:
         """Every engine's load now (:class:`_Load`)."""
         self.load.sample(t, self.engines)
+        self.accounting.sample(self.segs, [len(e.core.running) + len(e.core.waiting) for e in self.engines])
         self.n_sample += 1
         self.push(self.n_sample * self.sample_dt, SAMPLE, -1)
 
@@ -370,17 +403,18 @@ class _Run:
         text = router_text(r, s.api) if self.needs_text else ""
         info = RequestInfo(self.path, self.model, True, text, router_prompt_len(r, s.api),
                            max_tokens=self.bound(r.output_length) if r.output_length > 0 else None)
-        if self.oracle is not None:
-            self._oracle_matches(self.oracle, r, text)
+        rp = self.replicas[self.front.pick()]
+        if rp.oracle is not None:
+            self._oracle_matches(rp.oracle, r, text)
         try:
-            lease, d = self.scheduler.select(info, now=t)
+            lease, d = rp.scheduler.select(info, now=t)
         except NoEligibleWorker as err:
             self._rejected(i, err.status)
             return
         k = d.worker_id
         e = self.engines[k]
         self.worker[i] = k
-        e.writer.now_override_ns = self.now_ns()
+        e.stamp(self.now_ns())
         sreq = SimRequest(str(i), RenderedPrompt(r, s.api), r.output_length, e.core.config.block_size,  # type: ignore[arg-type]
                           sink=i, hashes=e.hasher.hashes(r))
         try:
@@ -409,7 +443,10 @@ class _Run:
                 hs = by_hasher[id(e.hasher)] = e.hasher.hashes(r)
             bs = e.core.config.block_size
             n_tok = r.input_length + self.n_template
-            hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
+            if self.block_sets:   # the engines' events, as every replica's subscriber holds them
+                hit = self.block_sets[e.k].match(hs[:(n_tok - 1) // bs]) * bs
+            else:
+                hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
             if hit and text:
                 oracle.current[e.k] = max(1, round(len(text) * hit / n_tok))
 
@@ -429,7 +466,8 @@ class _Run:
                          ttft=self.ttft, e2e=self.e2e, queue=self.queue, output_tokens=self.out_tok,
                          cached_tokens=self.cached, prompt_tokens=[r.input_length for r in self.reqs],
                          engine_stats=stats, load=self.load.as_dict(), end_time=self.clock.t,
-                         aborted=self.aborted, events=events)
+                         aborted=self.aborted, events=events,
+                         replicas={"replicas": len(self.replicas), "accounting_error": self.accounting.result()})
 
 
 class Simulation:
@@ -443,15 +481,21 @@ class Simulation:
             raise ValueError("at least one engine is needed")
         if settings.rate_scale <= 0:
             raise ValueError(f"rate scale must be > 0 (got {settings.rate_scale})")
+        if settings.replicas < 1:
+            raise ValueError(f"replicas must be >= 1 (got {settings.replicas})")
         self.reqs = list(requests)
         self.s = settings
         self.hashers = hashers if hashers is not None else {}
 
     def run(self, progress: Callable[[int, int, float], None] | None = None) -> RunResult:
         """Simulate to the last request's end. ``progress(done, total, virtual_t)`` is called every
-        few hundred events. The private segment is unlinked whatever happens."""
-        seg = private_segment(len(self.s.engines))
+        few hundred events. The private segments (one per router replica) are unlinked whatever
+        happens."""
+        segs: list[Segment] = []
         try:
-            return _Run(self.reqs, self.s, self.hashers, seg).loop(progress)
+            for _ in range(self.s.replicas):
+                segs.append(private_segment(len(self.s.engines)))
+            return _Run(self.reqs, self.s, self.hashers, segs).loop(progress)
         finally:
-            release_segment(seg)
+            for seg in segs:
+                release_segment(seg)

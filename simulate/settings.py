@@ -109,6 +109,13 @@ class SimSettings:
     #: trace's output length whatever it is): the trace's length (``exact``, an oracle; what every
     #: run before issue 29's round 8 used), a client's looser bound or none
     client_max_tokens: str = "exact"
+    #: router replicas behind a round-robin front, each with its own segment, policy state and
+    #: scrapers, the engines shared (:mod:`simulate.replicas`; 1: the one router)
+    replicas: int = 1
+    #: like ``oracle_prefix``, but the truth as the engines' KV-cache events tell it: each engine's
+    #: block set (:class:`router.kv_events.BlockSet`, shared by every replica) takes the events of a
+    #: step when the step ends, as vLLM publishes them after the step (``--events-prefix``)
+    events_prefix: bool = False
 
 
 @dataclass
@@ -135,3 +142,5 @@ class RunResult:
     end_time: float
     aborted: bool = False
     events: int = 0
+    #: ``{"replicas": R, "accounting_error": ...}`` (:class:`simulate.replicas.AccountingError`)
+    replicas: dict[str, Any] | None = None

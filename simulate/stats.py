@@ -10,6 +10,10 @@ Definitions (the same as ``dplb-replay`` and ``bench/``, see :mod:`bench.stats`)
 * ``prefix_hit_rate``: Σ prefix-cache hit tokens / Σ queried prompt tokens over all engines, counted
   at each request's first admission (vLLM's ``prefix_cache_hits`` / ``prefix_cache_queries``);
 * ``preemptions``: Σ engine preemptions (by recompute);
+* ``replicas``: the number of router replicas and their accounting error
+  (:class:`simulate.replicas.AccountingError`: the requests each replica counts on each engine,
+  its own plus the outside requests of its last scrape, against the requests there; 0 with one
+  replica);
 * per-engine share: served requests per engine / all served; ``max_min_ratio`` = max / min count
   (None when an engine served none);
 * rejected: requests answered with an error, by HTTP status (400: longer than the context or the
@@ -136,6 +140,7 @@ def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) 
             "prefix_hit_rate": [_r(s["prefix_cache_hits"] / s["prefix_cache_queries"], 4)
                                 if s["prefix_cache_queries"] else None for s in res.engine_stats],
         },
+        "replicas": res.replicas,
         "load_over_time": {"t_s": res.load["t"], "queue": res.load["queue"], "running": res.load["running"],
                            "kv_cache_usage": res.load["kv"]},
     }

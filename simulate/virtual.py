@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dplb_shm import Segment, WorkerState
+from sim_engine.config import EngineConfig
 from sim_engine.engine import EngineCore
 from simulate.settings import SimSettings
 from simulate.workload import EngineHasher
@@ -133,15 +134,24 @@ class SimWorker:
     """One simulated worker: engine ``k``'s core, its agent (and the agent's slot writer), the
     hasher of its block size, and the step it runs (``plan``: None idle, False waiting 1 ms)."""
 
-    __slots__ = ("agent", "core", "hasher", "k", "plan", "writer")
+    __slots__ = ("agent", "agents", "core", "hasher", "k", "plan", "writer", "writers")
 
     def __init__(self, k: int, core: EngineCore, agent: Agent, hasher: EngineHasher) -> None:
         self.k = k
         self.core = core
         self.agent = agent
         self.writer = agent.writer
+        #: with router replicas (:mod:`simulate.replicas`), one agent per replica's segment
+        #: (replica 0's is ``agent``): each publishes the engine's state into its replica's slot
+        self.agents = [agent]
+        self.writers = [agent.writer]
         self.hasher = hasher
         self.plan: Any = None
+
+    def stamp(self, now_ns: int) -> None:
+        """Every slot writer of this engine writes at ``now_ns`` from now on."""
+        for w in self.writers:
+            w.now_override_ns = now_ns
 
 
 def start_engines(seg: Segment, s: SimSettings, hashers: dict[tuple[int, str], EngineHasher],
@@ -151,18 +161,25 @@ def start_engines(seg: Segment, s: SimSettings, hashers: dict[tuple[int, str], E
     engines: list[SimWorker] = []
     for k, ecfg in enumerate(s.engines):
         core = EngineCore(ecfg)
-        acfg = AgentConfig(worker_id=k, shm=seg.name, uds=f"/sim/agent-{k}.sock", engine=SIM.name,
-                           model=ecfg.model, state_interval_ms=s.state_interval_ms,
-                           max_num_seqs=ecfg.max_num_seqs, latency_window_s=s.latency_window_s)
-        agent = Agent(acfg, adapter=_NoAdapter(), segment=seg, nvml=_NoGpu())  # type: ignore[arg-type]
-        agent.writer.now_override_ns = now_ns()
-        agent.writer.claim(worker_id=k, pid=os.getpid(), endpoint=acfg.uds, gpu_ids=[], weight=1.0,
-                           model=ecfg.model, max_num_seqs=ecfg.max_num_seqs)
-        agent.state = WorkerState.READY
-        agent.writer.set_state(WorkerState.READY)
-        agent.publish_engine(EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0))
+        agent = start_agent(seg, k, ecfg, s, now_ns())
         key = (ecfg.block_size, s.api)
         if key not in hashers:
             hashers[key] = EngineHasher(ecfg.block_size, s.api)
         engines.append(SimWorker(k, core, agent, hashers[key]))
     return engines
+
+
+def start_agent(seg: Segment, k: int, ecfg: EngineConfig, s: SimSettings, now_ns: int) -> Agent:
+    """Engine ``k``'s agent on ``seg``: it claims slot ``k``, turns READY and publishes an idle
+    engine at ``now_ns`` (segment clock)."""
+    acfg = AgentConfig(worker_id=k, shm=seg.name, uds=f"/sim/agent-{k}.sock", engine=SIM.name,
+                       model=ecfg.model, state_interval_ms=s.state_interval_ms,
+                       max_num_seqs=ecfg.max_num_seqs, latency_window_s=s.latency_window_s)
+    agent = Agent(acfg, adapter=_NoAdapter(), segment=seg, nvml=_NoGpu())  # type: ignore[arg-type]
+    agent.writer.now_override_ns = now_ns
+    agent.writer.claim(worker_id=k, pid=os.getpid(), endpoint=acfg.uds, gpu_ids=[], weight=1.0,
+                       model=ecfg.model, max_num_seqs=ecfg.max_num_seqs)
+    agent.state = WorkerState.READY
+    agent.writer.set_state(WorkerState.READY)
+    agent.publish_engine(EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0))
+    return agent

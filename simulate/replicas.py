@@ -1,0 +1,134 @@
+"""Router replicas in the simulator (``dplb-simulate --replicas R``): R routers, each as on its own node,
+behind a front that spreads requests over them, the engines shared.
+
+Each :class:`Replica` has what a router or picker replica on another node has to itself:
+
+* its own segment (a private one: the router lines hold *its* in-flight requests, outstanding
+  prefill tokens, decoding requests and learned prefill rates only);
+* its own policy state (prefix index, round-robin cursor, random stream) and registry;
+* its own scraper per engine (an :class:`~worker_agent.agent.Agent` writing into its segment, as
+  the picker's scraper, ``epp/discovery.py``, or the node's agent would): at each state interval
+  it publishes the engine's true running / waiting / KV usage together with *this replica's*
+  in-flight count of the same instant, so the kernel's ``X_i`` (requests in the engine that no
+  router here dispatched, csrc/dplb_kernel.h) holds the other replicas' requests as of that
+  scrape. What the other replicas dispatched since is what this replica cannot see.
+
+The front (:class:`RoundRobinFront`) spreads requests round robin over the replicas, as Envoy's or
+a Kubernetes Service's default load balancing does. Replica 0 is the simulator's usual router:
+with R = 1 the run is the one-router run, event for event.
+
+The accounting error (:class:`AccountingError`) compares, at every load sample, each replica's
+view of each engine's in-flight requests (its router line) and outstanding prefill tokens with the
+truth (the sum over all replicas, which is what every replica would see if they shared one segment).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dplb_shm import Segment
+from router.kv_events import BlockSet
+from router.policies.base import Policy
+from router.scheduling import Scheduler
+from router.workers import Registry
+from sim_engine.kv_cache import KVCacheManager
+from simulate.settings import SimSettings
+from simulate.virtual import OracleIndex, SimWorker, start_agent
+
+
+class Replica:
+    """One router replica: ``seg`` (its segment), ``policy``, ``registry``, ``scheduler`` and, with
+    ``oracle_prefix`` or ``events_prefix``, ``oracle`` (its policy's index answering with the truth)."""
+
+    __slots__ = ("oracle", "policy", "r", "registry", "scheduler", "seg")
+
+    def __init__(self, r: int, seg: Segment, policy: Policy, registry: Registry, scheduler: Scheduler,
+                 oracle: OracleIndex | None) -> None:
+        self.r = r
+        self.seg = seg
+        self.policy = policy
+        self.registry = registry
+        self.scheduler = scheduler
+        self.oracle = oracle
+
+
+def add_scrapers(engines: Sequence[SimWorker], segs: Sequence[Segment], s: SimSettings, now_ns: int) -> None:
+    """For each segment of ``segs`` (replicas 1, 2, ...), one agent per engine writing its slot
+    there: each replica's own scraper of the shared engines."""
+    for seg in segs:
+        for e in engines:
+            agent = start_agent(seg, e.k, s.engines[e.k], s, now_ns)
+            e.agents.append(agent)
+            e.writers.append(agent.writer)
+
+
+def apply_kv_events(kv: KVCacheManager, blocks: BlockSet) -> None:
+    """Move the engine's KV-cache events since the last call (:attr:`KVCacheManager.events`) into
+    ``blocks``, in order (what a replica's subscriber does with the published batch; the hashes
+    are the engine's own, so the simulator matches requests with the engine's hashes)."""
+    raw = kv.events
+    if not raw:
+        return
+    kv.events = []
+    for ev in raw:
+        kind = ev[0]
+        if kind == "stored":
+            blocks.store((ev[1],), ev[2])
+        elif kind == "removed":
+            blocks.remove((ev[1],))
+        else:
+            blocks.clear()
+
+
+class RoundRobinFront:
+    """Spreads requests over ``n`` replicas in turn (Envoy's and a Kubernetes Service's default)."""
+
+    __slots__ = ("n", "next")
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"replicas must be >= 1 (got {n})")
+        self.n = n
+        self.next = 0
+
+    def pick(self) -> int:
+        """The replica that takes the next request."""
+        r = self.next
+        self.next = (r + 1) % self.n
+        return r
+
+
+class AccountingError:
+    """How far each replica's view of each engine's load is from the truth, over the run's load samples.
+
+    A replica's view of engine ``k``'s requests (what the ``dplb`` kernel counts, csrc/dplb_kernel.h):
+    its own live in-flight count (its router line) plus ``X_k``, the requests in the engine that
+    it did not dispatch, as of its scraper's last publication (``running + waiting − inflight`` of
+    that scrape). The truth: the requests in the engine now (running + waiting; the simulator
+    hands a request to its engine at dispatch). With one replica the two agree; with several, a
+    replica misses what the others dispatched (or finished) since its last scrape.
+
+    :meth:`result`: ``Σ |view − truth| / Σ truth`` over samples, engines and replicas (None when
+    the engines were always idle)."""
+
+    def __init__(self) -> None:
+        self.err = 0.0
+        self.total = 0.0
+        self.samples = 0
+
+    def sample(self, segs: Sequence[Segment], truth: Sequence[int]) -> None:
+        """Read every replica's slots once; ``truth[k]``: engine ``k``'s running + waiting now."""
+        self.samples += 1
+        for seg in segs:
+            for s in seg.snapshot():
+                k = s.worker_id
+                if k >= len(truth):
+                    continue
+                outside = max(0, s.num_running + s.num_waiting - s.inflight)
+                view = max(0, s.router_inflight) + outside
+                self.err += abs(view - truth[k])
+                self.total += truth[k]
+
+    def result(self) -> dict[str, Any]:
+        """``{"inflight": e, "samples": n}`` (see the class docstring)."""
+        return {"inflight": round(self.err / self.total, 4) if self.total > 0 else None, "samples": self.samples}
