@@ -31,10 +31,16 @@ response body       each chunk is answered unchanged (``FULL_DUPLEX_STREAMED``: 
                     Response body mode ``NONE``: prefill is taken as done at the head, the gRPC
                     stream's end settles the lease as complete (no token counts).
 stream's end        a stream that ends before the response's end (Envoy reset it: client gone,
-                    engine failed, timeout) releases the lease with no verdict (status 499 in
-                    ``dplb_router_requests_total``), exactly once (:class:`router.scheduling.Lease`);
+                    engine failed, timeout) is told apart by one probe of its engine
+                    (``GET /health``, :data:`CUT_PROBE_S`): the engine gone, the stream broke
+                    under the client (status 502 and a ``stream_broken`` error, as the HTTP
+                    router counts it, a breaker failure); else the client left (status 499, no
+                    verdict); the lease is released exactly once (:class:`router.scheduling.Lease`);
                     unless its SSE ``data: [DONE]`` had passed: that stream was complete (the
-                    ``openai`` client closes its connection there).
+                    ``openai`` client closes its connection there). An engine-side abort
+                    (``finish_reason: "abort"``) ends a stream with an OpenAI-shaped SSE error
+                    event added to the chunk that carries it, and counts 502 ``engine_abort``
+                    (a non-streamed one too; its head has left by then, so its status stays).
 ==================  ===========================================================================
 
 Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol.error_body`),
@@ -45,6 +51,7 @@ The decisions are the picker's (:class:`epp.picker.Picker`) and request control'
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -58,8 +65,8 @@ from google.protobuf import struct_pb2
 
 from epp.envoy import HEADER, NAMESPACE, SERVED
 from epp.picker import Picker, envoy_target
-from router.director import route_of
-from router.errors import BodyTooLarge
+from router.director import ENGINE_ABORT, route_of
+from router.errors import BodyTooLarge, TransportError
 from router.policies.base import RequestInfo
 from router.protocol import WORKER_HEADER, BadRequest, OpenAIError
 from router.scheduling import Lease
@@ -73,6 +80,11 @@ log = logging.getLogger("dplb.epp")
 CHUNK = 62_000
 #: a non-streamed answer is kept up to this many bytes to read its ``usage`` (then its tail only)
 ANSWER_KEEP = 1 << 20
+#: seconds the probe that tells a broken stream from a client that left may take (module docstring)
+CUT_PROBE_S = 1.0
+#: the probes of cut streams under way (kept referenced until done)
+_JUDGING: set[asyncio.Task[None]] = set()
+_PROBING = "probing"   # Exchange.cut while the probe of a cut stream is out
 _FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 _NONE = 0          # ProcessingMode.BodySendMode.NONE
 
@@ -126,7 +138,7 @@ class Exchange:
     """One request's ext_proc stream (module docstring). :meth:`on_message` answers each message
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
-    __slots__ = ("body", "body_mode", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
+    __slots__ = ("body", "body_mode", "cut", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
                  "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers", "waiting")
 
     def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1) -> None:
@@ -153,6 +165,8 @@ class Exchange:
         self.status = 0
         self.kept: list[bytes] = []
         self.trailers = False
+        #: why an answer that reached its end is a failure (502): ``engine_abort``, ``stream_broken``
+        self.cut: str | None = None
 
     # -- request side --------------------------------------------------------------------------
     def on_message(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -313,11 +327,14 @@ class Exchange:
 
     def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
         lease = self.lease
+        extra = b""   # an SSE error event after an engine's abort
         if lease is not None and b.body:
             m = self.meter
             if m is not None:
                 if m.feed(b.body):
                     self.picker.director.first_content(self.route, self.t0, lease)
+                if self.cut is None and m.sse and (c := self.picker.director.aborted_stream(m, lease.handle.worker_id)):
+                    self.cut, extra = ENGINE_ABORT, c[2]
             elif sum(len(x) for x in self.kept) < ANSWER_KEEP:
                 self.kept.append(b.body)
         if b.end_of_stream:
@@ -325,7 +342,10 @@ class Exchange:
         if self.resp_mode == _FULL_DUPLEX:   # the chunk goes on only as the picker sends it back
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                    body=b.body, end_of_stream=b.end_of_stream)))))]
+                    body=b.body + extra, end_of_stream=b.end_of_stream)))))]
+        if extra:
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(body=b.body + extra))))]
         return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
 
     def _end(self, complete: bool) -> None:
@@ -336,22 +356,58 @@ class Exchange:
         director = self.picker.director
         label = lease.handle.label
         if self.meter is not None:
-            director.stream_end(self.meter, lease, complete)
+            director.stream_end(self.meter, lease, complete and self.cut is None)
         elif complete:
-            director.answer(lease, b"".join(self.kept))
-        lease.finish((0 < self.status < 500) if complete else None)
-        if complete:
+            body = b"".join(self.kept)
+            director.answer(lease, body)
+            if self.cut is None and director.aborted_anywhere(body, False):
+                director.abort_error(lease.handle.worker_id)   # counted; its head (200) has left
+                self.cut = ENGINE_ABORT
+        if self.cut is not None:   # a truncated answer: a failure, counted 502
+            lease.finish(False)
+            director.finished(label, 502, self.route, self.t0)
+        elif complete:
+            lease.finish(0 < self.status < 500)
             director.finished(label, self.status, self.route, self.t0)
         else:
+            lease.finish(None)
             director.client_left(label, self.route, self.t0)
 
     def close(self) -> None:
         """The stream ended: a lease still open is released, complete when the stream had its
         whole answer (its SSE ``data: [DONE]`` passed: the official ``openai`` client closes its
         connection there, before the engine's terminating chunk, as :func:`router.relay.delivered`
-        counts it), else without a verdict (status 499)."""
-        self._end(self.meter.ended_with_done() if self.meter is not None
-                  else self.resp_mode == _NONE and self.status > 0)
+        counts it); a response cut before its end is judged by a probe of its engine
+        (:meth:`_judge_cut`)."""
+        complete = (self.meter.ended_with_done() if self.meter is not None
+                    else self.resp_mode == _NONE and self.status > 0)
+        lease = self.lease
+        if complete or lease is None or lease.judged or self.status == 0:
+            self._end(complete)
+            return
+        if self.cut == _PROBING:
+            return                   # closed again while its probe is out
+        self.cut = _PROBING
+        task = asyncio.get_running_loop().create_task(self._judge_cut(lease))
+        _JUDGING.add(task)
+        task.add_done_callback(_JUDGING.discard)
+
+    async def _judge_cut(self, lease: Lease) -> None:
+        """A response cut before its end: did the client leave (499), or did the engine fail
+        under it (502 ``stream_broken``, as the HTTP router counts a stream that broke)? One
+        ``GET /health`` of the engine within :data:`CUT_PROBE_S` tells: no answer, or a 5xx, and
+        the engine is taken to have failed."""
+        h = lease.handle
+        try:
+            status, _ = await self.picker.state.transport.get(h.endpoint, "/health", CUT_PROBE_S)
+            alive = status < 500
+        except TransportError:
+            alive = False
+        self.cut = None
+        if not alive:
+            self.cut = "stream_broken"
+            self.picker.director.metrics.errors.labels(h.label, "stream_broken").inc()
+        self._end(False)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):

@@ -226,3 +226,23 @@ def test_envoys_own_413_for_a_large_body_is_openai_shaped_not_plain_text(gateway
     assert status == 413 and b"content-type: application/json" in head, (head, rest[:200])
     err = orjson.loads(rest[rest.index(b"{"):rest.rindex(b"}") + 1])["error"]
     assert err["code"] == 413 and err["type"] == "invalid_request_error" and "limit" in err["message"]
+
+
+def test_an_engine_side_abort_mid_stream_ends_with_an_error_event_and_counts_502(gateway):
+    """A stream the engine aborted (``finish_reason: "abort"``) after content went out was relayed
+    whole and counted 200; now the picker adds an OpenAI-shaped SSE error event and counts it 502
+    ``engine_abort``, as the HTTP router does."""
+    def count(wid: str, name: str, **labels: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5).text
+        return metric(text, name, worker=wid, **labels) or 0.0
+
+    for base in (gateway.envoy, gateway.duplex):
+        r = httpx.post(base + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
+                       headers={"x-fake-mode": "abort", "x-fake-chunks": "3"})
+        events = [e for e in r.content.split(b"\n\n") if e.strip()]
+        assert r.status_code == 200 and b'"finish_reason":"abort"' in r.content, r.content[:300]
+        err = orjson.loads(next(e for e in events if b'"error"' in e)[len(b"data: "):])["error"]
+        assert err["code"] == 502 and err["type"] == "upstream_error" and "abort" in err["message"]
+        w = wid(r.headers)
+        wait_for(lambda w=w: count(w, "dplb_router_requests_total", status="502") >= 1, 10, "the 502")
+        assert count(w, "dplb_router_request_errors_total", kind="engine_abort") >= 1

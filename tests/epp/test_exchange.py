@@ -97,13 +97,40 @@ async def test_stream_cut_after_done_is_complete(picker):
     assert requests(picker, "200") == 1 and requests(picker, "499") == 0
 
 
-async def test_stream_cut_midway_is_499_and_released(picker):
+async def _judged(ex: Exchange) -> None:
+    """Wait (bounded) for the probe of a cut stream to settle its lease."""
+    for _ in range(500):
+        if ex.lease is not None and ex.lease.judged:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the cut stream's lease was never settled")
+
+
+async def test_stream_cut_midway_with_its_engine_alive_is_499_and_released(picker, monkeypatch):
+    async def alive(endpoint: str, path: str, timeout: float, method: str = "GET") -> tuple[int, bytes]:
+        return 200, b"ok"
+
+    monkeypatch.setattr(picker.state.transport, "get", alive)
     ex = start(picker)
     ex.close()
     ex.close()                       # exactly once
+    await _judged(ex)
     line = picker.state.seg.router_line(0)
     assert (line["router_inflight"], line["decode_reqs"]) == (0, 0)
-    assert requests(picker, "499") == 1 and line["router_tpot_s"] == 0
+    assert requests(picker, "499") == 1 and requests(picker, "502") == 0 and line["router_tpot_s"] == 0
+
+
+async def test_stream_cut_midway_with_its_engine_gone_is_502_stream_broken(picker):
+    ex = start(picker)               # its engine, 127.0.0.1:9, refuses connections
+    ex.close()
+    ex.close()
+    await _judged(ex)
+    line = picker.state.seg.router_line(0)
+    assert (line["router_inflight"], line["decode_reqs"]) == (0, 0)
+    assert requests(picker, "502") == 1 and requests(picker, "499") == 0
+    errors = metric(picker.state.metrics.render()[0].decode(), "dplb_router_request_errors_total", worker="0",
+                    kind="stream_broken")
+    assert errors == 1
 
 
 async def test_full_duplex_body_is_sent_back_in_chunks(picker):
