@@ -257,3 +257,19 @@ def test_engine_process_publishes_the_prompt_blocks(ipc_dir, procs, run_dir):
     finally:
         sub.close()
         c.close()
+
+
+def test_kv_events_config_is_vllms_flag_and_bad_values_are_named(capsys):
+    from sim_engine.server import main
+
+    cfg = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                                   '"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "topic": "kv", '
+                                   '"max_queue_size": 5}')
+    assert cfg.active and cfg.buffer_steps == 100 and cfg.topic == "kv" and cfg.replay_endpoint == "tcp://*:5558"
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false, "publisher": "zmq"}').active
+    for bad, msg in (("{", "not JSON"), ("[1]", "JSON object"), ('{"nope": 1}', "unknown field"),
+                     ('{"enable_kv_cache_events": true, "publisher": "lmcache"}', "publisher")):
+        with pytest.raises(ValueError, match=msg):
+            KVEventsConfig.from_json(bad)
+    assert main(["--kv-events-config", '{"nope": 1}']) == 2
+    assert "--kv-events-config: unknown field(s) nope" in capsys.readouterr().err
