@@ -457,9 +457,12 @@ def versus(a: argparse.Namespace, launch: Callable[[str | None, str], tuple[int,
     reqs = long_prompt_requests(a.prompt_bytes) if a.prompt_bytes else None
     one = reqs[0] if reqs else None
     warm = 500 if not reqs else 50
-    for _, port, _ in systems:
+    failed: dict[str, list[int]] = {name: [] for name, _, _ in systems}
+    for name, port, _ in systems:
         if reqs:
+            before = len(NON_200)
             closed_loop(port, 2, 3.0, reqs)   # the shared documents seen once (the prefix index warm)
+            failed[name] += NON_200[before:]
         sequential(to_port(port), warm, one)   # warm-up
     sequential(direct, warm, one)
     added: dict[str, list[float]] = {name: [] for name, _, _ in systems}
@@ -476,7 +479,6 @@ def versus(a: argparse.Namespace, launch: Callable[[str | None, str], tuple[int,
             print(f"dplb minus {other}, per block: median {1000 * statistics.median(diff):+.0f} µs; dplb at or "
                   f"below in {sum(x <= 0 for x in diff)} of {len(diff)} blocks")
     cpu: dict[str, list[float]] = {name: [] for name, _, _ in systems}
-    failed: dict[str, list[int]] = {name: [] for name, _, _ in systems}
     for r in range(a.rounds):
         for name, port, pid in order(r):
             measure = cpu_of(pid)
@@ -529,8 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", choices=("sglang", "vllm", "smg"), help="measure this peer router (bench/peers.py) instead of "
                     "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
     ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
-    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline"), action="append", help="run DPLB's "
-                    "router and this peer's (repeatable; baseline: DPLB from --baseline-dir) side by "
+    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline", "no-access-log"), action="append",
+                    help="run DPLB's router and this peer's (repeatable; baseline: DPLB from --baseline-dir; "
+                    "no-access-log: DPLB's router with --access-log off, the access log's share) side by "
                     "side and measure them in alternating blocks (implies --tcp; see the module docstring)")
     ap.add_argument("--baseline-dir", help="a second DPLB checkout, built (make build), run as --versus baseline: "
                     "before/after figures in the same run")
@@ -592,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("--versus baseline needs --baseline-dir")
                 cwd, env = a.baseline_dir, {**os.environ, "PYTHONPATH": os.path.abspath(a.baseline_dir)}
                 rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning")
+            elif peer == "no-access-log":
+                rcmd = router_argv(port=port, shm=shm, policy=a.policy, log_level="warning", extra=["--access-log", "off"])
             elif peer:
                 from bench.peers import ensure_peer, peer_command
 

@@ -152,3 +152,9 @@ def configure_logging(level: str) -> None:
     keeping every record on one line (:class:`router.logtext.OneLineFilter`); idempotent."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
     logtext.install()
+    # LOG_FORMAT shows no caller, thread or process: records skip looking them up (the Python
+    # Logging HOWTO, "Optimization"; the frame walk was most of an access line's cost)
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False

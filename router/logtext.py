@@ -26,7 +26,6 @@ MAX_FIELD = 256
 #: characters of one whole log message kept by :class:`OneLineFilter` (its traceback aside)
 MAX_LINE = 16384
 
-_QUOTE_IF = frozenset(' ="')
 
 
 def _escape(s: str, quote: bool) -> str:
@@ -72,7 +71,7 @@ def field(value: object, limit: int = MAX_FIELD) -> str:
     extra = len(s) - limit
     if extra > 0:
         s = s[:limit]
-    needs_quote = not s or extra > 0 or any(c in _QUOTE_IF for c in s)
+    needs_quote = not s or extra > 0 or " " in s or "=" in s or '"' in s
     if not s.isprintable() or "\\" in s or needs_quote:
         s = _escape(s, needs_quote)
     if extra > 0:
