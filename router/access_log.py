@@ -78,11 +78,28 @@ class AccessLog:
                                    "duration_ms": round(duration_s * 1e3, 1), "prompt_tokens": prompt_tokens,
                                    "output_tokens": output_tokens, "attempts": attempts}).decode())
             return
-        log.info("rid=%s %s %s model=%s worker=%s status=%d ttft_ms=%s duration_ms=%.1f prompt_tokens=%s "
-                 "output_tokens=%s attempts=%d", field(r), field(method), field(route), field(model or "-"), w, status,
-                 "-" if ttft_s is None else f"{ttft_s * 1e3:.1f}", duration_s * 1e3,
-                 "-" if prompt_tokens is None else prompt_tokens, "-" if output_tokens is None else output_tokens,
-                 attempts)
+        # the line made here, once: the record then carries no arguments to merge (its message is
+        # read by the one-line filter and by the formatter)
+        log.info(f"rid={field(r)} {_field(method)} {_field(route)} model={_field(model or '-')} worker={w} "
+                 f"status={status} ttft_ms={'-' if ttft_s is None else f'{ttft_s * 1e3:.1f}'} "
+                 f"duration_ms={duration_s * 1e3:.1f} prompt_tokens={'-' if prompt_tokens is None else prompt_tokens} "
+                 f"output_tokens={'-' if output_tokens is None else output_tokens} attempts={attempts}")
+
+
+#: field() of the values that repeat from line to line (methods, routes, model names), bounded: the
+#: values come from clients, so the cache is emptied when it holds _FIELDS_MAX of them
+_FIELDS: dict[str, str] = {}
+_FIELDS_MAX = 1024
+
+
+def _field(value: str) -> str:
+    """:func:`router.logtext.field` of ``value``, remembered."""
+    f = _FIELDS.get(value)
+    if f is None:
+        if len(_FIELDS) >= _FIELDS_MAX:
+            _FIELDS.clear()
+        f = _FIELDS[value] = field(value)
+    return f
 
 
 def _cut(s: str, limit: int = 256) -> str:
