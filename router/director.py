@@ -124,9 +124,11 @@ class Director:
     """Request control for one router process or picker (module docstring). ``needs_text``: the
     policy reads the prompt's text (:attr:`router.policies.base.Policy.needs_text`);
     ``access``: the access log the edge keeps (None: none, the picker's case); ``admission``: the
-    admission step (default :class:`OpenAdmission`)."""
+    admission step (default :class:`OpenAdmission`; it may be replaced at any time). ``open``:
+    True while the admission in place is an :class:`OpenAdmission` (the hot path then skips the
+    admission step without a call)."""
 
-    __slots__ = ("access", "admission", "metrics", "needs_text", "scheduler")
+    __slots__ = ("_admission", "access", "metrics", "needs_text", "open", "scheduler")
 
     def __init__(self, scheduler: Scheduler, metrics: Metrics, needs_text: bool = True,
                  access: AccessLog | None = None, admission: Admission | None = None) -> None:
@@ -134,7 +136,20 @@ class Director:
         self.metrics = metrics
         self.needs_text = needs_text
         self.access = access
-        self.admission: Admission = admission if admission is not None else OpenAdmission()
+        self.open = True
+        self._admission: Admission = OpenAdmission()
+        if admission is not None:
+            self.admission = admission
+
+    @property
+    def admission(self) -> Admission:
+        """The admission step in place (:class:`Admission`)."""
+        return self._admission
+
+    @admission.setter
+    def admission(self, adm: Admission) -> None:
+        self._admission = adm
+        self.open = isinstance(adm, OpenAdmission)
 
     # -- parse and model check -------------------------------------------------------------------
     def parse(self, path: str, body: bytes, session: bytes | None = None) -> RequestInfo:
@@ -169,14 +184,14 @@ class Director:
     def may_dispatch(self, info: RequestInfo) -> bool:
         """May ``info`` be dispatched now without waiting (:meth:`Admission.ready`)? An edge that
         gets False awaits :meth:`admit` before :meth:`pick`."""
-        return self.admission.ready(info)
+        return self.open or self._admission.ready(info)
 
     async def admit(self, info: RequestInfo) -> None:
         """The admission step: returns when ``info`` may be dispatched (at once when
         :meth:`may_dispatch`), else waits its turn (:meth:`Admission.wait`). Raises RouterError
         when admission refuses it; a client that leaves cancels the wait (CancelledError)."""
-        adm = self.admission
-        if not adm.ready(info):
+        adm = self._admission
+        if not self.open and not adm.ready(info):
             await adm.wait(info)
 
     # -- dispatch --------------------------------------------------------------------------------

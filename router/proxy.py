@@ -261,8 +261,9 @@ class Proxy:
                 return None
             path = scope["path"]
             director = self.director
-            info = director.request(path, body, session)
-            if not director.may_dispatch(info):
+            info = director.parse(path, body, session)
+            director.check_model(info)
+            if not director.open and not director.may_dispatch(info):
                 return None
             ex = Exchange(scope["method"], path if path in ROUTES else "/v1/other", request_target(scope), fwd, body,
                           info, rid, t0)
@@ -406,7 +407,7 @@ class Proxy:
         label = "none"  # the worker of the current attempt (metric label)
         director = self.director
         try:
-            if pre is None and not director.may_dispatch(ex.info):
+            if pre is None and not director.open and not director.may_dispatch(ex.info):
                 try:
                     await director.admit(ex.info)
                 except RouterError as e:
