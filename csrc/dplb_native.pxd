@@ -83,7 +83,7 @@ cdef extern from "dplb_shm.h" nogil:
         uint32_t ttft_n
         uint32_t tpot_n
         uint32_t e2e_n
-        uint32_t reserved0
+        uint32_t agent_restarts
         int16_t gpu_ids[16]
         float ttft_ring[32]
         float tpot_ring[32]

@@ -229,8 +229,9 @@ cdef object _snapshot(const dplb_slot_t *s, dplb_slot_t *src, int64_t now, bint 
         prefill_tokens=r["prefill_tokens"], decode_reqs=r["decode_reqs"],
         decode_ctx_tokens=r["decode_ctx_tokens"], prefill_rate=r["prefill_rate"],
         router_ttft_s=r["router_ttft_s"], router_tpot_s=r["router_tpot_s"],
-        restarts=s.restarts, last_exit_code=s.last_exit_code, state_reason=_reason(s.state_reason),
-        next_restart_ns=s.next_restart_ns, engine_pid=s.engine_pid, stale=stale)
+        restarts=s.restarts, agent_restarts=s.agent_restarts, last_exit_code=s.last_exit_code,
+        state_reason=_reason(s.state_reason), next_restart_ns=s.next_restart_ns, engine_pid=s.engine_pid,
+        stale=stale)
 
 
 cdef object _reason(uint32_t r):
@@ -338,6 +339,8 @@ cdef int _apply(dplb_slot_t *s, dict fields) except -1:
             s.heartbeat_ns = _i(v, key, 0, 2**63 - 1)
         elif key == "restarts":
             s.restarts = <uint32_t>_i(v, key, 0, 2**32 - 1)
+        elif key == "agent_restarts":
+            s.agent_restarts = <uint32_t>_i(v, key, 0, 2**32 - 1)
         elif key == "last_exit_code":
             s.last_exit_code = <int32_t>_i(v, key, -2**31, 2**31 - 1)
         elif key == "state_reason":

@@ -431,9 +431,11 @@ cdef class Segment:
                 dplb_u64_add(&s.rstats.failed, <uint64_t>failed))
 
     def router_reset(self, int slot):
-        """Zero the slot's request accounting and learned averages (a new engine in the slot: its
-        cache and speed are not the old one's). Circuit and dispatched total are kept. Only safe
-        when no router holds a lease on the slot (the slot was just claimed or released)."""
+        """Zero the slot's request accounting, learned averages and request outcomes (``completed``,
+        ``failed`` of the router stats line): a new worker in the slot (a mirror slot reused for
+        another endpoint) starts with fresh counters, its cache and speed are not the old one's.
+        Circuit and dispatched total are kept. Only safe when no router holds a lease on the slot
+        (the slot was just claimed or released)."""
         cdef dplb_slot_t *s
         self._check(slot)
         self._check_writable()
@@ -447,6 +449,8 @@ cdef class Segment:
         dplb_i64_set(<int64_t *>&s.router.prefill_rate_n, 0)
         dplb_i64_set(<int64_t *>&s.rstats.ttft_n, 0)
         dplb_i64_set(<int64_t *>&s.rstats.tpot_n, 0)
+        dplb_i64_set(<int64_t *>&s.rstats.completed, 0)
+        dplb_i64_set(<int64_t *>&s.rstats.failed, 0)
 
     def router_line(self, int slot):
         """The slot's router-side accounting as a dict: ``router_inflight``, ``dispatched``,

@@ -69,15 +69,16 @@
  *   536     4  ttft_n                    samples ever pushed; ring index = n % DPLB_WINDOW
  *   540     4  tpot_n
  *   544     4  e2e_n
- *   548     4  reserved0
+ *   548     4  agent_restarts            u32: restarts of this worker's agent (a new agent took a dead
+ *                                        one's place; the launcher restarts it), carried by each new agent
  *   552    32  gpu_ids[16]               i16
  *   584   128  ttft_ring[32]             f32 ms, the last DPLB_WINDOW samples
  *   712   128  tpot_ring[32]
  *   840   128  e2e_ring[32]
  *   968   128  endpoint                  NUL-terminated: Unix socket path (<= 107 bytes) or host:port
  *  1096   120  model                     NUL-terminated served model name (<= 119 bytes)
- *  1216     4  restarts                  u32: engine restarts by this slot's agent since it claimed
- *                                        the slot (crash restarts and on-demand ones)
+ *  1216     4  restarts                  u32: engine restarts of this worker (crash restarts and
+ *                                        on-demand ones), carried by a new agent over an agent restart
  *  1220     4  last_exit_code            i32: exit status of the engine's last exit (negative: killed
  *                                        by that signal), 0 while it never exited
  *  1224     4  state_reason              DPLB_REASON_*: why the slot is in its state (DEAD/STARTING)
@@ -232,7 +233,7 @@ typedef struct dplb_slot {
     uint32_t ttft_n;
     uint32_t tpot_n;
     uint32_t e2e_n;
-    uint32_t reserved0;
+    uint32_t agent_restarts;
     int16_t gpu_ids[DPLB_MAX_GPUS];
     float ttft_ring[DPLB_WINDOW];
     float tpot_ring[DPLB_WINDOW];
@@ -544,7 +545,7 @@ static const dplb_field_t dplb_slot_fields[] = {
     DPLB_F(dplb_slot_t, e2e_ms), DPLB_F(dplb_slot_t, ttft_p99_ms), DPLB_F(dplb_slot_t, tpot_p99_ms),
     DPLB_F(dplb_slot_t, e2e_p99_ms), DPLB_F(dplb_slot_t, completed), DPLB_F(dplb_slot_t, failed),
     DPLB_F(dplb_slot_t, ttft_n), DPLB_F(dplb_slot_t, tpot_n), DPLB_F(dplb_slot_t, e2e_n),
-    DPLB_F(dplb_slot_t, reserved0), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
+    DPLB_F(dplb_slot_t, agent_restarts), DPLB_F(dplb_slot_t, gpu_ids), DPLB_F(dplb_slot_t, ttft_ring),
     DPLB_F(dplb_slot_t, tpot_ring), DPLB_F(dplb_slot_t, e2e_ring), DPLB_F(dplb_slot_t, endpoint),
     DPLB_F(dplb_slot_t, model), DPLB_F(dplb_slot_t, restarts), DPLB_F(dplb_slot_t, last_exit_code),
     DPLB_F(dplb_slot_t, state_reason), DPLB_F(dplb_slot_t, engine_pid), DPLB_F(dplb_slot_t, next_restart_ns),

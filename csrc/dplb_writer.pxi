@@ -167,7 +167,7 @@ cdef class SlotWriter:
         queued_prompt_tokens, max_num_seqs, kv_cache_usage (0..1, above 1 stored as 1, or -1), gpu_mem_used_bytes,
         gpu_mem_total_bytes, ttft_ms, tpot_ms, e2e_ms, ttft_p99_ms, tpot_p99_ms, e2e_p99_ms
         (set the window summaries directly, e.g. a router mirroring a remote agent),
-        prompt_len_hist (32 counts), completed, failed, heartbeat_ns, restarts, last_exit_code,
+        prompt_len_hist (32 counts), completed, failed, heartbeat_ns, restarts, agent_restarts, last_exit_code,
         state_reason (a ``StateReason``), next_restart_ns (CLOCK_MONOTONIC ns, 0 = none),
         engine_pid (the engine process the agent spawned, 0 = none). Unknown names raise :class:`SlotFieldError`.
         """

@@ -7,12 +7,13 @@ Usage::
 Without ``--shm`` it attaches to the only DPLB segment in /dev/shm (and lists them if there are
 several). ``--json`` prints ``{"version", "name", "generation", "num_slots", "workers": [...]}``
 where each worker is :meth:`WorkerSnapshot.to_dict`; ``--watch`` redraws every SECONDS.
-EMPTY slots are hidden unless ``--all``. ``agent_pid`` is the slot writer's pid (the worker agent;
-a mirrored remote worker: the router that mirrors it), ``engine_pid`` the engine process the agent
+EMPTY slots are hidden unless ``--all``. ``agent_pid`` is the worker agent's pid (``-`` for a
+mirrored remote worker: the slot's writer is the router that mirrors it), ``engine_pid`` the engine process the agent
 spawned (``-``: none, e.g. an attached server), ``model`` the model the engine serves; ``done`` /
 ``fail`` the request attempts the routers saw the worker answer / fail (5xx, connection error,
-broken stream: the router stats line, local and mirrored workers alike); ``exit`` the engine's last
-exit status in the shell's convention (137: killed by SIGKILL; ``-``: it never exited). The table's state column says ``stale`` for a READY slot
+broken stream: the router stats line, local and mirrored workers alike); ``restarts`` the engine's
+restarts, ``agent_rst`` the agent's; ``exit`` the engine's last exit status (``3``; ``SIGKILL``
+for a signal; ``-``: it never exited; JSON: ``-9`` and null, :mod:`dplb_shm.exits`). The table's state column says ``stale`` for a READY slot
 whose heartbeat is older than ``--heartbeat-timeout-ms`` (default: the router's
 ``health_check.heartbeat_timeout_ms`` default): its agent is gone or stuck and no router routes to
 it, the rule ``/dplb/status`` applies (:func:`dplb_shm.heartbeat_stale`); ``stale(mid-write)``
@@ -41,9 +42,10 @@ from dplb_shm import (
     heartbeat_stale,
 )
 from dplb_shm.discover import list_segments
+from dplb_shm.exits import exit_label
 
 COLUMNS = ("id", "state", "agent_pid", "engine_pid", "model", "hb_age_ms", "run", "wait", "infl", "r_infl", "kv%", "mem_gb",
-           "ttft_ms", "tpot_ms", "e2e_ms", "done", "fail", "restarts", "exit", "circ", "endpoint")
+           "ttft_ms", "tpot_ms", "e2e_ms", "done", "fail", "restarts", "agent_rst", "exit", "circ", "endpoint")
 CIRCUIT = {0: "closed", 1: "open", 2: "half"}
 
 
@@ -52,11 +54,9 @@ def _fmt_ms(v: float) -> str:
 
 
 def _fmt_exit(s: WorkerSnapshot) -> str:
-    """The engine's last exit status, ``-`` while it never exited (the slot holds 0 then: an exit
-    only once the engine was restarted or the slot is DEAD)."""
-    if s.last_exit_code == 0 and s.restarts == 0 and s.state != WorkerState.DEAD:
-        return "-"
-    return str(128 - s.last_exit_code if s.last_exit_code < 0 else s.last_exit_code)
+    """The engine's last exit status (:func:`dplb_shm.exits.exit_label` of
+    :attr:`WorkerSnapshot.exit_code`): ``3``, ``SIGKILL``, or ``-`` while it never exited."""
+    return exit_label(s.exit_code)
 
 
 def state_label(s: WorkerSnapshot, heartbeat_timeout_ms: float = HEARTBEAT_TIMEOUT_MS) -> str:
@@ -71,12 +71,13 @@ def state_label(s: WorkerSnapshot, heartbeat_timeout_ms: float = HEARTBEAT_TIMEO
 
 def _row(s: WorkerSnapshot, heartbeat_timeout_ms: float) -> tuple[str, ...]:
     mem = "-" if s.gpu_mem_total_bytes < 0 else f"{s.gpu_mem_used_bytes / 1e9:.1f}/{s.gpu_mem_total_bytes / 1e9:.0f}"
-    return (str(s.worker_id), state_label(s, heartbeat_timeout_ms), str(s.pid), str(s.engine_pid or "-"),
+    return (str(s.worker_id), state_label(s, heartbeat_timeout_ms), "-" if s.mirrored else str(s.pid),
+            str(s.engine_pid or "-"),
             s.model or "-", _fmt_ms(s.heartbeat_age_ms),
             str(s.num_running), str(s.num_waiting), str(s.inflight), str(s.router_inflight),
             "-" if s.kv_cache_usage < 0 else f"{100 * s.kv_cache_usage:.1f}", mem,
             _fmt_ms(s.ttft_ms), _fmt_ms(s.tpot_ms), _fmt_ms(s.e2e_ms), str(s.completed), str(s.failed),
-            str(s.restarts), _fmt_exit(s), CIRCUIT.get(s.circuit, str(s.circuit)), s.endpoint)
+            str(s.restarts), str(s.agent_restarts), _fmt_exit(s), CIRCUIT.get(s.circuit, str(s.circuit)), s.endpoint)
 
 
 def render_table(seg: Segment, show_all: bool = False, heartbeat_timeout_ms: float = HEARTBEAT_TIMEOUT_MS) -> str:

@@ -4,7 +4,8 @@ metrics, the launcher's and the agents' logs.
 - As a number (the slot's ``last_exit_code``, JSON, metrics): Python's ``Popen.returncode``
   convention — ``3`` for ``exit(3)``, ``-9`` for a process killed by SIGKILL. Never the shell's
   ``128 + signal`` (137).
-- Never exited, or its status is unknown: ``null`` in JSON, ``-`` in a table, no metric sample.
+- Never exited, or its status is unknown: ``null`` in JSON, ``-`` in a table, no metric sample
+  (a slot holds 0 then: :attr:`dplb_shm.WorkerSnapshot.exit_code` tells the two apart).
 - In words (logs): ``exited with status 3``, ``killed by SIGKILL (-9)``.
 - In a table column (``dplb-shm-dump``): ``3``, ``SIGKILL``, ``-``.
 """

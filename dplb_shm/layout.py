@@ -95,7 +95,7 @@ class Slot(ctypes.Structure):
         ("ttft_n", ctypes.c_uint32),
         ("tpot_n", ctypes.c_uint32),
         ("e2e_n", ctypes.c_uint32),
-        ("reserved0", ctypes.c_uint32),
+        ("agent_restarts", ctypes.c_uint32),
         ("gpu_ids", ctypes.c_int16 * MAX_GPUS),
         ("ttft_ring", ctypes.c_float * WINDOW),
         ("tpot_ring", ctypes.c_float * WINDOW),

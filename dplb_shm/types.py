@@ -78,7 +78,8 @@ class WorkerSnapshot:
     ``/metrics`` show. ``engine_completed`` is the engine's own finished-request counter as the
     agent scrapes it (seqlock-guarded; 0 for engines without one, and for mirrored workers), and
     ``engine_failed`` the slot writer's own failure count beside it.
-    ``restarts``: engine restarts by the slot's agent since it claimed the slot;
+    ``restarts``: engine restarts of the worker (its agents carry the count over an agent restart);
+    ``agent_restarts``: restarts of the worker's agent;
     ``last_exit_code``: the engine's last exit status (negative: the signal that killed it; 0:
     never exited); ``state_reason``: a :class:`StateReason`; ``next_restart_ns``: CLOCK_MONOTONIC
     ns of the next scheduled engine restart, 0 when none (agent fields, seqlock-guarded).
@@ -127,6 +128,8 @@ class WorkerSnapshot:
     router_ttft_s: float = 0.0
     router_tpot_s: float = 0.0
     restarts: int = 0
+    #: restarts of the worker's agent (a new agent took a dead one's place), carried by each new agent
+    agent_restarts: int = 0
     last_exit_code: int = 0
     state_reason: StateReason = StateReason.NONE
     next_restart_ns: int = 0
@@ -150,14 +153,37 @@ class WorkerSnapshot:
         """The worker agent's pid (the slot's ``pid``: its writer)."""
         return self.pid
 
+    @property
+    def exit_code(self) -> int | None:
+        """The engine's last exit status (``Popen.returncode`` convention, :mod:`dplb_shm.exits`),
+        or None while it never exited: ``last_exit_code`` holds 0 then, which means an exit only
+        once the engine has been restarted (``restarts`` > 0) or while the slot is DEAD because its
+        engine exited or failed to start (not ``agent_exited``, nor the launcher's ``gave_up`` on a
+        dying agent: the agent died, the engine did not)."""
+        engine_dead = self.state == WorkerState.DEAD and self.state_reason in (StateReason.ENGINE_EXITED,
+                                                                               StateReason.START_FAILED)
+        if self.last_exit_code == 0 and not self.restarts and not engine_dead:
+            return None
+        return self.last_exit_code
+
+    @property
+    def mirrored(self) -> bool:
+        """True for a remote worker a router mirrors: its ``control`` is the remote agent's
+        ``host:port`` (a local agent's is its Unix socket path), and ``pid`` is the mirroring
+        router's, not an agent's."""
+        return bool(self.control) and not self.control.startswith("/")
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
 
         ``state`` and ``state_reason`` become their lower-case names (``"ready"``,
-        ``"engine_exited"``); every other field keeps its name, and ``agent_pid`` repeats ``pid``.
+        ``"engine_exited"``); ``last_exit_code`` is null while the engine never exited
+        (:attr:`exit_code`); every other field keeps its name, and ``agent_pid``
+        repeats ``pid`` (null for a mirrored remote worker: ``pid`` is the mirroring router's).
         """
         d = asdict(self)
-        d["agent_pid"] = self.pid
+        d["agent_pid"] = None if self.mirrored else self.pid
+        d["last_exit_code"] = self.exit_code
         d["state"] = self.state.name.lower()
         d["state_reason"] = StateReason(self.state_reason).name.lower()
         return d
@@ -179,6 +205,10 @@ class WorkerSnapshot:
             kw["state_reason"] = StateReason[r.upper()] if isinstance(r, str) else StateReason(int(r))
         except (KeyError, ValueError, TypeError):
             kw["state_reason"] = StateReason.NONE  # a newer agent's reason: not fatal
+        if kw.get("last_exit_code") is None:   # null: never exited, which the slot holds as 0
+            kw["last_exit_code"] = 0
+        if kw.get("pid") is None:
+            kw["pid"] = 0
         names = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in kw.items() if k in names}
         try:

@@ -92,14 +92,22 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
 
     The child also gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``), so a
     SIGKILLed launcher does not leave a router holding the port. The launcher is single-threaded,
-    which makes ``preexec_fn`` safe here.
+    which makes ``preexec_fn`` safe here. A log that cannot be written (a full file system) does
+    not keep the child from starting: its output is lost instead.
 
     Raises ``OSError`` when the program cannot be executed.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"=== {name}: {' '.join(argv)}\n".encode())
-        log.flush()
+    try:
+        log = open(log_path, "ab")  # noqa: SIM115 - closed below
+    except OSError:   # the run dir refuses a new file: the child runs, its output is lost
+        log = open(os.devnull, "ab")  # noqa: SIM115
+    with log:
+        try:
+            log.write(f"=== {name}: {' '.join(argv)}\n".encode())
+            log.flush()
+        except OSError:   # a full file system (ENOSPC): logging degrades, the child starts anyway
+            pass
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                              cwd=cwd, start_new_session=True,
                              preexec_fn=_term_with_parent)  # noqa: PLW1509 - the launcher is single-threaded
@@ -181,6 +189,22 @@ def reap_orphans(ours: set[int]) -> None:
                 os.waitpid(p.pid, os.WNOHANG)
         except (psutil.Error, ChildProcessError):
             pass
+
+
+def stop_recorded_engine(pid_path: Path) -> int | None:
+    """SIGTERM to the process group of the engine a worker's pid file names (``engine-<K>.pid``:
+    ``<pid> <start time> [address]``, written by the agent) when that process still runs (its start
+    time matches: a reused pid is left alone). Returns its pid, or None when none runs. For an
+    engine whose agent is not restarted any more; whatever is left is stopped at the launch's end."""
+    try:
+        pid_s, started_s = pid_path.read_text().split()[:2]
+        p = psutil.Process(int(pid_s))
+        if abs(p.create_time() - float(started_s)) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except (OSError, ValueError, psutil.Error):
+        return None
+    _signal_group(p.pid, signal.SIGTERM)
+    return p.pid
 
 
 def _as_proc(pid: int) -> list[psutil.Process]:

@@ -47,8 +47,8 @@ class ChildStartError(LaunchError):
 
     def __init__(self, child: str, returncode: int | None, log_path: str, log_tail: str,
                  reason: str = "") -> None:
-        # the shell's words for a status: "killed by SIGKILL (status 137)", not -9
-        from router.workers import exit_words
+        # one spelling of exit statuses (dplb_shm.exits): "killed by SIGKILL (-9)"
+        from dplb_shm.exits import exit_words
 
         what = reason or (exit_words(returncode) if returncode is not None else "failed")
         msg = f"{child} {what} during start-up (log: {log_path})"

@@ -42,12 +42,13 @@ applies to its engine (:class:`worker_agent.restart.RestartPolicy`, ``--agent-re
 death is printed on one line (status, when it comes back, then the log's last lines), its slot
 marked DEAD at once (reason ``agent_exited``, the last heartbeat kept: routers stop sending to it
 before the heartbeat would go stale), and after the backoff a new agent with the same command line
-claims the same slot (generation bumped, new pid) and starts a fresh engine — the dead agent's
-engine got SIGTERM with its agent (``PR_SET_PDEATHSIG``) and whatever is left of it is stopped
-first (:mod:`worker_agent.adapters.base`); one line says so, another when it is READY again. Past
-the budget (``--agent-restart-max`` deaths within ``--agent-restart-window``) the slot stays DEAD
-(reason ``gave_up``) and the rest of the launch keeps serving. An agent that exits 0 (it was asked
-to stop, and released its slot) is not restarted. A router that dies ends the launch with status 1.
+claims the same slot (generation bumped, new pid) and re-attaches to the engine, which kept
+serving through its agent's death (:mod:`worker_agent.adapters.base`; a fresh engine only when
+it is gone); one line says so, another when it is READY again. Past the budget
+(``--agent-restart-max`` deaths within ``--agent-restart-window``) the slot stays DEAD (reason
+``gave_up``), its engine is stopped, and the rest of the launch keeps serving. An agent that exits
+0 (it was asked to stop, and released its slot) is not restarted. A dead router (Envoy, ``dplb-epp``)
+is restarted with a bounded backoff, SIGUSR1/SIGUSR2/SIGALRM ignored (:mod:`launcher.respawn`).
 Each engine failure and restart an agent records in its slot (``state_reason``,
 ``last_exit_code``, ``restarts``) is printed (:meth:`Supervisor.report_engines`): the exit code
 and when the agent restarts it, each restart, the return to READY, and an agent that gave up
@@ -62,12 +63,15 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from dplb_shm.exits import exit_words
+from launcher import respawn
 from launcher.banner import banner, describe_slot
 from launcher.children import (
     Child,
     become_subreaper,
     reap_orphans,
     start_child,
+    stop_recorded_engine,
     stop_tree,
 )
 from launcher.errors import ChildStartError, LaunchError, StartTimeoutError, UsageError
@@ -85,7 +89,6 @@ from launcher.host import (
 )
 from launcher.plan import DEFAULT_SIM_MODEL, LaunchPlan, describe_workers
 from launcher.stack import LOOPBACK
-from router.workers import exit_words
 from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
 from worker_agent.logtail import log_tail
 from worker_agent.restart import RestartPolicy
@@ -125,6 +128,7 @@ class Supervisor:
         self._agent_restarts: dict[int, int] = {}
         self._agent_back: set[int] = set()
         self._agent_gave_up: set[int] = set()
+        self._fronts = respawn.FrontRestarts()   # dead router / Envoy / dplb-epp waiting for their restart
         self._locks: list[TextIO] = []   # open lock files (step 0); empty: this launch owns nothing to clean
         self._tty = hasattr(self.out, "isatty") and self.out.isatty()
 
@@ -136,6 +140,7 @@ class Supervisor:
         died; raises :class:`LaunchError` for a failed start (after cleaning up).
         """
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        old.update(respawn.ignore_signals(self._say, "the launcher", "Ctrl-C, SIGTERM and SIGHUP"))
         try:
             try:
                 self.start()
@@ -249,6 +254,8 @@ class Supervisor:
         while True:
             self._check_stop()
             rc = self._check_children(starting=False)
+            if rc is None:
+                rc = self.restart_due_fronts()
             if rc is not None:
                 return rc
             self.restart_due_agents()
@@ -283,10 +290,13 @@ class Supervisor:
             cur = (state, restarts, reason)
             prev = self._engines.get(k)
             self._engines[k] = cur
-            if k in self._agent_back and state == "READY":
-                self._agent_back.discard(k)
-                self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}, "
-                          f"{describe_slot(s)}")
+            if k in self._agent_back:
+                if state == "READY":
+                    self._agent_back.discard(k)
+                    self._say(f"dplb: worker {k}: READY again after agent restart {self._agent_restarts.get(k, 0)}, "
+                              f"{describe_slot(s)}")
+                if reason in ("AGENT_EXITED", "NONE"):
+                    continue   # the agent restart itself (its own lines), not an engine's
             if prev is None or prev == cur:
                 continue
             log = self.cfg.run_dir / f"engine-{k}.log"
@@ -295,7 +305,7 @@ class Supervisor:
                 why = reason if reason != "NONE" else (prev[2] if prev[2] != "NONE" else "ENGINE_EXITED")
                 self._say(f"dplb: worker {k}: engine restart {restarts} ({why.lower()})")
             if reason == "GAVE_UP" and prev[2] != "GAVE_UP":
-                self._say(f"dplb: worker {k}: engine failed too often (last exit code {s.last_exit_code}); it stays "
+                self._say(f"dplb: worker {k}: engine failed too often (last: {exit_words(int(s.last_exit_code))}); it stays "
                           f"DEAD until `curl -X POST {self.cfg.url}/dplb/workers/{k}/restart`; see {log}")
             elif state == "DEAD" and (prev[0] != "DEAD" or restarts > prev[1]):
                 nxt = int(getattr(s, "next_restart_ns", 0) or 0)
@@ -432,14 +442,50 @@ class Supervisor:
                 continue
             self._reported_dead.add(c.pid)
             if c is self.router or c is self.epp:
-                self._say(f"dplb: {c.name} {exit_words(rc)}; last lines of {c.log_path}:\n"
-                          + log_tail(c.log_path, 10))
-                self._say(f"dplb: the {'gateway' if self.cfg.envoy else 'router'} is gone; stopping")
-                return 1
+                if self.front_died(c, rc) is not None:
+                    return 1
+                continue
             self.agent_died(self.agents.index(c), rc)
         if self.agents and all(a.poll() is not None for a in self.agents) and not self._agent_due:
             self._say("dplb: every worker is gone; stopping")
             return 1
+        return None
+
+    # ------------------------------------------------- dead router, Envoy, picker
+    def front_died(self, c: Child, rc: int) -> int | None:
+        """A front-door process (router, Envoy, ``dplb-epp``) died after start-up: print it with
+        its log's last lines, kill what it left in its process group and schedule its restart
+        (:mod:`launcher.respawn`); 1 (stop the launch) past the restart budget."""
+        respawn.kill_group(c.pid)
+        delay = self._fronts.died(c.name)
+        p, n = self._fronts.params, self._fronts.in_window(c.name)
+        tail = f"last lines of {c.log_path}:\n{log_tail(c.log_path, 10)}"
+        if delay is None:
+            self._say(f"dplb: {c.name} {exit_words(rc)}; it died {n} times within {p.window_s:g}s: not restarted; {tail}")
+            self._say(f"dplb: the {'gateway' if self.cfg.envoy else 'router'} is gone; stopping")
+            return 1
+        self._say(f"dplb: {c.name} {exit_words(rc)}; restarting it in {delay:.2f}s (restart {n} of at most "
+                  f"{p.max_restarts} within {p.window_s:g}s); {tail}")
+        return None
+
+    def restart_due_fronts(self) -> int | None:
+        """Start every front-door process whose restart is due (same command line, same log); one
+        line each, and one when the front door serves again. 1 when one cannot be started past
+        the restart budget."""
+        cfg = self.cfg
+        for name, n in self._fronts.take_due():
+            argv, log = {"router": (cfg.router_argv, "router.log"), "envoy": (cfg.envoy_argv, "envoy.log"),
+                         "dplb-epp": (cfg.epp_argv, "epp.log")}[name]
+            try:
+                child = self._start(name, argv(), cfg.run_dir / log, cfg.child_env(None))
+            except LaunchError as e:
+                self._say(f"dplb: {name}: restart {n} failed: {e}")
+                return 1 if self._fronts.died(name) is None else None
+            self.epp, self.router = (child, self.router) if name == "dplb-epp" else (self.epp, child)
+            self._say(f"dplb: {name} restarted (restart {n}, pid {child.pid})")
+        if self._fronts.back and not self._fronts.due and self.front_ready():
+            self._fronts.back.clear()
+            self._say(f"dplb: the {'gateway' if cfg.envoy else 'router'} serves again ({cfg.url})")
         return None
 
     # ------------------------------------------------------------ dead agents
@@ -458,16 +504,19 @@ class Supervisor:
         delay = policy.failure()
         if delay is None:
             self._agent_gave_up.add(k)
-            self._mark_slot_dead(k, rc, "GAVE_UP", 0)
+            self._mark_slot_dead(k, "GAVE_UP", 0)
+            engine = stop_recorded_engine(self.cfg.run_dir / f"engine-{k}.pid")
             self._say(f"dplb: {c.name} {exit_words(rc)}; its agent died {policy.failures_in_window()} times "
                       f"within {p.window_s:g}s (--agent-restart-max {p.max_restarts}): not restarted again, its "
-                      f"slot stays DEAD until the launch restarts; last lines of {c.log_path}:\n{tail}")
+                      f"slot stays DEAD until the launch restarts"
+                      + (f" (its engine, pid {engine}, is stopped)" if engine else "")
+                      + f"; last lines of {c.log_path}:\n{tail}")
             return
         self._agent_due[k] = time.monotonic() + delay
-        self._mark_slot_dead(k, rc, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
+        self._mark_slot_dead(k, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
         self._say(f"dplb: {c.name} {exit_words(rc)}; restarting its agent in {delay:.1f}s (restart "
-                  f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s); "
-                  f"last lines of {c.log_path}:\n{tail}")
+                  f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s; its engine "
+                  f"keeps running); last lines of {c.log_path}:\n{tail}")
 
     def restart_due_agents(self) -> None:
         """Start a new agent for every worker whose restart backoff has passed (same command line,
@@ -478,6 +527,10 @@ class Supervisor:
                 continue
             del self._agent_due[k]
             n = self._agent_restarts[k] = self._agent_restarts.get(k, 0) + 1
+            if not (self.cfg.shm_dir / self.cfg.shm_name).exists():   # a new agent could not attach
+                self._say(respawn.segment_gone(k, self.cfg.shm_dir / self.cfg.shm_name))
+                self._agent_gave_up.add(k)
+                continue
             try:
                 self.agents[k] = self._start(f"worker {k}", self.cfg.agent_argv(k), self.cfg.run_dir / f"agent-{k}.log",
                                              self.cfg.child_env(k))
@@ -488,22 +541,13 @@ class Supervisor:
             self._engines.pop(k, None)
             self._agent_back.add(k)
             self._say(f"dplb: worker {k}: agent restarted (restart {n}, pid {self.agents[k].pid}); it claims slot "
-                      f"{k} again and starts a fresh engine")
+                      f"{k} again and re-attaches to its engine (a fresh one if it is gone)")
 
-    def _mark_slot_dead(self, k: int, rc: int, reason: str, next_restart_ns: int) -> None:
-        """Write DEAD into worker ``k``'s slot for its dead agent (the launcher is the slot's only
-        writer until a new agent claims it): ``reason`` (a ``StateReason`` name), the agent's exit
-        status, nothing running, the last heartbeat kept (its age stays true)."""
-        try:
-            from dplb_shm import StateReason, WorkerState
-
-            hb = int(self.segment.read_slot(k).heartbeat_ns)
-            self.segment.writer(k).publish(state=WorkerState.DEAD, state_reason=StateReason[reason],
-                                           last_exit_code=int(rc), next_restart_ns=next_restart_ns,
-                                           num_running=0, num_waiting=0, kv_cache_usage=-1.0,
-                                           **({"heartbeat_ns": hb} if hb > 0 else {}))
-        except Exception as e:  # noqa: BLE001 - a fake segment, or a closed one: the restart goes on
-            self._say(f"dplb: worker {k}: could not mark its slot DEAD ({type(e).__name__}: {e})")
+    def _mark_slot_dead(self, k: int, reason: str, next_restart_ns: int) -> None:
+        """Mark worker ``k``'s slot DEAD for its dead agent (:func:`launcher.respawn.mark_slot_dead`)."""
+        err = respawn.mark_slot_dead(self.segment, k, reason, next_restart_ns)
+        if err:
+            self._say(f"dplb: worker {k}: could not mark its slot DEAD ({err})")
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._stop_sig is None:

@@ -9,7 +9,9 @@ same port; they share one segment, so in-flight counts and circuit states are on
 On SIGTERM/SIGINT the router stops accepting connections and keeps relaying the requests in
 flight, streams included, until they end, up to ``--drain-timeout`` seconds (the drain limit, the
 agents' default: ``worker_agent.config.DRAIN_TIMEOUT_S``; uvicorn's ``timeout_graceful_shutdown``);
-a second signal stops it at once. Exit status 2 on an invalid config (the message names the field).
+a second signal stops it at once. SIGHUP, SIGUSR1 and SIGUSR2 are logged and ignored (with
+``--workers`` > 1, SIGHUP to the parent restarts the processes, uvicorn's meaning). Exit status 2
+on an invalid config (the message names the field).
 """
 from __future__ import annotations
 
@@ -124,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(prom_dir, ignore_errors=True)
     else:
         from router.app import create_app
+        from router.processes import ignore_undocumented_signals
 
+        ignore_undocumented_signals()   # SIGHUP/SIGUSR1/SIGUSR2: logged, not fatal
         uvicorn.run(create_app(cfg), **common)
     return 0
 

@@ -19,7 +19,8 @@ events (a stream its client cut, logged 499, counts the events the client was wr
 404 for an unknown one), ``-`` when it named none or its body did not parse. A refusal before any
 worker (400, 401, 404, 405, 413, 415) has its line too, under the same minted ``rid`` it was
 answered with. Every 5xx also gets a WARNING line with its
-cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``).
+cause, on ``dplb.router`` (:func:`AccessLog.emit`'s ``cause``), rate-limited per status and cause
+(:data:`REPEATS`: one line, then a count every 10 s while they repeat, e.g. the 503s of a drain).
 
 What the client sent (``rid`` from its ``X-Request-Id``, ``method``, ``route``, ``model``, and the
 error message quoting them) is escaped and cut to 256 characters (:mod:`router.logtext`): in text
@@ -35,9 +36,12 @@ import sys
 import orjson
 
 from router.logtext import OneLineFilter, field, text
+from router.repeats import RepeatLimiter
 
 log = logging.getLogger("dplb.router.access")
 errors = logging.getLogger("dplb.router")
+#: the 5xx WARNING lines, one per (status, cause) every 10 s with a count of the rest
+REPEATS = RepeatLimiter(errors)
 
 
 class AccessLog:
@@ -66,9 +70,10 @@ class AccessLog:
         ``cause`` (the error message the client got) at WARNING."""
         r = rid.decode("latin-1")
         w = "-" if worker in ("", "none") else worker
-        if status >= 500:
-            errors.warning("request %s (%s %s, model %s) answered %d by worker %s: %s", text(r), text(method),
-                           text(route), text(model or "-"), status, w, text(cause or "no cause recorded", 1024))
+        if status >= 500:   # one line per kind (status, cause) every 10 s, then a count (router.repeats)
+            why = text(cause or "no cause recorded", 1024)
+            REPEATS.warning(f'{status} "{why[:160]}"', "request %s (%s %s, model %s) answered %d by worker %s: %s",
+                            text(r), text(method), text(route), text(model or "-"), status, w, why)
         if not self.on or not log.isEnabledFor(logging.INFO):
             return
         if self.json:

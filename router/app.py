@@ -144,6 +144,9 @@ def create_app_from_env() -> DPLBApp:
     # a spawned router process inherits no logging configuration: the parent's basicConfig set
     # only its own root logger, so the access lines and warnings of the processes went nowhere
     configure_logging(cfg.router.log_level)
+    from router.processes import ignore_undocumented_signals
+
+    ignore_undocumented_signals()   # each spawned process: SIGHUP/SIGUSR1/SIGUSR2 are not fatal
     return create_app(cfg)
 
 

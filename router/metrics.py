@@ -57,7 +57,8 @@ router process, so the process answering the scrape reports it once, nothing is 
 | dplb_worker_gpu_memory_used_bytes             | gauge   | NVML, summed over the worker's GPUs           |
 | dplb_worker_gpu_memory_total_bytes            | gauge   | (both absent while unknown)                   |
 | dplb_worker_circuit_state                     | gauge   | 0 closed, 1 open, 2 half-open                 |
-| dplb_worker_engine_restarts_total             | counter | engine restarts by its agent since the claim  |
+| dplb_worker_engine_restarts_total             | counter | engine restarts of the worker (by its agents) |
+| dplb_worker_agent_restarts_total              | counter | restarts of the worker's agent                |
 | dplb_worker_requests_completed_total          | counter | attempts the routers saw it answer            |
 | dplb_worker_requests_failed_total             | counter | attempts that failed on it (5xx, broken, ...) |
 
@@ -139,7 +140,9 @@ _WORKER_FAMILIES: dict[str, tuple[str, str, bool]] = {
     "mem_total": ("dplb_worker_gpu_memory_total_bytes", "GPU memory of the worker's GPUs (NVML; absent if unknown)",
                   False),
     "circuit": ("dplb_worker_circuit_state", "Circuit breaker of the worker: 0 closed, 1 open, 2 half-open", False),
-    "restarts": ("dplb_worker_engine_restarts", "Engine restarts by the worker's agent since it claimed its slot", True),
+    "restarts": ("dplb_worker_engine_restarts", "Engine restarts of the worker (by its agents)", True),
+    "agent_restarts": ("dplb_worker_agent_restarts",
+                       "Restarts of the worker's agent (a new agent in a dead one's place; its engine kept)", True),
     "done": ("dplb_worker_requests_completed",
              ("Request attempts on the worker that the routers saw answered (no 5xx, no connection error, no broken "
              "stream), counted by every router process in the segment"), True),
@@ -192,6 +195,7 @@ def add_worker(f: dict[str, GaugeMetricFamily | CounterMetricFamily], h: WorkerH
         f["mem_total"].add_metric(lv, float(s.gpu_mem_total_bytes))
     f["circuit"].add_metric(lv, float(int(s.circuit)))
     f["restarts"].add_metric(lv, float(s.restarts))
+    f["agent_restarts"].add_metric(lv, float(s.agent_restarts))
     f["done"].add_metric(lv, float(s.completed))
     f["failed"].add_metric(lv, float(s.failed))
 

@@ -75,7 +75,7 @@ log = logging.getLogger("dplb.router.mirror")
 # fields of /dplb/state that a mirror copies into its slot (SlotWriter.publish names)
 COPIED = ("num_running", "num_waiting", "queued_prompt_tokens", "max_num_seqs", "kv_cache_usage",
           "gpu_mem_used_bytes", "gpu_mem_total_bytes", "ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms",
-          "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist", "restarts", "last_exit_code", "state_reason")
+          "tpot_p99_ms", "e2e_p99_ms", "prompt_len_hist", "restarts", "agent_restarts", "last_exit_code", "state_reason")
 STATES = {"empty": 0, "starting": 1, "ready": 2, "draining": 3, "dead": 4}
 LOCAL_HOSTS = frozenset({"127.0.0.1", "0.0.0.0", "::", "::1", "[::1]", "[::]", "localhost", ""})
 
@@ -288,6 +288,9 @@ class MirrorManager:
             w = self.seg.writer(slot)
             w.claim(worker_id=slot, pid=self.pid, endpoint=self._data.get(ep, ep), control=ep,
                     weight=float(spec.get("weight", 1.0)), model=spec.get("model") or "")
+            # a slot reused for another worker starts with fresh counters and learned averages
+            # (EMPTY a moment ago: no router holds a lease on it)
+            self.seg.router_reset(slot)
             self.writers[ep] = w
             self.errors.pop(ep, None)
         self._write_record()

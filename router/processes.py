@@ -10,25 +10,40 @@ ticks (:mod:`router.ledger`), not here: the parent holds no segment.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 
 from uvicorn.config import Config
 from uvicorn.supervisors.multiprocess import Multiprocess
 
+from dplb_shm.exits import exit_words
+
 log = logging.getLogger("dplb.router")
 
 
+#: signals with no documented meaning to a router process: logged at WARNING, never fatal (their
+#: default action killed the process). ``--workers`` > 1: the parent is uvicorn's process manager,
+#: which gives SIGHUP a meaning (restart the processes) and ignores SIGUSR1/SIGUSR2 itself
+IGNORED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ignore_undocumented_signals() -> None:
+    """Install a handler for each of :data:`IGNORED_SIGNALS` in this process that logs one
+    WARNING line and does nothing else (SIGTERM and SIGINT keep uvicorn's graceful stop). Call
+    from the main thread, before serving."""
+    def handler(signum: int, frame: object) -> None:
+        log.warning("router process %d ignores %s (no meaning to the router; SIGTERM or SIGINT stop it)",
+                    os.getpid(), signal.Signals(signum).name)
+
+    for s in IGNORED_SIGNALS:
+        signal.signal(s, handler)
+
+
 def describe_exit(code: int | None) -> str:
-    """``multiprocessing`` exit code → words: ``exit status 3``, ``killed by SIGKILL``, ``hung``."""
-    if code is None:
-        return "hung"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+    """``multiprocessing`` exit code → words (:func:`dplb_shm.exits.exit_words`: ``exited with
+    status 3``, ``killed by SIGKILL (-9)``), ``hung`` for None (it stopped answering)."""
+    return "hung" if code is None else exit_words(code)
 
 
 class RouterProcesses(Multiprocess):
@@ -55,4 +70,4 @@ def serve_processes(config: Config) -> None:
         sock.close()
 
 
-__all__ = ["RouterProcesses", "describe_exit", "serve_processes"]
+__all__ = ["IGNORED_SIGNALS", "RouterProcesses", "describe_exit", "ignore_undocumented_signals", "serve_processes"]

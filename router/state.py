@@ -234,9 +234,13 @@ class RouterState:
 
     async def _sweep(self) -> None:
         """Health-tick extra: non-streamed requests past their estimated TTFT leave prefill; the
-        coalesced request counters reach prometheus_client (:meth:`Metrics.flush`)."""
+        coalesced request counters reach prometheus_client (:meth:`Metrics.flush`); the count of
+        5xx warnings held back is written (:data:`router.access_log.REPEATS`)."""
+        from router.access_log import REPEATS
+
         self.scheduler.sweep()
         self.metrics.flush()
+        REPEATS.flush()
 
     async def _admin_tick(self) -> None:
         if self.admin.reload_if_changed():

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from dplb_shm import StateReason, WorkerSnapshot, WorkerState
+from dplb_shm.exits import exit_words
 from router.breaker import CLOSED, CircuitBreaker
 from router.config import Config
 from router.logtext import text
@@ -41,27 +41,10 @@ STATE_NAMES = {int(st): st.name.lower() for st in WorkerState}
 log = logging.getLogger("dplb.router.workers")
 
 
-def exit_words(code: int) -> str:
-    """A slot's ``last_exit_code`` in the shell's convention: ``exited with status 3``, or
-    ``killed by SIGKILL (status 137)`` for a negative code (128 + the signal, as a shell reports it)."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name} (status {128 - code})"
-    return f"exited with status {code}"
-
-
 def exit_code_or_none(snap: WorkerSnapshot | None) -> int | None:
-    """The slot's ``last_exit_code``, or None while its engine never exited: the slot holds 0
-    then, which only means an exit when the engine has been restarted or the slot is DEAD."""
-    if snap is None:
-        return None
-    code = snap.last_exit_code
-    if code == 0 and not snap.restarts and int(snap.state) != DEAD:
-        return None
-    return code
+    """The slot's ``last_exit_code``, or None while its engine never exited (or no slot):
+    :attr:`dplb_shm.WorkerSnapshot.exit_code`."""
+    return None if snap is None else snap.exit_code
 
 
 def log_state_change(wid: int, before: int | None, snap: WorkerSnapshot) -> None:
@@ -71,8 +54,10 @@ def log_state_change(wid: int, before: int | None, snap: WorkerSnapshot) -> None
     st = int(snap.state)
     r = snap.state_reason        # its names are the reasons
     reason = None if r == StateReason.NONE else r.name.lower()
-    code = snap.last_exit_code
-    why = "" if reason is None else f" ({reason}" + (f", engine {exit_words(code)}" if code else "") + ")"
+    code = snap.exit_code
+    # an agent's death is not its engine's: the engine's last status is named only for its own exits
+    engine_exit = code is not None and r in (StateReason.ENGINE_EXITED, StateReason.START_FAILED, StateReason.GAVE_UP)
+    why = "" if reason is None else f" ({reason}" + (f", engine {exit_words(code)}" if engine_exit else "") + ")"
     was = "new" if before is None else STATE_NAMES.get(before, str(before))
     log.warning("worker %d: %s -> %s%s, engine %s, model %s", wid, was, STATE_NAMES.get(st, str(st)), why,
                 text(snap.endpoint or "-"), text(snap.model or "-"))
@@ -82,7 +67,8 @@ def log_state_change(wid: int, before: int | None, snap: WorkerSnapshot) -> None
 NO_SLOT_COLUMNS: dict[str, object] = {
     "agent_pid": None, "pid": None, "engine_pid": None, "inflight": None, "router_inflight": None, "running": None,
     "waiting": None, "kv_cache_usage": None, "latency_ms": {"ttft": None, "tpot": None, "e2e": None},
-    "heartbeat_age_ms": None, "weight": None, "restarts": 0, "last_exit_code": None, "completed": 0, "failed": 0,
+    "heartbeat_age_ms": None, "weight": None, "restarts": 0, "agent_restarts": 0, "last_exit_code": None,
+    "completed": 0, "failed": 0,
     "state_reason": "none", "restart_in_s": None}
 
 
@@ -98,6 +84,7 @@ def slot_columns(s: WorkerSnapshot, now: int) -> dict[str, object]:
         "running": s.num_running, "waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
         "latency_ms": {"ttft": s.ttft_ms, "tpot": s.tpot_ms, "e2e": s.e2e_ms},
         "heartbeat_age_ms": s.heartbeat_age_ms, "weight": s.weight, "restarts": s.restarts,
+        "agent_restarts": s.agent_restarts,
         "last_exit_code": exit_code_or_none(s), "completed": s.completed, "failed": s.failed,
         "state_reason": s.state_reason.name.lower(),
         "restart_in_s": round(max(0.0, (nxt - now) / 1e9), 3) if nxt > 0 else None,
@@ -263,8 +250,8 @@ class Registry:
         scheduler's, on the same read of the slot); the slot's fields are read now, as the dump and ``/metrics`` read them (the
         health tick's snapshot only when the read fails or finds the slot released), so the
         counts do not lag one tick; ``endpoint`` the engine's address, ``control`` the agent's;
-        ``agent_pid`` the slot writer's pid (the agent; a mirror: the router that mirrors it; also
-        as ``pid``, its older name), ``engine_pid`` the engine process the agent spawned (None: none,
+        ``agent_pid`` the worker agent's pid (also as ``pid``, its older name; None for a mirrored
+        remote worker, whose slot the router process ``mirror_router_pid`` writes), ``engine_pid`` the engine process the agent spawned (None: none,
         e.g. an attached server); ``restarts``, ``last_exit_code``, ``state_reason`` and
         ``restart_in_s`` (seconds until the agent's next engine restart, None when none is
         scheduled) come from the slot."""
@@ -287,5 +274,8 @@ class Registry:
                 "local_inflight": h.local_inflight,
                 "circuit": CIRCUIT_NAMES[h.breaker.state], "failure_rate": round(h.breaker.failure_rate, 4),
                 "probe_failures": h.probe_failures}
-            rows.append({**row, **(slot_columns(s, now) if s is not None else NO_SLOT_COLUMNS)})
+            cols = slot_columns(s, now) if s is not None else NO_SLOT_COLUMNS
+            if h.mirror and s is not None:   # the slot's pid is the mirroring router's, not an agent's
+                cols = {**cols, "agent_pid": None, "pid": None, "mirror_router_pid": s.pid}
+            rows.append({**row, **cols})
         return rows

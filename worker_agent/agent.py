@@ -28,7 +28,7 @@ Lifecycle written to the slot::
 - The agent dies (kill -9, a crash): its engine does not — it keeps serving what it was given
   (requests never pass through the agent). The launcher marks the slot DEAD (``agent_exited``) and
   starts a new agent, which claims the slot (``state_reason`` ``agent_exited`` while STARTING, the
-  worker's ``restarts`` carried on and counted one more), **re-attaches to the running engine**
+  worker's ``restarts`` and ``last_exit_code`` carried on, ``agent_restarts`` one more), **re-attaches to the running engine**
   named in ``<run-dir>/engine-<K>.pid`` (pid checked by its start time) and turns READY after the
   health check and warm-up; only an engine that is gone is started again
   (:meth:`worker_agent.adapters.base.EngineAdapter.start`).
@@ -81,6 +81,9 @@ from .nvml import GpuMemoryProbe
 from .restart import RestartPolicy
 
 log = logging.getLogger("worker_agent")
+
+#: signals with no meaning to an agent: logged, never fatal
+IGNORED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class _Server(uvicorn.Server):
@@ -156,8 +159,8 @@ class Agent:
         self.nvml = nvml or GpuMemoryProbe(cfg.gpus)
         self.state = WorkerState.EMPTY
         self.exit_code: int | None = None
-        self.restarts = 0          # the worker's restarts: its engine's and its agent's (``restarts``)
-        self.agent_restarts = 0    # 1 when this agent took a dead agent's place
+        self.restarts = 0          # the worker's engine restarts (carried over an agent restart)
+        self.agent_restarts = 0    # the worker's agent restarts (``agent_restarts``), this one included
         self.restart_policy = RestartPolicy(cfg.restart_max, cfg.restart_window_s, cfg.restart_backoff_s,
                                             cfg.restart_backoff_max_s)
         self._restart_req = asyncio.Event()
@@ -461,6 +464,10 @@ class Agent:
         self._restart_req.set()
         return True
 
+    def _ignored_signal(self, sig: signal.Signals) -> None:
+        """A signal of :data:`IGNORED_SIGNALS` arrived: one line, nothing else."""
+        log.warning("worker %d: agent ignores %s (SIGTERM or SIGINT stop it)", self.worker_id, sig.name)
+
     def request_stop(self, sig: int | None = None) -> None:
         """Begin draining (signal handler target); a second SIGINT skips the drain."""
         if self._stop.is_set() and sig == signal.SIGINT:
@@ -539,18 +546,21 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig)
+        for sig in IGNORED_SIGNALS:   # no meaning to an agent: a line, not a death
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._ignored_signal, sig)
         before = self._previous_agent()
         self.writer.claim(worker_id=self.worker_id, pid=os.getpid(), endpoint=self.endpoint, control=self.cfg.uds,
                           gpu_ids=self.cfg.gpus, weight=self.cfg.weight, model=self.cfg.model or "",
                           max_num_seqs=self.cfg.max_num_seqs)
         self.state = WorkerState.STARTING
         if before is not None:   # this agent restarts a dead one: the worker's history goes on
-            self.restarts = int(before.restarts) + 1
-            self.agent_restarts = 1
-            log.warning("worker %d: agent restart (the previous agent, pid %d, died; worker restart %d); "
-                        "looking for its engine", self.worker_id, before.pid, self.restarts)
-            self.writer.publish(restarts=self.restarts, last_exit_code=int(before.last_exit_code),
-                                state_reason=StateReason.AGENT_EXITED)
+            self.restarts = int(before.restarts)
+            self.agent_restarts = int(before.agent_restarts) + 1
+            log.warning("worker %d: agent restart %d (the previous agent, pid %d, died); looking for its engine",
+                        self.worker_id, self.agent_restarts, before.pid)
+            self.writer.publish(restarts=self.restarts, agent_restarts=self.agent_restarts,
+                                last_exit_code=int(before.last_exit_code), state_reason=StateReason.AGENT_EXITED)
         config = uvicorn.Config(self._control_app(), lifespan="off", log_level="warning", access_log=False,
                                 http="httptools", loop="none", timeout_graceful_shutdown=2, timeout_keep_alive=30,
                                 server_header=False, date_header=False)
@@ -588,7 +598,7 @@ class Agent:
                 self.segment.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.uds)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, *IGNORED_SIGNALS):
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     loop.remove_signal_handler(sig)
         return 0

@@ -133,8 +133,9 @@ y[0] += 8
 panel("state-timeline", "Routed to", "1 when the router sends requests to the worker (eligible), 0 when not: /dplb/status says why. Alerts: DPLBWorkerNotReady, DPLBNoWorkerReady.",
       [(f"dplb_worker_ready{{{M}}}", "worker {{worker}}")], 0, 8, 8,
       fieldcfg={"mappings": [{"type": "value", "options": {"0": {"text": "not routed", "color": "red"}, "1": {"text": "ready", "color": "green"}}}]})
-panel("timeseries", "Engine restarts", "Engine restarts by each worker's agent since it claimed its slot. Alert: DPLBEngineRestarting.",
-      [(f"dplb_worker_engine_restarts_total{{{M}}}", "worker {{worker}}")], 8, 8, 8, "short")
+panel("timeseries", "Engine restarts", "Restarts of each worker's engine, and of its agent (the engine keeps serving through an agent restart). Alerts: DPLBEngineRestarting, DPLBAgentRestarting.",
+      refs([(f"dplb_worker_engine_restarts_total{{{M}}}", "worker {{worker}} engine"),
+            (f"dplb_worker_agent_restarts_total{{{M}}}", "worker {{worker}} agent")]), 8, 8, 8, "short")
 panel("timeseries", "Agent heartbeat age", "Seconds since each agent last wrote its slot; past health_check.heartbeat_timeout_ms the router stops routing to it.",
       [(f"dplb_worker_heartbeat_age_seconds{{{M}}}", "worker {{worker}}")], 16, 8, 8, "s")
 y[0] += 8

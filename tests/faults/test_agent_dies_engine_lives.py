@@ -21,7 +21,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.helpers import launched, wait_until
+from tests.helpers import launched, metric, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 
@@ -115,10 +115,10 @@ def test_kill9_of_an_agent_under_streamed_load_cuts_no_request_and_keeps_its_eng
             streams = asyncio.run(scenario())
             assert "ready" in marks, "the worker did not come back:\n" + L.logs()
             after = seg.read_slot(victim)
-            # the same engine, re-attached by a new agent; the agent restart counted in the worker's restarts
+            # the same engine, re-attached by a new agent; the agent restart counted as one, not as an engine's
             assert int(after.engine_pid) == engine and int(after.pid) != agent, (after.pid, after.engine_pid)
             assert psutil.Process(engine).status() != psutil.STATUS_ZOMBIE
-            assert after.restarts == 1 and after.state.name == "READY"
+            assert (after.agent_restarts, after.restarts, after.state.name) == (1, 0, "READY")
             # no stream was cut: every one complete, none ended "abort", none with an error event
             cut = [s for s in streams if s.status != 200 or s.error or s.finish != "length" or s.chunks < MAX_TOKENS]
             assert not cut, cut[:5]
@@ -132,8 +132,15 @@ def test_kill9_of_an_agent_under_streamed_load_cuts_no_request_and_keeps_its_eng
                   f"back in routing after {recovery:.2f} s; engine pid {engine} unchanged")
             assert recovery < 60.0, recovery
             out = L.out()
-            assert f"dplb: worker {victim} killed by SIGKILL" in out and "engine killed" not in out, out[-3000:]
-            wait_until(lambda: f"agent restart (the previous agent, pid {agent}, died" in
+            assert f"dplb: worker {victim} killed by SIGKILL (-9); restarting its agent" in out, out[-3000:]
+            assert "engine killed" not in out and "engine restart" not in out, out[-3000:]
+            # counted where the alerts look: a counter of its own, not the engine's
+            text = httpx.get(f"http://127.0.0.1:{L.port}/metrics", timeout=30).text
+            assert metric(text, "dplb_worker_agent_restarts_total", worker=str(victim)) == 1.0
+            assert metric(text, "dplb_worker_engine_restarts_total", worker=str(victim)) == 0.0
+            rlog = (L.run_dir / "router.log").read_text(errors="replace")
+            assert f"worker {victim}: ready -> dead (agent_exited)" in rlog and "engine killed" not in rlog
+            wait_until(lambda: f"agent restart 1 (the previous agent, pid {agent}, died)" in
                        (L.run_dir / f"agent-{victim}.log").read_text(errors="replace"), timeout=10,
                        what="the agent log names the agent restart")
         finally:

@@ -27,7 +27,7 @@ def test_a_killed_agent_is_restarted_and_its_worker_serves_again():
     assert r.detection_s is not None and r.detection_s < 5, r.detection_s
     # the launcher said so, one line each: the death, the restart, READY again
     lines = x["launcher_lines"]
-    assert any(ln.startswith("dplb: worker 2 killed by SIGKILL (status 137); restarting its agent in 2.0s") for ln in lines), lines
+    assert any(ln.startswith("dplb: worker 2 killed by SIGKILL (-9); restarting its agent in 2.0s") for ln in lines), lines
     assert any(ln.startswith(f"dplb: worker 2: agent restarted (restart 1, pid {x['new_pid']})") for ln in lines), lines
     assert any(ln.startswith("dplb: worker 2: READY again after agent restart 1, agent pid "
                              f"{x['new_pid']}, engine pid ") for ln in lines), lines
