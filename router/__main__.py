@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                               "http": "router.server:LimitedHttpToolsProtocol", "log_level": cfg.router.log_level, "access_log": False,
                               # uvicorn's handlers keep each record on one line too (router.logtext)
                               "log_config": uvicorn_log_config(),
-                              "server_header": False, "date_header": False, "timeout_keep_alive": 30,
-                              "backlog": 4096,
+                              "server_header": False, "date_header": False, "timeout_keep_alive": 30, "backlog": 4096,
                               # SIGTERM: stop accepting, relay what is in flight to its end (drain limit)
                               "timeout_graceful_shutdown": args.drain_timeout,
                               # no WebSocket endpoint: a request asking to upgrade is answered over HTTP
