@@ -99,13 +99,12 @@ def start_child(name: str, argv: list[str], log_path: Path, env: dict[str, str],
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        log = open(log_path, "ab")  # noqa: SIM115 - closed below
+        log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed below; unbuffered: nothing left to flush
     except OSError:   # the run dir refuses a new file: the child runs, its output is lost
-        log = open(os.devnull, "ab")  # noqa: SIM115
+        log = open(os.devnull, "ab", buffering=0)  # noqa: SIM115
     with log:
         try:
             log.write(f"=== {name}: {' '.join(argv)}\n".encode())
-            log.flush()
         except OSError:   # a full file system (ENOSPC): logging degrades, the child starts anyway
             pass
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
