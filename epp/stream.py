@@ -240,6 +240,8 @@ class Exchange:
             return [self._refuse(e)]
         self.streaming = info.stream
         self.info = info
+        director.tag(info, ((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
+                     (self.headers.get("authorization") or "").encode("latin-1") or None)
         if not director.may_dispatch(info):
             self.waiting = (body, trailers)
             return []

@@ -214,6 +214,69 @@ class MetricsSection(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
 
 
+class AdmissionClass(_Strict):
+    """Settings of one priority class (``admission.classes``, keyed by the class's integer
+    priority, higher first). ``queue_budget_s``: the longest a request of this class waits in
+    the router's queue before it is answered 429 (None: ``admission.queue_budget_s``)."""
+
+    queue_budget_s: float | None = Field(default=None, gt=0, le=3600)
+
+
+class AdmissionSection(_Strict):
+    """The router's admission queue (docs/admission.md; :mod:`router.admission`).
+
+    A request is dispatched at once while the policy's estimated TTFT on the best eligible worker
+    is within ``headroom`` × the request's TTFT budget (``ttft_slo_base_s`` + ``ttft_slo_per_1k_s``
+    × prompt tokens / 1000, the per-request SLO of ``dplb-simulate``); otherwise it waits in the
+    router, ordered by priority class, then fairly between tenants, then by deadline, and is
+    answered 429 + ``Retry-After`` after its queue budget, or as soon as it can no longer meet its
+    deadline (``shed_late``; false: it waits, behind every request that still can). While a
+    higher class has had a request within ``reserve_window_s``, a class fills only ``reserve`` ×
+    the headroom (trunk reservation): the rest is kept for the higher class. ``enabled: false``: today's behaviour
+    (every request bound to a worker on arrival)."""
+
+    enabled: bool = True
+    headroom: float = Field(default=1.0, gt=0, le=100,
+                            description="dispatch while est. TTFT <= headroom x the request's TTFT budget")
+    reserve: float = Field(default=0.5, gt=0, le=1,
+                           description="share of headroom a class may fill while a higher class is active")
+    reserve_window_s: float = Field(default=10.0, ge=0)
+    ttft_slo_base_s: float = Field(default=1.0, gt=0)
+    ttft_slo_per_1k_s: float = Field(default=0.1, ge=0)
+    tpot_slo_s: float = Field(default=0.1, ge=0, description="a worker whose decodes pace above this has no room (0: off)")
+    queue_budget_s: float = Field(default=30.0, gt=0, le=3600)
+    default_priority: int = Field(default=0, ge=-1000, le=1000)
+    classes: dict[int, AdmissionClass] = Field(default_factory=dict)
+    shed_late: bool = True
+    max_queue: int = Field(default=10_000, ge=1, le=10_000_000)
+    tenant_header: str = "x-dplb-tenant"
+    poll_ms: float = Field(default=20.0, gt=0, le=10_000)
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        if not v or not re.fullmatch(r"[A-Za-z0-9-]+", v):
+            raise ValueError(f"not a header name: {v!r}")
+        return v.lower()
+
+    @field_validator("classes")
+    @classmethod
+    def _class_range(cls, v: dict[int, AdmissionClass]) -> dict[int, AdmissionClass]:
+        for k in v:
+            if not -1000 <= k <= 1000:
+                raise ValueError(f"class priority {k} outside [-1000, 1000]")
+        return v
+
+    def budget_s(self, priority: int) -> float:
+        """The queue budget of class ``priority``, seconds."""
+        c = self.classes.get(priority)
+        return self.queue_budget_s if c is None or c.queue_budget_s is None else c.queue_budget_s
+
+    def ttft_budget_s(self, prompt_tokens: int) -> float:
+        """The TTFT a request of ``prompt_tokens`` is allowed, seconds (its deadline's span)."""
+        return self.ttft_slo_base_s + self.ttft_slo_per_1k_s * prompt_tokens / 1000.0
+
+
 class Config(_Strict):
     """Whole router configuration (the ``dplb.yaml`` file)."""
 
@@ -224,6 +287,7 @@ class Config(_Strict):
     circuit_breaker: CircuitBreaker = Field(default_factory=lambda: CircuitBreaker())
     retries: Retries = Field(default_factory=lambda: Retries())
     metrics: MetricsSection = Field(default_factory=lambda: MetricsSection())
+    admission: AdmissionSection = Field(default_factory=lambda: AdmissionSection())
     # what the launcher starts (several models on one box); empty: --num-workers/--model decide.
     # The router does not read it: the launcher validates it (launcher.config.LaunchWorker,
     # loaded with load_config(..., model=launcher.config.LaunchConfig))

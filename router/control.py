@@ -250,7 +250,7 @@ def _dplb_routes(app: FastAPI, state: RouterState) -> None:
         check_observer(request, state.cfg)
         return _json({"policy": state.policy.name, "segment": state.seg.name, "generation": state.seg.generation,
                       "pid": os.getpid(), "workers": state.scheduler.status_rows(),
-                      "models": state.scheduler.model_rows()})
+                      "models": state.scheduler.model_rows(), "admission": state.admission.status()})
 
     @app.post("/dplb/route")
     async def route(request: Request) -> Response:

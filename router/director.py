@@ -15,8 +15,10 @@ model check         :meth:`Director.check_model`: 400 when several models are se
 admission           the point where a request may **wait** before it is dispatched:
                     :meth:`Director.may_dispatch` (synchronous: the hot path dispatches from the
                     connection's callback when it says yes) and :meth:`Director.admit` (awaited by
-                    an edge otherwise). The :class:`Admission` in place decides; today's
-                    (:class:`OpenAdmission`) lets every request through at once
+                    an edge otherwise). The :class:`Admission` in place decides: the router's
+                    queue (:class:`router.admission_gate.AdmissionGate`, docs/admission.md: 429 +
+                    ``Retry-After`` for a request it sheds), or :class:`OpenAdmission`, which
+                    lets every request through at once
 dispatch            admit-then-lease (:meth:`Director.pick`, then :meth:`Director.lease`; the HTTP
                     edge writes the request to a pooled connection between the two, so the engine
                     reads while the lease is taken): eligibility → policy → breaker admission
@@ -48,6 +50,7 @@ step needs. Its collaborators are the :class:`~router.scheduling.Scheduler`, the
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 from router.access_log import AccessLog
@@ -105,6 +108,22 @@ class Admission(Protocol):
         """Wait until ``info`` may be dispatched; raises RouterError to refuse it."""
         ...
 
+    def tag(self, info: RequestInfo, headers: Iterable[tuple[bytes, bytes]], auth: bytes | None) -> None:
+        """Read what admission orders by (class, tenant, budget) from the request's headers."""
+        ...
+
+    def take_pick(self, info: RequestInfo, exclude: set[int] | frozenset[int]) -> tuple[WorkerHandle, Decision] | None:
+        """The choice admission already made for ``info`` (None: the edge's pick makes it)."""
+        ...
+
+    def take_lease(self, info: RequestInfo, handle: WorkerHandle) -> Lease | None:
+        """The lease admission already took for ``info`` on ``handle`` (None: the edge takes it)."""
+        ...
+
+    def kick(self) -> None:
+        """A request ended or got its first token: capacity may have freed."""
+        ...
+
 
 class OpenAdmission:
     """Every request may be dispatched at once (no queue): :meth:`ready` is always True."""
@@ -117,6 +136,22 @@ class OpenAdmission:
 
     async def wait(self, info: RequestInfo) -> None:
         """Returns at once (never called while :meth:`ready` says yes)."""
+        return
+
+    def tag(self, info: RequestInfo, headers: Iterable[tuple[bytes, bytes]], auth: bytes | None) -> None:
+        """Nothing to read."""
+        return
+
+    def take_pick(self, info: RequestInfo, exclude: set[int] | frozenset[int]) -> tuple[WorkerHandle, Decision] | None:
+        """None: the edge picks."""
+        return None
+
+    def take_lease(self, info: RequestInfo, handle: WorkerHandle) -> Lease | None:
+        """None: the edge takes the lease."""
+        return None
+
+    def kick(self) -> None:
+        """Nothing waits."""
         return
 
 
@@ -149,7 +184,7 @@ class Director:
     @admission.setter
     def admission(self, adm: Admission) -> None:
         self._admission = adm
-        self.open = isinstance(adm, OpenAdmission)
+        self.open = type(adm) is OpenAdmission   # a subclass may hold requests: asked
 
     # -- parse and model check -------------------------------------------------------------------
     def parse(self, path: str, body: bytes, session: bytes | None = None) -> RequestInfo:
@@ -198,19 +233,36 @@ class Director:
     def pick(self, info: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[WorkerHandle, Decision]:
         """Choose a worker for ``info``, leaving out the workers of ``exclude`` (tried already, or
         unreachable from the edge): :meth:`Scheduler.admit` (eligibility, policy, breaker admission).
-        Raises NoEligibleWorker (503 + ``Retry-After``)."""
+        The admission step's own choice when it made one (:meth:`Admission.take_pick`: the request
+        was judged, or dispatched from the queue, on that decision). Raises NoEligibleWorker (503 +
+        ``Retry-After``)."""
+        if not self.open:
+            got = self._admission.take_pick(info, exclude)
+            if got is not None:
+                return got
         return self.scheduler.admit(info, exclude)
 
     def lease(self, handle: WorkerHandle, decision: Decision, info: RequestInfo) -> Lease:
         """Take the lease of ``info`` on ``handle`` (chosen by :meth:`pick` with ``decision``): the
-        request's load in the segment until the lease is finished, exactly once."""
+        request's load in the segment until the lease is finished, exactly once (the one admission
+        took when it dispatched the request from its queue: :meth:`Admission.take_lease`)."""
+        if not self.open:
+            pre = self._admission.take_lease(info, handle)
+            if pre is not None:
+                return pre
         return self.scheduler.lease(handle, decision, info)
 
     def dispatch(self, info: RequestInfo, exclude: set[int] | frozenset[int] = frozenset()) -> tuple[WorkerHandle, Lease]:
         """:meth:`pick` then :meth:`lease` (an edge with nothing to do between). Raises
         NoEligibleWorker."""
-        h, d = self.scheduler.admit(info, exclude)
-        return h, self.scheduler.lease(h, d, info)
+        h, d = self.pick(info, exclude)
+        return h, self.lease(h, d, info)
+
+    def tag(self, info: RequestInfo, headers: Iterable[tuple[bytes, bytes]], auth: bytes | None = None) -> None:
+        """Set ``info``'s priority class, tenant and queue budget from the request's ``headers``
+        (lower-case names, raw bytes) and ``Authorization`` value (:meth:`Admission.tag`)."""
+        if not self.open:
+            self._admission.tag(info, headers, auth)
 
     # -- bookkeeping at first content and at the end ---------------------------------------------
     def first_content(self, route: str, t0: float, lease: Lease | None) -> float:
@@ -220,6 +272,8 @@ class Director:
         routing and queueing/prefill phases. Returns the TTFT, s."""
         metrics = self.metrics
         ttft = time.perf_counter() - t0
+        if not self.open:
+            self._admission.kick()
         if lease is None:
             metrics.observe_ttft(route, ttft)
             return ttft
@@ -308,6 +362,8 @@ class Director:
         (request id, method, path, the model named, TTFT s, token counts, tries, the cause of a
         5xx). Returns the duration, s, since ``t0`` (``time.perf_counter``)."""
         dt = time.perf_counter() - t0
+        if not self.open:
+            self._admission.kick()
         self.metrics.observe_request(label, status, route, dt)
         if self.access is not None:
             self.access.emit(rid, method, path, model, label, status, dt, ttft, prompt, out, attempts, cause)

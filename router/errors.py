@@ -14,6 +14,7 @@ Tree (HTTP status in brackets; rendered only at the edge, by :func:`router.proto
     ├── UnsupportedMediaType [415]      a Content-Type other than application/json
     ├── HeadersTooLarge     [431]       request headers above ``max_header_bytes`` / ``max_headers``
     ├── NotSupported        [501]       the worker has no such API (admin restart of a non-agent)
+    ├── Overloaded          [429]       the admission queue shed the request (Retry-After; budget, deadline, full)
     ├── NoEligibleWorker    [503]       no ready worker can take the request (Retry-After)
     ├── NoFreeSlot          [503]       admin add of a remote worker with every segment slot taken
     ├── UpstreamError       [502]       the worker failed (refused, dropped, 5xx) and no retry helped
@@ -125,6 +126,21 @@ class NoEligibleWorker(RouterError):
         self.retry_after = retry_after
 
 
+class Overloaded(RouterError):
+    """The admission queue shed the request (429 + ``Retry-After`` + ``X-DPLB-Shed-Reason``):
+    it waited its queue budget (``budget``), could no longer meet its deadline with
+    ``admission.shed_late`` (``deadline``), or found the queue full (``full``). ``retry_after``
+    in whole seconds (:meth:`router.admission.AdmissionQueue.retry_after`)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, reason: str, retry_after: int = 1, **kw: Unpack[ErrorFields]) -> None:
+        super().__init__(message, headers={"retry-after": str(retry_after), "x-dplb-shed-reason": reason}, **kw)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
 class NoFreeSlot(RouterError):
     """Adding a remote worker found every slot of the segment taken (503 + ``Retry-After``)."""
 
@@ -188,5 +204,6 @@ class TransportError(Exception):
 
 
 __all__ = ["BadRequest", "BodyTooLarge", "ConfigError", "Conflict", "Forbidden", "GatewayTimeout", "HeadersTooLarge",
-           "NoEligibleWorker", "NoFreeSlot", "NotFound", "NotSupported", "RouterError", "TransportError", "Unauthorized",
+           "NoEligibleWorker", "NoFreeSlot", "NotFound", "NotSupported", "Overloaded", "RouterError", "TransportError",
+           "Unauthorized",
            "UnsupportedMediaType", "UpstreamError", "error_body", "sse_error_event"]

@@ -17,6 +17,16 @@ multiprocess mode sums them over the router processes):
 | dplb_router_routing_decisions_total         | counter   | policy, reason  |
 | dplb_router_retries_total                   | counter   | reason          |
 | dplb_router_query_of_death_total            | counter   |                 |
+| dplb_router_admission_queue_depth           | gauge     | (summed over router processes) |
+| dplb_router_admission_wait_seconds          | histogram | class           |
+| dplb_router_admission_shed_total            | counter   | reason, class   |
+
+The admission families (:mod:`router.admission_gate`): requests waiting in the router's queue
+now; the time each request that waited there before it went to a worker waited (one routed at
+once is not observed: the hot path stays as it was); requests answered
+429 by the queue, ``reason`` ``budget`` (waited its queue budget), ``deadline`` (could no longer
+meet its TTFT deadline, ``admission.shed_late``) or ``full`` (``admission.max_queue``), ``class``
+the request's priority class.
 
 ``model`` on the router's own families is the model of the worker that answered (its slot's, as
 the segment lists it; ``""`` for an answer no worker gave: a 404 for an unknown model, a 503 with
@@ -78,6 +88,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -307,6 +318,13 @@ class Metrics:
                                       "Requests answered 502 and not tried again: their connection broke on two "
                                       "workers after those read them, before the first byte (a query of death)",
                                       registry=r)
+        self.queue_depth = Gauge("dplb_router_admission_queue_depth", "Requests waiting in the router's admission queue",
+                                 registry=r, multiprocess_mode="livesum")
+        self.queue_wait = Histogram("dplb_router_admission_wait_seconds",
+                                    "Time a request waited in the router's admission queue before it went to a worker", ["class"],
+                                    buckets=BUCKETS, registry=r)
+        self.shed = Counter("dplb_router_admission_shed", "Requests the admission queue answered 429, by reason "
+                            "(budget, deadline, full) and priority class", ["reason", "class"], registry=r)
         self.collector: SegmentCollector | None = None
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._dec_children: dict[tuple[str, str], Counter] = {}
@@ -426,6 +444,18 @@ class Metrics:
         if c is None:
             c = self._dec_children[key] = self.decisions.labels(policy, reason)
         self._add(c, 1.0)
+
+    def admission_wait(self, priority: int, seconds: float) -> None:
+        """One request left the admission queue for a worker after waiting ``seconds``."""
+        self.queue_wait.labels(str(priority)).observe(seconds)
+
+    def admission_shed(self, reason: str, priority: int, waited_s: float) -> None:
+        """One request of class ``priority`` was answered 429 by the queue (``reason``) after ``waited_s``."""
+        self.shed.labels(reason, str(priority)).inc()
+
+    def admission_depth(self, depth: int) -> None:
+        """Requests waiting in this process's admission queue now."""
+        self.queue_depth.set(depth)
 
     def _add(self, child: Counter, n: float) -> None:
         """Count ``n`` on a per-request counter's child: coalesced until :meth:`flush`."""

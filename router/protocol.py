@@ -112,7 +112,11 @@ class RequestInfo:
     ``prompt_len``: the prompt length in tokens (:func:`prompt_tokens`). ``session``: a session
     key for session affinity (the ``X-Session-Id`` header, else the body's ``user``), or None.
     ``max_tokens``: the output limit the client asked for (``max_tokens``/``max_completion_tokens``,
-    SGLang's ``sampling_params.max_new_tokens``), or None.
+    SGLang's ``sampling_params.max_new_tokens``), or None. Admission (:mod:`router.admission_gate`
+    sets them from the headers): ``priority`` (the class; None: the config's default), ``tenant``
+    (fairness key; the body's ``user`` until a header or the API key says otherwise),
+    ``queue_budget_s`` (the client's own, shorter queue budget, or None) and ``queued_s`` (how
+    long it waited in the admission queue).
     """
 
     path: str = CHAT
@@ -122,6 +126,10 @@ class RequestInfo:
     prompt_len: int = 0
     session: str | None = None
     max_tokens: int | None = None
+    priority: int | None = None
+    tenant: str = ""
+    queue_budget_s: float | None = None
+    queued_s: float = 0.0
 
 
 def _words(s: str) -> int:
@@ -231,9 +239,10 @@ def parse_request(path: str, body: bytes, needs_text: bool = True) -> RequestInf
     mt = d.get("max_completion_tokens", d.get("max_tokens"))
     if mt is None and path == GENERATE and isinstance(d.get("sampling_params"), dict):
         mt = d["sampling_params"].get("max_new_tokens")
-    return RequestInfo(path, model, stream, "\n".join(texts) if texts else "", n,
-                       user if isinstance(user, str) and user else None,
-                       mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None)
+    user = user if isinstance(user, str) and user else None
+    return RequestInfo(path, model, stream, "\n".join(texts) if texts else "", n, user,
+                       mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else None,
+                       tenant=user[:128] if user else "")
 
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "GENERATE", "HOP_BY_HOP", "BadRequest", "OpenAIError",

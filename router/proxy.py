@@ -263,8 +263,10 @@ class Proxy:
             director = self.director
             info = director.parse(path, body, session)
             director.check_model(info)
-            if not director.open and not director.may_dispatch(info):
-                return None
+            if not director.open:
+                director.tag(info, fwd, auth)
+                if not director.may_dispatch(info):
+                    return None
             ex = Exchange(scope["method"], path if path in ROUTES else "/v1/other", request_target(scope), fwd, body,
                           info, rid, t0)
             pre = self._dispatch(ex, 0)
@@ -298,6 +300,7 @@ class Proxy:
             body = await read_body(receive, self.settings.max_body_bytes, declared)
             info = self.director.parse(path, body, session)   # the access line names the model of a 404
             self.director.check_model(info)
+            self.director.tag(info, fwd, auth)
             target = request_target(scope)
         except RouterError as e:
             await self._refused(send, e, scope["method"], path, rid, t0, None if info is None else info.model)

@@ -22,6 +22,7 @@ from dplb_shm import ScoringParams, TtftParams
 from router.access_log import AccessLog
 from router.accounting import LearnSettings
 from router.admin_store import AdminStore
+from router.admission_gate import AdmissionGate
 from router.config import Config
 from router.director import Director
 from router.health import HealthMonitor
@@ -159,8 +160,11 @@ class RouterState:
         self.monitor.start()
         self.metrics.attach(self.registry, self.seg, self.policy.name, self.scheduler.routing_state,
                             cfg.retries.retry_on_status, cfg.routing_policy.prefill_tokens_per_s)
+        #: the admission step (docs/admission.md): the queue while the engines are saturated
+        self.admission = AdmissionGate(cfg.admission, self.scheduler, self.metrics)
         self.director = Director(self.scheduler, self.metrics, self.policy.needs_text,
-                                 AccessLog(cfg.router.access_log) if self.access_log else None)
+                                 AccessLog(cfg.router.access_log) if self.access_log else None,
+                                 self.admission if cfg.admission.enabled else None)
 
     def _hold_router_lock(self) -> None:
         """Hold a shared ``flock`` on ``<state_dir>/routers.lock`` for this process's life and open
@@ -201,6 +205,7 @@ class RouterState:
 
     async def stop(self) -> None:
         """Stop background work, close pools, release mirror slots, detach."""
+        await self.admission.close()
         await self.monitor.stop()
         self.mirrors.close()
         await self.transport.close()

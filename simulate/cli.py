@@ -24,6 +24,7 @@ from router.config import Config, load_config
 from router.errors import ConfigError
 from router.policies import policy_names
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
+from simulate.admission import admission_figures, assign_mix, group_lines, parse_mix, sweep_table
 from simulate.capacity import find_capacity, min_engines, rate_sweep, trace_rate
 from simulate.cluster import Simulation
 from simulate.generators import DEFAULT_REQUESTS, WORKLOADS, describe, generate
@@ -116,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the max_tokens the router is told (the engine still generates the trace's output "
                         "length): exact (the trace's length, an oracle; default), pow2 (rounded up to a power "
                         "of two), x4 (four times over) or none (absent: the policy's default)")
+    a = p.add_argument_group("admission (the router's queue: config admission.*)")
+    a.add_argument("--admission", choices=("config", "on", "off"), default="config",
+                   help="the router's admission queue: as the config says (default: on), on or off")
+    a.add_argument("--priority-mix", default=None, metavar="P:W,...",
+                   help="draw each request's priority class by weight, e.g. 1:0.3,0:0.7 (seeded by --seed)")
+    a.add_argument("--tenant-mix", default=None, metavar="NAME:W,...",
+                   help="draw each request's tenant by weight, e.g. heavy:10,light:1 (seeded by --seed)")
+    a.add_argument("--goodput-sweep", default=None, metavar="F,F,...",
+                   help="per policy, complete runs at --rate-scale x each factor: the goodput (SLO-met "
+                        "requests/s) vs offered load curve")
     o = p.add_argument_group("output")
     o.add_argument("--json-out", default=None, help="write one JSON object per policy (a JSON array)")
     o.add_argument("--plot-dir", default=None, help="write ttft_cdf.png and queue_<policy>.png here")
@@ -291,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(ns: argparse.Namespace) -> int:
     cfg = load_config(ns.config) if ns.config else Config()
+    if ns.admission != "config":
+        cfg.admission.enabled = ns.admission == "on"
     policies = _policies(ns, cfg)
     if ns.rate_scale <= 0:
         raise UsageError(f"--rate-scale {ns.rate_scale}: must be > 0")
@@ -327,7 +340,16 @@ def _main(ns: argparse.Namespace) -> int:
               "one; --rate-scale does not spread such groups, so per-request SLOs may stay out of reach "
               "at any rate (--arrival-spread-ms 3000 spreads the conversation trace's 3 s grid)",
               file=sys.stderr)
+    try:
+        prio_mix = parse_mix("--priority-mix", ns.priority_mix, as_int=True)
+        tenant_mix = parse_mix("--tenant-mix", ns.tenant_mix, as_int=False)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    sweep = parse_floats("--goodput-sweep", ns.goodput_sweep) if ns.goodput_sweep is not None else None
     settings_json = run_settings(ns, reqs, engines, cfg)
+    settings_json["admission"] = cfg.admission.model_dump()
+    settings_json["priority_mix"] = ns.priority_mix
+    settings_json["tenant_mix"] = ns.tenant_mix
     if ns.workload:
         settings_json["workload"] = {"name": ns.workload, "seed": wseed, **describe(reqs)}
     show = progress_enabled(ns.progress)
@@ -341,6 +363,7 @@ def _main(ns: argparse.Namespace) -> int:
         finally:
             bar.close()
         fig = summarize(res, len(settings.engines), att_slo)
+        fig["admission"] = admission_figures(res, fig["slo_attainment"])
         fig["_wall_s"] = time.perf_counter() - t0
         return fig, [x for x in res.ttft if x is not None]
 
@@ -348,7 +371,9 @@ def _main(ns: argparse.Namespace) -> int:
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
                        client_max_tokens=ns.client_max_tokens, replicas=ns.replicas,
-                       events_prefix=ns.events_prefix)
+                       events_prefix=ns.events_prefix,
+                       priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, None) if prio_mix else None,
+                       tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
     rows: list[dict[str, Any]] = []
     ttfts: dict[str, list[float]] = {}
@@ -393,6 +418,18 @@ def _main(ns: argparse.Namespace) -> int:
 
             row["rate_grid"] = rate_sweep(grid_run, settings, grid, trace_rate(reqs), targets,
                                           known={ns.rate_scale: fig})
+        if sweep is not None:
+            row["goodput_sweep"] = []
+            for f in sweep:
+                x = ns.rate_scale * f
+                fx = fig if f == 1.0 else run(replace(settings, rate_scale=x), f"{name} sweep x{x:.3g}")[0]
+                fx.pop("_wall_s", None)
+                a = fx["admission"]
+                row["goodput_sweep"].append({
+                    "policy": name, "x": x, "offered_rps": a["offered_rps"], "goodput_rps": a["goodput_rps"],
+                    "attainment": fx["slo_attainment"]["attainment"], "shed": a["shed"],
+                    "ttft_p50": fx["ttft_s"]["p50"] or 0.0, "ttft_p99": fx["ttft_s"]["p99"] or 0.0,
+                    "by_class": a.get("by_class"), "by_tenant": a.get("by_tenant")})
         if ns.min_engines:
             def eng_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
                 f, _ = run(st, f"{_name} {len(st.engines)} engines")
@@ -417,6 +454,16 @@ def _main(ns: argparse.Namespace) -> int:
             print(f"{row['policy']}: {ns.replicas} router replicas (round robin); accounting error "
                   f"{acc.get('inflight')} (sum over replicas of |requests a replica counts on an engine - "
                   "requests there| / requests there)")
+    adm_txt = ", ".join(f"{r['policy']} queued {r['admission']['queued']}, shed {r['admission']['shed']} "
+                        f"(longest wait {r['admission']['shed_wait_max_s']} s), goodput {r['admission']['goodput_rps']} "
+                        f"req/s of {r['admission']['offered_rps']} offered" for r in rows)
+    print(f"admission ({'on' if cfg.admission.enabled else 'off'}): {adm_txt}")
+    groups = group_lines(rows)
+    if groups:
+        print(groups)
+    if sweep is not None:
+        print(f"\ngoodput vs offered load ({att_slo_text(att_slo)})")
+        print(sweep_table([p for r in rows for p in r["goodput_sweep"]]))
     if (ns.find_capacity or ns.min_engines) and p99:
         slo_txt = ", ".join(x for x in (f"TTFT p99 <= {ns.slo_ttft_p99} s" if ns.slo_ttft_p99 is not None else "",
                                         f"TPOT p99 <= {ns.slo_tpot_p99} s" if ns.slo_tpot_p99 is not None else "")

@@ -23,7 +23,15 @@ Events (virtual seconds; no sockets, no sleeping)::
                        (running + waiting), running count and KV usage, for the load-over-time
                        figures (an observer; nothing reads it)
 
-Ties at one instant: step ends, then agent ticks, router ticks, samples, then arrivals.
+    admission          with the router's admission queue on (the config's ``admission``, on by
+                       default): an arrival is offered to the queue (router/admission.py, the
+                       router's code), which dispatches it at once while the cluster has room and
+                       else holds it; the queue is pumped again at each first token and end (the
+                       router's accounting changed) and agent tick, and every ``poll_ms`` while
+                       requests wait a timer answers what expired (429; simulate/admission.py)
+
+Ties at one instant: step ends, then agent ticks, router ticks, samples, admission timers, then
+arrivals.
 
 Information model, as live: the slot fields the engine owns (running, waiting, KV usage) change
 only at agent ticks (the agent is off the data path: it sees no request); the router's own
@@ -59,13 +67,14 @@ from dplb_shm import Segment
 from router.config import Config
 from router.errors import NoEligibleWorker
 from router.kv_events import BlockSet
-from router.policies import RequestInfo, build_policy
+from router.policies import Decision, RequestInfo, build_policy
 from router.protocol import CHAT, COMPLETIONS
 from router.scheduling import Lease, Scheduler
 from router.state import learn_settings, scoring_params, ttft_params
 from router.workers import Registry
 from sim_engine.errors import SimEngineError
 from sim_engine.request import SimRequest
+from simulate.admission import SimAdmission
 from simulate.replicas import (
     AccountingError,
     Replica,
@@ -91,7 +100,7 @@ from simulate.workload import (
 )
 from worker_agent.metrics import EngineMetrics
 
-STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE = 0, 1, 2, 3
+STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE, ADMIT_TICK = 0, 1, 2, 3, 4
 
 
 def _threshold_count(n: int, q: float = 99.0) -> int:
@@ -226,6 +235,15 @@ class _Run:
         self.done = 0
         self.ms = 1000.0 * s.agent_latency_scale
         self._schedule_ticks(cfg, rng)
+        # the router's admission queue (router.admission through simulate.admission), on unless
+        # the config turns it off
+        self.prios = s.priorities
+        self.tenants = s.tenants
+        # one queue per router replica (each router process holds its own)
+        self.adms = ([SimAdmission(cfg.admission, rp.scheduler, n, self.dispatch, self._reject_at,
+                                   self._preparer(rp.oracle)) for rp in self.replicas]
+                     if cfg.admission.enabled else [])
+        self.admit_tick = False
 
     def _start_router(self, r: int, seg: Segment, cfg: Config, rng: random.Random) -> Replica:
         """Router replica ``r``: its real pipeline over its segment ``seg``, on the virtual clock;
@@ -273,7 +291,7 @@ class _Run:
         """Run every event in order (ties: step ends, agent ticks, router ticks, samples, then
         arrivals) until every request is done or the run aborts; ``progress`` every 512 events."""
         n, arr, heap, clock = self.n, self.arr, self.heap, self.clock
-        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample)
+        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample, self.admit_timer)
         heappop = heapq.heappop
         inf = float("inf")
         i_next = 0
@@ -330,18 +348,27 @@ class _Run:
             e.stamp(self.now_ns())
         leases = self.leases
         aborted = False
+        freed = False   # the router's accounting changed: admission may decide otherwise
         for req in produced:
             i = req.sink
             n_out = len(req.output)
             leases[i].tokens = n_out   # what the live proxy's stream meter counts
-            if n_out == 1 and self._first_token(req, i, t):
-                aborted = True
-            if req.finish_reason is not None and self._finished(e, i, n_out, t):
-                aborted = True
+            if n_out == 1:
+                freed = True
+                if self._first_token(req, i, t):
+                    aborted = True
+            if req.finish_reason is not None:
+                freed = True
+                if self._finished(e, i, n_out, t):
+                    aborted = True
         if aborted or self.judge.p99_missed():
             self.aborted = True
             return
         self.start_step(e, t)
+        if freed:
+            for adm in self.adms:
+                if adm.waiting:
+                    adm.pump(t)
 
     def _first_token(self, req: SimRequest, i: int, t: float) -> bool:
         ft = t - self.arr[i]
@@ -380,6 +407,9 @@ class _Run:
             agent.publish_engine(m)
         self.tick_no[k] += 1
         self.push(self.phase[k] + self.tick_no[k] * self.interval, AGENT_TICK, k)
+        for adm in self.adms:
+            if adm.waiting:
+                adm.pump(t)
 
     def router_tick(self, t: float, k: int) -> None:
         """The router's health tick: its registry syncs from a segment snapshot."""
@@ -395,15 +425,40 @@ class _Run:
         self.n_sample += 1
         self.push(self.n_sample * self.sample_dt, SAMPLE, -1)
 
+    def admit_timer(self, t: float, k: int) -> None:
+        """The router's poll while requests wait in its admission queue (``admission.poll_ms``):
+        between the pumps at each change of the routing state only time passes, so it only answers
+        what expired (:meth:`simulate.admission.SimAdmission.expire`)."""
+        self.admit_tick = False
+        for adm in self.adms:
+            if adm.waiting:
+                adm.expire(t)
+        self._poll(t)
+
+    def _poll(self, t: float) -> None:
+        if not self.admit_tick and any(adm.waiting for adm in self.adms):
+            self.admit_tick = True
+            self.push(t + self.adms[0].poll_s, ADMIT_TICK, -1)
+
     def arrival(self, i: int, t: float) -> None:
-        """Request ``i`` arrives: the router's pipeline picks an engine (or rejects it), the engine
-        queues it (or rejects it with its HTTP status) and an idle engine starts a step."""
+        """Request ``i`` arrives: the router's pipeline picks an engine (or rejects it), or, with
+        admission, the router's queue takes it and dispatches what the cluster has room for; the
+        engine queues it (or rejects it with its HTTP status) and an idle engine starts a step."""
         s = self.s
         r = self.reqs[i]
         text = router_text(r, s.api) if self.needs_text else ""
         info = RequestInfo(self.path, self.model, True, text, router_prompt_len(r, s.api),
                            max_tokens=self.bound(r.output_length) if r.output_length > 0 else None)
-        rp = self.replicas[self.front.pick()]
+        pick = self.front.pick()
+        rp = self.replicas[pick]
+        if self.adms:
+            if self.prios is not None:
+                info.priority = self.prios[i]
+            if self.tenants is not None:
+                info.tenant = self.tenants[i]
+            self.adms[pick].arrive(i, info, t)
+            self._poll(t)
+            return
         if rp.oracle is not None:
             self._oracle_matches(rp.oracle, r, text)
         try:
@@ -411,6 +466,26 @@ class _Run:
         except NoEligibleWorker as err:
             self._rejected(i, err.status)
             return
+        self.dispatch(i, lease, d, t)
+
+    def _preparer(self, oracle: OracleIndex | None) -> Callable[[int], None] | None:
+        """What sets a replica's oracle view of request ``i`` before it is routed (None without one)."""
+        if oracle is None:
+            return None
+
+        def prepare(i: int) -> None:
+            r = self.reqs[i]
+            self._oracle_matches(oracle, r, router_text(r, self.s.api) if self.needs_text else "")
+
+        return prepare
+
+    def _reject_at(self, i: int, status: int, t: float) -> None:
+        self._rejected(i, status)
+
+    def dispatch(self, i: int, lease: Lease, d: Decision, t: float) -> None:
+        """Request ``i`` routed (``lease`` taken on ``d.worker_id``): its engine queues it."""
+        s = self.s
+        r = self.reqs[i]
         k = d.worker_id
         e = self.engines[k]
         self.worker[i] = k
@@ -467,7 +542,20 @@ class _Run:
                          cached_tokens=self.cached, prompt_tokens=[r.input_length for r in self.reqs],
                          engine_stats=stats, load=self.load.as_dict(), end_time=self.clock.t,
                          aborted=self.aborted, events=events,
-                         replicas={"replicas": len(self.replicas), "accounting_error": self.accounting.result()})
+                         replicas={"replicas": len(self.replicas), "accounting_error": self.accounting.result()},
+                         waited=self._waited(),
+                         priority=list(self.prios) if self.prios is not None
+                         else [self.s.router.admission.default_priority] * self.n,
+                         tenant=list(self.tenants) if self.tenants is not None else [""] * self.n)
+
+    def _waited(self) -> list[float | None]:
+        """Per request, its wait in the admission queue of the replica that took it."""
+        out: list[float | None] = [None] * self.n
+        for adm in self.adms:
+            for i, w in enumerate(adm.waited):
+                if w is not None:
+                    out[i] = w
+        return out
 
 
 class Simulation:

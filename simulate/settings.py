@@ -116,6 +116,11 @@ class SimSettings:
     #: block set (:class:`router.kv_events.BlockSet`, shared by every replica) takes the events of a
     #: step when the step ends, as vLLM publishes them after the step (``--events-prefix``)
     events_prefix: bool = False
+    #: per request (window order) its priority class and tenant (None: the admission config's
+    #: default class, one anonymous tenant); read by the router's admission queue
+    #: (``router.admission``, on unless ``router.admission.enabled`` is false)
+    priorities: list[int] | None = None
+    tenants: list[str] | None = None
 
 
 @dataclass
@@ -144,3 +149,8 @@ class RunResult:
     events: int = 0
     #: ``{"replicas": R, "accounting_error": ...}`` (:class:`simulate.replicas.AccountingError`)
     replicas: dict[str, Any] | None = None
+    #: seconds each request waited in the router's admission queue (None: never queued there,
+    #: or admission off); its class and tenant (as :class:`SimSettings`)
+    waited: list[float | None] = field(default_factory=list)
+    priority: list[int] = field(default_factory=list)
+    tenant: list[str] = field(default_factory=list)

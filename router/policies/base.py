@@ -33,13 +33,21 @@ class Decision:
 
     ``uncached_tokens``: the policy's estimate of the prompt tokens the chosen worker must compute
     (None: the whole prompt; the lease charges it as outstanding prefill); ``est_s``: its
-    estimated TTFT there, s (None when the policy does not estimate one)."""
+    estimated TTFT there, s (None when the policy does not estimate one); ``ttft_s``: the part of
+    that estimate that is this request's own time to first token there (the ``dplb`` policy's
+    queue, prefill, shared decode steps and KV barrier, without the terms that price what the
+    choice costs others; set only when the policy's ``report_ttft`` is on: the admission queue
+    reads it); ``slo_victims``: streamed requests in flight on the chosen worker that this
+    request's prefill would push over their TPOT bound (:mod:`router.policies.tpot_slo`; 0 when
+    the policy does not count them)."""
 
     worker_id: int
     reason: str
     scores: Sequence[ScoreRow] = field(default_factory=list)
     uncached_tokens: int | None = None
     est_s: float | None = None
+    ttft_s: float | None = None
+    slo_victims: int = 0
 
 
 class Snap(Protocol):
@@ -69,12 +77,14 @@ class Policy(Protocol):
     pipeline (:class:`router.scheduling.Scheduler`, :class:`router.state.RouterState`):
     ``needs_text`` (the pipeline must extract the prompt text), ``uses_kernel`` (it scores with the
     native kernel, which reads the slots itself), ``reads_load`` (it needs each slot read afresh
-    per request; False: the last health tick's snapshots will do)."""
+    per request; False: the last health tick's snapshots will do); ``report_ttft`` (set by the
+    admission queue: fill ``Decision.ttft_s`` where the policy can)."""
 
     name: str
     needs_text: bool
     uses_kernel: bool
     reads_load: bool
+    report_ttft: bool
 
     def choose(self, workers: Sequence[WorkerSnapshot], req: RequestInfo, explain: bool = False) -> Decision: ...
 
@@ -132,6 +142,9 @@ class BasePolicy:
     needs_text = False
     uses_kernel = False
     reads_load = True
+    #: fill ``Decision.ttft_s`` (the admission queue turns it on; costs a policy that has it one
+    #: more estimate per decision)
+    report_ttft = False
 
     def __init__(self, rng: _random.Random | None = None) -> None:
         self.rng = rng or _random.Random()

@@ -158,6 +158,10 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         #: the same parameters without the KV threshold, for when every worker is above it
         self._relaxed = (replace(params, kv_cache_threshold=1.0)
                          if params is not None and params.kv_cache_threshold < 1.0 else None)
+        #: the same parameters with the terms that price others' delay (and our own decode) off:
+        #: the kernel's estimate is then this request's own TTFT (``Decision.ttft_s``)
+        self._ttft_only = (replace(params, w_decode=0.0, w_interf=0.0, w_miss=0.0, kv_cache_threshold=1.0)
+                           if params is not None else None)
         self._pending_hashes: tuple[int, Sequence[int]] | None = None
 
     def bind_decodes(self, book: Decodes) -> None:
@@ -234,7 +238,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
             wid, krows = self.kernel.pick_ttft_rows(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
             est = None
             if int(wid) >= 0:
-                wid, est, _ = self._with_slo_misses(krows, victims)
+                wid, est, missed = self._with_slo_misses(krows, victims)
         else:
             wid, est = self.kernel.pick_ttft(self.params, req.prompt_len, work, now_ns=now, out_tokens=out)
         wid = int(wid)
@@ -255,7 +259,22 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         else:
             least = min((matches.get(w.worker_id, 0) for w in workers), default=0)
             reason = "prefix" if matches.get(wid, 0) > least else "ttft"
-        return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est)
+        return Decision(wid, reason, rows, uncached_tokens=int(vec[wid]), est_s=est,
+                        ttft_s=self.own_ttft(wid, work, req.prompt_len, now, out) if self.report_ttft else None,
+                        slo_victims=missed.get(wid, 0))
+
+    def own_ttft(self, wid: int, work: list[float], prompt_len: int, now: int | None, out: float) -> float | None:
+        """The chosen worker ``wid``'s estimate without the terms that price others' delay
+        (``w_decode``, ``w_interf``, ``w_miss`` 0): queue ahead + own prefill, the decode steps
+        sharing them, the KV barrier, over the weight (csrc/dplb_kernel.h). One kernel call over a
+        vector offering ``wid`` alone; None when the kernel finds it ineligible."""
+        p = self._ttft_only
+        if p is None:
+            return None
+        only = [EXCLUDED] * len(work)
+        only[wid] = work[wid]
+        k, est = self.kernel.pick_ttft(p, prompt_len, only, now_ns=now, out_tokens=out)
+        return float(est) if int(k) == wid else None
 
 
     def _with_slo_misses(self, krows: Sequence[tuple[int, float, float, float, float]],

@@ -1,0 +1,523 @@
+"""The admission queue: late binding, order, fairness and shedding (docs/admission.md).
+
+One synchronous core, the same code in the router (:mod:`router.admission_gate` wraps it for
+asyncio), the endpoint picker and ``dplb-simulate`` (:mod:`simulate.cluster`). It holds no
+worker state and takes no lease: the caller routes a ticket (``try_dispatch``) and the core only
+decides *which* waiting request is tried next, *whether* a routing decision may be acted on now
+(:meth:`AdmissionQueue.judge`), and *when* a waiting request is answered instead.
+
+**Saturation rule** (:meth:`AdmissionQueue.judge`), from the policy's decision over live state:
+the ``dplb`` policy's estimated TTFT on the worker it chose (``Decision.ttft_s``: the kernel's
+``dplb_pick_ttft``, csrc/dplb_kernel.h, with the terms that price what the choice costs others
+off: queue ahead + own prefill, whose queued prefill is the segment's shared accounting of every
+router process and counts the engine's waiting requests, the decode steps sharing them, and the
+KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
+worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`) and none
+of them already paces above ``tpot_slo_s`` (:func:`pacing_over`: the batch is full for its SLO). The cluster has room for a request when that estimate is within ``headroom`` ×
+the request's TTFT budget (``ttft_slo_base_s + ttft_slo_per_1k_s × prompt tokens / 1000``);
+when every worker is above the KV threshold (decision reason ``kv_full``) it has none. A policy
+that estimates nothing (``round_robin``, ...) falls back to the chosen worker's router in-flight
+count against its ``max_num_seqs`` (the caller passes ``full``).
+
+**Order** (:meth:`AdmissionQueue.pump`): priority class first (higher integer first). Within a
+class, requests that can still meet their deadline (arrival + TTFT budget) come before those that
+cannot ("late"): earliest deadline first (EDF, which maximises the share of deadlines met while
+the load is feasible; Liu & Layland 1973) among the tenants' heads, the tenant chosen by start-time
+fair queuing (Goyal, Vin & Cheng, SIGCOMM 1996: each tenant's virtual time advances by one per
+dispatched request; a tenant that becomes active starts at the smallest virtual time of those
+waiting, so an idle tenant banks no credit), so a flooding tenant cannot starve a light one. A
+request judged unable to meet its deadline even if dispatched now (``now + est > deadline``)
+moves to its class's late list (FIFO), tried only when no on-time request of any class waits;
+with ``shed_late`` it is answered 429 at once instead (reason ``deadline``).
+
+**Shedding**: a request that waited its class's queue budget is answered 429 (reason
+``budget``); one arriving to a queue holding ``max_queue`` requests at once (reason ``full``).
+``Retry-After`` (:meth:`AdmissionQueue.retry_after`) is the time the requests ahead would take at
+the recent dispatch rate, 1 to 60 s. An empty pool is the scheduler's 503, as without the queue.
+Nothing dispatched is ever cut.
+
+Costs: with room the caller's one routing decision is judged and acted on (one comparison more);
+the queue's structures are touched only while requests wait.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from router.config import AdmissionSection
+
+if TYPE_CHECKING:
+    from router.policies.base import Decision, RequestInfo
+    from router.scheduling import Lease, Scheduler
+    from router.workers import WorkerHandle
+
+#: :meth:`AdmissionQueue.judge` verdicts: dispatch now / the cluster has no room (stop trying) /
+#: this request would miss its deadline (try the next one) / the caller failed the request itself
+GO, WAIT, LATE, FAIL = "go", "wait", "late", "fail"
+#: shed reasons (metric label values)
+BUDGET, DEADLINE, FULL = "budget", "deadline", "full"
+WAITING, DISPATCHED, SHED, GONE, FAILED = range(5)
+#: how far back the dispatch rate of ``Retry-After`` looks, s
+RATE_WINDOW_S = 10.0
+RETRY_AFTER_MAX_S = 60
+#: a tenant with more than this many times its fair share of its class's recent dispatches fills
+#: only the reserved headroom (:meth:`AdmissionQueue.headroom`)
+OVER_SHARE = 1.25
+
+P = TypeVar("P")
+
+
+class Ticket(Generic[P]):
+    """One request waiting for admission. Times in seconds on the queue's clock.
+
+    ``priority``: class (higher first); ``tenant``: fairness key; ``deadline``: arrival + TTFT
+    budget; ``expires``: arrival + queue budget (then 429); ``payload``: the caller's (a future, a
+    request index)."""
+
+    __slots__ = ("arrival", "deadline", "expires", "late", "payload", "priority", "prompt_tokens", "seq",
+                 "state", "tenant", "ttft_budget", "waited")
+
+    def __init__(self, seq: int, priority: int, tenant: str, arrival: float, ttft_budget: float,
+                 queue_budget: float, prompt_tokens: int, payload: P) -> None:
+        self.seq = seq
+        self.priority = priority
+        self.tenant = tenant
+        self.arrival = arrival
+        self.ttft_budget = ttft_budget
+        self.deadline = arrival + ttft_budget
+        self.expires = arrival + queue_budget
+        self.prompt_tokens = prompt_tokens
+        self.payload = payload
+        self.state = WAITING
+        self.late = False
+        #: seconds between arrival and leaving the queue (dispatch or shed); None while waiting
+        self.waited: float | None = None
+
+
+@dataclass
+class _Tenant(Generic[P]):
+    vt: float = 0.0
+    waiting: int = 0
+    heap: list[tuple[float, int, Ticket[P]]] = field(default_factory=list)   # (deadline, seq): on time
+
+
+@dataclass
+class _Class(Generic[P]):
+    tenants: dict[str, _Tenant[P]] = field(default_factory=dict)
+    late: list[tuple[float, int, Ticket[P]]] = field(default_factory=list)   # (arrival, seq)
+    waiting: int = 0
+
+
+@dataclass
+class Outcome(Generic[P]):
+    """What one :meth:`AdmissionQueue.pump` did: tickets dispatched, and tickets shed with their
+    reason (the caller answers them 429)."""
+
+    dispatched: list[Ticket[P]] = field(default_factory=list)
+    shed: list[tuple[Ticket[P], str]] = field(default_factory=list)
+
+
+class AdmissionQueue(Generic[P]):
+    """The queue of one router process (or picker, or simulation); see the module docstring.
+
+    ``cfg``: the ``admission`` config section. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, cfg: AdmissionSection) -> None:
+        self.cfg = cfg
+        self._classes: dict[int, _Class[P]] = {}
+        self._order: list[int] = []        # priorities present, highest first
+        self._expiry: list[tuple[float, int, Ticket[P]]] = []
+        self._seq = 0
+        self._dispatch_times: deque[float] = deque()
+        #: requests waiting now
+        self.depth = 0
+        #: ``(reason, priority) -> count`` of requests shed since start
+        self.shed_counts: dict[tuple[str, int], int] = {}
+        self.dispatched_total = 0
+        #: priority → when a request of that class last arrived (trunk reservation)
+        self._seen: dict[int, float] = {}
+        #: per class, the dispatches of the last ``reserve_window_s`` (time, tenant) and their
+        #: count per tenant (a tenant above its fair share fills only the reserved headroom)
+        self._recent: dict[int, deque[tuple[float, str]]] = {}
+        self._recent_n: dict[int, dict[str, int]] = {}
+
+    # -- entering and leaving ------------------------------------------------------------------
+    def ticket(self, payload: P, now: float, prompt_tokens: int, priority: int | None = None, tenant: str = "",
+               budget_s: float | None = None) -> Ticket[P]:
+        """A new ticket (not queued yet). ``budget_s``: the request's own queue budget, which can
+        only shorten its class's (headers ``x-llm-d-inference-ttl``, ``x-dplb-queue-budget-ms``)."""
+        cfg = self.cfg
+        prio = cfg.default_priority if priority is None else priority
+        budget = cfg.budget_s(prio)
+        self._seen[prio] = now
+        if budget_s is not None and budget_s >= 0:
+            budget = min(budget, budget_s)
+        self._seq += 1
+        return Ticket(self._seq, prio, tenant, now, cfg.ttft_budget_s(prompt_tokens), budget, prompt_tokens, payload)
+
+    def offer(self, t: Ticket[P]) -> bool:
+        """Queue ``t``; False (and ``t`` shed, reason ``full``) when ``max_queue`` requests wait."""
+        if self.depth >= self.cfg.max_queue:
+            self._shed(t, FULL, t.arrival)
+            return False
+        c = self._classes.get(t.priority)
+        if c is None:
+            c = self._classes[t.priority] = _Class()
+            self._order = sorted(self._classes, reverse=True)
+        ten = c.tenants.get(t.tenant)
+        if ten is None:
+            ten = c.tenants[t.tenant] = _Tenant()
+        if ten.waiting == 0:   # becomes active: no credit banked while idle (SFQ)
+            active = [x.vt for x in c.tenants.values() if x.waiting > 0]
+            if active:
+                ten.vt = max(ten.vt, min(active))
+        ten.waiting += 1
+        c.waiting += 1
+        self.depth += 1
+        heapq.heappush(ten.heap, (t.deadline, t.seq, t))
+        heapq.heappush(self._expiry, (t.expires, t.seq, t))
+        return True
+
+    def withdraw(self, t: Ticket[P], now: float) -> bool:
+        """The client left: drop ``t`` from the queue (True when it was waiting)."""
+        if t.state != WAITING:
+            return False
+        self._leave(t, GONE, now)
+        return True
+
+    def fail(self, t: Ticket[P], now: float) -> None:
+        """The caller answered ``t`` itself (no worker at all: 503)."""
+        if t.state == WAITING:
+            self._leave(t, FAILED, now)
+
+    def _leave(self, t: Ticket[P], state: int, now: float) -> None:
+        t.state = state
+        t.waited = max(0.0, now - t.arrival)
+        c = self._classes[t.priority]
+        c.tenants[t.tenant].waiting -= 1
+        c.waiting -= 1
+        self.depth -= 1
+        # entries stay in the heaps and are skipped when reached (lazy deletion); drop the
+        # structures when the queue empties so that they cannot grow without bound
+        if self.depth == 0:
+            self._expiry.clear()
+            for cl in self._classes.values():
+                cl.late.clear()
+                for ten in cl.tenants.values():
+                    ten.heap.clear()
+
+    def _shed(self, t: Ticket[P], reason: str, now: float) -> None:
+        if t.state == WAITING:
+            self._leave(t, SHED, now)
+        else:
+            t.state = SHED
+            t.waited = max(0.0, now - t.arrival)
+        key = (reason, t.priority)
+        self.shed_counts[key] = self.shed_counts.get(key, 0) + 1
+
+    # -- the rule ------------------------------------------------------------------------------
+    def judge(self, t: Ticket[P], est_s: float | None, now: float, full: bool = False) -> str:
+        """May ``t`` be dispatched now on a decision whose estimated TTFT is ``est_s`` seconds?
+        :data:`GO`, :data:`WAIT` (saturated: ``est_s`` above :meth:`headroom` × its TTFT budget, or
+        ``full``: no worker has room by the caller's own rule) or :data:`LATE` (it has room but
+        the request would still miss its deadline; only for a ticket not already late)."""
+        if full:
+            return WAIT
+        if est_s is None:
+            return GO
+        if est_s > self.headroom(t.priority, now, t.tenant) * t.ttft_budget:
+            return WAIT
+        if not t.late and now + est_s > t.deadline:
+            return LATE
+        return GO
+
+    def headroom(self, priority: int, now: float, tenant: str | None = None) -> float:
+        """The share of its TTFT budget a request of class ``priority`` (and ``tenant``) may find
+        queued ahead: ``headroom``, times ``reserve`` while a higher class had a request within
+        ``reserve_window_s``, or while ``tenant`` had more than :data:`OVER_SHARE` × its fair
+        share (1 / tenants served) of its class's dispatches in that window. Trunk reservation
+        (Ott & Krishnan, ITC 1985): the room above is kept for the higher class and the lighter
+        tenants, whose requests then go at once instead of waiting for a request to end."""
+        cfg = self.cfg
+        horizon = now - cfg.reserve_window_s
+        for p, t in self._seen.items():
+            if p > priority and t >= horizon:
+                return cfg.headroom * cfg.reserve
+        if tenant is not None:
+            counts = self._recent_n.get(priority)
+            if counts and len(counts) > 1:
+                self._trim(priority, horizon)
+                total = sum(counts.values())
+                if total and counts.get(tenant, 0) * len(counts) > OVER_SHARE * total:
+                    return cfg.headroom * cfg.reserve
+        return cfg.headroom
+
+    def record(self, t: Ticket[P], now: float) -> None:
+        """Count the dispatch of ``t`` (its tenant's virtual time, the recent dispatch rate and
+        shares); :meth:`pump` does it for what it dispatches, an edge for a request it routed at
+        once without queueing it."""
+        self.dispatched_total += 1
+        self._note_dispatch(now)
+        c = self._classes.get(t.priority)
+        if c is not None and t.tenant in c.tenants:
+            c.tenants[t.tenant].vt += 1.0
+        rec = self._recent.get(t.priority)
+        if rec is None:
+            rec = self._recent[t.priority] = deque()
+            self._recent_n[t.priority] = {}
+        rec.append((now, t.tenant))
+        counts = self._recent_n[t.priority]
+        counts[t.tenant] = counts.get(t.tenant, 0) + 1
+        self._trim(t.priority, now - self.cfg.reserve_window_s)
+
+    def _trim(self, priority: int, horizon: float) -> None:
+        rec = self._recent[priority]
+        counts = self._recent_n[priority]
+        while rec and rec[0][0] < horizon:
+            _, ten = rec.popleft()
+            left = counts[ten] - 1
+            if left:
+                counts[ten] = left
+            else:
+                del counts[ten]
+
+    # -- the pump ------------------------------------------------------------------------------
+    def pump(self, now: float, try_dispatch: Callable[[Ticket[P]], str]) -> Outcome[P]:
+        """Shed what expired, then offer waiting tickets in order to ``try_dispatch`` until it
+        answers :data:`WAIT` or nothing waits. ``try_dispatch(t)`` routes ``t`` and returns
+        :data:`GO` (it dispatched ``t``: lease taken), :data:`WAIT`, :data:`LATE` (nothing taken;
+        ``t`` moves to its class's late list, or is shed with ``shed_late``) or :data:`FAIL` (the
+        caller answered ``t`` itself, e.g. 503 for an empty pool)."""
+        out: Outcome[P] = Outcome()
+        self._expire(now, out)
+        while self.depth > 0:
+            t = self._next(now, out)
+            if t is None:
+                break
+            v = try_dispatch(t)
+            if v == GO:
+                self._leave(t, DISPATCHED, now)
+                self.record(t, now)
+                out.dispatched.append(t)
+            elif v == WAIT:
+                break
+            elif v == LATE and not t.late:
+                self._make_late(t, now, out)
+            elif v == FAIL:
+                self.fail(t, now)
+            else:   # LATE for a late ticket: the caller's rule disagrees with judge(); stop
+                break
+        return out
+
+    def expire(self, now: float) -> Outcome[P]:
+        """Shed what waited its budget and, with ``shed_late``, what can no longer meet its
+        deadline, without trying anything (a timer's work between pumps)."""
+        out: Outcome[P] = Outcome()
+        self._expire(now, out)
+        if self.cfg.shed_late and self.depth:
+            for c in self._classes.values():
+                for ten in c.tenants.values():
+                    h = ten.heap
+                    while h and (h[0][2].state != WAITING or h[0][2].late or h[0][0] <= now):
+                        _, _, t = heapq.heappop(h)
+                        if t.state == WAITING and not t.late:
+                            self._make_late(t, now, out)
+        return out
+
+    def _expire(self, now: float, out: Outcome[P]) -> None:
+        ex = self._expiry
+        while ex and ex[0][0] <= now:
+            _, _, t = heapq.heappop(ex)
+            if t.state == WAITING:
+                self._shed(t, BUDGET, now)
+                out.shed.append((t, BUDGET))
+
+    def _make_late(self, t: Ticket[P], now: float, out: Outcome[P]) -> None:
+        t.late = True
+        if self.cfg.shed_late:
+            self._shed(t, DEADLINE, now)
+            out.shed.append((t, DEADLINE))
+        else:
+            heapq.heappush(self._classes[t.priority].late, (t.arrival, t.seq, t))
+
+    def _next(self, now: float, out: Outcome[P]) -> Ticket[P] | None:
+        """The next ticket to try: the best on-time one, else the oldest late one of the highest
+        class. Heads whose deadline passed become late on the way."""
+        for prio in self._order:
+            c = self._classes[prio]
+            if c.waiting == 0:
+                continue
+            best: _Tenant[P] | None = None
+            best_key = (0.0, 0.0)
+            for ten in c.tenants.values():
+                h = ten.heap
+                while h and (h[0][2].state != WAITING or h[0][2].late or h[0][0] <= now):
+                    _, _, t = heapq.heappop(h)
+                    if t.state == WAITING and not t.late:
+                        self._make_late(t, now, out)
+                if h:
+                    key = (ten.vt, h[0][0])
+                    if best is None or key < best_key:
+                        best, best_key = ten, key
+            if best is not None:
+                return best.heap[0][2]
+        for prio in self._order:
+            late = self._classes[prio].late
+            while late and late[0][2].state != WAITING:
+                heapq.heappop(late)
+            if late:
+                return late[0][2]
+        return None
+
+    # -- what is seen --------------------------------------------------------------------------
+    def _note_dispatch(self, now: float) -> None:
+        d = self._dispatch_times
+        d.append(now)
+        while d and d[0] < now - RATE_WINDOW_S:
+            d.popleft()
+
+    def retry_after(self, priority: int, now: float) -> int:
+        """``Retry-After`` for a request of class ``priority`` shed now, whole seconds in [1, 60]:
+        the requests waiting at its class or above over the dispatch rate of the last 10 s."""
+        d = self._dispatch_times
+        while d and d[0] < now - RATE_WINDOW_S:
+            d.popleft()
+        ahead = sum(c.waiting for p, c in self._classes.items() if p >= priority)
+        if not d:
+            return 1 if ahead == 0 else RETRY_AFTER_MAX_S
+        rate = len(d) / RATE_WINDOW_S
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead / rate)))
+
+    def waiting(self) -> Iterator[Ticket[P]]:
+        """Every ticket waiting now (cold path: status pages)."""
+        seen: set[int] = set()
+        for _, _, t in self._expiry:
+            if t.state == WAITING and t.seq not in seen:
+                seen.add(t.seq)
+                yield t
+
+    def status(self, now: float, max_tenants: int = 20) -> dict[str, object]:
+        """``/dplb/status``'s ``queue``: depth, oldest wait (s) and per-class depth by tenant (the
+        ``max_tenants`` deepest per class), sheds by reason and class, dispatched total."""
+        classes: dict[str, dict[str, object]] = {}
+        oldest = 0.0
+        per: dict[int, dict[str, int]] = {}
+        old_by: dict[int, float] = {}
+        for t in self.waiting():
+            per.setdefault(t.priority, {})
+            per[t.priority][t.tenant] = per[t.priority].get(t.tenant, 0) + 1
+            w = now - t.arrival
+            old_by[t.priority] = max(old_by.get(t.priority, 0.0), w)
+            oldest = max(oldest, w)
+        for prio in sorted(per, reverse=True):
+            tenants = sorted(per[prio].items(), key=lambda kv: -kv[1])[:max_tenants]
+            classes[str(prio)] = {"depth": sum(per[prio].values()), "oldest_wait_s": round(old_by[prio], 3),
+                                  "tenants": {k or "-": v for k, v in tenants}}
+        shed: dict[str, dict[str, int]] = {}
+        for (reason, prio), n in sorted(self.shed_counts.items()):
+            shed.setdefault(reason, {})[str(prio)] = n
+        return {"enabled": self.cfg.enabled, "depth": self.depth, "oldest_wait_s": round(oldest, 3),
+                "classes": classes, "shed": shed, "dispatched": self.dispatched_total}
+
+
+#: a decode is judged by its pace once it has streamed this many tokens
+PACE_MIN_TOKENS = 8
+
+
+def pacing_over(requests: Iterable[tuple[int | None, int, float | None]], tpot_s: float) -> bool:
+    """True when a decode in flight on a worker (``requests``: ``(max_tokens, tokens streamed,
+    seconds since its first token)`` each, :meth:`router.scheduling.DecodeBook.requests`) has
+    streamed at least :data:`PACE_MIN_TOKENS` tokens at a mean time per output token above
+    ``tpot_s`` (0: never): the worker's batch is already past its TPOT bound, one more request
+    there makes it worse."""
+    if tpot_s <= 0:
+        return False
+    for _, k, since in requests:
+        if k >= PACE_MIN_TOKENS and since is not None and since > tpot_s * (k - 1):
+            return True
+    return False
+
+
+def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
+                exclude: set[int] | frozenset[int] = frozenset()) -> tuple[str, WorkerHandle | None, Decision | None]:
+    """Route ``t`` (request ``info``) with ``sched`` and judge the decision by the saturation rule
+    (:meth:`AdmissionQueue.judge`) on the chosen worker's own estimated TTFT (``Decision.ttft_s``,
+    else the policy's ``est_s``; the caller turns on the policy's ``report_ttft``); on :data:`GO`
+    the chosen worker's breaker admits it (a half-open breaker's probe is taken; one that refuses
+    it: the choice is made again without it). Returns ``(verdict, handle, decision)`` (handle and
+    decision only on GO; nothing is recorded: the caller takes the lease before it yields). Raises
+    :class:`~router.errors.NoEligibleWorker` when no worker can take it at all (503, as without
+    the queue).
+
+    ``full`` (no room whatever the estimate): every offered worker above the KV threshold
+    (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
+    its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
+    ``tpot_slo_s`` (:func:`pacing_over`), or, for a policy that estimates no TTFT, the chosen
+    worker's router in-flight count at its ``max_num_seqs``."""
+    h, d = sched.decide(info, exclude)
+    full = (d.reason == "kv_full" or d.slo_victims > 0
+            or pacing_over(sched.decodes.requests(h.worker_id), q.cfg.tpot_slo_s))
+    est = d.ttft_s if d.ttft_s is not None else d.est_s
+    if est is None and not full:
+        snap = h.snap
+        full = snap is not None and int(snap.max_num_seqs) > 0 and int(snap.router_inflight) >= int(snap.max_num_seqs)
+    v = q.judge(t, est, now, full)
+    if v != GO:
+        return v, None, None
+    if not h.breaker.allow():   # a half-open breaker's probe is taken: choose among the others
+        h, d = sched.admit(info, set(exclude) | {h.worker_id})
+    return GO, h, d
+
+
+def route_ticket(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
+                 exclude: set[int] | frozenset[int] = frozenset()) -> tuple[str, Lease | None, Decision | None]:
+    """:func:`judge_route`, then on :data:`GO` the lease (``sched.lease``). Returns ``(verdict,
+    lease or None, decision or None)``. Raises NoEligibleWorker."""
+    v, h, d = judge_route(q, sched, info, t, now, exclude)
+    if v != GO or h is None or d is None:
+        return v, None, None
+    return GO, sched.lease(h, d, info, now), d
+
+
+def go_duration_s(text: str) -> float | None:
+    """A Go duration (``1h2m3.5s``, ``500ms``, ``250us``; llm-d's ``x-llm-d-inference-ttl``) in
+    seconds; a bare number is seconds. None when it does not parse or is negative."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    s = text.strip()
+    if not s:
+        return None
+    try:
+        v = float(s)
+        return v if v >= 0 else None
+    except ValueError:
+        pass
+    total = 0.0
+    i = 0
+    n = len(s)
+    while i < n:
+        j = i
+        while j < n and (s[j].isdigit() or s[j] == "."):
+            j += 1
+        if j == i:
+            return None
+        k = j
+        while k < n and not (s[k].isdigit() or s[k] == "."):
+            k += 1
+        unit = s[j:k]
+        if unit not in units:
+            return None
+        try:
+            total += float(s[i:j]) * units[unit]
+        except ValueError:
+            return None
+        i = k
+    return total
+
+
+__all__ = ["BUDGET", "DEADLINE", "FAIL", "FULL", "GO", "LATE", "WAIT", "AdmissionQueue", "Outcome", "Ticket",
+           "go_duration_s", "judge_route", "pacing_over",
+           "route_ticket"]

@@ -1,0 +1,274 @@
+"""The admission core (router/admission.py): order, fairness, late requests, budgets, Retry-After.
+
+A toy cluster stands in for the routing decision: ``slots`` requests may run at once; the
+estimated TTFT is 0 while a slot is free and ``busy_est`` when none is (so the core's own rule,
+:meth:`AdmissionQueue.judge`, makes the call)."""
+from __future__ import annotations
+
+import pytest
+
+from router.admission import (
+    BUDGET,
+    DEADLINE,
+    FULL,
+    GO,
+    LATE,
+    WAIT,
+    AdmissionQueue,
+    Ticket,
+    go_duration_s,
+)
+from router.config import AdmissionClass, AdmissionSection, load_config
+from router.errors import ConfigError
+
+
+class Toy:
+    """``slots`` concurrent requests; ``est(t)``: 0.1 s while a slot is free, else ``busy_est``."""
+
+    def __init__(self, q: AdmissionQueue[str], slots: int, busy_est: float = 1e9) -> None:
+        self.q = q
+        self.slots = slots
+        self.running: list[Ticket[str]] = []
+        self.busy_est = busy_est
+        self.now = 0.0
+        self.order: list[str] = []
+
+    def try_dispatch(self, t: Ticket[str]) -> str:
+        est = 0.1 if len(self.running) < self.slots else self.busy_est
+        v = self.q.judge(t, est, self.now)
+        if v == GO:
+            self.running.append(t)
+            self.order.append(t.payload)
+        return v
+
+    def pump(self):
+        return self.q.pump(self.now, self.try_dispatch)
+
+    def finish_one(self) -> None:
+        self.running.pop(0)
+
+
+def cfg(**kw: object) -> AdmissionSection:
+    return AdmissionSection.model_validate(kw)
+
+
+def test_room_dispatches_at_once_and_saturation_holds():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    toy = Toy(q, slots=2)
+    for name in ("a", "b", "c"):
+        q.offer(q.ticket(name, toy.now, prompt_tokens=100))
+        toy.pump()
+    assert toy.order == ["a", "b"]
+    assert q.depth == 1
+    toy.now = 0.5
+    toy.finish_one()
+    out = toy.pump()
+    assert [t.payload for t in out.dispatched] == ["c"]
+    assert out.dispatched[0].waited == pytest.approx(0.5)
+    assert q.depth == 0
+
+
+def test_higher_class_first_whatever_the_arrival_order():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    toy = Toy(q, slots=0)
+    for i in range(5):
+        q.offer(q.ticket(f"low{i}", 0.0, 10, priority=0))
+    q.offer(q.ticket("high", 0.0, 10, priority=5))
+    toy.pump()
+    assert toy.order == []
+    toy.slots = 1
+    toy.pump()
+    assert toy.order == ["high"]
+
+
+def test_flood_of_low_does_not_starve_high():
+    # 10 low per high, one slot freed per step: every high request goes out at the next free slot
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(queue_budget_s=1000.0, ttft_slo_base_s=1000.0))
+    toy = Toy(q, slots=1)  # deadlines far away: only the order decides
+    waits_high = []
+    for step in range(50):
+        toy.now = float(step)
+        for i in range(10):
+            q.offer(q.ticket(f"low{step}.{i}", toy.now, 10, priority=0))
+        q.offer(q.ticket(f"high{step}", toy.now, 10, priority=1))
+        if toy.running:
+            toy.finish_one()
+        for t in toy.pump().dispatched:
+            if t.priority == 1:
+                waits_high.append(t.waited)
+    assert len(waits_high) == 50
+    assert max(waits_high) == 0.0
+
+
+def test_tenants_share_a_class_fairly():
+    # tenant "big" queues 100 requests, then "small" queues 5: small's are served within the next
+    # 10 dispatches (alternating), not after big's 100
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(queue_budget_s=1000.0, ttft_slo_base_s=1000.0))
+    toy = Toy(q, slots=0)
+    for i in range(100):
+        q.offer(q.ticket(f"big{i}", 0.0, 10, tenant="big"))
+    toy.slots = 3
+    toy.pump()   # three of big's go while small is absent
+    for i in range(5):
+        q.offer(q.ticket(f"small{i}", 0.1, 10, tenant="small"))
+    served = []
+    for _ in range(12):
+        toy.finish_one()
+        toy.pump()
+        served.append(toy.order[-1])
+    assert [s for s in served[:10] if s.startswith("small")] == [f"small{i}" for i in range(5)]
+
+
+def test_idle_tenant_banks_no_credit():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(queue_budget_s=1000.0, ttft_slo_base_s=1000.0))
+    toy = Toy(q, slots=0)
+    for i in range(20):
+        q.offer(q.ticket(f"a{i}", 0.0, 10, tenant="a"))
+    toy.slots = 20
+    toy.pump()          # a's virtual time is 20 now, b never came
+    toy.slots = 0
+    toy.running.clear()
+    for i in range(10):
+        q.offer(q.ticket(f"a{20 + i}", 1.0, 10, tenant="a"))
+        q.offer(q.ticket(f"b{i}", 1.0, 10, tenant="b"))
+    toy.slots = 4
+    toy.pump()
+    # b does not get 20 in a row: it starts at a's virtual time and they alternate
+    assert sorted(x[0] for x in toy.order[-4:]) == ["a", "a", "b", "b"]
+
+
+def test_earliest_deadline_first_within_a_tenant():
+    # the per-1k part makes the long prompt's deadline later: the short one, which arrived
+    # later, goes first
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(ttft_slo_base_s=1.0, ttft_slo_per_1k_s=0.1))
+    toy = Toy(q, slots=0)
+    q.offer(q.ticket("long", 0.0, 50_000))
+    q.offer(q.ticket("short", 0.2, 100))
+    toy.slots = 1
+    toy.now = 0.3
+    toy.pump()
+    assert toy.order == ["short"]
+
+
+def test_a_late_request_yields_to_one_on_time_and_goes_when_nothing_else_waits():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(ttft_slo_base_s=1.0, ttft_slo_per_1k_s=0.0, queue_budget_s=100.0,
+                                               shed_late=False))
+    toy = Toy(q, slots=0)
+    q.offer(q.ticket("old", 0.0, 10))
+    toy.now = 1.5     # past old's deadline (1.0)
+    q.offer(q.ticket("new", 1.5, 10))
+    toy.slots = 1
+    toy.pump()
+    assert toy.order == ["new"]
+    toy.slots = 2
+    toy.pump()
+    assert toy.order == ["new", "old"]
+
+
+def test_judge_late_when_the_estimate_overruns_the_deadline():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(ttft_slo_base_s=1.0, ttft_slo_per_1k_s=0.0))
+    t = q.ticket("x", 0.0, 10)
+    assert q.judge(t, 0.5, now=0.2) == GO
+    assert q.judge(t, 0.9, now=0.2) == LATE     # 0.2 + 0.9 > 1.0
+    assert q.judge(t, 1.1, now=0.0) == WAIT     # above headroom x budget
+    assert q.judge(t, None, now=0.0) == GO
+    assert q.judge(t, 0.1, now=0.0, full=True) == WAIT
+    t.late = True
+    assert q.judge(t, 0.9, now=0.2) == GO
+
+
+def test_shed_late_answers_at_once():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(ttft_slo_base_s=1.0, ttft_slo_per_1k_s=0.0, shed_late=True))
+    toy = Toy(q, slots=0)
+    q.offer(q.ticket("x", 0.0, 10))
+    toy.now = 1.2
+    out = toy.pump()
+    assert [(t.payload, r) for t, r in out.shed] == [("x", DEADLINE)]
+    assert q.depth == 0
+    assert q.shed_counts == {(DEADLINE, 0): 1}
+
+
+def test_budget_expiry_sheds_with_its_wait_and_a_class_budget():
+    c = cfg(queue_budget_s=5.0, classes={1: {"queue_budget_s": 20.0}}, ttft_slo_base_s=100.0)
+    q: AdmissionQueue[str] = AdmissionQueue(c)
+    toy = Toy(q, slots=0)
+    q.offer(q.ticket("low", 0.0, 10, priority=0))
+    q.offer(q.ticket("high", 0.0, 10, priority=1))
+    q.offer(q.ticket("short", 0.0, 10, priority=1, budget_s=2.0))   # a header shortens it
+    q.offer(q.ticket("long", 0.0, 10, priority=1, budget_s=500.0))  # ... but never lengthens it
+    toy.now = 4.9
+    assert [t.payload for t, _ in toy.pump().shed] == ["short"]
+    toy.now = 5.0
+    out = toy.pump()
+    assert [(t.payload, r, t.waited) for t, r in out.shed] == [("low", BUDGET, 5.0)]
+    toy.now = 20.0
+    assert sorted(t.payload for t, _ in toy.pump().shed) == ["high", "long"]
+    assert q.depth == 0
+
+
+def test_withdrawn_ticket_leaves_the_queue():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    toy = Toy(q, slots=0)
+    a = q.ticket("a", 0.0, 10)
+    q.offer(a)
+    q.offer(q.ticket("b", 0.0, 10))
+    assert q.withdraw(a, 0.5)
+    assert not q.withdraw(a, 0.6)
+    assert q.depth == 1
+    toy.slots = 5
+    toy.pump()
+    assert toy.order == ["b"]
+
+
+def test_full_queue_sheds_on_arrival():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(max_queue=2))
+    assert q.offer(q.ticket("a", 0.0, 1))
+    assert q.offer(q.ticket("b", 0.0, 1))
+    assert not q.offer(q.ticket("c", 0.0, 1))
+    assert q.shed_counts == {(FULL, 0): 1}
+
+
+def test_retry_after_from_the_recent_dispatch_rate():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(ttft_slo_base_s=100.0))
+    toy = Toy(q, slots=0)
+    assert q.retry_after(0, 0.0) == 1
+    for i in range(40):
+        q.offer(q.ticket(str(i), 0.0, 1))
+    assert q.retry_after(0, 0.0) == 60       # nothing dispatched lately: the most
+    toy.slots = 20
+    toy.now = 1.0
+    toy.pump()                                # 20 dispatched in the last 10 s: 2 per second
+    assert q.retry_after(0, 1.0) == 10        # 20 waiting / 2 per s
+    assert q.retry_after(5, 1.0) == 1         # none waits at class 5 or above
+
+
+def test_status_shows_depth_by_class_and_tenant():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    q.offer(q.ticket("a", 0.0, 1, tenant="t1"))
+    q.offer(q.ticket("b", 1.0, 1, tenant="t1", priority=2))
+    q.offer(q.ticket("c", 2.0, 1, tenant="t2", priority=2))
+    st = q.status(3.0)
+    assert st["depth"] == 3
+    assert st["oldest_wait_s"] == 3.0
+    assert st["classes"] == {"2": {"depth": 2, "oldest_wait_s": 2.0, "tenants": {"t1": 1, "t2": 1}},
+                             "0": {"depth": 1, "oldest_wait_s": 3.0, "tenants": {"t1": 1}}}
+
+
+@pytest.mark.parametrize(("text", "want"), [("1.5s", 1.5), ("500ms", 0.5), ("1m2s", 62.0), ("3", 3.0),
+                                            ("2h", 7200.0), ("bad", None), ("", None), ("-1", None), ("5x", None)])
+def test_go_duration(text, want):
+    assert go_duration_s(text) == want
+
+
+def test_config_validates_and_defaults_on():
+    c = load_config(None)
+    assert c.admission.enabled is True
+    assert c.admission.budget_s(3) == 30.0
+    c2 = load_config(None, {"admission.classes": {1: {"queue_budget_s": 5}}, "admission.tenant_header": "X-Team"})
+    assert c2.admission.budget_s(1) == 5.0
+    assert c2.admission.tenant_header == "x-team"
+    assert isinstance(c2.admission.classes[1], AdmissionClass)
+    with pytest.raises(ConfigError, match="admission.headroom"):
+        load_config(None, {"admission.headroom": 0})
+    with pytest.raises(ConfigError, match="admission.nope"):
+        load_config(None, {"admission.nope": 1})
