@@ -7,7 +7,7 @@ router answers (served, refused, failed, or left by its client) ends with one li
 ``access_log``, it is switched by its own setting, ``router.access_log``):
 
     text: ``rid=7f3a... POST /v1/chat/completions model=llama worker=2 status=200 ttft_ms=41.2
-          duration_ms=812.0 prompt_tokens=118 output_tokens=64 attempts=1``
+          duration_ms=812.0 prompt_tokens=118 output_tokens=64 attempts=1 queue_ms=0.0``
     json: the same fields as one JSON object per line, nothing else on it (``router.access_log:
           json``), for log shippers and ``jq``.
 
@@ -15,7 +15,8 @@ router answers (served, refused, failed, or left by its client) ends with one li
 was seen), ``duration_ms`` from its arrival to the end of its answer; tokens are the engine's
 ``usage`` where it sent one, else the router's estimate of the prompt and its count of streamed
 events (a stream its client cut, logged 499, counts the events the client was written);
-``worker`` is ``-`` when no worker was chosen; ``model`` is the model the request named (also on a
+``queue_ms`` the time it waited in the router's admission queue (docs/admission.md; 0.0 when it
+went at once); ``worker`` is ``-`` when no worker was chosen; ``model`` is the model the request named (also on a
 404 for an unknown one), ``-`` when it named none or its body did not parse. A refusal before any
 worker (400, 401, 404, 405, 413, 415) has its line too, under the same minted ``rid`` it was
 answered with. Every 5xx also gets a WARNING line with its
@@ -65,9 +66,11 @@ class AccessLog:
 
     def emit(self, rid: bytes, method: str, route: str, model: str | None, worker: str, status: int,
              duration_s: float, ttft_s: float | None = None, prompt_tokens: int | None = None,
-             output_tokens: int | None = None, attempts: int = 1, cause: str | None = None) -> None:
-        """Log one request (times in s; ``worker`` the worker's label or ``none``); a 5xx also logs
-        ``cause`` (the error message the client got) at WARNING."""
+             output_tokens: int | None = None, attempts: int = 1, cause: str | None = None,
+             queue_s: float = 0.0) -> None:
+        """Log one request (times in s; ``worker`` the worker's label or ``none``; ``queue_s``: its
+        wait in the admission queue); a 5xx also logs ``cause`` (the error message the client got)
+        at WARNING."""
         r = rid.decode("latin-1")
         w = "-" if worker in ("", "none") else worker
         if status >= 500:   # one line per kind (status, cause) every 10 s, then a count (router.repeats)
@@ -81,14 +84,16 @@ class AccessLog:
                                    "model": None if model is None else _cut(model), "worker": w,
                                    "status": status, "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 1),
                                    "duration_ms": round(duration_s * 1e3, 1), "prompt_tokens": prompt_tokens,
-                                   "output_tokens": output_tokens, "attempts": attempts}).decode())
+                                   "output_tokens": output_tokens, "attempts": attempts,
+                                   "queue_ms": round(queue_s * 1e3, 1)}).decode())
             return
         # the line made here, once: the record then carries no arguments to merge (its message is
         # read by the one-line filter and by the formatter)
         log.info(f"rid={field(r)} {_field(method)} {_field(route)} model={_field(model or '-')} worker={w} "
                  f"status={status} ttft_ms={'-' if ttft_s is None else f'{ttft_s * 1e3:.1f}'} "
                  f"duration_ms={duration_s * 1e3:.1f} prompt_tokens={'-' if prompt_tokens is None else prompt_tokens} "
-                 f"output_tokens={'-' if output_tokens is None else output_tokens} attempts={attempts}")
+                 f"output_tokens={'-' if output_tokens is None else output_tokens} attempts={attempts} "
+                 f"queue_ms={queue_s * 1e3:.1f}")
 
 
 #: field() of the values that repeat from line to line (methods, routes, model names), bounded: the

@@ -82,6 +82,8 @@ class AdmissionGate:
         self.clock = clock
         self.q: AdmissionQueue[_Wait] = AdmissionQueue(cfg)
         scheduler.policy.report_ttft = cfg.enabled
+        if metrics is not None:   # the series exist from the start (rate() and the dashboard show 0)
+            metrics.admission_start(str(cfg.default_priority), (BUDGET, DEADLINE, FULL))
         self._poller: asyncio.Task[None] | None = None
         self._kicked = False
         #: the decision :meth:`ready` made for the request the edge is about to pick for

@@ -355,28 +355,30 @@ class Director:
 
     def finished(self, label: str, status: int, route: str, t0: float, rid: bytes = b"", method: str = "",
                  path: str = "", model: str | None = None, ttft: float | None = None, prompt: int | None = None,
-                 out: int | None = None, attempts: int = 1, cause: str | None = None) -> float:
+                 out: int | None = None, attempts: int = 1, cause: str | None = None, queue_s: float = 0.0) -> float:
         """The request ended with ``status`` on the worker labelled ``label`` (``none``: no
         worker): ``dplb_router_requests_total`` and the duration histogram (``route``: the bounded
         path label; the model is the worker's) and, where the edge keeps one, the access line
         (request id, method, path, the model named, TTFT s, token counts, tries, the cause of a
-        5xx). Returns the duration, s, since ``t0`` (``time.perf_counter``)."""
+        5xx, ``queue_s``: the time it waited in the admission queue). Returns the duration, s, since ``t0``
+        (``time.perf_counter``)."""
         dt = time.perf_counter() - t0
         if not self.open:
             self._admission.kick()
         self.metrics.observe_request(label, status, route, dt)
         if self.access is not None:
-            self.access.emit(rid, method, path, model, label, status, dt, ttft, prompt, out, attempts, cause)
+            self.access.emit(rid, method, path, model, label, status, dt, ttft, prompt, out, attempts, cause, queue_s)
         return dt
 
     def client_left(self, label: str, route: str, t0: float, rid: bytes = b"", method: str = "", path: str = "",
                     model: str | None = None, ttft: float | None = None, prompt: int | None = None,
-                    out: int | None = None, attempts: int = 1) -> float:
+                    out: int | None = None, attempts: int = 1, queue_s: float = 0.0) -> float:
         """The client left before its whole answer (the 499 rule, module docstring): a
         ``client_disconnect`` error on the worker ``label`` and the request counted 499
         (:meth:`finished`; ``out``: the output tokens a cut stream had sent). Returns the duration, s."""
         self.metrics.errors.labels(label, "client_disconnect").inc()
-        return self.finished(label, CLIENT_CLOSED, route, t0, rid, method, path, model, ttft, prompt, out, attempts)
+        return self.finished(label, CLIENT_CLOSED, route, t0, rid, method, path, model, ttft, prompt, out, attempts,
+                             queue_s=queue_s)
 
     def refused(self, e: RouterError, route: str, t0: float, rid: bytes = b"", method: str = "", path: str = "",
                 model: str | None = None) -> float:

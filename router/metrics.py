@@ -445,6 +445,14 @@ class Metrics:
             c = self._dec_children[key] = self.decisions.labels(policy, reason)
         self._add(c, 1.0)
 
+    def admission_start(self, cls: str, reasons: Iterable[str]) -> None:
+        """Create the admission series of class ``cls`` (each shed reason, the wait histogram)
+        and the queue depth at 0, so that they are exported before their first event."""
+        for reason in reasons:
+            self.shed.labels(reason, cls)
+        self.queue_wait.labels(cls)
+        self.queue_depth.set(0)
+
     def admission_wait(self, priority: int, seconds: float) -> None:
         """One request left the admission queue for a worker after waiting ``seconds``."""
         self.queue_wait.labels(str(priority)).observe(seconds)

@@ -440,7 +440,7 @@ class Proxy:
             # the client left before its answer was complete (see relay_stream for one that had it all)
             sent, ttft = ex.cut if ex.cut is not None else (None, None)   # a stream cut: the tokens it was sent
             director.client_left(label, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model, ttft,
-                                 ex.info.prompt_len, sent, len(ex.tried) + 1)
+                                 ex.info.prompt_len, sent, len(ex.tried) + 1, queue_s=ex.info.queued_s)
             raise
         err = self.final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker)
         if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
@@ -463,7 +463,7 @@ class Proxy:
         count it under ``label`` and write its access-log line (``attempts`` tries)."""
         await send_error(ex.send, e, ex.rid, worker)
         self.director.finished(label, e.status, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model,
-                               None, ex.info.prompt_len, None, attempts, e.message)
+                               None, ex.info.prompt_len, None, attempts, e.message, queue_s=ex.info.queued_s)
 
     def _failed(self, ex: Exchange, att: Attempt, e: Exception, kind: str | None, up: Upstream | None) -> None:
         """Attempt ``att`` failed before its first byte reached the client: its upstream (if any)
@@ -598,4 +598,5 @@ class Proxy:
         director = self.director
         prompt_n, out_n = director.answer(att.lease, data)
         director.finished(label, status, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model, None,
-                          prompt_n, out_n, att.number + 1, None if status < 500 else f"the engine answered {status}")
+                          prompt_n, out_n, att.number + 1, None if status < 500 else f"the engine answered {status}",
+                          queue_s=ex.info.queued_s)

@@ -100,7 +100,7 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     director.finished(att.handle.label, final, ex.route, ex.t0, ex.rid, ex.method, info.path, info.model,
                       ttft[0] if ttft else None, None if tokens is None else tokens[0],
                       None if tokens is None else tokens[1], att.number + 1,
-                      cause or (None if final < 500 else f"the engine answered {final}"))
+                      cause or (None if final < 500 else f"the engine answered {final}"), queue_s=info.queued_s)
     return ok
 
 

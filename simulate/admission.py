@@ -143,6 +143,10 @@ def assign_mix(n: int, mix: Sequence[tuple[Any, float]], seed: int, default: Any
     return rng.choices(keys, weights=weights, k=n)
 
 
+def _r3(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
 def by_group(keys: Sequence[Any], status: Sequence[int], met: Sequence[bool], waited: Sequence[float | None],
              span_s: float) -> dict[str, dict[str, Any]]:
     """Per group key: ``requests``, ``attainment`` (met / requests), ``goodput_rps`` (met / the
@@ -165,7 +169,7 @@ def by_group(keys: Sequence[Any], status: Sequence[int], met: Sequence[bool], wa
             "goodput_rps": round(n_met / span_s, 4) if span_s > 0 else None,
             "shed": len(shed), "shed_wait_max_s": round(max(shed_waits), 3) if shed_waits else None,
             "queued": sum(1 for w in served_waits if w > 0),
-            "wait_p99_s": round(percentile(served_waits, 99), 3) if served_waits else None,
+            "wait_p99_s": _r3(percentile(served_waits, 99)),
         }
     return out
 
@@ -188,7 +192,7 @@ def admission_figures(res: Any, att: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "queued": len(queued), "shed": sum(1 for s in res.status if s == SHED_STATUS),
         "shed_wait_max_s": round(max(shed_w), 3) if shed_w else None,
-        "wait_p99_s": round(percentile(queued, 99), 3) if queued else None,
+        "wait_p99_s": _r3(percentile(queued, 99)),
         "goodput_rps": round(sum(met) / span, 4) if span > 0 else None,
         "offered_rps": round(n / span, 4) if span > 0 else None,
     }
@@ -215,8 +219,9 @@ def group_lines(rows: Sequence[dict[str, Any]]) -> str:
 def sweep_table(points: Sequence[dict[str, Any]]) -> str:
     """The goodput-vs-offered-load curve (``--goodput-sweep``): per policy and rate, offered and
     SLO-met requests per second, goodput over the sweep's peak, attainment, sheds."""
-    lines = [f"{'policy':<14} {'x':>6} {'offered/s':>10} {'goodput/s':>10} {'of peak':>8} {'attain':>7} "
-             f"{'shed':>5} {'ttft50':>7} {'ttft99':>7}"]
+    head = (f"{'policy':<14} {'x':>6} {'offered/s':>10} {'goodput/s':>10} {'of peak':>8} {'attain':>7} "
+            f"{'shed':>5} {'ttft50':>7} {'ttft99':>7}")
+    lines = [head]
     peak: dict[str, float] = {}
     for p in points:
         peak[p["policy"]] = max(peak.get(p["policy"], 0.0), p["goodput_rps"] or 0.0)

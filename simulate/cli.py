@@ -24,7 +24,13 @@ from router.config import Config, load_config
 from router.errors import ConfigError
 from router.policies import policy_names
 from sim_engine.config import EngineConfig, add_engine_args, config_from_args
-from simulate.admission import admission_figures, assign_mix, group_lines, parse_mix, sweep_table
+from simulate.admission import (
+    admission_figures,
+    assign_mix,
+    group_lines,
+    parse_mix,
+    sweep_table,
+)
 from simulate.capacity import find_capacity, min_engines, rate_sweep, trace_rate
 from simulate.cluster import Simulation
 from simulate.generators import DEFAULT_REQUESTS, WORKLOADS, describe, generate

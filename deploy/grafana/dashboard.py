@@ -130,6 +130,13 @@ panel("state-timeline", "Worker state", "The state of each worker's slot (starti
       [(f"dplb_worker_state{{{M}}} == 1", "worker {{worker}} {{state}}")], 16, 8, 8,
       fieldcfg={"mappings": [{"type": "value", "options": {"1": {"text": "in state"}}}]})
 y[0] += 8
+panel("timeseries", "Admission queue", "Requests waiting in the routers' admission queues (summed over router processes): the engines are saturated and the router holds what they have no room for (docs/admission.md).",
+      [("sum(dplb_router_admission_queue_depth)", "waiting")], 0, 8, 8, "short")
+panel("timeseries", "Admission wait p99 by class", "99th percentile of the time a request waited in the admission queue before it went to a worker, per priority class (requests routed at once are not counted).",
+      [(f"histogram_quantile(0.99, sum by (class, le) (rate(dplb_router_admission_wait_seconds_bucket[{RI}])))", "class {{class}}")], 8, 8, 8, "s")
+panel("timeseries", "Shed (429) by reason and class", "Requests the admission queue answered 429 + Retry-After per second: budget (waited its queue budget), deadline (could no longer meet its TTFT deadline), full (queue full); by priority class.",
+      [(f"sum by (reason, class) (rate(dplb_router_admission_shed_total[{RI}]))", "{{reason}} class {{class}}")], 16, 8, 8, "short")
+y[0] += 8
 panel("state-timeline", "Routed to", "1 when the router sends requests to the worker (eligible), 0 when not: /dplb/status says why. Alerts: DPLBWorkerNotReady, DPLBNoWorkerReady.",
       [(f"dplb_worker_ready{{{M}}}", "worker {{worker}}")], 0, 8, 8,
       fieldcfg={"mappings": [{"type": "value", "options": {"0": {"text": "not routed", "color": "red"}, "1": {"text": "ready", "color": "green"}}}]})

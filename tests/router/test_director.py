@@ -95,8 +95,11 @@ def test_route_labels_stay_bounded():
 
 
 # -- admission ------------------------------------------------------------------------------------
-class HoldingAdmission:
-    """Holds every request until :attr:`go` is set, then lets it through (or refuses it)."""
+class HoldingAdmission(OpenAdmission):
+    """Holds every request until :attr:`go` is set, then lets it through (or refuses it); the
+    rest of the admission step (tag, take_pick, take_lease, kick) as :class:`OpenAdmission`'s."""
+
+    __slots__ = ("go", "refuse", "waited")
 
     def __init__(self, refuse: RouterError | None = None) -> None:
         self.go = asyncio.Event()

@@ -12,7 +12,8 @@ from bench.trace import TraceRequest
 from router.config import Config
 from sim_engine.config import EngineConfig
 from simulate.admission import SHED_STATUS, admission_figures
-from simulate.cluster import AttainmentSLO, SimSettings, Simulation
+from simulate.cluster import Simulation
+from simulate.settings import AttainmentSLO, SimSettings
 from simulate.stats import slo_attainment
 
 pytestmark = pytest.mark.timeout(600)

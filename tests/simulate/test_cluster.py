@@ -77,7 +77,10 @@ def test_cli_json_is_byte_identical_across_processes(tmp_path):
     assert [r["policy"] for r in rows] == ["dplb", "cache_aware"]
     for r in rows:
         assert r["settings"]["engines"] == 3 and r["settings"]["seed"] == 7 and r["settings"]["rate_scale"] == 2
-        assert r["served"] == 60 and r["ttft_s"]["p50"] > 0 and 0 <= r["prefix_hit_rate"] <= 1
+        # the trace's first 60 arrive ten at a time (its 3 s grid): the router's admission queue
+        # answers 429 to those that can no longer meet their deadline (docs/admission.md)
+        assert r["served"] + r["rejected_by_status"].get("429", 0) == 60 and r["served"] >= 30
+        assert r["ttft_s"]["p50"] > 0 and 0 <= r["prefix_hit_rate"] <= 1
         assert len(r["load_over_time"]["queue"]) == 3
 
 
