@@ -13,6 +13,7 @@ from epp.envoy import HEADER, SERVED
 from epp.picker import Picker
 from epp.stream import CHUNK, Exchange
 from router.config import Config
+from router.director import OpenAdmission
 from tests.helpers import metric
 
 BODY = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi there"}]})
@@ -301,8 +302,11 @@ async def test_full_duplex_response_chunks_are_sent_back(picker):
     assert picker.state.seg.router_line(0)["router_inflight"] == 0
 
 
-class _Holding:
-    """An admission that holds every request until ``go`` is set (router.director.Admission)."""
+class _Holding(OpenAdmission):
+    """An admission that holds every request until ``go`` is set (router.director.Admission; the
+    rest of the step as :class:`OpenAdmission`'s)."""
+
+    __slots__ = ("go",)
 
     def __init__(self) -> None:
         self.go = asyncio.Event()

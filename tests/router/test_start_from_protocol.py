@@ -17,6 +17,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from dplb_shm import Segment
+from router.director import OpenAdmission
 from router.server import LimitedHttpToolsProtocol, write_response
 from tests.helpers import RecordingTransport, in_process_router
 
@@ -291,8 +292,11 @@ def test_a_head_the_parser_refuses_is_answered_in_the_openai_error_shape_and_rea
     proto.connection_lost(None)
 
 
-class _Holding:
-    """An admission that holds every request until ``go`` is set (router.director.Admission)."""
+class _Holding(OpenAdmission):
+    """An admission that holds every request until ``go`` is set (router.director.Admission; the
+    rest of the step as :class:`OpenAdmission`'s)."""
+
+    __slots__ = ("go",)
 
     def __init__(self) -> None:
         self.go = asyncio.Event()

@@ -172,7 +172,10 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
     monkeypatch.setattr(virtual.Agent, "publish_engine", publish)
     monkeypatch.setattr(cl.Scheduler, "select", select)
     reqs = load_workload(TRACE, requests=120)
-    res, _ = _run(reqs, "dplb", 3, rate_scale=4, state_interval_ms=500)
+    # binding on arrival (the admission queue off): every request is one select() at its arrival
+    cfg = Config()
+    cfg.admission.enabled = False
+    res, _ = _run(reqs, "dplb", 3, rate_scale=4, state_interval_ms=500, router=cfg)
     stale = 0
     for now, wid, fields, inflight, i in seen:
         last = [f for t, f in published[wid] if t <= now][-1]
