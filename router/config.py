@@ -233,9 +233,9 @@ class AdmissionSection(_Strict):
     deadline (``shed_late``; false: it waits, behind every request that still can). While a
     higher class has had a request within ``reserve_window_s``, a class fills only ``reserve`` ×
     the headroom (trunk reservation): the rest is kept for the higher class. ``enabled: false``: today's behaviour
-    (every request bound to a worker on arrival)."""
+    (every request bound to a worker on arrival; the default until the whole suite has run with it on)."""
 
-    enabled: bool = True
+    enabled: bool = False
     headroom: float = Field(default=1.0, gt=0, le=100,
                             description="dispatch while est. TTFT <= headroom x the request's TTFT budget")
     reserve: float = Field(default=0.5, gt=0, le=1,

@@ -16,7 +16,7 @@ from tests.helpers import metric, wait_until
 
 MODEL = "fake-model"
 MSG = [{"role": "user", "content": "hello there"}]
-SATURATED = {"admission": {"headroom": 1e-9, "queue_budget_s": 30, "shed_late": False}}
+SATURATED = {"admission": {"enabled": True, "headroom": 1e-9, "queue_budget_s": 30, "shed_late": False}}
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ def test_nothing_waits_past_its_budget():
     reqs = _flood(300, 6.0, seed=2)
     cfg_budget = 2.0
     cfg = Config()
+    cfg.admission.enabled = True
     cfg.admission.shed_late = False            # late requests wait: only the budget answers them
     cfg.admission.queue_budget_s = cfg_budget
     st = SimSettings(engines=[EngineConfig() for _ in range(2)], policy="dplb", router=cfg)
