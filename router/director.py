@@ -216,10 +216,16 @@ class Director:
         return info
 
     # -- admission -------------------------------------------------------------------------------
-    def may_dispatch(self, info: RequestInfo) -> bool:
+    def may_dispatch(self, info: RequestInfo, headers: Iterable[tuple[bytes, bytes]] | None = None,
+                     auth: bytes | None = None) -> bool:
         """May ``info`` be dispatched now without waiting (:meth:`Admission.ready`)? An edge that
-        gets False awaits :meth:`admit` before :meth:`pick`."""
-        return self.open or self._admission.ready(info)
+        gets False awaits :meth:`admit` before :meth:`pick`. ``headers`` (and ``auth``): the
+        request's, read first for its class, tenant and budget (:meth:`tag`) when given."""
+        if self.open:
+            return True
+        if headers is not None:
+            self._admission.tag(info, headers, auth)
+        return self._admission.ready(info)
 
     async def admit(self, info: RequestInfo) -> None:
         """The admission step: returns when ``info`` may be dispatched (at once when

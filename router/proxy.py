@@ -263,10 +263,8 @@ class Proxy:
             director = self.director
             info = director.parse(path, body, session)
             director.check_model(info)
-            if not director.open:
-                director.tag(info, fwd, auth)
-                if not director.may_dispatch(info):
-                    return None
+            if not director.open and not director.may_dispatch(info, fwd, auth):
+                return None
             ex = Exchange(scope["method"], path if path in ROUTES else "/v1/other", request_target(scope), fwd, body,
                           info, rid, t0)
             pre = self._dispatch(ex, 0)
