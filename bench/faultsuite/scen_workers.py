@@ -55,7 +55,10 @@ def run_kill_engine(target: str = "engine", workers: int = 3, rate: float = 25.0
             if target == "engine":
                 os.kill(engine_pid, signal.SIGKILL)
             else:
+                # the whole worker: the agent's group and the engine's own session (an engine
+                # outlives its agent, so killing the agent alone leaves it serving)
                 st.kill(a0.proc)
+                os.killpg(os.getpgid(engine_pid), signal.SIGKILL)
 
         with DispatchWatch(st.seg, 0) as watch, StatusWatch(base, 0) as status:
             outs = asyncio.run(steady(base, rate, duration,
