@@ -74,7 +74,7 @@ from router.state import learn_settings, scoring_params, ttft_params
 from router.workers import Registry
 from sim_engine.errors import SimEngineError
 from sim_engine.request import SimRequest
-from simulate.admission import SimAdmission
+from simulate.admission import SHED_STATUS, SimAdmission
 from simulate.replicas import (
     AccountingError,
     Replica,
@@ -154,6 +154,14 @@ class _EarlyAbort:
         if self.tpot_lim is not None and tpot is not None and tpot > self.tpot_lim:
             self.over_tpot += 1
         return self.att_tpot is not None and tpot is not None and tpot > self.att_tpot and self.miss(i)
+
+    def shed(self, i: int) -> bool:
+        """Request ``i`` was shed by the admission queue (429): it never gets a first token, so it
+        counts as a TTFT over the p99 bound (an infinite TTFT) and as a miss of the attainment
+        target."""
+        if self.ttft_lim is not None:
+            self.over_ttft += 1
+        return self.miss(i)
 
     def p99_missed(self) -> bool:
         """The p99 SLO is certainly missed (never without ``abort_on``: the counts stay 0)."""
@@ -505,7 +513,8 @@ class _Run:
     def _rejected(self, i: int, status: int) -> None:
         self.status[i] = status
         self.done += 1
-        if self.judge.miss(i):
+        hit = self.judge.shed(i) if status == SHED_STATUS else self.judge.miss(i)
+        if hit or self.judge.p99_missed():
             self.aborted = True
 
     def _oracle_matches(self, oracle: OracleIndex, r: TraceRequest, text: str) -> None:

@@ -147,9 +147,19 @@ def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) 
 
 
 def meets(fig: dict[str, Any], ttft_p99_s: float | None, tpot_p99_s: float | None) -> bool:
-    """True when the run served something and its TTFT/TPOT p99 are within the given bounds."""
+    """True when the run served something and its TTFT/TPOT p99 are within the given bounds.
+
+    Requests the admission queue shed (HTTP 429) count as an infinite TTFT: the run fails the
+    TTFT bound once they are enough to put the p99 over any bound (``shed >= n - floor((n-1)·0.99)``
+    over served + shed, linear interpolation as in the percentiles), so shedding cannot pass an
+    overloaded run."""
     if fig.get("aborted_early") or not fig["served"]:
         return False
+    shed = fig.get("rejected_by_status", {}).get("429", 0)
+    if ttft_p99_s is not None and shed:
+        n = fig["served"] + shed
+        if shed >= n - int((n - 1) * 0.99):
+            return False
     if ttft_p99_s is not None:
         v = fig["ttft_s"]["p99"]
         if v is None or v > ttft_p99_s:

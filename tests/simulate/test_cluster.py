@@ -218,9 +218,13 @@ def test_capacity_bisection_brackets_the_threshold(threshold, start, want):
     assert len(calls) == len(set(calls)) < 20
 
 
-def test_capacity_and_min_engines_on_a_small_trace():
+@pytest.mark.parametrize("admission", [False, True], ids=["admission_off", "admission_on"])
+def test_capacity_and_min_engines_on_a_small_trace(admission):
+    """With admission on, overload is shed (429) instead of queued: shed requests count as misses,
+    so overloaded probes still fail and stop early."""
     reqs = load_workload(TRACE, requests=80, max_tokens_cap=64)
-    base = SimSettings(engines=_engines(2), policy="shortest_queue")
+    cfg = Config.model_validate({"admission": {"enabled": admission}})
+    base = SimSettings(engines=_engines(2), policy="shortest_queue", router=cfg)
     slo = SLO(ttft_p99_s=12.0)
 
     def run(st):
