@@ -190,13 +190,17 @@ def test_engine_fields_change_only_at_publication_ticks(monkeypatch):
     assert stale > 0       # the published queue does lag behind
 
 
-def test_segment_is_unlinked_when_the_run_fails(monkeypatch):
+@pytest.mark.parametrize("admission", [False, True], ids=["admission_off", "admission_on"])
+def test_segment_is_unlinked_when_the_run_fails(monkeypatch, admission):
     def boom(*a, **kw):
         raise RuntimeError("policy exploded")
 
-    monkeypatch.setattr(cl.Scheduler, "select", boom)
-    with pytest.raises(RuntimeError):
-        _run(load_workload(TRACE, requests=5), "dplb", 2)
+    # decide() is the routing step of both paths: select() (binding on arrival) and the admission
+    # queue's route_ticket()
+    monkeypatch.setattr(cl.Scheduler, "decide", boom)
+    cfg = Config.model_validate({"admission": {"enabled": admission}})
+    with pytest.raises(RuntimeError, match="policy exploded"):
+        _run(load_workload(TRACE, requests=5), "dplb", 2, router=cfg)
     assert _leftover_segments() == []
 
 

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from bench.trace import TraceRequest
+from router.config import Config
 from router.kv_events import BlockSet
 from router.scheduling import Scheduler
 from sim_engine.config import EngineConfig
@@ -38,17 +39,22 @@ def test_round_robin_front_takes_replicas_in_turn():
         RoundRobinFront(0)
 
 
-def test_each_replica_routes_every_rth_request_with_its_own_scheduler(monkeypatch):
+@pytest.mark.parametrize("admission", [False, True], ids=["admission_off", "admission_on"])
+def test_each_replica_routes_every_rth_request_with_its_own_scheduler(monkeypatch, admission):
     who: list[int] = []
-    real = Scheduler.select
+    real = Scheduler.lease
 
+    # lease() records every dispatch on both paths: select() (binding on arrival) and the
+    # admission queue's route_ticket(); below capacity the queue dispatches in arrival order
     def spy(self, *a, **kw):
         who.append(id(self))
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Scheduler, "select", spy)
+    monkeypatch.setattr(Scheduler, "lease", spy)
     reqs = generate("agentic", 0, 30)
-    res = Simulation(reqs, SimSettings(engines=[EngineConfig()] * 2, policy="cache_aware", replicas=3)).run()
+    cfg = Config.model_validate({"admission": {"enabled": admission}})
+    res = Simulation(reqs, SimSettings(engines=[EngineConfig()] * 2, policy="cache_aware", replicas=3,
+                                       router=cfg)).run()
     assert all(s == OK for s in res.status)
     assert len(set(who)) == 3
     assert who == [who[i % 3] for i in range(len(reqs))]
