@@ -62,11 +62,11 @@ bench-quick: install build
 
 lint: install
 	$(PIP) install -q ruff
-	$(VENV)/bin/ruff check dplb_shm dplb_prefix router worker_agent sim_engine bench launcher simulate epp tests deploy
+	$(VENV)/bin/ruff check dplb_shm dplb_prefix dplb_protocol dplb_trace router worker_agent sim_engine bench launcher simulate epp prototypes tests deploy
 
 typecheck: install
 	$(PIP) install -q mypy
-	$(VENV)/bin/mypy dplb_shm dplb_prefix router worker_agent sim_engine launcher simulate epp
+	$(VENV)/bin/mypy dplb_shm dplb_prefix dplb_protocol dplb_trace router worker_agent sim_engine launcher simulate epp
 
 clean:
 	rm -rf build dist *.egg-info csrc/*.c dplb_shm/*.so router/*.so .pytest_cache .hypothesis .mypy_cache

@@ -1,9 +1,9 @@
-"""Errors of the benchmark tools (trace loading, replay).
+"""Errors of the benchmark tools (replay, the harness); a trace that cannot be read raises
+:class:`dplb_trace.errors.TraceFormatError`.
 
 ::
 
     BenchError
-    ├── TraceFormatError    a trace line that cannot be used (file, line, reason)
     ├── ReplayError         the replay cannot start (endpoint unreachable, no model served)
     ├── PeerInstallError    (harness) a peer router's venv could not be created or pip failed
     ├── StartupError        (harness) a process (engine, agent, router, peer) did not become ready
@@ -18,16 +18,6 @@ from __future__ import annotations
 
 class BenchError(Exception):
     """Base of the benchmark tools' errors."""
-
-
-class TraceFormatError(BenchError, ValueError):
-    """A trace line is invalid. Attributes: ``path`` (str), ``line`` (1-based int), ``reason``."""
-
-    def __init__(self, path: str, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
-        self.path = path
-        self.line = line
-        self.reason = reason
 
 
 class ReplayError(BenchError):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from bench.router_overhead import long_prompt_requests
 from dplb_prefix import PrefixIndex, chain_hashes, count_words
 from dplb_prefix.reference import ReferencePrefixIndex
-from router.protocol import CHAT, parse_request
+from dplb_protocol.wire import CHAT, parse_request
 
 
 def _ms(f: Callable[[int], object], repeats: int) -> float:

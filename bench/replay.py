@@ -4,7 +4,7 @@
 (console script ``dplb-replay``). Every request is sent by ``openai.AsyncOpenAI`` at
 ``timestamp × time_scale`` seconds after the start (open loop: a slow server does not slow the
 arrivals), streamed by default, with ``max_tokens = output_length`` and the prompt text of
-:func:`bench.trace.prompt_for` (prefix sharing of the trace preserved).
+:func:`dplb_trace.mooncake.prompt_for` (prefix sharing of the trace preserved).
 
 Measured per request (client side, ``time.perf_counter``):
 
@@ -41,9 +41,10 @@ import openai
 import orjson
 
 from bench.errors import BenchError, ReplayError
-from bench.trace import DEFAULT_TRACE, TraceRequest, load_trace, prompt_for
+from dplb_protocol.wire import WORKER_HEADER
+from dplb_trace.errors import TraceFormatError
+from dplb_trace.mooncake import DEFAULT_TRACE, TraceRequest, load_trace, prompt_for
 from launcher.cli import DefaultsFormatter
-from router.protocol import WORKER_HEADER
 
 
 @dataclass
@@ -353,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=DefaultsFormatter)
     p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE),
                    help="Mooncake-format JSONL trace (default: the conversation trace shipped in "
-                        "bench/data/mooncake/, see its README)")
+                        "dplb_trace/data/mooncake/, see its README)")
     p.add_argument("--url", default="http://127.0.0.1:30000/v1", help="OpenAI base URL of the endpoint")
     p.add_argument("--model", default=None, help="model name (default: the first one GET /v1/models lists)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -387,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         requests = load_trace(args.trace, limit=args.limit)
-    except (OSError, BenchError) as e:
+    except (OSError, TraceFormatError, BenchError) as e:
         print(f"dplb-replay: {e}", file=sys.stderr)
         return 2
     opts = ReplayOptions(base_url=args.url, model=args.model, api=args.api, stream=args.stream,

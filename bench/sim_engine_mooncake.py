@@ -3,7 +3,7 @@
 Shows that the engine behaves like a loaded vLLM: shared prompt blocks hit the prefix cache, and
 time to first token grows with the queue the request finds on arrival. Each trace request is sent
 at ``timestamp / time_scale`` wall seconds as a streamed completion with ``max_tokens =
-output_length``; its prompt is :func:`bench.trace.prompt_for` (512 fixed words per block id).
+output_length``; its prompt is :func:`dplb_trace.mooncake.prompt_for` (512 fixed words per block id).
 
 Printed: prefix-cache hit rate (``vllm:prefix_cache_hits_total / queries_total``), preemptions,
 TTFT percentiles (simulated seconds = wall x time scale), mean TTFT per band of queue depth at
@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from bench.procs import ProcessGroup, start_sim_engine
-from bench.trace import DEFAULT_TRACE, load_trace, prompt_for
+from dplb_trace.mooncake import DEFAULT_TRACE, load_trace, prompt_for
 
 
 def _ranks(xs: list[float]) -> list[float]:

@@ -8,10 +8,10 @@ Usage::
 It starts a segment, ``--workers`` worker agents with sim engines running ``--time-scale`` times
 faster than real time, and a router with the default config (``dplb`` policy, prefix affinity,
 bounded prefix index), then replays the Mooncake conversation trace
-(``bench/data/mooncake/conversation_trace.jsonl``) from its start for ``--sim-minutes``
+(``dplb_trace/data/mooncake/conversation_trace.jsonl``) from its start for ``--sim-minutes``
 simulated minutes: request *i* is sent at ``timestamp_i / time_scale`` wall seconds, with its real
 prompt length (deterministic text per 512-token block, so prefix sharing survives; see
-:mod:`bench.trace`) and ``max_tokens = output_length``; every ``--stream-every``-th request
+:mod:`dplb_trace.mooncake`) and ``max_tokens = output_length``; every ``--stream-every``-th request
 streams. At most ``--max-inflight`` requests are outstanding (later ones wait and are counted
 as *late*).
 
@@ -98,7 +98,7 @@ async def replay(base: str, reqs: list[Any], time_scale: float, stream_every: in
     import httpx
 
     from bench.faultsuite.load import send
-    from bench.trace import prompt_for
+    from dplb_trace.mooncake import prompt_for
 
     sem = asyncio.Semaphore(max_inflight)
     late = 0
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from bench.faultsuite.cluster import MODEL_SIM, Stack
     from bench.faultsuite.load import lost_details, tally
-    from bench.trace import DEFAULT_TRACE, load_trace
+    from dplb_trace.mooncake import DEFAULT_TRACE, load_trace
 
     reqs = [r for r in load_trace(args.trace or DEFAULT_TRACE) if r.timestamp_ms <= args.sim_minutes * 60_000]
     print(f"soak: {len(reqs)} requests, {args.sim_minutes:g} simulated min at time scale {args.time_scale:g} "

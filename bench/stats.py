@@ -23,12 +23,12 @@ Definitions:
 """
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.loadgen import Result
+from dplb_trace.stats import percentile
 
 ROW_KEYS = ("system", "policy", "workload", "workers", "repeat", "requests", "errors", "ttft_p50_ms",
             "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "prefix_hit_rate",
@@ -36,22 +36,6 @@ ROW_KEYS = ("system", "policy", "workload", "workers", "repeat", "requests", "er
 #: the figures :func:`summarize` folds over repeats
 FIGURES = ("errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms",
            "e2e_p99_ms", "output_tok_s", "req_s", "prefix_hit_rate", "max_share", "min_share", "router_cpu_s_per_1k")
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) with linear interpolation; ``None`` for no values.
-
-    Raises ``ValueError`` when ``q`` is outside 0..100.
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be in 0..100, got {q}")
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def shares(per_engine_done: Sequence[float]) -> tuple[float | None, float | None]:

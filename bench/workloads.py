@@ -5,7 +5,7 @@ same offsets. Tokens are whitespace-separated words (the simulated engine's toke
 prompt of ``n`` words is ``n`` prompt tokens plus the chat template's few.
 
 (a) ``a_mooncake``: replay of ``mooncake_requests`` (500) consecutive lines of the Mooncake
-    conversation trace (``bench/data/mooncake/``, via :mod:`bench.trace`) from line
+    conversation trace (``dplb_trace/data/mooncake/``, via :mod:`dplb_trace.mooncake`) from line
     ``mooncake_start`` (2,000: past the first ten minutes, where conversations continue and
     prefixes are reused; repeat k takes the window ``mooncake_stride`` lines later), at
     ``mooncake_load`` × the trace's own rate *in simulated time* on the ``trace`` engine set:
@@ -115,7 +115,7 @@ _VOCAB: tuple[str, ...] | None = None
 def _vocab() -> tuple[str, ...]:
     global _VOCAB
     if _VOCAB is None:
-        from bench.trace import VOCAB
+        from dplb_trace.mooncake import VOCAB
         _VOCAB = VOCAB
     return _VOCAB
 
@@ -143,7 +143,7 @@ def _user(text: str) -> list[dict[str, str]]:
 
 
 def _trace_window(p: Profile, rep: int, n: int):  # type: ignore[no-untyped-def]
-    from bench.trace import load_trace
+    from dplb_trace.mooncake import load_trace
 
     reqs = load_trace(limit=n, start=p.mooncake_start + rep * p.mooncake_stride)
     if not reqs:
@@ -158,8 +158,8 @@ def mooncake(p: Profile, model: str, rep: int = 0, n: int | None = None) -> list
     """(a) Mooncake replay: ``n`` (default ``p.mooncake_requests``) consecutive trace lines from
     line ``p.mooncake_start + rep × p.mooncake_stride``, at ``p.mooncake_load`` × the trace's rate in
     simulated time (wall offset = (timestamp − window's first timestamp) / (load × trace_time_scale))."""
-    from bench.trace import prompt_for
-    from bench.trace import sessions as conversation_ids
+    from dplb_trace.mooncake import prompt_for
+    from dplb_trace.mooncake import sessions as conversation_ids
 
     reqs = _trace_window(p, rep, p.mooncake_requests if n is None else n)
     speedup = p.mooncake_load * p.trace_time_scale
@@ -173,7 +173,7 @@ def mooncake(p: Profile, model: str, rep: int = 0, n: int | None = None) -> list
 def sessions(p: Profile, model: str, rep: int = 0, seed: int = 8) -> list[RequestSpec]:
     """(s) the window of (a) replayed as closed-loop conversations.
 
-    Conversations come from shared block prefixes (:func:`bench.trace.sessions`). A conversation's
+    Conversations come from shared block prefixes (:func:`dplb_trace.mooncake.sessions`). A conversation's
     first turn leaves at its trace offset (as in (a)); each later turn leaves a think time after the
     previous turn's answer ended, drawn from an exponential with mean ``p.session_think_s``
     simulated seconds (seeded by ``seed`` and ``rep``). So a user never sends a turn before seeing
@@ -181,8 +181,8 @@ def sessions(p: Profile, model: str, rep: int = 0, seed: int = 8) -> list[Reques
     spec carries ``session`` (conversation id) and ``think`` (wall seconds after the previous
     turn's end; 0 for a first turn).
     """
-    from bench.trace import prompt_for
-    from bench.trace import sessions as conversation_ids
+    from dplb_trace.mooncake import prompt_for
+    from dplb_trace.mooncake import sessions as conversation_ids
 
     reqs = _trace_window(p, rep, p.session_requests)
     sids = conversation_ids(reqs)

@@ -2,7 +2,7 @@
 """dplb_prefix._native: the approximate prefix index and the per-byte work of a prompt, native.
 
 - :func:`count_words`: ``len(s.split())`` without building the words (the prompt length in
-  tokens of the simulated engine's tokenizer, :mod:`router.protocol`).
+  tokens of the simulated engine's tokenizer, :mod:`dplb_protocol.wire`).
 - :func:`chain_hashes`: the chained hashes of a text's full chunks (csrc/dplb_prefix.h), read
   from the str's own buffer: no slice, no copy, no Python loop over chunks.
 - :class:`PrefixIndex`: the bounded LRU map hash -> workers (match, insert, eviction, removal) in

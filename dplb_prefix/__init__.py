@@ -1,7 +1,7 @@
 """dplb_prefix: the per-byte work of a prompt and the approximate prefix index, native.
 
 - :func:`count_words`: ``len(s.split())`` without building the words (the prompt length in
-  tokens of the simulated engine's tokenizer, :mod:`router.protocol`).
+  tokens of the simulated engine's tokenizer, :mod:`dplb_protocol.wire`).
 - :func:`chain_hashes`: the 64-bit chained hashes (``array('Q')``) of a text's full chunks of
   ``chunk_chars`` code points, read from the str's own buffer (no slice, no copy, no Python loop
   over chunks); at most ``max_chunks`` of them.

@@ -1,7 +1,7 @@
 """Type stub of the native extension built from csrc/dplb_native.pyx."""
 # ruff: noqa: I001  (the "X as X" re-exports stay in one block; isort would split every one)
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 from dplb_shm.errors import (
     LayoutMismatchError as LayoutMismatchError,
@@ -12,7 +12,7 @@ from dplb_shm.errors import (
     SlotFieldError as SlotFieldError,
     SlotIndexError as SlotIndexError,
 )
-from dplb_shm.types import ScoreTerms, ScoringParams, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
+from dplb_shm.types import ScoreTerms, ScoringParams, SlotFields, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
 from dplb_shm.types import StateReason as StateReason
 
 MAGIC: int
@@ -102,7 +102,7 @@ class SlotWriter:
     def now_override_ns(self, v: int) -> None: ...
     def claim(self, worker_id: int, pid: int | None = None, endpoint: str = "", gpu_ids: Sequence[int] = (),
               weight: float = 1.0, model: str = "", max_num_seqs: int = 0, control: str = "") -> None: ...
-    def publish(self, **fields: Any) -> None: ...  # incl. restarts, agent_restarts, last_exit_code, state_reason, next_restart_ns, engine_pid
+    def publish(self, **fields: Unpack[SlotFields]) -> None: ...
     def heartbeat(self) -> None: ...
     def set_state(self, state: WorkerState | int) -> None: ...
     def inflight_add(self, delta: int) -> int: ...

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from dplb_shm.errors import SlotFieldError
 
@@ -35,6 +36,49 @@ class StateReason(enum.IntEnum):
     GAVE_UP = 3         # too many failures within the window: DEAD until an admin restart
     ADMIN_RESTART = 4   # restarted on an operator's request
     AGENT_EXITED = 5    # the agent died; the launcher marked its slot DEAD and restarts it after a backoff
+
+
+class SlotFields(TypedDict, total=False):
+    """What one slot write may set (``SlotWriter.publish(**fields)``), each key a field of
+    ``dplb_slot_t`` (csrc/dplb_shm.h) of the same name; the writer validates the ranges (csrc/
+    dplb_native.pyx ``_apply``, :class:`dplb_shm.errors.SlotFieldError`). Units: ``*_ns``
+    CLOCK_MONOTONIC ns; ``*_ms`` milliseconds (-1: none); ``kv_cache_usage`` 0..1 (-1: unknown);
+    ``*_bytes`` bytes. ``heartbeat_ns`` given: stored as is instead of now. Fields the writer
+    alone derives (``seq``, ``length_compat``, the latency rings and their counts) or that
+    :meth:`SlotWriter.claim` sets (``worker_id``), and the routers' lines, are not here
+    (tests/dplb_shm/test_slot_fields.py walks the header's table)."""
+
+    state: WorkerState | int
+    state_reason: StateReason | int
+    pid: int
+    engine_pid: int
+    endpoint: str
+    control: str
+    model: str
+    gpu_ids: Sequence[int]
+    weight: float
+    num_running: int
+    num_waiting: int
+    inflight: int
+    max_num_seqs: int
+    queued_prompt_tokens: int
+    kv_cache_usage: float
+    gpu_mem_used_bytes: int
+    gpu_mem_total_bytes: int
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+    e2e_p99_ms: float
+    prompt_len_hist: Sequence[int]
+    completed: int
+    failed: int
+    heartbeat_ns: int
+    restarts: int
+    agent_restarts: int
+    last_exit_code: int
+    next_restart_ns: int
 
 
 #: how old a READY slot's heartbeat may be before routers stop routing to it, ms: the default of

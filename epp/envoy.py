@@ -151,7 +151,7 @@ def _local_reply_mappers(s: EnvoySettings) -> list[dict[str, object]]:
 
 def _json_reply(flt: dict[str, object], kind: str, message: str) -> dict[str, object]:
     """A ``local_reply_config`` mapper: Envoy's own replies matching ``flt`` get an OpenAI-shaped
-    JSON body (``{"error": {"message", "type", "param", "code"}}``, :func:`router.protocol.error_body`'s shape)."""
+    JSON body (``{"error": {"message", "type", "param", "code"}}``, :func:`dplb_protocol.wire.error_body`'s shape)."""
     return {"filter": flt, "body_format_override": {
         "json_format": {"error": {"message": message, "type": kind, "param": None, "code": "%RESPONSE_CODE%"}},
         "content_type": "application/json"}}

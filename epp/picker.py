@@ -219,7 +219,7 @@ class Picker:
     def any_worker(self, path: str) -> WorkerHandle:
         """A worker for a request without a body (no lease: nothing to account). Raises
         NoEligibleWorker."""
-        from router.protocol import RequestInfo
+        from dplb_protocol.wire import RequestInfo
 
         self.state.monitor.sync_if_changed()
         h, _ = self.state.scheduler.decide(RequestInfo(path=path), self._unix())

@@ -43,7 +43,7 @@ stream's end        a stream that ends before the response's end (Envoy reset it
                     (a non-streamed one too; its head has left by then, so its status stays).
 ==================  ===========================================================================
 
-Errors are immediate responses with OpenAI-shaped bodies (:func:`router.protocol.error_body`),
+Errors are immediate responses with OpenAI-shaped bodies (:func:`dplb_protocol.wire.error_body`),
 ``content-type: application/json`` and ``x-dplb-worker-id: none``.
 
 The decisions are the picker's (:class:`epp.picker.Picker`) and request control's
@@ -63,12 +63,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from dplb_protocol.wire import WORKER_HEADER, BadRequest, OpenAIError
 from epp.envoy import HEADER, NAMESPACE, SERVED
 from epp.picker import Picker, envoy_target
 from router.director import ENGINE_ABORT, route_of
 from router.errors import BodyTooLarge, TransportError
 from router.policies.base import RequestInfo
-from router.protocol import WORKER_HEADER, BadRequest, OpenAIError
 from router.scheduling import Lease
 from router.stream_meter import StreamMeter, is_event_stream
 from router.workers import WorkerHandle
@@ -209,7 +209,7 @@ class Exchange:
             mode, self.resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
         self.duplex = mode == _FULL_DUPLEX
         if req.request_headers.end_of_stream:
-            if self.headers.get(":method") == "POST":   # as the router answers it (router.protocol)
+            if self.headers.get(":method") == "POST":   # as the router answers it (dplb_protocol.wire)
                 return [self._refuse(BadRequest("request body is empty; expected a JSON object"))]
             try:
                 h = self.picker.any_worker(self.path)

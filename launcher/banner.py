@@ -7,7 +7,6 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -15,7 +14,7 @@ from launcher.plan import LaunchPlan
 from launcher.stack import LOOPBACK
 
 
-def describe_slot(s: Any) -> str:
+def describe_slot(s: object) -> str:
     """``agent pid A, engine pid E, model M`` of a slot snapshot (``engine pid -`` when the agent
     spawned no engine: an attached server; ``model -`` when none is known yet)."""
     epid = int(getattr(s, "engine_pid", 0) or 0)

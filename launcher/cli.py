@@ -24,10 +24,12 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import orjson
 
+from dplb_protocol.limits import DRAIN_TIMEOUT_S
+from launcher.config import LaunchConfig
 from launcher.errors import LaunchError, UsageError
 from launcher.gpus import (
     ENGINE_TABLE,
@@ -48,7 +50,6 @@ from launcher.specs import (
 )
 from launcher.supervisor import STOP_MARGIN_S, Supervisor
 from router.policies import policy_names
-from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import DEFAULTS as RESTART
 from worker_agent.restart import RestartParams, add_restart_flags, restart_params
 
@@ -144,13 +145,12 @@ def split_engine_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def router_settings(args: argparse.Namespace) -> Any:
+def router_settings(args: argparse.Namespace) -> LaunchConfig:
     """The router's effective configuration as the launch will run it: built-in defaults, then
     ``--config``, then the launcher's flags (the same rule and the same loader,
     :func:`router.config.load_config`, as ``dplb-router`` itself, with the launcher's own section
     validated: :class:`launcher.config.LaunchConfig`). Raises :class:`UsageError` naming the field
     when the file or a flag is invalid."""
-    from launcher.config import LaunchConfig
     from router.config import load_config
     from router.errors import ConfigError
 
@@ -165,7 +165,7 @@ def router_settings(args: argparse.Namespace) -> Any:
         raise UsageError(f"{'--config ' + args.config + ': ' if args.config else ''}{e}") from None
 
 
-def worker_specs(args: argparse.Namespace, rcfg: Any) -> list[WorkerSpec]:
+def worker_specs(args: argparse.Namespace, rcfg: LaunchConfig) -> list[WorkerSpec]:
     """The per-worker specs of this launch: ``--worker`` flags, else the config file's ``workers:``
     section, else none (``--num-workers`` workers of ``--model``)."""
     if args.worker_specs:
@@ -257,7 +257,18 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def gateway_fields(args: argparse.Namespace) -> dict[str, Any]:
+class GatewayFields(TypedDict, total=False):
+    """The :class:`LaunchPlan` fields ``--gateway envoy`` sets (:func:`gateway_fields`)."""
+
+    gateway: str
+    envoy_bin: str
+    epp_port: int
+    epp_health_port: int
+    epp_metrics_port: int
+    envoy_admin_port: int
+
+
+def gateway_fields(args: argparse.Namespace) -> GatewayFields:
     """The :class:`LaunchPlan` fields of ``--gateway`` (empty for the router): the Envoy binary
     and the ports of the picker and Envoy's admin (free ones where a flag says 0). Raises
     :class:`UsageError` when Envoy is not installed or the flags contradict each other."""

@@ -6,7 +6,6 @@ model=LaunchConfig)``): the same file, the same errors naming the dotted field.
 from __future__ import annotations
 
 import shlex
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -41,7 +40,7 @@ class LaunchWorker(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _short_keys(cls, d: Any) -> Any:
+    def _short_keys(cls, d: object) -> object:
         if not isinstance(d, dict):
             return d
         d = dict(d)
@@ -66,7 +65,7 @@ class LaunchWorker(BaseModel):
 
     @field_validator("gpus", mode="before")
     @classmethod
-    def _gpus(cls, v: Any) -> Any:
+    def _gpus(cls, v: object) -> object:
         if isinstance(v, list):
             return ",".join(str(x) for x in v)
         if isinstance(v, int) and not isinstance(v, bool):

@@ -9,14 +9,18 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import orjson
 
-from launcher.errors import UsageError
+from launcher.errors import LaunchError, UsageError
+
+if TYPE_CHECKING:
+    from dplb_shm import Segment
 
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
@@ -171,3 +175,18 @@ def check_socket_paths(run_dir: Path, num_workers: int) -> None:
     if len(os.fsencode(longest)) > SUN_PATH_MAX:
         raise UsageError(f"run dir {run_dir} is too long for Unix socket paths ({longest} > "
                          f"{SUN_PATH_MAX} bytes); set DPLB_RUN_DIR to a shorter directory")
+
+
+def now_ns() -> int:
+    """CLOCK_MONOTONIC in ns (the slots' clock)."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def segment_class() -> type[Segment]:
+    """The segment library's :class:`dplb_shm.Segment`; raises :class:`LaunchError` naming
+    ``make install`` when the extension cannot be imported."""
+    try:
+        from dplb_shm import Segment
+    except ImportError as e:
+        raise LaunchError(f"cannot import the segment library dplb_shm ({e}); run `make install`") from None
+    return Segment

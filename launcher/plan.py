@@ -10,10 +10,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dplb_protocol.limits import DRAIN_TIMEOUT_S
 from launcher.gpus import GpuPlan
 from launcher.specs import WorkerPlan
 from launcher.stack import LOOPBACK, agent_argv, router_argv
-from worker_agent.config import DRAIN_TIMEOUT_S
 from worker_agent.restart import RestartParams
 
 ROOT = Path(__file__).resolve().parent.parent

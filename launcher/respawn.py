@@ -51,7 +51,8 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def mark_slot_dead(segment: Any, k: int, reason: str, next_restart_ns: int) -> str | None:
+# Any: the launch's dplb_shm.Segment, or a test's stand-in (a fake or closed one is reported, not raised)
+def mark_slot_dead(segment: Any, k: int, reason: str, next_restart_ns: int) -> str | None:  # type: ignore[explicit-any]
     """Write DEAD into worker ``k``'s slot for its dead agent (the launcher is the slot's only
     writer until a new agent claims it): ``reason`` (a ``StateReason`` name), ``next_restart_ns``
     (CLOCK_MONOTONIC ns of the agent's restart, 0: none), nothing running, the last heartbeat kept

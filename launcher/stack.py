@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -153,7 +153,7 @@ def router_argv(*, port: int, shm: str, host: str = LOOPBACK, config: str | os.P
     return argv + list(extra)
 
 
-def write_router_config(path: str | os.PathLike[str], config: dict[str, Any]) -> Path:
+def write_router_config(path: str | os.PathLike[str], config: Mapping[str, object]) -> Path:
     """Write ``config`` (a ``dplb.yaml`` as a dict) to ``path`` as YAML; returns the path."""
     import yaml
 
@@ -332,7 +332,8 @@ def wait_for_port(port: int, host: str = LOOPBACK, timeout: float = 15.0) -> Non
     wait_for(ok, timeout, f"{host}:{port}")
 
 
-def http_json(url: str, timeout_s: float = 2.0) -> Any:
+# Any: an HTTP answer's JSON document (any shape); callers index it as they know it
+def http_json(url: str, timeout_s: float = 2.0) -> Any:  # type: ignore[explicit-any]
     """``GET url`` → parsed JSON body (no proxy); raises ``OSError``/``urllib.error.URLError``."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url, timeout=timeout_s) as r:
@@ -356,7 +357,8 @@ class Stack:
         self.dir = str(run_dir) if run_dir is not None else ""
         self.python = python
         self.procs = ProcessGroup(grace_s=grace_s)
-        self.seg: Any = None
+        # Any: a dplb_shm.Segment, None until open() creates it; its readers hold it non-None without a check
+        self.seg: Any = None  # type: ignore[explicit-any]
         self.agent_procs: dict[int, Child] = {}
         self.routers: list[tuple[Child, str]] = []
 
@@ -416,7 +418,7 @@ class Stack:
                  f"workers {wids} READY", children=kids)
 
     # -- routers -----------------------------------------------------------------------------
-    def router(self, config: dict[str, Any] | None = None, *extra: str, ready: int = 1, port: int | None = None,
+    def router(self, config: Mapping[str, object] | None = None, *extra: str, ready: int = 1, port: int | None = None,
                timeout: float = 60.0, policy: str | None = None, workers: int | None = None) -> str:
         """Start a router on ``port`` (a free loopback one when None; reuse one to restart a router
         in place) with ``config`` (a ``dplb.yaml`` as a dict; its ``router.state_dir`` defaults to
@@ -424,7 +426,8 @@ class Stack:
         base URL. Raises ``TimeoutError``/``ChildProcessError`` (with the router log's tail)."""
         port = port or free_port()
         cfg = dict(config or {})
-        r = dict(cfg.get("router", {}))
+        sect = cfg.get("router")
+        r = dict(sect) if isinstance(sect, Mapping) else {}
         r.setdefault("state_dir", self.path("router-state"))
         cfg["router"] = r
         path = write_router_config(self.path(f"router-{port}-{len(self.routers)}.yaml"), cfg)

@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from dplb_protocol.limits import DRAIN_TIMEOUT_S
 from dplb_shm.exits import exit_words
 from launcher import respawn
 from launcher.banner import banner, describe_slot
@@ -82,14 +83,16 @@ from launcher.host import (
     envoy_cluster_hosts,
     http_ok,
     lock_dir,
+    now_ns,
     prepare_run_dir,
     release_lock,
     remove_sockets,
+    segment_class,
     take_lock,
 )
 from launcher.plan import DEFAULT_SIM_MODEL, LaunchPlan, describe_workers
 from launcher.stack import LOOPBACK
-from worker_agent.config import DRAIN_TIMEOUT_S, ENGINE_STOP_GRACE_S
+from worker_agent.config import ENGINE_STOP_GRACE_S
 from worker_agent.logtail import log_tail
 from worker_agent.restart import RestartPolicy
 
@@ -110,11 +113,13 @@ class Supervisor:
     ``create(name, num_slots=, replace=)`` makes the segment (default ``dplb_shm.Segment``).
     """
 
-    def __init__(self, cfg: LaunchPlan, out: TextIO | None = None, segment_api: Any = None) -> None:
+    # Any: the segment class (dplb_shm.Segment, or a test's stand-in with the same create())
+    def __init__(self, cfg: LaunchPlan, out: TextIO | None = None, segment_api: Any = None) -> None:  # type: ignore[explicit-any]
         self.cfg = cfg
         self.out = out or sys.stdout
         self._segment_api = segment_api
-        self.segment: Any = None
+        # Any: the dplb_shm.Segment (or the stand-in) created at start(), None before and after
+        self.segment: Any = None  # type: ignore[explicit-any]
         self.router: Child | None = None   # with --gateway envoy: Envoy, the front door
         self.epp: Child | None = None      # --gateway envoy: dplb-epp, Envoy's endpoint picker
         self.agents: list[Child] = []
@@ -178,7 +183,7 @@ class Supervisor:
         prepare_run_dir(cfg.run_dir)
         become_subreaper()
         check_shm_space(cfg.shm_dir, cfg.shm_name, cfg.num_slots)
-        seg_cls = self._segment_api or _segment_class()
+        seg_cls = self._segment_api or segment_class()
         self.segment = seg_cls.create(cfg.shm_name, num_slots=cfg.num_slots, replace=True)
         self._say(f"dplb: {cfg.num_workers} worker(s), {describe_workers(cfg.workers)}; segment {cfg.shm_name}; "
                   f"logs in {cfg.run_dir}")
@@ -279,7 +284,7 @@ class Supervisor:
             snaps = self.segment.snapshot()
         except Exception:  # noqa: BLE001 - a torn read is retried on the next call
             return
-        now = _now_ns()
+        now = now_ns()
         for k in range(min(self.cfg.num_workers, len(snaps))):
             if k in self._agent_due or k in self._agent_gave_up:
                 continue   # no agent runs: its slot is the launcher's (agent_died)
@@ -513,7 +518,7 @@ class Supervisor:
                       + f"; last lines of {c.log_path}:\n{tail}")
             return
         self._agent_due[k] = time.monotonic() + delay
-        self._mark_slot_dead(k, "AGENT_EXITED", _now_ns() + int(delay * 1e9))
+        self._mark_slot_dead(k, "AGENT_EXITED", now_ns() + int(delay * 1e9))
         self._say(f"dplb: {c.name} {exit_words(rc)}; restarting its agent in {delay:.1f}s (restart "
                   f"{policy.failures_in_window()} of at most {p.max_restarts} within {p.window_s:g}s; its engine "
                   f"keeps running); last lines of {c.log_path}:\n{tail}")
@@ -582,18 +587,3 @@ class Supervisor:
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
-
-
-def _now_ns() -> int:
-    """CLOCK_MONOTONIC in ns (the slots' clock)."""
-    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-
-
-
-
-def _segment_class() -> Any:
-    try:
-        from dplb_shm import Segment
-    except ImportError as e:
-        raise LaunchError(f"cannot import the segment library dplb_shm ({e}); run `make install`") from None
-    return Segment

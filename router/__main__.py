@@ -8,7 +8,7 @@ Built-in defaults < the config file < these flags, field by field (the launch sc
 same port; they share one segment, so in-flight counts and circuit states are one truth.
 On SIGTERM/SIGINT the router stops accepting connections and keeps relaying the requests in
 flight, streams included, until they end, up to ``--drain-timeout`` seconds (the drain limit, the
-agents' default: ``worker_agent.config.DRAIN_TIMEOUT_S``; uvicorn's ``timeout_graceful_shutdown``);
+agents' default: ``dplb_protocol.limits.DRAIN_TIMEOUT_S``; uvicorn's ``timeout_graceful_shutdown``);
 a second signal stops it at once. SIGHUP, SIGUSR1 and SIGUSR2 are logged and ignored (with
 ``--workers`` > 1, SIGHUP to the parent restarts the processes, uvicorn's meaning). Exit status 2
 on an invalid config (the message names the field).
@@ -22,10 +22,10 @@ import sys
 import tempfile
 from typing import Any
 
+from dplb_protocol.limits import DRAIN_TIMEOUT_S
 from router.config import load_config
 from router.errors import ConfigError
 from router.policies import policy_names
-from worker_agent.config import DRAIN_TIMEOUT_S
 
 
 def build_parser() -> argparse.ArgumentParser:

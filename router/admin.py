@@ -62,6 +62,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from dplb_protocol.wire import WORKER_HEADER
 from dplb_shm import StateReason, WorkerSnapshot
 from router.config import BackendServer, Config
 from router.errors import (
@@ -76,7 +77,6 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
-from router.protocol import WORKER_HEADER
 from router.state import RouterState
 from router.transport import Transport
 from router.workers import DEAD, EMPTY, WorkerHandle

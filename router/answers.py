@@ -4,9 +4,9 @@ answer is about, for a 502/504 on one), and a :class:`router.errors.RouterError`
 OpenAI's error shape with its own headers (``Retry-After``) and the request id."""
 from __future__ import annotations
 
+from dplb_protocol.wire import WORKER_HEADER_B as _XWID
 from router.errors import RouterError
 from router.exchange import Send
-from router.protocol import WORKER_HEADER_B as _XWID
 
 _XRID = b"x-request-id"
 _JSON = (b"content-type", b"application/json")

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
+from dplb_protocol.wire import WORKER_HEADER_B
 from router import logtext
 from router.answers import send_error
 from router.asgi import ASGIApp, Message, Receive, Scope, Send
 from router.config import Config, config_from_json
 from router.control import build_fastapi
 from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
-from router.protocol import WORKER_HEADER_B
 from router.proxy import Proxy, ProxySettings
 from router.server import check_headers
 from router.state import RouterState

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dplb_protocol.wire import WORKER_HEADER, parse_request
 from router.admin import admin_router
 from router.config import Config, is_loopback
 from router.errors import (
@@ -30,7 +31,6 @@ from router.errors import (
     error_body,
 )
 from router.metrics_port import start_metrics_port
-from router.protocol import WORKER_HEADER, parse_request
 from router.state import RouterState
 
 if TYPE_CHECKING:

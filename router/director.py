@@ -7,7 +7,7 @@ messages); the :class:`Director` decides and keeps the books:
 ==================  ===========================================================================
 step                what it does (and what the client gets when it fails)
 ==================  ===========================================================================
-parse               the body, once, for what routing reads (:func:`router.protocol.parse_request`)
+parse               the body, once, for what routing reads (:func:`dplb_protocol.wire.parse_request`)
                     and the session id: :meth:`Director.parse` (400)
 model check         :meth:`Director.check_model`: 400 when several models are served and none is
                     named, 404 for a model no slot of this router ever served (a known model whose
@@ -53,6 +53,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
+from dplb_protocol.wire import parse_request
 from router.access_log import AccessLog
 from router.errors import (
     BadRequest,
@@ -63,7 +64,6 @@ from router.errors import (
 )
 from router.metrics import Metrics
 from router.policies.base import Decision, RequestInfo
-from router.protocol import parse_request
 from router.scheduling import Lease, Scheduler
 from router.stream_meter import (
     StreamMeter,
@@ -189,7 +189,7 @@ class Director:
     # -- parse and model check -------------------------------------------------------------------
     def parse(self, path: str, body: bytes, session: bytes | None = None) -> RequestInfo:
         """``body`` (the request's JSON, posted to ``path``) parsed for routing
-        (:func:`router.protocol.parse_request`), with ``session`` (the session header's value, if
+        (:func:`dplb_protocol.wire.parse_request`), with ``session`` (the session header's value, if
         any). Raises BadRequest (400) for a body that is no JSON object or a field of a wrong type."""
         info = parse_request(path, body, self.needs_text)
         if session:

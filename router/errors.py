@@ -1,6 +1,6 @@
 """Errors raised inside the router, and their OpenAI-shaped rendering.
 
-Tree (HTTP status in brackets; rendered only at the edge, by :func:`router.protocol.error_body`)::
+Tree (HTTP status in brackets; rendered only at the edge, by :func:`dplb_protocol.wire.error_body`)::
 
     RouterError                         base; carries status, type, code, param
     ├── BadRequest          [400]       malformed JSON, wrong field types
@@ -22,15 +22,15 @@ Tree (HTTP status in brackets; rendered only at the edge, by :func:`router.proto
     └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
 
 The OpenAI error body, the SSE error event and the base class :class:`RouterError`
-(= :class:`router.protocol.OpenAIError`) live in :mod:`router.protocol`, with ``code`` the HTTP status
+(= :class:`dplb_protocol.wire.OpenAIError`) live in :mod:`dplb_protocol.wire`, with ``code`` the HTTP status
 as an int everywhere; :class:`BadRequest` too (request parsing raises it there).
 """
 from __future__ import annotations
 
 from typing import TypedDict, Unpack
 
-from router.protocol import BadRequest, error_body, sse_error_event
-from router.protocol import OpenAIError as RouterError
+from dplb_protocol.wire import BadRequest, error_body, sse_error_event
+from dplb_protocol.wire import OpenAIError as RouterError
 
 
 class ErrorFields(TypedDict, total=False):

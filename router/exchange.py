@@ -16,11 +16,11 @@ import asyncio
 import urllib.parse
 from dataclasses import dataclass, field
 
+from dplb_protocol.wire import WORKER_HEADER_B as _XWID
 from router.asgi import Message, Receive, Scope, Send
 from router.connection import Connection
 from router.errors import BadRequest, BodyTooLarge, NoEligibleWorker
 from router.policies.base import RequestInfo
-from router.protocol import WORKER_HEADER_B as _XWID
 from router.scheduling import Lease
 from router.upstream import Upstream
 from router.workers import WorkerHandle

@@ -61,10 +61,17 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from dplb_shm import WorkerSnapshot
+from dplb_shm.types import SlotFields
 from router.errors import TransportError
 from router.transport import Transport
 from router.workers import EMPTY
-from worker_agent.metrics import SGLANG, VLLM, EngineMetrics, parse_engine_metrics
+from worker_agent.metrics import (
+    SGLANG,
+    VLLM,
+    EngineMetrics,
+    parse_engine_metrics,
+    slot_fields,
+)
 
 if TYPE_CHECKING:
     from dplb_shm import Segment, SlotWriter
@@ -433,20 +440,10 @@ class MirrorManager:
             return   # released, replaced or taken by another writer while the scrape was out
         m = engine_metrics(body.decode("utf-8", "replace")) if status == 200 else EngineMetrics()
         inflight = max(before, self._router_inflight(w))
-        # Any: SlotWriter.publish's keyword fields (ints, floats, str)
-        fields: dict[str, Any] = {"state": READY, "weight": float(spec.get("weight", 1.0))}  # type: ignore[explicit-any]
-        if spec.get("model"):
-            fields["model"] = spec["model"]
-        if m.num_running is None and m.num_waiting is None:
-            fields.update(num_running=inflight, num_waiting=0, inflight=inflight)
-        else:
-            if m.num_running is not None:
-                fields["num_running"] = m.num_running
-            if m.num_waiting is not None:
-                fields["num_waiting"] = m.num_waiting
-            fields["inflight"] = inflight
-        if m.kv_cache_usage is not None:
-            fields["kv_cache_usage"] = m.kv_cache_usage
+        fields: SlotFields = {"state": READY, "weight": float(spec.get("weight", 1.0))}
+        if model := spec.get("model"):
+            fields["model"] = model
+        fields.update(slot_fields(m, inflight, stand_in=True))
         if self.failures.get(endpoint, 0) >= self.max_failures:
             log.warning("endpoint %s answers again", endpoint)
         self.failures[endpoint] = 0

@@ -3,7 +3,7 @@
 For ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate`` and other ``POST /v1/*``:
 
 1. check the API key (when configured) and the body size (413 above ``max_body_bytes``);
-2. read the body once and parse only what routing needs (:mod:`router.protocol`); 400 if malformed,
+2. read the body once and parse only what routing needs (:mod:`dplb_protocol.wire`); 400 if malformed,
    404 if no slot of this router ever served the named model (a known model whose workers are
    all out is a 503 at step 3); then admission, where a request may wait
    (:meth:`~router.director.Director.admit`);
@@ -60,6 +60,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dplb_protocol.wire import HOP_BY_HOP
 from router.access_log import AccessLog, text
 from router.answers import send_error
 from router.asgi import ASGIApp, Scope
@@ -86,7 +87,6 @@ from router.exchange import (
 )
 from router.metrics import Metrics
 from router.policies.base import RequestInfo
-from router.protocol import HOP_BY_HOP
 from router.relay import relay_stream
 from router.scheduling import Scheduler
 from router.server import ClientGone, watch_disconnect, write_response

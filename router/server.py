@@ -51,11 +51,11 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
+from dplb_protocol.wire import WORKER_HEADER_B, error_body
 from router._relay import ChunkRelay
 from router.asgi import Scope
 from router.errors import HeadersTooLarge
 from router.logtext import text
-from router.protocol import WORKER_HEADER_B, error_body
 
 if TYPE_CHECKING:
     import asyncio

@@ -32,7 +32,7 @@ chunks.
 Connections are pooled per endpoint (a socket path, or ``host:port``), reused last-in first-out,
 and dropped after ``keepalive_s`` idle (4 s: below the 5 s keep-alive of uvicorn-based engines,
 so the engine never closes a connection we are about to reuse). Bodies and headers are forwarded
-byte for byte; hop-by-hop headers (:data:`router.protocol.HOP_BY_HOP`) are dropped both ways and
+byte for byte; hop-by-hop headers (:data:`dplb_protocol.wire.HOP_BY_HOP`) are dropped both ways and
 ``host``/``content-length`` recomputed. Dropping a connection (:meth:`Upstream.release` with
 ``abort``, or the client leaving) is how the engine learns to abort the generation.
 

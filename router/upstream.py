@@ -10,9 +10,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from dplb_protocol.wire import HOP_BY_HOP
 from router.connection import Connection, Pool
 from router.errors import TransportError
-from router.protocol import HOP_BY_HOP
 
 if TYPE_CHECKING:
     from router._relay import ChunkRelay

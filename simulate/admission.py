@@ -152,7 +152,7 @@ def by_group(keys: Sequence[Any], status: Sequence[int], met: Sequence[bool], wa
     """Per group key: ``requests``, ``attainment`` (met / requests), ``goodput_rps`` (met / the
     window's arrival span), ``shed`` (429s), ``shed_wait_max_s`` (the longest a shed request
     waited), ``queued`` (requests that waited in the router) and ``wait_p99_s`` of those served."""
-    from bench.stats import percentile
+    from dplb_trace.stats import percentile
 
     out: dict[str, dict[str, Any]] = {}
     groups: dict[Any, list[int]] = {}
@@ -180,7 +180,7 @@ def admission_figures(res: Any, att: dict[str, Any]) -> dict[str, Any]:
     ``shed`` (answered 429), ``shed_wait_max_s``, ``wait_p99_s`` of the served ones that waited,
     ``goodput_rps`` (SLO-met requests / the window's arrival span) and, when the run has more
     than one class or tenant, ``by_class`` and ``by_tenant`` (:func:`by_group`)."""
-    from bench.stats import percentile
+    from dplb_trace.stats import percentile
 
     n = len(res.status)
     missed = {m["index"] for m in att["misses"]}

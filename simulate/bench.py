@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from bench.trace import DEFAULT_TRACE
+from dplb_trace.mooncake import DEFAULT_TRACE
 from sim_engine.config import EngineConfig
 from simulate.cluster import Simulation
 from simulate.report import table

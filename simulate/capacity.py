@@ -36,14 +36,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
-from bench.trace import TraceRequest
+from dplb_trace.mooncake import TraceRequest
 from sim_engine.config import EngineConfig
-from simulate.settings import SLO, AttainmentSLO, SimSettings
+from simulate.settings import SLO, AttainmentSLO, Figures, SimSettings
 from simulate.stats import attains, meets
 
-RunFn = Callable[[SimSettings], dict[str, Any]]
+RunFn = Callable[[SimSettings], Figures]
 
 
 def trace_rate(reqs: Sequence[TraceRequest]) -> float | None:
@@ -55,13 +54,13 @@ def trace_rate(reqs: Sequence[TraceRequest]) -> float | None:
 Attainment = tuple[AttainmentSLO, float]
 
 
-def _probe_row(x: float, fig: dict[str, Any], ok: bool) -> dict[str, Any]:
+def _probe_row(x: float, fig: Figures, ok: bool) -> Figures:
     att = fig.get("slo_attainment")
     return {"x": round(x, 6), "ok": ok, "ttft_p99_s": fig["ttft_s"]["p99"], "tpot_p99_s": fig["tpot_s"]["p99"],
             "attainment": None if att is None else att["attainment"], "aborted_early": fig["aborted_early"]}
 
 
-def _judge(slo: SLO, attainment: Attainment | None) -> tuple[Callable[[dict[str, Any]], bool], dict[str, Any]]:
+def _judge(slo: SLO, attainment: Attainment | None) -> tuple[Callable[[Figures], bool], Figures]:
     """The pass rule of a probe and the settings that stop a failing probe early."""
     if attainment is None:
         return (lambda fig: meets(fig, slo.ttft_p99_s, slo.tpot_p99_s)), {"abort_on": slo, "abort_below": None}
@@ -71,7 +70,7 @@ def _judge(slo: SLO, attainment: Attainment | None) -> tuple[Callable[[dict[str,
     return (lambda fig: attains(fig, q)), {"abort_on": None, "abort_below": attainment}
 
 
-def _slo_json(slo: SLO, attainment: Attainment | None) -> dict[str, Any]:
+def _slo_json(slo: SLO, attainment: Attainment | None) -> Figures:
     if attainment is None:
         return {"ttft_p99_s": slo.ttft_p99_s, "tpot_p99_s": slo.tpot_p99_s}
     return {"attainment": attainment[1], **attainment[0].as_dict()}
@@ -80,8 +79,8 @@ def _slo_json(slo: SLO, attainment: Attainment | None) -> dict[str, Any]:
 def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, start: float = 1.0,
                   tolerance: float = 0.05, max_scale: float = 1024.0,
                   on_probe: Callable[[float, bool], None] | None = None,
-                  known: dict[float, dict[str, Any]] | None = None,
-                  attainment: Attainment | None = None) -> dict[str, Any]:
+                  known: dict[float, Figures] | None = None,
+                  attainment: Attainment | None = None) -> Figures:
     """Highest rate multiple within ``slo`` (see the module docstring), or, with ``attainment =
     (slo, q)``, the highest at which a share ``q`` of the requests meets that per-request SLO
     (``slo`` is then ignored). ``run(settings)`` returns the figures of one run
@@ -93,8 +92,8 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
     if tolerance <= 0:
         raise ValueError("tolerance must be > 0")
     passes, abort = _judge(slo, attainment)
-    probes: list[dict[str, Any]] = []
-    best: dict[str, Any] | None = None
+    probes: list[Figures] = []
+    best: Figures | None = None
     cache: dict[float, bool] = {}
 
     def ok_at(x: float) -> bool:
@@ -155,7 +154,7 @@ def find_capacity(run: RunFn, base: SimSettings, slo: SLO, rate: float | None, s
 
 
 def rate_sweep(run: RunFn, base: SimSettings, factors: Sequence[float], rate: float | None,
-               targets: Sequence[float], known: dict[float, dict[str, Any]] | None = None) -> dict[str, Any]:
+               targets: Sequence[float], known: dict[float, Figures] | None = None) -> Figures:
     """Complete runs at rate multiples ``base.rate_scale × f`` for each ``f`` of ``factors`` (sorted
     ascending, duplicates dropped; each > 0), judged by each run's ``slo_attainment``.
 
@@ -172,7 +171,7 @@ def rate_sweep(run: RunFn, base: SimSettings, factors: Sequence[float], rate: fl
     for q in targets:
         if not 0 < q <= 1:
             raise ValueError(f"attainment target must be in (0, 1] (got {q})")
-    points: list[dict[str, Any]] = []
+    points: list[Figures] = []
     for f in grid:
         x = base.rate_scale * f
         fig = (known or {}).get(x) or run(replace(base, rate_scale=x, abort_on=None, abort_below=None))
@@ -180,7 +179,7 @@ def rate_sweep(run: RunFn, base: SimSettings, factors: Sequence[float], rate: fl
         points.append({"x": round(x, 6), "requests_per_s": None if rate is None else round(x * rate, 4),
                        "attainment": att["attainment"], "missed": att["requests"] - att["met"],
                        "missed_by": att.get("missed"), "_fig": fig})
-    sustained: dict[str, dict[str, Any]] = {}
+    sustained: dict[str, Figures] = {}
     for q in targets:
         best: float | None = None
         bound = "above"
@@ -205,14 +204,14 @@ def engines_of(base: Sequence[EngineConfig], n: int) -> list[EngineConfig]:
 
 def min_engines(run: RunFn, base: SimSettings, slo: SLO, max_engines: int = 64,
                 on_probe: Callable[[int, bool], None] | None = None,
-                attainment: Attainment | None = None) -> dict[str, Any]:
+                attainment: Attainment | None = None) -> Figures:
     """Fewest engines meeting ``slo`` (or, with ``attainment = (slo, q)``, that SLO-attainment
     target) at ``base.rate_scale`` (see the module docstring). Returns ``min_engines`` (None when
     ``max_engines`` do not suffice), ``slo`` and the probes."""
     passes, abort = _judge(slo, attainment)
     slo_json = _slo_json(slo, attainment)
     pattern = list(base.engines)
-    probes: list[dict[str, Any]] = []
+    probes: list[Figures] = []
     cache: dict[int, bool] = {}
 
     def ok_at(n: int) -> bool:

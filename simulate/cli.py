@@ -1,7 +1,7 @@
 """``dplb-simulate``: replay a trace through N simulated engines and the router's real policies in
 virtual time; compare policies; find capacity.
 
-    dplb-simulate --trace bench/data/mooncake/conversation_trace.jsonl --engines 8 \\
+    dplb-simulate --trace dplb_trace/data/mooncake/conversation_trace.jsonl --engines 8 \\
         --policy round_robin,cache_aware,dplb --rate-scale 2 --json-out sim.json --plot-dir plots/
     dplb-simulate --engines 8 --policy round_robin,cache_aware,dplb --find-capacity --slo-ttft-p99 10
     dplb-simulate --engines 4 --policy round_robin,dplb --find-capacity --slo-attainment 0.99,0.90
@@ -16,10 +16,9 @@ import signal
 import sys
 import time
 from dataclasses import asdict, fields, replace
-from typing import Any
 
-from bench.errors import TraceFormatError
-from bench.trace import DEFAULT_TRACE, TraceRequest
+from dplb_trace.errors import TraceFormatError
+from dplb_trace.mooncake import DEFAULT_TRACE, TraceRequest
 from router.config import Config, load_config
 from router.errors import ConfigError
 from router.policies import policy_names
@@ -53,6 +52,7 @@ from simulate.settings import (
     DEFAULT_TTFT_PER_1K_S,
     SLO,
     AttainmentSLO,
+    Figures,
     SimSettings,
 )
 from simulate.stats import summarize
@@ -246,7 +246,7 @@ def engine_configs(ns: argparse.Namespace) -> list[EngineConfig]:
 
 
 def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list[EngineConfig],
-                 cfg: Config) -> dict[str, Any]:
+                 cfg: Config) -> Figures:
     """The settings of the run, as they appear in the JSON (what to pass to get the same run)."""
     e0 = {f.name: getattr(engines[0], f.name) for f in fields(EngineConfig) if f.name not in _NOT_SETTINGS}
     per_engine = []
@@ -287,7 +287,7 @@ def att_slo_text(slo: AttainmentSLO) -> str:
     return f"per request TTFT <= {slo.ttft_base_s:g} s + {slo.ttft_per_1k_s:g} s/1k prompt tokens{tpot}"
 
 
-def _interrupt(*_: Any) -> None:
+def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
@@ -361,7 +361,7 @@ def _main(ns: argparse.Namespace) -> int:
     show = progress_enabled(ns.progress)
     hashers: dict[tuple[int, str], EngineHasher] = {}
 
-    def run(settings: SimSettings, label: str) -> tuple[dict[str, Any], list[float]]:
+    def run(settings: SimSettings, label: str) -> tuple[Figures, list[float]]:
         bar = Progress(label, show)
         t0 = time.perf_counter()
         try:
@@ -381,7 +381,7 @@ def _main(ns: argparse.Namespace) -> int:
                        priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, None) if prio_mix else None,
                        tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
-    rows: list[dict[str, Any]] = []
+    rows: list[Figures] = []
     ttfts: dict[str, list[float]] = {}
     walls: list[str] = []
     for name in policies:
@@ -389,11 +389,11 @@ def _main(ns: argparse.Namespace) -> int:
         fig, samples = run(settings, f"{name} x{ns.rate_scale:g}")
         walls.append(f"{name} {fig.pop('_wall_s'):.1f} s")
         ttfts[name] = samples
-        row: dict[str, Any] = {"policy": name, "settings": settings_json, **fig}
+        row: Figures = {"policy": name, "settings": settings_json, **fig}
         if ns.find_capacity:
             rate = trace_rate(reqs)
 
-            def cap_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
+            def cap_run(st: SimSettings, _name: str = name) -> Figures:
                 f, _ = run(st, f"{_name} capacity x{st.rate_scale:.3g}")
                 f.pop("_wall_s", None)
                 return f
@@ -403,9 +403,9 @@ def _main(ns: argparse.Namespace) -> int:
                                                 tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
             if search_q:
                 # a run that went to the end decides every Q: the searches share them
-                complete: dict[float, dict[str, Any]] = {ns.rate_scale: fig}
+                complete: dict[float, Figures] = {ns.rate_scale: fig}
 
-                def att_run(st: SimSettings, _done: dict[float, dict[str, Any]] = complete) -> dict[str, Any]:
+                def att_run(st: SimSettings, _done: dict[float, Figures] = complete) -> Figures:
                     f = cap_run(st)
                     if not f["aborted_early"]:
                         _done[st.rate_scale] = f
@@ -417,7 +417,7 @@ def _main(ns: argparse.Namespace) -> int:
                                             attainment=(att_slo, q))
                     for q in search_q}
         if grid is not None:
-            def grid_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
+            def grid_run(st: SimSettings, _name: str = name) -> Figures:
                 f, _ = run(st, f"{_name} grid x{st.rate_scale:.3g}")
                 f.pop("_wall_s", None)
                 return f
@@ -437,7 +437,7 @@ def _main(ns: argparse.Namespace) -> int:
                     "ttft_p50": fx["ttft_s"]["p50"] or 0.0, "ttft_p99": fx["ttft_s"]["p99"] or 0.0,
                     "by_class": a.get("by_class"), "by_tenant": a.get("by_tenant")})
         if ns.min_engines:
-            def eng_run(st: SimSettings, _name: str = name) -> dict[str, Any]:
+            def eng_run(st: SimSettings, _name: str = name) -> Figures:
                 f, _ = run(st, f"{_name} {len(st.engines)} engines")
                 f.pop("_wall_s", None)
                 return f

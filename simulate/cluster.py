@@ -60,15 +60,14 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from bench.trace import TraceRequest
+from dplb_protocol.wire import CHAT, COMPLETIONS
 from dplb_shm import Segment
+from dplb_trace.mooncake import TraceRequest
 from router.config import Config
 from router.errors import NoEligibleWorker
 from router.kv_events import BlockSet
 from router.policies import Decision, RequestInfo, build_policy
-from router.protocol import CHAT, COMPLETIONS
 from router.scheduling import Lease, Scheduler
 from router.state import learn_settings, scoring_params, ttft_params
 from router.workers import Registry
@@ -82,7 +81,7 @@ from simulate.replicas import (
     add_scrapers,
     apply_kv_events,
 )
-from simulate.settings import CLIENT_BOUNDS, OK, RunResult, SimSettings
+from simulate.settings import CLIENT_BOUNDS, OK, LoadSeries, RunResult, SimSettings
 from simulate.virtual import (
     OracleIndex,
     SimWorker,
@@ -189,7 +188,7 @@ class _Load:
             self.running[e.k].append(nr)
             self.kv[e.k].append(round(core.kv.usage, 4))
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> LoadSeries:
         return {"t": self.t, "queue": self.queue, "running": self.running, "kv": self.kv}
 
 
@@ -349,6 +348,7 @@ class _Run:
         if plan is False:
             self.start_step(e, t)
             return
+        assert plan is not None   # a STEP_END is pushed with its plan (start_step)
         produced = e.core.complete(plan, t)
         if self.block_sets:
             apply_kv_events(e.core.kv, self.block_sets[k])

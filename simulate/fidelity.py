@@ -28,18 +28,17 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from bench.engines import EngineFlags, counter_delta, scrape, start_engines, wait_idle
 from bench.procs import ProcessSet
 from bench.replay import ReplayOptions, replay
 from bench.replay import summarize as replay_summary
 from bench.systems import SystemSpec, start_system, stop_system
-from bench.trace import DEFAULT_TRACE, TraceRequest
+from dplb_trace.mooncake import DEFAULT_TRACE, TraceRequest
 from router.config import Config
 from sim_engine.config import EngineConfig
 from simulate.cluster import Simulation
-from simulate.settings import SimSettings
+from simulate.settings import Figures, SimSettings
 from simulate.stats import summarize
 from simulate.workload import load_workload
 
@@ -60,7 +59,7 @@ def spread_bursts(reqs: list[TraceRequest], gap_ms: float) -> list[TraceRequest]
 
 
 def run_live(reqs: list, engines: int, policy: str, time_scale: float, log_dir: Path,
-             rate_scale: float = 1.0) -> dict[str, Any]:
+             rate_scale: float = 1.0) -> Figures:
     """The window through the launched system; figures in simulated seconds (see module docstring)."""
     with ProcessSet(log_dir) as procs:
         es = start_engines(procs, engines, EngineFlags(time_scale=time_scale, seed=0))
@@ -103,7 +102,7 @@ def live_like(engines: int, policy: str, time_scale: float, seed: int = 0, rate_
 
 
 def run_sim(reqs: list, engines: int, policy: str, seed: int = 0, time_scale: float = 1.0,
-            rate_scale: float = 1.0) -> dict[str, Any]:
+            rate_scale: float = 1.0) -> Figures:
     res = Simulation(reqs, live_like(engines, policy, time_scale, seed, rate_scale)).run()
     fig = summarize(res, engines)
     return {"counts": fig["per_engine"]["requests"], "ttft_s": [x for x in res.ttft if x is not None],
@@ -111,15 +110,15 @@ def run_sim(reqs: list, engines: int, policy: str, seed: int = 0, time_scale: fl
             "prefix_hit_rate": fig["prefix_hit_rate"], "figures": fig}
 
 
-def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+def compare(live: Figures, sim: Figures) -> Figures:
     """Side by side: shares, prefix hit rate and TTFT p50/p90 with their relative differences."""
-    from bench.stats import percentile
+    from dplb_trace.stats import percentile
 
     def shares(c: list[int]) -> list[float]:
         t = sum(c)
         return [x / t for x in c] if t else []
 
-    out: dict[str, Any] = {}
+    out: Figures = {}
     ls, ss = shares(live["counts"]), shares(sim["counts"])
     out["share_live"], out["share_sim"] = [round(x, 3) for x in ls], [round(x, 3) for x in ss]
     out["max_share_live"], out["max_share_sim"] = max(ls), max(ss)
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     live = run_live(reqs, ns.engines, ns.policy, ns.time_scale, log_dir, rate_scale=ns.rate_scale)
     rows = [compare(live, run_sim(reqs, ns.engines, ns.policy, seed=s, time_scale=ns.time_scale,
                                   rate_scale=ns.rate_scale)) for s in range(ns.seeds)]
-    out: dict[str, Any] = {"live_errors": live["errors"]}
+    out: Figures = {"live_errors": live["errors"]}
     for k in rows[0]:
         vals = [r[k] for r in rows]
         if k.endswith(("_live", "_live_s")):

@@ -1,15 +1,15 @@
 """Seeded synthetic workloads in the Mooncake trace format (issue 29 item 3).
 
-Each generator returns :class:`bench.trace.TraceRequest` lines in arrival order, the same schema
+Each generator returns :class:`dplb_trace.mooncake.TraceRequest` lines in arrival order, the same schema
 as the bundled conversation trace (``timestamp`` ms as an integer, ``input_length``,
 ``output_length``, ``hash_ids`` of 512-token blocks; equal leading ids are equal leading tokens):
-:func:`write_jsonl` writes them as JSONL that :func:`bench.trace.load_trace`, ``dplb-replay`` and
+:func:`write_jsonl` writes them as JSONL that :func:`dplb_trace.mooncake.load_trace`, ``dplb-replay`` and
 ``dplb-simulate --trace`` read. The same name, seed and size give the same lines, byte for byte.
 
 Prefix sharing is expressed only through ``hash_ids``, so shared text comes in whole 512-token
 blocks (a shared system prompt of 16 blocks is 8,192 tokens). When a prompt grows (a session's next
 turn), the new prompt repeats *all* of the previous prompt's ids, the partial last block included,
-and appends new ids: :func:`bench.trace.prompt_for` turns an id into a fixed run of 512 words and
+and appends new ids: :func:`dplb_trace.mooncake.prompt_for` turns an id into a fixed run of 512 words and
 cuts the last block to ``input_length``, so the previous prompt is then exactly a prefix of the new
 one (what a real conversation resend is).
 
@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 
-from bench.trace import BLOCK_TOKENS, TraceRequest
+from dplb_trace.mooncake import BLOCK_TOKENS, TraceRequest
 
 #: requests generated when no size is given
 DEFAULT_REQUESTS = 2000
@@ -186,7 +186,13 @@ def mixed(seed: int = 0, requests: int = DEFAULT_REQUESTS, chat_rate: tuple[floa
     return _finish(out, requests)
 
 
-WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agentic": agentic, "docqa": docqa, "mixed": mixed}
+class Workload(Protocol):
+    """A generator of :data:`WORKLOADS`: its first ``requests`` requests with ``seed``."""
+
+    def __call__(self, seed: int = ..., requests: int = ...) -> list[TraceRequest]: ...
+
+
+WORKLOADS: dict[str, Workload] = {"agentic": agentic, "docqa": docqa, "mixed": mixed}
 
 
 def generate(name: str, seed: int = 0, requests: int = DEFAULT_REQUESTS) -> list[TraceRequest]:
@@ -214,7 +220,7 @@ def describe(reqs: list[TraceRequest]) -> dict[str, float | int]:
     """Sizes and rate of a workload: requests, span (s), requests/s, prompt p50/p99/max and mean
     output (tokens), and the share of prompt tokens an infinite prefix cache would hit (each
     distinct block id computed once; every later occurrence a hit)."""
-    from bench.stats import percentile
+    from dplb_trace.stats import percentile
 
     ins = [float(r.input_length) for r in reqs]
     span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000.0 if reqs else 0.0

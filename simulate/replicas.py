@@ -24,7 +24,6 @@ truth (the sum over all replicas, which is what every replica would see if they 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from dplb_shm import Segment
 from router.kv_events import BlockSet
@@ -32,7 +31,7 @@ from router.policies.base import Policy
 from router.scheduling import Scheduler
 from router.workers import Registry
 from sim_engine.kv_cache import KVCacheManager
-from simulate.settings import SimSettings
+from simulate.settings import Figures, SimSettings
 from simulate.virtual import OracleIndex, SimWorker, start_agent
 
 
@@ -129,6 +128,6 @@ class AccountingError:
                 self.err += abs(view - truth[k])
                 self.total += truth[k]
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> Figures:
         """``{"inflight": e, "samples": n}`` (see the class docstring)."""
         return {"inflight": round(self.err / self.total, 4) if self.total > 0 else None, "samples": self.samples}

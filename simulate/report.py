@@ -6,9 +6,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import orjson
+
+from simulate.settings import AttainmentSLO, Figures
 
 COLUMNS = (
     ("policy", 14), ("served", 7), ("rej", 5), ("ttft50", 8), ("ttft90", 8), ("ttft99", 8), ("tpot50", 7),
@@ -20,7 +22,7 @@ LEGEND = ("times in s, TPOT in ms; share max/min: the largest and smallest engin
           "ratio: their quotient")
 
 
-def _f(x: Any, nd: int = 2) -> str:
+def _f(x: object, nd: int = 2) -> str:
     if x is None:
         return "-"
     if isinstance(x, float):
@@ -28,7 +30,7 @@ def _f(x: Any, nd: int = 2) -> str:
     return str(x)
 
 
-def row_cells(r: dict[str, Any]) -> list[str]:
+def row_cells(r: Figures) -> list[str]:
     """One table row (times in seconds, TPOT in ms)."""
     pe = r["per_engine"]
     tp = r["tpot_s"]
@@ -43,7 +45,7 @@ def row_cells(r: dict[str, Any]) -> list[str]:
     ]
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
+def table(rows: Sequence[Figures]) -> str:
     """The comparison table: one line per policy (times in s, TPOT in ms, share = max/min fraction)."""
     head = " ".join(name.rjust(w) if i else name.ljust(w) for i, (name, w) in enumerate(COLUMNS))
     lines = [head]
@@ -53,7 +55,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def capacity_table(rows: Sequence[dict[str, Any]], qs: Sequence[str] | None = None) -> str:
+def capacity_table(rows: Sequence[Figures], qs: Sequence[str] | None = None) -> str:
     """Goodput per policy: the highest rate multiple within the SLO and the fewest engines; with
     ``qs`` (keys of ``capacity_attainment``, e.g. ``"0.99"``), one such triple per attainment Q."""
     if not qs:
@@ -80,7 +82,7 @@ def capacity_table(rows: Sequence[dict[str, Any]], qs: Sequence[str] | None = No
     return "\n".join(lines)
 
 
-def grid_table(rows: Sequence[dict[str, Any]], qs: Sequence[str]) -> str:
+def grid_table(rows: Sequence[Figures], qs: Sequence[str]) -> str:
     """Misses per policy at each rate of the ``rate_grid`` (:func:`simulate.capacity.rate_sweep`),
     their sum, and the sustained capacity at each Q of ``qs``."""
     have = [r for r in rows if r.get("rate_grid")]
@@ -98,7 +100,7 @@ def grid_table(rows: Sequence[dict[str, Any]], qs: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def attainment_line(rows: Sequence[dict[str, Any]], slo: Any) -> str:
+def attainment_line(rows: Sequence[Figures], slo: AttainmentSLO) -> str:
     """One line: each policy's SLO attainment in the table's runs (share of requests meeting ``slo``,
     an :class:`simulate.settings.AttainmentSLO`)."""
     tpot = f", TPOT <= {slo.tpot_s:g} s" if slo.tpot_s is not None else ""
@@ -107,13 +109,13 @@ def attainment_line(rows: Sequence[dict[str, Any]], slo: Any) -> str:
             f"tokens{tpot}): {parts}")
 
 
-def write_json(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+def write_json(path: str | Path, rows: Sequence[Figures]) -> None:
     """``rows`` as a JSON array, keys sorted (the same inputs give the same bytes)."""
     data = orjson.dumps(list(rows), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
     Path(path).write_bytes(data + b"\n")
 
 
-def queue_scale(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
+def queue_scale(rows: Sequence[Figures]) -> tuple[float, float]:
     """``(last time s, largest queue)`` over every policy's ``load_over_time``: the one x and y
     range of the per-policy queue plots, so the figures compare at a glance (each plot scaled to
     its own maximum hid the difference they exist to show, issue 32). At least ``(1, 1)``."""
@@ -127,7 +129,7 @@ def queue_scale(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
     return max(t_max, 1.0), max(q_max, 1.0)
 
 
-def plot(rows: Sequence[dict[str, Any]], ttft_samples: dict[str, list[float]], out_dir: str | Path) -> list[str]:
+def plot(rows: Sequence[Figures], ttft_samples: dict[str, list[float]], out_dir: str | Path) -> list[str]:
     """Write ``ttft_cdf.png`` (TTFT CDF per policy) and ``queue_<policy>.png`` (each engine's
     queue, running + waiting, over time; one x and y range for every policy, :func:`queue_scale`).
     Returns the paths written."""

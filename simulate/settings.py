@@ -8,13 +8,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from router.config import Config
 from sim_engine.config import EngineConfig
 
 #: the status of a served request (``RunResult.status``)
 OK = 200
+
+#: a row of figures as :func:`simulate.stats.summarize` and the searches of :mod:`simulate.capacity`
+#: build it and :mod:`simulate.report` prints and writes it (JSON-ready: numbers, strings, None,
+#: nested rows and lists, keyed by the figure's name)
+# Any: each value's type is fixed by its key (``ttft_p99`` a float or None, ``policy`` a str,
+# ``probes`` a list of rows), which the readers know; one alias instead of a TypedDict per search
+Figures = dict[str, Any]  # type: ignore[explicit-any]
+
+
+class LoadSeries(TypedDict):
+    """Load over time (``RunResult.load``): sample times (s) and, per engine, its queue (running
+    + waiting), running requests and KV-cache usage (0..1) at each."""
+
+    t: list[float]
+    queue: list[list[int]]
+    running: list[list[int]]
+    kv: list[list[float]]
 
 #: what a client tells the router as ``max_tokens`` for a request that will generate ``o`` tokens
 #: (``SimSettings.client_max_tokens``): the exact length (an oracle), rounded up to a power of two,
@@ -29,7 +46,7 @@ CLIENT_BOUNDS: dict[str, Callable[[int], int | None]] = {
 
 @dataclass
 class SLO:
-    """Service-level objective; ``None`` = no bound. Percentiles as :func:`bench.stats.percentile`."""
+    """Service-level objective; ``None`` = no bound. Percentiles as :func:`dplb_trace.stats.percentile`."""
 
     ttft_p99_s: float | None = None
     tpot_p99_s: float | None = None
@@ -142,13 +159,13 @@ class RunResult:
     output_tokens: list[int]
     cached_tokens: list[int]
     prompt_tokens: list[int]
-    engine_stats: list[dict[str, Any]]
-    load: dict[str, Any]
+    engine_stats: list[dict[str, float]]
+    load: LoadSeries
     end_time: float
     aborted: bool = False
     events: int = 0
     #: ``{"replicas": R, "accounting_error": ...}`` (:class:`simulate.replicas.AccountingError`)
-    replicas: dict[str, Any] | None = None
+    replicas: Figures | None = None
     #: seconds each request waited in the router's admission queue (None: never queued there,
     #: or admission off); its class and tenant (as :class:`SimSettings`)
     waited: list[float | None] = field(default_factory=list)

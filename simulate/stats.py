@@ -25,10 +25,10 @@ Definitions (the same as ``dplb-replay`` and ``bench/``, see :mod:`bench.stats`)
 """
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
-from bench.stats import percentile
-from simulate.settings import OK, AttainmentSLO, RunResult
+from dplb_trace.stats import percentile
+from simulate.settings import OK, AttainmentSLO, Figures, RunResult
 
 
 def _r(x: float | None, nd: int = 6) -> float | None:
@@ -39,7 +39,7 @@ def _pcts(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:
     return {f"p{q}": _r(percentile(values, q)) for q in qs}
 
 
-def slo_attainment(res: RunResult, slo: AttainmentSLO) -> dict[str, Any]:
+def slo_attainment(res: RunResult, slo: AttainmentSLO) -> Figures:
     """The share of ``res``'s requests meeting ``slo`` (see :class:`~simulate.settings.AttainmentSLO`).
 
     Returns ``attainment`` (met / requests, rounded to 6 decimals), ``met``, ``requests`` and the
@@ -53,7 +53,7 @@ def slo_attainment(res: RunResult, slo: AttainmentSLO) -> dict[str, Any]:
     n = len(res.status)
     met = 0
     causes = {"not_served": 0, "ttft": 0, "tpot": 0}
-    misses: list[dict[str, Any]] = []
+    misses: list[Figures] = []
     for i, st in enumerate(res.status):
         ft, total, n_out = res.ttft[i], res.e2e[i], res.output_tokens[i]
         limit = slo.ttft_limit_s(res.prompt_tokens[i])
@@ -76,7 +76,7 @@ def slo_attainment(res: RunResult, slo: AttainmentSLO) -> dict[str, Any]:
             "misses": misses, "slo": slo.as_dict(), "aborted_early": res.aborted}
 
 
-def attains(fig: dict[str, Any], q: float) -> bool:
+def attains(fig: Figures, q: float) -> bool:
     """True when a run's ``slo_attainment`` share is at least ``q`` (an early-stopped run fails)."""
     att = fig.get("slo_attainment")
     if att is None or fig.get("aborted_early"):
@@ -84,7 +84,7 @@ def attains(fig: dict[str, Any], q: float) -> bool:
     return bool(att["met"] / att["requests"] >= q)
 
 
-def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) -> dict[str, Any]:
+def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) -> Figures:
     """The figures of ``res`` as a JSON-ready dict (see the module docstring for each one);
     ``slo``: the per-request SLO of the ``slo_attainment`` figure (default: the judging SLO's
     defaults, :class:`~simulate.settings.AttainmentSLO`)."""
@@ -146,7 +146,7 @@ def summarize(res: RunResult, n_engines: int, slo: AttainmentSLO | None = None) 
     }
 
 
-def meets(fig: dict[str, Any], ttft_p99_s: float | None, tpot_p99_s: float | None) -> bool:
+def meets(fig: Figures, ttft_p99_s: float | None, tpot_p99_s: float | None) -> bool:
     """True when the run served something and its TTFT/TPOT p99 are within the given bounds.
 
     Requests the admission queue shed (HTTP 429) count as an infinite TTFT: the run fails the

@@ -9,11 +9,12 @@ import atexit
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Literal
 
 from dplb_shm import Segment, WorkerState
+from router.policies.prefix_index import PrefixIndex
 from sim_engine.config import EngineConfig
-from sim_engine.engine import EngineCore
+from sim_engine.engine import EngineCore, StepPlan
 from simulate.settings import SimSettings
 from simulate.workload import EngineHasher
 from worker_agent.agent import Agent
@@ -107,7 +108,7 @@ class OracleIndex:
 
     chunk_chars = 1
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: PrefixIndex) -> None:
         self.inner = inner
         self.current: dict[int, int] = {}
 
@@ -146,7 +147,7 @@ class SimWorker:
         self.agents = [agent]
         self.writers = [agent.writer]
         self.hasher = hasher
-        self.plan: Any = None
+        self.plan: StepPlan | Literal[False] | None = None
 
     def stamp(self, now_ns: int) -> None:
         """Every slot writer of this engine writes at ``now_ns`` from now on."""

@@ -29,13 +29,13 @@ import json
 import random
 import sys
 import time
-from typing import Any
 
-from bench.trace import load_trace
+from dplb_trace.mooncake import load_trace
 from sim_engine.config import EngineConfig
 from sim_engine.engine import EngineCore
 from sim_engine.request import SimRequest
 from sim_engine.tokenizer import ids_to_words
+from simulate.settings import Figures
 
 
 def workload(n: int, tokens_per_block: int, max_prompt: int, max_out: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -67,7 +67,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return vals
 
 
-async def run_vllm(base: str, model: str, waves: list[list[tuple[list[int], int]]]) -> dict[str, Any]:
+async def run_vllm(base: str, model: str, waves: list[list[tuple[list[int], int]]]) -> Figures:
     import httpx
 
     async with httpx.AsyncClient(base_url=base, timeout=600) as c:
@@ -107,7 +107,7 @@ async def run_vllm(base: str, model: str, waves: list[list[tuple[list[int], int]
             "generated": d.get("vllm:generation_tokens_total", 0.0), "samples": samples, "wall_s": wall}
 
 
-def run_model(cfg: EngineConfig, waves: list[list[tuple[list[int], int]]], usage_blocks: int) -> dict[str, Any]:
+def run_model(cfg: EngineConfig, waves: list[list[tuple[list[int], int]]], usage_blocks: int) -> Figures:
     core = EngineCore(cfg)
     samples: list[tuple[float, float]] = []
     gen = 0

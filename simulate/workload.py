@@ -4,22 +4,22 @@ component of the live system would see for a trace line.
 Inputs
 ------
 * **Mooncake** JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
-  512-token blocks; equal leading ids share those tokens): read by :func:`bench.trace.load_trace`,
+  512-token blocks; equal leading ids share those tokens): read by :func:`dplb_trace.mooncake.load_trace`,
   the loader ``dplb-replay`` uses.
 * **Azure LLM inference trace** CSV (Azure/AzurePublicDataset, ``AzureLLMInferenceTrace_*.csv``):
   header ``TIMESTAMP,ContextTokens,GeneratedTokens``, TIMESTAMP a date-time such as
   ``2023-11-16 18:15:46.6805900`` (read as UTC, 100 ns resolution kept). No prefix information:
   every request gets block ids of its own, so nothing is shared.
 
-A malformed line raises :class:`bench.errors.TraceFormatError` naming the file and the line.
+A malformed line raises :class:`dplb_trace.errors.TraceFormatError` naming the file and the line.
 
 What each component sees (the live path: ``dplb-replay`` → router → agent → ``dplb-sim-engine``)
 ---------------------------------------------------------------------------------------------
-``dplb-replay`` sends ``prompt = bench.trace.prompt_for(req)`` (``input_length`` words; each block
+``dplb-replay`` sends ``prompt = dplb_trace.mooncake.prompt_for(req)`` (``input_length`` words; each block
 id a fixed run of 512 words) as one user message of a streamed chat completion with
 ``max_tokens = output_length`` (``--api completions``: as ``prompt``). Then:
 
-* the router (:func:`router.protocol.parse_request`) reads text ``"user:" + prompt`` (chat; the
+* the router (:func:`dplb_protocol.wire.parse_request`) reads text ``"user:" + prompt`` (chat; the
   prompt itself for completions) and ``prompt_len`` = its whitespace words = ``input_length``;
 * the engine renders ``<|user|> w1 … wL <|eot|> <|assistant|>`` (chat: ``L + 3`` tokens; for
   completions the ``L`` words) and hashes its full 16-token blocks, chained.
@@ -41,8 +41,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.errors import TraceFormatError
-from bench.trace import (
+from dplb_trace.errors import TraceFormatError
+from dplb_trace.mooncake import (
     BLOCK_TOKENS,
     VOCAB,
     TraceRequest,
@@ -53,7 +53,7 @@ from bench.trace import (
 from sim_engine.kv_cache import ROOT_HASH
 
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-#: characters per word of bench.trace's vocabulary (every word has 4), or -1
+#: characters per word of dplb_trace.mooncake's vocabulary (every word has 4), or -1
 WORD_CHARS = len(VOCAB[0]) if all(len(w) == len(VOCAB[0]) for w in VOCAB) else -1
 #: block ids given to Azure requests (no prefix information): unique per request and position,
 #: far above any Mooncake id
@@ -221,7 +221,7 @@ def spread_arrivals(reqs: Sequence[TraceRequest], width_ms: float, seed: int = 0
 # ---- what each component sees ----------------------------------------------------------------------
 
 def _fast_block_text():
-    """A 2-3× faster :func:`bench.trace.block_text`, or None when it cannot be used here.
+    """A 2-3× faster :func:`dplb_trace.mooncake.block_text`, or None when it cannot be used here.
 
     ``random.Random(b).choices(VOCAB, k=512)`` draws ``floor(random() · 4096)`` per word, and
     ``random()`` is ``((w1 >> 5) · 2^26 + (w2 >> 6)) / 2^53`` from two successive 32-bit Mersenne
@@ -254,8 +254,8 @@ def _fast_block_text():
 
 
 class BlockTexts:
-    """Process-wide cache of :func:`bench.trace.block_text` (one 512-word text per block id), larger
-    than bench.trace's own LRU so that several runs in one process (policies, capacity search)
+    """Process-wide cache of :func:`dplb_trace.mooncake.block_text` (one 512-word text per block id), larger
+    than dplb_trace.mooncake's own LRU so that several runs in one process (policies, capacity search)
     generate each block once. At most ``max_blocks`` texts (about 2.6 kB each), oldest out."""
 
     def __init__(self, max_blocks: int = 131072) -> None:
@@ -272,12 +272,12 @@ class BlockTexts:
         return t
 
     def prompt(self, req: TraceRequest) -> str:
-        """Exactly :func:`bench.trace.prompt_for` (the blocks' texts joined, cut to input_length words)."""
+        """Exactly :func:`dplb_trace.mooncake.prompt_for` (the blocks' texts joined, cut to input_length words)."""
         full, rest = divmod(req.input_length, BLOCK_TOKENS)
         get = self.get
         parts = [get(b) for b in req.hash_ids[:full]]
         if rest:
-            # every word is 4 characters (bench.trace.VOCAB): the first `rest` words are 5·rest − 1 chars
+            # every word is 4 characters (dplb_trace.mooncake.VOCAB): the first `rest` words are 5·rest − 1 chars
             t = get(req.hash_ids[full])
             parts.append(t[:5 * rest - 1] if WORD_CHARS == 4 else " ".join(t.split(" ", rest)[:rest]))
         return " ".join(parts)
@@ -293,10 +293,13 @@ def router_text(req: TraceRequest, api: str = "chat") -> str:
 
 
 def router_prompt_len(req: TraceRequest, api: str = "chat") -> int:
-    """The prompt length the router's one definition (:func:`router.protocol.prompt_tokens`) gives
+    """The prompt length the router's one definition (:func:`dplb_protocol.wire.prompt_tokens`) gives
     ``dplb-replay``'s body: the words, plus for chat one message's framing and the generation
     prompt (``CHAT_TOKENS_PER_MESSAGE + CHAT_GENERATION_PROMPT_TOKENS``)."""
-    from router.protocol import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE
+    from dplb_protocol.wire import (
+        CHAT_GENERATION_PROMPT_TOKENS,
+        CHAT_TOKENS_PER_MESSAGE,
+    )
 
     extra = CHAT_TOKENS_PER_MESSAGE + CHAT_GENERATION_PROMPT_TOKENS if api == "chat" else 0
     return req.input_length + extra
@@ -321,7 +324,7 @@ def engine_tokens(req: TraceRequest, api: str = "chat") -> list[str]:
 
 class RenderedPrompt(Sequence):
     """The engine's prompt tokens of ``req`` as a lazy sequence (``len`` and indexing/slicing),
-    so a long prompt is never held as a word list. Words come from :func:`bench.trace.block_text`."""
+    so a long prompt is never held as a word list. Words come from :func:`dplb_trace.mooncake.block_text`."""
 
     __slots__ = ("hash_ids", "head", "n", "tail", "words")
 

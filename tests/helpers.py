@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.trace import DEFAULT_TRACE as TRACE  # noqa: F401  (the in-repository Mooncake trace)
+from dplb_trace.mooncake import DEFAULT_TRACE as TRACE  # noqa: F401  (the in-repository Mooncake trace)
 from launcher.stack import (  # noqa: F401  (one of each for the launcher, the harness and the tests)
     ProcessGroup,
     free_port,

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from bench.trace import DEFAULT_TRACE, load_trace
+from dplb_trace.mooncake import DEFAULT_TRACE, load_trace
 from tests.helpers import ROOT
 
 # built from parts so that this file does not match itself
@@ -45,7 +45,7 @@ def test_default_trace_lives_in_the_repository_and_is_whole():
 
 
 def test_trace_is_tracked_by_git():
-    assert "bench/data/mooncake/conversation_trace.jsonl" in _tracked_files()
+    assert "dplb_trace/data/mooncake/conversation_trace.jsonl" in _tracked_files()
 
 
 def _imports(path) -> set[str]:

@@ -61,22 +61,23 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Unpack
 
 import orjson
 import uvicorn
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from dplb_shm import Segment, StateReason, WorkerState, now_ns
+from dplb_protocol.wire import error_body
+from dplb_shm import Segment, StateReason, WorkerSnapshot, WorkerState, now_ns
 from dplb_shm.exits import exit_words
-from router.protocol import error_body
+from dplb_shm.types import SlotFields
 
 from .adapters import EngineAdapter, build_adapter
 from .config import AgentConfig
 from .errors import AgentError, EngineExitedError, UpstreamError
 from .logtail import log_tail
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, slot_fields
 from .nvml import GpuMemoryProbe
 from .restart import RestartPolicy
 
@@ -235,7 +236,7 @@ class Agent:
         self.state = state
         self.writer.set_state(state)
 
-    def slot_dict(self) -> dict[str, Any]:
+    def slot_dict(self) -> dict[str, object]:
         """The slot as ``/dplb/state`` serves it (``WorkerSnapshot.to_dict()``)."""
         return self.segment.read_slot(self.worker_id).to_dict()
 
@@ -268,15 +269,7 @@ class Agent:
         (csrc/dplb_kernel.h, ``X_i``)."""
         if m.totals:
             self._publish_latency(m)
-        fields: dict[str, Any] = {}
-        if m.num_running is not None:
-            fields["num_running"] = m.num_running
-        if m.num_waiting is not None:
-            fields["num_waiting"] = m.num_waiting
-        if fields:
-            fields["inflight"] = max(self.inflight, inflight or 0)
-        if m.kv_cache_usage is not None:
-            fields["kv_cache_usage"] = m.kv_cache_usage
+        fields = slot_fields(m, max(self.inflight, inflight or 0))
         if fields:
             self._engine_metrics_seen = True
             self.writer.publish(**fields)
@@ -298,18 +291,17 @@ class Agent:
         in-flight count as its running requests."""
         interval = self.cfg.state_interval_s
         while True:
-            fields: dict[str, Any] = {}
+            fields: SlotFields = {}
             if self.nvml.available:
                 used, total = await asyncio.to_thread(self.nvml.read)
-                fields.update(gpu_mem_used_bytes=used, gpu_mem_total_bytes=total)
+                fields.update({"gpu_mem_used_bytes": used, "gpu_mem_total_bytes": total})
             elif (sim := self.adapter.simulated_gpu_memory()) is not None:
-                fields.update(gpu_mem_used_bytes=sim[0], gpu_mem_total_bytes=sim[1])
+                fields.update({"gpu_mem_used_bytes": sim[0], "gpu_mem_total_bytes": sim[1]})
             if not self._engine_metrics_seen:
                 # no engine counts: the routers' count stands for them (published with it, so
                 # nothing looks dispatched from outside); otherwise the probe loop publishes the
                 # engine's counts together with the routers' count of the same moment
-                n = self.inflight
-                fields.update(num_running=n, num_waiting=0, inflight=n)
+                fields.update(slot_fields(EngineMetrics(), self.inflight, stand_in=True))
             fields["engine_pid"] = self.adapter.engine_pid   # 0 once the engine has exited
             self.writer.publish(**fields)  # always: refreshes the heartbeat
             await asyncio.sleep(interval)
@@ -325,12 +317,13 @@ class Agent:
                 log.exception("worker %d: %s failed; restarting it", self.worker_id, loop_fn.__name__)
                 await asyncio.sleep(self.cfg.state_interval_s)
 
-    def _set(self, state: WorkerState, **fields: Any) -> None:
-        """Change the lifecycle state and the given slot fields in one slot write."""
-        if state != self.state:
-            log.info("worker %d: %s -> %s", self.worker_id, self.state.name, state.name)
-        self.state = state
-        self.writer.publish(state=state, **fields)
+    def _set(self, to: WorkerState, **fields: Unpack[SlotFields]) -> None:
+        """Change the lifecycle state to ``to`` and the given slot fields in one slot write."""
+        if to != self.state:
+            log.info("worker %d: %s -> %s", self.worker_id, self.state.name, to.name)
+        self.state = to
+        fields["state"] = to
+        self.writer.publish(**fields)
 
     async def _start_engine(self) -> StateReason:
         """Start the engine once and wait until it is ready (READY in the slot).
@@ -478,7 +471,7 @@ class Agent:
     def _control_app(self) -> FastAPI:
         app = FastAPI(title="dplb-worker-agent", openapi_url=None, docs_url=None, redoc_url=None)
 
-        def json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+        def json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
             return Response(orjson.dumps(obj), status_code=status, headers=headers, media_type="application/json")
 
         def error(message: str, type_: str, status: int) -> Response:
@@ -515,7 +508,7 @@ class Agent:
 
         return app
 
-    def _previous_agent(self) -> Any | None:
+    def _previous_agent(self) -> WorkerSnapshot | None:
         """The slot as a previous agent of this worker left it when that agent died (its pid no
         longer runs; the launcher may have marked the slot DEAD ``agent_exited``), else None (a
         fresh slot, or one released by a clean stop)."""

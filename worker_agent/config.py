@@ -14,6 +14,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from dplb_protocol.limits import DRAIN_TIMEOUT_S
+
 from .engines import ENGINE_NAMES
 from .errors import ConfigError
 from .restart import DEFAULTS as RESTART
@@ -24,12 +26,6 @@ ENGINES = ENGINE_NAMES  # the table's (worker_agent/engines.py)
 #: vLLM's and SGLang's default cap on concurrently running sequences (vLLM ``--max-num-seqs``
 #: default 256 for the OpenAI server on GPUs; SGLang derives ``max_running_requests`` from memory)
 DEFAULT_MAX_NUM_SEQS = 256
-
-#: The drain limit, seconds: how long a stopping worker (DRAINING, or an admin restart) waits for the
-#: requests in flight on its engine to end before it stops the engine anyway. The one default of
-#: ``--drain-timeout`` for the agent, the router (how long it keeps relaying after SIGTERM) and the
-#: launcher (which passes it to both and waits it plus ``launcher.supervisor.STOP_MARGIN_S``).
-DRAIN_TIMEOUT_S = 30.0
 
 #: How long the agent gives its stopped engine after SIGTERM before SIGKILL (the adapters' ``stop``).
 ENGINE_STOP_GRACE_S = 15.0

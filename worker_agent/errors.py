@@ -2,7 +2,7 @@
 
 Every error carries fields (worker id, engine, reason, exit code). Requests never reach the agent
 (one hop: routers forward to the engine), so these are about the engine's lifecycle and the
-command line; the control API renders the few it answers with :func:`router.protocol.error_body`::
+command line; the control API renders the few it answers with :func:`dplb_protocol.wire.error_body`::
 
     AgentError                      base class; .worker_id, .reason
     ├── ConfigError                 a command-line flag or combination is invalid (.field, .value)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dplb_shm.types import SlotFields
+
 
 @dataclass(frozen=True)
 class MetricNames:
@@ -218,3 +220,26 @@ def parse_engine_metrics(text: str, names: MetricNames) -> EngineMetrics:
     return EngineMetrics(num_running=count(names.running), num_waiting=count(names.waiting), kv_cache_usage=kv,
                          totals=tuple(totals))
 
+
+def slot_fields(m: EngineMetrics, inflight: int, stand_in: bool = False) -> SlotFields:
+    """The slot fields one scrape ``m`` of an engine sets, the one builder every scraper uses (the
+    agent's probe loop, :meth:`worker_agent.agent.Agent.publish_engine`; the scrape of a plain
+    engine by the router and the picker, :mod:`router.mirror`): its running and waiting requests
+    with ``inflight``, the routers' in-flight count taken at the same scrape (so that ``running +
+    waiting - inflight`` is what the engine holds that no router dispatched, csrc/dplb_kernel.h
+    ``X_i``), and its KV-cache usage (0..1). An engine that reported neither count sets none of the
+    three, or with ``stand_in`` the in-flight count stands for its running requests (0 waiting;
+    nothing then looks dispatched from outside)."""
+    f: SlotFields = {}
+    if m.num_running is None and m.num_waiting is None:
+        if stand_in:
+            f.update({"num_running": inflight, "num_waiting": 0, "inflight": inflight})
+    else:
+        if m.num_running is not None:
+            f["num_running"] = m.num_running
+        if m.num_waiting is not None:
+            f["num_waiting"] = m.num_waiting
+        f["inflight"] = inflight
+    if m.kv_cache_usage is not None:
+        f["kv_cache_usage"] = m.kv_cache_usage
+    return f

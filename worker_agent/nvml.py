@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from types import ModuleType
 
 log = logging.getLogger("worker_agent.nvml")
 
@@ -29,8 +29,8 @@ class GpuMemoryProbe:
 
     def __init__(self, gpu_ids: list[int]) -> None:
         self.gpu_ids = list(gpu_ids)
-        self._nvml: Any = None
-        self._handles: list[Any] = []
+        self._nvml: ModuleType | None = None
+        self._handles: list[object] = []
         self._failed = not self.gpu_ids
         self._initialised = False
         self.reason: str | None = None if self.gpu_ids else "no GPUs assigned"
@@ -62,8 +62,11 @@ class GpuMemoryProbe:
             if not self._initialised:
                 self._init()
             used = total = 0
+            nvml = self._nvml
+            if nvml is None:
+                return UNKNOWN, UNKNOWN
             for h in self._handles:
-                info = self._nvml.nvmlDeviceGetMemoryInfo(h)
+                info = nvml.nvmlDeviceGetMemoryInfo(h)
                 used += int(info.used)
                 total += int(info.total)
             return used, total

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from router.protocol import (
+from dplb_protocol.wire import (
     RequestInfo,  # what the request says, parsed once (re-exported)
 )
 

@@ -9,9 +9,9 @@ import pytest
 
 from bench.report import best_peer, difference, paired_difference, summary_lines
 from bench.stats import ROW_KEYS, Spread, ratio_interval, spread, summarize
-from bench.trace import TraceRequest, sessions
 from bench.workloads import QUICK, mooncake
 from bench.workloads import sessions as session_workload
+from dplb_trace.mooncake import TraceRequest, sessions
 
 
 def _req(i: int, blocks: tuple[int, ...]) -> TraceRequest:

@@ -106,7 +106,7 @@ def test_bad_parameters_raise():
 
 
 def test_mooncake_rate_is_the_trace_rate_in_simulated_time():
-    from bench.trace import load_trace
+    from dplb_trace.mooncake import load_trace
     trace = load_trace(limit=30, start=SMALL.mooncake_start)
     t0 = trace[0].timestamp_ms
     for load, ts in ((1.0, 0.5), (2.0, 0.25), (1.0, 4.0)):

@@ -1,4 +1,4 @@
-"""bench.trace: Mooncake JSONL → requests, deterministic prompt text that keeps prefix sharing."""
+"""dplb_trace.mooncake: Mooncake JSONL → requests, deterministic prompt text that keeps prefix sharing."""
 from __future__ import annotations
 
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from bench.errors import TraceFormatError
-from bench.trace import (
+from dplb_trace.errors import TraceFormatError
+from dplb_trace.mooncake import (
     BLOCK_TOKENS,
     TraceRequest,
     block_text,
@@ -37,7 +37,7 @@ def test_prompt_has_exact_length_and_is_deterministic_across_processes():
     req = load_trace(TRACE, limit=1)[0]
     text = prompt_for(req)
     assert len(text.split()) == req.input_length
-    code = ("from bench.trace import load_trace, prompt_for; import hashlib, sys;"
+    code = ("from dplb_trace.mooncake import load_trace, prompt_for; import hashlib, sys;"
             "r = load_trace(sys.argv[1], limit=1)[0]; print(hashlib.sha256(prompt_for(r).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code, str(TRACE)], capture_output=True, text=True, cwd=ROOT,
                          check=True, timeout=120).stdout.strip()

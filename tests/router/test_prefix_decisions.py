@@ -14,9 +14,9 @@ import pytest
 
 from dplb_prefix import PrefixIndex
 from dplb_prefix.reference import ReferencePrefixIndex
+from dplb_protocol.wire import CHAT, COMPLETIONS, parse_request
 from dplb_shm import TtftParams
 from router.policies import CacheAwarePolicy, DplbPolicy
-from router.protocol import CHAT, COMPLETIONS, parse_request
 from tests.helpers import ready_segment
 
 NOW_NS = 10 ** 15

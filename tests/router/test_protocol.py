@@ -1,10 +1,10 @@
-"""Request parsing and error bodies (router/protocol.py): what is rejected, the routing fields, prompt length."""
+"""Request parsing and error bodies (dplb_protocol/wire.py): what is rejected, the routing fields, prompt length."""
 from __future__ import annotations
 
 import pytest
 
+from dplb_protocol.wire import error_body, parse_request, sse_error_event
 from router.errors import BadRequest
-from router.protocol import error_body, parse_request, sse_error_event
 
 
 @pytest.mark.parametrize("path,body,param", [

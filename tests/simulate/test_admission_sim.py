@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from bench.trace import TraceRequest
+from dplb_trace.mooncake import TraceRequest
 from router.config import Config
 from sim_engine.config import EngineConfig
 from simulate.admission import SHED_STATUS, admission_figures

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.trace import TraceRequest
+from dplb_trace.mooncake import TraceRequest
 from router.config import Config
 from router.policies import policy_names
 from sim_engine.config import EngineConfig

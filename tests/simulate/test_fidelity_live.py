@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from bench.stats import percentile
+from dplb_trace.stats import percentile
 from simulate.fidelity import compare, run_live, run_sim, spread_bursts
 from simulate.workload import load_workload
 from tests.helpers import TRACE

@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import pytest
 
-from bench.trace import BLOCK_TOKENS, load_trace
+from dplb_trace.mooncake import BLOCK_TOKENS, load_trace
 from simulate.cli import main as simulate_main
 from simulate.generators import (
     WORKLOADS,

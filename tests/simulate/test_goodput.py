@@ -10,7 +10,7 @@ from itertools import pairwise
 
 import pytest
 
-from bench.trace import TraceRequest
+from dplb_trace.mooncake import TraceRequest
 from sim_engine.config import EngineConfig
 from simulate import cluster as cl
 from simulate.capacity import find_capacity, min_engines, rate_sweep

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from bench.trace import TraceRequest
+from dplb_trace.mooncake import TraceRequest
 from router.config import Config
 from router.kv_events import BlockSet
 from router.scheduling import Scheduler
@@ -18,9 +18,10 @@ from sim_engine.config import EngineConfig
 from sim_engine.kv_cache import KVCacheManager
 from simulate import cluster as cl
 from simulate.cli import main
-from simulate.cluster import OK, SimSettings, Simulation
+from simulate.cluster import Simulation
 from simulate.generators import generate
 from simulate.replicas import RoundRobinFront, apply_kv_events
+from simulate.settings import OK, SimSettings
 from simulate.workload import router_text
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from bench.errors import TraceFormatError
-from bench.trace import load_trace, prompt_for
-from router.protocol import CHAT, COMPLETIONS, parse_request
+from dplb_protocol.wire import CHAT, COMPLETIONS, parse_request
+from dplb_trace.errors import TraceFormatError
+from dplb_trace.mooncake import load_trace, prompt_for
 from sim_engine.kv_cache import chain_hashes
 from sim_engine.tokenizer import render_chat, tokenize
 from simulate.workload import (
@@ -93,7 +93,7 @@ def test_window_rate_and_cap():
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_router_sees_what_the_replay_body_gives(api):
-    """The simulator's RequestInfo text/length equal what router.protocol makes of dplb-replay's
+    """The simulator's RequestInfo text/length equal what dplb_protocol.wire makes of dplb-replay's
     body (the router's one definition of a prompt's length)."""
     from simulate.workload import router_prompt_len
 
@@ -155,7 +155,7 @@ def test_rendered_prompt_is_the_engine_prompt():
 
 
 def test_block_texts_equal_bench_trace_block_text():
-    from bench.trace import block_text
+    from dplb_trace.mooncake import block_text
     from simulate.workload import BlockTexts
 
     bt = BlockTexts(max_blocks=64)

@@ -1,4 +1,4 @@
-"""The TPOT-priced interference experiment (bench/tpot_interference.py): its formula, and that the
+"""The TPOT-priced interference experiment (prototypes/tpot_interference.py): its formula, and that the
 patched simulator runs and routes differently from plain dplb (in a subprocess: the patch is
 process-wide)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.tpot_interference import (
+from prototypes.tpot_interference import (
     VICTIM_KNOWLEDGE,
     LearnedOutputs,
     slo_misses,
@@ -62,7 +62,7 @@ def test_victim_knowledge_is_an_upper_bound_with_the_stated_slack():
 
 def _run(tmp_path, *flags: str) -> dict:
     out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
-    cmd = [sys.executable, "-m", "bench.tpot_interference", *flags, "--workload", "mixed", "--requests", "150",
+    cmd = [sys.executable, "-m", "prototypes.tpot_interference", *flags, "--workload", "mixed", "--requests", "150",
            "--engines", "2", "--rate-scale", "4", "--seed", "0", "--policy", "dplb", "--progress", "off",
            "--json-out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)

@@ -42,7 +42,7 @@ seconds each): a victim with slack to spare costs nothing, and so does one alrea
 bound. It is the first form that misses fewer than plain dplb on both sets of windows with the
 client's bound (``pow2``) instead of the oracle (bench/results/goodput.md "Round 7").
 
-Usage: ``python -m bench.tpot_interference [--tpot-slo-s 0.1] --w-tpot 0.2 [--victim-outputs exact|pow2|x4|learned|learned-pow2|learned-x4] [--only-whole] [--replace] DPLB-SIMULATE-ARGS``
+Usage: ``python -m prototypes.tpot_interference [--tpot-slo-s 0.1] --w-tpot 0.2 [--victim-outputs exact|pow2|x4|learned|learned-pow2|learned-x4] [--only-whole] [--replace] DPLB-SIMULATE-ARGS``
 """
 from __future__ import annotations
 

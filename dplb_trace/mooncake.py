@@ -1,6 +1,6 @@
 """Mooncake trace loading and deterministic prompt text that keeps prefix sharing.
 
-Format (``bench/data/mooncake/README.md``, from the Mooncake FAST'25 release,
+Format (``dplb_trace/data/mooncake/README.md``, from the Mooncake FAST'25 release,
 kvcache-ai/Mooncake ``FAST25-release/traces``): one JSON object per line with ``timestamp`` (ms
 from the start of the trace), ``input_length`` and ``output_length`` (tokens) and ``hash_ids``
 (ids of the prompt's 512-token blocks; equal leading ids = shared prefix).
@@ -14,7 +14,7 @@ token count differs but shared prefixes are still shared.
 
 Usage::
 
-    from bench.trace import load_trace, prompt_for
+    from dplb_trace.mooncake import load_trace, prompt_for
     reqs = load_trace("conversation_trace.jsonl", limit=1000)
     text = prompt_for(reqs[0])        # str with reqs[0].input_length words
 """
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import orjson
 
-from bench.errors import TraceFormatError
+from dplb_trace.errors import TraceFormatError
 
 #: tokens per hash block in the Mooncake traces (README of the trace; Mooncake FAST'25 §3).
 BLOCK_TOKENS = 512
 
-#: the Mooncake conversation trace shipped with DPLB (``bench/data/mooncake/``, Apache-2.0; its README
+#: the Mooncake conversation trace shipped with DPLB (``dplb_trace/data/mooncake/``, Apache-2.0; its README
 #: gives the source and the fields). Installed as package data, so it is there in a wheel as well.
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl"
 
@@ -70,7 +70,7 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None, start
 
     ``index`` counts from the start of the file, so a window keeps the trace's own numbering.
 
-    Blank lines are skipped. Raises :class:`bench.errors.TraceFormatError` (naming the file and
+    Blank lines are skipped. Raises :class:`dplb_trace.errors.TraceFormatError` (naming the file and
     line) for invalid JSON, a missing or mistyped field, a negative length, or timestamps that go
     backwards; ``FileNotFoundError`` when ``path`` does not exist.
     """
