@@ -171,7 +171,8 @@ class AdmissionGate:
             raise
         finally:
             self._set_depth()
-        info.queued_s = t.waited or 0.0
+            # also when shed (429): the access log says how long it queued
+            info.queued_s = t.waited or 0.0
 
     def take_pick(self, info: RequestInfo, exclude: set[int] | frozenset[int]) -> tuple[WorkerHandle, Decision] | None:
         """The decision admission made for ``info`` (:meth:`ready`, or the pump), unless it chose

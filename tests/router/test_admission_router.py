@@ -7,7 +7,10 @@ in /dplb/status and /metrics.
 (``shed_late`` off: only its budget or its client ends the wait)."""
 from __future__ import annotations
 
+import glob
+import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -51,6 +54,16 @@ def test_budget_expiry_answers_429_with_retry_after(saturated):
     text = httpx.get(c.base + "/metrics", timeout=10).text
     assert (metric(text, "dplb_router_admission_shed_total", reason="budget", **{"class": "0"}) or 0) >= 2
     assert c.router_inflight() == [0, 0]        # nothing was dispatched
+    # the access log says how long each shed request queued (the first one: its 600 ms budget)
+    logs = glob.glob(os.path.join(c.dir, "router-*.log"))
+
+    def shed_waits() -> list[float]:
+        lines = [ln for f in logs for ln in Path(f).read_text().splitlines()
+                 if "status=429" in ln and "queue_ms=" in ln]
+        return [float(ln.split("queue_ms=")[1].split()[0]) for ln in lines]
+
+    wait_until(lambda: len(shed_waits()) >= 2, 10)
+    assert max(shed_waits()) >= 600.0
 
 
 def test_a_queued_request_whose_client_leaves_is_dropped(saturated):
