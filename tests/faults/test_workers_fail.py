@@ -19,7 +19,7 @@ def test_kill9_of_an_engine_under_load_it_comes_back_ready_by_itself_and_nothing
     assert r.extra["failed_not_in_flight_on_0"] == []        # nothing that had not started on 0 failed
     assert r.ok + r.honest == r.sent and r.honest <= 10
     assert r.detection_s is not None and r.detection_s <= 0.5, r.detection_s
-    assert r.extra["after_kill_served_by_0"] == 0
+    assert r.extra["after_kill_dispatched_to_0"] == 0
     # the dead interval, then back: in the status API and the gauge an alert reads
     states = r.extra["states0"]
     assert "dead" in states and states[-1] == "ready", states
@@ -40,7 +40,7 @@ def test_kill9_of_a_whole_worker_under_load_loses_nothing_and_stops_dispatch_wit
     assert r.extra["failed_not_in_flight_on_0"] == []
     assert r.ok + r.honest == r.sent and r.ok >= r.sent - 10
     assert r.detection_s is not None and r.detection_s <= 0.5, r.detection_s
-    assert r.extra["after_kill_served_by_0"] == 0
+    assert r.extra["after_kill_dispatched_to_0"] == 0
     row = r.extra["row0"]    # no launcher here restarts the agent: its slot keeps READY with a stale heartbeat
     assert row is not None and row["eligible"] is False and row["routing"] == "stale"
 
