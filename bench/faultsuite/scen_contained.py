@@ -28,7 +28,7 @@ CHAT = "/v1/chat/completions"
 FORGED = "2026-12-07 03:00:00,000 WARNING dplb.router.workers: worker 0: ready -> dead"
 #: the access line's own fields (router/access_log.py), besides its two bare tokens (method, route)
 ACCESS_KEYS = {"rid", "model", "worker", "status", "ttft_ms", "duration_ms", "prompt_tokens", "output_tokens",
-               "attempts"}
+               "attempts", "queue_ms"}
 _TOKEN = re.compile(r'(?:(\w+)=)?("(?:[^"\\]|\\.)*"(?:\.\.\.\(\+\d+ chars\))?|[^ ]*)(?: |$)')
 
 
@@ -122,8 +122,7 @@ def _check_json(lines: list[str]) -> dict[str, Any]:
                 objs.append(orjson.loads(ln))
             except orjson.JSONDecodeError:
                 bad.append(ln[:200])
-    keys = {"rid", "method", "route", "model", "worker", "status", "ttft_ms", "duration_ms", "prompt_tokens",
-            "output_tokens", "attempts"}
+    keys = ACCESS_KEYS | {"method", "route"}
     bad += [str(o)[:200] for o in objs if set(o) != keys or o["worker"] not in ("0", "-")]
     return {"access_lines": len(objs), "bad_access_lines": bad}
 

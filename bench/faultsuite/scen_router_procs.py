@@ -14,6 +14,7 @@ import httpx
 from bench.faultsuite.cluster import Stack
 from bench.faultsuite.common import Result
 from bench.faultsuite.load import Outcome, chat, send
+from dplb_shm.exits import exit_words
 from launcher.stack import wait_for
 
 FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
@@ -143,7 +144,7 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
         res.extra["processes_after"] = sorted(_router_pids(base, 2))
         with open(st.routers[-1][0].log or os.devnull, errors="replace") as f:
             log = f.read()
-        res.extra["death_logged"] = f"router process {victim} died (killed by SIGKILL)" in log
+        res.extra["death_logged"] = f"router process {victim} died ({exit_words(-signal.SIGKILL)})" in log
     return res
 
 
