@@ -29,92 +29,117 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _scenarios() -> list[tuple[str, Callable[[], Any], Callable[[Any], str]]]:
-    """(id, runner, notes-from-result) for every scenario, in issue order."""
-    from bench.faultsuite import scenarios as sc
+class Scenario(NamedTuple):
+    """One row of the report: its id, the function of :mod:`bench.faultsuite.scenarios` that runs
+    it (by name: the suite is imported only when a scenario runs) with its keyword arguments, and
+    the keys of the result's ``extra`` shown in the notes (after ``notes``' own text, if any)."""
 
-    def kv(*keys: str) -> Callable[[Any], str]:
-        return lambda r: "; ".join(f"{k}={r.extra.get(k)}" for k in keys if k in r.extra)
+    id: str
+    run: str
+    keys: tuple[str, ...]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    notes: Callable[[Any], str] | None = None
 
-    return [
-        ("1a", lambda: sc.run_kill_engine("engine"), kv("dead_s", "states0", "ready_gauge0", "failed_in_flight",
-                                                        "served_by_0_after_back", "by_worker")),
-        ("1b", lambda: sc.run_kill_engine("worker"), kv("failed_in_flight", "by_worker")),
-        ("2a", sc.run_hung_worker, kv("status_504_on_0", "slowest_s", "eligible_while_hung")),
-        ("2a+", lambda: sc.run_hung_worker(retry_on_timeout=True), kv("slowest_s", "timed_out", "eligible_while_hung")),
-        ("2b", sc.run_engine_hang, kv("statuses", "tried_on_hung", "circuit0")),
-        ("2b+", lambda: sc.run_engine_hang(retry_on_timeout=True), kv("served", "tried_on_hung", "circuit0")),
-        ("2c", sc.run_long_prefill_default, kv("min_latency_s")),
-        ("3", sc.run_breaker, kv("requests_to_0_500", "circuit_after_500s", "circuit_after_recovery",
-                                 "circuit_after_400", "circuit_after_429")),
-        ("4a", sc.run_all_dead, kv("statuses_while_dead", "retry_after", "served_after")),
-        ("4b", sc.run_remote_rejoin, kv("statuses_while_dead", "served_after")),
-        ("5", sc.run_drain_remove_cycles, kv("active_at_calls", "router_inflight", "local_inflight")),
-        ("6", sc.run_client_disconnect, kv("aborts", "router_inflight")),
-        ("7", sc.run_stream_fidelity, kv("first_chunk_s", "total_s", "utf8_intact", "usage_before_done")),
-        ("8", sc.run_ties_and_bursts, kv("sequential", "burst")),
-        ("9", sc.run_router_restart, kv("cut_in_flight_at_kill", "cut_or_refused_during_restart",
-                                        "not_ok_after_restart", "workers_seen_by_new_router", "router_inflight_after")),
-        ("10", sc.run_bad_input, kv("mismatches", "worker")),
-        ("11", sc.run_security, kv("segment_mode", "agent_socket_mode", "engine_socket_mode", "claimed_slots")),
-        # issue 15: stays up and tells the truth
-        ("13", sc.run_crash_loop_gave_up_then_admin_restart, kv("first_restart_s", "row_gave_up", "metrics_gave_up",
-                                                                "served_while_dead", "served_after")),
-        ("14", sc.run_dead_and_departed_workers_in_plain_sight, kv("seen", "after_leave")),
-        ("15", sc.run_slow_request_one_504, kv("status", "elapsed_s", "requests_per_worker", "stream_status",
-                                               "lone_hung_worker")),
-        ("16", sc.run_first_byte_vs_idle_timeout, kv("prefill_stream", "stalled_stream", "stalled_error", "errors")),
-        ("17", sc.run_round_robin_per_model, kv("model_a", "model_b")),
-        ("18", sc.run_header_limits, kv("codes", "forwarded", "before_body", "flood")),
-        ("19", sc.run_admin_exposure, kv("no_token", "with_token", "open_host_no_token", "mismatches")),
-        # issue 27: the router's request path (ids are the issue's items)
-        ("27.1a", sc.run_engine_kill_retried, kv("inflight_at_kill", "retried", "cut_mid_stream", "failed_non_streamed",
-                                                 "failed_before_first_byte", "by_worker")),
-        ("27.1b", sc.run_in_flight_retried_streamed_and_not, kv("in_flight_on_0_at_kill", "retried", "statuses")),
-        ("27.1c", sc.run_query_of_death, kv("qod_status", "read_by_worker", "query_of_death", "ordinary_ok")),
-        ("27.1d", sc.run_all_down_before_noticed, kv("statuses", "retry_after", "after_back")),
-        ("27.2", sc.run_model_known_while_down,
-         lambda r: f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }; "
-                   + kv("models_listed", "status_models")(r)),
-        ("27.4", sc.run_router_process_killed, kv("at_kill", "cut_by_the_kill", "after_streams", "burst_lost", "burst_split",
-                                                  "processes_after", "death_logged")),
-        ("27.5", sc.run_killed_agent_restarted, kv("slot_seen", "first_served_s", "by_worker", "served_by_victim_after",
-                                                   "old_engine_answers", "admin_restart_while_down", "admin_restart",
-                                                   "dump_state")),
-        ("27.6", sc.run_stop_under_traffic,
-         kv("in_flight_at_stop", "sent_after_stop", "statuses", "finish_reasons", "refused_without_retry_after",
-            "reset_before_status", "drain_limit_hit", "launcher_rc", "stop_s")),
-        ("27.7", sc.run_concurrent_add_remove, kv("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots",
+    def runner(self) -> Callable[[], Any]:
+        """The scenario's function, its arguments bound."""
+        from bench.faultsuite import scenarios as sc
+
+        fn = getattr(sc, self.run)
+        return lambda: fn(**dict(self.kwargs))
+
+    def note(self, r: Any) -> str:
+        """The notes cell of result ``r``."""
+        kv = "; ".join(f"{k}={r.extra.get(k)}" for k in self.keys if k in r.extra)
+        return kv if self.notes is None else self.notes(r) + ("; " + kv if self.keys else "")
+
+
+def _answers_27_2(r: Any) -> str:
+    return f"answers={ {k: v[0] for k, v in r.extra['checks'].items()} }"
+
+
+def _answers_27_9(r: Any) -> str:
+    return "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
+                             for k, a in r.extra["answers"].items()})
+
+
+#: every scenario, in issue order
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("1a", "run_kill_engine", ("dead_s", "states0", "ready_gauge0", "failed_in_flight",
+                                       "served_by_0_after_back", "by_worker"), (("target", "engine"),)),
+    Scenario("1b", "run_kill_engine", ("failed_in_flight", "by_worker"), (("target", "worker"),)),
+    Scenario("2a", "run_hung_worker", ("status_504_on_0", "slowest_s", "eligible_while_hung")),
+    Scenario("2a+", "run_hung_worker", ("slowest_s", "timed_out", "eligible_while_hung"),
+             (("retry_on_timeout", True),)),
+    Scenario("2b", "run_engine_hang", ("statuses", "tried_on_hung", "circuit0")),
+    Scenario("2b+", "run_engine_hang", ("served", "tried_on_hung", "circuit0"), (("retry_on_timeout", True),)),
+    Scenario("2c", "run_long_prefill_default", ("min_latency_s",)),
+    Scenario("3", "run_breaker", ("requests_to_0_500", "circuit_after_500s", "circuit_after_recovery",
+                                  "circuit_after_400", "circuit_after_429")),
+    Scenario("4a", "run_all_dead", ("statuses_while_dead", "retry_after", "served_after")),
+    Scenario("4b", "run_remote_rejoin", ("statuses_while_dead", "served_after")),
+    Scenario("5", "run_drain_remove_cycles", ("active_at_calls", "router_inflight", "local_inflight")),
+    Scenario("6", "run_client_disconnect", ("aborts", "router_inflight")),
+    Scenario("7", "run_stream_fidelity", ("first_chunk_s", "total_s", "utf8_intact", "usage_before_done")),
+    Scenario("8", "run_ties_and_bursts", ("sequential", "burst")),
+    Scenario("9", "run_router_restart", ("cut_in_flight_at_kill", "cut_or_refused_during_restart",
+                                         "not_ok_after_restart", "workers_seen_by_new_router",
+                                         "router_inflight_after")),
+    Scenario("10", "run_bad_input", ("mismatches", "worker")),
+    Scenario("11", "run_security", ("segment_mode", "agent_socket_mode", "engine_socket_mode", "claimed_slots")),
+    # issue 15: stays up and tells the truth
+    Scenario("13", "run_crash_loop_gave_up_then_admin_restart", ("first_restart_s", "row_gave_up", "metrics_gave_up",
+                                                                  "served_while_dead", "served_after")),
+    Scenario("14", "run_dead_and_departed_workers_in_plain_sight", ("seen", "after_leave")),
+    Scenario("15", "run_slow_request_one_504", ("status", "elapsed_s", "requests_per_worker", "stream_status",
+                                                "lone_hung_worker")),
+    Scenario("16", "run_first_byte_vs_idle_timeout", ("prefill_stream", "stalled_stream", "stalled_error", "errors")),
+    Scenario("17", "run_round_robin_per_model", ("model_a", "model_b")),
+    Scenario("18", "run_header_limits", ("codes", "forwarded", "before_body", "flood")),
+    Scenario("19", "run_admin_exposure", ("no_token", "with_token", "open_host_no_token", "mismatches")),
+    # issue 27: the router's request path (ids are the issue's items)
+    Scenario("27.1a", "run_engine_kill_retried", ("inflight_at_kill", "retried", "cut_mid_stream",
+                                                  "failed_non_streamed", "failed_before_first_byte", "by_worker")),
+    Scenario("27.1b", "run_in_flight_retried_streamed_and_not", ("in_flight_on_0_at_kill", "retried", "statuses")),
+    Scenario("27.1c", "run_query_of_death", ("qod_status", "read_by_worker", "query_of_death", "ordinary_ok")),
+    Scenario("27.1d", "run_all_down_before_noticed", ("statuses", "retry_after", "after_back")),
+    Scenario("27.2", "run_model_known_while_down", ("models_listed", "status_models"), notes=_answers_27_2),
+    Scenario("27.4", "run_router_process_killed", ("at_kill", "cut_by_the_kill", "after_streams", "burst_lost",
+                                                   "burst_split", "processes_after", "death_logged")),
+    Scenario("27.5", "run_killed_agent_restarted", ("slot_seen", "first_served_s", "by_worker",
+                                                    "served_by_victim_after", "old_engine_answers",
+                                                    "admin_restart_while_down", "admin_restart", "dump_state")),
+    Scenario("27.6", "run_stop_under_traffic", ("in_flight_at_stop", "sent_after_stop", "statuses", "finish_reasons",
+                                                "refused_without_retry_after", "reset_before_status",
+                                                "drain_limit_hit", "launcher_rc", "stop_s")),
+    Scenario("27.7", "run_concurrent_add_remove", ("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots",
                                                    "delete_removed", "cycles_s")),
-        ("27.7w", lambda: sc.run_concurrent_add_remove(router_workers=2),
-         kv("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots", "delete_removed", "cycles_s")),
-        ("27.7k", sc.run_mirror_owner_killed, kv("post", "answered_while_owner_stopped", "delete", "delete_s",
-                                                 "slot_state_after", "readded", "new_owner_differs")),
-        ("27.8", sc.run_sync_openai_streams_counted, kv("statuses", "client_disconnect", "statuses_after_leaver")),
-        ("27.9", sc.run_framing_errors,
-         lambda r: "answers=" + str({k: a["status"].split(" ", 1)[1] + (" json" if a["shaped"] else " text")
-                                     for k, a in r.extra["answers"].items()}) + "; " + kv("forwarded")(r)),
-        # issue 46: what fails stays contained (ids are the issue's items)
-        ("46.2", sc.run_engine_abort, kv("early", "cut", "non_streamed_everywhere", "requests_502",
-                                         "engine_abort_errors")),
-        ("46.4", sc.run_slot_frozen_mid_write, kv("idle_cpu_before", "idle_cpu_frozen", "served", "routing_1",
-                                                  "stale_read", "spins_per_read", "dump_state_1")),
-        ("46.5", sc.run_log_injection, kv("statuses", "lines", "access_lines", "bad_access_lines", "forged_lines",
-                                          "other_lines", "big_lines", "big_growth_bytes")),
-        ("46.5j", lambda: sc.run_log_injection("json"), kv("lines", "access_lines", "bad_access_lines", "forged_lines",
-                                                          "other_lines", "big_lines", "big_growth_bytes")),
-        ("46.6", sc.run_queued_client_leaves, kv("aborted_while_queued", "long_still_running",
-                                                 "engine_steps_meanwhile")),
-        ("46.6n", lambda: sc.run_queued_client_leaves(stream=False), kv("aborted_while_queued", "long_still_running",
-                                                                        "engine_steps_meanwhile")),
-        ("46.8", sc.run_add_plain_engine, kv("engine_added", "engine_row", "served", "scraped_kv_cache_usage",
-                                             "neither", "agent_added", "slots")),
-    ]
+    Scenario("27.7w", "run_concurrent_add_remove", ("calls", "post_2xx_without_id", "nonempty_slots", "dead_slots",
+                                                    "delete_removed", "cycles_s"), (("router_workers", 2),)),
+    Scenario("27.7k", "run_mirror_owner_killed", ("post", "answered_while_owner_stopped", "delete", "delete_s",
+                                                  "slot_state_after", "readded", "new_owner_differs")),
+    Scenario("27.8", "run_sync_openai_streams_counted", ("statuses", "client_disconnect", "statuses_after_leaver")),
+    Scenario("27.9", "run_framing_errors", ("forwarded",), notes=_answers_27_9),
+    # issue 46: what fails stays contained (ids are the issue's items)
+    Scenario("46.2", "run_engine_abort", ("early", "cut", "non_streamed_everywhere", "requests_502",
+                                          "engine_abort_errors")),
+    Scenario("46.4", "run_slot_frozen_mid_write", ("idle_cpu_before", "idle_cpu_frozen", "served", "routing_1",
+                                                   "stale_read", "spins_per_read", "dump_state_1")),
+    Scenario("46.5", "run_log_injection", ("statuses", "lines", "access_lines", "bad_access_lines", "forged_lines",
+                                           "other_lines", "big_lines", "big_growth_bytes")),
+    Scenario("46.5j", "run_log_injection", ("lines", "access_lines", "bad_access_lines", "forged_lines",
+                                            "other_lines", "big_lines", "big_growth_bytes"), (("mode", "json"),)),
+    Scenario("46.6", "run_queued_client_leaves", ("aborted_while_queued", "long_still_running",
+                                                  "engine_steps_meanwhile")),
+    Scenario("46.6n", "run_queued_client_leaves", ("aborted_while_queued", "long_still_running",
+                                                   "engine_steps_meanwhile"), (("stream", False),)),
+    Scenario("46.8", "run_add_plain_engine", ("engine_added", "engine_row", "served", "scraped_kv_cache_usage",
+                                              "neither", "agent_added", "slots")),
+)
 
 
 def _secs(v: float | None) -> str:
@@ -154,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     want = {x.strip() for x in args.only.split(",") if x.strip()}
     rows = []
     lost = 0
-    for sid, run, notes in _scenarios():
+    for sc in SCENARIOS:
+        sid = sc.id
         if want and sid not in want and sid.rstrip("abckw+") not in want:
             continue
         t0 = time.monotonic()
         try:
-            r = run()
+            r = sc.runner()()
         except Exception as e:  # noqa: BLE001 - a broken scenario is a row, not the end of the report
             traceback.print_exc()
             rows.append({"id": sid, "scenario": f"scenario {sid}", "injected": "—", "sent": 0, "ok": 0, "honest": 0,
@@ -168,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = {"id": sid, "scenario": r.scenario.split(" ", 1)[1], "injected": r.injected, "sent": r.sent,
                "ok": r.ok, "honest": r.honest, "lost": r.lost, "detection": _secs(r.detection_s),
-               "recovery": _secs(r.recovery_s), "notes": notes(r)}
+               "recovery": _secs(r.recovery_s), "notes": sc.note(r)}
         rows.append(row)
         # a killed router (9) or router process (27.4) cuts its own clients' connections: what counts
         # is what fails after it

@@ -1,6 +1,6 @@
 """The per-byte work of one long prompt, step by step: ``python -m bench.prefix_work [--prompt-bytes N]``.
 
-For chat requests of about ``--prompt-bytes`` bytes (:func:`bench.router_overhead.long_prompt_requests`:
+For chat requests of about ``--prompt-bytes`` bytes (:func:`bench.rawclient.long_prompt_requests`:
 20 shared documents, 10/11 of each prompt) over a prefix index that already holds all of them,
 prints the median time (ms, ``--repeats`` runs) of each step the router takes per request, native
 (:mod:`dplb_prefix`) beside the pure-Python way (the reference :mod:`dplb_prefix.reference` and
@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from bench.router_overhead import long_prompt_requests
+from bench.rawclient import long_prompt_requests
 from dplb_prefix import PrefixIndex, chain_hashes, count_words
 from dplb_prefix.reference import ReferencePrefixIndex
 from dplb_protocol.wire import CHAT, parse_request

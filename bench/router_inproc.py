@@ -4,7 +4,7 @@ The router's real uvicorn protocol (:class:`router.server.LimitedHttpToolsProtoc
 app (:func:`router.app.create_app`, policy ``dplb`` unless ``--policy``) in this process, on a
 fresh segment with one ready worker (slot 0, heartbeating); the client's transport and the engine
 (:class:`router.transport.Transport`) are fakes that cost next to nothing. Each request is fed to
-the protocol as the bytes a client would send (``bench.router_overhead``'s tiny chat request) and
+the protocol as the bytes a client would send (:mod:`bench.rawclient`'s tiny chat request) and
 answered with that tool's tiny chat completion. What is timed is everything the router's own
 process runs per request except the two sockets and the kernel: uvicorn's parsing and task, the
 proxy, parse, policy, kernel call, lease, accounting, metrics and the response's framing.
@@ -26,7 +26,8 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from bench.router_overhead import BODY, RESP_BODY, _request
+from bench.instant_worker import RESP_BODY
+from bench.rawclient import BODY, chat_request
 
 
 class _FakeUpstream:
@@ -126,7 +127,7 @@ async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
         proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
         client = _Client()
         proto.connection_made(client)
-        req = _request(b"127.0.0.1:30000")
+        req = chat_request(b"127.0.0.1:30000")
         n = 0
 
         async def one() -> None:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dplb_shm import Segment, WorkerState
 
-    assert BODY in _request(b"x")
+    assert BODY in chat_request(b"x")
     shm = f"dplb-bench-{uuid.uuid4().hex[:8]}"
     seg = Segment.create(shm, num_slots=8)
     try:

@@ -36,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -124,8 +125,8 @@ async def replay(base: str, reqs: list[Any], time_scale: float, stream_every: in
         return list(await asyncio.gather(*tasks)), late
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the soak, print a summary line per process, write the report; 1 on failure."""
+def build_parser() -> argparse.ArgumentParser:
+    """The soak's command line (module docstring)."""
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--sim-minutes", type=float, default=30.0, help="simulated minutes of trace (30 or more for a full soak)")
     # 5: the Mooncake rate (3.4 req/s) x 5 = 17 req/s of ~12k-token prompts, about what router + 2 agents +
@@ -139,14 +140,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-growth-mb", type=float, default=48.0)
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the in-repository conversation trace)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "soak.md"))
-    args = p.parse_args(argv)
-    from bench.faultsuite.cluster import MODEL_SIM, Stack
-    from bench.faultsuite.load import lost_details, tally
-    from dplb_trace.mooncake import DEFAULT_TRACE, load_trace
+    return p
 
-    reqs = [r for r in load_trace(args.trace or DEFAULT_TRACE) if r.timestamp_ms <= args.sim_minutes * 60_000]
-    print(f"soak: {len(reqs)} requests, {args.sim_minutes:g} simulated min at time scale {args.time_scale:g} "
-          f"(~{args.sim_minutes * 60 / args.time_scale:.0f} s of arrivals), {args.workers} workers", flush=True)
+
+@dataclass
+class Soaked:
+    """What one soak measured: the requests' outcomes (:mod:`bench.faultsuite.load`), how many
+    were sent late, the wall seconds, the RSS samples of each process (``pids``: name → pid) and
+    the router's workers at the end (``/dplb/status`` rows)."""
+
+    outs: list[Any]
+    late: int
+    wall: float
+    pids: dict[str, int]
+    sampler: Sampler
+    workers: list[dict[str, Any]]
+
+
+def soak(args: argparse.Namespace, reqs: list[Any]) -> Soaked:
+    """Start the stack (agents with sim engines, a router), replay ``reqs`` with RSS sampled, stop it."""
+    from bench.faultsuite.cluster import MODEL_SIM, Stack
+
     with Stack() as st:
         agents = st.agents_up(args.workers, time_scale=args.time_scale, interval_ms=200)
         base = st.router({}, ready=args.workers)
@@ -164,23 +178,18 @@ def main(argv: list[str] | None = None) -> int:
             sampler.stop()
         wall = time.monotonic() - t0
         rows = st.status(base)
-    counts = tally(outs)
-    end = sampler.samples[-1][0] if sampler.samples else wall
-    warm = args.warmup_frac * end
-    lines, failed = [], counts["lost"] > 0
-    for name in pids:
-        b, f, g = sampler.growth(name, warm, end)
-        peak = max((r.get(name, 0) for _, r in sampler.samples), default=0) / MB
-        bounded = name.startswith("engine") or g <= args.max_growth_mb
-        failed = failed or not bounded
-        lines.append((name, b, f, g, peak, "—" if name.startswith("engine") else ("ok" if bounded else "GREW")))
-        print(f"soak {name:<9} baseline={b:.1f}MiB final={f:.1f}MiB growth={g:+.1f}MiB peak={peak:.1f}MiB", flush=True)
-    lat = [o.t_end - o.t_start for o in outs if o.kind == "ok"]
+    return Soaked(outs, late, wall, pids, sampler, rows)
+
+
+def write_report(args: argparse.Namespace, reqs: list[Any], run: Soaked, counts: dict[str, int],
+                 lines: list[tuple[str, float, float, float, float, str]], failed: bool) -> None:
+    """The Markdown report to ``args.out``: the run, the verdict, the growth table and RSS over time."""
+    from bench.faultsuite.load import lost_details
+
+    sampler, pids, wall = run.sampler, run.pids, run.wall
+    lat = [o.t_end - o.t_start for o in run.outs if o.kind == "ok"]
     span = (reqs[-1].timestamp_ms / 60_000) if reqs else 0.0
-    print(f"soak requests sent={counts['sent']} ok={counts['ok']} honest={counts['honest']} lost={counts['lost']} "
-          f"late={late} wall={wall:.0f}s trace={span:.1f}min engine-time={wall * args.time_scale / 60:.1f}min "
-          f"{'PASS' if not failed else 'FAIL'}", flush=True)
-    served = {w["id"]: w.get("state") for w in rows}
+    served = {w["id"]: w.get("state") for w in run.workers}
     md = [
         "# DPLB soak run (issue 8, scenario 12)",
         "",
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()}-CPU machine. Mooncake conversation trace from its start, default router config."),
         "",
         (f"- requests: {counts['sent']} sent, {counts['ok']} ok, {counts['honest']} failed honestly, "
-        f"{counts['lost']} lost; {late} sent late (more than {args.max_inflight} outstanding)"),
+        f"{counts['lost']} lost; {run.late} sent late (more than {args.max_inflight} outstanding)"),
         (f"- trace span {span:.1f} min of arrivals; wall time {wall:.0f} s = {wall * args.time_scale / 60:.1f} "
         f"minutes of simulated engine time; "
         f"latency of ok requests (wall s): median {statistics.median(lat) if lat else float('nan'):.2f}, "
@@ -210,10 +219,39 @@ def main(argv: list[str] | None = None) -> int:
     for t, r in sampler.samples[::step]:
         md.append(f"| {t:.0f} | " + " | ".join(f"{r.get(n, 0) / MB:.1f}" for n in pids) + " |")
     if counts["lost"]:
-        md += ["", "Lost requests (first 5):", ""] + [f"- {d}" for d in lost_details(outs)]
+        md += ["", "Lost requests (first 5):", ""] + [f"- {d}" for d in lost_details(run.outs)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(md) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak, print a summary line per process, write the report; 1 on failure."""
+    args = build_parser().parse_args(argv)
+    from bench.faultsuite.load import tally
+    from dplb_trace.mooncake import DEFAULT_TRACE, load_trace
+
+    reqs = [r for r in load_trace(args.trace or DEFAULT_TRACE) if r.timestamp_ms <= args.sim_minutes * 60_000]
+    print(f"soak: {len(reqs)} requests, {args.sim_minutes:g} simulated min at time scale {args.time_scale:g} "
+          f"(~{args.sim_minutes * 60 / args.time_scale:.0f} s of arrivals), {args.workers} workers", flush=True)
+    run = soak(args, reqs)
+    sampler, wall = run.sampler, run.wall
+    counts = tally(run.outs)
+    end = sampler.samples[-1][0] if sampler.samples else wall
+    warm = args.warmup_frac * end
+    lines, failed = [], counts["lost"] > 0
+    for name in run.pids:
+        b, f, g = sampler.growth(name, warm, end)
+        peak = max((r.get(name, 0) for _, r in sampler.samples), default=0) / MB
+        bounded = name.startswith("engine") or g <= args.max_growth_mb
+        failed = failed or not bounded
+        lines.append((name, b, f, g, peak, "—" if name.startswith("engine") else ("ok" if bounded else "GREW")))
+        print(f"soak {name:<9} baseline={b:.1f}MiB final={f:.1f}MiB growth={g:+.1f}MiB peak={peak:.1f}MiB", flush=True)
+    span = (reqs[-1].timestamp_ms / 60_000) if reqs else 0.0
+    print(f"soak requests sent={counts['sent']} ok={counts['ok']} honest={counts['honest']} lost={counts['lost']} "
+          f"late={run.late} wall={wall:.0f}s trace={span:.1f}min engine-time={wall * args.time_scale / 60:.1f}min "
+          f"{'PASS' if not failed else 'FAIL'}", flush=True)
+    write_report(args, reqs, run, counts, lines, failed)
     print(f"wrote {args.out}")
     return 1 if failed else 0
 

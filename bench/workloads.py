@@ -267,7 +267,7 @@ class Workload:
     seed, or for the trace its own window); ``mode``: ``open`` (each spec at its offset),
     ``closed`` (``profile.overhead_concurrency`` clients back to back) or ``sessions``
     (conversations with think times, :func:`bench.loadgen.run_sessions`);
-    ``engines``: which engine set it runs on (see :func:`bench.run.engine_sets`): ``main`` (4 equal
+    ``engines``: which engine set it runs on (see :func:`bench.harness.engine_sets`): ``main`` (4 equal
     engines), ``trace`` and ``sessions`` (4 equal engines at the trace's time scale, a fresh set
     each), ``hetero`` (one of them 3× slower) or ``fast`` (engines whose steps take almost no
     wall time, so that the router's own latency is what (f) measures).

@@ -15,7 +15,7 @@ import argparse
 import signal
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from dplb_trace.errors import TraceFormatError
 from dplb_trace.mooncake import DEFAULT_TRACE, TraceRequest
@@ -306,11 +306,47 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _main(ns: argparse.Namespace) -> int:
-    cfg = load_config(ns.config) if ns.config else Config()
-    if ns.admission != "config":
-        cfg.admission.enabled = ns.admission == "on"
-    policies = _policies(ns, cfg)
+@dataclass
+class _Plan:
+    """What one ``dplb-simulate`` invocation runs: the router config and policies, the requests and
+    engines, the per-request SLO and the searches asked for (capacity, rate grid, goodput sweep)."""
+
+    ns: argparse.Namespace
+    cfg: Config
+    policies: list[str]
+    reqs: list[TraceRequest]
+    engines: list[EngineConfig]
+    att_slo: AttainmentSLO
+    targets: list[float]                 # the --slo-attainment values
+    search_q: list[float]                # the attainment values the capacity searches look for
+    p99: bool                            # a p99 SLO is given (--slo-ttft-p99/--slo-tpot-p99)
+    grid: list[float] | None             # --rate-grid factors
+    sweep: list[float] | None            # --goodput-sweep factors
+    show: bool                           # the progress bar
+    hashers: dict[tuple[int, str], EngineHasher] = field(default_factory=dict)
+
+    def run(self, settings: SimSettings, label: str) -> tuple[Figures, list[float]]:
+        """One simulation: its figures (with ``_wall_s``, the wall seconds it took) and its TTFT samples (s)."""
+        bar = Progress(label, self.show)
+        t0 = time.perf_counter()
+        try:
+            res = Simulation(self.reqs, settings, self.hashers).run(bar)
+        finally:
+            bar.close()
+        fig = summarize(res, len(settings.engines), self.att_slo)
+        fig["admission"] = admission_figures(res, fig["slo_attainment"])
+        fig["_wall_s"] = time.perf_counter() - t0
+        return fig, [x for x in res.ttft if x is not None]
+
+    def figures(self, settings: SimSettings, label: str) -> Figures:
+        """One simulation's figures alone (a search's step)."""
+        f, _ = self.run(settings, label)
+        f.pop("_wall_s", None)
+        return f
+
+
+def _check_numbers(ns: argparse.Namespace) -> None:
+    """The run's plain number flags in range, else :class:`UsageError` naming the flag."""
     if ns.rate_scale <= 0:
         raise UsageError(f"--rate-scale {ns.rate_scale}: must be > 0")
     if ns.state_interval_ms < 10:
@@ -319,13 +355,13 @@ def _main(ns: argparse.Namespace) -> int:
         raise UsageError(f"--replicas {ns.replicas}: must be >= 1")
     if ns.latency_window_s < 0:
         raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
-    att_slo = attainment_slo(ns)
-    targets = attainment_targets(ns)
-    grid = parse_floats("--rate-grid", ns.rate_grid) if ns.rate_grid is not None else None
-    p99 = ns.slo_ttft_p99 is not None or ns.slo_tpot_p99 is not None
-    # a p99 SLO alone keeps today's search; --slo-attainment (or no p99 bound) adds one per Q
-    search_q = targets if ns.slo_attainment is not None or not p99 else []
-    engines = engine_configs(ns)
+
+
+def _requests(ns: argparse.Namespace) -> tuple[list[TraceRequest], int | None]:
+    """The requests of the window (``--workload`` generated, else ``--trace`` read), arrivals
+    spread by ``--arrival-spread-ms``, and the workload's seed (None for a trace). Sets
+    ``ns.trace`` to ``workload:<name>:seed=<seed>`` for a generated workload."""
+    wseed = None
     if ns.workload:
         if ns.start < 0 or (ns.requests is not None and ns.requests < 1):
             raise UsageError("--start must be >= 0 and --requests >= 1")
@@ -339,7 +375,25 @@ def _main(ns: argparse.Namespace) -> int:
         reqs = load_workload(ns.trace, ns.trace_format, ns.start, ns.requests, ns.max_tokens_cap)
     if ns.arrival_spread_ms < 0:
         raise UsageError(f"--arrival-spread-ms {ns.arrival_spread_ms}: must be >= 0")
-    reqs = spread_arrivals(reqs, ns.arrival_spread_ms, ns.seed)
+    return spread_arrivals(reqs, ns.arrival_spread_ms, ns.seed), wseed
+
+
+def _plan(ns: argparse.Namespace) -> tuple[_Plan, Figures, SimSettings]:
+    """The invocation's plan, the settings as the JSON rows carry them, and the base settings
+    (no policy yet). Raises :class:`UsageError` (bad flag), ``ConfigError``, ``TraceFormatError``."""
+    cfg = load_config(ns.config) if ns.config else Config()
+    if ns.admission != "config":
+        cfg.admission.enabled = ns.admission == "on"
+    policies = _policies(ns, cfg)
+    _check_numbers(ns)
+    att_slo = attainment_slo(ns)
+    targets = attainment_targets(ns)
+    grid = parse_floats("--rate-grid", ns.rate_grid) if ns.rate_grid is not None else None
+    p99 = ns.slo_ttft_p99 is not None or ns.slo_tpot_p99 is not None
+    # a p99 SLO alone keeps today's search; --slo-attainment (or no p99 bound) adds one per Q
+    search_q = targets if ns.slo_attainment is not None or not p99 else []
+    engines = engine_configs(ns)
+    reqs, wseed = _requests(ns)
     together = len(reqs) - len({r.timestamp_ms for r in reqs})
     if search_q and (ns.find_capacity or ns.min_engines) and together > 0.1 * len(reqs):
         print(f"dplb-simulate: note: {together} of {len(reqs)} arrivals share their instant with an earlier "
@@ -358,21 +412,8 @@ def _main(ns: argparse.Namespace) -> int:
     settings_json["tenant_mix"] = ns.tenant_mix
     if ns.workload:
         settings_json["workload"] = {"name": ns.workload, "seed": wseed, **describe(reqs)}
-    show = progress_enabled(ns.progress)
-    hashers: dict[tuple[int, str], EngineHasher] = {}
-
-    def run(settings: SimSettings, label: str) -> tuple[Figures, list[float]]:
-        bar = Progress(label, show)
-        t0 = time.perf_counter()
-        try:
-            res = Simulation(reqs, settings, hashers).run(bar)
-        finally:
-            bar.close()
-        fig = summarize(res, len(settings.engines), att_slo)
-        fig["admission"] = admission_figures(res, fig["slo_attainment"])
-        fig["_wall_s"] = time.perf_counter() - t0
-        return fig, [x for x in res.ttft if x is not None]
-
+    plan = _Plan(ns=ns, cfg=cfg, policies=policies, reqs=reqs, engines=engines, att_slo=att_slo, targets=targets,
+                 search_q=search_q, p99=p99, grid=grid, sweep=sweep, show=progress_enabled(ns.progress))
     base = SimSettings(engines=engines, router=cfg, state_interval_ms=ns.state_interval_ms,
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
@@ -380,77 +421,94 @@ def _main(ns: argparse.Namespace) -> int:
                        events_prefix=ns.events_prefix,
                        priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, None) if prio_mix else None,
                        tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
+    return plan, settings_json, base
+
+
+def _capacity(plan: _Plan, row: Figures, name: str, settings: SimSettings, fig: Figures) -> None:
+    """``--find-capacity``: the highest rate multiple within the p99 SLO and at each attainment Q, into ``row``."""
+    ns = plan.ns
+    rate = trace_rate(plan.reqs)
     slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
-    rows: list[Figures] = []
-    ttfts: dict[str, list[float]] = {}
-    walls: list[str] = []
-    for name in policies:
-        settings = replace(base, policy=name)
-        fig, samples = run(settings, f"{name} x{ns.rate_scale:g}")
-        walls.append(f"{name} {fig.pop('_wall_s'):.1f} s")
-        ttfts[name] = samples
-        row: Figures = {"policy": name, "settings": settings_json, **fig}
-        if ns.find_capacity:
-            rate = trace_rate(reqs)
 
-            def cap_run(st: SimSettings, _name: str = name) -> Figures:
-                f, _ = run(st, f"{_name} capacity x{st.rate_scale:.3g}")
-                f.pop("_wall_s", None)
-                return f
+    def cap_run(st: SimSettings) -> Figures:
+        return plan.figures(st, f"{name} capacity x{st.rate_scale:.3g}")
 
-            if p99:
-                row["capacity"] = find_capacity(cap_run, settings, slo, rate, start=ns.rate_scale,
-                                                tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
-            if search_q:
-                # a run that went to the end decides every Q: the searches share them
-                complete: dict[float, Figures] = {ns.rate_scale: fig}
+    if plan.p99:
+        row["capacity"] = find_capacity(cap_run, settings, slo, rate, start=ns.rate_scale,
+                                        tolerance=ns.capacity_tolerance, known={ns.rate_scale: fig})
+    if plan.search_q:
+        # a run that went to the end decides every Q: the searches share them
+        complete: dict[float, Figures] = {ns.rate_scale: fig}
 
-                def att_run(st: SimSettings, _done: dict[float, Figures] = complete) -> Figures:
-                    f = cap_run(st)
-                    if not f["aborted_early"]:
-                        _done[st.rate_scale] = f
-                    return f
+        def att_run(st: SimSettings) -> Figures:
+            f = cap_run(st)
+            if not f["aborted_early"]:
+                complete[st.rate_scale] = f
+            return f
 
-                row["capacity_attainment"] = {
-                    f"{q:g}": find_capacity(att_run, settings, slo, rate, start=ns.rate_scale,
-                                            tolerance=ns.capacity_tolerance, known=complete,
-                                            attainment=(att_slo, q))
-                    for q in search_q}
-        if grid is not None:
-            def grid_run(st: SimSettings, _name: str = name) -> Figures:
-                f, _ = run(st, f"{_name} grid x{st.rate_scale:.3g}")
-                f.pop("_wall_s", None)
-                return f
+        row["capacity_attainment"] = {
+            f"{q:g}": find_capacity(att_run, settings, slo, rate, start=ns.rate_scale,
+                                    tolerance=ns.capacity_tolerance, known=complete,
+                                    attainment=(plan.att_slo, q))
+            for q in plan.search_q}
 
-            row["rate_grid"] = rate_sweep(grid_run, settings, grid, trace_rate(reqs), targets,
-                                          known={ns.rate_scale: fig})
-        if sweep is not None:
-            row["goodput_sweep"] = []
-            for f in sweep:
-                x = ns.rate_scale * f
-                fx = fig if f == 1.0 else run(replace(settings, rate_scale=x), f"{name} sweep x{x:.3g}")[0]
-                fx.pop("_wall_s", None)
-                a = fx["admission"]
-                row["goodput_sweep"].append({
-                    "policy": name, "x": x, "offered_rps": a["offered_rps"], "goodput_rps": a["goodput_rps"],
-                    "attainment": fx["slo_attainment"]["attainment"], "shed": a["shed"],
-                    "ttft_p50": fx["ttft_s"]["p50"] or 0.0, "ttft_p99": fx["ttft_s"]["p99"] or 0.0,
-                    "by_class": a.get("by_class"), "by_tenant": a.get("by_tenant")})
-        if ns.min_engines:
-            def eng_run(st: SimSettings, _name: str = name) -> Figures:
-                f, _ = run(st, f"{_name} {len(st.engines)} engines")
-                f.pop("_wall_s", None)
-                return f
 
-            if p99:
-                row["min_engines"] = min_engines(eng_run, settings, slo, ns.max_engines)
-            if search_q:
-                row["min_engines_attainment"] = {
-                    f"{q:g}": min_engines(eng_run, settings, slo, ns.max_engines, attainment=(att_slo, q))
-                    for q in search_q}
-        rows.append(row)
-    print(f"trace {ns.trace}: {len(reqs)} requests from #{ns.start}, rate x{ns.rate_scale:g}, "
-          f"{len(engines)} engines, seed {ns.seed} (times in s, TPOT in ms)")
+def _goodput_sweep(plan: _Plan, name: str, settings: SimSettings, fig: Figures) -> list[Figures]:
+    """``--goodput-sweep``: one point per factor (offered and SLO-met requests/s, sheds, TTFT)."""
+    out: list[Figures] = []
+    for f in plan.sweep or []:
+        x = plan.ns.rate_scale * f
+        fx = fig if f == 1.0 else plan.run(replace(settings, rate_scale=x), f"{name} sweep x{x:.3g}")[0]
+        fx.pop("_wall_s", None)
+        a = fx["admission"]
+        out.append({
+            "policy": name, "x": x, "offered_rps": a["offered_rps"], "goodput_rps": a["goodput_rps"],
+            "attainment": fx["slo_attainment"]["attainment"], "shed": a["shed"],
+            "ttft_p50": fx["ttft_s"]["p50"] or 0.0, "ttft_p99": fx["ttft_s"]["p99"] or 0.0,
+            "by_class": a.get("by_class"), "by_tenant": a.get("by_tenant")})
+    return out
+
+
+def _min_engines(plan: _Plan, row: Figures, name: str, settings: SimSettings) -> None:
+    """``--min-engines``: the fewest engines within the p99 SLO and at each attainment Q, into ``row``."""
+    ns = plan.ns
+    slo = SLO(ns.slo_ttft_p99, ns.slo_tpot_p99)
+
+    def eng_run(st: SimSettings) -> Figures:
+        return plan.figures(st, f"{name} {len(st.engines)} engines")
+
+    if plan.p99:
+        row["min_engines"] = min_engines(eng_run, settings, slo, ns.max_engines)
+    if plan.search_q:
+        row["min_engines_attainment"] = {
+            f"{q:g}": min_engines(eng_run, settings, slo, ns.max_engines, attainment=(plan.att_slo, q))
+            for q in plan.search_q}
+
+
+def _policy_row(plan: _Plan, settings: SimSettings, settings_json: Figures) -> tuple[Figures, list[float], float]:
+    """One policy's row: the run at ``--rate-scale`` and every search asked for; with its TTFT
+    samples (s) and the wall seconds of the first run."""
+    ns, name = plan.ns, settings.policy
+    fig, samples = plan.run(settings, f"{name} x{ns.rate_scale:g}")
+    wall = fig.pop("_wall_s")
+    row: Figures = {"policy": name, "settings": settings_json, **fig}
+    if ns.find_capacity:
+        _capacity(plan, row, name, settings, fig)
+    if plan.grid is not None:
+        row["rate_grid"] = rate_sweep(lambda st: plan.figures(st, f"{name} grid x{st.rate_scale:.3g}"), settings,
+                                      plan.grid, trace_rate(plan.reqs), plan.targets, known={ns.rate_scale: fig})
+    if plan.sweep is not None:
+        row["goodput_sweep"] = _goodput_sweep(plan, name, settings, fig)
+    if ns.min_engines:
+        _min_engines(plan, row, name, settings)
+    return row, samples, wall
+
+
+def _report(plan: _Plan, rows: list[Figures]) -> None:
+    """Print the rows: the table, the attainment line, replicas and admission, then each search's table."""
+    ns, att_slo = plan.ns, plan.att_slo
+    print(f"trace {ns.trace}: {len(plan.reqs)} requests from #{ns.start}, rate x{ns.rate_scale:g}, "
+          f"{len(plan.engines)} engines, seed {ns.seed} (times in s, TPOT in ms)")
     print(table(rows))
     print(f"({LEGEND})")
     print(attainment_line(rows, att_slo))
@@ -463,25 +521,43 @@ def _main(ns: argparse.Namespace) -> int:
     adm_txt = ", ".join(f"{r['policy']} queued {r['admission']['queued']}, shed {r['admission']['shed']} "
                         f"(longest wait {r['admission']['shed_wait_max_s']} s), goodput {r['admission']['goodput_rps']} "
                         f"req/s of {r['admission']['offered_rps']} offered" for r in rows)
-    print(f"admission ({'on' if cfg.admission.enabled else 'off'}): {adm_txt}")
+    print(f"admission ({'on' if plan.cfg.admission.enabled else 'off'}): {adm_txt}")
     groups = group_lines(rows)
     if groups:
         print(groups)
-    if sweep is not None:
+    if plan.sweep is not None:
         print(f"\ngoodput vs offered load ({att_slo_text(att_slo)})")
         print(sweep_table([p for r in rows for p in r["goodput_sweep"]]))
-    if (ns.find_capacity or ns.min_engines) and p99:
+    _report_searches(plan, rows)
+
+
+def _report_searches(plan: _Plan, rows: list[Figures]) -> None:
+    """Print the capacity (p99 and attainment) and rate-grid tables the searches filled in."""
+    ns, att_slo = plan.ns, plan.att_slo
+    if (ns.find_capacity or ns.min_engines) and plan.p99:
         slo_txt = ", ".join(x for x in (f"TTFT p99 <= {ns.slo_ttft_p99} s" if ns.slo_ttft_p99 is not None else "",
                                         f"TPOT p99 <= {ns.slo_tpot_p99} s" if ns.slo_tpot_p99 is not None else "")
                             if x)
         print(f"\ncapacity within {slo_txt} (x = multiple of the trace's own rate)")
         print(capacity_table(rows))
-    if (ns.find_capacity or ns.min_engines) and search_q:
+    if (ns.find_capacity or ns.min_engines) and plan.search_q:
         print(f"\ncapacity at SLO attainment Q (x = multiple of the trace's own rate; {att_slo_text(att_slo)})")
-        print(capacity_table(rows, [f"{q:g}" for q in search_q]))
-    if grid is not None:
-        print(f"\nSLO misses over the rate grid (of {len(reqs)} requests per rate; {att_slo_text(att_slo)})")
-        print(grid_table(rows, [f"{q:g}" for q in targets]))
+        print(capacity_table(rows, [f"{q:g}" for q in plan.search_q]))
+    if plan.grid is not None:
+        print(f"\nSLO misses over the rate grid (of {len(plan.reqs)} requests per rate; {att_slo_text(att_slo)})")
+        print(grid_table(rows, [f"{q:g}" for q in plan.targets]))
+
+
+def _main(ns: argparse.Namespace) -> int:
+    plan, settings_json, base = _plan(ns)
+    rows: list[Figures] = []
+    ttfts: dict[str, list[float]] = {}
+    walls: list[str] = []
+    for name in plan.policies:
+        row, ttfts[name], wall = _policy_row(plan, replace(base, policy=name), settings_json)
+        walls.append(f"{name} {wall:.1f} s")
+        rows.append(row)
+    _report(plan, rows)
     print("wall: " + ", ".join(walls), file=sys.stderr)
     if ns.json_out:
         write_json(ns.json_out, rows)

@@ -113,7 +113,7 @@ def test_repeats_take_their_own_trace_window_and_name_the_conversation():
 
 
 def test_goodput_goes_to_dplb_and_the_two_best_error_free_peers():
-    from bench.run import goodput_systems
+    from bench.goodput_search import goodput_systems
     from bench.systems import SystemSpec
 
     systems = [SystemSpec("dplb", "dplb"), SystemSpec("dplb", "kv_cost"), SystemSpec("sglang", "cache_aware"),

@@ -22,4 +22,5 @@ def test_router_inproc_answers_every_request_in_one_write_and_cleans_up():
     assert m and float(m.group(1)) > 0 and m.group(2) == "1.00", out.stdout
     calls = re.search(r"Python function calls per request: ([\d.]+)", out.stdout)
     assert calls and 50 < float(calls.group(1)) < 1000, out.stdout
-    assert {f for f in os.listdir("/dev/shm") if f.startswith("dplb-bench-")} == before
+    # none left of its own (another bench running beside may add or remove its own meanwhile)
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("dplb-bench-")} - before == set()

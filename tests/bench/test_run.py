@@ -10,12 +10,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.harness import Harness, engine_sets
 from bench.run import (
     FULL_SYSTEMS,
     QUICK_SYSTEMS,
-    Harness,
     apply_overrides,
-    engine_sets,
     parse_args,
     select,
 )
@@ -117,8 +116,8 @@ def test_selection_flags():
 
 
 def test_measured_add_accumulates_batches():
+    from bench.harness import Measured
     from bench.loadgen import Result
-    from bench.run import Measured
 
     def res(n):
         return [Result(True, 200, 0.0, 0.01, 0.01, 1, None, "")] * n
@@ -136,7 +135,7 @@ def test_measured_add_accumulates_batches():
 
 
 def test_vllm_router_gets_its_load_shape_and_nobody_else_does():
-    from bench.run import with_load_format
+    from bench.harness import with_load_format
     flags = engine_sets(0.5, 1)["main"][0]
     assert "--get-load-format" not in with_load_format(flags, [SystemSpec("sglang", "cache_aware")]).argv(0)
     argv = with_load_format(flags, [SystemSpec("dplb", "dplb"), SystemSpec("vllm", "power_of_two")]).argv(0)

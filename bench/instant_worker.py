@@ -1,0 +1,116 @@
+"""The overhead benches' *instant worker*: a minimal asyncio HTTP/1.1 keep-alive server on a Unix
+socket or loopback TCP port that answers every POST with a fixed ~300-byte chat completion
+(:data:`RESP_BODY`), a streamed POST (``"stream":true``) with one SSE event per write every
+``interval_s`` (an engine's tokens), and the GETs an attached agent's engine adapter asks for. It
+plays the role nginx plays in the field's router measurements: the engine costs nothing, so what a
+router adds is all that is measured. Run by ``python -m bench.router_overhead --serve-worker SHM
+SOCK CHUNKS INTERVAL`` (:func:`serve_worker`).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+RESP_BODY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,'
+             b'"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,'
+             b'"completion_tokens":1,"total_tokens":10}}')
+RESP = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(RESP_BODY)).encode()
+        + b"\r\n\r\n" + RESP_BODY)
+
+
+CHUNK = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench","choices":'
+         b'[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n')
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+#: stream parameters of the instant worker (set from the command line of --serve-worker)
+STREAM = {"chunks": 64, "interval_s": 0.002}
+
+
+def _hchunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _fixed(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+
+
+# GET answers an attached agent's engine adapter may ask for (readiness, model list, metrics)
+GET_ANSWERS = {b"/v1/models": _fixed(b'{"object":"list","data":[{"id":"bench","object":"model"}]}'),
+               b"/metrics": _fixed(b"", b"text/plain; version=0.0.4"),
+               b"/health": _fixed(b"")}
+
+
+class _Instant(asyncio.Protocol):
+    """HTTP/1.1 keep-alive server answering RESP to each request (GET /health included)."""
+
+    def connection_made(self, transport):  # type: ignore[override]
+        self.t = transport
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            n = 0
+            i = head.find(b"content-length:")
+            if i >= 0:
+                n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
+            if len(self.buf) < end + 4 + n:
+                return
+            body = self.buf[end + 4:end + 4 + n]
+            self.buf = self.buf[end + 4 + n:]
+            if head.startswith(b"get "):
+                path = head[4:head.find(b" ", 4)].split(b"?", 1)[0]
+                self.t.write(GET_ANSWERS.get(path, GET_ANSWERS[b"/health"]))
+            elif b'"stream":true' in body:
+                self.t.write(STREAM_HEAD)
+                self._tick(STREAM["chunks"])
+            else:
+                self.t.write(RESP)
+
+    def _tick(self, left: int) -> None:
+        """One SSE event per write, ``STREAM["interval_s"]`` apart (an engine's tokens)."""
+        if self.t.is_closing():
+            return
+        if left == 0:
+            self.t.write(_hchunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            return
+        self.t.write(_hchunk(CHUNK))
+        asyncio.get_running_loop().call_later(STREAM["interval_s"], self._tick, left - 1)
+
+
+def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.002) -> None:
+    """Run the instant worker in this process (``--serve-worker``) until killed. ``shm`` "-": a
+    bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent.
+    ``sock``: a Unix socket path, or ``127.0.0.1:PORT`` to listen on loopback TCP."""
+    import uvloop
+
+    from dplb_shm import Segment, WorkerState
+
+    STREAM.update(chunks=chunks, interval_s=interval_s)
+    w = None
+    if shm != "-":
+        seg = Segment.attach(shm)
+        w = seg.writer(0)
+        w.claim(worker_id=0, pid=os.getpid(), endpoint=sock, model="bench", max_num_seqs=256)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        if sock.startswith("/"):
+            srv = await loop.create_unix_server(_Instant, sock)
+        else:
+            host, _, port = sock.rpartition(":")
+            srv = await loop.create_server(_Instant, host, int(port))
+        if w is not None:
+            w.set_state(WorkerState.READY)
+        async with srv:
+            while True:
+                await asyncio.sleep(0.1)
+                if w is not None:
+                    w.heartbeat()
+
+    uvloop.run(main())
