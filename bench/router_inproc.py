@@ -9,6 +9,10 @@ answered with that tool's tiny chat completion. What is timed is everything the 
 process runs per request except the two sockets and the kernel: uvicorn's parsing and task, the
 proxy, parse, policy, kernel call, lease, accounting, metrics and the response's framing.
 
+The router's logging is configured as in its process (:func:`router.app.configure_logging`, its
+stream pointed at ``/dev/null``), so the access line (``--access-log``, default ``text``) costs
+what it costs there.
+
 Prints µs per request (wall time of a tight loop, so run it on a quiet machine and compare runs
 interleaved) and the client writes per request. ``--profile``: cProfile's Python function calls
 per request (deterministic: the same code makes the same calls, whatever the machine's noise),
@@ -114,7 +118,7 @@ async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
 
     loop = asyncio.get_running_loop()
     cfg = load_config(None, {"router.shm": shm, "health_check.enabled": False,
-                             "routing_policy.policy": a.policy})
+                             "routing_policy.policy": a.policy, "router.access_log": a.access_log})
     app = create_app(cfg, seg)
     ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", access_log=False, server_header=False,
                           date_header=False, log_level="warning", proxy_headers=False, timeout_keep_alive=30)
@@ -142,12 +146,13 @@ async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
         for _ in range(2000):
             await one()
         w0 = client.writes
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(a.requests):
             await one()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         print(f"router in-process, policy={a.policy}: {dt / a.requests * 1e6:.1f} µs per tiny request, "
-              f"{(client.writes - w0) / a.requests:.2f} client writes per request")
+              f"{(client.writes - w0) / a.requests:.2f} client writes per request, "
+              f"{dc / a.requests * 1e6:.1f} µs CPU per request")
         if a.profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -176,8 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="dplb")
     ap.add_argument("--profile", action="store_true", help="also run them under cProfile and print calls per request")
     ap.add_argument("--top", type=int, default=25, help="functions listed with --profile")
+    ap.add_argument("--access-log", default="text", choices=("text", "json", "off"), help="router.access_log")
     a = ap.parse_args(argv)
+    import logging
+
     import uvloop
+
+    from router.app import configure_logging
+
+    configure_logging("warning")
+    devnull = open(os.devnull, "w")   # noqa: SIM115 (the router's stream for the whole run)
+    for h in logging.root.handlers:
+        if isinstance(h, logging.StreamHandler):
+            h.setStream(devnull)
 
     from dplb_shm import Segment, WorkerState
 

@@ -28,15 +28,28 @@ error message quoting them) is escaped and cut to 256 characters (:mod:`router.l
 lines a value holding a space, ``=`` or ``"`` is double-quoted, so that no client can end the line
 or add a field (``X-Request-Id: x worker=9 status=500`` logs ``rid="x worker=9 status=500"``); JSON
 lines are valid JSON whatever the bytes (orjson escapes them), their values cut the same way.
+
+The lines are written in batches: where the logger writes through the router's own handler
+(:func:`router.app.configure_logging`'s stream handler and format on the root logger, or the JSON
+mode's handler) and nothing else listens, a line is formatted here exactly as that handler would
+format it and appended to a buffer (:class:`_Batch`), written in one ``write`` every
+:data:`FLUSH_S` seconds or :data:`FLUSH_LINES` lines, before any other record the handler writes (a
+filter of its own keeps the file in order), and at exit. Anything else (other handlers, a
+formatter of one's own, pytest's ``caplog``) gets the records through :mod:`logging` as before.
+A line costs about a third of what a record did (``bench/results/long-prompts.md``); a router
+killed with SIGKILL loses at most the last :data:`FLUSH_S` seconds of lines.
 """
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
 import sys
+import time
 
 import orjson
 
-from router.logtext import OneLineFilter, field, text
+from router.logtext import LOG_FORMAT, MAX_LINE, OneLineFilter, field, one_line, text
 from router.repeats import RepeatLimiter
 
 log = logging.getLogger("dplb.router.access")
@@ -79,21 +92,161 @@ class AccessLog:
                             text(r), text(method), text(route), text(model or "-"), status, w, why)
         if not self.on or not log.isEnabledFor(logging.INFO):
             return
+        batch = _batch()
         if self.json:
-            log.info(orjson.dumps({"rid": _cut(r), "method": _cut(method), "route": _cut(route),
-                                   "model": None if model is None else _cut(model), "worker": w,
-                                   "status": status, "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 1),
-                                   "duration_ms": round(duration_s * 1e3, 1), "prompt_tokens": prompt_tokens,
-                                   "output_tokens": output_tokens, "attempts": attempts,
-                                   "queue_ms": round(queue_s * 1e3, 1)}).decode())
-            return
-        # the line made here, once: the record then carries no arguments to merge (its message is
-        # read by the one-line filter and by the formatter)
-        log.info(f"rid={field(r)} {_field(method)} {_field(route)} model={_field(model or '-')} worker={w} "
-                 f"status={status} ttft_ms={'-' if ttft_s is None else f'{ttft_s * 1e3:.1f}'} "
-                 f"duration_ms={duration_s * 1e3:.1f} prompt_tokens={'-' if prompt_tokens is None else prompt_tokens} "
-                 f"output_tokens={'-' if output_tokens is None else output_tokens} attempts={attempts} "
-                 f"queue_ms={queue_s * 1e3:.1f}")
+            line = orjson.dumps({"rid": _cut(r), "method": _cut(method), "route": _cut(route),
+                                 "model": None if model is None else _cut(model), "worker": w,
+                                 "status": status, "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 1),
+                                 "duration_ms": round(duration_s * 1e3, 1), "prompt_tokens": prompt_tokens,
+                                 "output_tokens": output_tokens, "attempts": attempts,
+                                 "queue_ms": round(queue_s * 1e3, 1)}).decode()
+        else:
+            # the line made here, once: a record then carries no arguments to merge (its message
+            # is read by the one-line filter and by the formatter)
+            line = (f"rid={field(r)} {_field(method)} {_field(route)} model={_field(model or '-')} worker={w} "
+                    f"status={status} ttft_ms={'-' if ttft_s is None else f'{ttft_s * 1e3:.1f}'} "
+                    f"duration_ms={duration_s * 1e3:.1f} "
+                    f"prompt_tokens={'-' if prompt_tokens is None else prompt_tokens} "
+                    f"output_tokens={'-' if output_tokens is None else output_tokens} attempts={attempts} "
+                    f"queue_ms={queue_s * 1e3:.1f}")
+        if batch is None:
+            log.info(line)
+        else:
+            batch.put(line)
+
+
+#: seconds a batch of access lines waits at most before its write
+FLUSH_S = 0.05
+#: lines a batch holds at most (then written at once)
+FLUSH_LINES = 128
+#: the record prefix of the router's format (LOG_FORMAT) after its time stamp, for this logger
+_TEXT_PREFIX = f" INFO {log.name}: "
+
+
+class _Batch:
+    """The access lines waiting for one write to ``handler``'s stream, each formatted as the
+    handler's formatter would (``text``: LOG_FORMAT's ``asctime`` in local time with
+    milliseconds, then level and logger; ``json``: the message alone) and kept on one line
+    (:func:`router.logtext.one_line`, the handler's own filter). Used from the event loop's thread;
+    :meth:`flush` may run from any (under the handler's lock)."""
+
+    __slots__ = ("handler", "lines", "second", "stamp", "text", "timer")
+
+    def __init__(self, handler: logging.StreamHandler, text: bool) -> None:
+        self.handler = handler
+        self.text = text
+        self.lines: list[str] = []
+        self.second = -1
+        self.stamp = ""
+        self.timer: asyncio.TimerHandle | None = None
+
+    def put(self, msg: str) -> None:
+        """Queue the line of message ``msg``; schedules its write (:data:`FLUSH_S`), or writes now
+        when no event loop runs here or the batch is full."""
+        if len(msg) > MAX_LINE or not msg.isprintable():
+            msg = one_line(msg)
+        if self.text:
+            # logging.LogRecord's created/msecs and logging.Formatter.formatTime's default format
+            ct = time.time()
+            sec = int(ct)
+            if sec != self.second:
+                self.second = sec
+                self.stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ct))
+            msg = f"{self.stamp},{int((ct - sec) * 1000):03d}{_TEXT_PREFIX}{msg}"
+        lines = self.lines
+        lines.append(msg)
+        if len(lines) >= FLUSH_LINES:
+            self.flush()
+        elif self.timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self.timer = loop.call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        """Write the waiting lines in one ``write`` (then the stream's flush), as the handler's
+        ``emit`` would; a stream that fails is reported by the handler (``handleError``)."""
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+        h = self.handler
+        with h.lock:   # type: ignore[union-attr]
+            lines, self.lines = self.lines, []
+            if not lines:
+                return
+            lines.append("")
+            try:
+                h.stream.write(h.terminator.join(lines))
+                h.flush()
+            except (OSError, ValueError):   # a closed or failing stream: the handler reports it, as in its emit
+                h.handleError(logging.makeLogRecord({"name": log.name, "msg": lines[0]}))
+
+
+class _FlushFirst(logging.Filter):
+    """On a handler that :class:`_Batch` writes to: the waiting access lines are written before any
+    other record the handler writes, so the file stays in time order."""
+
+    def __init__(self, batch: _Batch) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Flush the batch; always keeps the record."""
+        if self.batch.lines:
+            self.batch.flush()
+        return True
+
+
+#: the batch of each handler written to this way (at most the router's two)
+_BATCHES: dict[int, _Batch] = {}
+
+
+def _plain(h: logging.Handler, fmt: str) -> bool:
+    """Whether ``h`` writes exactly what :class:`_Batch` writes with format ``fmt``: a plain
+    stream handler, the standard formatter with that format (``%`` style, the default date format
+    in local time), only the one-line and flush filters, and INFO records."""
+    f = h.formatter
+    return (type(h) is logging.StreamHandler and type(f) is logging.Formatter and h.level <= logging.INFO
+            and f._fmt == fmt and f.datefmt is None and isinstance(f._style, logging.PercentStyle)
+            and f.converter is time.localtime and f.default_msec_format == "%s,%03d"
+            and all(isinstance(x, (OneLineFilter, _FlushFirst)) for x in h.filters))
+
+
+def _batch() -> _Batch | None:
+    """The batch the access lines go to, or None: the logging configuration is not the router's
+    own (they go through :mod:`logging`). Checked at each line (a handler may come or go)."""
+    if log.filters:
+        return None
+    if log.propagate:
+        hs = logging.root.handlers
+        if log.handlers or len(hs) != 1 or logging.root.filters:
+            return None
+        text_ = True
+    else:
+        hs = log.handlers
+        if len(hs) != 1:
+            return None
+        text_ = False
+    h = hs[0]
+    b = _BATCHES.get(id(h))
+    if b is not None and b.handler is h:
+        return b
+    if not _plain(h, LOG_FORMAT if text_ else "%(message)s"):
+        return None
+    b = _BATCHES[id(h)] = _Batch(h, text_)   # type: ignore[arg-type]
+    h.addFilter(_FlushFirst(b))
+    return b
+
+
+def flush() -> None:
+    """Write every waiting access line now (at the router's stop and at exit)."""
+    for b in list(_BATCHES.values()):
+        b.flush()
+
+
+atexit.register(flush)
 
 
 #: field() of the values that repeat from line to line (methods, routes, model names), bounded: the
@@ -118,4 +271,4 @@ def _cut(s: str, limit: int = 256) -> str:
     return s if len(s) <= limit else f"{s[:limit]}...(+{len(s) - limit} chars)"
 
 
-__all__ = ["AccessLog", "text"]
+__all__ = ["FLUSH_LINES", "FLUSH_S", "AccessLog", "flush", "text"]

@@ -26,6 +26,7 @@ from router.asgi import ASGIApp, Message, Receive, Scope, Send
 from router.config import Config, config_from_json
 from router.control import build_fastapi
 from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
+from router.logtext import LOG_FORMAT
 from router.proxy import Proxy, ProxySettings
 from router.server import check_headers
 from router.state import RouterState
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from dplb_shm import Segment
 
 #: every router log line: time, level, logger, message
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger("dplb.router")
 CONFIG_ENV = "DPLB_ROUTER_CONFIG_JSON"
 POST_ONLY = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})

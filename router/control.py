@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dplb_protocol.wire import WORKER_HEADER, parse_request
+from router import access_log
 from router.admin import admin_router
 from router.config import Config, is_loopback
 from router.errors import (
@@ -101,6 +102,7 @@ def build_fastapi(state: RouterState) -> FastAPI:
             if mport is not None:
                 await mport.stop()
             await state.stop()
+            access_log.flush()   # the lines still waiting for their batch's write
 
     app = FastAPI(title="DPLB router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)

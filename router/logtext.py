@@ -25,6 +25,8 @@ import logging
 MAX_FIELD = 256
 #: characters of one whole log message kept by :class:`OneLineFilter` (its traceback aside)
 MAX_LINE = 16384
+#: the router's log format (:func:`router.app.configure_logging`)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 
@@ -104,16 +106,22 @@ class OneLineFilter(logging.Filter):
             msg = record.getMessage()
         except (TypeError, ValueError):  # a bad format string: logging reports it itself
             return True
-        extra = len(msg) - MAX_LINE
-        if extra > 0:
-            msg = msg[:MAX_LINE]
-        if not msg.isprintable():
-            msg = "".join(c if c.isprintable() else _json_escape(c) for c in msg)
-        elif extra <= 0:
+        if len(msg) <= MAX_LINE and msg.isprintable():
             return True
-        record.msg = f"{msg}...(+{extra} chars)" if extra > 0 else msg
+        record.msg = one_line(msg)
         record.args = None
         return True
+
+
+def one_line(msg: str) -> str:
+    """``msg`` as :class:`OneLineFilter` leaves a record's message: every unprintable character
+    escaped as ``\\uNNNN``, cut to :data:`MAX_LINE` characters plus ``...(+N chars)``."""
+    extra = len(msg) - MAX_LINE
+    if extra > 0:
+        msg = msg[:MAX_LINE]
+    if not msg.isprintable():
+        msg = "".join(c if c.isprintable() else _json_escape(c) for c in msg)
+    return f"{msg}...(+{extra} chars)" if extra > 0 else msg
 
 
 def uvicorn_log_config() -> dict[str, object]:
@@ -139,4 +147,4 @@ def install(logger: logging.Logger | None = None) -> None:
             h.addFilter(OneLineFilter())
 
 
-__all__ = ["MAX_FIELD", "MAX_LINE", "OneLineFilter", "field", "install", "text", "uvicorn_log_config"]
+__all__ = ["LOG_FORMAT", "MAX_FIELD", "MAX_LINE", "OneLineFilter", "field", "install", "one_line", "text", "uvicorn_log_config"]

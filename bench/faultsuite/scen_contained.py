@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -92,11 +93,19 @@ def parse_access(msg: str) -> tuple[list[str], dict[str, str]]:
     return bare, fields
 
 
-def _new_lines(path: str, start: int) -> tuple[list[str], int]:
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read()
-    return data.decode("utf-8", "replace").split("\n")[:-1], len(data)
+def _new_lines(path: str, start: int, want: int = 0, wait_s: float = 5.0) -> tuple[list[str], int]:
+    """The lines written to ``path`` past byte ``start`` and their bytes, once at least ``want``
+    lines are there or ``wait_s`` s have passed (the access lines come in batches, written within
+    ``router.access_log.FLUSH_S``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+        lines = data.decode("utf-8", "replace").split("\n")[:-1]
+        if len(lines) >= want or time.monotonic() >= deadline:
+            return lines, len(data)
+        time.sleep(0.02)
 
 
 def _check_text(lines: list[str], sent: int) -> dict[str, Any]:
@@ -145,13 +154,13 @@ def run_log_injection(mode: str = "text", big_mib: int = 4, big_n: int = 3) -> R
         statuses = {}
         for label, path, body, hdrs in hostile_requests():
             statuses[label] = _send(port, "POST", path, body, hdrs)
-        lines, _ = _new_lines(log, start)
+        lines, _ = _new_lines(log, start, len(statuses))
         res.sent = len(statuses)
         big = orjson.dumps({"model": "M" * (big_mib << 20), "messages": [{"role": "user", "content": "hi"}]})
         before_big = os.path.getsize(log)
         big_status = [_send(port, "POST", CHAT, big, {}) for _ in range(big_n)]
         res.sent += big_n
-        lines_big, grown = _new_lines(log, before_big)
+        lines_big, grown = _new_lines(log, before_big, big_n)
     checked = _check_json(lines) if mode == "json" else _check_text(lines, len(statuses))
     others = [ln[:160] for ln in lines if " dplb.router.access: " not in ln and not ln.startswith("{")]
     forged = [ln[:160] for ln in lines + lines_big if ln.startswith(FORGED[:10]) and "worker 0: ready -> dead" in ln

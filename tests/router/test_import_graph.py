@@ -47,7 +47,9 @@ def imports_of(path: Path, mod: str, known: set[str]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    # not what lives in hidden folders: git-ignored installs (bench/.peers/<peer>: the peers' venvs)
+    files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+             if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)}
     known = set(files)
     g = {m: imports_of(p, m, known) for m, p in files.items()}
     # a package's __init__ importing its own submodules is how packages re-export; not an edge back
