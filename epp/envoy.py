@@ -60,6 +60,10 @@ BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
 #: response head and the stream's end only; see :mod:`epp.stream` for what the lease loses)
 RESPONSE_BODY_MODES = ("STREAMED", "FULL_DUPLEX_STREAMED", "NONE")
 POOL_CLUSTER = "dplb_pool"
+#: the longest Envoy may be asked to wait for one picker answer (``max_message_timeout``, seconds):
+#: a request held in the picker's admission queue asks for its budget (epp.stream.hold_response);
+#: the gRPC stream's own timeout (300 s) bounds it anyway
+MAX_HOLD_S = 300.0
 #: Envoy's response flags for an upstream that failed before answering (local reply bodies)
 UPSTREAM_FLAGS = ("UF", "URX", "UH", "UC", "UO", "UT", "UMSDR", "NR")
 
@@ -70,7 +74,9 @@ class EnvoySettings:
     ``epp_host``/``epp_port``: the picker's ext_proc server (an IP address, or a DNS name such as
     a Kubernetes Service's, then resolved by Envoy: ``STRICT_DNS``); ``request_body_mode``: one of
     :data:`BODY_MODES`; ``message_timeout_s``: how long Envoy waits for each picker answer (Envoy's
-    default, 200 ms, is too short for a busy box); ``route_timeout_s``: the whole request's upper
+    default, 200 ms, is too short for a busy box); ``max_message_timeout_s``: the longest the
+    picker may ask Envoy to wait for one answer instead (``override_message_timeout``: a request
+    waiting in its admission queue asks for its queue budget); ``route_timeout_s``: the whole request's upper
     bound (0: none; streams can last minutes); ``access_log``: a file path for one line per request
     (the status, the picked endpoint from the dynamic metadata, the worker id), or None;
     ``response_body_mode``: one of :data:`RESPONSE_BODY_MODES`; ``pool_eds``: the EDS file of the
@@ -86,6 +92,7 @@ class EnvoySettings:
     failure_mode_allow: bool = False
     request_body_mode: str = "BUFFERED"
     message_timeout_s: float = 10.0
+    max_message_timeout_s: float = MAX_HOLD_S
     route_timeout_s: float = 0.0
     connect_timeout_s: float = 2.0
     buffer_limit_bytes: int = 16 * 1024 * 1024
@@ -202,6 +209,7 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
             "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "300s"},
             "failure_mode_allow": s.failure_mode_allow,
             "message_timeout": _secs(s.message_timeout_s),
+            "max_message_timeout": _secs(s.max_message_timeout_s),
             "processing_mode": mode,
             "metadata_options": {"receiving_namespaces": {"untyped": [NAMESPACE]},
                                  "forwarding_namespaces": {"untyped": [NAMESPACE]}},

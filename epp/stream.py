@@ -61,11 +61,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from dplb_protocol.wire import WORKER_HEADER, BadRequest, OpenAIError
-from epp.envoy import HEADER, NAMESPACE, SERVED
+from epp.envoy import HEADER, MAX_HOLD_S, NAMESPACE, SERVED
 from epp.picker import Picker, envoy_target
+from router.config import AdmissionSection
 from router.director import ENGINE_ABORT, route_of
 from router.errors import BodyTooLarge, TransportError
 from router.policies.base import RequestInfo
@@ -82,6 +83,8 @@ CHUNK = 62_000
 ANSWER_KEEP = 1 << 20
 #: seconds the probe that tells a broken stream from a client that left may take (module docstring)
 CUT_PROBE_S = 1.0
+#: seconds Envoy is asked to wait beyond the longest queue budget for a held request's answer
+HOLD_MARGIN_S = 5.0
 #: the probes of cut streams under way (kept referenced until done)
 _JUDGING: set[asyncio.Task[None]] = set()
 _PROBING = "probing"   # Exchange.cut while the probe of a cut stream is out
@@ -110,6 +113,19 @@ def immediate(e: OpenAIError) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=e.status), 
         headers=pb.HeaderMutation(set_headers=hs), body=e.body(), details=f"dplb_epp_{e.status}"))
+
+
+def hold_response(adm: AdmissionSection) -> pb.ProcessingResponse:
+    """The answer that asks Envoy to wait for the picker's next answer up to the longest queue
+    budget of ``adm`` plus :data:`HOLD_MARGIN_S` (at most :data:`MAX_HOLD_S`), seconds, while a
+    request waits in the admission queue: ext_proc's ``override_message_timeout``, honoured once
+    per processing state by an Envoy whose ``max_message_timeout`` is at least that
+    (:func:`epp.envoy.bootstrap_yaml` sets it; without one Envoy ignores it and answers 504 after
+    ``message_timeout``)."""
+    longest = max([adm.queue_budget_s, *(c.queue_budget_s for c in adm.classes.values() if c.queue_budget_s)])
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(int(1000 * min(MAX_HOLD_S, longest + HOLD_MARGIN_S)))
+    return pb.ProcessingResponse(override_message_timeout=d)
 
 
 def destination(endpoint: str, *fallbacks: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
@@ -429,6 +445,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             async for req in request_iterator:
                 out = ex.on_message(req)
                 if ex.waiting is not None:   # admission holds the request: wait here, the stream held
+                    # Envoy waits message_timeout (seconds) for each answer: a request may wait in
+                    # the queue longer, up to its budget; ask Envoy to wait that long this once
+                    yield hold_response(self.picker.state.cfg.admission)
                     out = await ex.admit()
                 for resp in out:
                     yield resp

@@ -457,14 +457,19 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
     its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
     ``tpot_slo_s`` (:func:`pacing_over`), or, for a policy that estimates no TTFT, the chosen
-    worker's router in-flight count at its ``max_num_seqs``."""
+    worker's router in-flight count (read live from the segment) at its ``max_num_seqs``."""
     h, d = sched.decide(info, exclude)
     full = (d.reason == "kv_full" or d.slo_victims > 0
             or pacing_over(sched.decodes.requests(h.worker_id), q.cfg.tpot_slo_s))
     est = d.ttft_s if d.ttft_s is not None else d.est_s
     if est is None and not full:
         snap = h.snap
-        full = snap is not None and int(snap.max_num_seqs) > 0 and int(snap.router_inflight) >= int(snap.max_num_seqs)
+        if snap is not None and int(snap.max_num_seqs) > 0:
+            # the live count, not the last health tick's: every dispatch of a burst (by any
+            # router process) since that tick counts, or the whole burst passes on a stale 0
+            seg = sched.seg
+            n = int(snap.router_inflight) if seg is None else int(seg.router_inflight_get(h.worker_id))
+            full = n >= int(snap.max_num_seqs)
     v = q.judge(t, est, now, full)
     if v != GO:
         return v, None, None
