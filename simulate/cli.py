@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulator only: prefix-aware policies see each engine's cached prefix of the request as "
                         "the engines' KV-cache events tell it (one block set per engine, updated when each step "
                         "ends, shared by every replica) instead of the router's prefix index")
+    r.add_argument("--share-load-ms", type=float, default=None, metavar="D",
+                   help="with --replicas: the replicas share their in-flight work per engine (requests, prefill "
+                        "tokens, decodes) through a store, each change seen by the others D ms later (a Redis "
+                        "or NATS publication; default: nothing shared)")
     r.add_argument("--client-max-tokens", choices=CLIENT_BOUNDS, default="exact",
                    help="the max_tokens the router is told (the engine still generates the trace's output "
                         "length): exact (the trace's length, an oracle; default), pow2 (rounded up to a power "
@@ -263,7 +267,7 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
         "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix, "events_prefix": ns.events_prefix,
         "client_max_tokens": ns.client_max_tokens,
-        "replicas": ns.replicas,
+        "replicas": ns.replicas, "share_load_ms": ns.share_load_ms,
         "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
         "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
@@ -353,6 +357,8 @@ def _check_numbers(ns: argparse.Namespace) -> None:
         raise UsageError(f"--state-interval-ms {ns.state_interval_ms}: must be >= 10 (as the agent's)")
     if ns.replicas < 1:
         raise UsageError(f"--replicas {ns.replicas}: must be >= 1")
+    if ns.share_load_ms is not None and ns.share_load_ms < 0:
+        raise UsageError(f"--share-load-ms {ns.share_load_ms}: must be >= 0")
     if ns.latency_window_s < 0:
         raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
 
@@ -418,7 +424,7 @@ def _plan(ns: argparse.Namespace) -> tuple[_Plan, Figures, SimSettings]:
                        latency_window_s=ns.latency_window_s, rate_scale=ns.rate_scale, api=ns.api,
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
                        client_max_tokens=ns.client_max_tokens, replicas=ns.replicas,
-                       events_prefix=ns.events_prefix,
+                       events_prefix=ns.events_prefix, share_load_ms=ns.share_load_ms,
                        priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, None) if prio_mix else None,
                        tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
     return plan, settings_json, base

@@ -49,7 +49,9 @@ Router replicas (``SimSettings.replicas`` R > 1, :mod:`simulate.replicas`): R ro
 round-robin front, each with its own segment, policy and registry; every engine has one agent per
 replica's segment, all publishing at the engine's tick; the router tick syncs every registry.
 With ``events_prefix`` the engines' KV-cache events, taken at each step end, are every replica's
-prefix truth.
+prefix truth. With ``share_load_ms`` the replicas share their router lines through a store
+(:class:`simulate.replicas.SharedLoad`): after every event each replica's changes are published,
+and a SHARE event applies them to the other replicas' lines that many ms later.
 
 Here: the event loop, one handler per event kind (:class:`_Run`). What a run is given and returns:
 :mod:`simulate.settings`; the cluster's parts (virtual clock, private segment, engines with their
@@ -78,6 +80,7 @@ from simulate.replicas import (
     AccountingError,
     Replica,
     RoundRobinFront,
+    SharedLoad,
     add_scrapers,
     apply_kv_events,
 )
@@ -99,7 +102,7 @@ from simulate.workload import (
 )
 from worker_agent.metrics import EngineMetrics
 
-STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE, ADMIT_TICK = 0, 1, 2, 3, 4
+STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE, ADMIT_TICK, SHARE = 0, 1, 2, 3, 4, 5
 
 
 def _threshold_count(n: int, q: float = 99.0) -> int:
@@ -215,6 +218,9 @@ class _Run:
         self.replicas = [self._start_router(r, seg, cfg, rng) for r, seg in enumerate(segs)]
         self.front = RoundRobinFront(len(segs))
         self.accounting = AccountingError()
+        self.share = (SharedLoad(segs, len(self.engines), s.share_load_ms / 1000.0)
+                      if s.share_load_ms is not None and len(segs) > 1 else None)
+        self.share_pending = False
         self.needs_text = bool(getattr(self.replicas[0].policy, "needs_text", True))
         self.n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
         self.block_sets: list[BlockSet] = []
@@ -298,7 +304,9 @@ class _Run:
         """Run every event in order (ties: step ends, agent ticks, router ticks, samples, then
         arrivals) until every request is done or the run aborts; ``progress`` every 512 events."""
         n, arr, heap, clock = self.n, self.arr, self.heap, self.clock
-        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample, self.admit_timer)
+        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample, self.admit_timer,
+                    self.share_tick)
+        share = self.share
         heappop = heapq.heappop
         inf = float("inf")
         i_next = 0
@@ -315,6 +323,11 @@ class _Run:
                 events += 1
                 self.arrival(i_next, ta)
                 i_next += 1
+            if share is not None:
+                share.publish(clock.t)
+                if not self.share_pending and share.queue:
+                    self.share_pending = True
+                    self.push(share.queue[0][0], SHARE, -1)
             if self.aborted:
                 break
             if progress is not None and events % 512 == 0:
@@ -443,6 +456,14 @@ class _Run:
                 adm.expire(t)
         self._poll(t)
 
+    def share_tick(self, t: float, k: int) -> None:
+        """The replicas' published changes due now reach the other replicas' router lines
+        (:class:`simulate.replicas.SharedLoad`); the next SHARE event is pushed after the loop's
+        publication."""
+        assert self.share is not None   # pushed only with sharing on
+        self.share.deliver(t)
+        self.share_pending = False
+
     def _poll(self, t: float) -> None:
         if not self.admit_tick and any(adm.waiting for adm in self.adms):
             self.admit_tick = True
@@ -551,7 +572,8 @@ class _Run:
                          cached_tokens=self.cached, prompt_tokens=[r.input_length for r in self.reqs],
                          engine_stats=stats, load=self.load.as_dict(), end_time=self.clock.t,
                          aborted=self.aborted, events=events,
-                         replicas={"replicas": len(self.replicas), "accounting_error": self.accounting.result()},
+                         replicas={"replicas": len(self.replicas), "accounting_error": self.accounting.result(),
+                                   "shared_changes": self.share.published if self.share is not None else None},
                          waited=self._waited(),
                          priority=list(self.prios) if self.prios is not None
                          else [self.s.router.admission.default_priority] * self.n,

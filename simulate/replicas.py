@@ -20,9 +20,19 @@ with R = 1 the run is the one-router run, event for event.
 The accounting error (:class:`AccountingError`) compares, at every load sample, each replica's
 view of each engine's in-flight requests (its router line) and outstanding prefill tokens with the
 truth (the sum over all replicas, which is what every replica would see if they shared one segment).
+
+Shared load (:class:`SharedLoad`, ``--share-load-ms D``): each replica publishes the changes of its
+own router lines (in-flight requests, outstanding prefill work, decoding requests and their
+context: what :class:`router.accounting.RequestAccount` moves at dispatch, first token and end) to
+a store every replica reads, as ``HINCRBY`` on per-replica Redis hashes with a TTL (or a NATS
+subject) would; each other replica adds them to its own router lines ``D`` ms later. A replica's
+router line then holds every replica's work on the engine as of ``D`` ms ago, as one segment on one
+node holds every router process's, and its scraper's ``inflight`` (and so the outside requests
+``X_i``) counts them too.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from dplb_shm import Segment
@@ -131,3 +141,78 @@ class AccountingError:
     def result(self) -> Figures:
         """``{"inflight": e, "samples": n}`` (see the class docstring)."""
         return {"inflight": round(self.err / self.total, 4) if self.total > 0 else None, "samples": self.samples}
+
+
+#: the router-line counters a replica shares (``Segment.router_line`` keys), in delta order
+SHARED_FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
+
+Delta = tuple[int, int, int, int]
+
+
+class SharedLoad:
+    """The replicas' router lines shared through a store with a publication delay (the module
+    docstring). ``segs``: every replica's segment (replica order); ``slots``: the engines' slots;
+    ``delay_s``: from a replica's change to the other replicas' view of it, s (>= 0).
+
+    :meth:`publish` (after every event that may move a lease) queues each replica's changes since
+    its last publication, due ``delay_s`` later; :meth:`deliver` applies those due by ``now`` to
+    the other replicas' lines (``router_inflight_add``, ``prefill_add``, ``decode_add``), and
+    :meth:`next_due` says when the next one is. Deliveries keep publication order (one delay
+    for all). ``published``: changes queued; ``delivered``: changes applied (per receiving replica)."""
+
+    def __init__(self, segs: Sequence[Segment], slots: int, delay_s: float) -> None:
+        if delay_s < 0:
+            raise ValueError(f"share delay must be >= 0 s (got {delay_s})")
+        self.segs = list(segs)
+        self.slots = slots
+        self.delay_s = delay_s
+        n = len(self.segs)
+        zero: Delta = (0, 0, 0, 0)
+        #: per replica and slot: its own counters as last published / the others' applied to it
+        self.sent: list[list[Delta]] = [[zero] * slots for _ in range(n)]
+        self.got: list[list[Delta]] = [[zero] * slots for _ in range(n)]
+        self.queue: deque[tuple[float, int, int, Delta]] = deque()
+        self.published = 0
+        self.delivered = 0
+
+    def _own(self, r: int, k: int) -> Delta:
+        line = self.segs[r].router_line(k)
+        g = self.got[r][k]
+        return (int(line["router_inflight"]) - g[0], int(line["prefill_tokens"]) - g[1],
+                int(line["decode_reqs"]) - g[2], int(line["decode_ctx_tokens"]) - g[3])
+
+    def publish(self, now: float) -> None:
+        """Queue every replica's own changes since its last publication, due at ``now + delay_s``."""
+        due = now + self.delay_s
+        for r in range(len(self.segs)):
+            sent = self.sent[r]
+            for k in range(self.slots):
+                own = self._own(r, k)
+                old = sent[k]
+                if own != old:
+                    sent[k] = own
+                    self.queue.append((due, r, k, (own[0] - old[0], own[1] - old[1], own[2] - old[2],
+                                                   own[3] - old[3])))
+                    self.published += 1
+
+    def next_due(self) -> float | None:
+        """When the oldest queued change is due (None: nothing queued)."""
+        return self.queue[0][0] if self.queue else None
+
+    def deliver(self, now: float) -> None:
+        """Apply the changes due by ``now`` to every replica but their source."""
+        q = self.queue
+        while q and q[0][0] <= now:
+            _, src, k, d = q.popleft()
+            for r, seg in enumerate(self.segs):
+                if r == src:
+                    continue
+                if d[0]:
+                    seg.router_inflight_add(k, d[0])
+                if d[1]:
+                    seg.prefill_add(k, d[1])
+                if d[2] or d[3]:
+                    seg.decode_add(k, d[2], d[3])
+                g = self.got[r][k]
+                self.got[r][k] = (g[0] + d[0], g[1] + d[1], g[2] + d[2], g[3] + d[3])
+                self.delivered += 1

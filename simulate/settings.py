@@ -133,6 +133,9 @@ class SimSettings:
     #: block set (:class:`router.kv_events.BlockSet`, shared by every replica) takes the events of a
     #: step when the step ends, as vLLM publishes them after the step (``--events-prefix``)
     events_prefix: bool = False
+    #: with replicas: their router lines shared through a store, each change reaching the other
+    #: replicas this many ms later (:class:`simulate.replicas.SharedLoad`; None: nothing shared)
+    share_load_ms: float | None = None
     #: per request (window order) its priority class and tenant (None: the admission config's
     #: default class, one anonymous tenant); read by the router's admission queue
     #: (``router.admission``, on unless ``router.admission.enabled`` is false)

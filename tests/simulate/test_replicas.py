@@ -1,7 +1,9 @@
 """Router replicas in the simulator (``--replicas``, simulate/replicas.py) and the engines' KV-cache
 events as the prefix truth (``--events-prefix``): the front alternates the replicas, each replica
 has its own policy state and accounting, the accounting error is 0 with one replica, the events
-keep a block set equal to the engine's cache, and the events lag the engine by one step."""
+keep a block set equal to the engine's cache, and the events lag the engine by one step; shared
+load (``--share-load-ms``) reaches the other replicas' router lines after its delay, never echoes
+back to its source, and makes the replicas count what one segment would."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ import random
 import pytest
 
 from dplb_trace.mooncake import TraceRequest
+from router.accounting import RequestAccount
 from router.config import Config
 from router.kv_events import BlockSet
 from router.scheduling import Scheduler
@@ -20,8 +23,9 @@ from simulate import cluster as cl
 from simulate.cli import main
 from simulate.cluster import Simulation
 from simulate.generators import generate
-from simulate.replicas import RoundRobinFront, apply_kv_events
+from simulate.replicas import RoundRobinFront, SharedLoad, apply_kv_events
 from simulate.settings import OK, SimSettings
+from simulate.virtual import private_segment, release_segment
 from simulate.workload import router_text
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,6 +85,59 @@ def test_replicas_without_a_shared_index_lose_prefix_hits():
         res = Simulation(reqs, SimSettings(engines=eng, policy="cache_aware", rate_scale=4.0, replicas=r)).run()
         hit[r] = sum(res.cached_tokens) / sum(res.prompt_tokens)
     assert hit[4] < hit[1] - 0.02, hit
+
+
+def _line(seg, k):
+    ln = seg.router_line(k)
+    return (ln["router_inflight"], ln["prefill_tokens"], ln["decode_reqs"], ln["decode_ctx_tokens"])
+
+
+def test_shared_load_reaches_the_other_replicas_after_its_delay_and_never_echoes():
+    segs = [private_segment(2) for _ in range(3)]
+    try:
+        share = SharedLoad(segs, 2, delay_s=0.001)
+        a = RequestAccount(segs[0], 1, prompt_tokens=500, uncached_tokens=300, now=0.0)
+        b = RequestAccount(segs[2], 1, prompt_tokens=100, uncached_tokens=100, now=0.0)
+        share.publish(0.0)
+        assert share.next_due() == pytest.approx(0.001)
+        share.deliver(0.0005)   # not due yet: each replica sees only its own request
+        assert [_line(s, 1) for s in segs] == [(1, 300, 0, 0), (0, 0, 0, 0), (1, 100, 0, 0)]
+        share.deliver(0.001)
+        assert [_line(s, 1) for s in segs] == [(2, 400, 0, 0)] * 3
+        share.publish(0.001)    # what was delivered is not published again (no echo)
+        assert share.next_due() is None
+        a.first_token(now=0.002)
+        share.publish(0.002)
+        share.deliver(0.003)
+        assert [_line(s, 1) for s in segs] == [(2, 100, 1, 500)] * 3
+        a.finish(now=0.004)
+        b.finish(now=0.004)
+        share.publish(0.004)
+        share.deliver(0.005)
+        assert [_line(s, k) for s in segs for k in (0, 1)] == [(0, 0, 0, 0)] * 6
+        with pytest.raises(ValueError):
+            SharedLoad(segs, 2, delay_s=-1.0)
+    finally:
+        for s in segs:
+            release_segment(s)
+
+
+def test_shared_load_counts_every_replicas_requests_and_shortens_ttft():
+    """docqa's long prompts near capacity over 4 replicas: without sharing each replica misses the
+    others' prefill queued since its scrape (accounting error > 0); with the replicas' lines
+    shared at once, every replica counts what one segment would (error 0), and the requests wait
+    less for their first token."""
+    reqs = generate("docqa", 0, 150)
+    eng = [EngineConfig()] * 4
+    got = {}
+    for share in (None, 0.0):
+        res = Simulation(reqs, SimSettings(engines=eng, policy="dplb", rate_scale=11.3, replicas=4,
+                                           events_prefix=True, share_load_ms=share)).run()
+        assert all(s == OK for s in res.status)
+        assert res.replicas is not None
+        got[share] = (res.replicas["accounting_error"]["inflight"], sum(t for t in res.ttft if t is not None))
+    assert got[None][0] > 0.005 and got[0.0][0] == 0.0, got
+    assert got[0.0][1] < 0.9 * got[None][1], got
 
 
 def test_kv_events_keep_a_block_set_equal_to_the_engine_cache():
@@ -156,5 +213,13 @@ def test_cli_replicas_flag(tmp_path, capsys):
     row = json.loads(out.read_text())[0]
     assert row["replicas"]["replicas"] == 2 and row["settings"]["replicas"] == 2
     assert row["settings"]["events_prefix"] is True
+    rc = main(["--workload", "docqa", "--requests", "40", "--engines", "2", "--policy", "dplb", "--replicas", "2",
+               "--share-load-ms", "1", "--progress", "off", "--json-out", str(out)])
+    assert rc == 0
+    capsys.readouterr()
+    row = json.loads(out.read_text())[0]
+    assert row["settings"]["share_load_ms"] == 1.0 and row["replicas"]["shared_changes"] > 0
+    assert main(["--workload", "docqa", "--requests", "5", "--replicas", "2", "--share-load-ms", "-1"]) == 2
+    assert "--share-load-ms -1.0: must be >= 0" in capsys.readouterr().err
     assert main(["--workload", "docqa", "--requests", "5", "--replicas", "0"]) == 2
     assert "--replicas 0: must be >= 1" in capsys.readouterr().err
