@@ -49,9 +49,7 @@ Router replicas (``SimSettings.replicas`` R > 1, :mod:`simulate.replicas`): R ro
 round-robin front, each with its own segment, policy and registry; every engine has one agent per
 replica's segment, all publishing at the engine's tick; the router tick syncs every registry.
 With ``events_prefix`` the engines' KV-cache events, taken at each step end, are every replica's
-prefix truth. With ``share_load_ms`` the replicas share their router lines through a store
-(:class:`simulate.replicas.SharedLoad`): after every event each replica's changes are published,
-and a SHARE event applies them to the other replicas' lines that many ms later.
+prefix truth. With ``share_load_ms`` their router lines are shared (:class:`simulate.replicas.SharedLoad`).
 
 Here: the event loop, one handler per event kind (:class:`_Run`). What a run is given and returns:
 :mod:`simulate.settings`; the cluster's parts (virtual clock, private segment, engines with their
@@ -84,8 +82,9 @@ from simulate.replicas import (
     add_scrapers,
     apply_kv_events,
 )
-from simulate.settings import CLIENT_BOUNDS, OK, LoadSeries, RunResult, SimSettings
+from simulate.settings import CLIENT_BOUNDS, OK, RunResult, SimSettings
 from simulate.virtual import (
+    LoadSampler,
     OracleIndex,
     SimWorker,
     VirtualClock,
@@ -170,30 +169,6 @@ class _EarlyAbort:
         return self.over_ttft >= self.over_needed or self.over_tpot >= self.over_needed
 
 
-class _Load:
-    """Load over time (the SAMPLE event): every engine's true queue (running + waiting), running
-    count and KV usage at each sample time (an observer; nothing reads it)."""
-
-    __slots__ = ("kv", "queue", "running", "t")
-
-    def __init__(self, num_engines: int) -> None:
-        self.t: list[float] = []
-        self.queue: list[list[int]] = [[] for _ in range(num_engines)]
-        self.running: list[list[int]] = [[] for _ in range(num_engines)]
-        self.kv: list[list[float]] = [[] for _ in range(num_engines)]
-
-    def sample(self, t: float, engines: list[SimWorker]) -> None:
-        self.t.append(round(t, 3))
-        for e in engines:
-            core = e.core
-            nr = len(core.running)
-            self.queue[e.k].append(nr + len(core.waiting))
-            self.running[e.k].append(nr)
-            self.kv[e.k].append(round(core.kv.usage, 4))
-
-    def as_dict(self) -> LoadSeries:
-        return {"t": self.t, "queue": self.queue, "running": self.running, "kv": self.kv}
-
 
 class _Run:
     """One run's state between events, and one handler per event kind (the module docstring):
@@ -218,9 +193,7 @@ class _Run:
         self.replicas = [self._start_router(r, seg, cfg, rng) for r, seg in enumerate(segs)]
         self.front = RoundRobinFront(len(segs))
         self.accounting = AccountingError()
-        self.share = (SharedLoad(segs, len(self.engines), s.share_load_ms / 1000.0)
-                      if s.share_load_ms is not None and len(segs) > 1 else None)
-        self.share_pending = False
+        self.share = SharedLoad(segs, len(self.engines), s.share_load_ms) if s.share_load_ms is not None else None
         self.needs_text = bool(getattr(self.replicas[0].policy, "needs_text", True))
         self.n_template = sum(len(part) for part in template(s.api))   # the engine's tokens around the words
         self.block_sets: list[BlockSet] = []
@@ -242,7 +215,7 @@ class _Run:
         self.out_tok = [0] * n
         self.cached = [0] * n
         self.leases: list[Lease | None] = [None] * n
-        self.load = _Load(len(self.engines))
+        self.load = LoadSampler(len(self.engines))
         self.judge = _EarlyAbort(s, reqs)
         self.aborted = False
         self.done = 0
@@ -304,9 +277,9 @@ class _Run:
         """Run every event in order (ties: step ends, agent ticks, router ticks, samples, then
         arrivals) until every request is done or the run aborts; ``progress`` every 512 events."""
         n, arr, heap, clock = self.n, self.arr, self.heap, self.clock
-        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample, self.admit_timer,
-                    self.share_tick)
         share = self.share
+        handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample, self.admit_timer,
+                    share.deliver if share is not None else lambda t, k: None)
         heappop = heapq.heappop
         inf = float("inf")
         i_next = 0
@@ -323,11 +296,8 @@ class _Run:
                 events += 1
                 self.arrival(i_next, ta)
                 i_next += 1
-            if share is not None:
-                share.publish(clock.t)
-                if not self.share_pending and share.queue:
-                    self.share_pending = True
-                    self.push(share.queue[0][0], SHARE, -1)
+            if share is not None and (due := share.publish(clock.t)) is not None:
+                self.push(due, SHARE, -1)
             if self.aborted:
                 break
             if progress is not None and events % 512 == 0:
@@ -440,7 +410,7 @@ class _Run:
         self.push(self.r_phase + self.r_tick * self.hc_interval, ROUTER_TICK, -1)
 
     def sample(self, t: float, k: int) -> None:
-        """Every engine's load now (:class:`_Load`)."""
+        """Every engine's load now (:class:`simulate.virtual.LoadSampler`)."""
         self.load.sample(t, self.engines)
         self.accounting.sample(self.segs, [len(e.core.running) + len(e.core.waiting) for e in self.engines])
         self.n_sample += 1
@@ -455,14 +425,6 @@ class _Run:
             if adm.waiting:
                 adm.expire(t)
         self._poll(t)
-
-    def share_tick(self, t: float, k: int) -> None:
-        """The replicas' published changes due now reach the other replicas' router lines
-        (:class:`simulate.replicas.SharedLoad`); the next SHARE event is pushed after the loop's
-        publication."""
-        assert self.share is not None   # pushed only with sharing on
-        self.share.deliver(t)
-        self.share_pending = False
 
     def _poll(self, t: float) -> None:
         if not self.admit_tick and any(adm.waiting for adm in self.adms):

@@ -152,26 +152,28 @@ Delta = tuple[int, int, int, int]
 class SharedLoad:
     """The replicas' router lines shared through a store with a publication delay (the module
     docstring). ``segs``: every replica's segment (replica order); ``slots``: the engines' slots;
-    ``delay_s``: from a replica's change to the other replicas' view of it, s (>= 0).
+    ``delay_ms``: from a replica's change to the other replicas' view of it, ms (>= 0; raises
+    ValueError below).
 
     :meth:`publish` (after every event that may move a lease) queues each replica's changes since
-    its last publication, due ``delay_s`` later; :meth:`deliver` applies those due by ``now`` to
-    the other replicas' lines (``router_inflight_add``, ``prefill_add``, ``decode_add``), and
-    :meth:`next_due` says when the next one is. Deliveries keep publication order (one delay
-    for all). ``published``: changes queued; ``delivered``: changes applied (per receiving replica)."""
+    its last publication, due ``delay_ms`` later; :meth:`deliver` (the SHARE event) applies those
+    due by then to the other replicas' lines (``router_inflight_add``, ``prefill_add``,
+    ``decode_add``). Deliveries keep publication order (one delay for all). ``published``: changes
+    queued; ``delivered``: changes applied (per receiving replica)."""
 
-    def __init__(self, segs: Sequence[Segment], slots: int, delay_s: float) -> None:
-        if delay_s < 0:
-            raise ValueError(f"share delay must be >= 0 s (got {delay_s})")
+    def __init__(self, segs: Sequence[Segment], slots: int, delay_ms: float) -> None:
+        if delay_ms < 0:
+            raise ValueError(f"share delay must be >= 0 ms (got {delay_ms})")
         self.segs = list(segs)
         self.slots = slots
-        self.delay_s = delay_s
+        self.delay_s = delay_ms / 1000.0
         n = len(self.segs)
         zero: Delta = (0, 0, 0, 0)
         #: per replica and slot: its own counters as last published / the others' applied to it
         self.sent: list[list[Delta]] = [[zero] * slots for _ in range(n)]
         self.got: list[list[Delta]] = [[zero] * slots for _ in range(n)]
         self.queue: deque[tuple[float, int, int, Delta]] = deque()
+        self.pending = False   # a SHARE event is scheduled
         self.published = 0
         self.delivered = 0
 
@@ -181,8 +183,9 @@ class SharedLoad:
         return (int(line["router_inflight"]) - g[0], int(line["prefill_tokens"]) - g[1],
                 int(line["decode_reqs"]) - g[2], int(line["decode_ctx_tokens"]) - g[3])
 
-    def publish(self, now: float) -> None:
-        """Queue every replica's own changes since its last publication, due at ``now + delay_s``."""
+    def publish(self, now: float) -> float | None:
+        """Queue every replica's own changes since its last publication, due at ``now`` + the delay.
+        Returns when a SHARE event must run (None: one is scheduled already, or nothing is queued)."""
         due = now + self.delay_s
         for r in range(len(self.segs)):
             sent = self.sent[r]
@@ -194,25 +197,31 @@ class SharedLoad:
                     self.queue.append((due, r, k, (own[0] - old[0], own[1] - old[1], own[2] - old[2],
                                                    own[3] - old[3])))
                     self.published += 1
+        if self.pending or not self.queue:
+            return None
+        self.pending = True
+        return self.queue[0][0]
 
     def next_due(self) -> float | None:
         """When the oldest queued change is due (None: nothing queued)."""
         return self.queue[0][0] if self.queue else None
 
-    def deliver(self, now: float) -> None:
-        """Apply the changes due by ``now`` to every replica but their source."""
+    def deliver(self, now: float, k: int = -1) -> None:
+        """Apply the changes due by ``now`` to every replica but their source (``k``: unused, the
+        simulation's event signature)."""
+        self.pending = False
         q = self.queue
         while q and q[0][0] <= now:
-            _, src, k, d = q.popleft()
+            _, src, slot, d = q.popleft()
             for r, seg in enumerate(self.segs):
                 if r == src:
                     continue
                 if d[0]:
-                    seg.router_inflight_add(k, d[0])
+                    seg.router_inflight_add(slot, d[0])
                 if d[1]:
-                    seg.prefill_add(k, d[1])
+                    seg.prefill_add(slot, d[1])
                 if d[2] or d[3]:
-                    seg.decode_add(k, d[2], d[3])
-                g = self.got[r][k]
-                self.got[r][k] = (g[0] + d[0], g[1] + d[1], g[2] + d[2], g[3] + d[3])
+                    seg.decode_add(slot, d[2], d[3])
+                g = self.got[r][slot]
+                self.got[r][slot] = (g[0] + d[0], g[1] + d[1], g[2] + d[2], g[3] + d[3])
                 self.delivered += 1

@@ -15,7 +15,7 @@ from dplb_shm import Segment, WorkerState
 from router.policies.prefix_index import PrefixIndex
 from sim_engine.config import EngineConfig
 from sim_engine.engine import EngineCore, StepPlan
-from simulate.settings import SimSettings
+from simulate.settings import LoadSeries, SimSettings
 from simulate.workload import EngineHasher
 from worker_agent.agent import Agent
 from worker_agent.config import AgentConfig
@@ -184,3 +184,29 @@ def start_agent(seg: Segment, k: int, ecfg: EngineConfig, s: SimSettings, now_ns
     agent.writer.set_state(WorkerState.READY)
     agent.publish_engine(EngineMetrics(num_running=0, num_waiting=0, kv_cache_usage=0.0))
     return agent
+
+
+class LoadSampler:
+    """Load over time (the simulation's SAMPLE event): every engine's true queue (running +
+    waiting), running count and KV usage at each sample time (an observer; nothing reads it).
+    :meth:`sample` appends one sample; :meth:`as_dict` gives the series."""
+
+    __slots__ = ("kv", "queue", "running", "t")
+
+    def __init__(self, num_engines: int) -> None:
+        self.t: list[float] = []
+        self.queue: list[list[int]] = [[] for _ in range(num_engines)]
+        self.running: list[list[int]] = [[] for _ in range(num_engines)]
+        self.kv: list[list[float]] = [[] for _ in range(num_engines)]
+
+    def sample(self, t: float, engines: list[SimWorker]) -> None:
+        self.t.append(round(t, 3))
+        for e in engines:
+            core = e.core
+            nr = len(core.running)
+            self.queue[e.k].append(nr + len(core.waiting))
+            self.running[e.k].append(nr)
+            self.kv[e.k].append(round(core.kv.usage, 4))
+
+    def as_dict(self) -> LoadSeries:
+        return {"t": self.t, "queue": self.queue, "running": self.running, "kv": self.kv}

@@ -95,11 +95,11 @@ def _line(seg, k):
 def test_shared_load_reaches_the_other_replicas_after_its_delay_and_never_echoes():
     segs = [private_segment(2) for _ in range(3)]
     try:
-        share = SharedLoad(segs, 2, delay_s=0.001)
+        share = SharedLoad(segs, 2, delay_ms=1.0)
         a = RequestAccount(segs[0], 1, prompt_tokens=500, uncached_tokens=300, now=0.0)
         b = RequestAccount(segs[2], 1, prompt_tokens=100, uncached_tokens=100, now=0.0)
-        share.publish(0.0)
-        assert share.next_due() == pytest.approx(0.001)
+        assert share.publish(0.0) == pytest.approx(0.001)   # a SHARE event is due then
+        assert share.publish(0.0) is None                   # nothing new, one event scheduled
         share.deliver(0.0005)   # not due yet: each replica sees only its own request
         assert [_line(s, 1) for s in segs] == [(1, 300, 0, 0), (0, 0, 0, 0), (1, 100, 0, 0)]
         share.deliver(0.001)
@@ -116,7 +116,7 @@ def test_shared_load_reaches_the_other_replicas_after_its_delay_and_never_echoes
         share.deliver(0.005)
         assert [_line(s, k) for s in segs for k in (0, 1)] == [(0, 0, 0, 0)] * 6
         with pytest.raises(ValueError):
-            SharedLoad(segs, 2, delay_s=-1.0)
+            SharedLoad(segs, 2, delay_ms=-1.0)
     finally:
         for s in segs:
             release_segment(s)
