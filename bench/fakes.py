@@ -47,9 +47,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 MODEL = "fake-model"
 #: text of the ``utf8`` mode's last event (multi-byte characters of 2, 3 and 4 bytes)
@@ -113,96 +116,123 @@ class FakeAgent:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+async def _mode_answer(request: web.Request, mode: str, delay: float) -> web.Response | None:
+    """What ``mode`` answers before (or instead of) an answer: an early end (drop, 600, 499, an
+    OpenAI error), else None after its wait (hang, slow) or interim answer (103)."""
+    from aiohttp import web
+
+    if mode == "drop":
+        request.transport.close()
+        return web.Response(status=500)
+    if mode == "hang":
+        await asyncio.sleep(3600)
+    if mode == "slow":
+        await asyncio.sleep(delay)
+    if mode == "103" and request.transport is not None:
+        # an interim answer (Early Hints) first; the answer follows as for ``ok``
+        request.transport.write(b"HTTP/1.1 103 Early Hints\r\nlink: </hint.css>; rel=preload\r\n\r\n")
+    if mode == "600":
+        return web.Response(status=600, body=b"not final")
+    if mode == "499":
+        return web.Response(status=499)
+    if mode in ("500", "400", "429"):
+        code = int(mode)
+        err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": code}}
+        return web.json_response(err, status=code)
+    return None
+
+
+async def _stream_answer(agent: FakeAgent, request: web.Request, body: Any, mode: str, delay: float,
+                         chunks: int) -> web.StreamResponse:
+    """A streamed answer as ``mode`` says (stream, break, utf8, abort, ok; module docstring)."""
+    from aiohttp import web
+
+    path = request.path
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
+                                       "x-fake-worker": str(agent.worker_id)})
+    await resp.prepare(request)
+    if request.headers.get("x-fake-role-first") == "1" and path == "/v1/chat/completions":
+        role = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": agent.model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None, "logprobs": None}]}
+        await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
+    first_delay = float(request.headers.get("x-fake-first-delay", 0))
+    if first_delay > 0:   # StreamResponse.prepare sent the head already
+        await asyncio.sleep(first_delay)
+    n = 2 if mode == "break" else max(0, chunks) if mode == "abort" else max(1, chunks)
+    for i in range(n):
+        if i and mode == "stream":
+            await asyncio.sleep(delay)
+        await resp.write(agent.chunk(path, i, i == n - 1 and mode not in ("break", "abort")))
+    if mode == "abort":
+        await resp.write(agent.abort_chunk(path))
+    if mode == "break":
+        await asyncio.sleep(0.05)
+        request.transport.close()
+        return resp
+    if mode == "utf8":  # one event whose bytes are split inside a 4-byte UTF-8 character
+        ev = agent.chunk(path, n, True).replace(f"t{n} ".encode(), UTF8_TEXT.encode())
+        cut = ev.index("😀".encode()) + 2
+        await resp.write(ev[:cut])
+        await asyncio.sleep(delay)
+        await resp.write(ev[cut:])
+    so = body.get("stream_options") if isinstance(body, dict) else None
+    if isinstance(so, dict) and so.get("include_usage"):
+        usage = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": agent.model,
+                 "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                          "total_tokens": n + 1}}
+        await resp.write(b"data: " + orjson.dumps(usage) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    agent.stats["completed"] += 1
+    return resp
+
+
+async def _answer(agent: FakeAgent, request: web.Request) -> web.StreamResponse:
+    """The fake's answer to any POST: counted in its stats, shaped by its mode (module docstring)."""
+    from aiohttp import web
+
+    path = request.path
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = {"_raw": raw.decode("latin-1")}
+    headers = {str(k).lower(): v for k, v in request.headers.items()}
+    st = agent.stats
+    st["requests"] += 1
+    st["by_path"][path] = st["by_path"].get(path, 0) + 1
+    st["last"] = {"path": path, "headers": headers, "body": body}
+    mode = request.headers.get("x-fake-mode", agent.mode)
+    delay = float(request.headers.get("x-fake-delay", agent.delay))
+    chunks = int(request.headers.get("x-fake-chunks", agent.chunks))
+    stream = isinstance(body, dict) and body.get("stream") is True
+    agent._inflight(+1)
+    try:
+        early = await _mode_answer(request, mode, delay)
+        if early is not None:
+            return early
+        if stream or mode in ("stream", "break", "utf8"):
+            return await _stream_answer(agent, request, body, mode, delay, chunks)
+        st["completed"] += 1
+        answer = agent.completion(path, body, headers)
+        if mode == "abort" and answer.get("choices"):
+            answer["choices"][0]["finish_reason"] = "abort"
+        return web.Response(body=orjson.dumps(answer),
+                            content_type="application/json", headers={"x-fake-worker": str(agent.worker_id)})
+    except asyncio.CancelledError:
+        st["disconnects"] += 1
+        raise
+    finally:
+        agent._inflight(-1)
+
+
 def build_app(agent: FakeAgent):
     """The aiohttp application of a fake agent."""
     from aiohttp import web
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        path = request.path
-        raw = await request.read()
-        try:
-            body = orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError:
-            body = {"_raw": raw.decode("latin-1")}
-        headers = {str(k).lower(): v for k, v in request.headers.items()}
-        st = agent.stats
-        st["requests"] += 1
-        st["by_path"][path] = st["by_path"].get(path, 0) + 1
-        st["last"] = {"path": path, "headers": headers, "body": body}
-        mode = request.headers.get("x-fake-mode", agent.mode)
-        delay = float(request.headers.get("x-fake-delay", agent.delay))
-        chunks = int(request.headers.get("x-fake-chunks", agent.chunks))
-        stream = isinstance(body, dict) and body.get("stream") is True
-        agent._inflight(+1)
-        try:
-            if mode == "drop":
-                request.transport.close()
-                return web.Response(status=500)
-            if mode == "hang":
-                await asyncio.sleep(3600)
-            if mode == "slow":
-                await asyncio.sleep(delay)
-            if mode == "103" and request.transport is not None:
-                # an interim answer (Early Hints) first; the answer follows as for ``ok``
-                request.transport.write(b"HTTP/1.1 103 Early Hints\r\nlink: </hint.css>; rel=preload\r\n\r\n")
-            if mode == "600":
-                return web.Response(status=600, body=b"not final")
-            if mode == "499":
-                return web.Response(status=499)
-            if mode in ("500", "400", "429"):
-                code = int(mode)
-                err = {"error": {"message": f"fake {code}", "type": "fake", "param": None, "code": code}}
-                return web.json_response(err, status=code)
-            if stream or mode in ("stream", "break", "utf8"):
-                resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
-                                                   "x-fake-worker": str(agent.worker_id)})
-                await resp.prepare(request)
-                if request.headers.get("x-fake-role-first") == "1" and path == "/v1/chat/completions":
-                    role = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": agent.model,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None, "logprobs": None}]}
-                    await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
-                first_delay = float(request.headers.get("x-fake-first-delay", 0))
-                if first_delay > 0:   # StreamResponse.prepare sent the head already
-                    await asyncio.sleep(first_delay)
-                n = 2 if mode == "break" else max(0, chunks) if mode == "abort" else max(1, chunks)
-                for i in range(n):
-                    if i and mode == "stream":
-                        await asyncio.sleep(delay)
-                    await resp.write(agent.chunk(path, i, i == n - 1 and mode not in ("break", "abort")))
-                if mode == "abort":
-                    await resp.write(agent.abort_chunk(path))
-                if mode == "break":
-                    await asyncio.sleep(0.05)
-                    request.transport.close()
-                    return resp
-                if mode == "utf8":  # one event whose bytes are split inside a 4-byte UTF-8 character
-                    ev = agent.chunk(path, n, True).replace(f"t{n} ".encode(), UTF8_TEXT.encode())
-                    cut = ev.index("😀".encode()) + 2
-                    await resp.write(ev[:cut])
-                    await asyncio.sleep(delay)
-                    await resp.write(ev[cut:])
-                so = body.get("stream_options") if isinstance(body, dict) else None
-                if isinstance(so, dict) and so.get("include_usage"):
-                    usage = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": agent.model,
-                             "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n,
-                                                      "total_tokens": n + 1}}
-                    await resp.write(b"data: " + orjson.dumps(usage) + b"\n\n")
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                st["completed"] += 1
-                return resp
-            st["completed"] += 1
-            answer = agent.completion(path, body, headers)
-            if mode == "abort" and answer.get("choices"):
-                answer["choices"][0]["finish_reason"] = "abort"
-            return web.Response(body=orjson.dumps(answer),
-                                content_type="application/json", headers={"x-fake-worker": str(agent.worker_id)})
-        except asyncio.CancelledError:
-            st["disconnects"] += 1
-            raise
-        finally:
-            agent._inflight(-1)
+        return await _answer(agent, request)
 
     async def health(_: web.Request) -> web.Response:
         if agent.mode == "unhealthy":

@@ -81,6 +81,70 @@ def _finish_reason(o: Outcome) -> str | None:
         return None
 
 
+def _until_served(base: str, victim: int, back_within_s: float) -> list[Outcome]:
+    """The load ended before the victim came back: one request after another (0.1 s apart) until
+    worker ``victim`` answers one, or ``back_within_s`` pass."""
+    async def go() -> list[Outcome]:
+        got: list[Outcome] = []
+        deadline = time.monotonic() + back_within_s
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            while time.monotonic() < deadline:
+                o = await send(client, chat(tag=f"after{len(got)}", max_tokens=8))
+                got.append(o)
+                if o.worker == str(victim) and o.kind == "ok":
+                    break
+                await asyncio.sleep(0.1)
+        return got
+
+    return asyncio.run(go())
+
+
+def _recovery(res: Result, outs: list[Outcome], watch: SlotStates, victim: int, old_pid: int, t0: float,
+              base: str, back_within_s: float) -> float:
+    """Detection (kill → the slot DEAD), recovery (kill → READY under a new pid) and
+    ``first_served_s`` (kill → the victim's first answer again, asking on after the load when
+    needed) into ``res``. Returns the time from which the victim's answers count as after its
+    restart (the slot read DEAD, else 5 s after the kill)."""
+    dead_at = watch.first("DEAD", t0)
+    # requests sent once its slot read DEAD reach worker 2 only through its new agent
+    t_out = dead_at if dead_at is not None else t0 + 5.0
+    back = [o for o in outs if o.worker == str(victim) and o.kind == "ok" and o.t_start > t_out]
+    if not back:
+        more = _until_served(base, victim, back_within_s)
+        res.add(more)
+        back = [o for o in more if o.worker == str(victim) and o.kind == "ok"]
+    ready_again = next((t for t, st, _, pid in watch.seen if st == "READY" and pid != old_pid), None)
+    res.recovery_s = None if ready_again is None else ready_again - t0
+    res.extra["first_served_s"] = round(back[0].t_end - t0, 3) if back else None
+    res.detection_s = None if dead_at is None else dead_at - t0
+    return t_out
+
+
+def _victim_extras(res: Result, seg: Any, watch: SlotStates, victim: int, old_pid: int, gen0: int, t0: float,
+                   t_out: float, out: Path) -> None:
+    """What the victim's slot, the answers, ``dplb-shm-dump`` and the launcher's output (``out``)
+    say after the restart, into ``res.extra`` (see :func:`run_killed_agent_restarted`)."""
+    from dplb_shm import dump
+
+    watch.stop()
+    snap = seg.read_slot(victim)
+    res.extra.update(
+        old_pid=old_pid, new_pid=int(snap.pid), generation=(gen0, seg.generation),
+        slot_seen=[(st, reason.lower(), pid) for _, st, reason, pid in watch.seen],
+        by_worker=dict(Counter(o.worker for o in res.outcomes if o.kind == "ok")),
+        served_by_victim_after=sum(1 for o in res.outcomes if o.worker == str(victim) and o.kind == "ok"
+                                   and o.t_start > t_out),
+        # answered by the old engine after its agent's kill, before the slot read DEAD (the
+        # engine got SIGTERM with its agent): their finish reasons
+        old_engine_answers=[_finish_reason(o) for o in res.outcomes if o.worker == str(victim)
+                            and t0 <= o.t_end and o.t_start <= t_out],
+        dump_state=next((line.split()[1] for line in dump.render_table(seg).splitlines()[2:]
+                         if line.split()[0] == str(victim)), None),
+        launcher_lines=[line for line in out.read_text(errors="replace").splitlines()
+                        if line.startswith(f"dplb: worker {victim}")],
+    )
+
+
 def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: float = 8.0, duration: float = 14.0,
                                kill_at: float = 2.0, backoff_s: float = 2.0, back_within_s: float = 60.0) -> Result:
     """The 27.5 scenario (module docstring). ``extra``: ``launcher_lines`` (what the launcher
@@ -90,7 +154,7 @@ def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: floa
     ``served_by_victim_after`` (requests it answered after its restart), ``admin_restart_while_down``
     (status and Retry-After of ``POST /dplb/workers/<victim>/restart`` while its slot is DEAD),
     ``admin_restart`` (its status once back), ``dump_state`` (the victim's state column)."""
-    from dplb_shm import Segment, dump
+    from dplb_shm import Segment
 
     res = Result("27.5 kill -9 of an agent: it comes back", f"SIGKILL of worker {victim}'s agent at t={kill_at:g}s "
                  f"under {rate:g} req/s, {num_workers} workers of a real launch (--agent-restart-backoff {backoff_s:g})")
@@ -127,48 +191,8 @@ def run_killed_agent_restarted(num_workers: int = 3, victim: int = 2, rate: floa
         outs = asyncio.run(steady(base, rate, duration, lambda i: chat(tag=i, max_tokens=8), events={kill_at: kill}))
         res.add(outs)
         t0 = t_kill[0]
-        dead_at = watch.first("DEAD", t0)
-        # requests sent once its slot read DEAD reach worker 2 only through its new agent
-        t_out = dead_at if dead_at is not None else t0 + 5.0
-        back = [o for o in outs if o.worker == str(victim) and o.kind == "ok" and o.t_start > t_out]
-
-        async def until_served() -> list[Outcome]:   # the load ended before it came back: keep asking
-            got: list[Outcome] = []
-            deadline = time.monotonic() + back_within_s
-            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                while time.monotonic() < deadline:
-                    o = await send(client, chat(tag=f"after{len(got)}", max_tokens=8))
-                    got.append(o)
-                    if o.worker == str(victim) and o.kind == "ok":
-                        break
-                    await asyncio.sleep(0.1)
-            return got
-
-        if not back:
-            more = asyncio.run(until_served())
-            res.add(more)
-            back = [o for o in more if o.worker == str(victim) and o.kind == "ok"]
-        ready_again = next((t for t, st, _, pid in watch.seen if st == "READY" and pid != old_pid), None)
-        res.recovery_s = None if ready_again is None else ready_again - t0
-        res.extra["first_served_s"] = round(back[0].t_end - t0, 3) if back else None
-        res.detection_s = None if dead_at is None else dead_at - t0
-        watch.stop()
-        snap = seg.read_slot(victim)
-        res.extra.update(
-            old_pid=old_pid, new_pid=int(snap.pid), generation=(gen0, seg.generation),
-            slot_seen=[(st, reason.lower(), pid) for _, st, reason, pid in watch.seen],
-            by_worker=dict(Counter(o.worker for o in res.outcomes if o.kind == "ok")),
-            served_by_victim_after=sum(1 for o in res.outcomes if o.worker == str(victim) and o.kind == "ok"
-                                       and o.t_start > t_out),
-            # answered by the old engine after its agent's kill, before the slot read DEAD (the
-            # engine got SIGTERM with its agent): their finish reasons
-            old_engine_answers=[_finish_reason(o) for o in res.outcomes if o.worker == str(victim)
-                                and t0 <= o.t_end and o.t_start <= t_out],
-            dump_state=next((line.split()[1] for line in dump.render_table(seg).splitlines()[2:]
-                             if line.split()[0] == str(victim)), None),
-            launcher_lines=[line for line in out.read_text(errors="replace").splitlines()
-                            if line.startswith(f"dplb: worker {victim}")],
-        )
+        t_out = _recovery(res, outs, watch, victim, old_pid, t0, base, back_within_s)
+        _victim_extras(res, seg, watch, victim, old_pid, gen0, t0, t_out, out)
         res.extra["admin_restart"] = httpx.post(f"{base}/dplb/workers/{victim}/restart", timeout=10).status_code
         os.kill(launcher.pid, signal.SIGINT)
         try:

@@ -52,6 +52,93 @@ def _held_by_process(base: str, want: int, tries: int = 200) -> dict[int, int]:
     return held
 
 
+def _stream_headers(i: int, hold_s: float) -> dict[str, str]:
+    """The fake worker's mode for stream ``i``: even ones in prefill (the head out, the first
+    token ``hold_s`` away), odd ones decoding one chunk every 0.1 s for ``hold_s``."""
+    if i % 2 == 0:
+        return {"x-fake-mode": "stream", "x-fake-chunks": "1", "x-fake-first-delay": str(hold_s)}
+    return {"x-fake-mode": "stream", "x-fake-chunks": str(int(hold_s / 0.1)), "x-fake-delay": "0.1"}
+
+
+async def _streams_and_kill(st: Stack, base: str, n: int, hold_s: float, box: dict[str, Any]) -> list[Outcome]:
+    """``n`` streams; once all are in flight, SIGKILL of the router process holding fewer of them
+    (none when one process holds them all: ``box`` then has no ``t_kill``). Into ``box``: ``held``
+    (streams per process), ``victim``, ``at_kill`` (router-line totals), ``t_kill``, and once the
+    victim's share has left the lines, ``share_left_s`` and ``cut``. Returns every stream's outcome."""
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(60)) as ac:
+        tasks = [asyncio.ensure_future(send(ac, chat(stream=True, tag=i), headers=_stream_headers(i, hold_s),
+                                            timeout=60))
+                 for i in range(n)]
+        t0 = time.monotonic()
+        while _totals(st.seg, 2)["router_inflight"] < n and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)   # the decoding half past its first chunk
+        # the kernel hands each new connection to either process, not evenly: a burst can
+        # land on one; the victim must hold some streams and its peer the rest
+        held = await asyncio.to_thread(_held_by_process, base, 2)
+        box["held"] = held
+        if len(held) < 2 or min(held.values()) == 0:
+            return list(await asyncio.gather(*tasks))   # no kill: the caller tries again
+        box["victim"] = victim = min(held)
+        box["at_kill"] = _totals(st.seg, 2)
+        box["t_kill"] = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        # the victim's clients see their connections break at once: that is its share
+        while time.monotonic() - box["t_kill"] < 10:
+            cut = sum(1 for t in tasks if t.done())
+            if cut and _totals(st.seg, 2)["router_inflight"] <= n - cut:
+                box["share_left_s"] = time.monotonic() - box["t_kill"]
+                box["cut"] = cut
+                break
+            await asyncio.sleep(0.02)
+        return list(await asyncio.gather(*tasks))
+
+
+def _kill_phase(st: Stack, base: str, n: int, hold_s: float, res: Result) -> dict[str, Any]:
+    """:func:`_streams_and_kill` until a process was killed (3 tries); the outcomes into ``res``,
+    with ``victim_held``, ``at_kill``, ``cut_by_the_kill``, the detection time, and the recovery
+    time (every router line back to 0). Returns the kill's ``box``."""
+    box: dict[str, Any] = {}
+    for _attempt in range(3):
+        box.clear()
+        outs = asyncio.run(_streams_and_kill(st, base, n, hold_s, box))
+        res.add(outs)
+        if "t_kill" in box:
+            break
+    else:
+        raise AssertionError(f"3 tries, each time one router process held every stream: {box.get('held')}")
+    res.extra["victim_held"] = box["held"][box["victim"]]
+    res.extra["at_kill"] = box.get("at_kill")
+    res.extra["cut_by_the_kill"] = sum(1 for o in outs if o.kind != "ok")
+    res.detection_s = box.get("share_left_s")
+    t_done = time.monotonic()
+    try:
+        wait_for(lambda: not any(_totals(st.seg, 2).values()), 15, "router lines back to 0")
+        res.recovery_s = time.monotonic() - box["t_kill"]
+    except TimeoutError:
+        pass
+    res.extra["after_streams"] = _totals(st.seg, 2)
+    res.extra["zero_after_streams_s"] = round(time.monotonic() - t_done, 3)
+    return box
+
+
+def _burst_phase(base: str, burst: int, res: Result) -> None:
+    """``burst`` slow requests at once after the kill: into ``res`` with ``burst_lost`` and
+    ``burst_split`` (requests per worker)."""
+    async def burst_of(k: int) -> list[Outcome]:
+        async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=k),
+                                     timeout=httpx.Timeout(60)) as ac:
+            return list(await asyncio.gather(*(send(ac, chat(tag=f"b{i}"), headers={"x-fake-mode": "slow",
+                                                                                   "x-fake-delay": "0.3"})
+                                               for i in range(k))))
+
+    bouts = asyncio.run(burst_of(burst))
+    res.add(bouts)
+    res.extra["burst_lost"] = sum(1 for o in bouts if o.kind != "ok")
+    res.extra["burst_split"] = dict(sorted(Counter(o.worker for o in bouts).items(), key=lambda kv: str(kv[0])))
+
+
 def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40) -> Result:
     """``--workers 2`` in front of two fake workers; ``n`` streams in flight (half still in prefill,
     their first byte ``hold_s`` away, half decoding one chunk every 0.1 s for ``hold_s``), then
@@ -68,75 +155,8 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
         pids = _router_pids(base, 2)
         if len(pids) < 2:
             raise AssertionError(f"only router process(es) {pids} answered")
-        box: dict[str, Any] = {}
-
-        def hdr(i: int) -> dict[str, str]:
-            if i % 2 == 0:   # in prefill: the head is out, the first token hold_s away
-                return {"x-fake-mode": "stream", "x-fake-chunks": "1", "x-fake-first-delay": str(hold_s)}
-            return {"x-fake-mode": "stream", "x-fake-chunks": str(int(hold_s / 0.1)), "x-fake-delay": "0.1"}
-
-        async def streams() -> list[Outcome]:
-            limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=0)
-            async with httpx.AsyncClient(base_url=base, limits=limits, timeout=httpx.Timeout(60)) as ac:
-                tasks = [asyncio.ensure_future(send(ac, chat(stream=True, tag=i), headers=hdr(i), timeout=60))
-                         for i in range(n)]
-                t0 = time.monotonic()
-                while _totals(st.seg, 2)["router_inflight"] < n and time.monotonic() - t0 < 30:
-                    await asyncio.sleep(0.02)
-                await asyncio.sleep(0.3)   # the decoding half past its first chunk
-                # the kernel hands each new connection to either process, not evenly: a burst can
-                # land on one; the victim must hold some streams and its peer the rest
-                held = await asyncio.to_thread(_held_by_process, base, 2)
-                box["held"] = held
-                if len(held) < 2 or min(held.values()) == 0:
-                    return list(await asyncio.gather(*tasks))   # no kill: the caller tries again
-                box["victim"] = victim = min(held)
-                box["at_kill"] = _totals(st.seg, 2)
-                box["t_kill"] = time.monotonic()
-                os.kill(victim, signal.SIGKILL)
-                # the victim's clients see their connections break at once: that is its share
-                while time.monotonic() - box["t_kill"] < 10:
-                    cut = sum(1 for t in tasks if t.done())
-                    if cut and _totals(st.seg, 2)["router_inflight"] <= n - cut:
-                        box["share_left_s"] = time.monotonic() - box["t_kill"]
-                        box["cut"] = cut
-                        break
-                    await asyncio.sleep(0.02)
-                return list(await asyncio.gather(*tasks))
-
-        for _attempt in range(3):
-            box.clear()
-            outs = asyncio.run(streams())
-            res.add(outs)
-            if "t_kill" in box:
-                break
-        else:
-            raise AssertionError(f"3 tries, each time one router process held every stream: {box.get('held')}")
-        victim = box["victim"]
-        res.extra["victim_held"] = box["held"][victim]
-        res.extra["at_kill"] = box.get("at_kill")
-        res.extra["cut_by_the_kill"] = sum(1 for o in outs if o.kind != "ok")
-        res.detection_s = box.get("share_left_s")
-        t_done = time.monotonic()
-        try:
-            wait_for(lambda: not any(_totals(st.seg, 2).values()), 15, "router lines back to 0")
-            res.recovery_s = time.monotonic() - box["t_kill"]
-        except TimeoutError:
-            pass
-        res.extra["after_streams"] = _totals(st.seg, 2)
-        res.extra["zero_after_streams_s"] = round(time.monotonic() - t_done, 3)
-
-        async def burst_of(k: int) -> list[Outcome]:
-            async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=k),
-                                         timeout=httpx.Timeout(60)) as ac:
-                return list(await asyncio.gather(*(send(ac, chat(tag=f"b{i}"), headers={"x-fake-mode": "slow",
-                                                                                       "x-fake-delay": "0.3"})
-                                                   for i in range(k))))
-
-        bouts = asyncio.run(burst_of(burst))
-        res.add(bouts)
-        res.extra["burst_lost"] = sum(1 for o in bouts if o.kind != "ok")
-        res.extra["burst_split"] = dict(sorted(Counter(o.worker for o in bouts).items(), key=lambda kv: str(kv[0])))
+        victim = _kill_phase(st, base, n, hold_s, res)["victim"]
+        _burst_phase(base, burst, res)
         try:   # the parent starts a replacement; on a busy machine its import can take seconds
             wait_for(lambda: len(_router_pids(base, 2, tries=20)) == 2, 60, "two router processes again")
         except TimeoutError:

@@ -99,6 +99,67 @@ def _kill_left(pids: set[int]) -> list[int]:
     return left
 
 
+def _traffic(url: str, launcher: Any, clients: int, stop_after_s: float, drain_timeout_s: float,
+             answers: list[_Answer]) -> float:
+    """The load and the stop: ``clients`` streaming clients (staggered by 20 ms) each send one
+    stream after another into ``answers`` until refused, the launcher gone or the stop older than
+    the drain limit; SIGINT to the launcher ``stop_after_s`` in. Returns the stop's monotonic time."""
+    box: dict[str, float] = {}
+
+    async def client(k: int, c: httpx.AsyncClient) -> None:
+        await asyncio.sleep(0.02 * k)          # staggered: the streams do not all end on one step
+        i = 0
+        while True:
+            stop_at = box.get("stop_at")
+            if stop_at is not None and time.monotonic() - stop_at > drain_timeout_s:
+                return
+            a = await _send(c, chat(stream=True, max_tokens=40 + (k * 7 + i * 5) % 25, tag=f"{k}-{i}"),
+                            timeout=drain_timeout_s + 30)
+            a.after_stop = stop_at is not None
+            answers.append(a)
+            i += 1
+            if a.out.status != 200 or launcher.poll() is not None:
+                return
+
+    async def go() -> None:
+        limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(60.0)) as c:
+            tasks = [asyncio.ensure_future(client(k, c)) for k in range(clients)]
+            await asyncio.sleep(stop_after_s + 0.02 * clients)
+            box["stop_at"] = time.monotonic()
+            os.kill(launcher.pid, signal.SIGINT)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(go())
+    return box["stop_at"]
+
+
+def _judge(res: Result, answers: list[_Answer], agent_logs: str, out_text: str) -> None:
+    """Count the answers into ``res``: a 200 stream with a finish reason other than stop/length and
+    a 503 without Retry-After are lost here (what ``classify()`` calls ok or honest); the extras."""
+    for a in answers:
+        o = a.out
+        if o.status == 200 and o.kind == "ok" and any(r not in ("stop", "length") for r in a.finish_reasons or ["none"]):
+            o.kind, o.detail = "lost", f"200 stream cut by the stop: finish_reason {a.finish_reasons}"
+        elif o.status == 503 and not a.retry_after:
+            o.kind, o.detail = "lost", "503 without Retry-After"
+    res.add([a.out for a in answers])
+    res.extra["statuses"] = dict(Counter(a.out.status for a in answers))
+    res.extra["finish_reasons"] = dict(Counter(r for a in answers for r in a.finish_reasons))
+    res.extra["sent_after_stop"] = sum(a.after_stop for a in answers)
+    res.extra["refused_503"] = sum(1 for a in answers if a.out.status == 503)
+    res.extra["refused_without_retry_after"] = [
+        f"{a.out.status} {a.out.body[:120]!r}" for a in answers
+        if a.out.status is not None and a.out.status != 200
+        and not (a.out.status == 503 and a.retry_after and _openai_error(a.out.body))]
+    res.extra["aborted_200"] = [f"w={a.out.worker} {a.finish_reasons}" for a in answers
+                                if a.out.status == 200 and (not a.finish_reasons
+                                                            or any(r not in ("stop", "length") for r in a.finish_reasons))]
+    res.extra["reset_before_status"] = [a.out.detail for a in answers if a.out.status is None]
+    res.extra["drain_limit_hit"] = agent_logs.count("drain deadline passed")
+    res.extra["launcher_tail"] = out_text[-600:]
+
+
 def run_stop_under_traffic(policy: str = "dplb", clients: int = 16, drain_timeout_s: float = 10.0,
                            stop_after_s: float = 0.6, start_timeout_s: float = 240.0) -> Result:
     """Ctrl-C of the launcher while ``clients`` streams run (see the module docstring).
@@ -127,36 +188,8 @@ def run_stop_under_traffic(policy: str = "dplb", clients: int = 16, drain_timeou
             if launcher.poll() is not None:
                 raise RuntimeError(f"the launch exited before ready:\n{log.read_text(errors='replace')[-3000:]}")
             seen |= _tree(launcher.pid)
-            url = f"http://127.0.0.1:{port}"
-            box: dict[str, Any] = {}
-
-            async def client(k: int, c: httpx.AsyncClient) -> None:
-                await asyncio.sleep(0.02 * k)          # staggered: the streams do not all end on one step
-                i = 0
-                while True:
-                    stop_at = box.get("stop_at")
-                    if stop_at is not None and time.monotonic() - stop_at > drain_timeout_s:
-                        return
-                    a = await _send(c, chat(stream=True, max_tokens=40 + (k * 7 + i * 5) % 25, tag=f"{k}-{i}"),
-                                    timeout=drain_timeout_s + 30)
-                    a.after_stop = stop_at is not None
-                    answers.append(a)
-                    i += 1
-                    if a.out.status != 200 or launcher.poll() is not None:
-                        return
-
-            async def go() -> None:
-                limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
-                async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(60.0)) as c:
-                    tasks = [asyncio.ensure_future(client(k, c)) for k in range(clients)]
-                    await asyncio.sleep(stop_after_s + 0.02 * clients)
-                    box["stop_at"] = time.monotonic()
-                    os.kill(launcher.pid, signal.SIGINT)
-                    await asyncio.gather(*tasks)
-
             t_begin = time.monotonic()
-            asyncio.run(go())
-            stop_at = box["stop_at"]
+            stop_at = _traffic(f"http://127.0.0.1:{port}", launcher, clients, stop_after_s, drain_timeout_s, answers)
             res.extra["in_flight_at_stop"] = sum(1 for a in answers if a.out.t_start <= stop_at <= a.out.t_end)
             try:
                 rc: int | None = launcher.popen.wait(drain_timeout_s + 40)
@@ -174,27 +207,7 @@ def run_stop_under_traffic(policy: str = "dplb", clients: int = 16, drain_timeou
             if os.path.exists(shm):
                 os.unlink(shm)
             shutil.rmtree(base_dir, ignore_errors=True)
-    for a in answers:   # what classify() calls ok or honest but this scenario does not
-        o = a.out
-        if o.status == 200 and o.kind == "ok" and any(r not in ("stop", "length") for r in a.finish_reasons or ["none"]):
-            o.kind, o.detail = "lost", f"200 stream cut by the stop: finish_reason {a.finish_reasons}"
-        elif o.status == 503 and not a.retry_after:
-            o.kind, o.detail = "lost", "503 without Retry-After"
-    res.add([a.out for a in answers])
-    res.extra["statuses"] = dict(Counter(a.out.status for a in answers))
-    res.extra["finish_reasons"] = dict(Counter(r for a in answers for r in a.finish_reasons))
-    res.extra["sent_after_stop"] = sum(a.after_stop for a in answers)
-    res.extra["refused_503"] = sum(1 for a in answers if a.out.status == 503)
-    res.extra["refused_without_retry_after"] = [
-        f"{a.out.status} {a.out.body[:120]!r}" for a in answers
-        if a.out.status is not None and a.out.status != 200
-        and not (a.out.status == 503 and a.retry_after and _openai_error(a.out.body))]
-    res.extra["aborted_200"] = [f"w={a.out.worker} {a.finish_reasons}" for a in answers
-                                if a.out.status == 200 and (not a.finish_reasons
-                                                            or any(r not in ("stop", "length") for r in a.finish_reasons))]
-    res.extra["reset_before_status"] = [a.out.detail for a in answers if a.out.status is None]
-    res.extra["drain_limit_hit"] = agent_logs.count("drain deadline passed")
-    res.extra["launcher_tail"] = out_text[-600:]
+    _judge(res, answers, agent_logs, out_text)
     return res
 
 
