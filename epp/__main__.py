@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(default: with --shm the node's routers' own, /tmp/dplb-router-<router.port>, "
                                        "so their accounting is shared; else /tmp/dplb-epp-<port>)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    e = p.add_argument_group("the engines' KV-cache events as the prefix index (epp.events)")
+    e.add_argument("--kv-events", action="store_true",
+                   help="subscribe to the KV-cache events each endpoint's kv_events (endpoints file) names and "
+                        "match prompts against the engines' blocks; ready only once every subscriber caught up")
+    e.add_argument("--kv-events-block-size", type=int, default=16, help="the engines' block size (default 16)")
+    e.add_argument("--kv-events-vocab-size", type=int, default=128_256,
+                   help="the (simulated) engines' vocabulary size for their word tokenizer (default 128256)")
     g = p.add_argument_group("Envoy bootstrap (--print-envoy-config)")
     g.add_argument("--print-envoy-config", action="store_true", help="print the Envoy bootstrap and exit")
     g.add_argument("--envoy-port", type=int, default=8081, help="Envoy's listener port")
@@ -101,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (args.namespace or args.kubeconfig) and not args.pool:
         print("dplb-epp: --namespace and --kubeconfig go with --pool", file=sys.stderr)
+        return 2
+    if args.kv_events_block_size < 1 or args.kv_events_vocab_size < 1:
+        print("dplb-epp: --kv-events-block-size and --kv-events-vocab-size must be positive", file=sys.stderr)
         return 2
     if args.pool_resync <= 0:
         print("dplb-epp: --pool-resync must be positive", file=sys.stderr)
@@ -158,6 +168,10 @@ async def _run(args: argparse.Namespace, cfg: object, kube: PoolWatcher | None =
     try:
         fallbacks = args.fallbacks if args.fallbacks is not None else DEFAULT_FALLBACKS if args.envoy_eds else 0
         picker = Picker(cfg, seg, args.endpoints_file, kube, fallbacks=fallbacks, eds_path=args.envoy_eds)
+        if args.kv_events:
+            from epp.events import EventsFeed, WordTokenizer
+
+            picker.events = EventsFeed(args.kv_events_block_size, WordTokenizer(args.kv_events_vocab_size))
         await serve(picker, args.host, args.port, args.health_port, args.metrics_port or None,
                     BODY_MODES[args.request_body_mode], stop, RESPONSE_BODY_MODES[args.response_body_mode])
     finally:

@@ -4,7 +4,8 @@ Three sources, combined (the third, an InferencePool's pods, is :mod:`epp.kube`)
 
 - **A DPLB node's segment** (``--shm NAME``): the agents' slots, as the router reads them.
 - **A file of endpoints** (``--endpoints-file FILE``, llm-d-router's "file discovery"): a YAML
-  list of ``{address: host:port, model: NAME, weight: W}`` (or ``{endpoints: [...]}``), for engines
+  list of ``{address: host:port, model: NAME, weight: W}`` (or ``{endpoints: [...]}``; optionally
+  ``kv_events``/``kv_events_replay``: the engine's KV-cache events, :mod:`epp.events`), for engines
   that run without a DPLB agent (vLLM, SGLang or any OpenAI server, on this node or another).
   The file is re-read when its mtime, size or inode changes (polled every health tick; an
   invalid file is logged and the previous list kept). For each address the picker claims a slot
@@ -91,6 +92,13 @@ def parse_endpoints(text: str, path: str | os.PathLike[str]) -> dict[str, Mirror
         if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w <= 0:
             raise EndpointsFileError(f"{where}: 'weight' must be a positive number")
         out[addr] = {"model": model, "weight": float(w)}
+        for key in ("kv_events", "kv_events_replay"):   # the engine's KV-cache events (epp.events)
+            if key in ent:
+                if not isinstance(ent[key], str) or "://" not in ent[key]:
+                    raise EndpointsFileError(f"{where}: '{key}' must be a ZMQ address (tcp://host:port)")
+                out[addr][key] = ent[key]
+        if "kv_events_replay" in out[addr] and "kv_events" not in out[addr]:
+            raise EndpointsFileError(f"{where}: 'kv_events_replay' needs 'kv_events'")
     return out
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from epp.discovery import EndpointsFile, ScrapeManager
 from epp.envoy import write_eds
+from epp.events import EventsFeed, install, wanted
 from router.config import Config
 from router.director import Director
 from router.errors import NoEligibleWorker
@@ -77,6 +78,8 @@ class Picker:
         self.scrape: ScrapeManager | None = None
         self._unix_warned: set[int] = set()
         self.ready = False
+        #: the engines' KV-cache events as the prefix index (:mod:`epp.events`; None: the policy's own)
+        self.events: EventsFeed | None = None
         #: called with the new readiness when it changes (the health server's statuses, :mod:`epp.server`)
         self.on_ready_change: Callable[[bool], Awaitable[None]] | None = None
 
@@ -84,6 +87,8 @@ class Picker:
         """Start the router state (attach, registry, probes), then the endpoint scraping."""
         st = self.state
         await st.start()
+        if self.events is not None:
+            install(st.policy, self.events)
         hc = st.cfg.health_check
         if self.kube is not None:
             self.kube.start()
@@ -104,6 +109,8 @@ class Picker:
             await asyncio.to_thread(self.kube.stop)
         if self.scrape is not None:
             self.scrape.close()
+        if self.events is not None:
+            self.events.close()
         await self.state.stop()
 
     async def _discover(self) -> None:
@@ -119,6 +126,8 @@ class Picker:
             # the endpoint specs ({"model", "weight"}) as the mirror manager reads them
             self.scrape.wanted = {**self._kube_eps, **self._file_eps}
         await self.scrape.tick()
+        if self.events is not None:
+            self.events.sync(wanted(self.scrape.wanted, self.scrape.slot_of))
         self.state.registry.refresh()   # this tick's decisions see the scrape's heartbeat and counts
 
     async def _readiness(self) -> None:
@@ -126,7 +135,8 @@ class Picker:
         if self.eds_path is not None:
             self.write_eds()
         self.warn_unix_only()
-        ready = bool(self.state.scheduler.ready_handles())
+        # with the engines' events, only once every subscriber has caught up (their replay)
+        ready = bool(self.state.scheduler.ready_handles()) and (self.events is None or self.events.caught_up())
         if ready != self.ready:
             self.ready = ready
             log.info("picker %s", "ready" if ready else "not ready: no eligible worker")

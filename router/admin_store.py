@@ -23,6 +23,10 @@ class MirrorSpec(TypedDict, total=False):
     weight: float
     model: str | None
     engine: bool
+    #: the engine's KV-cache events publisher and its replay socket (``tcp://host:port``; the
+    #: picker's endpoints file, :mod:`epp.events`)
+    kv_events: str
+    kv_events_replay: str
 
 
 class AdminStore:
