@@ -365,9 +365,12 @@ def versus(a: argparse.Namespace, rig: Rig) -> int:
     sequential(rig.direct, warm, one)
     _versus_blocks(a, rig, systems, others, one)
     _versus_rounds(a, systems, others, reqs, failed)
-    if NON_200:
-        print(f"  INVALID: {len(NON_200)} answers were not 200: "
-              + ", ".join(f"{k} {dict(Counter(v))}" for k, v in failed.items() if v))
+    if a.streams > 0:
+        _versus_sse(a, systems, others)
+    if NON_200 or STREAM_ERRORS:
+        print(f"  INVALID: {len(NON_200)} answers were not 200, {len(STREAM_ERRORS)} streams failed: "
+              + ", ".join(f"{k} {dict(Counter(v))}" for k, v in failed.items() if v)
+              + (f"; first stream error: {STREAM_ERRORS[0][:300]}" if STREAM_ERRORS else ""))
         return 1
     return 0
 
@@ -395,6 +398,40 @@ def _versus_blocks(a: argparse.Namespace, rig: Rig, systems: list[tuple[str, int
             diff = [x - y for x, y in zip(added["dplb"], added[other], strict=True)]
             print(f"dplb minus {other}, per block: median {1000 * statistics.median(diff):+.0f} µs; dplb at or "
                   f"below in {sum(x <= 0 for x in diff)} of {len(diff)} blocks")
+
+
+def _versus_sse(a: argparse.Namespace, systems: list[tuple[str, int, int]], others: list[str]) -> None:
+    """The SSE relay of each system over ``a.rounds`` rounds of ``a.streams`` concurrent streams
+    for ``a.seconds`` (order rotating): router CPU per event and the inter-token gaps the client
+    saw (p50/p99 of the round's gaps, :func:`bench.rawclient.stream_loop`); prints the medians
+    over the rounds and DPLB's ratios to each other system."""
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    p50: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    p99: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    for r in range(a.rounds):
+        for name, port, pid in _order(systems, r):
+            measure = Rig.cpu_of(pid)
+            gaps: list[float] = []
+            c0 = measure()
+            ev, _ = stream_loop(port, a.streams, a.seconds, gaps)
+            cpu[name].append((measure() - c0) * 1e6 / max(ev, 1))
+            p50[name].append(pct(gaps, 50) * 1e3 if gaps else float("nan"))
+            p99[name].append(pct(gaps, 99) * 1e3 if gaps else float("nan"))
+    if not a.rounds:
+        return
+    for name, xs in cpu.items():
+        print(f"SSE relay, {name:8s}: router CPU {statistics.median(xs):.1f} µs per event median of "
+              f"{a.rounds} rounds [{min(xs):.1f}–{max(xs):.1f}]; inter-token gap p50 "
+              f"{statistics.median(p50[name]):.2f} ms, p99 {statistics.median(p99[name]):.2f} ms "
+              f"[{min(p99[name]):.2f}–{max(p99[name]):.2f}] ({a.streams} streams, one event per "
+              f"{a.chunk_interval_ms:g} ms, {a.seconds:g} s each)")
+    for other in others:
+        ratios = [x / y for x, y in zip(cpu["dplb"], cpu[other], strict=True)]
+        gap99 = [x / y for x, y in zip(p99["dplb"], p99[other], strict=True)]
+        print(f"SSE dplb / {other}: CPU per event {statistics.median(cpu['dplb']) / statistics.median(cpu[other]):.2f}× "
+              f"(per round [{min(ratios):.2f}–{max(ratios):.2f}]); inter-token gap p99 "
+              f"{statistics.median(p99['dplb']) / statistics.median(p99[other]):.2f}× "
+              f"(per round [{min(gap99):.2f}–{max(gap99):.2f}])")
 
 
 def _versus_rounds(a: argparse.Namespace, systems: list[tuple[str, int, int]], others: list[str],

@@ -48,3 +48,20 @@ def test_versus_measures_both_routers_in_alternating_blocks_and_cleans_up(shm_na
         assert re.search(rf"router CPU per request, {name}\s*: \d+ µs median of 2 closed loops", r.stdout), r.stdout
     assert re.search(r"dplb minus sglang, per block: median [+-]\d+ µs; dplb at or below in \d of 2 blocks", r.stdout)
     assert shm_leftovers(shm_name) == []
+
+
+def test_versus_measures_the_sse_relay_of_each_router_in_rounds(shm_name):
+    """``--versus`` with ``--streams``: each router's CPU per SSE event and the inter-token gaps,
+    round by round beside the other (no peer needed: the access-log-off variant is the other)."""
+    r = subprocess.run([sys.executable, "-m", "bench.router_overhead", "--versus", "no-access-log", "--blocks", "1",
+                        "--block-requests", "20", "--rounds", "2", "--seconds", "0.5", "--conns", "2", "--streams", "2",
+                        "--chunks", "8", "--pin", "-1", "--shm", shm_name], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("dplb", "no-access-log"):
+        m = re.search(rf"SSE relay, {name}\s*: router CPU ([\d.]+) µs per event median of 2 rounds .*inter-token gap "
+                      r"p50 ([\d.]+) ms, p99 ([\d.]+) ms", r.stdout)
+        assert m and float(m.group(1)) > 0 and float(m.group(2)) <= float(m.group(3)), r.stdout
+    assert re.search(r"SSE dplb / no-access-log: CPU per event \d+\.\d\d× \(per round \[[\d.]+–[\d.]+\]\); "
+                     r"inter-token gap p99 \d+\.\d\d×", r.stdout), r.stdout
+    assert shm_leftovers(shm_name) == []
