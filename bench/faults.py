@@ -127,6 +127,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     # issue 46: what fails stays contained (ids are the issue's items)
     Scenario("46.2", "run_engine_abort", ("early", "cut", "non_streamed_everywhere", "requests_502",
                                           "engine_abort_errors")),
+    Scenario("46.2d", "run_drain_cut", ("streams", "non_streamed", "access_statuses", "drain_cut_lines", "stop_s",
+                                         "router_rc")),
     Scenario("46.4", "run_slot_frozen_mid_write", ("idle_cpu_before", "idle_cpu_frozen", "served", "routing_1",
                                                    "stale_read", "spins_per_read", "dump_state_1")),
     Scenario("46.5", "run_log_injection", ("statuses", "lines", "access_lines", "bad_access_lines", "forged_lines",

@@ -20,9 +20,10 @@ there were two; ``ended`` then tells the router's writer that the terminator is 
 (router/server.py ``ChunkedWriter.finish``). Unless the body's last 4 KiB hold ``"abort"`` (an
 engine-side ``finish_reason: "abort"``, or a false alarm the router's Python side tells apart): then
 the terminator is left to ``ChunkedWriter.finish``, which writes the SSE error event of a truncated
-answer before it (router/relay.py).
+answer before it (router/relay.py); a ``data: [DONE]`` event that ends such a read is not written
+either (``held_done``): the writer puts it after the error event, which never follows a ``[DONE]``.
 """
-from libc.string cimport memcpy, memmove
+from libc.string cimport memcmp, memcpy, memmove
 
 
 cdef extern from "<string.h>" nogil:
@@ -65,6 +66,19 @@ cdef inline int _hex(unsigned char c) noexcept:
     return -1
 
 
+cdef Py_ssize_t _done_suffix(const unsigned char *p, Py_ssize_t n):
+    """The length of a ``data: [DONE]`` event (with its blank line; also without the space) that
+    ends the ``n`` bytes at ``p``, at their start or after a line break; 0 when there is none."""
+    cdef Py_ssize_t k = 0
+    if n >= 14 and memcmp(p + n - 14, b"data: [DONE]\n\n", 14) == 0:
+        k = 14
+    elif n >= 13 and memcmp(p + n - 13, b"data:[DONE]\n\n", 13) == 0:
+        k = 13
+    if k and (n == k or p[n - k - 1] == 10):
+        return k
+    return 0
+
+
 cdef class ChunkRelay:
     """Relay of one chunked response body from an engine's connection to a client's transport.
 
@@ -80,7 +94,9 @@ cdef class ChunkRelay:
     followed the end of the body: do not reuse the connection), ``events`` (``\\n\\n`` separators in
     the relayed payload, counted as ``bytes.count`` counts them per read plus one straddling two
     reads, the rule of ``StreamMeter.feed``), ``relayed`` (payload bytes written), ``ended`` (the
-    terminating chunk was written to the client: ``end`` and ``done``).
+    terminating chunk was written to the client: ``end`` and ``done``), ``held_done`` (a read ended
+    with ``data: [DONE]`` while ``"abort"`` was in the relayed tail or the read: that event was not
+    written nor metered; the router's writer writes it after the abort's error event).
     """
 
     cdef int state
@@ -99,6 +115,7 @@ cdef class ChunkRelay:
     cdef public bint failed
     cdef public bint extra
     cdef public bint ended
+    cdef public bint held_done
     cdef bint _end
     cdef public long long events
     cdef public long long relayed
@@ -121,6 +138,7 @@ cdef class ChunkRelay:
         self.failed = False
         self.extra = False
         self.ended = False
+        self.held_done = False
         self._end = end
         self.events = 0
         self.relayed = 0
@@ -263,9 +281,13 @@ cdef class ChunkRelay:
         self._reserve(n + HEAD_ROOM + FOOT_ROOM)
         pay = self._decode(<const unsigned char *>PyBytes_AS_STRING(data), n, self.buf + HEAD_ROOM)
         end = self._end and self.done and not self.ended
-        if end and (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
-                    or (pay > 0 and memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL)):
+        k = _done_suffix(self.buf + HEAD_ROOM, pay)
+        if (end or k) and (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
+                           or (pay > 0 and memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL)):
             end = False   # an engine's abort, maybe: the writer ends the body, after its error event
+            if k and not self.held_done:
+                pay -= k  # and its [DONE] after that event, never before it
+                self.held_done = True
         if pay == 0 and not end:
             return OK
         if self._client.disconnected:

@@ -190,17 +190,27 @@ def reap_orphans(ours: set[int]) -> None:
             pass
 
 
-def stop_recorded_engine(pid_path: Path) -> int | None:
-    """SIGTERM to the process group of the engine a worker's pid file names (``engine-<K>.pid``:
-    ``<pid> <start time> [address]``, written by the agent) when that process still runs (its start
-    time matches: a reused pid is left alone). Returns its pid, or None when none runs. For an
-    engine whose agent is not restarted any more; whatever is left is stopped at the launch's end."""
+def recorded_engine(pid_path: Path) -> psutil.Process | None:
+    """The engine a worker's pid file names (``engine-<K>.pid``: ``<pid> <start time> [address]``,
+    written by the agent) while that process still runs: its start time matches (10 ms, as the
+    agent checks it on re-attach), so a reused pid is never taken for it. None otherwise (no
+    file, unreadable, exited, a zombie, another process)."""
     try:
         pid_s, started_s = pid_path.read_text().split()[:2]
         p = psutil.Process(int(pid_s))
         if abs(p.create_time() - float(started_s)) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
             return None
     except (OSError, ValueError, psutil.Error):
+        return None
+    return p
+
+
+def stop_recorded_engine(pid_path: Path) -> int | None:
+    """SIGTERM to the process group of the engine a worker's pid file names when that process
+    still runs (:func:`recorded_engine`). Returns its pid, or None when none runs. For an engine
+    whose agent is not restarted any more; whatever is left is stopped at the launch's end."""
+    p = recorded_engine(pid_path)
+    if p is None:
         return None
     _signal_group(p.pid, signal.SIGTERM)
     return p.pid

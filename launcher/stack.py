@@ -38,7 +38,7 @@ from typing import Any, Self
 import orjson
 import psutil
 
-from launcher.children import Child
+from launcher.children import Child, recorded_engine
 from worker_agent.logtail import log_tail
 
 LOOPBACK = "127.0.0.1"
@@ -447,9 +447,15 @@ class Stack:
 
     # -- housekeeping ------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every process group, unlink the segment, remove the run dir (when it is ours)."""
+        """Stop every process group and every engine the run dir's ``engine-<K>.pid`` files name
+        (:func:`stop_recorded_engines`: an engine outlives a killed agent and is no child of
+        ours), unlink the segment, remove the run dir (when it is ours)."""
         try:
-            self.procs.close()
+            try:
+                self.procs.close()
+            finally:
+                if self.dir:
+                    stop_recorded_engines(self.dir, self.procs.grace_s)
         finally:
             try:
                 if self.seg is not None:
@@ -465,10 +471,39 @@ class Stack:
                     shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def stop_recorded_engines(run_dir: str | os.PathLike[str], grace_s: float = 3.0) -> list[int]:
+    """Stop the engines that ``<run_dir>/engine-<K>.pid`` files name and that still run, checked by
+    pid and start time as the agent checks them (:func:`launcher.children.recorded_engine`: a
+    reused pid is left alone): SIGTERM to each one's process group (its own: the agent starts it
+    in a session of its own), SIGKILL to what still runs after ``grace_s`` seconds. An engine
+    whose agent was killed is reparented away from us, so :class:`ProcessGroup` cannot find it
+    among its children's descendants. Returns the pids signalled."""
+    procs = [p for p in (recorded_engine(f) for f in sorted(Path(run_dir).glob("engine-*.pid"))) if p is not None]
+    for p in procs:
+        _signal_engine(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        if p.is_running():   # still the same process (psutil compares its start time)
+            _signal_engine(p, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in procs]
+
+
+def _signal_engine(p: psutil.Process, sig: int) -> None:
+    """``sig`` to engine ``p``'s process group when it leads one, else to ``p`` alone."""
+    try:
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+    except (ProcessLookupError, PermissionError, psutil.Error):
+        pass
+
+
 def _pythonpath() -> str:
     """``PYTHONPATH`` for children: the checkout first, so ``python -m router`` finds this tree."""
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 __all__ = ["LOOPBACK", "ROOT", "ProcessGroup", "Stack", "agent_argv", "free_port", "http_json", "router_argv",
-           "unique_shm_name", "wait_for", "wait_for_port", "wait_for_unix_socket", "write_router_config"]
+           "stop_recorded_engines", "unique_shm_name", "wait_for", "wait_for_port", "wait_for_unix_socket", "write_router_config"]

@@ -10,6 +10,7 @@ class ChunkRelay:
     failed: bool
     extra: bool
     ended: bool
+    held_done: bool
     events: int
     relayed: int
     def __init__(self, write: Callable[[bytes], object], client: object, flow: object, carry: bytes = ..., end: bool = ...) -> None: ...

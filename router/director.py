@@ -36,6 +36,11 @@ the request's end   :meth:`Director.finished` (the answer's status, under the wo
                     :meth:`Director.refused` (an error answered before any worker was chosen,
                     under ``none``): ``dplb_router_requests_total`` and the duration histogram,
                     and the access line where the edge keeps one (the HTTP router's)
+the drain limit     the router's own stop cut a request at its drain limit (uvicorn cancels what
+                    is still in flight; the client is still connected): a stream already started
+                    ends with an SSE error event (:meth:`Director.drain_cut_stream`), a request
+                    not yet answered gets a 503 + ``Retry-After`` (:meth:`Director.drain_cut`);
+                    both counted 503 with a ``drain_cut`` error, never 499
 ==================  ===========================================================================
 
 The 499 rule both edges apply: a client that leaves before its whole answer is counted 499 and
@@ -57,6 +62,7 @@ from dplb_protocol.wire import parse_request
 from router.access_log import AccessLog
 from router.errors import (
     BadRequest,
+    DrainCut,
     NotFound,
     RouterError,
     UpstreamError,
@@ -81,6 +87,9 @@ CLIENT_CLOSED = 499
 #: the ``errors`` kind of an engine-side abort the client did not ask for (an engine's 499, a
 #: ``finish_reason: "abort"``): the request was dropped by the engine, not by its client
 ENGINE_ABORT = "engine_abort"
+#: the ``errors`` kind of a request the router's own stop cut at its drain limit (503: a stream
+#: ends with an SSE error event, a request not yet answered gets a 503 + ``Retry-After``)
+DRAIN_CUT = "drain_cut"
 #: the worker label of a request answered before any worker was chosen
 NO_WORKER = "none"
 #: the paths counted under their own name (``route`` label of the request metrics); any other
@@ -349,6 +358,22 @@ class Director:
                  f"{meter.output_tokens()} output tokens: the answer is truncated")
         return 502, cause, sse_error_event(cause, "upstream_error", 502)
 
+    # -- the router's own stop: the drain limit cut the request ----------------------------------
+    def drain_cut_stream(self, meter: StreamMeter, label: str) -> tuple[int, str, bytes]:
+        """A relayed stream the router's stop cut at its drain limit (``--drain-timeout``): the
+        client read a truncated answer. Returns ``(503, cause, the OpenAI-shaped SSE error event
+        that ends the stream)`` and counts a ``drain_cut`` error on the worker labelled ``label``."""
+        self.metrics.errors.labels(label, DRAIN_CUT).inc()
+        cause = (f"the router stopped and its drain limit cut the stream after {meter.output_tokens()} output "
+                 "tokens: the answer is truncated; retry the request")
+        return 503, cause, sse_error_event(cause, DrainCut.type, 503)
+
+    def drain_cut(self, label: str) -> DrainCut:
+        """The error for a request the router's stop cut at its drain limit before anything was
+        answered (counted as a ``drain_cut`` error under ``label``): a 503 with ``Retry-After``."""
+        self.metrics.errors.labels(label, DRAIN_CUT).inc()
+        return DrainCut("the router stopped and its drain limit came before the answer; retry the request")
+
     def answer(self, lease: Lease, body: bytes) -> tuple[int, int]:
         """A non-streamed answer ``body`` was relayed: count its tokens on the worker (its
         ``usage``; the router's prompt estimate when it has none). Returns ``(prompt tokens,
@@ -394,4 +419,4 @@ class Director:
         return self.finished(NO_WORKER, e.status, route, t0, rid, method, path, model, attempts=0, cause=e.message)
 
 
-__all__ = ["CLIENT_CLOSED", "ENGINE_ABORT", "NO_WORKER", "ROUTES", "Admission", "Director", "OpenAdmission", "route_of"]
+__all__ = ["CLIENT_CLOSED", "DRAIN_CUT", "ENGINE_ABORT", "NO_WORKER", "ROUTES", "Admission", "Director", "OpenAdmission", "route_of"]

@@ -17,6 +17,8 @@ Tree (HTTP status in brackets; rendered only at the edge, by :func:`dplb_protoco
     ├── Overloaded          [429]       the admission queue shed the request (Retry-After; budget, deadline, full)
     ├── NoEligibleWorker    [503]       no ready worker can take the request (Retry-After)
     ├── NoFreeSlot          [503]       admin add of a remote worker with every segment slot taken
+    ├── DrainCut            [503]       the router stopped: its drain limit cut a request not yet
+    │                                   answered (Retry-After: another router, or this one restarted)
     ├── UpstreamError       [502]       the worker failed (refused, dropped, 5xx) and no retry helped
     ├── GatewayTimeout      [504]       the worker did not answer within the first-byte timeout
     └── ConfigError         (no HTTP)   invalid dplb.yaml / flags; names the field
@@ -151,6 +153,19 @@ class NoFreeSlot(RouterError):
         super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
 
 
+class DrainCut(RouterError):
+    """The router's own stop reached its drain limit (``--drain-timeout``) before the request was
+    answered: 503 + ``Retry-After`` (the client's retry reaches a router that serves: another
+    replica, or this one restarted by the launcher), counted ``kind="drain_cut"``. A stream already
+    started ends with the same error as an SSE event instead."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kw: Unpack[ErrorFields]) -> None:
+        super().__init__(message, headers={"retry-after": str(retry_after)}, **kw)
+
+
 class UpstreamError(RouterError):
     """Every attempt failed before the first response byte (502). ``worker_id``: the last one tried."""
 
@@ -203,7 +218,7 @@ class TransportError(Exception):
         self.detail = detail
 
 
-__all__ = ["BadRequest", "BodyTooLarge", "ConfigError", "Conflict", "Forbidden", "GatewayTimeout", "HeadersTooLarge",
+__all__ = ["BadRequest", "BodyTooLarge", "ConfigError", "Conflict", "DrainCut", "Forbidden", "GatewayTimeout", "HeadersTooLarge",
            "NoEligibleWorker", "NoFreeSlot", "NotFound", "NotSupported", "Overloaded", "RouterError", "TransportError",
            "Unauthorized",
            "UnsupportedMediaType", "UpstreamError", "error_body", "sse_error_event"]

@@ -42,7 +42,9 @@ class Exchange:
     ``last_wid`` (the last failure and its worker), ``broken`` (workers whose connection the
     request broke after they read it), ``mid_body`` (the last attempt failed inside a
     non-streamed body) and ``no_worker`` (the pipeline had no worker for another attempt).
-    ``cut``: a stream its client cut, ``(output tokens sent, TTFT s or None)`` for the 499 line."""
+    ``cut``: a stream its client cut, ``(output tokens sent, TTFT s or None)`` for the 499 line;
+    ``gone``: the client's connection closed (set by :meth:`router.proxy.Proxy._serve`): a
+    cancellation of the request's task without it is the server's (the drain limit of a stop)."""
 
     method: str
     route: str
@@ -61,6 +63,7 @@ class Exchange:
     mid_body: bool = False
     no_worker: NoEligibleWorker | None = None
     cut: tuple[int, float | None] | None = None
+    gone: bool = False
 
     def failed(self, wid: int, e: Exception) -> None:
         """Record that the attempt on worker ``wid`` failed with ``e`` before the first byte

@@ -33,7 +33,8 @@ the segment lists it; ``""`` for an answer no worker gave: a 404 for an unknown 
 none eligible), never the client's string, so it stays bounded and the dashboard's model selector
 filters these panels too. ``status`` is the HTTP status answered, or 499 (nginx's "client closed request") for a client
 that left before its answer was complete. ``kind`` is one of connect, timeout, status_5xx,
-engine_abort (an engine answered 499 to a client still connected), stream_broken, client_disconnect. ``dplb_router_query_of_death_total`` counts requests answered
+engine_abort (an engine answered 499 to a client still connected), stream_broken, client_disconnect,
+drain_cut (the router's own stop cut the request at its drain limit: 503). ``dplb_router_query_of_death_total`` counts requests answered
 502 and not tried again because they broke the connection of two workers after those read them
 (:data:`router.proxy.BROKEN_ENGINES_LIMIT`). The TTFT
 histogram times a stream from the request's arrival to the first chunk that carries content
@@ -104,7 +105,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dplb.router.metrics")
 
 WORKER_STATES = ("starting", "ready", "draining", "dead")
-ERROR_KINDS = ("connect", "timeout", "status_5xx", "engine_abort", "stream_broken", "client_disconnect")
+ERROR_KINDS = ("connect", "timeout", "status_5xx", "engine_abort", "stream_broken", "client_disconnect", "drain_cut")
 RETRY_REASONS = ("connect", "timeout", "stream_broken", "engine_abort")  # plus status_<code> per retries.retry_on_status
 PHASES = ("routing", "queue_prefill", "decode")
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

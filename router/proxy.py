@@ -66,6 +66,7 @@ from router.answers import send_error
 from router.asgi import ASGIApp, Scope
 from router.config import Config
 from router.director import CLIENT_CLOSED, NO_WORKER, ROUTES, Director
+from router.drain import settle_cut
 from router.errors import (
     BadRequest,
     GatewayTimeout,
@@ -319,7 +320,7 @@ class Proxy:
         def on_gone() -> None:
             nonlocal gone
             if task is not None and not task.done():
-                gone = True
+                gone = ex.gone = True
                 task.cancel()
 
         def on_message(t: asyncio.Task) -> None:
@@ -434,12 +435,11 @@ class Proxy:
                     return
                 if step is _STOP:
                     break
-        except (asyncio.CancelledError, ClientGone):
-            # the client left before its answer was complete (see relay_stream for one that had it all)
-            sent, ttft = ex.cut if ex.cut is not None else (None, None)   # a stream cut: the tokens it was sent
-            director.client_left(label, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model, ttft,
-                                 ex.info.prompt_len, sent, len(ex.tried) + 1, queue_s=ex.info.queued_s)
-            raise
+        except (asyncio.CancelledError, ClientGone) as e:
+            # the client left (499; relay_stream: a whole stream), or the stop's drain limit cut it (503, router.drain)
+            if not await settle_cut(ex, label, director, e):
+                raise
+            return
         err = self.final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker)
         if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
             self.metrics.query_of_death.inc()

@@ -13,11 +13,12 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from router.director import Director
+from router.drain import cut_by_stop, stream_cut
 from router.errors import TransportError, sse_error_event
 from router.exchange import Attempt, Exchange
 from router.metrics import Metrics
 from router.server import ChunkedWriter, ClientGone, chunked_writer, start_chunked
-from router.stream_meter import StreamMeter, events_aborted, is_event_stream
+from router.stream_meter import StreamMeter, events_aborted, is_event_stream, split_done
 from router.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -38,12 +39,13 @@ def delivered(meter: StreamMeter, writer: ChunkedWriter | None) -> bool:
 
 
 async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, headers: list[tuple[bytes, bytes]],
-                       director: Director, idle_timeout_s: float) -> bool:
+                       director: Director, idle_timeout_s: float) -> bool | None:
     """Relay ``up``'s streamed body (status ``up.status``, ``headers`` as the client gets them),
     starting with ``first`` (already read); a broken or stalled upstream ends with an SSE error
     event. The first chunk that carries content (:mod:`router.stream_meter`) is the TTFT and ends
     the request's prefill in the lease's accounting. Returns False when the stream broke (a
-    breaker failure). Counts the request (``dplb_router_requests_total``) and writes its
+    breaker failure), None when the router's stop cut it at its drain limit (no verdict on the
+    worker: a 503 ``drain_cut`` and an SSE error event for the client). Counts the request (``dplb_router_requests_total``) and writes its
     access-log line at the end (:meth:`Director.finished`).
 
     When the router's own uvicorn protocol serves the request (``ex.scope``), the head leaves
@@ -54,42 +56,55 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     status, send, scope, wid = up.status, ex.send, ex.scope, att.handle.worker_id
     meter = StreamMeter(is_event_stream(headers))
     ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
+    held: list[bytes] = []   # an engine's [DONE] held back from an aborted stream (its error event goes first)
+    first = _hold_done(first, meter, held)
     if first and meter.feed(first):
         ttft.append(director.first_content(ex.route, ex.t0, att.lease))
     # a body already whole and aborted by its engine is not ended here: its error event follows
-    end = up.complete() and not meter.aborted()
+    end = up.complete() and not held and not meter.aborted()
     writer = start_chunked(scope, status, headers, first, end) if scope is not None else None
     if writer is None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
             writer = chunked_writer(scope) if scope is not None else None
-    ok, complete = True, False
+    ok: bool | None = True
+    complete = False
     final, last, cause = status, b"", None
     try:
         if first:
-            await _relay_rest(ex, att, up, writer, meter, ttft, director)
+            await _relay_rest(ex, att, up, writer, meter, ttft, director, held)
         complete = True
-    except (asyncio.CancelledError, ClientGone):
-        if not delivered(meter, writer):
+    except (asyncio.CancelledError, ClientGone) as e:
+        if cut_by_stop(ex, e) and not delivered(meter, writer):
+            # the router's stop reached its drain limit (router.drain): 503 and an SSE error event
+            ok, (final, cause, last) = None, stream_cut(ex, meter, att.handle.label, director)
+        elif not delivered(meter, writer):
             ex.cut = (meter.output_tokens(), ttft[0] if ttft else None)   # what reached it, for the 499 line
             raise
-        # the client had the whole answer when it left: a complete stream, not a disconnect
-        complete = True
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            task.uncancel()
+        else:   # the client had the whole answer when it left: a complete stream, not a disconnect
+            complete = True
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                task.uncancel()
     except TransportError as e:
         ok = False
         final, cause, last = _stream_failed(e, wid, director.metrics, idle_timeout_s)
     finally:
         up.release(abort=not complete)
         tokens = director.stream_end(meter, att.lease, complete)
-    if complete and final < 500 and (cut := director.aborted_stream(meter, wid)) is not None:
+    done = b"".join(held)
+    if done and not meter.aborted():
+        last = done    # a false alarm ("abort" in the tail, no abort event): the engine's [DONE] as it was
+    elif complete and final < 500 and (cut := director.aborted_stream(meter, wid)) is not None:
         # the engine aborted what the client was reading (its drain limit, a stop): a truncated
-        # answer is a failure, ended with an SSE error event after the events relayed
+        # answer is a failure, ended with an SSE error event after the events relayed, before the
+        # engine's [DONE] (vLLM's own order for an error), never after it
         ok = False
         final, cause, last = cut
+        last += done
+    if meter.ended_with_done():
+        last = b""     # a [DONE] the client was written already (split across reads): nothing after it
     if writer is not None:
         await writer.finish(last)
     else:
@@ -104,19 +119,36 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     return ok
 
 
+def _hold_done(chunk: bytes, meter: StreamMeter, held: list[bytes]) -> bytes:
+    """``chunk`` without its trailing ``data: [DONE]`` event when the stream reports an
+    engine-side abort (in ``chunk`` or before it): that event goes to ``held``, written after the
+    abort's error event (:func:`relay_stream`). Anything else is returned unchanged."""
+    if held or not chunk.endswith(b"[DONE]\n\n"):
+        return chunk
+    body, done = split_done(chunk)
+    if done and (events_aborted(chunk) or meter.aborted()):
+        held.append(done)
+        return body
+    return chunk
+
+
 async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedWriter | None, meter: StreamMeter,
-                      ttft: list[float], director: Director) -> None:
+                      ttft: list[float], director: Director, held: list[bytes]) -> None:
     """The chunks after the first: piped into ``writer`` from the connection's callback (then by
     the native relay after the first content), else sent one ASGI message each; every chunk the
     client was written goes through ``meter`` (the first content appends the TTFT to ``ttft``).
-    Raises TransportError (broken, stalled), ClientGone or CancelledError (the client left)."""
+    An aborted stream's trailing ``data: [DONE]`` is not written but appended to ``held`` (by the
+    native relay: its ``held_done``). Raises TransportError (broken, stalled), ClientGone or
+    CancelledError (the client left, or the router's stop cut the stream)."""
     route, t0, lease, first_content = ex.route, ex.t0, att.lease, director.first_content
     if writer is None:
         lease.progress = meter.content_events   # output tokens so far, for the TPOT-SLO term
         async for chunk in up.chunks():
+            chunk = _hold_done(chunk, meter, held)
             if meter.feed(chunk):
                 ttft.append(first_content(route, t0, lease))
-            await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if chunk:
+                await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
         return
     write = writer.write
     relays: list[ChunkRelay] = []
@@ -126,9 +158,12 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
 
     def sink(chunk: bytes) -> bool:
         # the body's last bytes carry its end (one write, not two), unless the engine aborted the
-        # stream (its error event follows); the meter sees what the client was written, nothing
-        # after it left (see delivered)
-        end = up.complete() and not events_aborted(chunk)
+        # stream (its error event follows, then the [DONE] held back); the meter sees what the
+        # client was written, nothing after it left (see delivered)
+        chunk = _hold_done(chunk, meter, held)
+        end = up.complete() and not held and not events_aborted(chunk)
+        if not chunk:
+            return not writer.gone
         sent = write(chunk, end)
         if (sent or not writer.gone) and meter.feed(chunk):
             ttft.append(first_content(route, t0, lease))
@@ -136,8 +171,9 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
 
     def handoff() -> ChunkRelay | None:
         # after the first content the meter only counts events and keeps the
-        # tail, which the native relay does as it writes
-        if not meter.first_seen:
+        # tail, which the native relay does as it writes; a stream already aborted stays here
+        # (the relay would not know to hold back the [DONE] that follows)
+        if not meter.first_seen or meter.aborted():
             return None
         r = writer.native_relay(meter.carry)
         relays.append(r)
@@ -148,6 +184,8 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
     finally:
         for r in relays:
             meter.absorb(r.events, r.tail(), r.last_byte())
+            if r.held_done:
+                held.append(b"data: [DONE]\n\n")
 
 
 def _stream_failed(e: TransportError, wid: int, metrics: Metrics, idle_timeout_s: float) -> tuple[int, str, bytes]:

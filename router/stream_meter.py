@@ -262,10 +262,25 @@ class StreamMeter:
 
 
 
+#: an event stream's end as OpenAI servers write it (with and without the space)
+DONE_EVENTS = (b"data: [DONE]\n\n", b"data:[DONE]\n\n")
+
+
+def split_done(chunk: bytes) -> tuple[bytes, bytes]:
+    """``(chunk without a trailing data: [DONE] event, that event)``; ``(chunk, b"")`` when
+    ``chunk`` does not end with one (the event must start the chunk or follow a line break)."""
+    for d in DONE_EVENTS:
+        if chunk.endswith(d):
+            body = chunk[:-len(d)]
+            if not body or body.endswith(b"\n"):
+                return body, d
+    return chunk, b""
+
+
 def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     """Whether response ``headers`` (lower-case names) say ``text/event-stream``."""
     return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
-__all__ = ["StreamMeter", "body_aborted", "event_json", "events_aborted", "has_content", "is_abort", "is_event_stream",
-           "usage_from_body", "usage_of"]
+__all__ = ["DONE_EVENTS", "StreamMeter", "body_aborted", "event_json", "events_aborted", "has_content", "is_abort", "is_event_stream",
+           "split_done", "usage_from_body", "usage_of"]

@@ -278,7 +278,8 @@ def run_engine_abort(n: int = 6) -> Result:
     """Two fake workers. (a) worker 0 answers every request with an engine-side abort before any
     content (``n`` non-streamed and ``n`` streamed requests): each must be served whole by worker 1;
     (b) a non-streamed abort on both workers: 502; (c) ``n`` streams aborted by the engine after 3
-    content chunks (both workers): each must end with an SSE error event and be counted 502."""
+    content chunks and ``n`` after 1 (both workers): each must end with an SSE error event (then
+    the engine's ``[DONE]``, never before it) and be counted 502."""
     res = Result("46.2 engine-side abort", "finish_reason \"abort\" from the engine, before any content and "
                  "after 3 content chunks, streamed and not")
     with Stack() as st:
@@ -295,18 +296,19 @@ def run_engine_abort(n: int = 6) -> Result:
             status, _, body = _chat(c, stream=False, mode="abort")
             res.extra["non_streamed_everywhere"] = (status, orjson.loads(body).get("error", {}).get("type"))
             cut: Counter[str] = Counter()
-            for _ in range(n):
-                status, wid, body = _chat(c, stream=True, mode="abort", chunks=3)
-                events = [e for e in body.split(b"\n\n") if e.strip()]
-                last = "error_event_last" if events and _ERROR_KEY in events[-1] else "no_error_event"
-                cut[f"{status}/{last}"] += 1
+            for i in range(2 * n):   # 3 chunks 50 ms apart (the native relay), or 1 (one read: the Python path)
+                status, wid, body = _chat(c, stream=True, mode="abort", chunks=3 if i % 2 else 1)
+                ending = stream_ending(body)
+                cut[f"{status}/{ending}"] += 1
+                if ending != "error_event":   # what the client read, for the report
+                    res.extra.setdefault("odd_endings", []).append(body[-600:])
             text = httpx.get(base + "/metrics", timeout=10).text
         res.extra.update(early=dict(early), cut=dict(cut))
         res.extra["requests_502"] = _metric_sum(text, "dplb_router_requests_total", status="502")
         res.extra["engine_abort_errors"] = _metric_sum(text, "dplb_router_request_errors_total", kind="engine_abort")
-        res.sent = 3 * n + 1
+        res.sent = 4 * n + 1
         res.ok = early.get("200/1/whole", 0)
-        res.honest = cut.get("200/error_event_last", 0) + (res.extra["non_streamed_everywhere"][0] == 502)
+        res.honest = cut.get("200/error_event", 0) + (res.extra["non_streamed_everywhere"][0] == 502)
         res.lost = res.sent - res.ok - res.honest
     return res
 
@@ -420,5 +422,113 @@ def run_add_plain_engine(requests: int = 20) -> Result:
     return res
 
 
-__all__ = ["ACCESS_KEYS", "FORGED", "hostile_requests", "parse_access", "run_add_plain_engine", "run_engine_abort",
-           "run_log_injection", "run_queued_client_leaves", "run_slot_frozen_mid_write"]
+
+
+def _error_of(event: bytes) -> dict[str, Any] | None:
+    """The OpenAI ``error`` object of one SSE event, or None."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:") and _ERROR_KEY in line:
+            try:
+                err = orjson.loads(line[5:]).get("error")
+            except orjson.JSONDecodeError:
+                return None
+            return err if isinstance(err, dict) else None
+    return None
+
+
+def stream_ending(body: bytes) -> str:
+    """How an aborted or cut SSE body ends: ``error_event`` (an error event, nothing but the
+    engine's ``[DONE]`` after it), ``error_after_done`` (an error event after a ``[DONE]``: the
+    client stopped reading at the ``[DONE]`` and took a truncated answer as whole),
+    ``done_without_error`` or ``no_error_event``."""
+    events = [e.strip() for e in body.split(b"\n\n") if e.strip()]
+    done = [i for i, e in enumerate(events) if e in (b"data: [DONE]", b"data:[DONE]")]
+    errors = [i for i, e in enumerate(events) if _error_of(e) is not None]
+    if errors and done and done[0] < errors[-1]:
+        return "error_after_done"
+    if errors and all(i in done for i in range(errors[-1] + 1, len(events))):
+        return "error_event"
+    return "done_without_error" if done else "no_error_event"
+
+
+def run_drain_cut(streams: int = 3, drain_timeout_s: float = 1.0) -> Result:
+    """One fake worker streaming slowly (400 chunks 50 ms apart) and answering a non-streamed
+    request after 30 s; a router with ``--drain-timeout`` ``drain_timeout_s`` gets SIGTERM while
+    ``streams`` streams (content already read) and one non-streamed request are in flight. At the
+    drain limit each stream must end with an OpenAI-shaped SSE error event (503) and a whole
+    chunked body, the non-streamed request get a 503 with ``Retry-After``, and the router's
+    access log count them 503, never 499 (before: the streams were cut without their body's end
+    and counted 499 ``client_disconnect``, like a client that left)."""
+    import signal
+    import threading
+    import time
+
+    res = Result("46.2d the router's drain limit cuts long streams",
+                 f"SIGTERM of the router (--drain-timeout {drain_timeout_s:g}) with {streams} 20 s streams "
+                 "and a 30 s non-streamed request in flight")
+    answers: list[dict[str, Any]] = []
+    started = threading.Semaphore(0)
+
+    def client(base: str, stream: bool) -> None:
+        hs = {"x-fake-mode": "stream", "x-fake-chunks": "400", "x-fake-delay": "0.05"} if stream else \
+            {"x-fake-mode": "slow", "x-fake-delay": "30"}
+        body = {"model": MODEL_FAKE, "stream": stream, "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}
+        a: dict[str, Any] = {"stream": stream, "status": None, "body": b"", "error": None, "retry_after": None}
+        try:
+            with httpx.Client(base_url=base, timeout=90) as c, c.stream("POST", CHAT, headers=hs, json=body) as r:
+                a["status"], a["retry_after"] = r.status_code, r.headers.get("retry-after")
+                for chunk in r.iter_raw():
+                    if stream and not a["body"]:
+                        started.release()
+                    a["body"] += chunk
+        except httpx.HTTPError as e:
+            a["error"] = type(e).__name__
+        finally:
+            answers.append(a)
+            if not stream or not a["body"]:
+                started.release()
+
+    with Stack() as st:
+        f = st.fake(0)
+        base = st.router({}, "--drain-timeout", f"{drain_timeout_s:g}", ready=1)
+        router, log = st.routers[-1][0], st.routers[-1][0].log or ""
+        threads = [threading.Thread(target=client, args=(base, i < streams), daemon=True) for i in range(streams + 1)]
+        for t in threads:
+            t.start()
+        for _ in range(streams):
+            started.acquire(timeout=60)
+        wait_for(lambda: f.client().stats()["active"] == streams + 1, 60, "every request in flight at the fake")
+        t0 = time.monotonic()
+        router.popen.send_signal(signal.SIGTERM)
+        rc = router.popen.wait(60)
+        for t in threads:
+            t.join(60)
+        res.extra["stop_s"] = round(time.monotonic() - t0, 2)
+        res.extra["router_rc"] = rc
+        with open(log, errors="replace") as fh:
+            all_lines = fh.readlines()
+        lines = [ln for ln in all_lines if " POST " in ln and "status=" in ln]
+    statuses = Counter(re.search(r"status=(\d+)", ln).group(1) for ln in lines)  # type: ignore[union-attr]
+    ends: Counter[str] = Counter()
+    for a in answers:
+        if a["stream"]:
+            events = [e for e in a["body"].split(b"\n\n") if e.strip()]
+            err = next((_error_of(e) for e in reversed(events) if _error_of(e) is not None), None)
+            ends[f"{a['status']}/{a['error'] or 'whole'}/{stream_ending(a['body'])}/"
+                 f"{err.get('code') if err else None}/{err.get('type') if err else None}"] += 1
+        else:
+            err = orjson.loads(a["body"]).get("error", {}) if a["body"].startswith(b"{") else {}
+            res.extra["non_streamed"] = (a["status"], a["retry_after"], err.get("type"), a["error"])
+    res.extra["streams"] = dict(ends)
+    res.extra["access_statuses"] = dict(statuses)
+    res.extra["drain_cut_lines"] = sum("answered 503" in ln and "drain limit" in ln for ln in all_lines)
+    res.sent = streams + 1
+    res.honest = ends.get("200/whole/error_event/503/service_unavailable", 0) + \
+        (res.extra.get("non_streamed", (None,))[0] == 503)
+    res.lost = res.sent - res.honest
+    return res
+
+
+__all__ = ["ACCESS_KEYS", "FORGED", "hostile_requests", "parse_access", "run_add_plain_engine", "run_drain_cut",
+           "run_engine_abort", "run_log_injection", "run_queued_client_leaves", "run_slot_frozen_mid_write",
+           "stream_ending"]

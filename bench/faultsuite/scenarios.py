@@ -24,6 +24,7 @@ from bench.faultsuite.scen_clients import (
 )
 from bench.faultsuite.scen_contained import (
     run_add_plain_engine,
+    run_drain_cut,
     run_engine_abort,
     run_log_injection,
     run_queued_client_leaves,
@@ -88,5 +89,5 @@ __all__ += ["run_stop_under_traffic"]
 # issue 27 item 7, admin races on a remote worker (rows 27.7, 27.7w, 27.7k)
 __all__ += ["run_concurrent_add_remove", "run_mirror_owner_killed"]
 # issue 46, what fails stays contained (rows 46.*)
-__all__ += ["run_add_plain_engine", "run_engine_abort", "run_log_injection", "run_queued_client_leaves",
+__all__ += ["run_add_plain_engine", "run_drain_cut", "run_engine_abort", "run_log_injection", "run_queued_client_leaves",
             "run_slot_frozen_mid_write"]

@@ -1,0 +1,62 @@
+"""An error event followed an engine's ``data: [DONE]`` (issue 46).
+
+The failure: an engine that aborts a stream (vLLM's ``finish_reason: "abort"``) still ends it with
+``data: [DONE]``; the router relayed that ``[DONE]`` and wrote the abort's SSE error event after it,
+where a client (the ``openai`` client, any loop reading to ``[DONE]``) has stopped reading and took
+the truncated answer for a whole one. Now the ``[DONE]`` of an aborted stream is held back, in the
+Python relay and in the native one (``router._relay.ChunkRelay.held_done``), and written after the
+error event. The end-to-end check, both paths through a live router, is
+``tests/faults/test_engine_abort_is_a_failure.py`` (``stream_ending(...) == "error_event"``).
+"""
+from __future__ import annotations
+
+from router._relay import ChunkRelay
+from router.stream_meter import split_done
+
+ABORT = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"abort"}]}\n\n'
+CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+class _Client:
+    disconnected = False
+
+
+class _Flow:
+    write_paused = False
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _relay(*reads: bytes) -> tuple[ChunkRelay, bytes]:
+    out: list[bytes] = []
+    r = ChunkRelay(out.append, _Client(), _Flow(), b"\n", True)
+    for data in reads:
+        r.feed(data)
+    return r, b"".join(out)
+
+
+def test_the_native_relay_holds_back_the_done_of_an_aborted_stream():
+    # the abort and the [DONE] in two reads, then in one read with the body's end
+    for reads in ((_chunk(CONTENT + ABORT), _chunk(DONE) + b"0\r\n\r\n"),
+                  (_chunk(CONTENT), _chunk(ABORT + DONE) + b"0\r\n\r\n")):
+        r, written = _relay(*reads)
+        assert r.done and r.held_done, reads
+        assert b"[DONE]" not in written and b"abort" in written
+        assert not r.ended            # the router's writer ends the body: error event, then [DONE]
+
+
+def test_the_native_relay_writes_the_done_of_a_whole_stream():
+    r, written = _relay(_chunk(CONTENT), _chunk(DONE) + b"0\r\n\r\n")
+    assert r.done and r.ended and not r.held_done
+    assert written.endswith(_chunk(DONE) + b"0\r\n\r\n")
+
+
+def test_split_done_takes_only_a_trailing_done_event():
+    assert split_done(ABORT + DONE) == (ABORT, DONE)
+    assert split_done(DONE) == (b"", DONE)
+    assert split_done(b"data:[DONE]\n\n") == (b"", b"data:[DONE]\n\n")
+    assert split_done(ABORT) == (ABORT, b"")
+    assert split_done(b'{"x": "data: [DONE]\n\n') == (b'{"x": "data: [DONE]\n\n', b"")
