@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -94,9 +95,20 @@ def _431(message: str) -> bytes:
             WORKER_HEADER_B + b": none\r\n\r\n" + body)
 
 
-#: the ``scope["extensions"]`` keys under which the protocol puts the request's uvicorn cycle and itself
+#: the ``scope["extensions"]`` keys under which the protocol puts the request's uvicorn cycle (a
+#: weak reference: the cycle holds the scope, so a strong one made each request a reference cycle,
+#: ten objects per request left to the cyclic collector, a young-generation pass every ~60
+#: requests) and itself
 CYCLE_KEY = "dplb.uvicorn_cycle"
 PROTOCOL_KEY = "dplb.protocol"
+
+
+# Any: uvicorn's RequestResponseCycle (or None), read across uvicorn versions
+def _cycle_in(ext: Any) -> Any:  # type: ignore[explicit-any]
+    """The uvicorn cycle the protocol put in ``ext`` (a scope's ``extensions``, may be None), or
+    None (none put there, or the request's task is over)."""
+    ref = ext.get(CYCLE_KEY) if ext else None
+    return ref() if ref is not None else None
 
 
 class ClientGone(ConnectionResetError):
@@ -191,8 +203,7 @@ def chunked_writer(scope: Scope) -> ChunkedWriter | None:
     otherwise (a response with a Content-Length, a server other than
     :class:`LimitedHttpToolsProtocol`, a cycle of another uvicorn version without these
     attributes): the caller then sends every chunk through ASGI."""
-    ext = scope.get("extensions")
-    cycle = ext.get(CYCLE_KEY) if ext else None
+    cycle = _cycle_in(scope.get("extensions"))
     if cycle is None:
         return None
     try:
@@ -208,8 +219,7 @@ def chunked_writer(scope: Scope) -> ChunkedWriter | None:
 def _our_cycle(scope: Scope) -> Any:  # type: ignore[explicit-any]
     """The uvicorn cycle of ``scope``'s request when :class:`LimitedHttpToolsProtocol` serves it
     and no response started yet; else None."""
-    ext = scope.get("extensions")
-    cycle = ext.get(CYCLE_KEY) if ext else None
+    cycle = _cycle_in(scope.get("extensions"))
     if cycle is None or cycle.scope is not scope or cycle.response_started:
         return None
     return cycle
@@ -332,7 +342,7 @@ def watch_disconnect(scope: Scope, on_gone: Callable[[], None]) -> Callable[[], 
     then."""
     ext = scope.get("extensions")
     proto = ext.get(PROTOCOL_KEY) if ext else None
-    cycle = ext.get(CYCLE_KEY) if ext else None
+    cycle = _cycle_in(ext)
     if proto is None or cycle is None or not hasattr(cycle, "disconnected"):
         return None
     if cycle.disconnected:
@@ -406,10 +416,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             # Any: uvicorn types the scope an HTTPScope TypedDict, "extensions" dict[str, dict[object, object]]
             scope: Any = self.scope   # type: ignore[explicit-any]
             ext = scope.get("extensions")
+            ref = weakref.ref(cycle)
             if ext is None:
-                scope["extensions"] = {CYCLE_KEY: cycle, PROTOCOL_KEY: self}
+                scope["extensions"] = {CYCLE_KEY: ref, PROTOCOL_KEY: self}
             else:
-                ext[CYCLE_KEY] = cycle
+                ext[CYCLE_KEY] = ref
                 ext[PROTOCOL_KEY] = self
 
     def connection_lost(self, exc: Exception | None) -> None:
