@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.dplb-installed
 
-.PHONY: install build test test-fast test-faults test-vllm test-fidelity test-container bench-kernel bench bench-quick bench-faults bench-simulate soak lint typecheck clean
+.PHONY: install build test test-fast test-faults test-vllm test-fidelity test-container bench-kernel bench bench-quick bench-faults bench-gateway bench-simulate soak lint typecheck clean
 
 install: $(STAMP)
 
@@ -50,6 +50,9 @@ bench-simulate: install build
 
 bench-faults: install build
 	$(PY) -m bench.faults
+
+bench-gateway: install build
+	$(PY) -m bench.gateway
 
 soak: install build
 	$(PY) -m bench.soak

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "STREAMED (default: the least picker CPU per streamed event that still sees every chunk, "
                         "bench/results/epp_latency.md), FULL_DUPLEX_STREAMED, or NONE (head and end only: no TTFT, "
                         "no token counts)")
+    p.add_argument("--ext-proc-server", choices=["h2", "grpcio"], default="h2",
+                   help="the ext_proc server: h2 (default: HTTP/2 framed on the picker's event loop, epp.h2grpc; "
+                        "about a tenth of grpcio's CPU per request, bench/results/gateway.md) or grpcio (grpc.aio)")
     p.add_argument("--envoy-eds", metavar="PATH",
                    help="write the eligible endpoints to this EDS file for Envoy's pool cluster (override_host "
                         "load balancing, retries down the fallbacks: epp.envoy); --print-envoy-config renders it")
@@ -173,7 +176,8 @@ async def _run(args: argparse.Namespace, cfg: object, kube: PoolWatcher | None =
 
             picker.events = EventsFeed(args.kv_events_block_size, WordTokenizer(args.kv_events_vocab_size))
         await serve(picker, args.host, args.port, args.health_port, args.metrics_port or None,
-                    BODY_MODES[args.request_body_mode], stop, RESPONSE_BODY_MODES[args.response_body_mode])
+                    BODY_MODES[args.request_body_mode], stop, RESPONSE_BODY_MODES[args.response_body_mode],
+                    args.ext_proc_server)
     finally:
         if seg is not None:
             seg.unlink()

@@ -1,4 +1,5 @@
-"""The endpoint picker's servers: ext_proc (gRPC, :class:`epp.stream.ExtProcServicer` over a
+"""The endpoint picker's servers: ext_proc (gRPC over :mod:`epp.h2grpc`, or grpcio's
+:class:`epp.stream.ExtProcServicer`, each driving one :class:`epp.stream.Exchange` per stream of a
 :class:`epp.picker.Picker`), gRPC health, ``/metrics`` (HTTP, aiohttp), and :func:`serve`, which
 runs them with the picker.
 
@@ -10,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from epp.h2grpc import H2GrpcServer
 from epp.picker import Picker
-from epp.stream import ExtProcServicer
+from epp.stream import Exchange, ExtProcServicer
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -26,19 +28,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("dplb.epp")
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: the ext_proc servers :func:`start_grpc` can run
+ExtServer: TypeAlias = "H2GrpcServer | grpc.aio.Server"
 
 
 async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
-                     body_mode: int = 2,
-                     resp_mode: int = 1) -> tuple[grpc.aio.Server, grpc.aio.Server, health_aio.HealthServicer]:
+                     body_mode: int = 2, resp_mode: int = 1,
+                     server: str = "h2") -> tuple[ExtServer, grpc.aio.Server, health_aio.HealthServicer]:
     """Start the ext_proc server on ``host:port`` and the health server on ``host:health_port``
-    (0: a free port each; the bound ports are on the returned servers' ``bound_ports``
-    attribute). Returns ``(ext_proc server, health server, health servicer)``; the picker's
-    readiness drives the health statuses (module docstring). Raises RuntimeError when a port
-    cannot be bound."""
-    ext = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker, body_mode, resp_mode), ext)
-    ext_port = ext.add_insecure_port(f"{_bracket(host)}:{port}")
+    (0: a free port each; the bound ports are on the returned ext_proc server's ``bound_ports``
+    attribute). ``server``: ``h2`` (:mod:`epp.h2grpc`, the default: about a tenth of grpcio's CPU
+    per request) or ``grpcio`` (``grpc.aio``). Returns ``(ext_proc server, health server, health
+    servicer)``; the picker's readiness drives the health statuses (module docstring). Raises
+    RuntimeError when a port cannot be bound, ValueError for an unknown ``server``."""
+    ext: ExtServer
+    if server == "h2":
+        ext = H2GrpcServer(lambda: Exchange(picker, body_mode, resp_mode))
+        try:
+            ext_port = await ext.start(host, port)
+        except OSError:
+            ext_port = 0
+    elif server == "grpcio":
+        ext = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker, body_mode, resp_mode), ext)
+        ext_port = ext.add_insecure_port(f"{_bracket(host)}:{port}")
+    else:
+        raise ValueError(f"unknown ext_proc server {server!r} (h2, grpcio)")
     hs = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, hs)
@@ -55,7 +70,8 @@ async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
 
     picker.on_ready_change = ready
     await ready(picker.ready)
-    await ext.start()
+    if isinstance(ext, grpc.aio.Server):
+        await ext.start()
     await hs.start()
     return ext, hs, health
 
@@ -82,14 +98,15 @@ async def start_metrics(picker: Picker, host: str, port: int) -> web.AppRunner:
 
 
 async def serve(picker: Picker, host: str, port: int, health_port: int, metrics_port: int | None,
-                body_mode: int = 2, stop: asyncio.Event | None = None, resp_mode: int = 1) -> None:
+                body_mode: int = 2, stop: asyncio.Event | None = None, resp_mode: int = 1,
+                server: str = "h2") -> None:
     """Run the picker and its servers until ``stop`` is set (forever when None); everything is
-    stopped and the picker's slots given back on the way out."""
+    stopped and the picker's slots given back on the way out. ``server``: :func:`start_grpc`'s."""
     await picker.start()
     runner = None
-    servers: tuple[grpc.aio.Server, ...] = ()
+    servers: tuple[ExtServer, ...] = ()
     try:
-        ext, hs, _ = await start_grpc(picker, host, port, health_port, body_mode, resp_mode)
+        ext, hs, _ = await start_grpc(picker, host, port, health_port, body_mode, resp_mode, server)
         servers = (ext, hs)
         if metrics_port is not None:
             runner = await start_metrics(picker, host, metrics_port)
