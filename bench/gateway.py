@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.router_overhead import _read_response, _request, pct, sequential
+from bench.rawclient import _read_response, chat_request, connector, pct, sequential
 from launcher.stack import free_port, router_argv, wait_for, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def paced(port: int, conns: int, seconds: float, rate: float) -> tuple[list[floa
     """``rate`` tiny chat requests/s over ``conns`` keep-alive connections (each sends one every
     ``conns / rate`` s) for ``seconds``. Returns the latencies of the 200 answers in ms, each from
     the moment its request was due, and the count of other answers."""
-    req = _request(b"bench")
+    req = chat_request(b"bench")
     gap = conns / rate
     start = time.monotonic() + 0.05
     stop = start + seconds
@@ -104,8 +104,8 @@ def paced(port: int, conns: int, seconds: float, rate: float) -> tuple[list[floa
 def blocks(port: int, n: int, bad: list[int]) -> list[float]:
     """``n`` sequential tiny chat requests on one keep-alive connection; latencies of the 200
     answers in ms (the statuses of others are appended to ``bad``)."""
-    s = _connect(port)()
-    req = _request(b"bench")
+    s = connector(port)()
+    req = chat_request(b"bench")
     buf = bytearray()
     out = []
     try:
@@ -120,14 +120,6 @@ def blocks(port: int, n: int, bad: list[int]) -> list[float]:
     finally:
         s.close()
     return out
-
-
-def _connect(port: int):
-    def c() -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", port))
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return s
-    return c
 
 
 def _get_ok(url: str) -> bool:
@@ -247,7 +239,7 @@ def measure(a: argparse.Namespace, systems: list[System], wport: int) -> None:
         blocks(s.port, 200, warm)
         if warm:
             print(f"warm-up of {s.name}: non-200 answers {warm[:10]} ({len(warm)})")
-    direct = _connect(wport)
+    direct = connector(wport)
     sequential(direct, 200)
     for r in range(a.rounds):
         k = r % len(systems)
