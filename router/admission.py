@@ -12,10 +12,16 @@ the ``dplb`` policy's estimated TTFT on the worker it chose (``Decision.ttft_s``
 off: queue ahead + own prefill, whose queued prefill is the segment's shared accounting of every
 router process and counts the engine's waiting requests, the decode steps sharing them, and the
 KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
-worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`) and none
-of them already paces above ``tpot_slo_s`` (:func:`pacing_over`: the batch is full for its SLO). The cluster has room for a request when that estimate is within ``headroom`` ×
-the request's TTFT budget (``ttft_slo_base_s + ttft_slo_per_1k_s × prompt tokens / 1000``);
-when every worker is above the KV threshold (decision reason ``kv_full``) it has none. A policy
+worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`). A
+decode there already pacing above ``tpot_slo_s`` (:func:`pacing_over`: the batch is full for its
+SLO) holds the request only when every eligible worker's batch does (the cluster has no TPOT
+room), or when the request fills only the reserve (below): a burst on the one worker the policy
+chose is not saturation, and holding there would cost TTFT below capacity without saving its
+decodes. The cluster has room for a request when that estimate is within ``headroom`` × the
+request's TTFT budget (``ttft_slo_base_s + ttft_slo_per_1k_s × prompt tokens / 1000``; for a
+request that fills only the reserve of a higher class, at most that class's typical budget,
+:meth:`AdmissionQueue.room_budget`); when every worker is above the KV threshold (decision
+reason ``kv_full``) it has none. A policy
 that estimates nothing (``round_robin``, ...) falls back to the chosen worker's router in-flight
 count against its ``max_num_seqs`` (the caller passes ``full``).
 
@@ -67,6 +73,10 @@ RETRY_AFTER_MAX_S = 60
 #: a tenant with more than this many times its fair share of its class's recent dispatches fills
 #: only the reserved headroom (:meth:`AdmissionQueue.headroom`)
 OVER_SHARE = 1.25
+#: weight of one arrival in a class's running mean of prompt tokens (an exponentially weighted
+#: mean over about its last 1 / 0.05 = 20 requests: short enough to follow a change of the class's
+#: prompt mix within a few seconds of traffic, long enough that one long prompt moves it by 5 %)
+PROMPT_EWMA = 0.05
 
 P = TypeVar("P")
 
@@ -140,6 +150,9 @@ class AdmissionQueue(Generic[P]):
         self.dispatched_total = 0
         #: priority → when a request of that class last arrived (trunk reservation)
         self._seen: dict[int, float] = {}
+        #: priority → running mean of its requests' prompt tokens (:data:`PROMPT_EWMA`): the
+        #: budget of a typical request of a higher class (:meth:`room_budget`)
+        self._ptok: dict[int, float] = {}
         #: per class, the dispatches of the last ``reserve_window_s`` (time, tenant) and their
         #: count per tenant (a tenant above its fair share fills only the reserved headroom)
         self._recent: dict[int, deque[tuple[float, str]]] = {}
@@ -154,6 +167,8 @@ class AdmissionQueue(Generic[P]):
         prio = cfg.default_priority if priority is None else priority
         budget = cfg.budget_s(prio)
         self._seen[prio] = now
+        m = self._ptok.get(prio)
+        self._ptok[prio] = float(prompt_tokens) if m is None else m + PROMPT_EWMA * (prompt_tokens - m)
         if budget_s is not None and budget_s >= 0:
             budget = min(budget, budget_s)
         self._seq += 1
@@ -229,11 +244,26 @@ class AdmissionQueue(Generic[P]):
             return WAIT
         if est_s is None:
             return GO
-        if est_s > self.headroom(t.priority, now, t.tenant) * t.ttft_budget:
+        if est_s > self.headroom(t.priority, now, t.tenant) * self.room_budget(t, now):
             return WAIT
         if not t.late and now + est_s > t.deadline:
             return LATE
         return GO
+
+    def room_budget(self, t: Ticket[P], now: float) -> float:
+        """The TTFT budget, s, the saturation rule measures ``t``'s estimate against: its own,
+        or, while a higher class had a request within ``reserve_window_s``, the smaller of its own
+        and the budget of a typical request of that class (its running mean of prompt tokens,
+        :data:`PROMPT_EWMA`). A lower-class request with a long prompt (a long budget) would
+        otherwise queue seconds of prefill ahead of the next high-class request, whose own budget
+        is short: the reserve must be counted in the time the class it is kept for can wait."""
+        budget = t.ttft_budget
+        cfg = self.cfg
+        horizon = now - cfg.reserve_window_s
+        for p, seen in self._seen.items():
+            if p > t.priority and seen >= horizon:
+                budget = min(budget, cfg.ttft_budget_s(int(self._ptok.get(p, 0.0))))
+        return budget
 
     def headroom(self, priority: int, now: float, tenant: str | None = None) -> float:
         """The share of its TTFT budget a request of class ``priority`` (and ``tenant``) may find
@@ -247,14 +277,19 @@ class AdmissionQueue(Generic[P]):
         for p, t in self._seen.items():
             if p > priority and t >= horizon:
                 return cfg.headroom * cfg.reserve
-        if tenant is not None:
-            counts = self._recent_n.get(priority)
-            if counts and len(counts) > 1:
-                self._trim(priority, horizon)
-                total = sum(counts.values())
-                if total and counts.get(tenant, 0) * len(counts) > OVER_SHARE * total:
-                    return cfg.headroom * cfg.reserve
+        if tenant is not None and self._over_share(priority, tenant, horizon):
+            return cfg.headroom * cfg.reserve
         return cfg.headroom
+
+    def _over_share(self, priority: int, tenant: str, horizon: float) -> bool:
+        """Whether ``tenant`` had more than :data:`OVER_SHARE` × its fair share of class
+        ``priority``'s dispatches since ``horizon``."""
+        counts = self._recent_n.get(priority)
+        if not counts or len(counts) < 2:
+            return False
+        self._trim(priority, horizon)
+        total = sum(counts.values())
+        return bool(total) and counts.get(tenant, 0) * len(counts) > OVER_SHARE * total
 
     def record(self, t: Ticket[P], now: float) -> None:
         """Count the dispatch of ``t`` (its tenant's virtual time, the recent dispatch rate and
@@ -456,11 +491,24 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     ``full`` (no room whatever the estimate): every offered worker above the KV threshold
     (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
     its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
-    ``tpot_slo_s`` (:func:`pacing_over`), or, for a policy that estimates no TTFT, the chosen
-    worker's router in-flight count (read live from the segment) at its ``max_num_seqs``."""
+    ``tpot_slo_s`` (:func:`pacing_over`) and either every eligible worker has one (the cluster has
+    no TPOT room) or ``t`` fills only the reserve (:meth:`AdmissionQueue.headroom` below
+    ``headroom``), or, for a policy that estimates no TTFT, the chosen worker's router in-flight
+    count (read live from the segment) at its ``max_num_seqs``."""
     h, d = sched.decide(info, exclude)
-    full = (d.reason == "kv_full" or d.slo_victims > 0
-            or pacing_over(sched.decodes.requests(h.worker_id), q.cfg.tpot_slo_s))
+    full = d.reason == "kv_full" or d.slo_victims > 0
+    if not full:
+        tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
+        if pacing_over(decodes.requests(h.worker_id), tpot):
+            # the chosen worker's batch paces above its TPOT bound: a request that fills only the
+            # reserve (lower class, tenant above its share) waits for it; any other waits only when
+            # every eligible worker's batch does (the cluster has no TPOT room): a worker pacing
+            # over while others have room is a burst on one worker, which holding would turn into
+            # TTFT without saving the decodes there (a pace is a mean since the first token, slow
+            # to fall back), and re-routing would give up the prefix the policy chose it for
+            full = q.headroom(t.priority, now, t.tenant) < q.cfg.headroom or all(
+                pacing_over(decodes.requests(s.worker_id), tpot)
+                for s in sched.candidates(info.model, set(exclude), False))
     est = d.ttft_s if d.ttft_s is not None else d.est_s
     if est is None and not full:
         snap = h.snap

@@ -273,3 +273,81 @@ def test_config_validates_and_defaults_on():
         load_config(None, {"admission.headroom": 0})
     with pytest.raises(ConfigError, match="admission.nope"):
         load_config(None, {"admission.nope": 1})
+
+
+class _Breaker:
+    def allow(self) -> bool:
+        return True
+
+
+class _Decodes:
+    def __init__(self, per_worker: dict[int, list[tuple[int | None, int, float | None]]]) -> None:
+        self.per_worker = per_worker
+
+    def requests(self, worker_id: int) -> list[tuple[int | None, int, float | None]]:
+        return self.per_worker.get(worker_id, [])
+
+
+class _Sched:
+    """Two workers; the policy always chooses worker 0 (its prefix is there) with ``est`` s of
+    own TTFT; ``decodes``: the streamed requests in flight per worker."""
+
+    def __init__(self, decodes: dict[int, list[tuple[int | None, int, float | None]]], est: float = 0.2) -> None:
+        from types import SimpleNamespace
+
+        from router.policies.base import Decision
+        self.decodes = _Decodes(decodes)
+        self.handles = {k: SimpleNamespace(worker_id=k, breaker=_Breaker(), snap=None) for k in (0, 1)}
+        self.decision = Decision(worker_id=0, reason="test", ttft_s=est)
+
+    def decide(self, info, exclude=frozenset()):
+        return self.handles[0], self.decision
+
+    def candidates(self, model, exclude, fresh):
+        return [h for k, h in self.handles.items() if k not in exclude]
+
+
+#: a decode 20 tokens in, 5 s after its first: 0.26 s per token, above the 0.1 s TPOT bound
+PACING_OVER = (200, 20, 5.0)
+#: one 20 tokens in after 1 s: 0.05 s per token
+PACING_FINE = (200, 20, 1.0)
+
+
+def test_a_worker_pacing_over_holds_only_what_fills_the_reserve_or_when_every_worker_does():
+    from router.admission import judge_route
+    from router.policies.base import RequestInfo
+
+    info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    # worker 0 (the policy's choice) paces over, worker 1 has TPOT room: the request goes there
+    # where the policy chose (no hold: the burst is one worker's, the cluster has room)
+    burst = _Sched({0: [PACING_OVER], 1: [PACING_FINE]})
+    t = q.ticket("a", 0.0, prompt_tokens=100)
+    assert judge_route(q, burst, info, t, 0.0)[0] == GO
+    # every worker paces over: the cluster has no TPOT room, the request waits
+    saturated = _Sched({0: [PACING_OVER], 1: [PACING_OVER]})
+    assert judge_route(q, saturated, info, t, 0.0)[0] == WAIT
+    # a lower class while a higher one is active fills only the reserve: it waits for worker 0
+    q.ticket("hi", 0.0, prompt_tokens=100, priority=1)
+    low = q.ticket("lo", 0.0, prompt_tokens=100, priority=0)
+    assert judge_route(q, burst, info, low, 0.0)[0] == WAIT
+    assert judge_route(q, _Sched({0: [PACING_FINE]}), info, low, 0.0)[0] == GO
+
+
+def test_the_reserve_is_counted_in_the_higher_class_s_budget():
+    """A low-class request with a long prompt (budget 1 s + 0.1 s x 50 = 6 s) may not queue 2 s of
+    prefill ahead while the high class, whose requests are short (budget ~1 s), is active."""
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    long_low = q.ticket("lo", 0.0, prompt_tokens=50_000, priority=0)
+    assert q.room_budget(long_low, 0.0) == pytest.approx(6.0)
+    assert q.judge(long_low, 2.0, 0.0) == GO
+    for i in range(5):
+        q.ticket(f"hi{i}", 0.0, prompt_tokens=200, priority=1)
+    assert q.room_budget(long_low, 0.0) == pytest.approx(1.02)
+    assert q.judge(long_low, 2.0, 0.0) == WAIT
+    assert q.judge(long_low, 0.4, 0.0) == GO     # within reserve (0.5) x 1.02 s
+    # the high class's own budget is its own; once it has been quiet for reserve_window_s, the
+    # low class's is its own again
+    hi = q.ticket("hi", 0.0, prompt_tokens=200, priority=1)
+    assert q.room_budget(hi, 0.0) == pytest.approx(1.02)
+    assert q.room_budget(long_low, 11.0) == pytest.approx(6.0)
