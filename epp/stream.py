@@ -20,7 +20,9 @@ request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STR
                     :data:`CHUNK` bytes after the headers answer (GIE's protocol).
 response headers    ``:status``: below 500 is liveness evidence (the health monitor) and the
                     breaker's "ok"; the answer adds ``x-dplb-worker-id``. An event stream, or a
-                    streamed request, is metered (:class:`router.stream_meter.StreamMeter`).
+                    streamed request, is metered (:class:`router.stream_meter.StreamMeter`); any
+                    other answer's body is asked for whole, in one message (:data:`WHOLE_ANSWER`,
+                    response body mode ``STREAMED`` only).
                     When Envoy reports (``envoy.lb`` / ``x-gateway-destination-endpoint-served``)
                     that a fallback served, the pick's lease is judged a failure and a lease is
                     taken on the worker that served.
@@ -58,6 +60,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -90,6 +93,12 @@ _JUDGING: set[asyncio.Task[None]] = set()
 _PROBING = "probing"   # Exchange.cut while the probe of a cut stream is out
 _FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 _NONE = 0          # ProcessingMode.BodySendMode.NONE
+_STREAMED = 1      # ProcessingMode.BodySendMode.STREAMED
+#: the rest of a non-streamed answer's exchange, asked for at its head: the body in one message
+#: (``BUFFERED_PARTIAL``: up to Envoy's buffer limit, 16 MiB, whatever that answer's size),
+#: instead of each chunk and then an empty end of stream, each a round trip with the head held
+WHOLE_ANSWER = processing_mode_pb2.ProcessingMode(
+    response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
 
 
 def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -341,6 +350,8 @@ class Exchange:
             header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
         if msg.end_of_stream:
             self._end(True)
+        elif self.resp_mode == _STREAMED and not self.streaming:
+            resp.mode_override.CopyFrom(WHOLE_ANSWER)   # Envoy's allow_mode_override (epp.envoy)
         return [resp]
 
     def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:

@@ -336,3 +336,28 @@ async def test_a_request_admission_holds_back_waits_with_its_stream_then_goes(pi
     assert picker.state.seg.router_line(0)["router_inflight"] == 1 and ex.waiting is None
     ex.close()
     assert picker.state.seg.router_line(0)["router_inflight"] == 0
+
+
+async def test_a_non_streamed_answer_is_asked_for_whole_and_a_stream_chunk_by_chunk(picker):
+    # the head of a JSON answer overrides the response body mode to one message (no empty end of
+    # stream after its chunk, the head held until the body is known); an event stream keeps every chunk
+    plain = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    ex = Exchange(picker, 2)
+    ex.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
+    ex.on_message(body(plain, True))
+    [r] = ex.on_message(resp_headers(ctype="application/json"))
+    assert r.HasField("mode_override") and r.mode_override.response_body_mode == 3   # BUFFERED_PARTIAL
+    answer = b'{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"completion_tokens":1}}'
+    [r] = ex.on_message(body(answer, True, response=True))
+    assert r.WhichOneof("response") == "response_body"
+    assert picker.state.seg.router_line(0)["router_inflight"] == 0   # settled at the answer's end
+    assert requests(picker, "200") == 1
+    ex.close()
+    streamed = start(picker)   # an event stream: no override (every chunk is seen: TTFT, tokens, aborts)
+    streamed.close()
+    ex2 = Exchange(picker, 2)
+    ex2.on_message(headers(**{":path": "/v1/chat/completions", "content-type": "application/json"}))
+    ex2.on_message(body(BODY, True))
+    [r] = ex2.on_message(resp_headers())
+    assert not r.HasField("mode_override")
+    ex2.close()
