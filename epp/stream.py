@@ -41,8 +41,12 @@ stream's end        a stream that ends before the response's end (Envoy reset it
                     unless its SSE ``data: [DONE]`` had passed: that stream was complete (the
                     ``openai`` client closes its connection there). An engine-side abort
                     (``finish_reason: "abort"``) ends a stream with an OpenAI-shaped SSE error
-                    event added to the chunk that carries it, and counts 502 ``engine_abort``
-                    (a non-streamed one too; its head has left by then, so its status stays).
+                    event added to the chunk that carries it (before the engine's ``data:
+                    [DONE]``, never after it), and counts 502 ``engine_abort``. A non-streamed
+                    answer is asked whole at its head (:data:`WHOLE_ANSWER`: Envoy holds the
+                    head until the picker answers the body), so one its engine aborted is answered **502** in the OpenAI shape,
+                    as counted; with response body mode ``FULL_DUPLEX_STREAMED`` its 200 head has
+                    left by then and only the count says 502.
 ==================  ===========================================================================
 
 Errors are immediate responses with OpenAI-shaped bodies (:func:`dplb_protocol.wire.error_body`),
@@ -71,10 +75,10 @@ from epp.envoy import HEADER, MAX_HOLD_S, NAMESPACE, SERVED
 from epp.picker import Picker, envoy_target
 from router.config import AdmissionSection
 from router.director import ENGINE_ABORT, route_of
-from router.errors import BodyTooLarge, TransportError
+from router.errors import BodyTooLarge, TransportError, UpstreamError
 from router.policies.base import RequestInfo
 from router.scheduling import Lease
-from router.stream_meter import StreamMeter, is_event_stream
+from router.stream_meter import StreamMeter, is_event_stream, split_done
 from router.workers import WorkerHandle
 
 log = logging.getLogger("dplb.epp")
@@ -114,10 +118,10 @@ def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def immediate(e: OpenAIError) -> pb.ProcessingResponse:
+def immediate(e: OpenAIError, worker: str = "none") -> pb.ProcessingResponse:
     """An immediate response for ``e``: its status, its OpenAI-shaped body, ``content-type:
-    application/json``, ``x-dplb-worker-id: none`` and its own headers (``retry-after``)."""
-    hs = [_hv("content-type", "application/json"), _hv(WORKER_HEADER, "none")]
+    application/json``, ``x-dplb-worker-id: <worker>`` and its own headers (``retry-after``)."""
+    hs = [_hv("content-type", "application/json"), _hv(WORKER_HEADER, worker)]
     hs += [_hv(k, v) for k, v in e.headers.items()]
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=e.status), 
@@ -164,7 +168,7 @@ class Exchange:
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
     __slots__ = ("body", "body_mode", "cut", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
-                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers", "waiting")
+                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers", "waiting", "whole")
 
     def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1) -> None:
         self.picker = picker
@@ -189,6 +193,8 @@ class Exchange:
         self.streaming = False
         self.status = 0
         self.kept: list[bytes] = []
+        #: a non-streamed answer asked whole (:data:`WHOLE_ANSWER`): its head waits for its body
+        self.whole = False
         self.trailers = False
         #: why an answer that reached its end is a failure (502): ``engine_abort``, ``stream_broken``
         self.cut: str | None = None
@@ -352,6 +358,7 @@ class Exchange:
             self._end(True)
         elif self.resp_mode == _STREAMED and not self.streaming:
             resp.mode_override.CopyFrom(WHOLE_ANSWER)   # Envoy's allow_mode_override (epp.envoy)
+            self.whole = True   # its head waits for the body: an aborted answer can still become a 502
         return [resp]
 
     def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -366,15 +373,25 @@ class Exchange:
                     self.cut, extra = ENGINE_ABORT, c[2]
             elif sum(len(x) for x in self.kept) < ANSWER_KEEP:
                 self.kept.append(b.body)
-        if b.end_of_stream:
+        if not b.end_of_stream:
+            self.whole = False   # a part went on (an answer above Envoy's buffer limit): its head with it
+        else:
             self._end(True)
+            if self.whole and self.cut == ENGINE_ABORT and lease is not None:
+                # the head is still held (BUFFERED): the aborted answer becomes the 502 it was counted
+                return [immediate(UpstreamError(f"worker {lease.handle.worker_id}'s engine aborted the request "
+                                                "(finish_reason \"abort\"): the answer is truncated",
+                                                worker_id=lease.handle.worker_id), lease.handle.label)]
+        if extra:   # the abort's error event goes before the engine's [DONE], never after it
+            body, done = split_done(b.body)
+            extra = body + extra + done
         if self.resp_mode == _FULL_DUPLEX:   # the chunk goes on only as the picker sends it back
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                    body=b.body + extra, end_of_stream=b.end_of_stream)))))]
+                    body=extra or b.body, end_of_stream=b.end_of_stream)))))]
         if extra:
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-                body_mutation=pb.BodyMutation(body=b.body + extra))))]
+                body_mutation=pb.BodyMutation(body=extra))))]
         return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
 
     def _end(self, complete: bool) -> None:

@@ -246,3 +246,25 @@ def test_an_engine_side_abort_mid_stream_ends_with_an_error_event_and_counts_502
         w = wid(r.headers)
         wait_for(lambda w=w: count(w, "dplb_router_requests_total", status="502") >= 1, 10, "the 502")
         assert count(w, "dplb_router_request_errors_total", kind="engine_abort") >= 1
+
+
+def test_a_non_streamed_answer_the_engine_aborted_is_a_502_through_envoy_not_a_200(gateway):
+    """A non-streamed answer the engine aborted (``finish_reason: "abort"``) was counted 502 by the
+    picker while its 200 head had already left through Envoy: the client took a truncated answer
+    as a success. Now the picker asks for the body whole at the head (a mode override to
+    ``BUFFERED``; Envoy holds the head) and answers the abort 502 in the OpenAI shape, naming the
+    worker. A stream aborted by its engine ends with the error event before the engine's
+    ``data: [DONE]``, never after it."""
+    from bench.faultsuite.scen_contained import stream_ending
+
+    for base in (gateway.envoy, gateway.duplex):
+        r = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=30, headers={"x-fake-mode": "abort"})
+        assert r.status_code == 502, (base, r.status_code, r.content[:300])
+        err = r.json()["error"]
+        assert err["code"] == 502 and err["type"] == "upstream_error" and "abort" in err["message"], err
+        assert wid(r.headers) not in ("", "none")
+        ok = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=30)   # a whole answer still passes
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] != "abort", ok.content[:300]
+        s = httpx.post(base + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
+                       headers={"x-fake-mode": "abort", "x-fake-chunks": "1", "x-fake-delay": "0"})
+        assert s.status_code == 200 and stream_ending(s.content) == "error_event", s.content[-400:]
