@@ -21,7 +21,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,22 @@ def mark_slot_dead(segment: Any, k: int, reason: str, next_restart_ns: int) -> s
     except Exception as e:  # noqa: BLE001 - reported by the caller
         return f"{type(e).__name__}: {e}"
     return None
+
+
+#: the launcher's foreground loop period, s: how soon a dead child is noticed (its slot marked
+#: DEAD, its restart scheduled); a restart that falls due sooner wakes the loop (:func:`next_tick`)
+SERVE_TICK_S = 0.25
+
+
+def next_tick(*dues: Iterable[float]) -> float:
+    """How long the launcher's foreground loop sleeps before its next round, s:
+    :data:`SERVE_TICK_S`, or less when a restart (``dues``: monotonic s of the agents' and the
+    front-door processes' due restarts) falls due sooner: a restart waits its backoff, not its
+    backoff plus a tick."""
+    soonest = min((d for ds in dues for d in ds), default=None)
+    if soonest is None:
+        return SERVE_TICK_S
+    return min(SERVE_TICK_S, max(0.0, soonest - time.monotonic()))
 
 
 def segment_gone(k: int, path: Path) -> str:
@@ -121,5 +137,5 @@ class FrontRestarts:
         return out
 
 
-__all__ = ["FRONT_RESTART", "IGNORED_SIGNALS", "FrontRestarts", "ignore_signals", "kill_group", "mark_slot_dead",
-           "segment_gone"]
+__all__ = ["FRONT_RESTART", "IGNORED_SIGNALS", "SERVE_TICK_S", "FrontRestarts", "ignore_signals", "kill_group", "mark_slot_dead",
+           "next_tick", "segment_gone"]

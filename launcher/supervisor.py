@@ -100,9 +100,6 @@ from worker_agent.restart import RestartPolicy
 #: the rest: an agent past its drain limit stops its engine (SIGTERM, SIGKILL after
 #: ``ENGINE_STOP_GRACE_S``, 15 s), closes its control API (2 s) and exits; 3 s to spare
 STOP_MARGIN_S = ENGINE_STOP_GRACE_S + 5.0
-#: the foreground loop's period, s: how soon a dead child is noticed (its slot marked DEAD, its
-#: restart scheduled); a due restart wakes the loop sooner (Supervisor._tick)
-SERVE_TICK_S = 0.25
 
 
 class _Stop(Exception):
@@ -268,16 +265,7 @@ class Supervisor:
                 return rc
             self.restart_due_agents()
             self.report_engines()
-            self._sleep(self._tick())
-
-    def _tick(self) -> float:
-        """How long :meth:`serve` sleeps before its next round, s: :data:`SERVE_TICK_S`, or less
-        when an agent's or a front-door process's restart falls due sooner (a restart waits its
-        backoff, not the backoff plus a tick)."""
-        due = [*self._agent_due.values(), *self._fronts.due.values()]
-        if not due:
-            return SERVE_TICK_S
-        return min(SERVE_TICK_S, max(0.0, min(due) - time.monotonic()))
+            self._sleep(respawn.next_tick(self._agent_due.values(), self._fronts.due.values()))
 
     def report_ready(self) -> None:
         """One line per worker once all are ready: its agent's and engine's pids and its model
