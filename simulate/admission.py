@@ -19,16 +19,45 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import NotRequired, TypedDict, TypeVar
 
 from router.admission import FAIL, GO, AdmissionQueue, Ticket, route_ticket
 from router.config import AdmissionSection
 from router.errors import NoEligibleWorker
 from router.policies.base import Decision, RequestInfo
 from router.scheduling import Lease, Scheduler
+from simulate.settings import Figures, RunResult
 
 #: HTTP status of a request the queue shed (the router's answer)
 SHED_STATUS = 429
+
+#: a mix's key: a priority class (int) or a tenant (str)
+K = TypeVar("K", int, str)
+
+
+class GroupFigures(TypedDict):
+    """One priority class's or tenant's figures (:func:`by_group`)."""
+
+    requests: int
+    attainment: float
+    goodput_rps: float | None
+    shed: int
+    shed_wait_max_s: float | None
+    queued: int
+    wait_p99_s: float | None
+
+
+class AdmissionFigures(TypedDict):
+    """A run's admission figures (:func:`admission_figures`); rates in requests/s, waits in s."""
+
+    queued: int
+    shed: int
+    shed_wait_max_s: float | None
+    wait_p99_s: float | None
+    goodput_rps: float | None
+    offered_rps: float | None
+    by_class: NotRequired[dict[str, GroupFigures]]
+    by_tenant: NotRequired[dict[str, GroupFigures]]
 
 
 class SimAdmission:
@@ -110,29 +139,29 @@ class SimAdmission:
         return self.q.depth
 
 
-def parse_mix(flag: str, text: str | None, as_int: bool) -> list[tuple[Any, float]]:
-    """``1:0.3,0:0.7`` → ``[(1, 0.3), (0, 0.7)]`` (weights need not sum to 1). Raises ValueError
-    naming ``flag``."""
+def parse_mix(flag: str, text: str | None, key: Callable[[str], K]) -> list[tuple[K, float]]:
+    """``1:0.3,0:0.7`` → ``[(1, 0.3), (0, 0.7)]`` (weights need not sum to 1), each name read by
+    ``key`` (``int``: priority classes, ``str``: tenants). Raises ValueError naming ``flag``."""
     if not text:
         return []
-    out: list[tuple[Any, float]] = []
+    out: list[tuple[K, float]] = []
     for part in text.split(","):
         name, sep, w = part.strip().rpartition(":")
         try:
             if not sep or not name:
                 raise ValueError
             weight = float(w)
-            key: Any = int(name) if as_int else name
+            k = key(name)
         except ValueError:
             raise ValueError(f"{flag} {text!r}: expected NAME:WEIGHT,... like "
-                             f"{'1:0.3,0:0.7' if as_int else 'heavy:10,light:1'}") from None
+                             f"{'1:0.3,0:0.7' if key is int else 'heavy:10,light:1'}") from None
         if not weight > 0:
             raise ValueError(f"{flag} {text!r}: weights must be > 0")
-        out.append((key, weight))
+        out.append((k, weight))
     return out
 
 
-def assign_mix(n: int, mix: Sequence[tuple[Any, float]], seed: int, default: Any) -> list[Any]:
+def assign_mix(n: int, mix: Sequence[tuple[K, float]], seed: int, default: K) -> list[K]:
     """Each of ``n`` requests drawn a key of ``mix`` in proportion to its weight (seeded), or
     ``default`` for all when ``mix`` is empty."""
     if not mix:
@@ -147,15 +176,15 @@ def _r3(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
-def by_group(keys: Sequence[Any], status: Sequence[int], met: Sequence[bool], waited: Sequence[float | None],
-             span_s: float) -> dict[str, dict[str, Any]]:
+def by_group(keys: Sequence[K], status: Sequence[int], met: Sequence[bool], waited: Sequence[float | None],
+             span_s: float) -> dict[str, GroupFigures]:
     """Per group key: ``requests``, ``attainment`` (met / requests), ``goodput_rps`` (met / the
     window's arrival span), ``shed`` (429s), ``shed_wait_max_s`` (the longest a shed request
     waited), ``queued`` (requests that waited in the router) and ``wait_p99_s`` of those served."""
     from dplb_trace.stats import percentile
 
-    out: dict[str, dict[str, Any]] = {}
-    groups: dict[Any, list[int]] = {}
+    out: dict[str, GroupFigures] = {}
+    groups: dict[K, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
     for k in sorted(groups, key=str):
@@ -174,7 +203,7 @@ def by_group(keys: Sequence[Any], status: Sequence[int], met: Sequence[bool], wa
     return out
 
 
-def admission_figures(res: Any, att: dict[str, Any]) -> dict[str, Any]:
+def admission_figures(res: RunResult, att: Figures) -> AdmissionFigures:
     """The admission figures of a run (``res``: a :class:`simulate.cluster.RunResult`; ``att``:
     its ``slo_attainment`` figure): ``queued`` (requests that waited in the router's queue),
     ``shed`` (answered 429), ``shed_wait_max_s``, ``wait_p99_s`` of the served ones that waited,
@@ -189,7 +218,7 @@ def admission_figures(res: Any, att: dict[str, Any]) -> dict[str, Any]:
     waited = res.waited if res.waited else [None] * n
     queued = [w for i, w in enumerate(waited) if w is not None and w > 0 and res.status[i] == 200]
     shed_w = [w for i, w in enumerate(waited) if w is not None and res.status[i] == SHED_STATUS]
-    out: dict[str, Any] = {
+    out: AdmissionFigures = {
         "queued": len(queued), "shed": sum(1 for s in res.status if s == SHED_STATUS),
         "shed_wait_max_s": round(max(shed_w), 3) if shed_w else None,
         "wait_p99_s": _r3(percentile(queued, 99)),
@@ -203,7 +232,7 @@ def admission_figures(res: Any, att: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def group_lines(rows: Sequence[dict[str, Any]]) -> str:
+def group_lines(rows: Sequence[Figures]) -> str:
     """Per policy, attainment / goodput / sheds per class and per tenant (empty without groups)."""
     lines = []
     for r in rows:
@@ -216,7 +245,7 @@ def group_lines(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(points: Sequence[dict[str, Any]]) -> str:
+def sweep_table(points: Sequence[Figures]) -> str:
     """The goodput-vs-offered-load curve (``--goodput-sweep``): per policy and rate, offered and
     SLO-met requests per second, goodput over the sweep's peak, attainment, sheds."""
     head = (f"{'policy':<14} {'x':>6} {'offered/s':>10} {'goodput/s':>10} {'of peak':>8} {'attain':>7} "
@@ -233,5 +262,5 @@ def sweep_table(points: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SHED_STATUS", "SimAdmission", "admission_figures", "assign_mix", "by_group", "group_lines", "parse_mix",
-           "sweep_table"]
+__all__ = ["SHED_STATUS", "AdmissionFigures", "GroupFigures", "SimAdmission", "admission_figures", "assign_mix",
+           "by_group", "group_lines", "parse_mix", "sweep_table"]

@@ -407,8 +407,8 @@ def _plan(ns: argparse.Namespace) -> tuple[_Plan, Figures, SimSettings]:
               "at any rate (--arrival-spread-ms 3000 spreads the conversation trace's 3 s grid)",
               file=sys.stderr)
     try:
-        prio_mix = parse_mix("--priority-mix", ns.priority_mix, as_int=True)
-        tenant_mix = parse_mix("--tenant-mix", ns.tenant_mix, as_int=False)
+        prio_mix = parse_mix("--priority-mix", ns.priority_mix, int)
+        tenant_mix = parse_mix("--tenant-mix", ns.tenant_mix, str)
     except ValueError as e:
         raise UsageError(str(e)) from None
     sweep = parse_floats("--goodput-sweep", ns.goodput_sweep) if ns.goodput_sweep is not None else None
@@ -425,7 +425,7 @@ def _plan(ns: argparse.Namespace) -> tuple[_Plan, Figures, SimSettings]:
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
                        client_max_tokens=ns.client_max_tokens, replicas=ns.replicas,
                        events_prefix=ns.events_prefix, share_load_ms=ns.share_load_ms,
-                       priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, None) if prio_mix else None,
+                       priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, 0) if prio_mix else None,
                        tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
     return plan, settings_json, base
 
