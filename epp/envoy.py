@@ -20,6 +20,12 @@ The config is the plain-Envoy form of the Gateway API Inference Extension's data
   (``message_timeout``): False (GIE's FailClose) answers 500; True (FailOpen) lets the request
   through without a pick, which the ``ORIGINAL_DST`` cluster cannot route (no header: 503 from
   Envoy) and the pool cluster below sends to Envoy's own round robin over the pool.
+- several picker replicas in the ``epp`` cluster (round robin per ext_proc stream): a replica whose
+  stream fails locally (killed, crashed) is ejected at once (:func:`epp_outlier_detection`). The
+  requests whose stream was on it when it died cannot move: Envoy runs a request's ext_proc filter
+  once, on one replica, and the route's retries (the router filter, after ext_proc) never re-run
+  it; with FailClose they answer 500, with FailOpen and the pool cluster they go to Envoy's round
+  robin without a pick (nothing lost).
 
 **The pool cluster** (``pool_eds`` set: the picker shares Envoy's file system, as with
 ``launch_dplb.sh --gateway envoy``): instead of ``ORIGINAL_DST``, an ``EDS`` cluster whose
@@ -102,6 +108,9 @@ class EnvoySettings:
     retries: int = 2
     #: the admin listener's address (None: ``host``); keep it on loopback when ``host`` is 0.0.0.0
     admin_host: str | None = None
+    #: how long a picker replica whose stream failed locally stays out of the ``epp`` cluster
+    #: (:func:`epp_outlier_detection`), seconds
+    epp_ejection_s: float = 10.0
 
 
 ACCESS_LOG_FORMAT = (f"%RESPONSE_CODE% %DYNAMIC_METADATA({NAMESPACE}:{HEADER})% "
@@ -257,6 +266,22 @@ def _connection_manager(s: EnvoySettings) -> dict[str, object]:
     return hcm
 
 
+def epp_outlier_detection(s: EnvoySettings) -> dict[str, object]:
+    """The ``epp`` cluster's outlier detection: a picker replica whose ext_proc stream fails
+    locally (connection refused or reset: a killed or crashed picker) is ejected at its first such
+    failure for ``s.epp_ejection_s`` (Envoy doubles it on each repeat), so the next streams go to
+    the other replicas at once; without it Envoy keeps sending its round-robin share to the dead
+    one (with FailClose each a 500) until the connection's own backoff. At most half the replicas
+    are ejected (Envoy ejects one even when that rounds to none, and with every host ejected
+    routes to all of them: its panic threshold); a 5xx answer from a live picker (gRPC status) is
+    not counted. Source: Envoy's ``config.cluster.v3.OutlierDetection``
+    (``split_external_local_origin_errors``, ``consecutive_local_origin_failure``)."""
+    return {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100, "consecutive_5xx": 1000,
+            "consecutive_gateway_failure": 1000, "interval": "0.2s",
+            "base_ejection_time": _secs(s.epp_ejection_s), "max_ejection_percent": 50}
+
+
 def _clusters(s: EnvoySettings) -> list[dict[str, object]]:
     """The picker's cluster ``epp`` (HTTP/2), the ``ORIGINAL_DST`` cluster, and the pool cluster
     (:func:`pool_cluster`) when ``s.pool_eds`` names its EDS file."""
@@ -269,6 +294,7 @@ def _clusters(s: EnvoySettings) -> list[dict[str, object]]:
             "explicit_http_config": {"http2_protocol_options": {}}}},
         "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
             "socket_address": {"address": s.epp_host, "port_value": s.epp_port}}}}]}]},
+        "outlier_detection": epp_outlier_detection(s),
     }
     original_dst: dict[str, object] = {
         "name": "original_destination_cluster", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
