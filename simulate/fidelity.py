@@ -11,7 +11,9 @@ per engine on a fresh segment, one router with the policy; ``dplb-replay`` sends
 seconds); per-engine share from ``X-DPLB-Worker-ID``; prefix hit rate from the engines' own
 ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` deltas.
 
-Simulated side: ``dplb-simulate`` on the same window, engines, policy and cap.
+Simulated side: ``dplb-simulate`` on the same window, engines, policy and cap. Both sides run the
+router's default config, admission included: requests the admission queue answers 429 are counted
+apart (``shed``) from other errors on both sides.
 
 What differs by construction (so the comparison has tolerances): the live system adds real time
 (HTTP, relays, the router's CPU) that the time scale multiplies by ``T``; the live engines group
@@ -60,7 +62,9 @@ def spread_bursts(reqs: list[TraceRequest], gap_ms: float) -> list[TraceRequest]
 
 def run_live(reqs: list, engines: int, policy: str, time_scale: float, log_dir: Path,
              rate_scale: float = 1.0) -> Figures:
-    """The window through the launched system; figures in simulated seconds (see module docstring)."""
+    """The window through the launched system; figures in simulated seconds (see module docstring).
+    ``shed``: requests the router's admission queue answered 429 (its default config, as the
+    simulator's); ``errors``: every other failed request."""
     with ProcessSet(log_dir) as procs:
         es = start_engines(procs, engines, EngineFlags(time_scale=time_scale, seed=0))
         running = start_system(SystemSpec("dplb", policy), procs, es, log_dir)
@@ -81,7 +85,9 @@ def run_live(reqs: list, engines: int, policy: str, time_scale: float, log_dir: 
     counts = [rep["workers"].get(str(k), {}).get("requests", 0) for k in range(engines)]
     ttft = [r.ttft_s * time_scale for r in results if r.ok and r.ttft_s is not None]
     per = [(r.worker_id, None if r.ttft_s is None else r.ttft_s * time_scale) for r in results]
-    return {"errors": rep["errors"], "counts": counts, "ttft_s": ttft, "prefix_hit_rate": h / q if q else None,
+    shed = sum(1 for r in results if not r.ok and (r.error or "").startswith("HTTP 429"))
+    return {"errors": rep["errors"] - shed, "shed": shed, "counts": counts, "ttft_s": ttft,
+            "prefix_hit_rate": h / q if q else None,
             "per_request": per,
             "send_lag_p99_s": rep["send_lag_ms"]["p99"] / 1000.0 * time_scale if rep["send_lag_ms"]["p99"] else 0.0}
 
@@ -106,6 +112,7 @@ def run_sim(reqs: list, engines: int, policy: str, seed: int = 0, time_scale: fl
     res = Simulation(reqs, live_like(engines, policy, time_scale, seed, rate_scale)).run()
     fig = summarize(res, engines)
     return {"counts": fig["per_engine"]["requests"], "ttft_s": [x for x in res.ttft if x is not None],
+            "shed": fig["rejected_by_status"].get("429", 0),
             "per_request": list(zip(res.worker, res.ttft)),
             "prefix_hit_rate": fig["prefix_hit_rate"], "figures": fig}
 
@@ -150,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         reqs = spread_bursts(reqs, ns.spread_ms)
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="dplb-fid-"))
     live = run_live(reqs, ns.engines, ns.policy, ns.time_scale, log_dir, rate_scale=ns.rate_scale)
-    rows = [compare(live, run_sim(reqs, ns.engines, ns.policy, seed=s, time_scale=ns.time_scale,
-                                  rate_scale=ns.rate_scale)) for s in range(ns.seeds)]
-    out: Figures = {"live_errors": live["errors"]}
+    sims = [run_sim(reqs, ns.engines, ns.policy, seed=s, time_scale=ns.time_scale, rate_scale=ns.rate_scale)
+            for s in range(ns.seeds)]
+    rows = [compare(live, s) for s in sims]
+    out: Figures = {"live_errors": live["errors"], "shed_live": live["shed"],
+                    "shed_sim": [s["shed"] for s in sims]}
     for k in rows[0]:
         vals = [r[k] for r in rows]
         if k.endswith(("_live", "_live_s")):

@@ -9,6 +9,11 @@ the trace's rate, engines at ``--time-scale 1`` (each wall-clock ms the live sta
 simulated ms; at 2 the busy machine once pushed dplb's p50 past the bound). The simulator runs with
 the live cluster's wall-clock periods mapped to simulated time; its figures are the median over 5
 seeds (the live run's random draws differ from any one seed's).
+
+Both sides run the router's default config, the admission queue included: at twice the trace's
+rate it may shed a few requests (429, reason ``deadline``) on either side. The test is about the
+simulator's fidelity, so the live run's 429s are compared with the simulator's (the same admission
+code decides both) and every other failure is an error; TTFT is over the served requests.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TIME_SCALE = 1.0
 RATE = 2.0
+#: requests (of 120) by which the live run's 429 count may differ from the simulator's median
+SHED_TOLERANCE = 3
 
 
 @pytest.mark.parametrize("policy", ["dplb", "cache_aware"])
@@ -33,6 +40,7 @@ def test_simulator_agrees_with_the_live_stack(policy, tmp_path):
     live = run_live(reqs, 4, policy, TIME_SCALE, tmp_path, rate_scale=RATE)
     assert live["errors"] == 0
     sims = [run_sim(reqs, 4, policy, seed=s, time_scale=TIME_SCALE, rate_scale=RATE) for s in range(5)]
+    sim_shed = statistics.median(s["shed"] for s in sims)
     sim_p50 = statistics.median(compare(live, s)["ttft_p50_sim_s"] for s in sims)
     live_p50 = percentile(live["ttft_s"], 50)
     if live_p50 > 1.25 * sim_p50:
@@ -48,7 +56,10 @@ def test_simulator_agrees_with_the_live_stack(policy, tmp_path):
     rows = [compare(live, s) for s in sims]
     med = {k: statistics.median(r[k] for r in rows) for k in
            ("ttft_p50_sim_s", "prefix_hit_rate_sim", "max_share_sim", "min_share_sim")}
-    print(f"\n{policy}: live p50 {live_p50:.3f} s, sim {med['ttft_p50_sim_s']:.3f} s; hit {live['prefix_hit_rate']:.4f} "
+    # admission sheds about as many requests live as in simulation (seeds 0-4 shed 0-3 of 120
+    # with dplb, none with cache_aware, when it is on; none either side when it is off)
+    assert abs(live["shed"] - sim_shed) <= SHED_TOLERANCE, ([s["shed"] for s in sims], live["shed"])
+    print(f"\n{policy}: 429s live {live['shed']}, sim {sim_shed}; live p50 {live_p50:.3f} s, sim {med['ttft_p50_sim_s']:.3f} s; hit {live['prefix_hit_rate']:.4f} "
           f"vs {med['prefix_hit_rate_sim']:.4f}; share max {rows[0]['max_share_live']:.3f} vs "
           f"{med['max_share_sim']:.3f}, min {rows[0]['min_share_live']:.3f} vs {med['min_share_sim']:.3f}")
     assert abs(med["ttft_p50_sim_s"] - live_p50) <= 0.25 * live_p50
