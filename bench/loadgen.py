@@ -39,7 +39,8 @@ class RequestSpec:
     ``path``: e.g. ``/v1/chat/completions``; ``body``: the JSON body already encoded;
     ``stream``: whether the body asks for SSE; ``tag``: free label (e.g. ``"long"``) for analysis;
     ``session``: conversation id for :func:`run_sessions` (−1: none); ``think``: seconds between
-    the previous turn's end and this turn's send in :func:`run_sessions` (0 for a first turn).
+    the previous turn's end and this turn's send in :func:`run_sessions` (0 for a first turn);
+    ``headers``: extra request headers (e.g. a priority class), ``(name, value)`` pairs.
     """
 
     at: float
@@ -49,6 +50,7 @@ class RequestSpec:
     tag: str = ""
     session: int = -1
     think: float = 0.0
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -87,7 +89,7 @@ async def _one(session: aiohttp.ClientSession, base: str, spec: RequestSpec, t0:
     worker: str | None = None
     try:
         async with session.post(base + spec.path, data=spec.body,
-                                headers={"Content-Type": "application/json"},
+                                headers={"Content-Type": "application/json", **dict(spec.headers)},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             status = resp.status
             worker = resp.headers.get(WORKER_HEADER)

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from bench.engines import EngineSet, http_get
 from bench.errors import StartupError
 from bench.peers import ensure_peer, peer_command
 from bench.procs import LOOPBACK, Child, ProcessSet, free_port, wait_until
-from launcher.stack import agent_argv, router_argv
+from launcher.stack import agent_argv, router_argv, write_router_config
 from router.policies import policy_names
 
 MODEL = "sim-llama-3.1-8b"
@@ -100,20 +101,23 @@ def probe(base_url: str) -> bool:
 
 
 def start_system(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path,
-                 ready_timeout_s: float = 120.0) -> Running:
+                 ready_timeout_s: float = 120.0, router_config: Mapping[str, object] | None = None,
+                 peer_extra: Sequence[str] = ()) -> Running:
     """Start ``spec`` in front of ``engines`` and wait until a probe request succeeds.
 
     ``run_dir`` is kept for the caller's logs; DPLB's agent sockets live in a short private
     directory under ``/tmp`` (Unix socket paths must stay under 108 bytes), removed on stop.
-    Raises :class:`StartupError` (process exited, not ready in time) or
+    ``router_config``: DPLB's router config (a ``dplb.yaml`` as a dict, e.g. its ``admission``
+    section; default: none, the router's defaults); ``peer_extra``: flags appended to a peer's
+    command line. Raises :class:`StartupError` (process exited, not ready in time) or
     :class:`bench.errors.PeerInstallError` (peer could not be installed).
     """
     if spec.kind == "direct":
         return Running(spec, engines.urls[0], [], [])
     if spec.kind in PEER_POLICIES:
-        return _start_peer(spec, procs, engines, ready_timeout_s)
+        return _start_peer(spec, procs, engines, ready_timeout_s, peer_extra)
     if spec.kind == "dplb":
-        return _start_dplb(spec, procs, engines, run_dir, ready_timeout_s)
+        return _start_dplb(spec, procs, engines, run_dir, ready_timeout_s, router_config)
     raise StartupError(spec.label, f"unknown system kind {spec.kind!r}")
 
 
@@ -132,10 +136,12 @@ def smg_loads_known(base_url: str, n: int) -> bool:
     return sum(1 for w in workers if (w.get("engine_load") or {}).get("loads")) >= n
 
 
-def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout: float) -> Running:
+def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout: float,
+                extra: Sequence[str] = ()) -> Running:
     ensure_peer(spec.kind)
     port, prom = free_port(), free_port()
-    child = procs.start(peer_command(spec.kind, spec.policy, port, prom, engines.urls), name=f"{spec.kind}-{spec.policy}")
+    child = procs.start([*peer_command(spec.kind, spec.policy, port, prom, engines.urls), *extra],
+                        name=f"{spec.kind}-{spec.policy}")
     base = f"http://{LOOPBACK}:{port}"
     wait_until(lambda: probe(base), timeout, f"{spec.label} router at {base}", interval=0.25, children=[child])
     if spec.kind == "smg":  # ready = a load report for every engine (as DPLB waits for every worker)
@@ -144,7 +150,8 @@ def _start_peer(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, timeout
     return Running(spec, base, [child.pid], [child.pid], [child])
 
 
-def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path, timeout: float) -> Running:
+def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path, timeout: float,
+                config: Mapping[str, object] | None = None) -> Running:
     shm = f"dplb-bench-{os.getpid()}-{free_port()}"
     # Unix socket paths must stay under 108 bytes: sockets go in a short private dir under /tmp
     run_dir = Path(tempfile.mkdtemp(prefix="dplb-b-", dir="/tmp"))
@@ -163,7 +170,8 @@ def _start_dplb(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir
                                                  model=MODEL, run_dir=run_dir, log_level="warning"),
                                       name=f"dplb-agent-{i}"))
         port = free_port()
-        router = procs.start(router_argv(port=port, shm=shm, policy=spec.policy, log_level="warning"),
+        conf = None if config is None else write_router_config(run_dir / "dplb.yaml", config)
+        router = procs.start(router_argv(port=port, shm=shm, policy=spec.policy, log_level="warning", config=conf),
                              name=f"dplb-router-{spec.policy}")
         base = f"http://{LOOPBACK}:{port}"
         running.base_url = base

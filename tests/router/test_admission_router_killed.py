@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.timeout(300)]
 
 MODEL = "fake-model"
 SEATS = 3                       # max_num_seqs of each fake worker
-N = 18                          # requests: 2 x SEATS dispatched at once, the rest queued
-HOLD_S = 3.0                    # each answer streams for about this long
+N = 24                          # requests: 2 x SEATS dispatched at once, the rest queued
+HOLD_S = 5.0                    # each answer streams for about this long
 CONFIG = {"routing_policy": {"policy": "round_robin"},
           "admission": {"enabled": True, "queue_budget_s": 120, "shed_late": False}}
 FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
@@ -86,7 +86,8 @@ def test_killed_router_process_with_a_queue_leaks_nothing_and_its_peer_serves_on
             # the cluster full and both processes with requests waiting (new connections land on
             # either process, not evenly: each must hold some)
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 60:
+            seen: dict[int, tuple[int, int]] = {}
+            while time.monotonic() - t0 < 2 * HOLD_S:
                 seen = await asyncio.to_thread(_by_process, c.base)
                 if (len(seen) == 2 and _totals(c.seg, 2)["router_inflight"] == 2 * SEATS
                         and all(q > 0 for _, q in seen.values()) and any(f > 0 for f, _ in seen.values())):
@@ -101,9 +102,14 @@ def test_killed_router_process_with_a_queue_leaks_nothing_and_its_peer_serves_on
             os.kill(victim, signal.SIGKILL)
             return list(await asyncio.gather(*tasks))
 
-    statuses = asyncio.run(run())
-    if "skip" in box:
-        pytest.fail(f"never saw both processes with a queue while the cluster was full: {box['skip']}")
+    for _attempt in range(3):   # new connections land on either process unevenly: try again
+        box.clear()
+        log.clear()
+        statuses = asyncio.run(run())
+        if "skip" not in box:
+            break
+    else:
+        pytest.fail(f"3 tries, never both processes with a queue while the cluster was full: {box['skip']}")
     victim_inflight, victim_queued = box["seen"][box["victim"]]
     assert victim_inflight > 0 and victim_queued > 0
     assert box["at_kill"]["router_inflight"] == 2 * SEATS
