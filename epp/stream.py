@@ -261,7 +261,8 @@ class Exchange:
 
     def _pick(self, body: bytes, trailers: bool = False) -> list[pb.ProcessingResponse]:
         """Parse and check the request (:meth:`Director.request`), then, when admission lets it
-        through at once, :meth:`_dispatch` it; else it waits (:attr:`waiting`, :meth:`admit`)."""
+        through at once, :meth:`_dispatch` it; else it waits (:attr:`waiting`, :meth:`admit`) and
+        the answer is :func:`hold_response` (Envoy asked to wait for the next one)."""
         p = self.picker
         director = p.director
         try:
@@ -275,7 +276,8 @@ class Exchange:
                      (self.headers.get("authorization") or "").encode("latin-1") or None)
         if not director.may_dispatch(info):
             self.waiting = (body, trailers)
-            return []
+            # Envoy waits message_timeout for each answer; the queue may hold the request longer
+            return [hold_response(p.state.cfg.admission)]
         return self._dispatch(info, body, trailers)
 
     async def admit(self) -> list[pb.ProcessingResponse]:
@@ -473,9 +475,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             async for req in request_iterator:
                 out = ex.on_message(req)
                 if ex.waiting is not None:   # admission holds the request: wait here, the stream held
-                    # Envoy waits message_timeout (seconds) for each answer: a request may wait in
-                    # the queue longer, up to its budget; ask Envoy to wait that long this once
-                    yield hold_response(self.picker.state.cfg.admission)
+                    for resp in out:         # the hold answer (override_message_timeout) first
+                        yield resp
                     out = await ex.admit()
                 for resp in out:
                     yield resp

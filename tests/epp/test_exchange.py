@@ -320,12 +320,15 @@ class _Holding(OpenAdmission):
 
 async def test_a_request_admission_holds_back_waits_with_its_stream_then_goes(picker):
     # the picker's admission step is request control's (router.director): while it holds the
-    # request, the ext_proc stream gets no answer and no lease is taken
+    # request, the ext_proc stream gets no answer but the hold and no lease is taken
     adm = _Holding()
     picker.director.admission = adm
     ex = Exchange(picker, 2)
     ex.on_message(headers(**{":path": "/v1/chat/completions"}))
-    assert ex.on_message(body(BODY, True)) == [] and ex.waiting is not None
+    # the only answer asks Envoy to wait up to the longest queue budget (30 s) + 5 s for the next
+    [hold] = ex.on_message(body(BODY, True))
+    assert ex.waiting is not None and not hold.HasField("request_body") and not hold.HasField("immediate_response")
+    assert hold.override_message_timeout.ToMilliseconds() == 35_000
     assert picker.state.seg.router_line(0)["router_inflight"] == 0
     task = asyncio.ensure_future(ex.admit())
     await asyncio.sleep(0.01)
