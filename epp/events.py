@@ -27,11 +27,12 @@ template (any callable ``(path, text) -> token ids``).
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from router.kv_events import KVEventSubscriber, token_keys
+from router.kv_events import KVEventSubscriber, PendingBlocks, token_keys
 
 if TYPE_CHECKING:
     from router.admin_store import MirrorSpec
@@ -85,16 +86,24 @@ class WordTokenizer:
 class EventsFeed:
     """One KV-events subscriber per engine slot (module docstring). ``block_size``: the engines'
     (vLLM's ``--block-size``, 16 by default); ``tokenize``: the engine's tokenizer
-    (:data:`Tokenize`). :meth:`sync` starts and stops subscribers; :meth:`match` answers
-    ``{slot: cached prompt tokens}`` for a prompt; :meth:`close` stops them all."""
+    (:data:`Tokenize`); ``pending_s``: how long a prompt this picker sent counts on its engine while
+    the engine's events do not show it (:meth:`place`, :class:`router.kv_events.PendingBlocks`; 0:
+    the events alone), on ``clock`` (seconds). :meth:`sync` starts and stops subscribers;
+    :meth:`match` answers ``{slot: cached prompt tokens}`` for a prompt; :meth:`close` stops them all."""
 
-    def __init__(self, block_size: int = 16, tokenize: Tokenize | None = None) -> None:
+    def __init__(self, block_size: int = 16, tokenize: Tokenize | None = None, pending_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         self.block_size = block_size
         self.tokenize: Tokenize = tokenize if tokenize is not None else WordTokenizer()
         self.subs: dict[int, KVEventSubscriber] = {}
         self._where: dict[int, tuple[str, str | None]] = {}
+        #: per slot, this picker's placements its engine's events do not show yet (0: none kept)
+        self.pending_s = pending_s
+        self.pending: dict[int, PendingBlocks] = {}
+        self.clock = clock
+        self.last_keys: list[int] = []   # the block keys of the last prompt matched
 
     def sync(self, wanted: dict[int, tuple[str, str | None]]) -> None:
         """Subscribe to ``wanted`` (slot → (events endpoint, replay endpoint or None)): new slots
@@ -103,10 +112,14 @@ class EventsFeed:
         for slot in [s for s in self.subs if self._where.get(s) != wanted.get(s)]:
             self.subs.pop(slot).close()
             self._where.pop(slot, None)
+            self.pending.pop(slot, None)
         for slot, (ep, replay) in wanted.items():
             if slot in self.subs:
                 continue
             sub = KVEventSubscriber(ep, replay, name=f"worker {slot} ({ep})")
+            if self.pending_s > 0:
+                self.pending[slot] = PendingBlocks(self.pending_s)
+                sub.blocks.watchers.append(self.pending[slot])
             sub.start()
             self.subs[slot] = sub
             self._where[slot] = (ep, replay)
@@ -124,13 +137,29 @@ class EventsFeed:
             return {}, n
         bs = self.block_size
         # the last token is always computed (vLLM never serves a whole prompt from its cache)
-        keys = token_keys(ids[:max(0, n - 1)], bs)
+        keys = self.last_keys = token_keys(ids[:max(0, n - 1)], bs)
         out = {}
+        now = self.clock()
         for slot, sub in self.subs.items():
-            hit = sub.blocks.match_keys(keys) * bs
+            pend = self.pending.get(slot)
+            if pend is None:
+                hit = sub.blocks.match_keys(keys) * bs
+            else:
+                with sub.blocks.lock:
+                    hit = pend.match(sub.blocks, keys, now, by_key=True) * bs
             if hit:
                 out[slot] = hit
         return out, n
+
+    def place(self, slot: int, keys: Sequence[int]) -> None:
+        """This picker sent a prompt whose block keys are ``keys`` to ``slot``'s engine: they count
+        as its blocks until its events store them or ``pending_s`` passes
+        (:class:`router.kv_events.PendingBlocks`)."""
+        pend = self.pending.get(slot)
+        sub = self.subs.get(slot)
+        if pend is not None and sub is not None and keys:
+            with sub.blocks.lock:
+                pend.place(keys, self.clock())
 
     def close(self) -> None:
         """Stop every subscriber (idempotent)."""
@@ -153,6 +182,7 @@ class EventsIndex:
         self.feed = feed
         self.path = path
         self._text = ""
+        self._matched = ""   # the text whose block keys the feed holds (EventsFeed.last_keys)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -177,13 +207,17 @@ class EventsIndex:
         if not text:
             return {}
         hits, n = self.feed.match(self.path, text)
+        self._matched = text
         if not n:
             return {}
         return {slot: max(1, round(len(text) * hit / n)) for slot, hit in hits.items()}
 
     def insert(self, hashes: Iterable[int], worker_id: int) -> None:
-        """Into the policy's own index (its sizes break cache_aware's ties)."""
+        """Into the policy's own index (its sizes break cache_aware's ties); the last matched
+        prompt's blocks become ``worker_id``'s pending placements (:meth:`EventsFeed.place`)."""
         self.inner.insert(list(hashes), worker_id)
+        if self._text and self._matched is self._text:
+            self.feed.place(worker_id, self.feed.last_keys)
 
     def size(self, worker_id: int) -> int:
         """The policy's own index's size for ``worker_id``."""

@@ -171,6 +171,8 @@ class BlockSet:
         self.applied = 0
         self.lock = threading.Lock()
         self._recent: OrderedDict[int, int] = OrderedDict()   # seq -> crc32 of the applied payload
+        #: told of every block stored (its hash and key): a router's placements not yet stored
+        self.watchers: list[PendingBlocks] = []
 
     # ---- state ---------------------------------------------------------------------------------
     #: how many applied batches are remembered to tell a replayed duplicate from a restart
@@ -191,6 +193,9 @@ class BlockSet:
             keys = list(token_keys(token_ids, block_size, pkey)) if pkey is not None else [None] * len(hashes)
         else:
             keys = [None] * len(hashes)
+        for w in self.watchers:
+            w.stored(hashes)
+            w.stored(k for k in keys if k is not None)
         for h, k in zip(hashes, keys):
             old = self.blocks.get(h, -1)
             if old == k:
@@ -317,6 +322,61 @@ class BlockSet:
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+
+class PendingBlocks:
+    """The blocks a router placed on one engine (dispatched prompts) that the engine's events do
+    not show yet: the events arrive when the step that computed a block ends (vLLM publishes after
+    each step), so without these a prompt dispatched a moment ago looks cached nowhere and its
+    copies arriving meanwhile spread over several engines, where the router's own index would have
+    followed the first placement.
+
+    A block counts as the engine's (:meth:`match`) from :meth:`place` until the engine's
+    ``BlockStored`` of it arrives (:meth:`stored`: from then on the block set alone answers, and an
+    eviction is seen) or ``ttl_s`` seconds pass (the request failed, was aborted or preempted:
+    never stored). Keys are what the block set is matched with: the engine's block hashes, or
+    :func:`token_keys`. Not thread safe: a live reader takes the block set's ``lock``, which the
+    subscriber holds while it stores."""
+
+    def __init__(self, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 (got {ttl_s})")
+        self.ttl_s = ttl_s
+        self.until: dict[BlockHash, float] = {}   # key -> expiry (the caller's clock, seconds)
+        self._prune_at = 1024
+
+    def __len__(self) -> int:
+        return len(self.until)
+
+    def place(self, keys: Iterable[BlockHash], now: float) -> None:
+        """A prompt whose blocks are ``keys`` was dispatched to the engine at ``now`` (seconds)."""
+        t = now + self.ttl_s
+        until = self.until
+        for k in keys:
+            until[k] = t
+        if len(until) > self._prune_at:   # expired entries go in amortised O(1)
+            for k in [k for k, u in until.items() if u <= now]:
+                del until[k]
+            self._prune_at = max(1024, 2 * len(until))
+
+    def stored(self, keys: Iterable[BlockHash]) -> None:
+        """The engine's events stored ``keys``: no longer pending."""
+        until = self.until
+        if until:
+            for k in keys:
+                until.pop(k, None)
+
+    def match(self, blocks: BlockSet, keys: Sequence[BlockHash], now: float, by_key: bool = False) -> int:
+        """How many leading ``keys`` the engine holds (``blocks``: its hashes, or with ``by_key``
+        its token keys) or was given by a placement not yet stored and not expired at ``now``."""
+        present = blocks.keys if by_key else blocks.blocks
+        until = self.until
+        n = 0
+        for k in keys:
+            if k not in present and until.get(k, 0.0) <= now:
+                break
+            n += 1
+        return n
 
 
 class KVEventSubscriber:

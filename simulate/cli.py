@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulator only: prefix-aware policies see each engine's cached prefix of the request as "
                         "the engines' KV-cache events tell it (one block set per engine, updated when each step "
                         "ends, shared by every replica) instead of the router's prefix index")
+    r.add_argument("--events-pending-s", type=float, default=30.0, metavar="S",
+                   help="with --events-prefix: a replica's own placements count as the engine's blocks until "
+                        "the engine's events store them or S seconds pass (0: the events alone; default 30)")
     r.add_argument("--share-load-ms", type=float, default=None, metavar="D",
                    help="with --replicas: the replicas share their in-flight work per engine (requests, prefill "
                         "tokens, decodes) through a store, each change seen by the others D ms later (a Redis "
@@ -266,7 +269,7 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
         "engine_slowdown": [e.slowdown for e in engines], "engine": e0, "engine_differences": per_engine,
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
         "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix, "events_prefix": ns.events_prefix,
-        "client_max_tokens": ns.client_max_tokens,
+        "events_pending_s": ns.events_pending_s, "client_max_tokens": ns.client_max_tokens,
         "replicas": ns.replicas, "share_load_ms": ns.share_load_ms,
         "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
@@ -425,6 +428,7 @@ def _plan(ns: argparse.Namespace) -> tuple[_Plan, Figures, SimSettings]:
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
                        client_max_tokens=ns.client_max_tokens, replicas=ns.replicas,
                        events_prefix=ns.events_prefix, share_load_ms=ns.share_load_ms,
+                       events_pending_s=ns.events_pending_s,
                        priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, 0) if prio_mix else None,
                        tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
     return plan, settings_json, base

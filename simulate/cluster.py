@@ -81,6 +81,7 @@ from simulate.replicas import (
     SharedLoad,
     add_scrapers,
     apply_kv_events,
+    keep_pending,
 )
 from simulate.settings import CLIENT_BOUNDS, OK, RunResult, SimSettings
 from simulate.virtual import (
@@ -191,6 +192,7 @@ class _Run:
         add_scrapers(self.engines, segs[1:], s, now_ns())
         # the routers: R replicas behind a round-robin front (simulate.replicas), replica 0 first
         self.replicas = [self._start_router(r, seg, cfg, rng) for r, seg in enumerate(segs)]
+        self.via = [0] * n   # the replica each request reached
         self.front = RoundRobinFront(len(segs))
         self.accounting = AccountingError()
         self.share = SharedLoad(segs, len(self.engines), s.share_load_ms) if s.share_load_ms is not None else None
@@ -202,6 +204,8 @@ class _Run:
                 e.core.kv.events = []
                 e.core.kv.event_tokens = False   # matched by the engine's hashes: no tokens needed
                 self.block_sets.append(BlockSet(f"engine {e.k}"))
+            if s.events_pending_s > 0:
+                keep_pending(self.replicas, self.block_sets, s.events_pending_s, self.share)
         self.path = CHAT if s.api == "chat" else COMPLETIONS
         self.bound = CLIENT_BOUNDS[s.client_max_tokens]
         self.model = s.engines[0].model
@@ -440,7 +444,7 @@ class _Run:
         text = router_text(r, s.api) if self.needs_text else ""
         info = RequestInfo(self.path, self.model, True, text, router_prompt_len(r, s.api),
                            max_tokens=self.bound(r.output_length) if r.output_length > 0 else None)
-        pick = self.front.pick()
+        pick = self.via[i] = self.front.pick()
         rp = self.replicas[pick]
         if self.adms:
             if self.prios is not None:
@@ -490,6 +494,10 @@ class _Run:
             self._rejected(i, err.status)
             return
         self.leases[i] = lease
+        if (oracle := self.replicas[self.via[i]].oracle) is not None and oracle.pending:
+            oracle.pending[k].place(sreq.hashes, t)
+            if self.share is not None:   # the other replicas see it through the store
+                self.share.place(t, self.via[i], k, list(sreq.hashes))
         if e.plan is None:
             self.start_step(e, t)
 
@@ -511,7 +519,9 @@ class _Run:
             bs = e.core.config.block_size
             n_tok = r.input_length + self.n_template
             if self.block_sets:   # the engines' events, as every replica's subscriber holds them
-                hit = self.block_sets[e.k].match(hs[:(n_tok - 1) // bs]) * bs
+                keys = hs[:(n_tok - 1) // bs]
+                hit = (oracle.pending[e.k].match(self.block_sets[e.k], keys, self.clock.t) if oracle.pending
+                       else self.block_sets[e.k].match(keys)) * bs
             else:
                 hit = len(e.core.kv.lookup(hs, (n_tok - 1) // bs)) * bs
             if hit and text:

@@ -33,10 +33,10 @@ node holds every router process's, and its scraper's ``inflight`` (and so the ou
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dplb_shm import Segment
-from router.kv_events import BlockSet
+from router.kv_events import BlockSet, PendingBlocks
 from router.policies.base import Policy
 from router.scheduling import Scheduler
 from router.workers import Registry
@@ -87,6 +87,28 @@ def apply_kv_events(kv: KVCacheManager, blocks: BlockSet) -> None:
             blocks.remove((ev[1],))
         else:
             blocks.clear()
+
+
+def keep_pending(replicas: Sequence[Replica], block_sets: Sequence[BlockSet], ttl_s: float,
+                 share: SharedLoad | None) -> None:
+    """Give each replica's events index its placements not yet stored, per engine
+    (:class:`router.kv_events.PendingBlocks`, dropped when the engine's events store them: each is
+    a watcher of the engine's block set): its own, and with ``share`` the other replicas' too
+    (:meth:`SharedLoad.place`, as a store would carry them beside the load)."""
+    for rp in replicas:
+        if rp.oracle is None:
+            continue
+        rp.oracle.pending = [PendingBlocks(ttl_s) for _ in block_sets]
+        for bs, p in zip(block_sets, rp.oracle.pending):
+            bs.watchers.append(p)
+
+    def place_into(r: int, slot: int, keys: list[int], now: float) -> None:
+        oracle = replicas[r].oracle
+        if oracle is not None and oracle.pending:
+            oracle.pending[slot].place(keys, now)
+
+    if share is not None:
+        share.place_into = place_into
 
 
 class RoundRobinFront:
@@ -174,6 +196,10 @@ class SharedLoad:
         self.got: list[list[Delta]] = [[zero] * slots for _ in range(n)]
         self.queue: deque[tuple[float, int, int, Delta]] = deque()
         self.pending = False   # a SHARE event is scheduled
+        #: placements not yet stored (:func:`keep_pending`), shared the same way: (due, source,
+        #: slot, block keys), delivered through ``place_into(replica, slot, keys, now)``
+        self.placed: deque[tuple[float, int, int, list[int]]] = deque()
+        self.place_into: Callable[[int, int, list[int], float], None] | None = None
         self.published = 0
         self.delivered = 0
 
@@ -197,19 +223,34 @@ class SharedLoad:
                     self.queue.append((due, r, k, (own[0] - old[0], own[1] - old[1], own[2] - old[2],
                                                    own[3] - old[3])))
                     self.published += 1
-        if self.pending or not self.queue:
+        if self.pending:
             return None
-        self.pending = True
-        return self.queue[0][0]
+        due_at = self.next_due()
+        self.pending = due_at is not None
+        return due_at
+
+    def place(self, now: float, src: int, slot: int, keys: list[int]) -> None:
+        """Replica ``src`` placed a prompt of block ``keys`` on ``slot``: the others see it as a
+        pending placement ``delay_ms`` later (nothing without ``place_into``)."""
+        if self.place_into is not None:
+            self.placed.append((now + self.delay_s, src, slot, keys))
+            self.published += 1
 
     def next_due(self) -> float | None:
-        """When the oldest queued change is due (None: nothing queued)."""
-        return self.queue[0][0] if self.queue else None
+        """When the oldest queued change or placement is due (None: nothing queued)."""
+        heads = [q[0][0] for q in (self.queue, self.placed) if q]
+        return min(heads) if heads else None
 
     def deliver(self, now: float, k: int = -1) -> None:
         """Apply the changes due by ``now`` to every replica but their source (``k``: unused, the
         simulation's event signature)."""
         self.pending = False
+        placed, place_into = self.placed, self.place_into
+        while placed and placed[0][0] <= now and place_into is not None:
+            due, src, slot, keys = placed.popleft()
+            for r in range(len(self.segs)):
+                if r != src:
+                    place_into(r, slot, keys, due)
         q = self.queue
         while q and q[0][0] <= now:
             _, src, slot, d = q.popleft()

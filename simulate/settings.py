@@ -133,6 +133,10 @@ class SimSettings:
     #: block set (:class:`router.kv_events.BlockSet`, shared by every replica) takes the events of a
     #: step when the step ends, as vLLM publishes them after the step (``--events-prefix``)
     events_prefix: bool = False
+    #: with ``events_prefix``: a replica's own placements count as the engine's blocks until the
+    #: engine's events store them or this many seconds pass (:class:`router.kv_events.PendingBlocks`;
+    #: 0: the events alone)
+    events_pending_s: float = 30.0
     #: with replicas: their router lines shared through a store, each change reaching the other
     #: replicas this many ms later (:class:`simulate.replicas.SharedLoad`; None: nothing shared)
     share_load_ms: float | None = None

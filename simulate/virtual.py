@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from dplb_shm import Segment, WorkerState
+from router.kv_events import PendingBlocks
 from router.policies.prefix_index import PrefixIndex
 from sim_engine.config import EngineConfig
 from sim_engine.engine import EngineCore, StepPlan
@@ -111,6 +112,9 @@ class OracleIndex:
     def __init__(self, inner: PrefixIndex) -> None:
         self.inner = inner
         self.current: dict[int, int] = {}
+        #: with ``events_prefix``: per engine, this replica's placements not yet in the engine's
+        #: events (:class:`router.kv_events.PendingBlocks`; empty: none kept)
+        self.pending: list[PendingBlocks] = []
 
     def __len__(self) -> int:
         return len(self.inner)

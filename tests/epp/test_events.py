@@ -100,6 +100,37 @@ def test_feed_catches_up_then_names_the_engine_holding_the_prompt(ipc_dir):
             p.close()
 
 
+def test_a_placement_counts_until_the_engine_stores_it_or_the_bound_passes(ipc_dir):
+    bs, vocab = 4, 1000
+    pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay",
+                                           buffer_steps=100))
+    now = [100.0]
+    feed = EventsFeed(bs, WordTokenizer(vocab), pending_s=5.0, clock=lambda: now[0])
+    try:
+        feed.sync({2: (pub.last_endpoint, pub.replay_last_endpoint)})
+        wait_until(feed.caught_up, timeout=60, what="the subscriber's catch-up")
+        index = EventsIndex(PrefixIndex(), feed)
+        text = router_text(CHAT, {"model": "m", "messages": MSGS})
+        hashes = index.hashes(text)
+        assert index.match(hashes) == {}
+        index.insert(hashes, 2)   # the picker sent it to worker 2: its blocks count there at once
+        n = len(render_chat(MSGS))
+        assert feed.match(CHAT, text)[0] == {2: (n - 1) // bs * bs}
+        now[0] += 5.0             # never stored: gone after the bound
+        assert feed.match(CHAT, text)[0] == {}
+        index.match(index.hashes(text))
+        index.insert(hashes, 2)
+        # the engine stores the prompt's blocks, then evicts the first: from the store on the
+        # events alone answer, so the eviction is seen before the bound
+        pub.publish([_stored_prompt(MSGS, bs, vocab, 100)])
+        wait_until(lambda: not feed.pending[2].until, timeout=30, what="the placement stored")
+        pub.publish([BlockRemoved([100], "GPU")])
+        wait_until(lambda: feed.match(CHAT, text)[0] == {}, timeout=30, what="the eviction")
+    finally:
+        feed.close()
+        pub.close()
+
+
 def test_a_feed_that_cannot_replay_is_not_caught_up(ipc_dir):
     """No publisher answers the replay socket: the picker must not count as ready."""
     feed = EventsFeed(4)

@@ -16,6 +16,7 @@ from router.kv_events import (
     BlockSet,
     Cleared,
     KVEventSubscriber,
+    PendingBlocks,
     Removed,
     Stored,
     decode_batch,
@@ -273,3 +274,27 @@ def test_kv_events_config_is_vllms_flag_and_bad_values_are_named(capsys):
             KVEventsConfig.from_json(bad)
     assert main(["--kv-events-config", '{"nope": 1}']) == 2
     assert "--kv-events-config: unknown field(s) nope" in capsys.readouterr().err
+
+
+def test_pending_placements_count_until_stored_or_expired():
+    bs = BlockSet("e")
+    pending = PendingBlocks(ttl_s=5.0)
+    bs.watchers.append(pending)
+    bs.on_message(0, payload(stored([1, 2], None)))
+    pending.place([1, 2, 3, 4], now=10.0)   # a prompt of 4 blocks dispatched; 1 and 2 already cached
+    assert bs.match([1, 2, 3, 4]) == 2
+    assert pending.match(bs, [1, 2, 3, 4], now=11.0) == 4
+    assert pending.match(bs, [1, 2, 3, 4], now=15.0) == 2   # the bound passed: never stored
+    # the engine stores block 3 then evicts it: from its BlockStored on the events alone answer
+    pending.place([1, 2, 3, 4], now=20.0)
+    bs.on_message(1, payload(stored([3], 2)))
+    assert 3 not in pending.until and 4 in pending.until
+    bs.on_message(2, payload(BlockRemoved([3], "GPU")))
+    assert pending.match(bs, [1, 2, 3, 4], now=21.0) == 2
+    # by token keys (the picker's way)
+    keys = token_keys([7, 7, 8, 8], 2)
+    pending.place(keys, now=30.0)
+    assert pending.match(bs, keys, now=31.0, by_key=True) == 2
+    assert pending.match(bs, keys, now=36.0, by_key=True) == 0
+    with pytest.raises(ValueError):
+        PendingBlocks(0)

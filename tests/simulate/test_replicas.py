@@ -122,6 +122,26 @@ def test_shared_load_reaches_the_other_replicas_after_its_delay_and_never_echoes
             release_segment(s)
 
 
+def test_shared_placements_reach_the_other_replicas_after_the_delay():
+    segs = [private_segment(2) for _ in range(3)]
+    try:
+        share = SharedLoad(segs, 2, delay_ms=1.0)
+        got: list[tuple[int, int, list[int], float]] = []
+        share.place(0.0, 0, 1, [7, 8])   # no receiver yet: nothing queued
+        assert share.next_due() is None
+        share.place_into = lambda r, slot, keys, now: got.append((r, slot, keys, now))
+        share.place(0.0, 1, 0, [5, 6])
+        assert share.publish(0.0) == pytest.approx(0.001)
+        share.deliver(0.0005)
+        assert got == []
+        share.deliver(0.001)
+        assert got == [(0, 0, [5, 6], pytest.approx(0.001)), (2, 0, [5, 6], pytest.approx(0.001))]
+        assert share.next_due() is None
+    finally:
+        for s in segs:
+            release_segment(s)
+
+
 def test_shared_load_counts_every_replicas_requests_and_shortens_ttft():
     """docqa's long prompts near capacity over 4 replicas: without sharing each replica misses the
     others' prefill queued since its scrape (accounting error > 0); with the replicas' lines
@@ -171,11 +191,13 @@ def test_kv_events_keep_a_block_set_equal_to_the_engine_cache():
     assert kv.evictions > 0
 
 
-def test_events_prefix_sees_the_engine_a_step_late():
+@pytest.mark.parametrize("pending_s", [0.0, 30.0], ids=["events alone", "with pending placements"])
+def test_events_prefix_sees_the_engine_a_step_late(pending_s):
     """The oracle scenario of test_goodput (one engine, a shared 4,096-token prefix, evicted by
-    request 2): with the engines' events as the index, request 1 (same instant as request 0) sees
-    nothing yet (request 0's blocks are published when its step ends), request 3 sees the
-    eviction, as the oracle does."""
+    request 2): with the engines' events alone as the index, request 1 (same instant as request 0)
+    sees nothing yet (request 0's blocks are published when its step ends); with the replica's
+    placements not yet stored (``events_pending_s``) it sees request 0's placement. Request 3 sees
+    the eviction either way, as the oracle does (the placement was stored, then evicted)."""
     seen: list[dict[int, int]] = []
     real_match = cl.OracleIndex.match
 
@@ -194,11 +216,14 @@ def test_events_prefix_sees_the_engine_a_step_late():
     mp = pytest.MonkeyPatch()
     mp.setattr(cl.OracleIndex, "match", spy)
     try:
-        res = Simulation(reqs, SimSettings(engines=eng, policy="dplb", events_prefix=True)).run()
+        res = Simulation(reqs, SimSettings(engines=eng, policy="dplb", events_prefix=True,
+                                           events_pending_s=pending_s)).run()
     finally:
         mp.undo()
     assert res.status == [OK] * 5
-    assert seen[0] == {} and seen[1] == {} and seen[2] == {} and seen[3] == {}
+    assert seen[0] == {} and seen[2] == {} and seen[3] == {}
+    # the engine's prompt: the words plus 3 template tokens; 4,096 tokens = 256 blocks shared
+    assert seen[1] == ({0: round(len(router_text(reqs[1])) * 4096 / (4096 + 200 + 3))} if pending_s else {})
     # request 4, 1 s after request 3 (whose steps have ended): request 3's blocks are known
     assert seen[4] == {0: round(len(router_text(reqs[4])) * 4096 / (4096 + 250 + 3))}
 
