@@ -34,14 +34,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.rawclient import _read_response, chat_request, connector, pct, sequential
+from bench.rawclient import (
+    chat_request,
+    connector,
+    in_threads,
+    pct,
+    read_response,
+    sequential,
+)
 from launcher.stack import free_port, router_argv, wait_for, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +91,7 @@ def paced(port: int, conns: int, seconds: float, rate: float) -> tuple[list[floa
                 if delay > 0:
                     time.sleep(delay)
                 s.sendall(req)
-                if _read_response(s, buf) == 200:
+                if read_response(s, buf) == 200:
                     lat[k].append((time.monotonic() - due) * 1000.0)
                 else:
                     bad[k] += 1
@@ -93,11 +99,7 @@ def paced(port: int, conns: int, seconds: float, rate: float) -> tuple[list[floa
         finally:
             s.close()
 
-    ts = [threading.Thread(target=run, args=(k,)) for k in range(conns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    in_threads(run, conns)
     return [x for xs in lat for x in xs], sum(bad)
 
 
@@ -112,7 +114,7 @@ def blocks(port: int, n: int, bad: list[int]) -> list[float]:
         for _ in range(n):
             t0 = time.perf_counter()
             s.sendall(req)
-            st = _read_response(s, buf)
+            st = read_response(s, buf)
             if st == 200:
                 out.append((time.perf_counter() - t0) * 1000.0)
             else:

@@ -30,6 +30,15 @@ def connector(port: int) -> Callable[[], socket.socket]:
     return connect
 
 
+def in_threads(run: Callable[[int], None], n: int) -> None:
+    """``run(k)`` for ``k`` in ``0..n-1``, each in a thread of its own, all started, then all joined."""
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
 def long_prompt_requests(prompt_bytes: int, prefixes: int = 20, pool: int = 60, seed: int = 0) -> list[bytes]:
     """``pool`` chat requests whose prompts are about ``prompt_bytes`` long: a system message that
     is one of ``prefixes`` shared documents (10/11 of the prompt: 200 KB of a 220 KB prompt, the
@@ -58,7 +67,7 @@ def long_prompt_requests(prompt_bytes: int, prefixes: int = 20, pool: int = 60, 
         {"role": "user", "content": text(prompt_bytes - shared)}]})) for i in range(pool)]
 
 
-def _read_response(s: socket.socket, buf: bytearray) -> int:
+def read_response(s: socket.socket, buf: bytearray) -> int:
     """Read one response off ``s`` (``Content-Length`` or chunked: Envoy drops the length of a
     body its ext_proc filter streams to the picker); returns its status."""
     def fill() -> None:
@@ -102,7 +111,7 @@ def sequential(connect, n: int, req: bytes | None = None) -> list[float]:
         for _ in range(n):
             t0 = time.perf_counter()
             s.sendall(req)
-            if _read_response(s, buf) != 200:
+            if read_response(s, buf) != 200:
                 raise SystemExit("a sequential request was not answered 200: the figures would be invalid")
             out.append((time.perf_counter() - t0) * 1000.0)
     finally:
@@ -140,7 +149,7 @@ def closed_loop(port: int, conns: int, seconds: float, reqs: list[bytes] | None 
                 req = reqs[i % len(reqs)]
                 i += 1
                 s.sendall(req)
-                st = _read_response(s, buf)
+                st = read_response(s, buf)
                 if st == 200:
                     counts[k] += 1
                 else:
@@ -148,11 +157,7 @@ def closed_loop(port: int, conns: int, seconds: float, reqs: list[bytes] | None 
         finally:
             s.close()
 
-    ts = [threading.Thread(target=run, args=(k,)) for k in range(conns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    in_threads(run, conns)
     return sum(counts)
 
 
@@ -212,11 +217,7 @@ def stream_loop(port: int, streams: int, seconds: float, gaps: list[float] | Non
             if gaps is not None:
                 gaps.extend(mine)   # list.extend is atomic under the GIL
 
-    ts = [threading.Thread(target=run, args=(k,)) for k in range(streams)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    in_threads(run, streams)
     return sum(counts), sum(reads)
 
 

@@ -20,8 +20,8 @@ from launcher.stack import wait_for
 FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
 
 
-def _totals(seg: Any, n: int) -> dict[str, int]:
-    """Each router-line counter summed over slots ``0..n-1``."""
+def router_line_totals(seg: Any, n: int) -> dict[str, int]:
+    """Each router-line counter of :data:`FIELDS` summed over slots ``0..n-1`` of ``seg``."""
     out = dict.fromkeys(FIELDS, 0)
     for i in range(n):
         line = seg.router_line(i)
@@ -71,7 +71,7 @@ async def _streams_and_kill(st: Stack, base: str, n: int, hold_s: float, box: di
                                             timeout=60))
                  for i in range(n)]
         t0 = time.monotonic()
-        while _totals(st.seg, 2)["router_inflight"] < n and time.monotonic() - t0 < 30:
+        while router_line_totals(st.seg, 2)["router_inflight"] < n and time.monotonic() - t0 < 30:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)   # the decoding half past its first chunk
         # the kernel hands each new connection to either process, not evenly: a burst can
@@ -81,13 +81,13 @@ async def _streams_and_kill(st: Stack, base: str, n: int, hold_s: float, box: di
         if len(held) < 2 or min(held.values()) == 0:
             return list(await asyncio.gather(*tasks))   # no kill: the caller tries again
         box["victim"] = victim = min(held)
-        box["at_kill"] = _totals(st.seg, 2)
+        box["at_kill"] = router_line_totals(st.seg, 2)
         box["t_kill"] = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         # the victim's clients see their connections break at once: that is its share
         while time.monotonic() - box["t_kill"] < 10:
             cut = sum(1 for t in tasks if t.done())
-            if cut and _totals(st.seg, 2)["router_inflight"] <= n - cut:
+            if cut and router_line_totals(st.seg, 2)["router_inflight"] <= n - cut:
                 box["share_left_s"] = time.monotonic() - box["t_kill"]
                 box["cut"] = cut
                 break
@@ -114,11 +114,11 @@ def _kill_phase(st: Stack, base: str, n: int, hold_s: float, res: Result) -> dic
     res.detection_s = box.get("share_left_s")
     t_done = time.monotonic()
     try:
-        wait_for(lambda: not any(_totals(st.seg, 2).values()), 15, "router lines back to 0")
+        wait_for(lambda: not any(router_line_totals(st.seg, 2).values()), 15, "router lines back to 0")
         res.recovery_s = time.monotonic() - box["t_kill"]
     except TimeoutError:
         pass
-    res.extra["after_streams"] = _totals(st.seg, 2)
+    res.extra["after_streams"] = router_line_totals(st.seg, 2)
     res.extra["zero_after_streams_s"] = round(time.monotonic() - t_done, 3)
     return box
 
@@ -168,4 +168,4 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
     return res
 
 
-__all__ = ["run_router_process_killed"]
+__all__ = ["FIELDS", "router_line_totals", "run_router_process_killed"]

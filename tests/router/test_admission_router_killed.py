@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from bench.faultsuite.scen_router_procs import router_line_totals
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -29,18 +30,6 @@ N = 24                          # requests: 2 x SEATS dispatched at once, the re
 HOLD_S = 5.0                    # each answer streams for about this long
 CONFIG = {"routing_policy": {"policy": "round_robin"},
           "admission": {"enabled": True, "queue_budget_s": 120, "shed_late": False}}
-FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
-
-
-def _totals(seg, n: int) -> dict[str, int]:
-    out = dict.fromkeys(FIELDS, 0)
-    for i in range(n):
-        line = seg.router_line(i)
-        for k in FIELDS:
-            out[k] += int(line[k])
-    return out
-
-
 def _by_process(base: str, want: int = 2, tries: int = 200) -> dict[int, tuple[int, int]]:
     """``pid -> (requests it has in flight, requests waiting in its queue)`` from fresh connections
     (each lands on either process) until ``want`` processes answered."""
@@ -89,7 +78,7 @@ def test_killed_router_process_with_a_queue_leaks_nothing_and_its_peer_serves_on
             seen: dict[int, tuple[int, int]] = {}
             while time.monotonic() - t0 < 2 * HOLD_S:
                 seen = await asyncio.to_thread(_by_process, c.base)
-                if (len(seen) == 2 and _totals(c.seg, 2)["router_inflight"] == 2 * SEATS
+                if (len(seen) == 2 and router_line_totals(c.seg, 2)["router_inflight"] == 2 * SEATS
                         and all(q > 0 for _, q in seen.values()) and any(f > 0 for f, _ in seen.values())):
                     break
                 await asyncio.sleep(0.1)
@@ -98,7 +87,7 @@ def test_killed_router_process_with_a_queue_leaks_nothing_and_its_peer_serves_on
                 return list(await asyncio.gather(*tasks))
             victim = max(seen, key=lambda p: seen[p][0])   # it holds dispatched requests and a queue
             box["victim"], box["seen"] = victim, seen
-            box["at_kill"] = _totals(c.seg, 2)
+            box["at_kill"] = router_line_totals(c.seg, 2)
             os.kill(victim, signal.SIGKILL)
             return list(await asyncio.gather(*tasks))
 
@@ -118,7 +107,7 @@ def test_killed_router_process_with_a_queue_leaks_nothing_and_its_peer_serves_on
     assert statuses == [200] * N, (statuses, log)
     assert any(o != "200" for _, o in log), log     # the victim's clients saw their connections break
     # the accounting the victim held left the segment: every line back to 0
-    wait_until(lambda: not any(_totals(c.seg, 2).values()), 30, what="router lines back to 0")
+    wait_until(lambda: not any(router_line_totals(c.seg, 2).values()), 30, what="router lines back to 0")
     # the parent replaced the victim; both processes serve and their queues are empty
     wait_until(lambda: len(_by_process(c.base, tries=20)) == 2, 60, what="two router processes again")
     after = _by_process(c.base)
