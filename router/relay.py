@@ -120,13 +120,14 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
 
 
 def _hold_done(chunk: bytes, meter: StreamMeter, held: list[bytes]) -> bytes:
-    """``chunk`` without its trailing ``data: [DONE]`` event when the stream reports an
-    engine-side abort (in ``chunk`` or before it): that event goes to ``held``, written after the
-    abort's error event (:func:`relay_stream`). Anything else is returned unchanged."""
+    """``chunk`` without its trailing ``data: [DONE]`` event when the stream may report an
+    engine-side abort (in ``chunk`` or before it, :meth:`StreamMeter.mentions_abort`): that event
+    goes to ``held``, written after the abort's error event, or as it was when the stream was not
+    aborted after all (:func:`relay_stream`). Anything else is returned unchanged."""
     if held or not chunk.endswith(b"[DONE]\n\n"):
         return chunk
     body, done = split_done(chunk)
-    if done and (events_aborted(chunk) or meter.aborted()):
+    if done and meter.mentions_abort(chunk):   # a false alarm writes the [DONE] at the end (relay_stream)
         held.append(done)
         return body
     return chunk

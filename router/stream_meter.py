@@ -213,6 +213,12 @@ class StreamMeter:
         return self.sse and (t.endswith((b"\ndata: [DONE]", b"\ndata:[DONE]"))
                              or t in (b"data: [DONE]", b"data:[DONE]"))
 
+    def mentions_abort(self, chunk: bytes = b"") -> bool:
+        """The cheap test before :meth:`aborted`: does ``"abort"`` appear in the kept tail, or in
+        ``chunk`` (the next one, not fed yet) or across the two? A false alarm is possible (the
+        word in a string); an abort event split across chunks is not missed."""
+        return b'"abort"' in self._tail[-8:] + chunk or _ABORT.search(self._tail) is not None
+
     def aborted(self) -> bool:
         """Whether the stream's last events (its kept tail) report an engine-side abort
         (:func:`is_abort`): the engine dropped the request the client was still reading."""

@@ -60,3 +60,15 @@ def test_split_done_takes_only_a_trailing_done_event():
     assert split_done(b"data:[DONE]\n\n") == (b"", b"data:[DONE]\n\n")
     assert split_done(ABORT) == (ABORT, b"")
     assert split_done(b'{"x": "data: [DONE]\n\n') == (b'{"x": "data: [DONE]\n\n', b"")
+
+
+def test_an_abort_event_split_across_chunks_is_not_missed_before_the_done():
+    from router.stream_meter import StreamMeter
+
+    m = StreamMeter(True)
+    half = len(ABORT) - 10   # the chunk boundary inside the abort event, inside its "abort"
+    m.feed(CONTENT + ABORT[:half])
+    assert m.mentions_abort(ABORT[half:] + DONE)
+    m2 = StreamMeter(True)
+    m2.feed(CONTENT)
+    assert not m2.mentions_abort(CONTENT + DONE)
