@@ -232,7 +232,8 @@ class AdmissionSection(_Strict):
     answered 429 + ``Retry-After`` after its queue budget, or as soon as it can no longer meet its
     deadline (``shed_late``; false: it waits, behind every request that still can). While a
     higher class has had a request within ``reserve_window_s``, a class fills only ``reserve`` ×
-    the headroom (trunk reservation): the rest is kept for the higher class. ``enabled: false``: today's behaviour
+    the headroom, measured against the smaller of its own TTFT budget and a typical request's of
+    the higher class (trunk reservation): the rest is kept for the higher class. ``enabled: false``: today's behaviour
     (every request bound to a worker on arrival; the default until the whole suite has run with it on)."""
 
     enabled: bool = False

@@ -289,7 +289,7 @@ class _Decodes:
 
 
 class _Sched:
-    """Two workers; the policy always chooses worker 0 (its prefix is there) with ``est`` s of
+    """Three workers; the policy always chooses worker 0 (its prefix is there) with ``est`` s of
     own TTFT; ``decodes``: the streamed requests in flight per worker."""
 
     def __init__(self, decodes: dict[int, list[tuple[int | None, int, float | None]]], est: float = 0.2) -> None:
@@ -297,7 +297,7 @@ class _Sched:
 
         from router.policies.base import Decision
         self.decodes = _Decodes(decodes)
-        self.handles = {k: SimpleNamespace(worker_id=k, breaker=_Breaker(), snap=None) for k in (0, 1)}
+        self.handles = {k: SimpleNamespace(worker_id=k, breaker=_Breaker(), snap=None) for k in (0, 1, 2)}
         self.decision = Decision(worker_id=0, reason="test", ttft_s=est)
 
     def decide(self, info, exclude=frozenset()):
@@ -313,20 +313,29 @@ PACING_OVER = (200, 20, 5.0)
 PACING_FINE = (200, 20, 1.0)
 
 
-def test_a_worker_pacing_over_holds_only_what_fills_the_reserve_or_when_every_worker_does():
+def test_a_worker_pacing_over_holds_only_when_the_cluster_is_saturated_or_for_the_reserve():
     from router.admission import judge_route
     from router.policies.base import RequestInfo
 
     info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
     q: AdmissionQueue[str] = AdmissionQueue(cfg())
-    # worker 0 (the policy's choice) paces over, worker 1 has TPOT room: the request goes there
+    # worker 0 (the policy's choice) paces over, workers 1 and 2 have TPOT room: the request goes
     # where the policy chose (no hold: the burst is one worker's, the cluster has room)
     burst = _Sched({0: [PACING_OVER], 1: [PACING_FINE]})
     t = q.ticket("a", 0.0, prompt_tokens=100)
     assert judge_route(q, burst, info, t, 0.0)[0] == GO
-    # every worker paces over: the cluster has no TPOT room, the request waits
+    # two of three workers pace over: the cluster has no TPOT room, the request waits
     saturated = _Sched({0: [PACING_OVER], 1: [PACING_OVER]})
     assert judge_route(q, saturated, info, t, 0.0)[0] == WAIT
+    # past capacity (a request was just shed for its budget) the burst holds too, for a while
+    shed = AdmissionQueue[str](cfg(queue_budget_s=1.0))
+    old = shed.ticket("old", 0.0, prompt_tokens=100)
+    shed.offer(old)
+    assert shed.expire(1.0).shed == [(old, BUDGET)]
+    t2 = shed.ticket("b", 1.0, prompt_tokens=100)
+    assert judge_route(shed, burst, info, t2, 1.0)[0] == WAIT
+    t3 = shed.ticket("c", 12.0, prompt_tokens=100)     # reserve_window_s (10 s) later
+    assert judge_route(shed, burst, info, t3, 12.0)[0] == GO
     # a lower class while a higher one is active fills only the reserve: it waits for worker 0
     q.ticket("hi", 0.0, prompt_tokens=100, priority=1)
     low = q.ticket("lo", 0.0, prompt_tokens=100, priority=0)
