@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bench/results/epp_latency.md), FULL_DUPLEX_STREAMED, or NONE (head and end only: no TTFT, "
                         "no token counts)")
     p.add_argument("--ext-proc-server", choices=["h2", "grpcio"], default="h2",
-                   help="the ext_proc server: h2 (default: HTTP/2 framed on the picker's event loop, epp.h2grpc; "
-                        "about a tenth of grpcio's CPU per request, bench/results/gateway.md) or grpcio (grpc.aio)")
+                   help="the ext_proc server: h2 (default: the h2 HTTP/2 library on the picker's event loop, epp.h2grpc; "
+                        "about half of grpcio's CPU per request, bench/results/gateway.md) or grpcio (grpc.aio)")
     p.add_argument("--envoy-eds", metavar="PATH",
                    help="write the eligible endpoints to this EDS file for Envoy's pool cluster (override_host "
                         "load balancing, retries down the fallbacks: epp.envoy); --print-envoy-config renders it")

@@ -37,7 +37,7 @@ async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
                      server: str = "h2") -> tuple[ExtServer, grpc.aio.Server, health_aio.HealthServicer]:
     """Start the ext_proc server on ``host:port`` and the health server on ``host:health_port``
     (0: a free port each; the bound ports are on the returned ext_proc server's ``bound_ports``
-    attribute). ``server``: ``h2`` (:mod:`epp.h2grpc`, the default: about a tenth of grpcio's CPU
+    attribute). ``server``: ``h2`` (:mod:`epp.h2grpc`, the default: about half of grpcio's CPU
     per request) or ``grpcio`` (``grpc.aio``). Returns ``(ext_proc server, health server, health
     servicer)``; the picker's readiness drives the health statuses (module docstring). Raises
     RuntimeError when a port cannot be bound, ValueError for an unknown ``server``."""
