@@ -1,7 +1,7 @@
 """Type stub of the native extension built from csrc/dplb_native.pyx."""
 # ruff: noqa: I001  (the "X as X" re-exports stay in one block; isort would split every one)
 from collections.abc import Sequence
-from typing import Any, Self, Unpack
+from typing import Self, Unpack
 
 from dplb_shm.errors import (
     LayoutMismatchError as LayoutMismatchError,
@@ -12,7 +12,7 @@ from dplb_shm.errors import (
     SlotFieldError as SlotFieldError,
     SlotIndexError as SlotIndexError,
 )
-from dplb_shm.types import ScoreTerms, ScoringParams, SlotFields, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
+from dplb_shm.types import RouterLine, ScoreTerms, ScoringParams, SlotFields, TtftParams, TtftTerms, WorkerSnapshot, WorkerState
 from dplb_shm.types import StateReason as StateReason
 
 MAGIC: int
@@ -79,7 +79,7 @@ class Segment:
     def latency_observe(self, slot: int, ttft_s: float | None = None, tpot_s: float | None = None,
                         alpha: float = 0.1) -> None: ...
     def router_reset(self, slot: int) -> None: ...
-    def router_line(self, slot: int) -> dict[str, Any]: ...
+    def router_line(self, slot: int) -> RouterLine: ...
     def outcome_add(self, slot: int, completed: int = 0, failed: int = 0) -> tuple[int, int]: ...
     def pick_ttft(self, params: TtftParams, prompt_len: int = 0, uncached: Sequence[float] | None = None,
                   now_ns: int | None = None, rng_u: float | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypedDict
 
@@ -79,6 +79,30 @@ class SlotFields(TypedDict, total=False):
     agent_restarts: int
     last_exit_code: int
     next_restart_ns: int
+
+
+class RouterLine(TypedDict):
+    """A slot's router-side accounting as ``Segment.router_line`` reads it (csrc/dplb_native.pyx
+    ``_router_dict``; each field one atomic load, together not a snapshot): ``router_inflight``
+    requests in flight from the routers, ``dispatched`` requests ever dispatched, ``circuit`` the
+    :class:`Circuit` state, ``prefill_tokens`` outstanding prefill tokens, ``decode_reqs`` and
+    ``decode_ctx_tokens`` decoding requests and their context tokens, ``prefill_rate`` the learned
+    prefill rate (tokens/s, 0 = none learned) from ``prefill_rate_n`` samples, ``router_ttft_s``
+    and ``router_tpot_s`` the routers' TTFT and TPOT EWMAs (s, 0 = no sample), ``completed`` and
+    ``failed`` request outcomes."""
+
+    router_inflight: int
+    dispatched: int
+    circuit: int
+    prefill_tokens: int
+    decode_reqs: int
+    decode_ctx_tokens: int
+    prefill_rate: float
+    prefill_rate_n: int
+    router_ttft_s: float
+    router_tpot_s: float
+    completed: int
+    failed: int
 
 
 #: how old a READY slot's heartbeat may be before routers stop routing to it, ms: the default of
@@ -217,7 +241,7 @@ class WorkerSnapshot:
         router's, not an agent's."""
         return bool(self.control) and not self.control.startswith("/")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The JSON shape printed by ``dplb-shm-dump --json`` and served as ``/dplb/state``.
 
         ``state`` and ``state_reason`` become their lower-case names (``"ready"``,
@@ -233,12 +257,13 @@ class WorkerSnapshot:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> WorkerSnapshot:
+    def from_dict(cls, d: Mapping[str, object]) -> WorkerSnapshot:
         """Inverse of :meth:`to_dict` (e.g. a remote agent's ``/dplb/state``).
 
         Raises :class:`SlotFieldError` on an unknown state or a missing field.
         """
-        kw = dict(d)
+        # Any: a remote agent's JSON, each value checked by the WorkerSnapshot field it fills
+        kw: dict[str, Any] = dict(d)  # type: ignore[explicit-any]
         st = kw.get("state")
         try:
             kw["state"] = WorkerState[st.upper()] if isinstance(st, str) else WorkerState(int(st))  # type: ignore[arg-type]
@@ -322,7 +347,7 @@ class ScoreTerms:
     affinity: float
     weight: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float]:
         """Plain dict (for ``/dplb/route``)."""
         return asdict(self)
 
@@ -417,10 +442,10 @@ class TtftTerms:
     outside_reqs: float
     weight: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float]:
         """Plain dict (for ``/dplb/route``)."""
         return asdict(self)
 
 
-__all__ = ["HEARTBEAT_TIMEOUT_MS", "Circuit", "ScoreTerms", "ScoringParams", "StateReason", "TtftParams", "TtftTerms",
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "Circuit", "RouterLine", "ScoreTerms", "ScoringParams", "StateReason", "TtftParams", "TtftTerms",
            "WorkerSnapshot", "WorkerState", "heartbeat_stale"]

@@ -14,12 +14,12 @@ import collections
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from sim_engine.engine import EngineCore
 from sim_engine.protocol import (
@@ -374,7 +374,7 @@ class EngineStream(StreamingResponse):
         self.server = server
         self.gen = gen
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.server.server_load += 1
         try:
             await super().__call__(scope, receive, send)

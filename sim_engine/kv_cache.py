@@ -40,7 +40,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Literal
+
+#: one raw KV-cache event of :attr:`KVCacheManager.events`: ``("stored", hash, parent hash or None,
+#: the block's tokens or None)``, ``("removed", hash)`` or ``("cleared",)``
+RawEvent = (tuple[Literal["stored"], int, int | None, Sequence[str] | None] | tuple[Literal["removed"], int]
+            | tuple[Literal["cleared"]])
 
 ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
 
@@ -82,7 +87,7 @@ class KVCacheManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.evictions = 0
         #: KV-cache events since the consumer last took them (see the module docstring); None: off
-        self.events: list[tuple[Any, ...]] | None = None
+        self.events: list[RawEvent] | None = None
         #: whether stored events carry the block's tokens (the wire format needs them; the
         #: simulator, which matches by the engine's hashes, does not)
         self.event_tokens = True

@@ -28,11 +28,15 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from sim_engine.kv_cache import RawEvent
 from sim_engine.tokenizer import token_ids
+
+if TYPE_CHECKING:
+    import zmq
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     """One published batch: ``ts`` (publisher's wall clock, s), ``events``, the DP rank."""
 
     ts: float
-    events: list[Any]
+    events: list[KVCacheEvent]
     data_parallel_rank: int | None = None
 
 
@@ -77,7 +81,7 @@ class AllBlocksCleared(KVCacheEvent):
     """Every block left the prefix cache."""
 
 
-def wire_events(raw: Sequence[tuple[Any, ...]], block_size: int, vocab_size: int) -> list[KVCacheEvent]:
+def wire_events(raw: Sequence[RawEvent], block_size: int, vocab_size: int) -> list[KVCacheEvent]:
     """The engine's raw events (:attr:`sim_engine.kv_cache.KVCacheManager.events`) as vLLM's events,
     in order: consecutive stored blocks that chain (each one's parent the previous one) become one
     :class:`BlockStored`, consecutive removals one :class:`BlockRemoved`."""
@@ -85,7 +89,7 @@ def wire_events(raw: Sequence[tuple[Any, ...]], block_size: int, vocab_size: int
     for ev in raw:
         kind = ev[0]
         last = out[-1] if out else None
-        if kind == "stored":
+        if kind == "stored" and len(ev) == 4:
             _, h, parent, words = ev
             ids = token_ids(list(words), vocab_size) if words is not None else []
             if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
@@ -93,7 +97,7 @@ def wire_events(raw: Sequence[tuple[Any, ...]], block_size: int, vocab_size: int
                 last.token_ids.extend(ids)
             else:
                 out.append(BlockStored([h], parent, ids, block_size, None, MEDIUM_GPU, None))
-        elif kind == "removed":
+        elif kind == "removed" and len(ev) == 2:
             if isinstance(last, BlockRemoved):
                 last.block_hashes.append(ev[1])
             else:
@@ -170,7 +174,7 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._lock = threading.Lock()
         self._enc = msgspec.msgpack.Encoder()
-        self._replay: Any = None
+        self._replay: zmq.Socket[bytes] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if cfg.replay_endpoint:
@@ -209,6 +213,8 @@ class ZmqEventPublisher:
         import zmq
 
         sock = self._replay
+        if sock is None:  # pragma: no cover - the thread only runs with a replay socket
+            return
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():

@@ -8,7 +8,6 @@ the server turns it into an OpenAI-shaped 400. Sampling knobs the simulator cann
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 
@@ -75,7 +74,7 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
-def _stop(v: Any, param: str = "stop") -> list[str]:
+def _stop(v: object, param: str = "stop") -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):

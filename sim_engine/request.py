@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 from sim_engine.kv_cache import ROOT_HASH, chain_hashes
 
@@ -21,7 +20,9 @@ class SimRequest:
 
     ``prompt``: prompt tokens (words); ``max_tokens``: output tokens to generate (>= 1);
     ``stop``: stop strings (generation ends when the output text contains one, which is cut off);
-    ``arrival``: simulated seconds. ``sink`` is an opaque slot for the server's output channel.
+    ``arrival``: simulated seconds. ``sink`` is an opaque slot for its consumer's
+    output channel (:class:`sim_engine.runner.EngineRunner`: its channel and the request's index in
+    it; :mod:`simulate.cluster`: the request's index), None until set.
     ``prompt`` may be any sequence of words supporting ``len`` and slicing (a lazy view of a long
     prompt). ``hashes``: the chained hashes of the prompt's full blocks when the caller already
     has them (a simulator caching them per shared prefix); they must be equal exactly when the
@@ -65,7 +66,7 @@ class SimRequest:
         block_size: int,
         stop: list[str] | None = None,
         arrival: float = 0.0,
-        sink: Any = None,
+        sink: object = None,
         hashes: list[int] | None = None,
     ) -> None:
         self.request_id = request_id

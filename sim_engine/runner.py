@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 from sim_engine.engine import EngineCore
 from sim_engine.kv_events import ZmqEventPublisher, wire_events
@@ -149,7 +150,7 @@ class EngineRunner:
             if self.core.abort(req.request_id, now) is not None:
                 n += 1
                 if req.sink is not None:
-                    ch, idx = req.sink
+                    ch, idx = cast("tuple[OutputChannel, int]", req.sink)
                     ch.push_finish(idx, req)
         self.flush_kv_events()
         return n
@@ -188,7 +189,7 @@ class EngineRunner:
                 wall += plan.duration / scale
                 events = []
                 for req in core.complete(plan, sim_t):
-                    ch, idx = req.sink
+                    ch, idx = cast("tuple[OutputChannel, int]", req.sink)
                     events.append((ch, idx, req, len(req.output)))
                 steps.append((base + wall, events))
                 self.flush_kv_events()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from typing import Any
+from collections.abc import Sequence
 
 from sim_engine.errors import InvalidRequestError
 
@@ -40,7 +40,7 @@ def token_ids(words: list[str], vocab_size: int) -> list[int]:
     return [zlib.crc32(w.encode()) % vocab_size for w in words]
 
 
-def ids_to_words(ids: list[Any], param: str = "prompt") -> list[str]:
+def ids_to_words(ids: Sequence[object], param: str = "prompt") -> list[str]:
     """Turn a token-id prompt into words ``<id>``; raises :class:`InvalidRequestError` on non-ints."""
     out = []
     for t in ids:
@@ -50,7 +50,7 @@ def ids_to_words(ids: list[Any], param: str = "prompt") -> list[str]:
     return out
 
 
-def _content_text(content: Any, idx: int) -> str:
+def _content_text(content: object, idx: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -77,7 +77,7 @@ def _content_text(content: Any, idx: int) -> str:
     )
 
 
-def render_chat(messages: Any, add_generation_prompt: bool = True) -> list[str]:
+def render_chat(messages: object, add_generation_prompt: bool = True) -> list[str]:
     """Render chat ``messages`` (OpenAI shape) into prompt tokens with the template described above.
 
     Raises :class:`InvalidRequestError` (param ``messages``) when the list is empty or malformed.

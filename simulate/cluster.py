@@ -60,6 +60,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from dplb_protocol.wire import CHAT, COMPLETIONS
 from dplb_shm import Segment
@@ -345,9 +346,11 @@ class _Run:
         aborted = False
         freed = False   # the router's accounting changed: admission may decide otherwise
         for req in produced:
-            i = req.sink
+            i = cast(int, req.sink)   # the request's index (SimRequest's sink, set below)
             n_out = len(req.output)
-            leases[i].tokens = n_out   # what the live proxy's stream meter counts
+            lease = leases[i]
+            assert lease is not None   # set when the request went to its engine
+            lease.tokens = n_out   # what the live proxy's stream meter counts
             if n_out == 1:
                 freed = True
                 if self._first_token(req, i, t):

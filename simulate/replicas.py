@@ -81,9 +81,9 @@ def apply_kv_events(kv: KVCacheManager, blocks: BlockSet) -> None:
     kv.events = []
     for ev in raw:
         kind = ev[0]
-        if kind == "stored":
+        if kind == "stored" and len(ev) == 4:
             blocks.store((ev[1],), ev[2])
-        elif kind == "removed":
+        elif kind == "removed" and len(ev) == 2:
             blocks.remove((ev[1],))
         else:
             blocks.clear()
