@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,13 @@ def procs():
     try:
         yield p
     finally:
+        pids = [c.pid for c in p.children]
         p.close()
+        # a dplb-epp started without --shm makes its own segment dplb-epp-<pid>-<hex> and unlinks it
+        # when it stops; one killed (SIGKILL by a test, or at the end of the grace) cannot
+        for pid in pids:
+            for leftover in Path("/dev/shm").glob(f"dplb-epp-{pid}-*"):
+                leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture

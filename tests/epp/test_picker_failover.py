@@ -12,7 +12,7 @@ non-streamed chat requests; one picker is killed with SIGKILL while requests flo
   ``gateway_error``), at most the requests in flight; with FailOpen they go through to Envoy's
   round robin over the pool without a pick, and nothing is lost.
 
-The ``procs`` fixture kills every process at teardown; the pickers' private segments go with them."""
+The ``procs`` fixture kills every process at teardown and unlinks the pickers' private segments."""
 from __future__ import annotations
 
 import asyncio
