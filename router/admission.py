@@ -366,11 +366,7 @@ class AdmissionQueue(Generic[P]):
         if self.cfg.shed_late and self.depth:
             for c in self._classes.values():
                 for ten in c.tenants.values():
-                    h = ten.heap
-                    while h and (h[0][2].state != WAITING or h[0][2].late or h[0][0] <= now):
-                        _, _, t = heapq.heappop(h)
-                        if t.state == WAITING and not t.late:
-                            self._make_late(t, now, out)
+                    self._settle_head(ten, now, out)
         return out
 
     def _expire(self, now: float, out: Outcome[P]) -> None:
@@ -380,6 +376,17 @@ class AdmissionQueue(Generic[P]):
             if t.state == WAITING:
                 self._shed(t, BUDGET, now)
                 out.shed.append((t, BUDGET))
+
+    def _settle_head(self, ten: _Tenant[P], now: float, out: Outcome[P]) -> list[tuple[float, int, Ticket[P]]]:
+        """Pop from ``ten``'s deadline heap what no longer waits on time (answered, shed, already
+        late) and make late each waiting head whose deadline passed; returns the heap, its head
+        now an on-time waiting ticket (or empty)."""
+        h = ten.heap
+        while h and (h[0][2].state != WAITING or h[0][2].late or h[0][0] <= now):
+            _, _, t = heapq.heappop(h)
+            if t.state == WAITING and not t.late:
+                self._make_late(t, now, out)
+        return h
 
     def _make_late(self, t: Ticket[P], now: float, out: Outcome[P]) -> None:
         t.late = True
@@ -399,11 +406,7 @@ class AdmissionQueue(Generic[P]):
             best: _Tenant[P] | None = None
             best_key = (0.0, 0.0)
             for ten in c.tenants.values():
-                h = ten.heap
-                while h and (h[0][2].state != WAITING or h[0][2].late or h[0][0] <= now):
-                    _, _, t = heapq.heappop(h)
-                    if t.state == WAITING and not t.late:
-                        self._make_late(t, now, out)
+                h = self._settle_head(ten, now, out)
                 if h:
                     key = (ten.vt, h[0][0])
                     if best is None or key < best_key:
