@@ -118,7 +118,7 @@ panel("timeseries", "Routing decisions by reason (all models)", "Decisions per s
       [(f"sum by (policy, reason) (rate(dplb_router_routing_decisions_total[{RI}]))", "{{policy}} {{reason}}")], 0, 8, 8, "short")
 panel("timeseries", "Retries by reason (all models)", "Requests sent again to another worker before their first byte: refused connections, 429/503 answers (and timeouts or disconnects only when configured); every model.",
       [(f"sum by (reason) (rate(dplb_router_retries_total[{RI}]))", "{{reason}}")], 8, 8, 8, "short")
-panel("timeseries", "Errors by kind", "Forwarding errors per second: connect, timeout, status_5xx, engine_abort, stream_broken, client_disconnect.",
+panel("timeseries", "Errors by kind", "Forwarding errors per second: connect, timeout, status_5xx, engine_abort, stream_broken, client_disconnect, drain_cut (the router's stop cut the request at its drain limit: a 503).",
       [(f"sum by (kind) (rate(dplb_router_request_errors_total{{{M}}}[{RI}]))", "{{kind}}")], 16, 8, 8, "short")
 y[0] += 8
 panel("timeseries", "Answers by status", "Answers per second by HTTP status.",

@@ -95,6 +95,17 @@ def test_dashboard_has_the_panels_an_operator_needs():
     assert [v["name"] for v in d["templating"]["list"]] == ["datasource", "model"]
 
 
+def test_the_errors_panel_names_every_error_kind_the_router_counts():
+    """The "Errors by kind" panel's description lists the kinds an operator sees in its legend:
+    it missed ``drain_cut`` (the router's stop cutting a request at its drain limit) when that
+    kind was added to ``dplb_router_request_errors_total``."""
+    from router.metrics import ERROR_KINDS
+
+    panel = next(p for p in dashboard()["panels"] if p["title"] == "Errors by kind")
+    named = set(re.findall(r"\b[a-z_0-9]+\b", panel["description"]))
+    assert set(ERROR_KINDS) <= named, sorted(set(ERROR_KINDS) - named)
+
+
 def test_names_follow_the_conventions_and_labels_are_bounded():
     exprs = [e for _, e in dashboard_exprs() + recording_exprs() + alert_exprs()]
     names = set(re.findall(r"\b(dplb_[a-z_]+)\b", " ".join(exprs)))
