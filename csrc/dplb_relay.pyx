@@ -18,7 +18,8 @@ With ``end=True`` the relay also ends the client's body: the read that completes
 goes to the client in the same write as the terminating chunk (``0\\r\\n\\r\\n``), one write where
 there were two; ``ended`` then tells the router's writer that the terminator is out
 (router/server.py ``ChunkedWriter.finish``). Unless the body's last 4 KiB hold ``"abort"`` (an
-engine-side ``finish_reason: "abort"``, or a false alarm the router's Python side tells apart): then
+engine-side ``finish_reason: "abort"``, or a false alarm the router's Python side tells apart; also
+when a read split that word): then
 the terminator is left to ``ChunkedWriter.finish``, which writes the SSE error event of a truncated
 answer before it (router/relay.py); a ``data: [DONE]`` event that ends such a read is not written
 either (``held_done``): the writer puts it after the error event, which never follows a ``[DONE]``.
@@ -244,6 +245,16 @@ cdef class ChunkRelay:
                 return out
         return out
 
+    cdef bint _abort_across(self, const unsigned char *p, Py_ssize_t n) noexcept:
+        """Whether ``"abort"`` straddles the relayed tail's end and the ``n`` bytes at ``p`` (a
+        read that split the abort event inside that word)."""
+        cdef unsigned char j[12]
+        cdef Py_ssize_t a = self.tail_len if self.tail_len < 6 else 6
+        cdef Py_ssize_t b = n if n < 6 else 6
+        memcpy(j, self.tailbuf + self.tail_len - a, a)
+        memcpy(j + a, p, b)
+        return memmem(j, a + b, b'"abort"', 7) != NULL
+
     cdef void _account(self, const unsigned char *p, Py_ssize_t n) noexcept:
         cdef Py_ssize_t i = 0, keep
         cdef long long k = 0
@@ -283,7 +294,8 @@ cdef class ChunkRelay:
         end = self._end and self.done and not self.ended
         k = _done_suffix(self.buf + HEAD_ROOM, pay)
         if (end or k) and (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
-                           or (pay > 0 and memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL)):
+                           or (pay > 0 and (memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL
+                                            or self._abort_across(self.buf + HEAD_ROOM, pay)))):
             end = False   # an engine's abort, maybe: the writer ends the body, after its error event
             if k and not self.held_done:
                 pay -= k  # and its [DONE] after that event, never before it

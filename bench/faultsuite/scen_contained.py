@@ -274,18 +274,31 @@ def _chat(c: httpx.Client, stream: bool, mode: str | None = None, chunks: int = 
     return r.status_code, r.headers.get("x-dplb-worker-id"), r.content
 
 
-def run_engine_abort(n: int = 6) -> Result:
+def run_engine_abort(n: int = 6, starve_s: float = 0.0) -> Result:
     """Two fake workers. (a) worker 0 answers every request with an engine-side abort before any
     content (``n`` non-streamed and ``n`` streamed requests): each must be served whole by worker 1;
     (b) a non-streamed abort on both workers: 502; (c) ``n`` streams aborted by the engine after 3
     content chunks and ``n`` after 1 (both workers): each must end with an SSE error event (then
-    the engine's ``[DONE]``, never before it) and be counted 502."""
+    the engine's ``[DONE]``, never before it) and be counted 502.
+
+    ``starve_s`` > 0: worker 1's fake is stopped (SIGSTOP) for ``2 * starve_s`` seconds from
+    ``starve_s`` before (c), as a busy machine starves a process. Its probes time out and its
+    heartbeat ages meanwhile; the router here is configured not to act on either, and its circuit
+    breaker is off: with the defaults the router took worker 1 out, sent (c) to worker 0, whose
+    breaker opened at its 20th outcome (all aborts), and answered the rest 503 in JSON, a stream
+    ending with neither an error event nor ``[DONE]`` (what one heavy-load run showed)."""
+    import signal
+    import threading
+
     res = Result("46.2 engine-side abort", "finish_reason \"abort\" from the engine, before any content and "
                  "after 3 content chunks, streamed and not")
     with Stack() as st:
         f0 = st.fake(0)
-        st.fake(1)
-        base = st.router({"routing_policy": {"policy": "round_robin"}}, ready=2)
+        f1 = st.fake(1)
+        # what this measures is the relay of aborts: a worker's probes and heartbeat on a starved
+        # machine, and the breaker on the aborts it provokes on both workers, are not (see above)
+        base = st.router({"routing_policy": {"policy": "round_robin"}, "circuit_breaker": {"enabled": False},
+                          "health_check": {"timeout_ms": 10_000, "heartbeat_timeout_ms": 60_000}}, ready=2)
         f0.client().set_mode("abort", chunks=0)
         early: Counter[str] = Counter()
         with httpx.Client(base_url=base, timeout=60) as c:
@@ -296,12 +309,22 @@ def run_engine_abort(n: int = 6) -> Result:
             status, _, body = _chat(c, stream=False, mode="abort")
             res.extra["non_streamed_everywhere"] = (status, orjson.loads(body).get("error", {}).get("type"))
             cut: Counter[str] = Counter()
-            for i in range(2 * n):   # 3 chunks 50 ms apart (the native relay), or 1 (one read: the Python path)
-                status, wid, body = _chat(c, stream=True, mode="abort", chunks=3 if i % 2 else 1)
-                ending = stream_ending(body)
-                cut[f"{status}/{ending}"] += 1
-                if ending != "error_event":   # what the client read, for the report
-                    res.extra.setdefault("odd_endings", []).append(body[-600:])
+            wake = None
+            if starve_s > 0:
+                os.kill(f1.proc.pid, signal.SIGSTOP)
+                wake = threading.Timer(2 * starve_s, os.kill, (f1.proc.pid, signal.SIGCONT))
+                wake.start()
+                time.sleep(starve_s)
+            try:
+                for i in range(2 * n):   # 3 chunks 50 ms apart (the native relay), or 1 (one read: the Python path)
+                    status, wid, body = _chat(c, stream=True, mode="abort", chunks=3 if i % 2 else 1)
+                    ending = stream_ending(body)
+                    cut[f"{status}/{ending}"] += 1
+                    if ending != "error_event":   # what the client read, for the report
+                        res.extra.setdefault("odd_endings", []).append((status, wid, body[-600:]))
+            finally:   # never leave the fake stopped
+                if wake is not None:
+                    wake.join()
             text = httpx.get(base + "/metrics", timeout=10).text
         res.extra.update(early=dict(early), cut=dict(cut))
         res.extra["requests_502"] = _metric_sum(text, "dplb_router_requests_total", status="502")

@@ -72,3 +72,17 @@ def test_an_abort_event_split_across_chunks_is_not_missed_before_the_done():
     m2 = StreamMeter(True)
     m2.feed(CONTENT)
     assert not m2.mentions_abort(CONTENT + DONE)
+
+
+def test_the_native_relay_holds_the_done_when_a_read_split_the_abort_word():
+    """A read that ended inside ``"abort"`` (a network read splits an event anywhere): the native
+    relay looked for the word in its relayed tail and in the new read, not across the two, so it
+    wrote the engine's ``[DONE]`` and the body's end, and the client read a truncated answer
+    ending in ``[DONE]`` without the error event (6 cut positions of this event, before)."""
+    whole = _chunk(CONTENT + ABORT)
+    missed = []
+    for cut in range(1, len(whole)):
+        r, written = _relay(whole[:cut], whole[cut:] + _chunk(DONE) + b"0\r\n\r\n")
+        if not (r.done and r.held_done and not r.ended) or b"[DONE]" in written:
+            missed.append(whole[max(0, cut - 8):cut])
+    assert not missed, missed

@@ -7,7 +7,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 import httptools
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from router._relay import CLIENT_FULL, CLIENT_GONE, OK, ChunkRelay
@@ -33,10 +33,18 @@ sse_event = st.builds(lambda s: b"data: " + s + b"\n\n", st.binary(min_size=0, m
 payload = st.one_of(sse_event, st.binary(min_size=1, max_size=300))
 
 
+def no_abort(payloads: list[bytes]) -> bool:
+    """No ``"abort"`` in the body: a body with one (an engine's abort, maybe) is not ended by the
+    relay and its trailing ``[DONE]`` is held back (tests/faults/test_error_event_after_done.py);
+    Hypothesis draws the word from the source's constants."""
+    return b'"abort"' not in b"".join(payloads)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(payload, min_size=0, max_size=12), st.lists(st.integers(0, 10_000), max_size=12),
        st.booleans(), st.booleans())
 def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_reads_fall(payloads, cuts, ext, trailers):
+    assume(no_abort(payloads))
     raw = frame(payloads, ext, trailers)
     c = FakeClient()
     r = ChunkRelay(c.write, c, c)
@@ -71,6 +79,7 @@ def test_decodes_like_httptools_and_meters_like_the_stream_meter_however_the_rea
 @settings(max_examples=200, deadline=None)
 @given(st.lists(payload, min_size=0, max_size=8), st.lists(st.integers(0, 10_000), max_size=10), st.booleans())
 def test_with_end_the_terminating_chunk_rides_on_the_read_that_ends_the_body(payloads, cuts, trailers):
+    assume(no_abort(payloads))
     raw = frame(payloads, trailers=trailers)
     plain, ending = FakeClient(), FakeClient()
     a = ChunkRelay(plain.write, plain, plain)
