@@ -151,7 +151,11 @@ def run_router_process_killed(n: int = 40, hold_s: float = 4.0, burst: int = 40)
     with Stack() as st:
         for i in range(2):
             st.fake(i)
-        base = st.router({}, "--workers", "2", ready=2)
+        # the admission queue's TPOT rule off: the decoding streams pace at 0.1 s per chunk, exactly
+        # the default bound (tpot_slo_s), which admission reads as a full batch; a stream that
+        # reaches the router after they paced 8 chunks (a busy client) would wait for them to end,
+        # and the kill needs all n in flight at once. The queue stays in the path (its TTFT rule).
+        base = st.router({"admission": {"tpot_slo_s": 0}}, "--workers", "2", ready=2)
         pids = _router_pids(base, 2)
         if len(pids) < 2:
             raise AssertionError(f"only router process(es) {pids} answered")
