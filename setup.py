@@ -42,8 +42,14 @@ prefix = Extension("dplb_prefix._native", sources=["csrc/dplb_prefix.pyx"], incl
                    depends=["csrc/dplb_prefix.h"],
                    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"])
 
+# a prompt's token ids and its blocks' chained keys (the engines' KV-cache events path); not part of
+# the segment's build hash
+tokens = Extension("dplb_prefix._tokens", sources=["csrc/dplb_tokens.pyx"], include_dirs=["csrc"],
+                   depends=["csrc/dplb_tokens.h"],
+                   extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"])
+
 setup(
-    ext_modules=cythonize([ext, relay, prefix], language_level=3, include_path=["csrc"],
+    ext_modules=cythonize([ext, relay, prefix, tokens], language_level=3, include_path=["csrc"],
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     cmdclass={"build_ext": BuildExt},
 )

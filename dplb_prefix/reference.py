@@ -2,7 +2,9 @@
 
 Slow and simple, and the definition: the native :class:`dplb_prefix.PrefixIndex`,
 :func:`dplb_prefix.chain_hashes` and :func:`dplb_prefix.count_words` give bit-identical
-answers (tests/csrc/test_prefix_equiv.py checks it on generated texts and operation sequences).
+answers (tests/csrc/test_prefix_equiv.py checks it on generated texts and operation sequences),
+and so do :func:`dplb_prefix.word_ids`, :func:`dplb_prefix.word_block_keys` and
+:func:`dplb_prefix.token_keys` (csrc/dplb_tokens.pyx; tests/csrc/test_tokens_equiv.py).
 Nothing on the request path uses this module.
 
 The chunk hash, over code points (so a chunk hashes alike whatever width its string is stored
@@ -14,6 +16,11 @@ chain starts at :func:`model_seed` (0 for requests naming no model).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container, Mapping, Sequence
+from typing import TypeVar
+
+#: a block's key (an engine's block hash or a token key)
+K = TypeVar("K")
 
 MASK = (1 << 64) - 1
 FNV_PRIME = 0x100000001B3
@@ -149,3 +156,78 @@ class ReferencePrefixIndex:
                 dead.append(h)
         for h in dead:
             del self._entries[h]
+
+
+# ---- the engines' KV-events path: a prompt's token ids and its blocks' keys (dplb_prefix._tokens) ----
+
+#: chat roles that start a message in the router's prompt text (``role:content``, one per line)
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def words(text: str, chat: bool) -> list[str]:
+    """The simulated engine's prompt words (sim_engine/tokenizer.py) of the router's prompt text:
+    ``text.split()``; with ``chat`` each line ``role:content`` (a known role) starts a message,
+    rendered ``<|role|> words <|eot|>``, a line without a role continues the message before it,
+    and ``<|assistant|>`` ends the prompt (the engine's chat template)."""
+    if not chat:
+        return text.split()
+    out: list[str] = []
+    for line in text.split("\n"):
+        role, sep, content = line.partition(":")
+        if sep and role in ROLES:
+            if out:
+                out.append("<|eot|>")
+            out.append(f"<|{role}|>")
+            out.extend(content.split())
+        else:   # a message's content went on over a newline
+            out.extend(line.split())
+    if out:
+        out.append("<|eot|>")
+    out.append("<|assistant|>")
+    return out
+
+
+def word_ids(text: str, chat: bool, vocab_size: int) -> list[int]:
+    """The engine's token ids of :func:`words`: ``crc32(UTF-8 word) % vocab_size`` (zlib's CRC-32).
+    Raises ValueError for a ``vocab_size`` outside [1, 2**32), UnicodeEncodeError for a surrogate."""
+    import zlib
+
+    if not 1 <= vocab_size < 1 << 32:
+        raise ValueError(f"vocab_size must be in [1, 2**32) (got {vocab_size})")
+    return [zlib.crc32(w.encode()) % vocab_size for w in words(text, chat)]
+
+
+def token_keys(token_ids: Sequence[object], block_size: int, parent: object = 0) -> list[int]:
+    """The chained keys of the full blocks of ``token_ids``: ``hash((parent key, *ids))`` per block
+    (Python's tuple hash: the same in every process for ints), the first block chained on
+    ``parent``. Raises ValueError for a ``block_size`` below 1."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    out: list[int] = []
+    h = parent
+    for i in range(len(token_ids) // block_size):
+        h = hash((h, *token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(h)
+    return out
+
+
+def word_block_keys(text: str, chat: bool, vocab_size: int, block_size: int,
+                    drop_last: bool = True) -> tuple[int, list[int]]:
+    """``(tokens, keys)``: the number of :func:`word_ids` of ``text`` and the :func:`token_keys` of
+    their full blocks (with ``drop_last``, of all ids but the last)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    ids = word_ids(text, chat, vocab_size)
+    return len(ids), token_keys(ids[:len(ids) - 1] if drop_last else ids, block_size)
+
+
+def leading_run(keys: Sequence[K], present: Container[object], until: Mapping[K, float] | None = None,
+                now: float = 0.0) -> int:
+    """How many leading ``keys`` are in ``present`` or, with ``until``, map there to a time after
+    ``now``."""
+    n = 0
+    for k in keys:
+        if k not in present and (until is None or until.get(k, 0.0) <= now):
+            break
+        n += 1
+    return n

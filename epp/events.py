@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from dplb_prefix import reference as _ref
+from dplb_prefix import word_block_keys, word_ids
 from router.kv_events import KVEventSubscriber, PendingBlocks, token_keys
 
 if TYPE_CHECKING:
@@ -44,49 +45,50 @@ log = logging.getLogger("dplb.epp.events")
 Tokenize = Callable[[str, str], list[int]]
 
 #: chat roles that start a message in the router's prompt text (``role:content``)
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+ROLES = _ref.ROLES
 
 
 class WordTokenizer:
     """The simulated engine's tokenizer (module docstring) over the router's prompt text.
-    ``vocab_size``: the engine's (``--vocab-size``, 128,256 by default: Llama 3's). Cost: one
-    crc32 per word."""
+    ``vocab_size``: the engine's (``--vocab-size``, 128,256 by default: Llama 3's; below 2**32).
+    Native (:mod:`dplb_prefix`: one pass over the text's buffer, a CRC-32 per word);
+    :meth:`block_keys` gives a prompt's block keys without its ids (what :meth:`EventsFeed.match`
+    needs)."""
 
     def __init__(self, vocab_size: int = 128_256) -> None:
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1 (got {vocab_size})")
+        if not 1 <= vocab_size < 1 << 32:
+            raise ValueError(f"vocab_size must be in [1, 2**32) (got {vocab_size})")
         self.vocab_size = vocab_size
 
+    @staticmethod
+    def chat(path: str, text: str) -> bool:
+        """Whether the text renders as chat: by the path, or without one (``""``) when its first
+        line starts with a role (``user:``)."""
+        if path:
+            return path.endswith("/chat/completions")
+        i = text.find(":", 0, 10)   # the longest role has 9 letters
+        return i >= 0 and text[:i] in ROLES
+
     def words(self, path: str, text: str) -> list[str]:
-        """The engine's prompt words: chat paths render the messages, others split the text; an
-        empty ``path`` takes a text whose first line starts with a role (``user:``) as chat."""
-        chat = path.endswith("/chat/completions") if path else text.partition(":")[0] in ROLES
-        if not chat:
-            return text.split()
-        out: list[str] = []
-        for line in text.split("\n"):
-            role, sep, content = line.partition(":")
-            if sep and role in ROLES:
-                if out:
-                    out.append("<|eot|>")
-                out.append(f"<|{role}|>")
-                out.extend(content.split())
-            else:   # a message's content went on over a newline
-                out.extend(line.split())
-        if out:
-            out.append("<|eot|>")
-        out.append("<|assistant|>")
-        return out
+        """The engine's prompt words: chat paths render the messages, others split the text
+        (:meth:`chat`; the Python definition, :func:`dplb_prefix.reference.words`)."""
+        return _ref.words(text, self.chat(path, text))
 
     def __call__(self, path: str, text: str) -> list[int]:
-        v = self.vocab_size
-        return [zlib.crc32(w.encode()) % v for w in self.words(path, text)]
+        return word_ids(text, self.chat(path, text), self.vocab_size).tolist()
+
+    def block_keys(self, path: str, text: str, block_size: int) -> tuple[int, list[int]]:
+        """``(prompt tokens, keys)``: the :func:`router.kv_events.token_keys` of the prompt's full
+        blocks but the one holding its last token (vLLM always computes that token), in one native
+        pass (:func:`dplb_prefix.word_block_keys`)."""
+        return word_block_keys(text, self.chat(path, text), self.vocab_size, block_size)
 
 
 class EventsFeed:
     """One KV-events subscriber per engine slot (module docstring). ``block_size``: the engines'
     (vLLM's ``--block-size``, 16 by default); ``tokenize``: the engine's tokenizer
-    (:data:`Tokenize`); ``pending_s``: how long a prompt this picker sent counts on its engine while
+    (:data:`Tokenize`; one that also has ``block_keys(path, text, block_size) -> (tokens, keys)``,
+    as :class:`WordTokenizer`, gives the keys in one native pass); ``pending_s``: how long a prompt this picker sent counts on its engine while
     the engine's events do not show it (:meth:`place`, :class:`router.kv_events.PendingBlocks`; 0:
     the events alone), on ``clock`` (seconds). :meth:`sync` starts and stops subscribers;
     :meth:`match` answers ``{slot: cached prompt tokens}`` for a prompt; :meth:`close` stops them all."""
@@ -131,13 +133,18 @@ class EventsFeed:
 
     def match(self, path: str, text: str) -> tuple[dict[int, int], int]:
         """``({slot: cached prompt tokens}, prompt tokens)`` of the prompt (only slots with a hit)."""
-        ids = self.tokenize(path, text)
-        n = len(ids)
+        bs = self.block_size
+        fused = getattr(self.tokenize, "block_keys", None)
+        if fused is not None:
+            n, keys = fused(path, text, bs)
+        else:
+            ids = self.tokenize(path, text)
+            n = len(ids)
+            # the last token is always computed (vLLM never serves a whole prompt from its cache)
+            keys = token_keys(ids[:max(0, n - 1)], bs) if self.subs else []
         if not self.subs:
             return {}, n
-        bs = self.block_size
-        # the last token is always computed (vLLM never serves a whole prompt from its cache)
-        keys = self.last_keys = token_keys(ids[:max(0, n - 1)], bs)
+        self.last_keys = keys
         out = {}
         now = self.clock()
         for slot, sub in self.subs.items():
@@ -193,16 +200,16 @@ class EventsIndex:
         index's (its own matches answer then)."""
         return 1 if self.feed.subs else int(self.inner.chunk_chars)
 
-    def hashes(self, text: str, model: str | None = None) -> list[int]:
+    def hashes(self, text: str, model: str | None = None) -> Sequence[int]:
         """The policy index's hashes of ``text`` (kept for :meth:`match`)."""
         self._text = text
-        return list(self.inner.hashes(text, model))
+        return self.inner.hashes(text, model)
 
     def match(self, hashes: Sequence[int]) -> dict[int, int]:
         """``{slot: characters}`` of the last hashed text cached on each engine (module docstring);
         the policy index's own match while no engine's events are subscribed."""
         if not self.feed.subs:   # no engine publishes its events: the policy's own placements
-            return dict(self.inner.match(list(hashes)))
+            return dict(self.inner.match(hashes))
         text = self._text
         if not text:
             return {}
@@ -215,7 +222,7 @@ class EventsIndex:
     def insert(self, hashes: Iterable[int], worker_id: int) -> None:
         """Into the policy's own index (its sizes break cache_aware's ties); the last matched
         prompt's blocks become ``worker_id``'s pending placements (:meth:`EventsFeed.place`)."""
-        self.inner.insert(list(hashes), worker_id)
+        self.inner.insert(hashes, worker_id)
         if self._text and self._matched is self._text:
             self.feed.place(worker_id, self.feed.last_keys)
 

@@ -44,6 +44,9 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from dplb_prefix import leading_run
+from dplb_prefix import token_keys as _token_keys
+
 log = logging.getLogger(__name__)
 
 #: the replay socket's end marker
@@ -140,14 +143,12 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
 
 
 def token_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
-    """This consumer's chained keys of the full blocks of ``token_ids``: ``hash((parent key, *ids))``
-    per block (the same in every process). Cost: one tuple hash per block."""
-    out: list[int] = []
-    h = parent
-    for i in range(len(token_ids) // block_size):
-        h = hash((h, *token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(h)
-    return out
+    """This consumer's chained keys of the full blocks of ``token_ids`` (a partial tail is ignored):
+    ``hash((parent key, *ids))`` per block, the same in every process. Native
+    (:func:`dplb_prefix.token_keys`, bit for bit CPython's tuple hash;
+    :func:`dplb_prefix.reference.token_keys` is the Python definition). Raises ValueError for a
+    ``block_size`` below 1. Cost: about 20 ns per block of 16 ids."""
+    return _token_keys(token_ids, block_size, parent)
 
 
 #: ``replay(start) -> [(seq, payload), ...]``: the buffered batches from ``start`` on, in order
@@ -300,25 +301,13 @@ class BlockSet:
     # ---- readers -------------------------------------------------------------------------------
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading ``hashes`` (the engine's hashes of a request's blocks) are cached."""
-        n = 0
         with self.lock:
-            blocks = self.blocks
-            for h in hashes:
-                if h not in blocks:
-                    break
-                n += 1
-        return n
+            return leading_run(hashes, self.blocks)
 
     def match_keys(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` (:func:`token_keys` of a request's token ids) are cached."""
-        n = 0
         with self.lock:
-            present = self.keys
-            for k in keys:
-                if k not in present:
-                    break
-                n += 1
-        return n
+            return leading_run(keys, self.keys)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -369,14 +358,7 @@ class PendingBlocks:
     def match(self, blocks: BlockSet, keys: Sequence[BlockHash], now: float, by_key: bool = False) -> int:
         """How many leading ``keys`` the engine holds (``blocks``: its hashes, or with ``by_key``
         its token keys) or was given by a placement not yet stored and not expired at ``now``."""
-        present = blocks.keys if by_key else blocks.blocks
-        until = self.until
-        n = 0
-        for k in keys:
-            if k not in present and until.get(k, 0.0) <= now:
-                break
-            n += 1
-        return n
+        return leading_run(keys, blocks.keys if by_key else blocks.blocks, self.until, now)
 
 
 class KVEventSubscriber:
