@@ -317,13 +317,22 @@ def _sse(a: argparse.Namespace, rig: Rig, port: int, router_cpu: Callable[[], fl
     if a.profile:
         root_, ext = os.path.splitext(a.profile)
         prof = root_ + ".sse" + ext
+    import psutil
+
+    proc = psutil.Process(router_pid)
     with Profiler(router_pid, prof):
+        t_0, x_0 = proc.cpu_times(), proc.num_ctx_switches()
         c0 = router_cpu()
         t0 = time.perf_counter()
         gaps: list[float] = []
         ev, reads = stream_loop(port, a.streams, a.seconds, gaps)
         wall = time.perf_counter() - t0
         cpu = router_cpu() - c0
+        t_1, x_1 = proc.cpu_times(), proc.num_ctx_switches()
+    print(f"  router process: user {(t_1.user - t_0.user) * 1e6 / max(ev, 1):.1f} µs, system "
+          f"{(t_1.system - t_0.system) * 1e6 / max(ev, 1):.1f} µs per event; context switches per event: "
+          f"voluntary {(x_1.voluntary - x_0.voluntary) / max(ev, 1):.2f}, involuntary "
+          f"{(x_1.involuntary - x_0.involuntary) / max(ev, 1):.2f}")
     print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms: {ev / wall:,.0f} "
           f"events/s measured; router CPU {cpu:.2f} s → {ev / max(cpu, 1e-9):,.0f} SSE chunks relayed "
           f"per router core per second; {reads / max(ev, 1):.2f} client reads per event")
