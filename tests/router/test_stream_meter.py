@@ -124,3 +124,38 @@ def test_a_stream_is_ended_by_its_done_event_only(chunks, want):
         m.feed(c)
     assert m.ended_with_done() is want
     assert StreamMeter(sse=False).ended_with_done() is False
+
+
+def _last_events_by_full_split(tail: bytes) -> list[dict | None]:
+    """The reference for StreamMeter._last_events: every event of the tail, the last three parsed."""
+    from router.stream_meter import event_json
+
+    return [event_json(e) for e in [e for e in tail.split(b"\n\n") if e.strip()][-3:]]
+
+
+def test_the_last_events_equal_those_of_splitting_the_whole_tail():
+    # the fast path splits only the tail's last separators; separator runs, blank pieces, a cut
+    # first event and tails with fewer than three events must give what splitting it all gives
+    import random
+
+    rng = random.Random(7)
+    pieces = [ev(tok(" a")), ev(tok(" b", "stop")), ev("[DONE]"), b": comment\n\n", b"\n", b"\n\n\n",
+              ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}), b"data: {\"x\":", b"\n\n\n\n\n"]
+    for _ in range(3000):
+        tail = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 9)))
+        tail = tail[rng.randint(0, 12):] if rng.random() < 0.3 else tail
+        m = StreamMeter()
+        m._tail = tail
+        assert m._last_events() == _last_events_by_full_split(tail), tail
+
+
+def test_the_abort_test_agrees_with_the_pattern_alone():
+    import random
+
+    from router.stream_meter import _ABORT, _abort_key
+
+    rng = random.Random(11)
+    words = [b'"finish_reason"', b'"type"', b":", b" ", b'"abort"', b'"abor', b't"', b"abort", b'"stop"', b"\n\n", b"x"]
+    for _ in range(5000):
+        s = b"".join(rng.choice(words) for _ in range(rng.randint(0, 8)))
+        assert _abort_key(s) == (_ABORT.search(s) is not None), s
