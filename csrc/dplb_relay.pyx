@@ -30,6 +30,15 @@ from libc.string cimport memcmp, memcpy, memmove
 cdef extern from "<string.h>" nogil:
     void *memmem(const void *haystack, size_t haystacklen, const void *needle, size_t needlelen)
 from libc.stdlib cimport malloc, realloc, free
+
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_MONOTONIC
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 cdef enum:
@@ -283,6 +292,9 @@ cdef class ChunkRelay:
         """Decode one read's bytes and write their payload to the client as one chunk. Returns
         :data:`OK`, :data:`CLIENT_FULL` (written; pause reading until the client drains) or
         :data:`CLIENT_GONE` (the client left; nothing written). Check ``done``/``failed`` after."""
+        return self._feed(data)
+
+    cdef int _feed(self, bytes data) except -1:
         cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
         cdef Py_ssize_t pay, start, stop
         cdef unsigned long long v
@@ -340,3 +352,54 @@ cdef class ChunkRelay:
     def last_byte(self):
         """The last payload byte relayed (b"" before any)."""
         return PyBytes_FromStringAndSize(<char *>&self.last, 1) if self.relayed else b""
+
+
+cdef class RelayProtocol:
+    """The asyncio protocol of an engine connection while a :class:`ChunkRelay` has its body
+    (``conn``: the router's ``router.connection.Connection``, ``relay``: its relay): every read
+    goes from the event loop straight to the relay, with no Python frame per read. Per read it
+    does what ``Connection.data_received`` does with a relay: the read's time (``time.monotonic``'s
+    clock, CLOCK_MONOTONIC) into ``conn.last_rx`` and ``conn.home.last_rx`` (the idle timer and
+    the engine's liveness), :meth:`ChunkRelay.feed`, and ``conn.relay_settle(result)`` only when
+    the read changed something the reader waits for (the body ended or was malformed, the client
+    is full or gone, or the reader is already to be woken). The connection's other callbacks go
+    to ``conn``. The connection puts it on its transport (``set_protocol``) when the relay takes
+    the body and itself back when the body ends (``Connection.end_relay``)."""
+
+    cdef object conn
+    cdef object home
+    cdef ChunkRelay relay
+
+    def __init__(self, conn, ChunkRelay relay not None):
+        self.conn = conn
+        self.home = conn.home
+        self.relay = relay
+
+    def connection_made(self, transport):
+        pass
+
+    def data_received(self, bytes data):
+        cdef timespec ts
+        cdef int st
+        cdef ChunkRelay r = self.relay
+        conn = self.conn
+        clock_gettime(CLOCK_MONOTONIC, &ts)
+        t = <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+        conn.last_rx = t
+        if self.home is not None:
+            self.home.last_rx = t
+        st = r._feed(data)
+        if st or r.failed or r.done or conn.held or conn.error is not None:
+            conn.relay_settle(st)
+
+    def eof_received(self):
+        return self.conn.eof_received()
+
+    def connection_lost(self, exc):
+        self.conn.connection_lost(exc)
+
+    def pause_writing(self):
+        self.conn.pause_writing()
+
+    def resume_writing(self):
+        self.conn.resume_writing()

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import httptools
 
+from router._relay import RelayProtocol
+
 if TYPE_CHECKING:
     from router._relay import ChunkRelay
 
@@ -91,18 +93,10 @@ class Connection(asyncio.Protocol):
             self.home.last_rx = t   # a stream's chunk: the engine is busy, not hung (router.health)
         if r is not None:
             # the native relay has the body: decode, meter and write to the client in one call
+            # (where the transport took router._relay.RelayProtocol, reads go there instead)
             st = r.feed(data)
-            if r.failed:
-                self.error = ValueError("invalid chunked framing from the worker")
-                self.transport.close()
-            elif r.done:
-                self.keep = self.keep_hint and not r.extra
-                self.done = True
-            if st:
-                self.held = True
-                self.transport.pause_reading()
-            if self.done or self.held or self.error is not None:
-                self._wake()
+            if st or r.failed or r.done or self.held or self.error is not None:
+                self.relay_settle(st)
             return
         p = self.parser
         if p is None:   # bytes while idle: the peer is confused; never reuse this connection
@@ -133,14 +127,48 @@ class Connection(asyncio.Protocol):
             cb, self.on_whole = self.on_whole, None
             cb(self)
 
+    def relay_settle(self, st: int) -> None:
+        """After the native relay fed a read (``st``: :meth:`router._relay.ChunkRelay.feed`'s
+        result) that ended or broke the body or filled the client: drop a connection with invalid
+        framing, mark the body done (reusable unless bytes followed it), pause reading while the
+        client is full, and wake the reader for any of these. Called by :meth:`data_received` and
+        by :class:`router._relay.RelayProtocol` (which skips the reads that change none of it)."""
+        r = self.relay
+        if r is None:
+            return
+        if r.failed:
+            self.error = ValueError("invalid chunked framing from the worker")
+            self.transport.close()
+        elif r.done:
+            self.keep = self.keep_hint and not r.extra
+            self.done = True
+        if st:
+            self.held = True
+            self.transport.pause_reading()
+        if self.done or self.held or self.error is not None:
+            self._wake()
+
     def _hand_off(self) -> None:
         """At a chunk boundary (``boundary``: the parser's last callback was a chunk's end and the
         read ended with that chunk's CRLF, so the parser holds no partial size line): give the
-        rest of the body to the native relay if the pipe's ``handoff`` has one ready."""
+        rest of the body to the native relay if the pipe's ``handoff`` has one ready; the
+        transport's reads then go to a :class:`router._relay.RelayProtocol` (no Python frame per
+        read) until :meth:`end_relay`."""
         r = self.handoff() if self.handoff is not None else None
         if r is not None:
             self.handoff = None
             self.relay = r
+            t = self.transport
+            if t is not None and not self.done and self.error is None and not t.is_closing():
+                t.set_protocol(RelayProtocol(self, r))
+
+    def end_relay(self) -> None:
+        """The relayed body ended (or the pipe gave up on it): this connection reads its own
+        transport again (a kept-alive connection's next answer goes through its parser)."""
+        self.relay = None
+        t = self.transport
+        if t is not None and not t.is_closing() and t.get_protocol() is not self:
+            t.set_protocol(self)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True

@@ -153,7 +153,7 @@ class Upstream:
         finally:
             c.sink = None
             c.handoff = None
-            c.relay = None
+            c.end_relay()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (everything that arrived by one wake-up at once; no

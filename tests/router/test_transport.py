@@ -447,3 +447,70 @@ async def test_the_native_relay_reports_a_worker_that_died_mid_stream(server):
     assert ei.value.kind == "stream_broken" and not up.complete() and len(relays) == 1
     up.release()
     await t.close()
+
+
+async def _relay_reads_bypass_the_connection(path: str) -> None:
+    """A /ticks stream through the native relay: while the relay has the body the transport's
+    reads go to a RelayProtocol (not the connection's data_received), which keeps the endpoint's
+    liveness time current; at the body's end the connection has its transport back and reads
+    the next answer on it."""
+    import time
+
+    from router._relay import ChunkRelay, RelayProtocol
+
+    t = Transport()
+    up = await t.send(path, "POST", "/ticks", [], b"{}")
+    first = await up.first_chunk()
+    conn = up._conn
+    client = FakeClient()
+    seen: list[object] = []
+
+    def handoff() -> ChunkRelay:
+        return ChunkRelay(client.write, client, client)
+
+    orig = client.write
+
+    def write(b: bytes) -> None:   # what protocol the transport has while the relay writes
+        seen.append(conn.transport.get_protocol())
+        orig(b)
+
+    client.write = write  # type: ignore[method-assign]
+    await asyncio.wait_for(up.pipe(lambda d: True, asyncio.sleep, handoff), 10)
+    t_end = time.monotonic()
+    assert up.complete() and len(seen) >= 2
+    assert all(isinstance(p, RelayProtocol) for p in seen)
+    assert conn.transport.get_protocol() is conn
+    assert t_end - 0.05 <= t.last_rx(path) <= t_end    # the relay's reads moved the liveness time
+    body = first + client.body()
+    assert body.count(b"data: ") <= 40 and body.endswith(b"data: 39\n\n")
+    up.release()
+    up = await t.send(path, "POST", "/json", [], b"{}")    # the same connection, its parser again
+    assert await up.read(await up.first_chunk()) == JSON and len(Server.conns) == 1
+    up.release()
+    await t.close()
+
+
+async def test_the_native_relay_reads_the_engine_without_the_connections_callback(server):
+    await _relay_reads_bypass_the_connection(server)
+
+
+def test_the_native_relay_reads_the_engine_without_the_connections_callback_on_uvloop(tmp_path):
+    # the router's own loop (router/__main__.py runs uvloop): its transports' set_protocol
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        Server.conns = []
+        path = str(tmp_path / "u.sock")
+        srv = await asyncio.get_running_loop().create_unix_server(Server, path)
+        try:
+            await _relay_reads_bypass_the_connection(path)
+        finally:
+            srv.close()
+            for c in Server.conns:
+                c.t.close()
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
