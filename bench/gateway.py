@@ -7,7 +7,8 @@ port owning slot 0 of a fresh segment (as an agent would); DPLB's router on that
 body mode, in front of its own ``dplb-epp --shm`` picker sharing the router's state directory).
 ``--baseline-dir DIR`` adds a gateway run from another DPLB checkout (its picker and its Envoy
 bootstrap, default mode): before/after figures from one run. ``--envoy-concurrency N`` gives
-every Envoy ``--concurrency N`` (default: Envoy's own, one worker thread per core).
+every Envoy ``--concurrency N`` (default: what the launcher gives it, :func:`epp.envoy.envoy_concurrency`:
+one worker thread on a small machine; 0: Envoy's own default, one per core).
 
 Each of ``--rounds`` rounds, the systems in a rotating order:
 
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", action="append", help="response body mode of a gateway (repeatable; default: the "
                     "picker's default); a mode may carry picker flags after '+' (e.g. 'NONE+--foo')")
     ap.add_argument("--baseline-dir", help="another DPLB checkout (built): its picker and bootstrap as a gateway")
-    ap.add_argument("--envoy-concurrency", type=int, default=0, help="Envoy --concurrency (0: Envoy's default)")
+    ap.add_argument("--envoy-concurrency", type=int, help="Envoy --concurrency (default: the launcher's, "
+                    "epp.envoy.envoy_concurrency; 0: Envoy's own default)")
     ap.add_argument("--epp-profile", help="run the first picker under cProfile, write its top functions here")
     return ap
 
@@ -263,6 +265,10 @@ def measure(a: argparse.Namespace, systems: list[System], wport: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the measurement and print the figures (module docstring)."""
     a = build_parser().parse_args(argv)
+    if a.envoy_concurrency is None:
+        from epp.envoy import envoy_concurrency
+
+        a.envoy_concurrency = envoy_concurrency() or 0
     load0 = os.getloadavg()
     run = Run(a)
     try:

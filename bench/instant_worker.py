@@ -41,6 +41,23 @@ GET_ANSWERS = {b"/v1/models": _fixed(b'{"object":"list","data":[{"id":"bench","o
                b"/health": _fixed(b"")}
 
 
+def _dechunk(buf: bytes, at: int) -> tuple[bytes, int] | None:
+    """The chunked body (RFC 9112 section 7.1, no trailers) starting at ``buf[at:]`` and the offset
+    just past it; None while incomplete."""
+    parts = []
+    while True:
+        eol = buf.find(b"\r\n", at)
+        if eol < 0:
+            return None
+        size = int(buf[at:eol].split(b";", 1)[0], 16)
+        if size == 0:
+            return (b"".join(parts), eol + 4) if len(buf) >= eol + 4 else None
+        if len(buf) < eol + 2 + size + 2:
+            return None
+        parts.append(buf[eol + 2:eol + 2 + size])
+        at = eol + 2 + size + 2
+
+
 class _Instant(asyncio.Protocol):
     """HTTP/1.1 keep-alive server answering RESP to each request (GET /health included)."""
 
@@ -59,10 +76,17 @@ class _Instant(asyncio.Protocol):
             i = head.find(b"content-length:")
             if i >= 0:
                 n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
-            if len(self.buf) < end + 4 + n:
-                return
-            body = self.buf[end + 4:end + 4 + n]
-            self.buf = self.buf[end + 4 + n:]
+            if b"transfer-encoding: chunked" in head:   # a gateway streaming the body (Envoy's ext_proc STREAMED)
+                got = _dechunk(self.buf, end + 4)
+                if got is None:
+                    return
+                body, used = got
+                self.buf = self.buf[used:]
+            else:
+                if len(self.buf) < end + 4 + n:
+                    return
+                body = self.buf[end + 4:end + 4 + n]
+                self.buf = self.buf[end + 4 + n:]
             if head.startswith(b"get "):
                 path = head[4:head.find(b" ", 4)].split(b"?", 1)[0]
                 self.t.write(GET_ANSWERS.get(path, GET_ANSWERS[b"/health"]))

@@ -9,8 +9,12 @@ The config is the plain-Envoy form of the Gateway API Inference Extension's data
 - one HTTP listener (``http_connection_manager``) with the ``envoy.filters.http.ext_proc`` filter,
   whose gRPC service is the ``epp`` cluster (HTTP/2 to the picker's ext_proc port), then the router;
 - the request body goes to the picker whole (``BUFFERED``, the default: Envoy buffers it, at most
-  ``per_connection_buffer_limit_bytes``) or streamed both ways (``FULL_DUPLEX_STREAMED``: the picker
-  buffers it to its end, picks, and streams it back); the response head and every response body
+  ``per_connection_buffer_limit_bytes``), streamed both ways (``FULL_DUPLEX_STREAMED``: the picker
+  buffers it to its end, picks, and streams it back) or ``STREAMED`` with
+  ``send_body_without_waiting_for_header_response`` (Envoy sends the head and the body's chunks
+  without waiting; the picker answers the head with its pick at the body's end, then each chunk:
+  one exchange for the request and one for a non-streamed answer instead of two each; Envoy drops
+  the request's ``content-length``, so the engine gets the body chunked); the response head and every response body
   chunk go to the picker (``STREAMED``) so that it sees the first content and the end;
 - the picker's answer, ``x-gateway-destination-endpoint: ip:port``, is read by an ``ORIGINAL_DST``
   cluster (``original_dst_lb_config.use_http_header``), which connects to that address; the same
@@ -60,7 +64,7 @@ HEADER = "x-gateway-destination-endpoint"
 #: the dynamic-metadata key (namespace :data:`NAMESPACE`) of the address that served (GIE v1.0)
 SERVED = "x-gateway-destination-endpoint-served"
 NAMESPACE = "envoy.lb"
-BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
+BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED", "STREAMED")
 #: response body modes: every chunk to the picker and back (``STREAMED``), streamed both ways
 #: (``FULL_DUPLEX_STREAMED``: the picker sends each chunk back itself), or none (``NONE``: the
 #: response head and the stream's end only; see :mod:`epp.stream` for what the lease loses)
@@ -211,6 +215,10 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
         mode["request_trailer_mode"] = "SEND"   # Envoy requires it with a full-duplex body
     if s.response_body_mode in ("FULL_DUPLEX_STREAMED", "NONE"):
         mode["response_trailer_mode"] = "SEND"   # full duplex requires it; without a body, the only end an engine sends
+    early: dict[str, object] = {}
+    if s.request_body_mode == "STREAMED":
+        # the body's chunks follow the head at once; the picker answers the head at the body's end
+        early["send_body_without_waiting_for_header_response"] = True
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -222,6 +230,7 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
             "processing_mode": mode,
             # the picker asks for a non-streamed answer's body whole (epp.stream.WHOLE_ANSWER)
             "allow_mode_override": True,
+            **early,
             "metadata_options": {"receiving_namespaces": {"untyped": [NAMESPACE]},
                                  "forwarding_namespaces": {"untyped": [NAMESPACE]}},
         },
@@ -400,7 +409,29 @@ def envoy_binary() -> str:
     return found
 
 
-def envoy_argv(config_path: str, log_level: str = "warning") -> list[str]:
+#: at most this many usable CPUs is a small machine: Envoy runs one worker thread there
+#: (:func:`envoy_concurrency`)
+SMALL_MACHINE_CPUS = 4
+
+
+def envoy_concurrency(cpus: int | None = None) -> int | None:
+    """Envoy's ``--concurrency`` for a gateway on a machine with ``cpus`` usable CPUs (None: this
+    process's CPU affinity): 1 on a small machine (at most :data:`SMALL_MACHINE_CPUS`), else None
+    (Envoy's default, one worker thread per CPU). Why: one Envoy worker proxies thousands of
+    requests/s, more than one picker process decides, and each further worker adds its own
+    ext_proc connection and cross-thread work on the cores the picker and the engines need; on a
+    2-core machine one worker cost Envoy 17 % less CPU per request and gave the lower p99 at 300
+    requests/s (``bench/results/gateway.md``)."""
+    import os
+
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if cpus <= SMALL_MACHINE_CPUS else None
+
+
+def envoy_argv(config_path: str, log_level: str = "warning", concurrency: int | None = None) -> list[str]:
     """The command line that runs Envoy on the bootstrap at ``config_path``; hot restart off (no
-    shared-memory base id to collide with another Envoy on the box)."""
-    return [envoy_binary(), "-c", config_path, "--disable-hot-restart", "-l", log_level]
+    shared-memory base id to collide with another Envoy on the box); ``concurrency``: Envoy's
+    worker threads (None: its default, one per CPU; :func:`envoy_concurrency`)."""
+    argv = [envoy_binary(), "-c", config_path, "--disable-hot-restart", "-l", log_level]
+    return argv + ["--concurrency", str(concurrency)] if concurrency else argv

@@ -209,6 +209,8 @@ class ExtProcConnection(asyncio.Protocol):
             task = asyncio.get_running_loop().create_task(ex.admit())
             task.add_done_callback(functools.partial(self._admitted, st))
         self._send(st, out)
+        if ex.done and not st.admitting:
+            self._finish(st)   # the answer was the last: the stream ends with it (no END_STREAM round trip)
 
     def _admitted(self, st: _Stream, task: asyncio.Task[list[pb.ProcessingResponse]]) -> None:
         try:
@@ -224,6 +226,9 @@ class ExtProcConnection(asyncio.Protocol):
             self._fail(st, f"admission failed: {task.exception()!r}")
             return
         self._send(st, task.result())
+        if st.ex.done:
+            self._finish(st)
+            return
         while st.pending and not st.admitting and not st.closed:
             self._message(st, st.pending.pop(0))
         if st.half_closed and not st.admitting:

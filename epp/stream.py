@@ -4,11 +4,13 @@
 
 ==================  ===========================================================================
 request headers     kept (``:path``, ``x-session-id``); answered at once in ``BUFFERED`` mode,
-                    not before the body's end in ``FULL_DUPLEX_STREAMED`` (the mode comes in the
-                    stream's ``protocol_config``). A request without a body (``GET``) gets a
-                    worker at once, without a lease; a ``POST`` without one is a 400.
-request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED``: chunks,
-                    buffered to the end of stream. At its end, request control
+                    not before the body's end in ``FULL_DUPLEX_STREAMED`` and in *eager*
+                    ``STREAMED`` (Envoy's ``send_body_without_waiting_for_header_response``: the
+                    body's chunks follow the head without waiting for its answer; the modes come
+                    in the stream's ``protocol_config``). A request without a body (``GET``) gets
+                    a worker at once, without a lease; a ``POST`` without one is a 400.
+request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STREAMED`` and eager
+                    ``STREAMED``: chunks, buffered to the end of stream. At its end, request control
                     (:class:`router.director.Director`, the HTTP router's too): parse once and
                     check the model (400, 404), admission (the stream is held while the request
                     waits), choose and take the lease (503 with
@@ -17,12 +19,16 @@ request body        ``BUFFERED``: one message, the whole body. ``FULL_DUPLEX_STR
                     metadata (``envoy.lb``), followed by up to :attr:`Picker.fallbacks` other
                     endpoints (``ip:port,ip:port``: Envoy's pool cluster retries down that list,
                     :mod:`epp.envoy`); full duplex re-sends the body in chunks of at most
-                    :data:`CHUNK` bytes after the headers answer (GIE's protocol).
+                    :data:`CHUNK` bytes after the headers answer (GIE's protocol); eager
+                    ``STREAMED`` answers the head (the pick) then each chunk, unchanged, in order:
+                    two exchanges with the picker per tiny request instead of four.
 response headers    ``:status``: below 500 is liveness evidence (the health monitor) and the
                     breaker's "ok"; the answer adds ``x-dplb-worker-id``. An event stream, or a
                     streamed request, is metered (:class:`router.stream_meter.StreamMeter`); any
                     other answer's body is asked for whole, in one message (:data:`WHOLE_ANSWER`,
-                    response body mode ``STREAMED`` only).
+                    response body mode ``STREAMED`` only), or, eager, its head's answer is held
+                    until the body's end (Envoy sends the body without waiting; past
+                    :data:`ANSWER_KEEP` bytes the head goes on with what came so far).
                     When Envoy reports (``envoy.lb`` / ``x-gateway-destination-endpoint-served``)
                     that a fallback served, the pick's lease is judged a failure and a lease is
                     taken on the worker that served.
@@ -48,6 +54,10 @@ stream's end        a stream that ends before the response's end (Envoy reset it
                     as counted; with response body mode ``FULL_DUPLEX_STREAMED`` its 200 head has
                     left by then and only the count says 502.
 ==================  ===========================================================================
+
+Once the response's end (or an immediate response) is answered the exchange is :attr:`Exchange.done`:
+the ext_proc server ends the gRPC stream with that answer (:mod:`epp.h2grpc`) instead of waiting for
+Envoy's end of stream.
 
 Errors are immediate responses with OpenAI-shaped bodies (:func:`dplb_protocol.wire.error_body`),
 ``content-type: application/json`` and ``x-dplb-worker-id: none``.
@@ -103,6 +113,11 @@ _STREAMED = 1      # ProcessingMode.BodySendMode.STREAMED
 #: instead of each chunk and then an empty end of stream, each a round trip with the head held
 WHOLE_ANSWER = processing_mode_pb2.ProcessingMode(
     response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
+
+
+#: the answer to a body chunk that goes on unchanged (never mutated: shared)
+_REQUEST_BODY_OK = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_RESPONSE_BODY_OK = pb.ProcessingResponse(response_body=pb.BodyResponse())
 
 
 def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -167,12 +182,25 @@ class Exchange:
     """One request's ext_proc stream (module docstring). :meth:`on_message` answers each message
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
-    __slots__ = ("body", "body_mode", "cut", "duplex", "fallbacks", "handle", "headers", "info", "kept", "lease", "meter",
-                 "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0", "trailers", "waiting", "whole")
+    __slots__ = ("body", "body_mode", "cut", "done", "duplex", "eager", "fallbacks", "handle", "head", "headers", "info", "kept",
+                 "lease", "meter", "owed", "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0",
+                 "trailers", "waiting", "whole")
 
-    def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1) -> None:
+    def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1, eager: bool | None = None) -> None:
         self.picker = picker
         self.body_mode = body_mode
+        #: Envoy sends a ``STREAMED`` body without waiting for the head's answer
+        #: (``send_body_without_waiting_for_header_response``): the head is answered with the body's
+        #: end, the answers to the chunks after it (module docstring); None: as the request body mode
+        #: says until Envoy's ``protocol_config`` does
+        self.eager = body_mode == _STREAMED if eager is None else eager
+        #: body chunks seen whose answers wait for the head's (eager mode), this side and the response's
+        self.owed = 0
+        #: the held answer to a non-streamed response head (eager mode), sent with its body's end
+        self.head: pb.ProcessingResponse | None = None
+        #: nothing more will come or be answered: the response ended, or an immediate response went
+        #: (the ext_proc server may end the stream at once, :mod:`epp.h2grpc`)
+        self.done = False
         #: the response body mode (``ProcessingMode.BodySendMode``: 1 STREAMED, 4 full duplex, 0 none)
         self.resp_mode = resp_mode
         self.info: RequestInfo | None = None
@@ -215,11 +243,14 @@ class Exchange:
                     self.body = []
                     return [self._refuse(BodyTooLarge(f"request body is larger than {limit} bytes "
                                                       "(router.max_body_bytes)"))]
+            if self.early:
+                self.owed += 1   # answered after the head's answer (_dispatch)
             if not b.end_of_stream:
-                return [] if self.duplex else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+                return [] if self.duplex or self.early else [_REQUEST_BODY_OK]
             return self._pick(b"".join(self.body))
         if kind == "request_trailers":
-            out = self._pick(b"".join(self.body), trailers=True) if self.duplex and self.handle is None else []
+            late = (self.duplex or self.early) and self.handle is None
+            out = self._pick(b"".join(self.body), trailers=True) if late else []
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             self._served(req)
@@ -227,6 +258,7 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(req.response_body)
         if kind == "response_trailers":
+            self.done = True
             self._end(True)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
@@ -235,10 +267,11 @@ class Exchange:
         self.headers = _headers(req.request_headers)
         self.path = self.headers.get(":path", "/").split("?", 1)[0]
         self.route = route_of(self.path)
-        mode = self.body_mode
         if req.HasField("protocol_config"):
-            mode, self.resp_mode = req.protocol_config.request_body_mode, req.protocol_config.response_body_mode
-        self.duplex = mode == _FULL_DUPLEX
+            pc = req.protocol_config
+            self.body_mode, self.resp_mode = pc.request_body_mode, pc.response_body_mode
+            self.eager = pc.send_body_without_waiting_for_header_response
+        self.duplex = self.body_mode == _FULL_DUPLEX
         if req.request_headers.end_of_stream:
             if self.headers.get(":method") == "POST":   # as the router answers it (dplb_protocol.wire)
                 return [self._refuse(BadRequest("request body is empty; expected a JSON object"))]
@@ -250,13 +283,20 @@ class Exchange:
             mutation, md = destination(h.endpoint)
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
-        if self.duplex:
+        if self.duplex or self.early:
             return []   # answered with the body's end (the pick changes the headers)
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    @property
+    def early(self) -> bool:
+        """The request body comes without waiting for the head's answer (``STREAMED`` and Envoy's
+        ``send_body_without_waiting_for_header_response``): the head is answered at the body's end."""
+        return self.eager and self.body_mode == _STREAMED
 
     def _refuse(self, e: OpenAIError) -> pb.ProcessingResponse:
         """The immediate response refusing the request with ``e``, counted (no worker chosen)."""
         self.picker.director.refused(e, self.route, self.t0)
+        self.done = True
         return immediate(e)
 
     def _pick(self, body: bytes, trailers: bool = False) -> list[pb.ProcessingResponse]:
@@ -300,6 +340,11 @@ class Exchange:
         except OpenAIError as e:
             return [self._refuse(e)]
         mutation, md = destination(self.handle.endpoint, *(f.endpoint for f in self.fallbacks))
+        if self.early:   # the head's answer routes; then one answer per body chunk, in order
+            owed, self.owed, self.body = self.owed, 0, []
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md),
+                *[_REQUEST_BODY_OK] * owed]
         if not self.duplex:
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(
                 response=pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=md)]
@@ -357,10 +402,14 @@ class Exchange:
         resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
         if msg.end_of_stream:
+            self.done = True
             self._end(True)
         elif self.resp_mode == _STREAMED and not self.streaming:
-            resp.mode_override.CopyFrom(WHOLE_ANSWER)   # Envoy's allow_mode_override (epp.envoy)
             self.whole = True   # its head waits for the body: an aborted answer can still become a 502
+            if self.eager and self.lease is not None:
+                self.head = resp   # the body comes without waiting: the head is answered with its end
+                return []
+            resp.mode_override.CopyFrom(WHOLE_ANSWER)   # Envoy's allow_mode_override (epp.envoy)
         return [resp]
 
     def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -375,15 +424,26 @@ class Exchange:
                     self.cut, extra = ENGINE_ABORT, c[2]
             elif sum(len(x) for x in self.kept) < ANSWER_KEEP:
                 self.kept.append(b.body)
-        if not b.end_of_stream:
+        if self.head is not None:   # the head waits for this answer's end (eager mode)
+            self.owed += 1
+            if not b.end_of_stream:
+                if sum(len(x) for x in self.kept) < ANSWER_KEEP:
+                    return []
+                self.whole = False   # too long to hold: the head goes on, an abort can only be counted
+                return self._release()
+        elif not b.end_of_stream:
             self.whole = False   # a part went on (an answer above Envoy's buffer limit): its head with it
-        else:
+        if b.end_of_stream:
+            self.done = True
             self._end(True)
             if self.whole and self.cut == ENGINE_ABORT and lease is not None:
-                # the head is still held (BUFFERED): the aborted answer becomes the 502 it was counted
+                # the head is still held: the aborted answer becomes the 502 it was counted
+                self.head = None
                 return [immediate(UpstreamError(f"worker {lease.handle.worker_id}'s engine aborted the request "
                                                 "(finish_reason \"abort\"): the answer is truncated",
                                                 worker_id=lease.handle.worker_id), lease.handle.label)]
+            if self.head is not None:
+                return self._release()
         if extra:   # the abort's error event goes before the engine's [DONE], never after it
             body, done = split_done(b.body)
             extra = body + extra + done
@@ -394,7 +454,14 @@ class Exchange:
         if extra:
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(body=extra))))]
-        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        return [_RESPONSE_BODY_OK]
+
+    def _release(self) -> list[pb.ProcessingResponse]:
+        """The held head's answer (eager mode), then one answer per body chunk it waited for."""
+        assert self.head is not None
+        out = [self.head, *[_RESPONSE_BODY_OK] * self.owed]
+        self.head, self.owed = None, 0
+        return out
 
     def _end(self, complete: bool) -> None:
         """The response ended (``complete``) or the stream did before it: release the lease once."""

@@ -163,8 +163,13 @@ class LaunchPlan:
                                             pool_eds=str(self.envoy_eds_path)))
 
     def envoy_argv(self) -> list[str]:
-        """Command line of Envoy on :attr:`envoy_config_path` (hot restart off: no shared memory)."""
-        return [self.envoy_bin, "-c", str(self.envoy_config_path), "--disable-hot-restart", "-l", "warning"]
+        """Command line of Envoy on :attr:`envoy_config_path` (hot restart off: no shared memory;
+        one worker thread on a small machine, :func:`epp.envoy.envoy_concurrency`)."""
+        from epp.envoy import envoy_concurrency
+
+        argv = [self.envoy_bin, "-c", str(self.envoy_config_path), "--disable-hot-restart", "-l", "warning"]
+        n = envoy_concurrency()
+        return argv + ["--concurrency", str(n)] if n else argv
 
     @property
     def envoy_admin_url(self) -> str:

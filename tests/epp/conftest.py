@@ -1,7 +1,7 @@
 """One gateway stack per test module: fake engines on loopback TCP ports (no agents), ``dplb-epp``
 scraping them from an endpoints file into a segment of the test's, two agent-like fakes that own
-slots of that segment (``agent-model`` on TCP, ``uds-model`` on a Unix socket), and real Envoys (``BUFFERED``
-and ``FULL_DUPLEX_STREAMED`` request bodies) routing through it. Every process is killed and the
+slots of that segment (``agent-model`` on TCP, ``uds-model`` on a Unix socket), and real Envoys (``BUFFERED``,
+``FULL_DUPLEX_STREAMED`` and eager ``STREAMED`` request bodies) routing through it. Every process is killed and the
 segment unlinked at teardown, even when a test fails; each wait is bounded."""
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ def live_slots(seg: Any) -> dict[str, Any]:
 @dataclass
 class Gateway:
     """The started stack: ``envoy`` (base URL of the BUFFERED Envoy), ``duplex`` (base URL of the
-    FULL_DUPLEX_STREAMED one), ``fakes`` (the engines), ``seg`` (the picker's segment, attached),
+    FULL_DUPLEX_STREAMED one), ``early`` (the STREAMED one: the body sent without waiting for the
+    head's answer), ``fakes`` (the engines), ``seg`` (the picker's segment, attached),
     ports of the picker, the access logs, and the dead endpoint's model."""
 
     envoy: str
     duplex: str
+    early: str
     fakes: list[FakeHandle]
     seg: Any
     epp_port: int
@@ -122,7 +124,8 @@ def gateway():
         access = Path(run_dir) / "access.log"
         envoy = _start_envoy(procs, run_dir, epp_port, "BUFFERED", access)
         duplex = _start_envoy(procs, run_dir, epp_port, "FULL_DUPLEX_STREAMED", Path(run_dir) / "access-duplex.log")
-        yield Gateway(envoy, duplex, fakes, seg, epp_port, health_port, metrics_port, access, run_dir, agent=agent,
+        early = _start_envoy(procs, run_dir, epp_port, "STREAMED", Path(run_dir) / "access-early.log")
+        yield Gateway(envoy, duplex, early, fakes, seg, epp_port, health_port, metrics_port, access, run_dir, agent=agent,
                       procs=procs)
     finally:
         try:

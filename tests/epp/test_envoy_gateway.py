@@ -56,6 +56,25 @@ def test_chat_and_completions_spread_by_round_robin(gateway):
     assert all(ln[1] == ln[3] for ln in lines), lines   # metadata's endpoint == the upstream Envoy connected to
 
 
+def test_a_body_sent_without_waiting_for_the_heads_answer_is_picked_whole(gateway):
+    """The eager gateway (``STREAMED`` request body, Envoy's ``send_body_without_waiting_for_header_response``:
+    two exchanges with the picker per tiny request instead of four): the head is answered with the
+    pick at the body's end, a body of many chunks reaches the engine whole (chunked: Envoy drops
+    its length), answers and streams come back, the accounting returns to zero."""
+    c = sdk(gateway.early)
+    seen = {wid(c.chat.completions.with_raw_response.create(**CHAT).headers) for _ in range(3)}
+    assert len(seen) == 3, seen   # round_robin: the picker chose, not Envoy
+    long = {**CHAT, "messages": [{"role": "user", "content": "word " * 60_000}]}   # 300 KB: many chunks
+    r = httpx.post(gateway.early + "/v1/chat/completions", json=long, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.content[:300]
+    text = [ch.choices[0].delta.content for ch in c.chat.completions.create(
+        **CHAT, stream=True, extra_headers={"x-fake-mode": "stream", "x-fake-chunks": "3"})
+        if ch.choices and ch.choices[0].delta.content]
+    assert text == [f"t{i} " for i in range(3)]
+    assert c.completions.create(model="fake-model", prompt="once", max_tokens=2).choices[0].text
+    wait_for(gateway.idle, 10, "router lines back to zero")
+
+
 def test_stream_is_relayed_chunk_by_chunk_and_accounted(gateway):
     c = sdk(gateway.envoy)
     arrivals = []
@@ -236,7 +255,7 @@ def test_an_engine_side_abort_mid_stream_ends_with_an_error_event_and_counts_502
         text = httpx.get(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5).text
         return metric(text, name, worker=wid, **labels) or 0.0
 
-    for base in (gateway.envoy, gateway.duplex):
+    for base in (gateway.envoy, gateway.duplex, gateway.early):
         r = httpx.post(base + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
                        headers={"x-fake-mode": "abort", "x-fake-chunks": "3"})
         events = [e for e in r.content.split(b"\n\n") if e.strip()]
@@ -257,7 +276,7 @@ def test_a_non_streamed_answer_the_engine_aborted_is_a_502_through_envoy_not_a_2
     ``data: [DONE]``, never after it."""
     from bench.faultsuite.scen_contained import stream_ending
 
-    for base in (gateway.envoy, gateway.duplex):
+    for base in (gateway.envoy, gateway.duplex, gateway.early):
         r = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=30, headers={"x-fake-mode": "abort"})
         assert r.status_code == 502, (base, r.status_code, r.content[:300])
         err = r.json()["error"]

@@ -11,7 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.envoy import HEADER, SERVED
 from epp.picker import Picker
-from epp.stream import CHUNK, Exchange
+from epp.stream import ANSWER_KEEP, CHUNK, Exchange
 from router.config import Config
 from router.director import OpenAdmission
 from tests.helpers import metric
@@ -364,3 +364,80 @@ async def test_a_non_streamed_answer_is_asked_for_whole_and_a_stream_chunk_by_ch
     [r] = ex2.on_message(resp_headers())
     assert not r.HasField("mode_override")
     ex2.close()
+
+
+def eager_headers(**hs: str) -> pb.ProcessingRequest:
+    """Request headers from an Envoy that sends a STREAMED body without waiting for their answer."""
+    req = headers(**hs)
+    req.protocol_config.request_body_mode = 1
+    req.protocol_config.response_body_mode = 1
+    req.protocol_config.send_body_without_waiting_for_header_response = True
+    return req
+
+
+async def test_an_eager_body_is_answered_after_the_head_with_the_pick(picker):
+    # Envoy sends the body's chunks without waiting: nothing is answered before the body's end,
+    # then the head's answer (the pick) and one answer per chunk, in order
+    plain = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    ex = Exchange(picker, 2)
+    assert ex.on_message(eager_headers(**{":path": "/v1/chat/completions"})) == []
+    assert ex.on_message(body(plain[:10], False)) == []
+    assert ex.on_message(body(plain[10:], False)) == []
+    assert picker.state.seg.router_line(0)["router_inflight"] == 0   # not picked before the end
+    out = ex.on_message(body(b"", True))
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_body", "request_body"]
+    head = out[0].request_headers.response
+    assert head.clear_route_cache and head.header_mutation.set_headers[0].header.key == HEADER
+    assert out[0].dynamic_metadata["envoy.lb"][HEADER] == "127.0.0.1:9"
+    assert picker.state.seg.router_line(0)["router_inflight"] == 1
+    # a non-streamed answer: its head is held until the body's end, then answered with its chunks
+    assert ex.on_message(resp_headers(ctype="application/json")) == []
+    answer = b'{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"completion_tokens":1}}'
+    assert ex.on_message(body(answer, False, response=True)) == []
+    assert not ex.done
+    out = ex.on_message(body(b"", True, response=True))
+    assert [r.WhichOneof("response") for r in out] == ["response_headers", "response_body", "response_body"]
+    assert out[0].response_headers.response.header_mutation.set_headers[0].header.raw_value == b"0"
+    assert not out[0].HasField("mode_override")   # no extra exchange: the body came with the head
+    assert ex.done and picker.state.seg.router_line(0)["router_inflight"] == 0
+    assert requests(picker, "200") == 1
+    ex.close()
+    assert requests(picker, "200") == 1
+
+
+async def test_an_eager_non_streamed_answer_its_engine_aborted_is_a_502_before_its_head_leaves(picker):
+    plain = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    ex = Exchange(picker, 1, eager=True)
+    ex.on_message(eager_headers(**{":path": "/v1/chat/completions"}))
+    ex.on_message(body(plain, True))
+    assert ex.on_message(resp_headers(ctype="application/json")) == []
+    aborted = b'{"choices":[{"message":{"content":"x"},"finish_reason":"abort"}]}'
+    assert ex.on_message(body(aborted, False, response=True)) == []
+    [r] = ex.on_message(body(b"", True, response=True))
+    assert r.immediate_response.status.code == 502 and b"abort" in r.immediate_response.body
+    assert ex.done and requests(picker, "502") == 1
+    ex.close()
+
+
+async def test_an_eager_stream_head_goes_at_once_and_a_long_answer_stops_being_held(picker):
+    ex = Exchange(picker, 1, eager=True)
+    ex.on_message(eager_headers(**{":path": "/v1/chat/completions"}))
+    ex.on_message(body(BODY, True))   # "stream": true
+    [r] = ex.on_message(resp_headers())
+    assert r.WhichOneof("response") == "response_headers"   # an event stream's head is never held
+    [r] = ex.on_message(body(CONTENT, False, response=True))
+    assert r.WhichOneof("response") == "response_body"
+    ex.on_message(body(b"data: [DONE]\n\n", True, response=True))
+    ex.close()
+    plain = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    ex = Exchange(picker, 1, eager=True)
+    ex.on_message(eager_headers(**{":path": "/v1/chat/completions"}))
+    ex.on_message(body(plain, True))
+    assert ex.on_message(resp_headers(ctype="application/json")) == []
+    part = b"x" * (ANSWER_KEEP // 2 + 1)
+    assert ex.on_message(body(part, False, response=True)) == []
+    out = ex.on_message(body(part, False, response=True))   # past ANSWER_KEEP: the head goes on
+    assert [r.WhichOneof("response") for r in out] == ["response_headers", "response_body", "response_body"]
+    [r] = ex.on_message(body(b"}", True, response=True))
+    assert r.WhichOneof("response") == "response_body" and ex.done
+    ex.close()

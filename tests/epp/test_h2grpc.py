@@ -16,12 +16,14 @@ from epp.h2grpc import H2GrpcServer
 class Echo:
     """A stand-in for epp.stream.Exchange: answers a request body with a response body carrying the
     same bytes (so long messages come back long); a body ``b"raise"`` raises; a body ``b"hold"``
-    asks admission to hold the stream until ``gate`` is set."""
+    asks admission to hold the stream until ``gate`` is set; after a body ``b"last"`` the exchange
+    is done (Exchange.done: the response ended)."""
 
     def __init__(self, log: list[Echo], gate: asyncio.Event) -> None:
         self.seen: list[bytes] = []
         self.closed = 0
         self.waiting: bytes | None = None
+        self.done = False
         self.gate = gate
         log.append(self)
 
@@ -33,6 +35,7 @@ class Echo:
         if body == b"hold":
             self.waiting = body
             return []
+        self.done = body == b"last"
         return [self._answer(body)]
 
     async def admit(self) -> list[pb.ProcessingResponse]:
@@ -157,3 +160,29 @@ def test_a_cancelled_call_closes_its_exchange(served):
         await until(lambda: exchanges[0].closed == 1)
 
     run(fn)
+
+
+def test_a_done_exchange_ends_its_call_without_waiting_for_the_client_to_half_close(served):
+    # the answer to the response's end is the last: the call ends with it (grpc-status 0), the
+    # client's request stream still open (Envoy then needs no END_STREAM round trip)
+    run, exchanges = served
+
+    async def fn(stub, gate):
+        q: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+
+        async def reqs():
+            while (m := await q.get()) is not None:
+                yield m
+
+        call = stub.Process(reqs())
+        await q.put(body(b"x"))
+        assert (await call.read()).request_body.response.body_mutation.body == b"x"
+        await q.put(body(b"last"))
+        assert (await call.read()).request_body.response.body_mutation.body == b"last"
+        assert await asyncio.wait_for(call.read(), 10) == grpc.aio.EOF   # ended by the server
+        assert await call.code() == grpc.StatusCode.OK
+        assert exchanges[0].closed == 1
+        await q.put(None)
+
+    run(fn)
+    assert exchanges[0].closed == 1

@@ -28,6 +28,10 @@ def test_dry_run_prints_envoy_config_and_epp_command():
     assert "envoy.filters.http.ext_proc" in out.stdout and "ORIGINAL_DST" in out.stdout
     assert f"port_value: {port}" in out.stdout
     assert "router: " not in out.stdout
+    from epp.envoy import envoy_concurrency
+
+    n = envoy_concurrency()   # one Envoy worker thread on a small machine (this one's 2 cores)
+    assert ("--concurrency 1" in out.stdout) is (n == 1)
 
 
 def test_launch_gateway_envoy_serves_and_stops_clean():
