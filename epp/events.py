@@ -106,6 +106,8 @@ class EventsFeed:
         self.pending: dict[int, PendingBlocks] = {}
         self.clock = clock
         self.last_keys: list[int] = []   # the block keys of the last prompt matched
+        #: called with ``(slot, keys)`` of each placement of this picker's (epp.share sends it on)
+        self.on_place: Callable[[int, Sequence[int]], None] | None = None
 
     def sync(self, wanted: dict[int, tuple[str, str | None]]) -> None:
         """Subscribe to ``wanted`` (slot → (events endpoint, replay endpoint or None)): new slots
@@ -158,15 +160,17 @@ class EventsFeed:
                 out[slot] = hit
         return out, n
 
-    def place(self, slot: int, keys: Sequence[int]) -> None:
-        """This picker sent a prompt whose block keys are ``keys`` to ``slot``'s engine: they count
-        as its blocks until its events store them or ``pending_s`` passes
-        (:class:`router.kv_events.PendingBlocks`)."""
+    def place(self, slot: int, keys: Sequence[int], at: float | None = None) -> None:
+        """A prompt whose block keys are ``keys`` was sent to ``slot``'s engine at ``at`` (this
+        feed's clock; None: now, by this picker): they count as its blocks until its events store
+        them or ``pending_s`` passes (:class:`router.kv_events.PendingBlocks`)."""
         pend = self.pending.get(slot)
         sub = self.subs.get(slot)
         if pend is not None and sub is not None and keys:
             with sub.blocks.lock:
-                pend.place(keys, self.clock())
+                pend.place(keys, self.clock() if at is None else at)
+            if at is None and self.on_place is not None:
+                self.on_place(slot, keys)
 
     def close(self) -> None:
         """Stop every subscriber (idempotent)."""

@@ -34,6 +34,7 @@ from router.workers import WorkerHandle
 if TYPE_CHECKING:
     from dplb_shm import Segment
     from epp.kube import PoolWatcher
+    from epp.share import PickerShare
     from router.admin_store import MirrorSpec
 
 log = logging.getLogger("dplb.epp")
@@ -80,6 +81,8 @@ class Picker:
         self.ready = False
         #: the engines' KV-cache events as the prefix index (:mod:`epp.events`; None: the policy's own)
         self.events: EventsFeed | None = None
+        #: the load and placements shared with the other replicas through Redis (:mod:`epp.share`; None: off)
+        self.share: PickerShare | None = None
         #: called with the new readiness when it changes (the health server's statuses, :mod:`epp.server`)
         self.on_ready_change: Callable[[bool], Awaitable[None]] | None = None
 
@@ -98,6 +101,8 @@ class Picker:
             await self._discover()
             st.monitor.sync()
             st.monitor.extra.insert(0, self._discover)
+        if self.share is not None:   # catches up before the first readiness
+            await self.share.start()
         st.monitor.extra.append(self._readiness)
         await self._readiness()
         self.warn_unix_only()
@@ -111,6 +116,8 @@ class Picker:
             self.scrape.close()
         if self.events is not None:
             self.events.close()
+        if self.share is not None:
+            await self.share.close()
         await self.state.stop()
 
     async def _discover(self) -> None:
@@ -136,7 +143,8 @@ class Picker:
             self.write_eds()
         self.warn_unix_only()
         # with the engines' events, only once every subscriber has caught up (their replay)
-        ready = bool(self.state.scheduler.ready_handles()) and (self.events is None or self.events.caught_up())
+        ready = bool(self.state.scheduler.ready_handles()) and (self.events is None or self.events.caught_up()) \
+            and (self.share is None or self.share.caught_up())
         if ready != self.ready:
             self.ready = ready
             log.info("picker %s", "ready" if ready else "not ready: no eligible worker")

@@ -55,6 +55,9 @@ import msgspec
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
+    from epp.events import EventsFeed
+    from epp.picker import Picker
+    from router.policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("dplb.epp.share")
 
@@ -421,6 +424,140 @@ class Share:
         self._written = None
 
 
+class SharedIndex:
+    """A policy's prefix index whose insertions are also sent to the other replicas
+    (:meth:`Share.place`): ``inner`` is the index it stands in front of (the policy's own, or the
+    :class:`epp.events.EventsIndex` over it), ``addr_of`` the engine address of a slot (None: not
+    shared). With the engines' events (``feed``), the prompt's token block keys that the events
+    index places as pending go with it (:attr:`epp.events.EventsFeed.on_place`). Everything else
+    is the inner index's."""
+
+    def __init__(self, inner: PrefixIndex, share: Share, addr_of: Callable[[int], str | None],
+                 feed: EventsFeed | None = None) -> None:
+        self.inner = inner
+        self.share = share
+        self.addr_of = addr_of
+        self._keys: Sequence[int] = ()
+        if feed is not None:
+            feed.on_place = self._placed
+
+    def _placed(self, slot: int, keys: Sequence[int]) -> None:
+        self._keys = keys
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @property
+    def chunk_chars(self) -> int:
+        """The inner index's."""
+        return int(self.inner.chunk_chars)
+
+    def hashes(self, text: str, model: str | None = None) -> Sequence[int]:
+        """The inner index's hashes of ``text``."""
+        return self.inner.hashes(text, model)
+
+    def match(self, hashes: Sequence[int]) -> dict[int, int]:
+        """The inner index's match."""
+        return dict(self.inner.match(hashes))
+
+    def insert(self, hashes: Sequence[int], worker_id: int) -> None:
+        """Into the inner index, then queued for the other replicas with the engine's address."""
+        self._keys = ()
+        self.inner.insert(hashes, worker_id)
+        addr = self.addr_of(worker_id)
+        if addr is not None:
+            self.share.place(addr, hashes, self._keys)
+
+    def size(self, worker_id: int) -> int:
+        """The inner index's size for ``worker_id``."""
+        return int(self.inner.size(worker_id))
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget ``worker_id`` in the inner index."""
+        self.inner.remove_worker(worker_id)
+
+
+class PickerShare:
+    """A :class:`Share` wired into a started :class:`epp.picker.Picker` (``dplb-epp --share-url``):
+    the engines are the picker's scraped endpoints (address as the endpoints file or the pool names
+    it → its slot in the picker's private segment); the policy's prefix index is wrapped in a
+    :class:`SharedIndex`; the other replicas' placements enter the policy's own index under the
+    engine's local slot and, with the engines' events, the events index's pending placements (aged
+    by their time in the stream). ``kwargs``: :class:`Share`'s settings. The metrics
+    ``dplb_epp_share_errors_total`` (failed Redis round trips) and ``dplb_epp_share_replicas`` (the
+    other replicas seen) go on the picker's registry."""
+
+    def __init__(self, picker: Picker, url: str, **kwargs: float | str) -> None:
+        self.picker = picker
+        self.url = url
+        self.kwargs = kwargs
+        self.share: Share | None = None
+
+    def engines(self) -> dict[str, int]:
+        """``{engine address: slot}`` of the picker's scraped endpoints that have a slot."""
+        scrape = self.picker.scrape
+        if scrape is None:
+            return {}
+        out = {}
+        for addr in scrape.wanted:
+            slot = scrape.slot_of(addr)
+            if slot is not None:
+                out[addr] = slot
+        return out
+
+    def addr_of(self, slot: int) -> str | None:
+        """The engine address of ``slot`` (None: not a scraped endpoint)."""
+        for addr, s in self.engines().items():
+            if s == slot:
+                return addr
+        return None
+
+    def caught_up(self) -> bool:
+        """True once the share caught up (or fell back: Redis unreachable at the start)."""
+        return self.share is not None and self.share.caught_up()
+
+    async def start(self) -> None:
+        """Build the share over the picker's segment, wrap the policy's index, catch up, run."""
+        from prometheus_client import Counter, Gauge
+
+        st = self.picker.state
+        policy = st.policy
+        inner = getattr(policy, "index", None)
+        events = self.picker.events
+        share = self.share = Share(self.url, st.seg, self.engines, self._on_place if inner is not None else None,
+                                   **self.kwargs)   # type: ignore[arg-type]
+        if inner is not None:
+            policy.index = SharedIndex(inner, share, self.addr_of, events)   # type: ignore[attr-defined]
+        reg = st.metrics.registry
+        errors = Counter("dplb_epp_share_errors", "Failed round trips to the shared store (Redis) of the picker "
+                         "replicas; while it fails this replica routes on its own view", registry=reg)
+        share.on_error = errors.inc
+        Gauge("dplb_epp_share_replicas", "Other picker replicas whose load this replica adds (Redis)",
+              registry=reg).set_function(lambda: len(share.others))
+        await share.start()
+
+    def _on_place(self, addr: str, hashes: list[int], keys: list[int], age_s: float) -> None:
+        slot = self.engines().get(addr)
+        index = getattr(self.picker.state.policy, "index", None)
+        if slot is None or index is None:
+            return
+        base = index.inner if isinstance(index, SharedIndex) else index
+        events = self.picker.events
+        from epp.events import EventsIndex
+
+        if isinstance(base, EventsIndex):
+            base = base.inner
+        if hashes:
+            base.insert(hashes, slot)
+        if events is not None and keys and age_s < float("inf"):
+            events.place(slot, keys, events.clock() - age_s)
+
+    async def close(self) -> None:
+        """Close the share (idempotent)."""
+        if self.share is not None:
+            await self.share.close()
+
+
 def _b(v: object) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode()
 
@@ -446,5 +583,5 @@ def _safe(url: str) -> str:
     return f"{head.split('//')[0]}//***@{tail}" if at else url
 
 
-__all__ = ["FIELDS", "SYNC_SCRIPT", "LoadShare", "OnPlace", "Share", "decode_counts", "default_replica_id",
+__all__ = ["FIELDS", "SYNC_SCRIPT", "LoadShare", "OnPlace", "PickerShare", "Share", "SharedIndex", "decode_counts", "default_replica_id",
            "encode_counts"]
