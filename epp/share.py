@@ -49,15 +49,16 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
+    from epp.discovery import ScrapeManager
     from epp.events import EventsFeed
-    from epp.picker import Picker
     from router.policies.prefix_index import PrefixIndex
+    from router.state import RouterState
 
 log = logging.getLogger("dplb.epp.share")
 
@@ -477,6 +478,15 @@ class SharedIndex:
         self.inner.remove_worker(worker_id)
 
 
+class PickerLike(Protocol):
+    """What :class:`PickerShare` reads of an :class:`epp.picker.Picker` (which holds it: no import
+    back): its router state, its scrape of the endpoints and its KV-events feed."""
+
+    state: RouterState
+    scrape: ScrapeManager | None
+    events: EventsFeed | None
+
+
 class PickerShare:
     """A :class:`Share` wired into a started :class:`epp.picker.Picker` (``dplb-epp --share-url``):
     the engines are the picker's scraped endpoints (address as the endpoints file or the pool names
@@ -487,7 +497,7 @@ class PickerShare:
     ``dplb_epp_share_errors_total`` (failed Redis round trips) and ``dplb_epp_share_replicas`` (the
     other replicas seen) go on the picker's registry."""
 
-    def __init__(self, picker: Picker, url: str, **kwargs: float | str) -> None:
+    def __init__(self, picker: PickerLike, url: str, **kwargs: float | str) -> None:
         self.picker = picker
         self.url = url
         self.kwargs = kwargs
