@@ -142,6 +142,31 @@ def test_pickers_run_replicated_with_a_disruption_budget(objs):
                and c["labelSelector"]["matchLabels"].items() <= labels.items() for c in spread)
 
 
+def test_pickers_share_through_the_redis_service(objs):
+    """The pickers' --share-url names the Redis Service (its cluster DNS name and port), which
+    selects the Redis Deployment's pods on the port Redis listens on; Redis keeps nothing on disk."""
+    from urllib.parse import urlparse
+
+    from epp.__main__ import build_parser
+
+    args = build_parser().parse_args([str(a) for a in _epp_container(objs)["args"]])
+    url = urlparse(args.share_url)
+    assert url.scheme == "redis" and url.hostname is not None and url.port is not None
+    name, ns = url.hostname.split(".")[:2]
+    svc = objs[("Service", name)]
+    assert ns == svc["metadata"]["namespace"] and url.hostname == f"{name}.{ns}.svc.cluster.local"
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == url.port]
+    dep = objs[("Deployment", name)]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["image"].startswith("redis:7")
+    assert port["targetPort"] in {p["containerPort"] for p in c["ports"]}
+    a = c["args"]
+    assert a[a.index("--save") + 1] == "" and a[a.index("--appendonly") + 1] == "no"
+
+
 def test_rbac_binds_the_epp_service_account(objs):
     sa = objs[("ServiceAccount", "dplb-epp")]
     dep = objs[("Deployment", "dplb-epp")]
