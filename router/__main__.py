@@ -2,7 +2,7 @@
 
     dplb-router [--config dplb.yaml] [--host 127.0.0.1] [--port 30000] [--shm NAME] [--policy dplb]
                 [--workers K] [--admin-token T] [--api-key KEY] [--log-level warning]
-                [--access-log text|json|off] [--drain-timeout 30] [--metrics-port 29000]
+                [--access-log text|json|off] [--drain-timeout 30] [--metrics-port 29000] [--kv-events]
 
 Built-in defaults < the config file < these flags, field by field (the launch script follows the same rule). ``--workers K`` runs K router processes (uvicorn workers) on the
 same port; they share one segment, so in-flight counts and circuit states are one truth.
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int,
                    help="also serve GET /metrics on this port of its own (config metrics.port; like SGLang router's "
                         "--prometheus-port); default: the main port only")
+    p.add_argument("--kv-events", action="store_true", default=None,
+                   help="route on the engines' KV-cache events (kv_events.enabled; each backend_servers "
+                        "entry names its publisher)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="after SIGTERM, seconds the requests in flight may take to finish (default: %(default)g)")
     return p
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                  "routing_policy.policy": args.policy, "router.workers": args.workers,
                  "router.admin_token": args.admin_token, "router.api_key": args.api_key,
                  "router.log_level": args.log_level, "router.access_log": args.access_log,
-                 "metrics.port": args.metrics_port}
+                 "metrics.port": args.metrics_port, "kv_events.enabled": args.kv_events}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

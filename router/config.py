@@ -123,6 +123,17 @@ class BackendServer(_Strict):
     endpoint: str
     weight: float = Field(default=1.0, gt=0, le=100)
     model: str | None = None
+    #: the engine's KV-cache events publisher (vLLM's ``--kv-events-config`` "endpoint") and its
+    #: replay socket, ``tcp://host:port`` or ``ipc://path``: read with ``kv_events.enabled``
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"(tcp://[^\s/]+:\d+|ipc:///\S+)", v):
+            raise ValueError("expected tcp://host:port or ipc:///absolute/path")
+        return v
 
     @field_validator("endpoint")
     @classmethod
@@ -214,6 +225,21 @@ class MetricsSection(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
 
 
+class KVEventsSection(_Strict):
+    """The engines' KV-cache events as the routing policy's prefix index (:mod:`router.events_index`;
+    ``dplb-router --kv-events``): with ``enabled`` every router process subscribes to the publisher
+    each ``backend_servers`` entry names (``kv_events``, ``kv_events_replay``) and matches prompts
+    against the engines' block sets, tokenized as the simulated engine does (``vocab_size``, its
+    ``--vocab-size``); ``block_size``: the engines' (vLLM's ``--block-size``); ``pending_s``: how
+    long a prompt this router sent counts on its engine while the engine's events do not show it
+    (0: the events alone). Off by default: the policy's own index."""
+
+    enabled: bool = False
+    block_size: int = Field(default=16, ge=1, le=4096)
+    vocab_size: int = Field(default=128_256, ge=1, lt=1 << 32)
+    pending_s: float = Field(default=30.0, ge=0, le=3600)
+
+
 class AdmissionClass(_Strict):
     """Settings of one priority class (``admission.classes``, keyed by the class's integer
     priority, higher first). ``queue_budget_s``: the longest a request of this class waits in
@@ -289,6 +315,7 @@ class Config(_Strict):
     retries: Retries = Field(default_factory=lambda: Retries())
     metrics: MetricsSection = Field(default_factory=lambda: MetricsSection())
     admission: AdmissionSection = Field(default_factory=lambda: AdmissionSection())
+    kv_events: KVEventsSection = Field(default_factory=lambda: KVEventsSection())
     # what the launcher starts (several models on one box); empty: --num-workers/--model decide.
     # The router does not read it: the launcher validates it (launcher.config.LaunchWorker,
     # loaded with load_config(..., model=launcher.config.LaunchConfig))

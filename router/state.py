@@ -37,6 +37,7 @@ from router.workers import Registry
 if TYPE_CHECKING:
     from dplb_shm import Segment
     from router.admin_store import MirrorSpec
+    from router.events_index import EventsFeed
 
 log = logging.getLogger("dplb.router")
 
@@ -124,6 +125,8 @@ class RouterState:
         self.model_lens: dict[str, int] = {}
         #: request control (:class:`~router.director.Director`), built by :meth:`start`
         self.director: Director | None = None
+        #: the engines' KV-cache events as the policy's prefix index (``kv_events.enabled``)
+        self.events: EventsFeed | None = None
 
     async def start(self) -> None:
         """Attach, build the pipeline, start the health monitor."""
@@ -157,6 +160,8 @@ class RouterState:
         self.apply_admin()
         self.monitor.extra = [self._admin_tick, self.mirrors.tick, self._sweep, self._sweep_routers]
         await self.mirrors.tick()
+        if cfg.kv_events.enabled:
+            self._start_events()
         self.monitor.start()
         self.metrics.attach(self.registry, self.seg, self.policy.name, self.scheduler.routing_state,
                             cfg.retries.retry_on_status, cfg.routing_policy.prefill_tokens_per_s)
@@ -208,6 +213,8 @@ class RouterState:
         await self.admission.close()
         await self.monitor.stop()
         self.mirrors.close()
+        if self.events is not None:
+            self.events.close()
         await self.transport.close()
         if self.ledger is not None:
             self.ledger.close(self.seg)   # a lease the stop cut: its share goes back too
@@ -224,6 +231,22 @@ class RouterState:
         if self._own_seg and self.seg is not None:
             self.seg.close()
 
+    def _start_events(self) -> None:
+        """``kv_events.enabled``: the engines' KV-cache events as the policy's prefix index
+        (:mod:`router.events_index`), subscribed on every health tick after the mirrors'."""
+        from router.events_index import EventsFeed, WordTokenizer, install, wanted
+
+        ke = self.cfg.kv_events
+        feed = self.events = EventsFeed(ke.block_size, WordTokenizer(ke.vocab_size), ke.pending_s)
+        if not install(self.policy, feed):
+            log.warning("kv_events.enabled: policy %s keeps no prefix index; the events are not read",
+                        self.policy.name)
+
+        async def sync() -> None:
+            feed.sync(wanted(self.mirrors.wanted, self.mirrors.slot_of))
+
+        self.monitor.extra.insert(self.monitor.extra.index(self.mirrors.tick) + 1, sync)
+
     def apply_admin(self) -> None:
         """Push the admin store into the registry and the mirror manager."""
         a = self.admin
@@ -231,8 +254,15 @@ class RouterState:
         self.registry.removed = set(a.removed)
         for wid, h in self.registry.handles.items():
             h.drained = wid in a.drained
-        wanted: dict[str, MirrorSpec] = {b.endpoint: {"weight": b.weight, "model": b.model}
-                                         for b in self.cfg.backend_servers if b.endpoint not in a.unmirrored}
+        wanted: dict[str, MirrorSpec] = {}
+        for b in self.cfg.backend_servers:
+            if b.endpoint not in a.unmirrored:
+                spec: MirrorSpec = {"weight": b.weight, "model": b.model}
+                wanted[b.endpoint] = spec
+                if b.kv_events:
+                    spec["kv_events"] = b.kv_events
+                    if b.kv_events_replay:
+                        spec["kv_events_replay"] = b.kv_events_replay
         wanted.update(a.mirrors)
         self.mirrors.wanted = wanted
         self.mirrors.version = a.version

@@ -1,0 +1,269 @@
+"""The engines' KV-cache events as a policy's prefix index, off the request path: for the router
+(``kv_events.enabled``, ``dplb-router --kv-events``) and the picker (``dplb-epp --kv-events``,
+:mod:`epp.events`).
+
+Every router process and picker replica subscribes to every engine's KV-cache events (vLLM's
+``--kv-events-config``: ZMQ PUB + a replay socket, :mod:`router.kv_events`), so each one knows which
+prompt blocks each engine holds, whichever replica placed them: routers or pickers on different
+nodes then send a session's turns to the engine that holds its history. The router takes each
+engine's publisher from its ``backend_servers`` entry (``kv_events``, ``kv_events_replay``), the
+picker from its endpoints file::
+
+    - address: 10.0.0.5:8000
+      kv_events: tcp://10.0.0.5:5557          # the engine's "endpoint"
+      kv_events_replay: tcp://10.0.0.5:5558   # its "replay_endpoint" (catch-up and gaps)
+
+:class:`EventsFeed` keeps one :class:`router.kv_events.KVEventSubscriber` (a thread: SUB + replay
+DEALER) per engine slot, started and stopped as the endpoints come and go (:meth:`EventsFeed.sync`,
+called on the health tick after the scrape); :meth:`EventsFeed.caught_up` is part of the picker's
+readiness, so a replica that starts or returns first replays what the engines still hold.
+
+:class:`EventsIndex` takes the place of the policy's prefix index (as the simulator's
+``--events-prefix`` does): hashing, insertion and sizes go to the policy's own index, a match is
+answered from the engines' block sets. A match needs the request's prompt tokenized the engine's
+way (the events carry token ids). :class:`WordTokenizer` is the simulated engine's tokenizer
+(``sim_engine/tokenizer.py``: one token per whitespace-separated word, id ``crc32(word) mod
+vocab_size``, chat rendered as ``<|role|> words <|eot|>`` per message then ``<|assistant|>``),
+rebuilt from the router's prompt text (``role:content`` per message, one per line,
+:func:`dplb_protocol.wire.parse_request`), native (:mod:`dplb_prefix`); a real model needs its own
+tokenizer and chat template (any callable ``(path, text) -> token ids``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from dplb_prefix import reference as _ref
+from dplb_prefix import word_block_keys, word_ids
+from router.kv_events import KVEventSubscriber, PendingBlocks, token_keys
+
+if TYPE_CHECKING:
+    from router.admin_store import MirrorSpec
+    from router.policies.prefix_index import PrefixIndex
+
+log = logging.getLogger("dplb.events")
+
+#: ``(request path, router prompt text) -> the engine's prompt token ids``
+Tokenize = Callable[[str, str], list[int]]
+
+#: chat roles that start a message in the router's prompt text (``role:content``)
+ROLES = _ref.ROLES
+
+
+class WordTokenizer:
+    """The simulated engine's tokenizer (module docstring) over the router's prompt text.
+    ``vocab_size``: the engine's (``--vocab-size``, 128,256 by default: Llama 3's; below 2**32).
+    Native (:mod:`dplb_prefix`: one pass over the text's buffer, a CRC-32 per word);
+    :meth:`block_keys` gives a prompt's block keys without its ids (what :meth:`EventsFeed.match`
+    needs)."""
+
+    def __init__(self, vocab_size: int = 128_256) -> None:
+        if not 1 <= vocab_size < 1 << 32:
+            raise ValueError(f"vocab_size must be in [1, 2**32) (got {vocab_size})")
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def chat(path: str, text: str) -> bool:
+        """Whether the text renders as chat: by the path, or without one (``""``) when its first
+        line starts with a role (``user:``)."""
+        if path:
+            return path.endswith("/chat/completions")
+        i = text.find(":", 0, 10)   # the longest role has 9 letters
+        return i >= 0 and text[:i] in ROLES
+
+    def words(self, path: str, text: str) -> list[str]:
+        """The engine's prompt words: chat paths render the messages, others split the text
+        (:meth:`chat`; the Python definition, :func:`dplb_prefix.reference.words`)."""
+        return _ref.words(text, self.chat(path, text))
+
+    def __call__(self, path: str, text: str) -> list[int]:
+        return word_ids(text, self.chat(path, text), self.vocab_size).tolist()
+
+    def block_keys(self, path: str, text: str, block_size: int) -> tuple[int, list[int]]:
+        """``(prompt tokens, keys)``: the :func:`router.kv_events.token_keys` of the prompt's full
+        blocks but the one holding its last token (vLLM always computes that token), in one native
+        pass (:func:`dplb_prefix.word_block_keys`)."""
+        return word_block_keys(text, self.chat(path, text), self.vocab_size, block_size)
+
+
+class EventsFeed:
+    """One KV-events subscriber per engine slot (module docstring). ``block_size``: the engines'
+    (vLLM's ``--block-size``, 16 by default); ``tokenize``: the engine's tokenizer
+    (:data:`Tokenize`; one that also has ``block_keys(path, text, block_size) -> (tokens, keys)``,
+    as :class:`WordTokenizer`, gives the keys in one native pass); ``pending_s``: how long a prompt this picker sent counts on its engine while
+    the engine's events do not show it (:meth:`place`, :class:`router.kv_events.PendingBlocks`; 0:
+    the events alone), on ``clock`` (seconds). :meth:`sync` starts and stops subscribers;
+    :meth:`match` answers ``{slot: cached prompt tokens}`` for a prompt; :meth:`close` stops them all."""
+
+    def __init__(self, block_size: int = 16, tokenize: Tokenize | None = None, pending_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        self.block_size = block_size
+        self.tokenize: Tokenize = tokenize if tokenize is not None else WordTokenizer()
+        self.subs: dict[int, KVEventSubscriber] = {}
+        self._where: dict[int, tuple[str, str | None]] = {}
+        #: per slot, this picker's placements its engine's events do not show yet (0: none kept)
+        self.pending_s = pending_s
+        self.pending: dict[int, PendingBlocks] = {}
+        self.clock = clock
+        self.last_keys: list[int] = []   # the block keys of the last prompt matched
+        #: called with ``(slot, keys)`` of each placement of this picker's (epp.share sends it on)
+        self.on_place: Callable[[int, Sequence[int]], None] | None = None
+
+    def sync(self, wanted: dict[int, tuple[str, str | None]]) -> None:
+        """Subscribe to ``wanted`` (slot → (events endpoint, replay endpoint or None)): new slots
+        (or slots whose endpoints changed) get a fresh subscriber, which catches up first; slots no
+        longer wanted are closed."""
+        for slot in [s for s in self.subs if self._where.get(s) != wanted.get(s)]:
+            self.subs.pop(slot).close()
+            self._where.pop(slot, None)
+            self.pending.pop(slot, None)
+        for slot, (ep, replay) in wanted.items():
+            if slot in self.subs:
+                continue
+            sub = KVEventSubscriber(ep, replay, name=f"worker {slot} ({ep})")
+            if self.pending_s > 0:
+                self.pending[slot] = PendingBlocks(self.pending_s)
+                sub.blocks.watchers.append(self.pending[slot])
+            sub.start()
+            self.subs[slot] = sub
+            self._where[slot] = (ep, replay)
+            log.info("KV events of worker %d: subscribed to %s (replay %s)", slot, ep, replay or "none")
+
+    def caught_up(self) -> bool:
+        """True when every subscriber has applied its catch-up (or a first live batch)."""
+        return all(s.caught_up() for s in self.subs.values())
+
+    def match(self, path: str, text: str) -> tuple[dict[int, int], int]:
+        """``({slot: cached prompt tokens}, prompt tokens)`` of the prompt (only slots with a hit)."""
+        bs = self.block_size
+        fused = getattr(self.tokenize, "block_keys", None)
+        if fused is not None:
+            n, keys = fused(path, text, bs)
+        else:
+            ids = self.tokenize(path, text)
+            n = len(ids)
+            # the last token is always computed (vLLM never serves a whole prompt from its cache)
+            keys = token_keys(ids[:max(0, n - 1)], bs) if self.subs else []
+        if not self.subs:
+            return {}, n
+        self.last_keys = keys
+        out = {}
+        now = self.clock()
+        for slot, sub in self.subs.items():
+            pend = self.pending.get(slot)
+            if pend is None:
+                hit = sub.blocks.match_keys(keys) * bs
+            else:
+                with sub.blocks.lock:
+                    hit = pend.match(sub.blocks, keys, now, by_key=True) * bs
+            if hit:
+                out[slot] = hit
+        return out, n
+
+    def place(self, slot: int, keys: Sequence[int], at: float | None = None) -> None:
+        """A prompt whose block keys are ``keys`` was sent to ``slot``'s engine at ``at`` (this
+        feed's clock; None: now, by this picker): they count as its blocks until its events store
+        them or ``pending_s`` passes (:class:`router.kv_events.PendingBlocks`)."""
+        pend = self.pending.get(slot)
+        sub = self.subs.get(slot)
+        if pend is not None and sub is not None and keys:
+            with sub.blocks.lock:
+                pend.place(keys, self.clock() if at is None else at)
+            if at is None and self.on_place is not None:
+                self.on_place(slot, keys)
+
+    def close(self) -> None:
+        """Stop every subscriber (idempotent)."""
+        for sub in self.subs.values():
+            sub.close()
+        self.subs.clear()
+        self._where.clear()
+
+
+class EventsIndex:
+    """A policy's prefix index whose matches are the engines' block sets (module docstring):
+    :meth:`hashes` keeps the text for the :meth:`match` that follows it in the same decision,
+    which answers ``{slot: characters}``, the share of the text equal to the share of the prompt's
+    tokens that engine holds (``chunk_chars`` 1, as :func:`router.policies.prefix_index.uncached_tokens`
+    reads it). ``path``: the request path the tokenizer renders for ("": told from the text,
+    :meth:`WordTokenizer.words`)."""
+
+    def __init__(self, inner: PrefixIndex, feed: EventsFeed, path: str = "") -> None:
+        self.inner = inner
+        self.feed = feed
+        self.path = path
+        self._text = ""
+        self._matched = ""   # the text whose block keys the feed holds (EventsFeed.last_keys)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @property
+    def chunk_chars(self) -> int:
+        """1 (matches in characters) while some engine's events are subscribed, else the policy
+        index's (its own matches answer then)."""
+        return 1 if self.feed.subs else int(self.inner.chunk_chars)
+
+    def hashes(self, text: str, model: str | None = None) -> Sequence[int]:
+        """The policy index's hashes of ``text`` (kept for :meth:`match`)."""
+        self._text = text
+        return self.inner.hashes(text, model)
+
+    def match(self, hashes: Sequence[int]) -> dict[int, int]:
+        """``{slot: characters}`` of the last hashed text cached on each engine (module docstring);
+        the policy index's own match while no engine's events are subscribed."""
+        if not self.feed.subs:   # no engine publishes its events: the policy's own placements
+            return dict(self.inner.match(hashes))
+        text = self._text
+        if not text:
+            return {}
+        hits, n = self.feed.match(self.path, text)
+        self._matched = text
+        if not n:
+            return {}
+        return {slot: max(1, round(len(text) * hit / n)) for slot, hit in hits.items()}
+
+    def insert(self, hashes: Iterable[int], worker_id: int) -> None:
+        """Into the policy's own index (its sizes break cache_aware's ties); the last matched
+        prompt's blocks become ``worker_id``'s pending placements (:meth:`EventsFeed.place`)."""
+        self.inner.insert(hashes, worker_id)
+        if self._text and self._matched is self._text:
+            self.feed.place(worker_id, self.feed.last_keys)
+
+    def size(self, worker_id: int) -> int:
+        """The policy's own index's size for ``worker_id``."""
+        return int(self.inner.size(worker_id))
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget ``worker_id`` in the policy's own index."""
+        self.inner.remove_worker(worker_id)
+
+
+def wanted(specs: dict[str, MirrorSpec], slot_of: Callable[[str], int | None]) -> dict[int, tuple[str, str | None]]:
+    """What :meth:`EventsFeed.sync` wants from the endpoints' specs (address → spec with
+    ``kv_events`` and optionally ``kv_events_replay``) and their slots (``slot_of``: the scrape's
+    :meth:`router.mirror.MirrorManager.slot_of`; an endpoint without a slot yet is skipped)."""
+    out: dict[int, tuple[str, str | None]] = {}
+    for addr, spec in specs.items():
+        ep = spec.get("kv_events")
+        slot = slot_of(addr) if ep else None
+        if ep and slot is not None:
+            out[slot] = (ep, spec.get("kv_events_replay"))
+    return out
+
+
+def install(policy: object, feed: EventsFeed) -> bool:
+    """Put an :class:`EventsIndex` over ``policy``'s prefix index (a policy without one, e.g.
+    ``least_load``, is left alone: returns False)."""
+    inner = getattr(policy, "index", None)
+    if inner is None or isinstance(inner, EventsIndex):
+        return isinstance(inner, EventsIndex)
+    policy.index = EventsIndex(inner, feed)   # type: ignore[attr-defined]
+    return True
+
+
+__all__ = ["ROLES", "EventsFeed", "EventsIndex", "Tokenize", "WordTokenizer", "install", "wanted"]
