@@ -93,6 +93,8 @@ class ExtProcConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.h2 = h2.connection.H2Connection(config=CONFIG)
         self.streams: dict[int, _Stream] = {}
+        #: bytes received per stream in this input batch, acknowledged once at its end (:meth:`_data`)
+        self.unacked: dict[int, int] = {}
 
     # -- connection ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -136,6 +138,10 @@ class ExtProcConnection(asyncio.Protocol):
             return
         for ev in events:
             self._event(ev)
+        if self.unacked:   # one acknowledgement per stream and batch: h2 replenishes both windows
+            for sid, n in self.unacked.items():
+                self.h2.acknowledge_received_data(n, sid)
+            self.unacked.clear()
         self._uncork()
 
     def _uncork(self) -> None:
@@ -172,8 +178,8 @@ class ExtProcConnection(asyncio.Protocol):
 
     def _data(self, ev: h2.events.DataReceived) -> None:
         sid = ev.stream_id
-        # the bytes count as consumed at once (parsed below): h2 replenishes both windows
-        self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)
+        # the bytes count as consumed at once (parsed below), acknowledged at the batch's end
+        self.unacked[sid] = self.unacked.get(sid, 0) + ev.flow_controlled_length
         st = self.streams.get(sid)
         if st is None or st.closed:
             return
