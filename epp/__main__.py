@@ -55,11 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (0: any free one)")
     p.add_argument("--health-port", type=int, default=9003, help="gRPC health port (0: any free one)")
     p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics port (0: off)")
-    p.add_argument("--request-body-mode", choices=sorted(BODY_MODES), default="BUFFERED",
+    p.add_argument("--request-body-mode", choices=sorted(BODY_MODES), default="STREAMED",
                    help="request body mode (--print-envoy-config; assumed when Envoy sends no protocol_config): "
-                        "BUFFERED (the whole body in one message), STREAMED (the body sent without waiting for the "
-                        "head's answer, which the picker gives at the body's end: two exchanges per tiny request "
-                        "instead of four; the engine gets the body chunked) or FULL_DUPLEX_STREAMED")
+                        "STREAMED (default: the body sent without waiting for the head's answer, which the picker "
+                        "gives at the body's end: two exchanges per tiny request instead of four; the engine gets "
+                        "the body chunked), BUFFERED (the whole body in one message, the head answered first) or "
+                        "FULL_DUPLEX_STREAMED")
     p.add_argument("--response-body-mode", choices=list(RESPONSE_BODY_MODES), default="STREAMED",
                    help="response body mode (--print-envoy-config; assumed when Envoy sends no protocol_config): "
                         "STREAMED (default: the least picker CPU per streamed event that still sees every chunk, "

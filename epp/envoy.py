@@ -8,9 +8,9 @@ The config is the plain-Envoy form of the Gateway API Inference Extension's data
 
 - one HTTP listener (``http_connection_manager``) with the ``envoy.filters.http.ext_proc`` filter,
   whose gRPC service is the ``epp`` cluster (HTTP/2 to the picker's ext_proc port), then the router;
-- the request body goes to the picker whole (``BUFFERED``, the default: Envoy buffers it, at most
+- the request body goes to the picker whole (``BUFFERED``: Envoy buffers it, at most
   ``per_connection_buffer_limit_bytes``), streamed both ways (``FULL_DUPLEX_STREAMED``: the picker
-  buffers it to its end, picks, and streams it back) or ``STREAMED`` with
+  buffers it to its end, picks, and streams it back) or, the default, ``STREAMED`` with
   ``send_body_without_waiting_for_header_response`` (Envoy sends the head and the body's chunks
   without waiting; the picker answers the head with its pick at the body's end, then each chunk:
   one exchange for the request and one for a non-streamed answer instead of two each; Envoy drops
@@ -100,7 +100,7 @@ class EnvoySettings:
     host: str = "127.0.0.1"
     epp_host: str = "127.0.0.1"
     failure_mode_allow: bool = False
-    request_body_mode: str = "BUFFERED"
+    request_body_mode: str = "STREAMED"
     message_timeout_s: float = 10.0
     max_message_timeout_s: float = MAX_HOLD_S
     route_timeout_s: float = 0.0

@@ -46,7 +46,7 @@ CONFIG = ("health_check:\n  heartbeat_timeout_ms: 2000\n"
 
 
 class Stack:
-    def __init__(self) -> None:
+    def __init__(self, mode: str) -> None:
         from dplb_shm import Segment
         from epp.envoy import EnvoySettings, bootstrap_yaml, envoy_argv
         from launcher.stack import wait_for
@@ -73,7 +73,7 @@ class Stack:
             port, admin = free_port(), free_port()
             cfg = Path(self.dir) / "envoy.yaml"
             cfg.write_text(bootstrap_yaml(EnvoySettings(listen_port=port, admin_port=admin, epp_port=epp_port,
-                                                        request_body_mode="BUFFERED",
+                                                        request_body_mode=mode,
                                                         message_timeout_s=MESSAGE_TIMEOUT_S)))
             envoy = self.procs.start(envoy_argv(str(cfg)), log=os.path.join(self.dir, "envoy.log"), cwd=str(ROOT))
             wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=2).text.strip() == "LIVE",
@@ -109,9 +109,9 @@ class Stack:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
+@pytest.fixture(scope="module", params=["STREAMED", "BUFFERED"])
+def stack(request):
+    s = Stack(request.param)   # the hold works whether Envoy waits for the head's answer or not
     try:
         yield s
     finally:
