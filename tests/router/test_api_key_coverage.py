@@ -41,7 +41,10 @@ def seg():
 def client(seg, tmp_path, host: str) -> TestClient:
     cfg = load_config(None, {"router.shm": seg.name, "router.host": host, "router.api_key": "sk-key",
                              "router.admin_token": "adm", "router.state_dir": str(tmp_path),
-                             "health_check.enabled": False})
+                             "health_check.enabled": False,
+                             # the fixture's slot beats once: a loaded machine must not make it stale
+                             # (1 s by default) before /health is asked (this file is about the key)
+                             "health_check.heartbeat_timeout_ms": 600_000})
     return TestClient(create_app(cfg, seg), client=("127.0.0.1", 50000))
 
 
