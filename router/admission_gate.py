@@ -39,7 +39,6 @@ from router.admission import (
     GO,
     AdmissionQueue,
     Ticket,
-    go_duration_s,
     judge_route,
     route_ticket,
 )
@@ -286,4 +285,39 @@ class AdmissionGate:
         return self.q.status(self.clock())
 
 
-__all__ = ["AdmissionGate"]
+def go_duration_s(text: str) -> float | None:
+    """A Go duration (``1h2m3.5s``, ``500ms``, ``250us``; llm-d's ``x-llm-d-inference-ttl``) in
+    seconds; a bare number is seconds. None when it does not parse or is negative."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    s = text.strip()
+    if not s:
+        return None
+    try:
+        v = float(s)
+        return v if v >= 0 else None
+    except ValueError:
+        pass
+    total = 0.0
+    i = 0
+    n = len(s)
+    while i < n:
+        j = i
+        while j < n and (s[j].isdigit() or s[j] == "."):
+            j += 1
+        if j == i:
+            return None
+        k = j
+        while k < n and not (s[k].isdigit() or s[k] == "."):
+            k += 1
+        unit = s[j:k]
+        if unit not in units:
+            return None
+        try:
+            total += float(s[i:j]) * units[unit]
+        except ValueError:
+            return None
+        i = k
+    return total
+
+
+__all__ = ["AdmissionGate", "go_duration_s"]

@@ -255,8 +255,12 @@ class AdmissionSection(_Strict):
     is within ``headroom`` × the request's TTFT budget (``ttft_slo_base_s`` + ``ttft_slo_per_1k_s``
     × prompt tokens / 1000, the per-request SLO of ``dplb-simulate``); otherwise it waits in the
     router, ordered by priority class, then fairly between tenants, then by deadline, and is
-    answered 429 + ``Retry-After`` after its queue budget, or as soon as it can no longer meet its
-    deadline (``shed_late``; false: it waits, behind every request that still can). While a
+    answered 429 + ``Retry-After`` after its queue budget, or, once requests have waited without a
+    break for ``late_backlog_s`` (a sustained backlog, not a burst), as soon as it can no longer
+    meet its deadline (``shed_late``; before that, or with false: it waits, behind every request
+    that still can). In the first ``hold_after_s`` of a spell without room, and unless a request
+    was held within ``reserve_window_s``, a request is bound on arrival as without the queue (a
+    burst below capacity costs nothing). While a
     higher class has had a request within ``reserve_window_s``, a class fills only ``reserve`` ×
     the headroom, measured against the smaller of its own TTFT budget and a typical request's of
     the higher class (trunk reservation): the rest is kept for the higher class. ``enabled: false``: today's behaviour
@@ -275,6 +279,12 @@ class AdmissionSection(_Strict):
     default_priority: int = Field(default=0, ge=-1000, le=1000)
     classes: dict[int, AdmissionClass] = Field(default_factory=dict)
     shed_late: bool = True
+    hold_after_s: float = Field(default=3.0, ge=0, le=3600,
+                                description="a spell without room shorter than this (and no hold within reserve_window_s) "
+                                            "binds requests on arrival, as without the queue (0: always hold)")
+    late_backlog_s: float = Field(default=10.0, ge=0, le=3600,
+                                  description="shed_late answers 429 only once requests have waited without a break this "
+                                              "long (a sustained backlog); before, a late request waits behind those on time")
     max_queue: int = Field(default=10_000, ge=1, le=10_000_000)
     tenant_header: str = "x-dplb-tenant"
     poll_ms: float = Field(default=20.0, gt=0, le=10_000)

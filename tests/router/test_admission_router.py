@@ -19,7 +19,10 @@ from tests.helpers import metric, wait_until
 
 MODEL = "fake-model"
 MSG = [{"role": "user", "content": "hello there"}]
-SATURATED = {"admission": {"enabled": True, "headroom": 1e-9, "queue_budget_s": 30, "shed_late": False}}
+# hold_after_s 0: the queue holds from the first request without room (by default a spell without
+# room shorter than hold_after_s binds on arrival: a burst below capacity costs nothing)
+SATURATED = {"admission": {"enabled": True, "headroom": 1e-9, "queue_budget_s": 30, "shed_late": False,
+                           "hold_after_s": 0}}
 
 
 @pytest.fixture(scope="module")
