@@ -205,7 +205,10 @@ def in_process_router(loop: asyncio.AbstractEventLoop, endpoint: str) -> Iterato
         w.claim(worker_id=0, pid=os.getpid(), endpoint=endpoint, model="m", max_num_seqs=64)
         w.set_state(WorkerState.READY)
         w.heartbeat()
-        app = create_app(load_config(None, {"router.shm": name, "health_check.enabled": False}), seg)
+        # the slot is beaten once: a long heartbeat timeout keeps it routable on a loaded machine
+        cfg = load_config(None, {"router.shm": name, "health_check.enabled": False,
+                                 "health_check.heartbeat_timeout_ms": 600_000})
+        app = create_app(cfg, seg)
         ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", log_level="critical",
                               access_log=False, proxy_headers=False)
         ucfg.load()
