@@ -5,7 +5,8 @@ publishes the same wire format, :mod:`sim_engine.kv_events`): ZMQ PUB messages `
 as 8-byte big-endian, msgpack(EventBatch))`` with ``EventBatch{ts, events, data_parallel_rank}``
 and tagged events ``BlockStored{block_hashes, parent_block_hash, token_ids, block_size, ...}``,
 ``BlockRemoved{block_hashes, ...}``, ``AllBlocksCleared{}``; a ROUTER socket replays missed batches
-(send ``(b"", start seq)``, receive ``(b"", seq, payload)`` frames until seq −1). vLLM encodes the
+(send ``(b"", start seq)``, receive ``(b"", seq, payload)`` frames until seq −1; vLLM 0.32 puts the
+topic before the sequence: ``(b"", topic, seq, payload)``, read too). vLLM encodes the
 structs as maps (``"type"`` names the event); releases before 0.11 encoded them as arrays (the tag
 first, then the fields in order): :func:`decode_batch` reads both.
 
@@ -408,12 +409,14 @@ class KVEventSubscriber:
             sock.send_multipart((b"", start.to_bytes(8, "big")))
             while sock.poll(int(self.replay_timeout_s * 1000)):
                 frames = sock.recv_multipart()
-                if len(frames) != 3:
+                # (b"", seq, payload), or with the topic as the PUB socket sends it, (b"", topic,
+                # seq, payload): what vLLM's replay socket answers since (at least) 0.32
+                if len(frames) not in (3, 4):
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == END_SEQ:
                     return out
-                out.append((seq, frames[2]))
+                out.append((seq, frames[-1]))
         finally:
             sock.close(linger=0)
         return None

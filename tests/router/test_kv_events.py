@@ -227,6 +227,39 @@ def test_replay_socket_answers_a_gap_request(ipc_dir):
         pub.close()
 
 
+def test_a_replay_that_puts_the_topic_before_the_sequence_is_read(ipc_dir):
+    """vLLM 0.32's replay socket answers ``(b"", topic, seq, payload)`` and ends with ``(b"", b"",
+    -1, b"")`` (found against the real CPU vLLM: the 3-frame reader never saw the end, so a picker
+    on a real vLLM never caught up)."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{ipc_dir}/replay4")
+    batches = [(s, payload(stored([s + 1], s or None))) for s in range(3)]
+
+    def serve() -> None:
+        ident, _, start = router.recv_multipart()
+        for s, p in batches:
+            if s >= int.from_bytes(start, "big"):
+                router.send_multipart((ident, b"", b"", s.to_bytes(8, "big"), p))
+        router.send_multipart((ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    sub = KVEventSubscriber(f"ipc://{ipc_dir}/pub-none", f"ipc://{ipc_dir}/replay4")
+    sub._ctx = zmq.Context()   # the sockets only: no subscriber thread
+    try:
+        assert sub.ask_replay(1) == batches[1:]
+        t.join(timeout=10)
+    finally:
+        sub._ctx.term()
+        router.close(linger=0)
+        ctx.term()
+
+
 def test_engine_process_publishes_the_prompt_blocks(ipc_dir, procs, run_dir):
     """A real engine with vLLM's flag: its stored blocks are the prompt's full blocks, found by the
     prompt tokenized the engine's way (token keys), not by the engine's own hashes."""
