@@ -1,0 +1,189 @@
+"""The picker's own CPU per tiny request, without Envoy, sockets or the machine's other load:
+``python -m bench.epp_feed [--requests 3000] [--mode eager|buffered] [--profile]``
+
+An ``h2`` client plays Envoy's side of ext_proc for ``--requests`` tiny non-streamed chat requests
+(the messages Envoy 1.40 sends per request: ``eager`` = request body ``STREAMED`` without waiting
+for the head's answer, head + body chunk + empty end in one write, then the answer's head + body +
+end in one write; ``buffered`` = four exchanges: head, whole body, answer head, whole answer); its
+bytes are recorded once, then fed again into a fresh :class:`epp.h2grpc.ExtProcConnection` over a
+real :class:`epp.picker.Picker` (one ready worker in a fresh segment) and the process CPU time of
+that replay is divided by the requests. Only the picker runs during the replay (HTTP/2 with ``h2``,
+the messages, the decision, the lease); no system calls, so it is a floor under what the picker
+costs behind a real Envoy (``bench.gateway``). ``--profile``: cProfile of the replay, 30 costliest
+functions by own time.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import time
+import uuid
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hello in one word, please."}],'
+        b'"max_tokens":8}')
+ANSWER = (b'{"id":"x","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":'
+          b'"assistant","content":"Hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,'
+          b'"completion_tokens":1,"total_tokens":10}}')
+#: the gRPC request head Envoy's client sends for each ext_proc stream
+GRPC_HEAD = [(":method", "POST"), (":scheme", "http"), (":path", "/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+             (":authority", "epp"), ("content-type", "application/grpc"), ("te", "trailers"),
+             ("grpc-timeout", "300000m"), ("x-envoy-internal", "true"), ("x-forwarded-for", "127.0.0.1")]
+WINDOW = 268_435_456   # Envoy's default HTTP/2 windows (256 MiB)
+
+
+def _headers(d: dict[str, str]) -> base_pb2.HeaderMap:
+    return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in d.items()])
+
+
+def _grpc(m: pb.ProcessingRequest) -> bytes:
+    b = m.SerializeToString()
+    return b"\0" + len(b).to_bytes(4, "big") + b
+
+
+def batches(eager: bool) -> list[list[pb.ProcessingRequest]]:
+    """The messages of one request, grouped as Envoy writes them (module docstring)."""
+    head = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_headers({
+        ":authority": "bench", ":path": "/v1/chat/completions", ":method": "POST", ":scheme": "http",
+        "content-type": "application/json", "content-length": str(len(BODY)), "x-forwarded-proto": "http",
+        "x-request-id": str(uuid.uuid4())})))
+    head.protocol_config.request_body_mode = 1 if eager else 2
+    head.protocol_config.response_body_mode = 1
+    head.protocol_config.send_body_without_waiting_for_header_response = eager
+    answer_head = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=_headers({
+        ":status": "200", "content-type": "application/json", "date": "Mon, 07 Dec 2026 09:00:00 GMT",
+        "server": "envoy", "x-envoy-upstream-service-time": "1"})))
+    if eager:
+        return [[head, pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY)),
+                 pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True))],
+                [answer_head, pb.ProcessingRequest(response_body=pb.HttpBody(body=ANSWER)),
+                 pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True))]]
+    return [[head], [pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True))], [answer_head],
+            [pb.ProcessingRequest(response_body=pb.HttpBody(body=ANSWER, end_of_stream=True))]]
+
+
+class _Sink:
+    """A transport that keeps what the server writes."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def write(self, b: bytes) -> None:
+        self.out.append(bytes(b))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        data, self.out = b"".join(self.out), []
+        return data
+
+
+async def run(requests: int, eager: bool, profile: bool) -> float:
+    """CPU µs of the picker per request (module docstring)."""
+    import cProfile
+    import pstats
+
+    from dplb_shm import Segment
+    from epp.h2grpc import ExtProcConnection
+    from epp.picker import Picker
+    from epp.stream import Exchange
+    from router.config import Config
+
+    name = f"dplb-feed-{uuid.uuid4().hex[:8]}"
+    seg = Segment.create(name, num_slots=8)
+    w = seg.writer(0)
+    w.claim(worker_id=0, pid=os.getpid(), endpoint="127.0.0.1:9", model="bench")
+    w.publish(state=2)
+    w.heartbeat()
+    cfg = Config.model_validate({"health_check": {"enabled": False},
+                                 "router": {"state_dir": os.path.join(tempfile.mkdtemp(prefix="dplb-feed-"), "st")}})
+    picker = Picker(cfg, seg)
+    await picker.start()
+    mode = 1 if eager else 2
+    try:
+        def server() -> tuple[ExtProcConnection, _Sink]:
+            conn, sink = ExtProcConnection(lambda: Exchange(picker, mode, 1), set()), _Sink()
+            conn.connection_made(sink)   # type: ignore[arg-type]
+            return conn, sink
+
+        conn, sink = server()
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        client.local_settings = h2.settings.Settings(client=True, initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
+        client.initiate_connection()
+        client.increment_flow_control_window(WINDOW - 65_535)
+        record = [client.data_to_send()]
+
+        def feed(data: bytes) -> None:
+            record.append(data)
+            conn.data_received(data)
+            for ev in client.receive_data(sink.take()):
+                if isinstance(ev, h2.events.DataReceived) and ev.stream_id in client.streams:
+                    client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+
+        conn.data_received(record[0])
+        client.receive_data(sink.take())
+        msgs = batches(eager)
+        per_request = []
+        for _ in range(requests):
+            start = len(record)
+            sid = client.get_next_available_stream_id()
+            client.send_headers(sid, GRPC_HEAD)
+            for batch in msgs:
+                client.send_data(sid, b"".join(_grpc(m) for m in batch))
+                feed(client.data_to_send())
+            if not client.streams[sid].closed:   # the picker ended the stream first: Envoy's END_STREAM
+                client.end_stream(sid)
+                feed(client.data_to_send())
+            per_request.append(len(record) - start)
+            w.heartbeat()
+        replay, sink2 = server()
+        prof = cProfile.Profile() if profile else None
+        t0 = time.process_time()
+        if prof:
+            prof.enable()
+        for data in record:
+            replay.data_received(data)
+            sink2.out.clear()
+        if prof:
+            prof.disable()
+        cpu = time.process_time() - t0
+        if prof:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        assert seg.router_line(0)["router_inflight"] == 0, "a lease was left open"
+        return 1e6 * cpu / requests
+    finally:
+        await picker.stop()
+        w.release()
+        seg.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the picker's CPU per tiny request (module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.epp_feed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--mode", choices=["eager", "buffered"], action="append",
+                    help="the request body mode Envoy uses (repeatable; default: both)")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args(argv)
+    for mode in a.mode or ["eager", "buffered"]:
+        us = asyncio.run(run(a.requests, mode == "eager", a.profile))
+        print(f"{mode:<9} picker CPU per tiny request {us:6.0f} µs ({a.requests} requests fed in-process)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
