@@ -97,7 +97,9 @@ cdef class ChunkRelay:
     object whose ``write_paused`` attribute is true while the client's transport is above its
     high-water mark (uvicorn's flow control). ``carry``: the last payload byte the meter saw before
     the relay took over (b"" for none), for a separator that straddles the hand-over. ``end``: write
-    the terminating chunk after the body's last payload (module docstring).
+    the terminating chunk after the body's last payload (module docstring). ``before``: the payload's
+    last bytes before the hand-over (the stream meter's tail), for an ``"abort"`` in them or split
+    across the hand-over by a chunk boundary (an abort event not yet whole there).
 
     After :meth:`feed`: ``done`` (the terminating chunk and trailers were read), ``failed`` (the
     framing was not valid chunked encoding: the connection must be dropped), ``extra`` (bytes
@@ -121,6 +123,9 @@ cdef class ChunkRelay:
     cdef unsigned char tailbuf[TAIL]
     cdef Py_ssize_t tail_len
     cdef unsigned char last
+    cdef unsigned char pre[6]   # the payload's last bytes before the hand-over (see ``before``)
+    cdef Py_ssize_t pre_len
+    cdef bint pre_abort         # ``"abort"`` in ``before``
     cdef public bint done
     cdef public bint failed
     cdef public bint extra
@@ -134,7 +139,7 @@ cdef class ChunkRelay:
         self.buf = NULL
         self.cap = 0
 
-    def __init__(self, write, client, flow, bytes carry=b"", bint end=False):
+    def __init__(self, write, client, flow, bytes carry=b"", bint end=False, bytes before=b""):
         self._write = write
         self._client = client
         self._flow = flow
@@ -144,6 +149,10 @@ cdef class ChunkRelay:
         self.saw = False
         self.tail_len = 0
         self.last = <unsigned char>(carry[len(carry) - 1]) if carry else 0
+        self.pre_len = len(before) if len(before) < 6 else 6
+        if self.pre_len:
+            memcpy(self.pre, PyBytes_AS_STRING(before) + len(before) - self.pre_len, self.pre_len)
+        self.pre_abort = b'"abort"' in before
         self.done = False
         self.failed = False
         self.extra = False
@@ -264,6 +273,28 @@ cdef class ChunkRelay:
         memcpy(j + a, p, b)
         return memmem(j, a + b, b'"abort"', 7) != NULL
 
+    cdef bint _abort_before(self, const unsigned char *p, Py_ssize_t n) noexcept:
+        """Whether ``"abort"`` is in the payload before the hand-over (``before``) or straddles it
+        and the relayed payload followed by the ``n`` bytes at ``p`` (only while the relayed tail
+        still starts at the hand-over: at most 4 KiB relayed, the reach of the tail's own check)."""
+        cdef unsigned char j[12]
+        cdef Py_ssize_t a = self.pre_len, b, c
+        if a == 0 or self.relayed != self.tail_len:
+            return False
+        if self.pre_abort:
+            return True
+        memcpy(j, self.pre, a)
+        b = self.tail_len if self.tail_len < 6 else 6
+        memcpy(j + a, self.tailbuf, b)
+        c = 6 - b
+        if c > n:
+            c = n
+        if c > 0:
+            memcpy(j + a + b, p, c)
+        else:
+            c = 0
+        return memmem(j, a + b + c, b'"abort"', 7) != NULL
+
     cdef void _account(self, const unsigned char *p, Py_ssize_t n) noexcept:
         cdef Py_ssize_t i = 0, keep
         cdef long long k = 0
@@ -307,7 +338,8 @@ cdef class ChunkRelay:
         k = _done_suffix(self.buf + HEAD_ROOM, pay)
         if (end or k) and (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
                            or (pay > 0 and (memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL
-                                            or self._abort_across(self.buf + HEAD_ROOM, pay)))):
+                                            or self._abort_across(self.buf + HEAD_ROOM, pay)))
+                           or self._abort_before(self.buf + HEAD_ROOM, pay)):
             end = False   # an engine's abort, maybe: the writer ends the body, after its error event
             if k and not self.held_done:
                 pay -= k  # and its [DONE] after that event, never before it

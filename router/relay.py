@@ -176,7 +176,7 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
         # (the relay would not know to hold back the [DONE] that follows)
         if not meter.first_seen or meter.aborted():
             return None
-        r = writer.native_relay(meter.carry)
+        r = writer.native_relay(meter.carry, meter.tail)
         relays.append(r)
         return r
 

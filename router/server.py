@@ -159,11 +159,12 @@ class ChunkedWriter:
         r = self._relay
         return self.ended or (r is not None and r.ended)
 
-    def native_relay(self, carry: bytes = b"") -> ChunkRelay:
+    def native_relay(self, carry: bytes = b"", before: bytes = b"") -> ChunkRelay:
         """A :class:`router._relay.ChunkRelay` writing to this client (``carry``: the stream
-        meter's last byte, see the relay's docstring). It writes the terminating chunk with the
-        body's last bytes; :meth:`finish` then writes none."""
-        r = self._relay = ChunkRelay(self._write, self._cycle, self._flow, carry, True)
+        meter's last byte; ``before``: the last bytes it relayed before, see the relay's
+        docstring). It writes the terminating chunk with the body's last bytes; :meth:`finish`
+        then writes none."""
+        r = self._relay = ChunkRelay(self._write, self._cycle, self._flow, carry, True, before)
         return r
 
     async def finish(self, last: bytes = b"") -> None:

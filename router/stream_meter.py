@@ -202,6 +202,13 @@ class StreamMeter:
         """The last byte fed after the first content (b"" before): a separator may straddle it."""
         return self._carry
 
+    @property
+    def tail(self) -> bytes:
+        """The kept tail (the last 4 KiB fed; b"" before any): what the native relay needs to see
+        an ``"abort"`` before its hand-over or split across it by a chunk boundary
+        (``router._relay.ChunkRelay``'s ``before``)."""
+        return self._tail
+
     def absorb(self, events: int, tail: bytes, last: bytes) -> None:
         """Account what the native relay (router._relay.ChunkRelay) metered after it took the
         stream over from :meth:`feed`: ``events`` separators, the last ``tail`` bytes of payload

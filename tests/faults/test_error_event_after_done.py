@@ -86,3 +86,50 @@ def test_the_native_relay_holds_the_done_when_a_read_split_the_abort_word():
         if not (r.done and r.held_done and not r.ended) or b"[DONE]" in written:
             missed.append(whole[max(0, cut - 8):cut])
     assert not missed, missed
+
+
+def test_the_native_relay_holds_the_done_when_a_chunk_split_the_abort_word_at_the_hand_over():
+    """An engine (or a proxy before it) whose chunk ended inside ``"abort"`` where the native relay
+    took the stream over (router/relay.py hands over at a chunk boundary, after the first
+    content; the meter cannot tell an abort yet, its event is not whole): the relay's tail starts
+    empty there, so it missed the word (across the hand-over, or wholly before it) and wrote the
+    ``[DONE]`` and the body's end: a truncated answer without the error event (every cut from
+    inside the word to the event's end, before ``before`` carried the meter's tail). However the abort's rest
+    falls into reads: with the [DONE] and the end, alone, or byte by byte."""
+    from router.stream_meter import StreamMeter
+
+    missed = []
+    for cut in range(1, len(ABORT)):
+        m = StreamMeter(True)
+        m.feed(CONTENT)
+        m.feed(ABORT[:cut])           # the chunk before the hand-over, through the Python relay
+        if m.aborted():
+            assert b'"abort"' in ABORT[:cut]   # the whole word before: relay.py hands no stream over
+            continue
+        rest, end = _chunk(ABORT[cut:]), _chunk(DONE) + b"0\r\n\r\n"
+        for reads in ((rest + end,), (rest, end), (*(rest[i:i + 1] for i in range(len(rest))), end)):
+            out: list[bytes] = []
+            r = ChunkRelay(out.append, _Client(), _Flow(), m.carry, True, m.tail)
+            for data in reads:
+                r.feed(data)
+            written = b"".join(out)
+            if not (r.done and r.held_done and not r.ended) or b"[DONE]" in written:
+                missed.append((ABORT[max(0, cut - 8):cut], len(reads)))
+    assert not missed, missed
+
+
+def test_the_hand_over_context_raises_no_false_alarm_on_a_whole_stream():
+    # the bytes before the hand-over are only read for the word across it: a whole stream that
+    # never says "abort" still ends with its [DONE] and the terminating chunk in one write
+    for before in (b"", b"\n", CONTENT, CONTENT[-3:], b'"abor'):
+        r, written = _relay_before(before, _chunk(b"t is a verb\n\n"), _chunk(DONE) + b"0\r\n\r\n")
+        assert r.done and r.ended and not r.held_done, before
+        assert written.endswith(_chunk(DONE) + b"0\r\n\r\n")
+
+
+def _relay_before(before: bytes, *reads: bytes) -> tuple[ChunkRelay, bytes]:
+    out: list[bytes] = []
+    r = ChunkRelay(out.append, _Client(), _Flow(), before[-1:], True, before)
+    for data in reads:
+        r.feed(data)
+    return r, b"".join(out)
