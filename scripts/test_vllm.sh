@@ -7,6 +7,9 @@
 # 2. builds a tiny random Llama locally (transformers LlamaConfig: vocab 2048, hidden 64, 2 layers,
 #    2 heads of dim 32 -- the CPU attention backend needs head_dim >= 32 -- tied embeddings) with a
 #    byte-level BPE tokenizer trained with `tokenizers` and a chat template;
+# 2b. starts one engine with --kv-events-config and checks that DPLB's consumer catches up through
+#    its replay socket, decodes its BlockStored events and matches a prompt by its token keys
+#    (scripts/vllm_kv_events_check.py);
 # 3. creates a segment, starts two agents with --engine vllm (each spawns
 #    `python -m vllm.entrypoints.openai.api_server --uds <work>/engine-K.sock`);
 # 4. sends concurrent streaming requests straight to each engine at the address its slot names
@@ -59,6 +62,12 @@ log "vllm $("$VPY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)"
 
 # ---- 2. a tiny random Llama, built locally ------------------------------------------------
 ensure_tiny_llama
+
+# ---- 2b. the engine's KV-cache events read by DPLB's consumer (router/kv_events.py) ----------
+# one engine with --kv-events-config on ipc:// sockets: catch-up through its replay socket, its
+# BlockStored events decoded, a prompt matched by DPLB's token keys of the engine's own token ids
+log "KV-cache events of a real vLLM (one engine, about 90 s to start)"
+"$PY" "$ROOT/scripts/vllm_kv_events_check.py" "$VPY" "$MODEL_DIR" "$WORK"
 
 # ---- 3. segment and two agents -----------------------------------------------------------
 "$PY" -m dplb_shm create --name "$SHM" --slots 4 --replace >/dev/null
