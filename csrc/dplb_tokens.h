@@ -353,6 +353,22 @@ static int dplb_line_role(int kind, const void *data, Py_ssize_t i, Py_ssize_t e
     return -1;
 }
 
+/* a message's start in the token stream: the previous message's end (``<|eot|>``, unless it is the
+ * first) and the role's literal ``<|role|>`` (dplb_roles[r]) */
+static void dplb_tok_turn(dplb_tok *t, int r)
+{
+    char lit[DPLB_ROLE_MAX + 4];
+    size_t rl = strlen(dplb_roles[r]);
+    if (t->n > 0)
+        dplb_tok_literal(t, "<|eot|>", 7);
+    lit[0] = '<';
+    lit[1] = '|';
+    memcpy(lit + 2, dplb_roles[r], rl);
+    lit[rl + 2] = '|';
+    lit[rl + 3] = '>';
+    dplb_tok_literal(t, lit, (Py_ssize_t)rl + 4);
+}
+
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define DPLB_ASCII_FAST 1
 #ifdef __SSE2__
@@ -579,17 +595,8 @@ static int dplb_tokenize_ascii(dplb_tok *t, int chat, const uint8_t *p, Py_ssize
             const uint8_t *nl;
             int r = dplb_line_role(PyUnicode_1BYTE_KIND, p, line, n, &colon);
             if (r >= 0) {
-                char lit[DPLB_ROLE_MAX + 4];
-                size_t rl = strlen(dplb_roles[r]);
                 dplb_tok_ascii_words(t, p, seg, line);
-                if (t->n > 0)
-                    dplb_tok_literal(t, "<|eot|>", 7);
-                lit[0] = '<';
-                lit[1] = '|';
-                memcpy(lit + 2, dplb_roles[r], rl);
-                lit[rl + 2] = '|';
-                lit[rl + 3] = '>';
-                dplb_tok_literal(t, lit, (Py_ssize_t)rl + 4);
+                dplb_tok_turn(t, r);
                 seg = colon + 1;
             }
             nl = memchr(p + line, '\n', (size_t)(n - line));
@@ -633,16 +640,7 @@ static int dplb_tokenize(dplb_tok *t, int chat, int ascii, int kind, const void 
         }
         r = dplb_line_role(kind, data, i, end, &colon);
         if (r >= 0) {
-            char lit[DPLB_ROLE_MAX + 4];
-            size_t rl = strlen(dplb_roles[r]);
-            if (t->n > 0)
-                dplb_tok_literal(t, "<|eot|>", 7);
-            lit[0] = '<';
-            lit[1] = '|';
-            memcpy(lit + 2, dplb_roles[r], rl);
-            lit[rl + 2] = '|';
-            lit[rl + 3] = '>';
-            dplb_tok_literal(t, lit, (Py_ssize_t)rl + 4);
+            dplb_tok_turn(t, r);
             i = colon + 1;
         }
         if (dplb_tok_split(t, ascii, kind, data, i, end) < 0)
