@@ -519,11 +519,16 @@ class Agent:
         loaded machine."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._control_go.wait(), CONTROL_DEFER_MAX_S)
-        await asyncio.to_thread(load_control_modules)
-        if self._stopping:
-            return
-        self._server = control_server(self._control_app())
-        await self._server.serve(sockets=sockets)
+        try:
+            await asyncio.to_thread(load_control_modules)
+            if self._stopping:
+                return
+            self._server = control_server(self._control_app())
+            await self._server.serve(sockets=sockets)
+        except Exception:   # the engine and the slot go on; a caller is refused, not left hanging
+            log.exception("worker %d: the control API cannot be served; its sockets are closed", self.worker_id)
+            for sock in sockets:
+                sock.close()
 
     # -- main ----------------------------------------------------------------------------
     async def run(self) -> int:

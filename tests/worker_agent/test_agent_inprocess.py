@@ -70,3 +70,28 @@ async def test_sim_engine_without_gpus_publishes_the_simulated_device(segment, r
         assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (int(0.9 * 80 * GiB), 80 * GiB)
     finally:
         await stop(agent, task)
+
+
+async def test_a_control_api_that_cannot_load_is_logged_and_refuses_callers(segment, run_dir, monkeypatch, caplog):
+    # the control API's modules load in a thread after the claim: a failure there must say so and
+    # close the sockets (a caller refused), not leave connections waiting in a backlog forever
+    import worker_agent.agent as agent_mod
+
+    def broken() -> None:
+        raise ImportError("no module named 'fastapi'")
+
+    monkeypatch.setattr(agent_mod, "load_control_modules", broken)
+    with caplog.at_level(logging.ERROR, logger="worker_agent"):
+        agent, task = await run_agent(segment, run_dir)
+        try:
+            await aslot_wait(segment, 0, lambda s: s.state.name == "READY", 30, "READY")
+            for _ in range(100):
+                if any("control API cannot be served" in r.message for r in caplog.records):
+                    break
+                await asyncio.sleep(0.1)
+            assert any("control API cannot be served" in r.message and r.exc_info and r.exc_info[0] is ImportError
+                       for r in caplog.records)
+            with pytest.raises(OSError):
+                await asyncio.open_unix_connection(os.path.join(run_dir, "agent-0.sock"))
+        finally:
+            await stop(agent, task)
