@@ -3,6 +3,7 @@ see :mod:`bench.faultsuite.scenarios`."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -295,17 +296,27 @@ def run_drain_remove_cycles(rate: float = 20.0, duration: float = 3.2) -> Result
         base = st.router({"admission": {"tpot_slo_s": 0}}, ready=2)
         calls: list[tuple[float, float, str, int, list[int]]] = []
 
-        def act(method: str, path: str, **kw: Any) -> Callable[[], None]:
+        turn = threading.Condition()
+
+        def act(k: int, method: str, path: str, **kw: Any) -> Callable[[], None]:
             def run() -> None:
+                # each call in its own thread at its offset: on a busy machine a later one can start
+                # first (a re-add before its removal: 409); each waits for the calls before it
+                with turn:
+                    turn.wait_for(lambda: len(calls) >= k, timeout=15)
                 active = [f.client().stats()["active"] for f in (f0, f1)]
                 t = time.monotonic()
                 code = admin_call(base, method, path, **kw)
-                calls.append((t, time.monotonic(), path, code, active))
+                with turn:
+                    calls.append((t, time.monotonic(), path, code, active))
+                    turn.notify_all()
             return run
 
-        events = {0.5: act("POST", "/dplb/workers/0/drain"), 1.1: act("POST", "/dplb/workers/0/undrain"),
-                  1.6: act("DELETE", "/dplb/workers/0"), 2.1: act("POST", "/dplb/workers", json={"endpoint": f0.endpoint}),
-                  2.5: act("DELETE", "/dplb/workers/1"), 2.9: act("POST", "/dplb/workers", json={"endpoint": f1.endpoint})}
+        events = {0.5: act(0, "POST", "/dplb/workers/0/drain"), 1.1: act(1, "POST", "/dplb/workers/0/undrain"),
+                  1.6: act(2, "DELETE", "/dplb/workers/0"),
+                  2.1: act(3, "POST", "/dplb/workers", json={"endpoint": f0.endpoint}),
+                  2.5: act(4, "DELETE", "/dplb/workers/1"),
+                  2.9: act(5, "POST", "/dplb/workers", json={"endpoint": f1.endpoint})}
         def hdr(i: int) -> dict[str, str]:  # streams of 10 chunks 0.1 s apart; chats answered after 0.3 s
             if i % 2 == 0:
                 return {"x-fake-mode": "stream", "x-fake-chunks": "10", "x-fake-delay": "0.1"}
