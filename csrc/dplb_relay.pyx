@@ -23,6 +23,9 @@ when a read split that word): then
 the terminator is left to ``ChunkedWriter.finish``, which writes the SSE error event of a truncated
 answer before it (router/relay.py); a ``data: [DONE]`` event that ends such a read is not written
 either (``held_done``): the writer puts it after the error event, which never follows a ``[DONE]``.
+A read of such a stream that ends inside a ``data: [DONE]`` event (a network read cuts anywhere) keeps
+that event's start back until the next read tells: the whole ``[DONE]`` is held as above, anything
+else is written after those bytes, unchanged.
 """
 from libc.string cimport memcmp, memcpy, memmove
 
@@ -89,6 +92,22 @@ cdef Py_ssize_t _done_suffix(const unsigned char *p, Py_ssize_t n):
     return 0
 
 
+cdef Py_ssize_t _done_start(const unsigned char *p, Py_ssize_t n):
+    """The length of the start of a ``data: [DONE]`` event (not the whole event; also without the
+    space) that ends the ``n`` bytes at ``p``, at their start or after a line break; 0 when there
+    is none."""
+    cdef Py_ssize_t i = n - 1
+    if n == 0:
+        return 0
+    while i > 0 and n - i < 14 and p[i - 1] != 10:
+        i -= 1
+    if n - i >= 14 or (i > 0 and p[i - 1] != 10):
+        return 0
+    if memcmp(p + i, b"data: [DONE]\n\n", n - i) == 0 or (n - i < 13 and memcmp(p + i, b"data:[DONE]\n\n", n - i) == 0):
+        return n - i
+    return 0
+
+
 cdef class ChunkRelay:
     """Relay of one chunked response body from an engine's connection to a client's transport.
 
@@ -108,7 +127,9 @@ cdef class ChunkRelay:
     reads, the rule of ``StreamMeter.feed``), ``relayed`` (payload bytes written), ``ended`` (the
     terminating chunk was written to the client: ``end`` and ``done``), ``held_done`` (a read ended
     with ``data: [DONE]`` while ``"abort"`` was in the relayed tail or the read: that event was not
-    written nor metered; the router's writer writes it after the abort's error event).
+    written nor metered; the router's writer writes it after the abort's error event). A read
+    that ends with the start of such a ``[DONE]`` event keeps those bytes (``pend``) for the next
+    read, which decides (module docstring).
     """
 
     cdef int state
@@ -126,6 +147,8 @@ cdef class ChunkRelay:
     cdef unsigned char pre[6]   # the payload's last bytes before the hand-over (see ``before``)
     cdef Py_ssize_t pre_len
     cdef bint pre_abort         # ``"abort"`` in ``before``
+    cdef unsigned char pend[14] # the start of a [DONE] event held back from the last read
+    cdef Py_ssize_t pend_len
     cdef public bint done
     cdef public bint failed
     cdef public bint extra
@@ -158,6 +181,7 @@ cdef class ChunkRelay:
         self.extra = False
         self.ended = False
         self.held_done = False
+        self.pend_len = 0
         self._end = end
         self.events = 0
         self.relayed = 0
@@ -295,6 +319,13 @@ cdef class ChunkRelay:
             c = 0
         return memmem(j, a + b + c, b'"abort"', 7) != NULL
 
+    cdef bint _abort_seen(self, const unsigned char *p, Py_ssize_t n) noexcept:
+        """Whether ``"abort"`` is in the relayed tail, in the ``n`` bytes at ``p`` (this read's
+        payload), across the two, or before the hand-over (:meth:`_abort_before`)."""
+        return (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
+                or (n > 0 and (memmem(p, n, b'"abort"', 7) != NULL or self._abort_across(p, n)))
+                or self._abort_before(p, n))
+
     cdef void _account(self, const unsigned char *p, Py_ssize_t n) noexcept:
         cdef Py_ssize_t i = 0, keep
         cdef long long k = 0
@@ -327,23 +358,30 @@ cdef class ChunkRelay:
 
     cdef int _feed(self, bytes data) except -1:
         cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
-        cdef Py_ssize_t pay, start, stop
+        cdef Py_ssize_t pay, start, stop, k
+        cdef unsigned char *p
         cdef unsigned long long v
         cdef bint end
         if self.failed or n == 0:
             return OK
-        self._reserve(n + HEAD_ROOM + FOOT_ROOM)
-        pay = self._decode(<const unsigned char *>PyBytes_AS_STRING(data), n, self.buf + HEAD_ROOM)
+        self._reserve(n + HEAD_ROOM + FOOT_ROOM + 14)
+        p = self.buf + HEAD_ROOM
+        memcpy(p, self.pend, self.pend_len)   # the start of a [DONE] held back from the last read
+        pay = self.pend_len + self._decode(<const unsigned char *>PyBytes_AS_STRING(data), n, p + self.pend_len)
+        self.pend_len = 0
         end = self._end and self.done and not self.ended
-        k = _done_suffix(self.buf + HEAD_ROOM, pay)
-        if (end or k) and (memmem(self.tailbuf, self.tail_len, b'"abort"', 7) != NULL
-                           or (pay > 0 and (memmem(self.buf + HEAD_ROOM, pay, b'"abort"', 7) != NULL
-                                            or self._abort_across(self.buf + HEAD_ROOM, pay)))
-                           or self._abort_before(self.buf + HEAD_ROOM, pay)):
+        k = _done_suffix(p, pay)
+        if (end or k) and self._abort_seen(p, pay):
             end = False   # an engine's abort, maybe: the writer ends the body, after its error event
             if k and not self.held_done:
                 pay -= k  # and its [DONE] after that event, never before it
                 self.held_done = True
+        elif not self.done and not self.held_done:
+            k = _done_start(p, pay)
+            if k and self._abort_seen(p, pay):
+                pay -= k  # a read cut inside that [DONE]: its start waits for the next read
+                memcpy(self.pend, p + pay, k)
+                self.pend_len = k
         if pay == 0 and not end:
             return OK
         if self._client.disconnected:

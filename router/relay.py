@@ -18,7 +18,13 @@ from router.errors import TransportError, sse_error_event
 from router.exchange import Attempt, Exchange
 from router.metrics import Metrics
 from router.server import ChunkedWriter, ClientGone, chunked_writer, start_chunked
-from router.stream_meter import StreamMeter, events_aborted, is_event_stream, split_done
+from router.stream_meter import (
+    StreamMeter,
+    done_start,
+    events_aborted,
+    is_event_stream,
+    split_done,
+)
 from router.upstream import Upstream
 
 if TYPE_CHECKING:
@@ -57,7 +63,8 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     meter = StreamMeter(is_event_stream(headers))
     ttft: list[float] = []   # the TTFT once seen (set from the connection's callback too)
     held: list[bytes] = []   # an engine's [DONE] held back from an aborted stream (its error event goes first)
-    first = _hold_done(first, meter, held)
+    pend = bytearray()       # the start of such a [DONE], cut by a read: the next chunk tells
+    first = _hold_done(first, meter, held, pend, up.complete())
     if first and meter.feed(first):
         ttft.append(director.first_content(ex.route, ex.t0, att.lease))
     # a body already whole and aborted by its engine is not ended here: its error event follows
@@ -73,7 +80,7 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     final, last, cause = status, b"", None
     try:
         if first:
-            await _relay_rest(ex, att, up, writer, meter, ttft, director, held)
+            await _relay_rest(ex, att, up, writer, meter, ttft, director, held, pend)
         complete = True
     except (asyncio.CancelledError, ClientGone) as e:
         if cut_by_stop(ex, e) and not delivered(meter, writer):
@@ -119,33 +126,43 @@ async def relay_stream(ex: Exchange, att: Attempt, up: Upstream, first: bytes, h
     return ok
 
 
-def _hold_done(chunk: bytes, meter: StreamMeter, held: list[bytes]) -> bytes:
+def _hold_done(chunk: bytes, meter: StreamMeter, held: list[bytes], pend: bytearray, last: bool) -> bytes:
     """``chunk`` without its trailing ``data: [DONE]`` event when the stream may report an
     engine-side abort (in ``chunk`` or before it, :meth:`StreamMeter.mentions_abort`): that event
     goes to ``held``, written after the abort's error event, or as it was when the stream was not
-    aborted after all (:func:`relay_stream`). Anything else is returned unchanged."""
-    if held or not chunk.endswith(b"[DONE]\n\n"):
+    aborted after all (:func:`relay_stream`). Such a chunk that ends with the start of that event
+    (a read cut inside it; not the body's ``last`` chunk) keeps the start in ``pend``, put before
+    the next chunk, which then decides. Anything else is returned unchanged."""
+    if pend:
+        chunk = bytes(pend) + chunk
+        pend.clear()
+    if held:
         return chunk
-    body, done = split_done(chunk)
-    if done and meter.mentions_abort(chunk):   # a false alarm writes the [DONE] at the end (relay_stream)
-        held.append(done)
-        return body
+    if chunk.endswith(b"[DONE]\n\n"):
+        body, done = split_done(chunk)
+        if done and meter.mentions_abort(chunk):   # a false alarm writes the [DONE] at the end (relay_stream)
+            held.append(done)
+            return body
+    elif not last and (k := done_start(chunk)) and meter.mentions_abort(chunk):
+        pend += chunk[-k:]
+        return chunk[:-k]
     return chunk
 
 
 async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedWriter | None, meter: StreamMeter,
-                      ttft: list[float], director: Director, held: list[bytes]) -> None:
+                      ttft: list[float], director: Director, held: list[bytes], pend: bytearray) -> None:
     """The chunks after the first: piped into ``writer`` from the connection's callback (then by
     the native relay after the first content), else sent one ASGI message each; every chunk the
     client was written goes through ``meter`` (the first content appends the TTFT to ``ttft``).
     An aborted stream's trailing ``data: [DONE]`` is not written but appended to ``held`` (by the
-    native relay: its ``held_done``). Raises TransportError (broken, stalled), ClientGone or
+    native relay: its ``held_done``), the start of such an event cut by a read to ``pend``
+    (:func:`_hold_done`; no hand-over to the native relay then). Raises TransportError (broken, stalled), ClientGone or
     CancelledError (the client left, or the router's stop cut the stream)."""
     route, t0, lease, first_content = ex.route, ex.t0, att.lease, director.first_content
     if writer is None:
         lease.progress = meter.content_events   # output tokens so far, for the TPOT-SLO term
         async for chunk in up.chunks():
-            chunk = _hold_done(chunk, meter, held)
+            chunk = _hold_done(chunk, meter, held, pend, up.complete())
             if meter.feed(chunk):
                 ttft.append(first_content(route, t0, lease))
             if chunk:
@@ -161,7 +178,7 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
         # the body's last bytes carry its end (one write, not two), unless the engine aborted the
         # stream (its error event follows, then the [DONE] held back); the meter sees what the
         # client was written, nothing after it left (see delivered)
-        chunk = _hold_done(chunk, meter, held)
+        chunk = _hold_done(chunk, meter, held, pend, up.complete())
         end = up.complete() and not held and not events_aborted(chunk)
         if not chunk:
             return not writer.gone
@@ -174,7 +191,7 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
         # after the first content the meter only counts events and keeps the
         # tail, which the native relay does as it writes; a stream already aborted stays here
         # (the relay would not know to hold back the [DONE] that follows)
-        if not meter.first_seen or meter.aborted():
+        if not meter.first_seen or meter.aborted() or pend:
             return None
         r = writer.native_relay(meter.carry, meter.tail)
         relays.append(r)

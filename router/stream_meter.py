@@ -303,6 +303,13 @@ def split_done(chunk: bytes) -> tuple[bytes, bytes]:
     return chunk, b""
 
 
+def done_start(chunk: bytes) -> int:
+    """The length of the start of a ``data: [DONE]`` event (not the whole event) that ends
+    ``chunk``, at its start or after a line break (:func:`split_done`); 0 when there is none."""
+    t = chunk[chunk.rfind(b"\n", 0, len(chunk) - 1) + 1:]
+    return len(t) if t and any(len(t) < len(d) and d.startswith(t) for d in DONE_EVENTS) else 0
+
+
 def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     """Whether response ``headers`` (lower-case names) say ``text/event-stream``."""
     return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)

@@ -133,3 +133,94 @@ def _relay_before(before: bytes, *reads: bytes) -> tuple[ChunkRelay, bytes]:
     for data in reads:
         r.feed(data)
     return r, b"".join(out)
+
+
+WHOLE_END = _chunk(DONE) + b"0\r\n\r\n"
+
+
+def _client_view(written: bytes, held: bool) -> bytes:
+    # what the client reads: the relayed bytes, then (an aborted stream) the router's writer's
+    # error event and the [DONE] held back
+    return written + (b"event: error\n\n" + DONE if held else b"")
+
+
+def test_the_native_relay_holds_a_done_that_a_read_cut_after_an_abort():
+    """A read that cut inside ``data: [DONE]`` of an aborted stream (also inside the chunk's size
+    line): the relay held back only a [DONE] whole in one read, so the client got the [DONE] (in
+    pieces) before the error event and took the truncated answer for a whole one (cuts 4 to 16)."""
+    r0, w0 = _relay(_chunk(CONTENT + ABORT), WHOLE_END)
+    want = _client_view(w0, r0.held_done)
+    assert want.index(b"event: error") < want.index(b"[DONE]")
+    missed = []
+    for cut in range(1, len(WHOLE_END)):
+        r, written = _relay(_chunk(CONTENT + ABORT), WHOLE_END[:cut], WHOLE_END[cut:])
+        if not (r.done and r.held_done and not r.ended) or _client_view(written, r.held_done) != want:
+            missed.append(cut)
+    assert not missed, missed
+
+
+def test_the_native_relay_writes_what_follows_an_abort_unchanged_when_it_is_no_done():
+    # the start of an event held back after an abort goes out first when the next read shows no
+    # [DONE]; without an abort nothing waits (no extra latency)
+    more = _chunk(b"data: {}\n\n") + WHOLE_END
+    _, w0 = _relay(_chunk(CONTENT + ABORT), more)
+    for cut in range(1, len(more)):
+        r, written = _relay(_chunk(CONTENT + ABORT), more[:cut], more[cut:])
+        assert _payload(written) == _payload(w0) and r.held_done, cut   # each read its own chunk
+    out: list[bytes] = []
+    r = ChunkRelay(out.append, _Client(), _Flow(), b"\n", True)
+    r.feed(_chunk(CONTENT))
+    r.feed(WHOLE_END[:10])
+    assert out[-1] == _chunk(DONE[:7])
+
+
+def _payload(framed: bytes) -> bytes:
+    out = b""
+    while framed:
+        size, _, framed = framed.partition(b"\r\n")
+        n = int(size, 16)
+        out, framed = out + framed[:n], framed[n + 2:]
+    return out
+
+
+def _python_relay(*payloads: bytes) -> tuple[bytes, list[bytes]]:
+    # router/relay.py's _hold_done over the payloads of the reads (the last one ends the body)
+    from router.relay import _hold_done
+    from router.stream_meter import StreamMeter
+
+    m = StreamMeter(True)
+    held: list[bytes] = []
+    pend = bytearray()
+    out = []
+    for i, data in enumerate(payloads):
+        chunk = _hold_done(data, m, held, pend, i == len(payloads) - 1)
+        m.feed(chunk)
+        out.append(chunk)
+    return b"".join(out), held
+
+
+def test_the_python_relay_holds_a_done_that_a_read_cut_after_an_abort():
+    # the cuts of chunk(DONE) + the terminator, as the payloads of the reads (a 3-byte size line)
+    w0, held0 = _python_relay(CONTENT + ABORT, DONE)
+    assert held0 == [DONE] and b"[DONE]" not in w0
+    missed = []
+    for cut in range(1, len(WHOLE_END)):
+        k = min(max(cut - 3, 0), len(DONE))
+        reads = [p for p in (DONE[:k], DONE[k:]) if p]
+        written, held = _python_relay(CONTENT + ABORT, *reads)
+        if (written, held) != (w0, held0):
+            missed.append(cut)
+    assert not missed, missed
+
+
+def test_the_python_relay_writes_what_follows_an_abort_unchanged_when_it_is_no_done():
+    more = b"data: {}\n\n" + DONE
+    for cut in range(1, len(more)):
+        written, held = _python_relay(CONTENT + ABORT, more[:cut], more[cut:])
+        assert (written, held) == (CONTENT + ABORT + b"data: {}\n\n", [DONE]), cut
+    from router.relay import _hold_done
+    from router.stream_meter import StreamMeter
+
+    m = StreamMeter(True)
+    m.feed(CONTENT)
+    assert _hold_done(DONE[:7], m, [], bytearray(), False) == DONE[:7]   # no abort: nothing waits
