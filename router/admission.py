@@ -1,7 +1,8 @@
 """The admission queue: late binding, order, fairness and shedding (docs/admission.md).
 
 One synchronous core, the same code in the router (:mod:`router.admission_gate` wraps it for
-asyncio), the endpoint picker and ``dplb-simulate`` (:mod:`simulate.cluster`). It holds no
+asyncio), the endpoint picker and ``dplb-simulate`` (:mod:`simulate.cluster`); the rule that
+judges a routing decision for it is :mod:`router.admission_rule`. It holds no
 worker state and takes no lease: the caller routes a ticket (``try_dispatch``) and the core only
 decides *which* waiting request is tried next, *whether* a routing decision may be acted on now
 (:meth:`AdmissionQueue.judge`), and *when* a waiting request is answered instead.
@@ -13,7 +14,7 @@ off: queue ahead + own prefill, whose queued prefill is the segment's shared acc
 router process and counts the engine's waiting requests, the decode steps sharing them, and the
 KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
 worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`). A
-decode there already pacing above ``tpot_slo_s`` (:func:`pacing_over`: the batch is full for its
+decode there already pacing above ``tpot_slo_s`` (:func:`router.admission_rule.pacing_over`: the batch is full for its
 SLO) holds the request when at least half the eligible workers have one (the cluster has no TPOT
 room), when a waiting request went late or was shed for its budget within ``reserve_window_s``
 (:meth:`AdmissionQueue.shedding`: past capacity), or when the request fills only the reserve
@@ -56,16 +57,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from router.config import AdmissionSection
-
-if TYPE_CHECKING:
-    from router.policies.base import Decision, RequestInfo
-    from router.scheduling import Lease, Scheduler
-    from router.workers import WorkerHandle
 
 #: :meth:`AdmissionQueue.judge` verdicts: dispatch now / the cluster has no room (stop trying) /
 #: this request would miss its deadline (try the next one) / the caller failed the request itself
@@ -509,90 +505,4 @@ class AdmissionQueue(Generic[P]):
                 "classes": classes, "shed": shed, "dispatched": self.dispatched_total}
 
 
-#: a decode is judged by its pace once it has streamed this many tokens
-PACE_MIN_TOKENS = 8
-
-
-def pacing_over(requests: Iterable[tuple[int | None, int, float | None]], tpot_s: float) -> bool:
-    """True when a decode in flight on a worker (``requests``: ``(max_tokens, tokens streamed,
-    seconds since its first token)`` each, :meth:`router.scheduling.DecodeBook.requests`) has
-    streamed at least :data:`PACE_MIN_TOKENS` tokens at a mean time per output token above
-    ``tpot_s`` (0: never): the worker's batch is already past its TPOT bound, one more request
-    there makes it worse."""
-    if tpot_s <= 0:
-        return False
-    for _, k, since in requests:
-        if k >= PACE_MIN_TOKENS and since is not None and since > tpot_s * (k - 1):
-            return True
-    return False
-
-
-def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
-                exclude: set[int] | frozenset[int] = frozenset()) -> tuple[str, WorkerHandle | None, Decision | None]:
-    """Route ``t`` (request ``info``) with ``sched`` and judge the decision by the saturation rule
-    (:meth:`AdmissionQueue.judge`) on the chosen worker's own estimated TTFT (``Decision.ttft_s``,
-    else the policy's ``est_s``; the caller turns on the policy's ``report_ttft``); on :data:`GO`
-    the chosen worker's breaker admits it (a half-open breaker's probe is taken; one that refuses
-    it: the choice is made again without it). Returns ``(verdict, handle, decision)`` (handle and
-    decision only on GO; nothing is recorded: the caller takes the lease before it yields). Raises
-    :class:`~router.errors.NoEligibleWorker` when no worker can take it at all (503, as without
-    the queue).
-
-    ``full`` (no room whatever the estimate): every offered worker above the KV threshold
-    (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
-    its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
-    ``tpot_slo_s`` (:func:`pacing_over`) and either at least half the eligible workers have one
-    (the cluster has no TPOT room), or the queue is shedding (:meth:`AdmissionQueue.shedding`), or
-    ``t`` fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``), or, for a policy that estimates no TTFT, the chosen worker's router in-flight
-    count (read live from the segment) at its ``max_num_seqs``."""
-    h, d = sched.decide(info, exclude)
-    full = d.reason == "kv_full" or d.slo_victims > 0
-    if not full:
-        tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
-        if pacing_over(decodes.requests(h.worker_id), tpot):
-            # the chosen worker's batch paces above its TPOT bound: a request that fills only the
-            # reserve (lower class, tenant above its share) waits for it, and so does any request
-            # while the queue has shed one for its deadline or budget lately (past capacity);
-            # otherwise it waits only when at least half the eligible workers pace over (the
-            # cluster has no TPOT room). A minority pacing over is a burst the others' room
-            # absorbs: holding for it turns into TTFT below capacity without saving the decodes
-            # there (a pace is a mean since the first token, slow to fall back), and re-routing
-            # would give up the prefix the policy chose the worker for. Measured (agentic, 4
-            # engines, bench/results/admission.md): holding for the chosen worker alone raised
-            # TTFT p99 at 0.8x capacity 0.76 -> 1.27 s; holding only when every worker paces over
-            # let goodput at 1.5x capacity fall to 0.75x the peak.
-            if q.headroom(t.priority, now, t.tenant) < q.cfg.headroom or q.shedding(now):
-                full = True
-            else:
-                cands = sched.candidates(info.model, set(exclude), False)
-                over = sum(1 for s in cands if pacing_over(decodes.requests(s.worker_id), tpot))
-                full = 2 * over >= len(cands)
-    est = d.ttft_s if d.ttft_s is not None else d.est_s
-    if est is None and not full:
-        snap = h.snap
-        if snap is not None and int(snap.max_num_seqs) > 0:
-            # the live count, not the last health tick's: every dispatch of a burst (by any
-            # router process) since that tick counts, or the whole burst passes on a stale 0
-            seg = sched.seg
-            n = int(snap.router_inflight) if seg is None else int(seg.router_inflight_get(h.worker_id))
-            full = n >= int(snap.max_num_seqs)
-    v = q.judge(t, est, now, full)
-    if v != GO:
-        return v, None, None
-    if not h.breaker.allow():   # a half-open breaker's probe is taken: choose among the others
-        h, d = sched.admit(info, set(exclude) | {h.worker_id})
-    return GO, h, d
-
-
-def route_ticket(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
-                 exclude: set[int] | frozenset[int] = frozenset()) -> tuple[str, Lease | None, Decision | None]:
-    """:func:`judge_route`, then on :data:`GO` the lease (``sched.lease``). Returns ``(verdict,
-    lease or None, decision or None)``. Raises NoEligibleWorker."""
-    v, h, d = judge_route(q, sched, info, t, now, exclude)
-    if v != GO or h is None or d is None:
-        return v, None, None
-    return GO, sched.lease(h, d, info, now), d
-
-
-__all__ = ["BUDGET", "DEADLINE", "FAIL", "FULL", "GO", "LATE", "WAIT", "AdmissionQueue", "Outcome", "Ticket",
-           "judge_route", "pacing_over", "route_ticket"]
+__all__ = ["BUDGET", "DEADLINE", "FAIL", "FULL", "GO", "LATE", "WAIT", "AdmissionQueue", "Outcome", "Ticket"]

@@ -39,9 +39,8 @@ from router.admission import (
     GO,
     AdmissionQueue,
     Ticket,
-    judge_route,
-    route_ticket,
 )
+from router.admission_rule import judge_route, route_ticket
 from router.config import AdmissionSection
 from router.errors import NoEligibleWorker, Overloaded
 from router.metrics import Metrics

@@ -1,7 +1,7 @@
 """The router's admission queue in virtual time (``dplb-simulate``; :mod:`router.admission`).
 
 :class:`SimAdmission` runs the router's own :class:`~router.admission.AdmissionQueue` and
-:func:`~router.admission.route_ticket` (the same code, not a copy) over the simulation's
+:func:`~router.admission_rule.route_ticket` (the same code, not a copy) over the simulation's
 scheduler: an arrival is offered to the queue and the queue is pumped; the simulation pumps it
 again whenever the routing state changed (a request's first token or end: the router's
 accounting; an agent's publication), which is when the live router's pump at each request end
@@ -21,7 +21,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import NotRequired, TypedDict, TypeVar
 
-from router.admission import FAIL, GO, AdmissionQueue, Ticket, route_ticket
+from router.admission import FAIL, GO, AdmissionQueue, Ticket
+from router.admission_rule import route_ticket
 from router.config import AdmissionSection
 from router.errors import NoEligibleWorker
 from router.policies.base import Decision, RequestInfo

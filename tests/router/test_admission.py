@@ -383,7 +383,7 @@ PACING_FINE = (200, 20, 1.0)
 
 
 def test_a_worker_pacing_over_holds_only_when_the_cluster_is_saturated_or_for_the_reserve():
-    from router.admission import judge_route
+    from router.admission_rule import judge_route
     from router.policies.base import RequestInfo
 
     info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
