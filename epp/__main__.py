@@ -87,15 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-events-block-size", type=int, default=16, help="the engines' block size (default 16)")
     e.add_argument("--kv-events-vocab-size", type=int, default=128_256,
                    help="the (simulated) engines' vocabulary size for their word tokenizer (default 128256)")
-    r = p.add_argument_group("replicas on several nodes: load and placements shared through Redis (epp.share)")
+    r = p.add_argument_group("replicas on several nodes: load and placements shared through Redis (the config "
+                             "file's share section; these flags override it)")
     r.add_argument("--share-url", metavar="URL",
                    help="Redis URL (redis://host:6379/0; rediss:// for TLS) the replicas of this pool share their "
                         "in-flight load per engine and their placements through (default: off, each its own view)")
-    r.add_argument("--share-prefix", default="dplb", help="key prefix in Redis: one per pool (default dplb)")
-    r.add_argument("--share-interval-ms", type=float, default=5.0,
-                   help="how often the shared load is written and read, ms (default 5)")
-    r.add_argument("--share-ttl-s", type=float, default=2.0,
-                   help="how long a replica's load outlives its last refresh (a dead replica's), s (default 2)")
+    r.add_argument("--share-prefix", help="key prefix in Redis: one per pool (default dplb)")
+    r.add_argument("--share-interval-ms", type=float,
+                   help="how often every replica's load is read besides the pushed changes, ms (default 100)")
+    r.add_argument("--share-ttl-s", type=float,
+                   help="how long a replica's load outlives its last write (a dead replica's), s (default 2)")
     g = p.add_argument_group("Envoy bootstrap (--print-envoy-config)")
     g.add_argument("--print-envoy-config", action="store_true", help="print the Envoy bootstrap and exit")
     g.add_argument("--envoy-port", type=int, default=8081, help="Envoy's listener port")
@@ -129,24 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_events_block_size < 1 or args.kv_events_vocab_size < 1:
         print("dplb-epp: --kv-events-block-size and --kv-events-vocab-size must be positive", file=sys.stderr)
         return 2
-    if args.share_url and args.shm:
-        print("dplb-epp: --share-url goes with a picker's own segment (--endpoints-file or --pool, no --shm): "
-              "the router processes of one node already share its segment", file=sys.stderr)
-        return 2
-    if args.share_url and not (0 < args.share_interval_ms < args.share_ttl_s * 1000):
-        print("dplb-epp: need 0 < --share-interval-ms < --share-ttl-s (in ms)", file=sys.stderr)
-        return 2
     if args.pool_resync <= 0:
         print("dplb-epp: --pool-resync must be positive", file=sys.stderr)
         return 2
     private_dir = args.state_dir or f"/tmp/dplb-epp-{args.port}"
     overrides = {"routing_policy.policy": args.policy, "router.shm": args.shm,
                  "router.state_dir": args.state_dir if args.shm else private_dir,
-                 "router.log_level": args.log_level}
+                 "router.log_level": args.log_level, "share.url": args.share_url, "share.prefix": args.share_prefix,
+                 "share.interval_ms": args.share_interval_ms, "share.ttl_s": args.share_ttl_s}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"dplb-epp: {e}", file=sys.stderr)
+        return 2
+    if cfg.share.url and args.shm:
+        print("dplb-epp: share.url (--share-url) goes with a picker's own segment (--endpoints-file or --pool, no "
+              "--shm): the router processes of one node already share its segment", file=sys.stderr)
         return 2
     if args.endpoints_file:
         from epp.discovery import EndpointsFileError, load_endpoints
@@ -196,11 +195,10 @@ async def _run(args: argparse.Namespace, cfg: object, kube: PoolWatcher | None =
             from epp.events import EventsFeed, WordTokenizer
 
             picker.events = EventsFeed(args.kv_events_block_size, WordTokenizer(args.kv_events_vocab_size))
-        if args.share_url:
+        if cfg.share.url:
             from epp.share import PickerShare
 
-            picker.share = PickerShare(picker, args.share_url, prefix=args.share_prefix,
-                                       interval_s=args.share_interval_ms / 1000.0, ttl_s=args.share_ttl_s)
+            picker.share = PickerShare(picker, cfg.share)
         await serve(picker, args.host, args.port, args.health_port, args.metrics_port or None,
                     BODY_MODES[args.request_body_mode], stop, RESPONSE_BODY_MODES[args.response_body_mode],
                     args.ext_proc_server)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events", action="store_true", default=None,
                    help="route on the engines' KV-cache events (kv_events.enabled; each backend_servers "
                         "entry names its publisher)")
+    p.add_argument("--share-url", metavar="URL",
+                   help="Redis URL (share.url) the routers on other nodes share their in-flight load per engine and "
+                        "their placements through (default: off)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="after SIGTERM, seconds the requests in flight may take to finish (default: %(default)g)")
     return p
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                  "routing_policy.policy": args.policy, "router.workers": args.workers,
                  "router.admin_token": args.admin_token, "router.api_key": args.api_key,
                  "router.log_level": args.log_level, "router.access_log": args.access_log,
-                 "metrics.port": args.metrics_port, "kv_events.enabled": args.kv_events}
+                 "metrics.port": args.metrics_port, "kv_events.enabled": args.kv_events, "share.url": args.share_url}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

@@ -33,6 +33,7 @@ from router.state import RouterState
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
+    from router.share_state import StateShare
 
 #: every router log line: time, level, logger, message
 log = logging.getLogger("dplb.router")
@@ -50,13 +51,27 @@ class HttpRouterState(RouterState):
         super().__init__(cfg, seg)
         #: the hot path, None until :meth:`start`
         self.proxy: Proxy | None = None
+        #: the load and placements shared with the routers on other nodes (``share.url``; None: off)
+        self.share: StateShare | None = None
 
     async def start(self) -> None:
-        """Start the state (:meth:`RouterState.start`), then build the proxy."""
+        """Start the state (:meth:`RouterState.start`), the sharing through Redis (``share.url``:
+        caught up first), then build the proxy."""
         await super().start()
         cfg = self.cfg
+        if cfg.share.url:
+            from router.share_state import StateShare
+
+            self.share = StateShare(self, cfg.share, self.events)
+            await self.share.start()
         self.proxy = Proxy(self.scheduler, self.transport, self.metrics,
                            ProxySettings.from_config(cfg, self.policy.needs_text), self.director)
+
+    async def stop(self) -> None:
+        """Close the sharing (a goodbye: the others drop this router's load at once), then stop."""
+        if self.share is not None:
+            await self.share.close()
+        await super().stop()
 
 
 def proxied(path: str) -> bool:

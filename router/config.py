@@ -240,6 +240,39 @@ class KVEventsSection(_Strict):
     pending_s: float = Field(default=30.0, ge=0, le=3600)
 
 
+class ShareSection(_Strict):
+    """Replicas on different nodes (routers, or pickers behind one gateway) share their in-flight
+    load per engine and their placements through Redis (:mod:`router.share`; ``dplb-router
+    --share-url``, ``dplb-epp --share-url``). ``url``: ``redis://host:6379/0`` (``rediss://`` for TLS,
+    ``unix://`` for a socket; None: off, each replica its own view); ``prefix``: the keys' prefix,
+    one per pool of replicas; ``interval_ms``: how often every replica's load is read besides the
+    pushes (the others' changes arrive as they happen); ``push_gap_ms``: the shortest time between
+    two pushes of this replica's changes (changes meanwhile go together); ``ttl_s``: how long a
+    replica's load outlives its last write (a replica killed without a goodbye). The engines are
+    matched by their address: give every replica the same addresses. A router shares with one
+    process per node (``router.workers`` 1)."""
+
+    url: str | None = None
+    prefix: str = Field(default="dplb", min_length=1, max_length=200)
+    interval_ms: float = Field(default=100.0, gt=0, le=60_000)
+    push_gap_ms: float = Field(default=1.0, ge=0, le=10_000)
+    ttl_s: float = Field(default=2.0, gt=0, le=3600)
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"(rediss?|unix)://\S+$", v):
+            raise ValueError("not a Redis URL: redis://host:port/db, rediss://... or unix:///path")
+        return v
+
+    @model_validator(mode="after")
+    def _interval(self) -> ShareSection:
+        if self.interval_ms >= self.ttl_s * 1000:
+            raise ValueError(f"interval_ms {self.interval_ms} must be below ttl_s ({self.ttl_s} s): a replica's "
+                             "load would expire between two writes")
+        return self
+
+
 class AdmissionClass(_Strict):
     """Settings of one priority class (``admission.classes``, keyed by the class's integer
     priority, higher first). ``queue_budget_s``: the longest a request of this class waits in
@@ -326,6 +359,7 @@ class Config(_Strict):
     metrics: MetricsSection = Field(default_factory=lambda: MetricsSection())
     admission: AdmissionSection = Field(default_factory=lambda: AdmissionSection())
     kv_events: KVEventsSection = Field(default_factory=lambda: KVEventsSection())
+    share: ShareSection = Field(default_factory=lambda: ShareSection())
     # what the launcher starts (several models on one box); empty: --num-workers/--model decide.
     # The router does not read it: the launcher validates it (launcher.config.LaunchWorker,
     # loaded with load_config(..., model=launcher.config.LaunchConfig))
@@ -336,6 +370,9 @@ class Config(_Strict):
         if self.metrics.port is not None and self.metrics.port == self.router.port:
             raise ValueError(f"metrics.port {self.metrics.port} is router.port: give it a port of its own or leave "
                              "it unset (/metrics is served on the main port anyway)")
+        if self.share.url and self.router.workers > 1:
+            raise ValueError("share.url goes with router.workers 1: the processes of one node share its segment, "
+                             "one of them would add the other nodes' load for all")
         return self
 
     @property

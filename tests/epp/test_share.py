@@ -165,7 +165,7 @@ async def test_placements_reach_the_others_and_a_late_replica_catches_up(redis, 
 
 
 async def test_redis_down_each_replica_falls_back_to_its_own_view_and_recovers(redis, segs, caplog):
-    caplog.set_level(logging.WARNING, logger="dplb.epp.share")
+    caplog.set_level(logging.WARNING, logger="dplb.share")
     a_seg, b_seg = segs(), segs()
     a = Share(redis.url, a_seg, lambda: {E1: 0}, on_place=lambda *x: None, replica="a", ttl_s=0.5, timeout_s=0.3)
     b = Share(redis.url, b_seg, lambda: {E1: 0}, on_place=lambda *x: None, replica="b", ttl_s=0.5, timeout_s=0.3)

@@ -1,0 +1,116 @@
+"""The push of router/share.py against a real redis-server on loopback (tests/epp/redis_server.py):
+a replica's change (a request dispatched, past prefill, ended; a placement; a goodbye) reaches the
+other replicas through the loads stream at once, not at the next poll of every replica's hash
+(the poll here is a minute: a change seen before it came by the push); a late answer of the poll
+never undoes a newer push."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dplb_shm import Segment
+from router.accounting import RequestAccount
+from router.share import Share
+from router.share_state import Notifying
+from tests.epp.redis_server import RedisServer
+from tests.helpers import unique_shm_name
+
+pytestmark = [pytest.mark.timeout(120)]
+
+E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
+SLOW = {"interval_s": 60.0, "ttl_s": 120.0}   # no poll within the test: what arrives was pushed
+
+
+@pytest.fixture
+def redis(procs, run_dir):
+    return RedisServer(procs, run_dir).start()
+
+
+@pytest.fixture
+def segs():
+    made = []
+
+    def make() -> Segment:
+        s = Segment.create(unique_shm_name(), num_slots=4)
+        made.append(s)
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.unlink()
+            s.close()
+
+
+async def until(pred, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def line(seg: Segment, slot: int) -> tuple[int, int, int, int]:
+    ln = seg.router_line(slot)
+    return (int(ln["router_inflight"]), int(ln["prefill_tokens"]), int(ln["decode_reqs"]), int(ln["decode_ctx_tokens"]))
+
+
+async def test_a_requests_dispatch_prefill_and_end_are_pushed_to_the_other_replica(redis, segs):
+    a_seg, b_seg = segs(), segs()
+    a = Share(redis.url, a_seg, lambda: {E1: 0, E2: 1}, replica="a", **SLOW)
+    b = Share(redis.url, b_seg, lambda: {E1: 1, E2: 0}, replica="b", **SLOW)   # its own slot order
+    await a.start()
+    await b.start()
+    try:
+        polls = (a.refreshes, b.refreshes)
+        acct = Notifying(a_seg, a)                # what a's scheduler hands its request accounts
+        req = RequestAccount(acct, 0, 1000, 1000, time.monotonic())   # dispatched to E1
+        await until(lambda: line(b_seg, 1) == (1, 1000, 0, 0), what="b sees a's dispatch")
+        req.first_token(time.monotonic())
+        await until(lambda: line(b_seg, 1) == (1, 0, 1, 1000), what="b sees a's request in decode")
+        req.finish(time.monotonic())
+        await until(lambda: line(b_seg, 1) == (0, 0, 0, 0), what="b sees a's request end")
+        assert b.refreshes == polls[1] and b.pushed >= 3    # no poll of b's: each change came by a push
+        assert a.refreshes > polls[0]                        # a's pushes are its round trips
+        assert line(a_seg, 0) == (0, 0, 0, 0) and line(b_seg, 0) == (0, 0, 0, 0)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_placement_and_a_goodbye_are_pushed(redis, segs):
+    got: list[tuple[str, list[int], list[int], float]] = []
+    a_seg, b_seg = segs(), segs()
+    a = Share(redis.url, a_seg, lambda: {E1: 0}, on_place=lambda *x: None, replica="a", **SLOW)
+    b = Share(redis.url, b_seg, lambda: {E1: 0}, on_place=lambda *x: got.append(x), replica="b", **SLOW)
+    await a.start()
+    await b.start()
+    try:
+        a.place(E1, [11, 12], [])
+        await until(lambda: len(got) == 1, what="b receives the placement")
+        assert got[0][:3] == (E1, [11, 12], [])
+        a_seg.router_inflight_add(0, 2)          # a change outside the accounting: poked by hand
+        a.poke()
+        await until(lambda: line(b_seg, 0)[0] == 2, what="b adds a's 2")
+        await a.close()                           # the goodbye is pushed: b drops a's load before any poll
+        await until(lambda: line(b_seg, 0)[0] == 0, what="b drops a's load")
+        assert b.refreshes == 1                   # its catch-up only
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_a_late_poll_answer_does_not_undo_a_newer_push(segs):
+    seg = segs()
+    s = Share("redis://127.0.0.1:1/0", seg, lambda: {E1: 0}, replica="me")
+    now = time.monotonic()
+    assert s._take("x", 5, {E1: (3, 0, 0, 0)}, now)          # pushed: write 5 of x
+    assert not s._take("x", 4, {E1: (1, 0, 0, 0)}, now)      # the poll's answer held write 4
+    s._sum()
+    assert line(seg, 0) == (3, 0, 0, 0)
+    assert s._take("x", 6, {}, now)                          # x said goodbye
+    s._sum()
+    assert line(seg, 0) == (0, 0, 0, 0) and s.remote == {}
