@@ -142,7 +142,7 @@ class StreamMeter:
     """Watches one relayed stream. ``sse``: the body is ``text/event-stream`` (else its first
     byte is its first content). Call :meth:`feed` with every chunk in order."""
 
-    __slots__ = ("_carry", "_events_after", "_head", "_last", "_tail", "first_seen", "sse")
+    __slots__ = ("_carry", "_events_after", "_head", "_last", "_tail", "_usage", "first_seen", "sse")
 
     def __init__(self, sse: bool = True) -> None:
         self.sse = sse
@@ -152,6 +152,7 @@ class StreamMeter:
         self._tail = b""
         self._carry = b""         # last byte of the previous chunk (a separator can straddle)
         self._last: list[dict | None] | None = None   # the tail's last events, parsed (see _last_events)
+        self._usage: tuple[int | None, int | None] | None = None   # usage() of those events, once
 
     def feed(self, chunk: bytes) -> bool:
         """Account one chunk; True exactly once: when this chunk completed the first content."""
@@ -242,14 +243,23 @@ class StreamMeter:
         return events_aborted(self._tail) if self.sse else body_aborted(self._tail)
 
     def usage(self) -> tuple[int | None, int | None]:
-        """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any."""
-        for obj in reversed(self._last_events()):
+        """``(prompt_tokens, completion_tokens)`` reported by the stream's last events, if any
+        (read once until more is fed: the stream's end asks for it twice)."""
+        last = self._last_events()
+        u = self._usage
+        if u is not None:
+            return u
+        u = None, None
+        for obj in reversed(last):
             p, c = usage_of(obj)
             if c is not None or p is not None:
-                return p, c
-        if not self.sse:
-            return usage_from_body(self._tail)
-        return None, None
+                u = p, c
+                break
+        else:
+            if not self.sse:
+                u = usage_from_body(self._tail)
+        self._usage = u
+        return u
 
     def _last_events(self) -> list[dict | None]:
         """The last three events of the tail, parsed once until more is fed (the stream's end
@@ -263,6 +273,7 @@ class StreamMeter:
             if len(events) < 3:
                 events = [e for e in self._tail.split(_SEP) if e.strip()]
             last = self._last = [event_json(e) for e in events[-3:]]
+            self._usage = None
         return last
 
     def output_tokens(self) -> int:

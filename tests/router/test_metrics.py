@@ -44,3 +44,40 @@ def test_a_worker_seen_before_its_slot_names_a_model_gets_its_model_once_known()
                 if s.name.endswith("_total")}
     assert labelled(m.requests)[(("model", "m1"), ("status", "200"), ("worker", "0"))] == 1.0
     assert labelled(m.errors.counter)[(("kind", "connect"), ("model", "m1"), ("worker", "0"))] == 1.0
+
+
+def test_coalesced_histogram_observations_count_as_observe_does():
+    """The per-request histograms (duration, TTFT, phases) are observed in batches
+    (:func:`router.metrics.add_observations`): every bucket, the count and the sum come out as
+    prometheus_client's ``observe`` per value makes them, bounds and the +Inf bucket included;
+    a scrape sees what was observed before it, once."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from router.metrics import BUCKETS, Metrics, add_observations
+    from tests.helpers import metric
+
+    values = [0.0, 0.0005, 0.001, 0.0010001, 0.02, 0.02, 0.3, 1.0, 7.5, 640.0, 641.0, 1e6]
+    r = CollectorRegistry()
+    one = Histogram("one", "per value", ["k"], buckets=BUCKETS, registry=r).labels("a")
+    batch = Histogram("batch", "in one batch", ["k"], buckets=BUCKETS, registry=r).labels("a")
+    for v in values:
+        one.observe(v)
+    add_observations(batch, values)
+
+    def samples(name):
+        return {(s.name.removeprefix(name), s.labels.get("le")): s.value
+                for fam in r.collect() if fam.name == name for s in fam.samples if not s.name.endswith("_created")}
+    assert samples("batch") == samples("one")
+    assert samples("batch")[("_bucket", "0.001")] == 3 and samples("batch")[("_bucket", "+Inf")] == len(values)
+
+    m = Metrics()
+    for v in values:
+        m.observe_phase("decode", "m", v)
+        m.observe_ttft("/v1/chat/completions", v, "m")
+    for _ in range(2):   # the first render adds them; the second finds nothing new
+        text = m.render()[0].decode()
+        for name, labels in (("dplb_router_request_phase_seconds", {"phase": "decode"}),
+                             ("dplb_router_time_to_first_token_seconds", {"route": "/v1/chat/completions"})):
+            assert metric(text, f"{name}_count", model="m", **labels) == len(values)
+            assert metric(text, f"{name}_bucket", model="m", le="0.001", **labels) == 3
+            assert abs(metric(text, f"{name}_sum", model="m", **labels) - sum(values)) < 1e-6
