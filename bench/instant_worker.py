@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 RESP_BODY = (b'{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,'
              b'"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,'
@@ -24,6 +25,11 @@ STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-con
                b"transfer-encoding: chunked\r\n\r\n")
 #: stream parameters of the instant worker (set from the command line of --serve-worker)
 STREAM = {"chunks": 64, "interval_s": 0.002}
+#: a worker that does more than answer (:mod:`bench.events_rig`: publishes KV-cache events, serves
+#: ``/dplb/state``): ``POST_HOOK[0]`` is called with each POST's body before the answer;
+#: ``GET_HOOK[0]`` answers a GET path (the whole response) or None for the fixed answers
+POST_HOOK: list[Callable[[bytes], None] | None] = [None]
+GET_HOOK: list[Callable[[bytes], bytes | None] | None] = [None]
 
 
 def _hchunk(data: bytes) -> bytes:
@@ -89,8 +95,13 @@ class _Instant(asyncio.Protocol):
                 self.buf = self.buf[end + 4 + n:]
             if head.startswith(b"get "):
                 path = head[4:head.find(b" ", 4)].split(b"?", 1)[0]
-                self.t.write(GET_ANSWERS.get(path, GET_ANSWERS[b"/health"]))
-            elif b'"stream":true' in body:
+                hook = GET_HOOK[0]
+                got_ = hook(path) if hook is not None else None
+                self.t.write(got_ if got_ is not None else GET_ANSWERS.get(path, GET_ANSWERS[b"/health"]))
+                continue
+            if POST_HOOK[0] is not None:
+                POST_HOOK[0](body)
+            if b'"stream":true' in body:
                 self.t.write(STREAM_HEAD)
                 self._tick(STREAM["chunks"])
             else:

@@ -40,6 +40,9 @@ Long prompts (``--prompt-bytes N``): the latency blocks and closed loops send ch
 about N bytes, 10/11 of each one of 20 shared documents (:func:`long_prompt_requests`), after one
 pass over them (the prefix index warm); ``--rate R`` paces the closed loops at R requests/s in all.
 
+``--kv-events``: engines that publish KV-cache events and DPLB's router routing on
+them, mirrored as remote nodes' workers (:mod:`bench.events_rig`).
+
 ``--profile FILE``: record the router with py-spy during the closed loop (and the SSE phase, to
 ``FILE`` with ``.sse`` before the suffix) and write the functions with the most samples (own and
 inclusive) as text.
@@ -60,6 +63,8 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 
+from bench.events_rig import add_arguments as add_events_arguments
+from bench.events_rig import make_rig as make_events_rig
 from bench.instant_worker import serve_worker
 from bench.pyspy import Profiler
 from bench.rawclient import (
@@ -97,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer", choices=("sglang", "vllm", "smg"), help="measure this peer router (bench/peers.py) instead of "
                     "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
     ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
-    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline", "no-access-log"), action="append",
+    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline", "no-access-log", "own-index"), action="append",
                     help="run DPLB's router and this peer's (repeatable; baseline: DPLB from --baseline-dir; "
-                    "no-access-log: DPLB's router with --access-log off, the access log's share) side by "
+                    "no-access-log: DPLB's router with --access-log off, the access log's share; own-index: with "
+                    "--kv-events, DPLB's router on its own prefix index) side by "
                     "side and measure them in alternating blocks (implies --tcp; see the module docstring)")
     ap.add_argument("--baseline-dir", help="a second DPLB checkout, built (make build), run as --versus baseline: "
                     "before/after figures in the same run")
@@ -112,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "chat, in the closed loops and the latency blocks")
     ap.add_argument("--rate", type=float, default=0.0, help="pace the closed loops at this many requests/s in all "
                     "(0: as fast as answers come)")
+    add_events_arguments(ap)
     ap.add_argument("--serve-worker", nargs=4, metavar=("SHM", "SOCK", "CHUNKS", "INTERVAL"), help=argparse.SUPPRESS)
     return ap
 
@@ -481,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.versus and (a.peer or a.workers or a.through_agent):
         ap.error("--versus runs DPLB's router beside the peer: not with --peer, --workers or --through-agent")
-    rig = Rig(a)
+    rig = make_events_rig(a, Rig) if a.kv_events else Rig(a)
     try:
         rig.start_worker()
         return versus(a, rig) if a.versus else single(a, rig)

@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from dplb_prefix import leading_run, word_block_keys, word_ids
 from dplb_prefix import reference as _ref
-from dplb_prefix import word_block_keys, word_ids
 from router.kv_events import KVEventSubscriber, PendingBlocks, token_keys
 
 if TYPE_CHECKING:
@@ -110,6 +110,8 @@ class EventsFeed:
         self.pending: dict[int, PendingBlocks] = {}
         self.clock = clock
         self.last_keys: list[int] = []   # the block keys of the last prompt matched
+        #: per slot, how many leading :attr:`last_keys` the engine's events showed stored
+        self.last_held: dict[int, int] = {}
         #: called with ``(slot, keys)`` of each placement of this picker's (epp.share sends it on)
         self.on_place: Callable[[int, Sequence[int]], None] | None = None
 
@@ -138,7 +140,9 @@ class EventsFeed:
         return all(s.caught_up() for s in self.subs.values())
 
     def match(self, path: str, text: str) -> tuple[dict[int, int], int]:
-        """``({slot: cached prompt tokens}, prompt tokens)`` of the prompt (only slots with a hit)."""
+        """``({slot: cached prompt tokens}, prompt tokens)`` of the prompt (only slots with a hit).
+        Keeps the prompt's keys and, per slot, how many of them the engine's events alone show
+        stored (:meth:`place` leaves those out)."""
         bs = self.block_size
         fused = getattr(self.tokenize, "block_keys", None)
         if fused is not None:
@@ -151,25 +155,37 @@ class EventsFeed:
         if not self.subs:
             return {}, n
         self.last_keys = keys
+        held: dict[int, int] = {}
+        self.last_held = held
         out = {}
         now = self.clock()
+        nk = len(keys)
         for slot, sub in self.subs.items():
+            blocks = sub.blocks
             pend = self.pending.get(slot)
-            if pend is None:
-                hit = sub.blocks.match_keys(keys) * bs
-            else:
-                with sub.blocks.lock:
-                    hit = pend.match(sub.blocks, keys, now, by_key=True) * bs
+            with blocks.lock:
+                h = hit = leading_run(keys, blocks.keys)
+                if pend is not None and h < nk and pend.until:
+                    # the same run as pend.match(blocks, keys, ...), from the first block not stored
+                    hit = h + pend.match(blocks, keys[h:] if h else keys, now, by_key=True)
+            held[slot] = h
             if hit:
-                out[slot] = hit
+                out[slot] = hit * bs
         return out, n
 
     def place(self, slot: int, keys: Sequence[int], at: float | None = None) -> None:
         """A prompt whose block keys are ``keys`` was sent to ``slot``'s engine at ``at`` (this
         feed's clock; None: now, by this picker): they count as its blocks until its events store
-        them or ``pending_s`` passes (:class:`router.kv_events.PendingBlocks`)."""
+        them or ``pending_s`` passes (:class:`router.kv_events.PendingBlocks`). For the prompt last
+        matched (``keys`` is :attr:`last_keys`), the leading blocks the engine's events already
+        showed stored then are left out: they are the engine's already, and its eviction of one
+        is then seen at once instead of masked for ``pending_s``."""
         pend = self.pending.get(slot)
         sub = self.subs.get(slot)
+        if keys is self.last_keys:
+            skip = self.last_held.get(slot, 0)
+            if skip:
+                keys = keys[skip:]
         if pend is not None and sub is not None and keys:
             with sub.blocks.lock:
                 pend.place(keys, self.clock() if at is None else at)
@@ -190,12 +206,21 @@ class EventsIndex:
     which answers ``{slot: characters}``, the share of the text equal to the share of the prompt's
     tokens that engine holds (``chunk_chars`` 1, as :func:`router.policies.prefix_index.uncached_tokens`
     reads it). ``path``: the request path the tokenizer renders for ("": told from the text,
-    :meth:`WordTokenizer.words`)."""
+    :meth:`WordTokenizer.words`). ``own_index`` False: while some engine's events are subscribed
+    the policy's own index is neither hashed nor filled (a policy that reads nothing of it but the
+    match the events answer: hashing a long prompt's text and inserting its chunks cost as much as
+    the events' match), so it answers again, from the placements made before and after, only when
+    no engine publishes events; True (the default) keeps it filled (``cache_aware`` reads its
+    sizes; the picker shares its hashes)."""
 
-    def __init__(self, inner: PrefixIndex, feed: EventsFeed, path: str = "") -> None:
+    #: what :meth:`hashes` answers when the own index is skipped (non-empty: the policy matches)
+    EVENTS_ONLY: tuple[int, ...] = (0,)
+
+    def __init__(self, inner: PrefixIndex, feed: EventsFeed, path: str = "", own_index: bool = True) -> None:
         self.inner = inner
         self.feed = feed
         self.path = path
+        self.own_index = own_index
         self._text = ""
         self._matched = ""   # the text whose block keys the feed holds (EventsFeed.last_keys)
 
@@ -209,8 +234,11 @@ class EventsIndex:
         return 1 if self.feed.subs else int(self.inner.chunk_chars)
 
     def hashes(self, text: str, model: str | None = None) -> Sequence[int]:
-        """The policy index's hashes of ``text`` (kept for :meth:`match`)."""
+        """The policy index's hashes of ``text`` (the text kept for :meth:`match`); without
+        ``own_index`` while events are subscribed, :attr:`EVENTS_ONLY` (nothing hashed)."""
         self._text = text
+        if not self.own_index and self.feed.subs:
+            return self.EVENTS_ONLY if text else ()
         return self.inner.hashes(text, model)
 
     def match(self, hashes: Sequence[int]) -> dict[int, int]:
@@ -230,7 +258,8 @@ class EventsIndex:
     def insert(self, hashes: Iterable[int], worker_id: int) -> None:
         """Into the policy's own index (its sizes break cache_aware's ties); the last matched
         prompt's blocks become ``worker_id``'s pending placements (:meth:`EventsFeed.place`)."""
-        self.inner.insert(hashes, worker_id)
+        if hashes is not self.EVENTS_ONLY:
+            self.inner.insert(hashes, worker_id)
         if self._text and self._matched is self._text:
             self.feed.place(worker_id, self.feed.last_keys)
 
@@ -256,13 +285,16 @@ def wanted(specs: dict[str, MirrorSpec], slot_of: Callable[[str], int | None]) -
     return out
 
 
-def install(policy: object, feed: EventsFeed) -> bool:
+def install(policy: object, feed: EventsFeed, own_index: bool | None = True) -> bool:
     """Put an :class:`EventsIndex` over ``policy``'s prefix index (a policy without one, e.g.
-    ``least_load``, is left alone: returns False)."""
+    ``least_load``, is left alone: returns False). ``own_index``: as :class:`EventsIndex`'s; None:
+    only for a policy that reads the index's sizes (``uses_index_sizes``, ``cache_aware``)."""
     inner = getattr(policy, "index", None)
     if inner is None or isinstance(inner, EventsIndex):
         return isinstance(inner, EventsIndex)
-    policy.index = EventsIndex(inner, feed)   # type: ignore[attr-defined]
+    if own_index is None:
+        own_index = bool(getattr(policy, "uses_index_sizes", False))
+    policy.index = EventsIndex(inner, feed, own_index=own_index)   # type: ignore[attr-defined]
     return True
 
 

@@ -340,10 +340,8 @@ class PendingBlocks:
 
     def place(self, keys: Iterable[BlockHash], now: float) -> None:
         """A prompt whose blocks are ``keys`` was dispatched to the engine at ``now`` (seconds)."""
-        t = now + self.ttl_s
         until = self.until
-        for k in keys:
-            until[k] = t
+        until.update(dict.fromkeys(keys, now + self.ttl_s))   # one C loop (a prompt: thousands of keys)
         if len(until) > self._prune_at:   # expired entries go in amortised O(1)
             for k in [k for k, u in until.items() if u <= now]:
                 del until[k]

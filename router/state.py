@@ -238,7 +238,9 @@ class RouterState:
 
         ke = self.cfg.kv_events
         feed = self.events = EventsFeed(ke.block_size, WordTokenizer(ke.vocab_size), ke.pending_s)
-        if not install(self.policy, feed):
+        # the own index stays filled where a policy reads its sizes, or where its hashes are shared
+        # with the other replicas (share.url: they travel with each placement)
+        if not install(self.policy, feed, own_index=True if self.cfg.share.url else None):
             log.warning("kv_events.enabled: policy %s keeps no prefix index; the events are not read",
                         self.policy.name)
 

@@ -46,6 +46,9 @@ class CacheAwarePolicy(PrefixIndexedPolicy, BasePolicy):
 
     name = "cache_aware"
     needs_text = True
+    #: its ties go to the worker with the smallest index (:mod:`router.events_index` keeps the
+    #: index filled beside the engines' events for it)
+    uses_index_sizes = True
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, index: PrefixIndex | None = None, rng=None) -> None:

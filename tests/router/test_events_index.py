@@ -1,0 +1,113 @@
+"""The router's events index (router/events_index.py) on a long prompt's hot path: a placement
+leaves out the blocks the engine's events already show stored (an eviction of one is seen at
+once, not masked as a pending placement), and a policy that reads nothing of its own prefix index
+but the match (``dplb``) no longer hashes and fills it while events are subscribed, with the same
+matches; ``cache_aware`` (which reads the index's sizes) keeps it. ZMQ over ipc:// sockets in a
+temporary directory; every socket and thread is closed at the end."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from dplb_protocol.wire import parse_request
+from router.events_index import EventsFeed, EventsIndex, WordTokenizer, install
+from router.policies.prefix_index import PrefixIndex
+from sim_engine.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventsConfig,
+    ZmqEventPublisher,
+)
+from sim_engine.tokenizer import render_chat, token_ids
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+CHAT = "/v1/chat/completions"
+BS, VOCAB = 4, 1000
+MSGS = [{"role": "system", "content": " ".join(f"d{i}" for i in range(200))},
+        {"role": "user", "content": "a question"}]
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[ZmqEventPublisher, EventsFeed, list[float]]]:
+    """An engine's publisher and a feed (pending placements 30 s, a clock the test moves)
+    subscribed to it as worker 2, caught up."""
+    d = tempfile.mkdtemp(prefix="dplb-rt-evidx-", dir="/tmp")
+    pub = ZmqEventPublisher(KVEventsConfig(True, "zmq", f"ipc://{d}/pub", f"ipc://{d}/replay", buffer_steps=100))
+    now = [100.0]
+    feed = EventsFeed(BS, WordTokenizer(VOCAB), pending_s=30.0, clock=lambda: now[0])
+    try:
+        feed.sync({2: (pub.last_endpoint, pub.replay_last_endpoint)})
+        wait_until(feed.caught_up, timeout=60, what="the subscriber's catch-up")
+        yield pub, feed, now
+    finally:
+        feed.close()
+        pub.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _text() -> str:
+    return parse_request(CHAT, orjson.dumps({"model": "m", "messages": MSGS})).text
+
+
+def _store_prompt(pub: ZmqEventPublisher) -> int:
+    """The engine stores the prompt's blocks (hashes 100, 101, ...); returns how many."""
+    ids = token_ids(render_chat(MSGS), VOCAB)
+    n = (len(ids) - 1) // BS
+    pub.publish([BlockStored(list(range(100, 100 + n)), None, ids[:n * BS], BS, None, "GPU", None)])
+    return n
+
+
+def test_a_placement_leaves_out_what_the_engine_holds_so_its_eviction_shows_at_once(engine):
+    pub, feed, _ = engine
+    index = EventsIndex(PrefixIndex(), feed)
+    text = _text()
+    n = _store_prompt(pub)
+    wait_until(lambda: feed.match(CHAT, text)[0] == {2: n * BS}, timeout=30, what="the stored prompt")
+    hashes = index.hashes(text)
+    assert index.match(hashes) != {}
+    index.insert(hashes, 2)   # the router sends the prompt to worker 2, which holds all of it
+    assert not feed.pending[2].until   # nothing pending: every block is the engine's already
+    # the engine evicts the first block: the prompt is no longer a hit there, well before the
+    # placement's 30 s (the clock does not move)
+    pub.publish([BlockRemoved([100], "GPU")])
+    wait_until(lambda: feed.match(CHAT, text)[0] == {}, timeout=30, what="the eviction seen")
+    # a prompt the engine holds in part: only the blocks past what it holds become pending
+    index.insert(index.hashes(text), 2)
+    assert len(feed.pending[2].until) == n
+    assert feed.match(CHAT, text)[0] == {2: n * BS}
+
+
+def test_a_policy_that_reads_only_the_match_keeps_no_own_index_while_events_come(engine):
+    pub, feed, _ = engine
+    text = _text()
+    n = _store_prompt(pub)
+    wait_until(lambda: feed.match(CHAT, text)[0] == {2: n * BS}, timeout=30, what="the stored prompt")
+
+    class Dplb:   # like router.policies.dplb: matches only
+        def __init__(self) -> None:
+            self.index = PrefixIndex()
+
+    class CacheAware(Dplb):   # reads the index's sizes
+        uses_index_sizes = True
+
+    lean, full = Dplb(), CacheAware()
+    assert install(lean, feed, own_index=None) and install(full, feed, own_index=None)
+    assert isinstance(lean.index, EventsIndex) and not lean.index.own_index and full.index.own_index
+    got = []
+    for pol in (lean, full):
+        idx = pol.index
+        got.append(idx.match(idx.hashes(text)))
+        idx.insert(idx.hashes(text), 2)
+    assert got[0] == got[1] and set(got[0]) == {2}   # the same answer, from the events
+    assert len(lean.index.inner) == 0 and lean.index.inner.size(2) == 0   # neither hashed nor filled
+    assert len(full.index.inner) > 0 and full.index.inner.size(2) > 0
+    # no engine's events any more: the own index answers (and is filled) again
+    feed.close()
+    lean.index.insert(lean.index.hashes(text), 3)
+    assert lean.index.match(lean.index.hashes(text)) == {3: len(lean.index.inner.hashes(text))}
