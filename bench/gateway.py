@@ -204,7 +204,7 @@ class Run:
         epp = self.start([sys.executable, *prof, "-m", "epp", *flags], f"epp-{i}.log", cwd, env)
         text = subprocess.run([sys.executable, "-m", "epp", *flags, "--print-envoy-config", "--envoy-port", str(port),
                                "--envoy-admin-port", str(admin)], cwd=cwd, check=True, capture_output=True,
-                              env={**os.environ, "PYTHONPATH": str(cwd)}).stdout
+                              env={**os.environ, "PYTHONPATH": str(cwd), **env}).stdout
         cfg = os.path.join(self.d, f"envoy-{i}.yaml")
         Path(cfg).write_bytes(text)
         conc = ["--concurrency", str(a.envoy_concurrency)] if a.envoy_concurrency else []

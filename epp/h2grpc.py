@@ -57,6 +57,20 @@ CONFIG = h2.config.H2Configuration(client_side=False, header_encoding=None,
 RESPONSE_HEAD = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
 
+def _frame_name(obj: object) -> str:
+    """What ``h2.connection`` gets for ``repr(obj)``: the class name only (see below)."""
+    return type(obj).__name__
+
+
+# h2 (4.x) formats every received frame for its trace log before calling the logger, which is a
+# no-op unless one is configured: ``logger.trace("Received frame: %s", repr(frame))`` in
+# ``H2Connection._receive_frame``, 2-4 % of the picker's CPU per tiny request (hyperframe's
+# ``__repr__`` renders the flags and the payload; bench/results/gateway.md, round 4). That call is
+# ``h2.connection``'s only use of the builtin ``repr``: a module-level name shadows it there with
+# the frame's class name. No other module's ``repr`` changes.
+h2.connection.repr = _frame_name  # type: ignore[attr-defined]
+
+
 def trailers(status: int, message: str = "") -> list[tuple[bytes, bytes]]:
     """A stream's gRPC trailers: ``grpc-status``, and ``grpc-message`` percent-encoded (at most 500
     characters) when ``message`` is given."""

@@ -186,3 +186,23 @@ def test_a_done_exchange_ends_its_call_without_waiting_for_the_client_to_half_cl
 
     run(fn)
     assert exchanges[0].closed == 1
+
+
+def test_received_frames_are_not_rendered_for_the_trace_log(served, monkeypatch):
+    """h2 renders every received frame with ``repr`` for a trace log nobody reads (epp.h2grpc's
+    module-level shadow): a stream's frames arrive and are answered without hyperframe's
+    ``__repr__`` running once."""
+    from hyperframe.frame import Frame
+
+    rendered: list[str] = []
+    original = Frame.__repr__
+    monkeypatch.setattr(Frame, "__repr__", lambda self: rendered.append(type(self).__name__) or original(self))
+    run, exchanges = served
+
+    async def fn(stub, gate):
+        out = [r.request_body.response.body_mutation.body async for r in stub.Process(iter([body(b"a"), body(b"b")]))]
+        assert out == [b"a", b"b"]
+
+    run(fn)
+    assert len(exchanges) == 1
+    assert rendered == []
