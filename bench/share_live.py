@@ -13,6 +13,10 @@ Every configuration starts fresh engines (empty caches), pickers, Envoy and (whe
 redis-server on loopback with no persistence; everything is stopped at the end::
 
     python -m bench.share_live [--sessions 5 --turns 4 --docs 5 --questions 4 --words 3000 --gap-ms 0]
+
+``--idle-s N`` measures instead what sharing costs while no request comes: the CPU of each of two
+pickers and of redis-server over ``N`` seconds (their /proc times), without sharing, with the
+pushes and the default poll, and with a poll of ``--idle-interval-ms`` (5: the poll-only design's).
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ class Stack:
         self.procs = ProcessGroup(grace_s=3.0)
         self.run_dir = run_dir
         self.engines: list[str] = []
+        self.pids: dict[str, int] = {}   # "redis", "picker-<i>": process ids (the idle cost)
         try:
             self._start(pickers, args, share)
         except BaseException:
@@ -58,8 +63,8 @@ class Stack:
         extra = list(args)
         if share:
             port = free_port()
-            p.start(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                     "--dir", d], log=f"{d}/redis.log")
+            self.pids["redis"] = p.start(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                          "--appendonly", "no", "--dir", d], log=f"{d}/redis.log").popen.pid
             wait_for_port(port, timeout=30)
             extra += ["--share-url", f"redis://127.0.0.1:{port}/0"]
         lines = []
@@ -80,9 +85,10 @@ class Stack:
         ports = []
         for i in range(n):
             port = free_port()
-            p.start([str(BIN / "dplb-epp"), "--endpoints-file", str(eps), "--policy", "dplb", *extra, "--port", str(port),
-                     "--health-port", str(free_port()), "--metrics-port", "0", "--state-dir", f"{d}/state-{i}",
-                     "--log-level", "info"], log=f"{d}/epp-{i}.log", cwd=str(ROOT))
+            c = p.start([str(BIN / "dplb-epp"), "--endpoints-file", str(eps), "--policy", "dplb", *extra, "--port",
+                         str(port), "--health-port", str(free_port()), "--metrics-port", "0", "--state-dir", f"{d}/state-{i}",
+                         "--log-level", "info"], log=f"{d}/epp-{i}.log", cwd=str(ROOT))
+            self.pids[f"picker-{i}"] = c.popen.pid
             wait_for_port(port, timeout=60)
             ports.append(port)
         lport, admin = free_port(), free_port()
@@ -127,6 +133,21 @@ class Stack:
             queried, hit = queried + q1 - q0, hit + h1 - h0
         return {"hit_rate": hit / queried if queried else 0.0, "requests": n}
 
+    def idle_cpu(self, seconds: float) -> dict[str, float]:
+        """Each of :attr:`pids`' CPU over ``seconds`` with no request, as a share of one core."""
+        def cpu() -> dict[str, float]:
+            out = {}
+            for name, pid in self.pids.items():
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+            return out
+
+        time.sleep(3.0)   # past the start and the warm-up request
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(seconds)
+        c1, t1 = cpu(), time.monotonic()
+        return {k: (c1[k] - c0[k]) / (t1 - t0) for k in c0}
+
     def close(self) -> None:
         self.procs.close()
 
@@ -155,6 +176,27 @@ CONFIGS = [("1 picker", 1, [], False), ("2 pickers, own views", 2, [], False),
            ("2 pickers, shared (Redis)", 2, [], True), ("2 pickers, shared + --kv-events", 2, ["--kv-events"], True)]
 
 
+def idle(seconds: float, interval_ms: float) -> int:
+    """Print the idle CPU table (``--idle-s``)."""
+    print("| configuration | picker 0 | picker 1 | redis-server |")
+    print("|---|---|---|---|")
+    for name, args, share in [("2 pickers, no sharing", [], False), ("2 pickers, shared (pushes, default poll)", [], True),
+                              (f"2 pickers, shared, --share-interval-ms {interval_ms:g}",
+                               ["--share-interval-ms", str(interval_ms)], True)]:
+        d = tempfile.mkdtemp(prefix="dplb-bench-share-", dir="/tmp")
+        try:
+            st = Stack(2, args, share, d)
+            try:
+                c = st.idle_cpu(seconds)
+            finally:
+                st.close()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        cell = [f"{100 * c[k]:.1f} %" if k in c else "-" for k in ("picker-0", "picker-1", "redis")]
+        print(f"| {name} | " + " | ".join(cell) + " |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.share_live", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=5)
@@ -164,10 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=int, default=3000)
     ap.add_argument("--gap-ms", type=float, default=0.0,
                     help="pause after each answer before the next request, ms (0: back to back)")
+    ap.add_argument("--idle-s", type=float, default=0.0,
+                    help="measure the idle CPU of the pickers and Redis over this many seconds instead (0: off)")
+    ap.add_argument("--idle-interval-ms", type=float, default=5.0,
+                    help="the shorter poll --idle-s measures besides the default (default 5)")
     a = ap.parse_args(argv)
     if shutil.which("redis-server") is None:
         print("redis-server is not installed (apt-get install redis-server)", file=sys.stderr)
         return 2
+    if a.idle_s > 0:
+        return idle(a.idle_s, a.idle_interval_ms)
     workloads = {"sessions": session_requests(a.sessions, a.turns, a.words),
                  "shared-prompt": shared_prompt_requests(a.docs, a.questions, a.words)}
     print("| configuration | " + " | ".join(f"{w} hit rate" for w in workloads) + " |")

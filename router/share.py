@@ -50,6 +50,7 @@ stream read is a push without a second connection kind (docs/DESIGN.md).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import socket
@@ -59,6 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
+from redis.exceptions import NoScriptError
 
 if TYPE_CHECKING:
     from dplb_shm import Segment
@@ -234,7 +236,9 @@ class Share:
         self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         # the stream reader blocks on its own connection
         self.reader = aioredis.Redis.from_url(url, socket_timeout=timeout_s + 1.0, socket_connect_timeout=timeout_s)
-        self.sync_script = self.redis.register_script(SYNC_SCRIPT)
+        # EVALSHA in the pipeline, the script loaded once (and again after a NOSCRIPT: a Redis that
+        # restarted): redis-py's registered scripts cost a SCRIPT EXISTS round trip per pipeline
+        self.sync_sha = hashlib.sha1(SYNC_SCRIPT.encode()).hexdigest()
         self.replicas_key = f"{prefix}:replicas"
         self.hash_prefix = f"{prefix}:load:"
         self.own_key = self.hash_prefix + self.replica
@@ -380,16 +384,21 @@ class Share:
                 pairs += [addr, encode_counts(c)]
             counts = msgspec.msgpack.encode({a: list(c) for a, c in own.items()})
         out, self.outbox = self.outbox, []
+        args = [self.replica, int(self.ttl_s * 1000), "1" if write else "0", self.hash_prefix, self.max_loads, counts, *pairs]
         try:
-            async with self.redis.pipeline(transaction=False) as p:
-                for addr, hashes, keys in out:
-                    p.xadd(self.stream_key, {"r": self.replica, "p": msgspec.msgpack.encode([addr, list(hashes), list(keys)])},
-                           maxlen=self.max_placements, approximate=True)
-                await self.sync_script(keys=[self.replicas_key, self.own_key, self.loads_key],
-                                       args=[self.replica, int(self.ttl_s * 1000), "1" if write else "0", self.hash_prefix,
-                                             self.max_loads, counts, *pairs],
-                                       client=p)
-                res = await p.execute()
+            for attempt in (0, 1):
+                async with self.redis.pipeline(transaction=False) as p:
+                    for addr, hashes, keys in out if attempt == 0 else ():
+                        p.xadd(self.stream_key, {"r": self.replica, "p": msgspec.msgpack.encode([addr, list(hashes), list(keys)])},
+                               maxlen=self.max_placements, approximate=True)
+                    p.evalsha(self.sync_sha, 3, self.replicas_key, self.own_key, self.loads_key, *args)
+                    res = await p.execute(raise_on_error=False)
+                if not isinstance(res[-1], NoScriptError) or attempt:
+                    break
+                await self.redis.script_load(SYNC_SCRIPT)   # not loaded yet (or Redis restarted): once more
+            for r in res:
+                if isinstance(r, Exception):
+                    raise r
         except Exception:
             self.outbox = out + self.outbox if len(out) < 10_000 else self.outbox   # sent with the next one
             raise

@@ -114,3 +114,29 @@ def test_a_late_poll_answer_does_not_undo_a_newer_push(segs):
     assert s._take("x", 6, {}, now)                          # x said goodbye
     s._sum()
     assert line(seg, 0) == (0, 0, 0, 0) and s.remote == {}
+
+
+async def test_a_push_is_one_round_trip_and_survives_a_flushed_script_cache(redis, segs):
+    import redis.asyncio as aioredis
+
+    seg = segs()
+    a = Share(redis.url, seg, lambda: {E1: 0}, replica="a", **SLOW)
+    admin = aioredis.Redis.from_url(redis.url)
+    await a.start()
+    try:
+        await admin.config_resetstat()
+        for k in range(5):
+            seg.router_inflight_add(0, 1)
+            a.poke()
+            await until(lambda k=k: a.seq >= 2 + k, what="the push written")
+        stats = await admin.info("commandstats")
+        # EVALSHA only: no SCRIPT EXISTS before each pipeline (a second round trip per push)
+        assert "cmdstat_script" not in stats and stats["cmdstat_evalsha"]["calls"] >= 5
+        await admin.script_flush()   # as a restarted Redis: the script is loaded again, no error
+        seg.router_inflight_add(0, 1)
+        a.poke()
+        await until(lambda: a.seq >= 7, what="the push after the flush")
+        assert a.errors == 0 and a.up
+    finally:
+        await a.close()
+        await admin.aclose()
