@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from dplb_prefix import leading_run, word_block_keys, word_ids
 from dplb_prefix import reference as _ref
+from dplb_prefix import word_block_keys, word_ids
 from router.kv_events import KVEventSubscriber, PendingBlocks, token_keys
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class EventsFeed:
             blocks = sub.blocks
             pend = self.pending.get(slot)
             with blocks.lock:
-                h = hit = leading_run(keys, blocks.keys)
+                h = hit = blocks.held_run(keys)
                 if pend is not None and h < nk and pend.until:
                     # the same run as pend.match(blocks, keys, ...), from the first block not stored
                     hit = h + pend.match(blocks, keys[h:] if h else keys, now, by_key=True)

@@ -160,12 +160,21 @@ class BlockSet:
     """One engine's cached blocks, from its KV-cache events (see the module docstring).
 
     ``blocks``: engine block hash → this consumer's key (None when the parent's key was unknown);
-    ``keys``: the keys present. Thread safety: :meth:`on_message` and the readers take ``lock``."""
+    ``keys``: the keys present. Thread safety: :meth:`on_message` and the readers take ``lock``.
+
+    ``orphans`` counts the keys present whose parent key is not (a block kept after its parent was
+    evicted). While it is 0 the keys present are closed under "parent of": a key of a request's
+    chain is present only if every key before it is, so :meth:`held_run` finds a request's leading
+    run by bisection (about 12 lookups for 3,000 blocks instead of one per block: a 50k-token
+    prompt's walk over every engine cost as much as tokenizing it); with orphans it walks."""
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.blocks: dict[BlockHash, int | None] = {}
         self.keys: dict[int, int] = {}          # key -> how many engine blocks carry it
+        self.orphans = 0                        # keys present whose parent key is not
+        self._parent: dict[int, int] = {}       # key present -> its parent key (ROOT_KEY: a first block)
+        self._kids: dict[int, int] = {}         # key -> how many keys present have it as parent
         self.next_seq: int | None = None        # None: nothing applied yet
         self.complete = False                   # the history since sequence 0 was applied
         self.lost = 0                           # batches a gap's replay no longer held
@@ -184,6 +193,9 @@ class BlockSet:
         """Forget every block."""
         self.blocks.clear()
         self.keys.clear()
+        self._parent.clear()
+        self._kids.clear()
+        self.orphans = 0
 
     def store(self, hashes: Iterable[BlockHash], parent: BlockHash | None = None,
               token_ids: Sequence[int] = (), block_size: int = 0) -> None:
@@ -198,15 +210,20 @@ class BlockSet:
         for w in self.watchers:
             w.stored(hashes)
             w.stored(k for k in keys if k is not None)
+        present = self.keys
+        pk = ROOT_KEY if parent is None else self.blocks.get(parent)
         for h, k in zip(hashes, keys):
             old = self.blocks.get(h, -1)
-            if old == k:
-                continue
-            if old != -1:
-                self._drop_key(old)
-            self.blocks[h] = k
-            if k is not None:
-                self.keys[k] = self.keys.get(k, 0) + 1
+            if old != k:
+                if old != -1:
+                    self._drop_key(old)
+                self.blocks[h] = k
+                if k is not None:
+                    n = present.get(k, 0)
+                    present[k] = n + 1
+                    if not n and pk is not None:
+                        self._add_key(k, pk)
+            pk = k
 
     def remove(self, hashes: Iterable[BlockHash]) -> None:
         """Drop blocks ``hashes`` (unknown ones are ignored)."""
@@ -214,14 +231,31 @@ class BlockSet:
             if h in self.blocks:
                 self._drop_key(self.blocks.pop(h))
 
+    def _add_key(self, k: int, pk: int) -> None:
+        """Key ``k`` (parent key ``pk``) became present: the orphan count follows."""
+        self._parent[k] = pk
+        kids = self._kids
+        kids[pk] = kids.get(pk, 0) + 1
+        self.orphans += (pk != ROOT_KEY and pk not in self.keys) - kids.get(k, 0)
+
     def _drop_key(self, k: int | None) -> None:
         if k is None:
             return
         n = self.keys.get(k, 0) - 1
         if n > 0:
             self.keys[k] = n
+            return
+        self.keys.pop(k, None)
+        pk = self._parent.pop(k, None)
+        if pk is None:
+            return
+        kids = self._kids
+        left = kids.get(pk, 0) - 1
+        if left > 0:
+            kids[pk] = left
         else:
-            self.keys.pop(k, None)
+            kids.pop(pk, None)
+        self.orphans += kids.get(k, 0) - (pk != ROOT_KEY and pk not in self.keys)
 
     def apply(self, events: Iterable[Event]) -> None:
         """Apply decoded events in order."""
@@ -308,7 +342,22 @@ class BlockSet:
     def match_keys(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` (:func:`token_keys` of a request's token ids) are cached."""
         with self.lock:
-            return leading_run(keys, self.keys)
+            return self.held_run(keys)
+
+    def held_run(self, keys: Sequence[int]) -> int:
+        """:meth:`match_keys` for a caller that holds ``lock``: by bisection while no key is an
+        orphan (class docstring), else one lookup per leading key."""
+        present = self.keys
+        if self.orphans:
+            return leading_run(keys, present)
+        lo, hi = 0, len(keys)
+        while lo < hi:   # keys[:lo] present, keys[hi:] not
+            mid = (lo + hi) >> 1
+            if keys[mid] in present:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -111,3 +111,50 @@ def test_a_policy_that_reads_only_the_match_keeps_no_own_index_while_events_come
     feed.close()
     lean.index.insert(lean.index.hashes(text), 3)
     assert lean.index.match(lean.index.hashes(text)) == {3: len(lean.index.inner.hashes(text))}
+
+
+def test_the_leading_run_by_bisection_equals_the_walk_under_any_store_and_eviction():
+    """BlockSet.held_run bisects while no key present lacks its parent key, and walks otherwise:
+    random stores (chains branching from shared prefixes) and evictions (any block, leaves or
+    not, and clears), checked after every step against the walk and a recount of the orphans."""
+    import random
+
+    from dplb_prefix import leading_run
+    from router.kv_events import ROOT_KEY, BlockSet, token_keys
+
+    rnd = random.Random(7)
+    bs = 2
+    docs = [[rnd.randrange(50) for _ in range(bs * 12)] for _ in range(4)]
+    blocks = BlockSet("e")
+    stored: list[int] = []
+    next_hash = [1000]
+    bisected = walked = 0
+
+    def chain(doc: list[int], cut: int, tail: int) -> list[int]:
+        ids = doc[:cut * bs] + [rnd.randrange(50) for _ in range(tail * bs)]
+        return ids
+
+    for step in range(600):
+        op = rnd.random()
+        if op < 0.45:   # the engine stores a prompt's blocks from its first one (some already held)
+            ids = chain(rnd.choice(docs), rnd.randrange(1, 13), rnd.randrange(0, 3))
+            n = len(ids) // bs
+            hashes = list(range(next_hash[0], next_hash[0] + n))
+            next_hash[0] += n
+            blocks.store(hashes, None, ids, bs)
+            stored += hashes
+        elif op < 0.9 and stored:   # it evicts one block, a leaf or not
+            h = stored.pop(rnd.randrange(len(stored)))
+            blocks.remove([h])
+        elif op < 0.92:
+            blocks.clear()
+            stored.clear()
+        parent = blocks._parent
+        assert set(parent) == set(blocks.keys)
+        assert blocks.orphans == sum(1 for k in blocks.keys if parent[k] != ROOT_KEY and parent[k] not in blocks.keys)
+        for doc in docs:
+            keys = token_keys(doc, bs)
+            assert blocks.held_run(keys) == leading_run(keys, blocks.keys), step
+            bisected += not blocks.orphans
+            walked += bool(blocks.orphans)
+    assert bisected > 100 and walked > 100   # both ways taken, many times
