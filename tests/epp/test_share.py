@@ -208,3 +208,22 @@ def test_bad_settings_are_refused(segs):
         Share("redis://127.0.0.1:1/0", segs(), dict, interval_s=0.0)
     with pytest.raises(ValueError):
         Share("redis://127.0.0.1:1/0", segs(), dict, interval_s=1.0, ttl_s=0.5)
+
+
+def test_dplb_epp_reads_the_share_section_of_its_config_file(tmp_path, capsys):
+    import yaml
+
+    from epp.__main__ import main
+
+    cfg = tmp_path / "dplb.yaml"
+    cfg.write_text(yaml.safe_dump({"share": {"url": "redis://127.0.0.1:1/0"}}))
+    # the file's share.url is taken (no flag): refused with a node's segment, named in the message
+    assert main(["--config", str(cfg), "--shm", "dplb-none"]) == 2
+    assert "share.url (--share-url) goes with a picker's own segment" in capsys.readouterr().err
+    cfg.write_text(yaml.safe_dump({"share": {"url": "redis://127.0.0.1:1/0", "interval_ms": 5000}}))
+    assert main(["--config", str(cfg), "--endpoints-file", str(tmp_path / "eps.yaml")]) == 2
+    assert "must be below ttl_s" in capsys.readouterr().err   # validated by the config model
+    # a flag overrides the file
+    assert main(["--config", str(cfg), "--share-interval-ms", "50", "--share-url", "http://x",
+                 "--endpoints-file", str(tmp_path / "eps.yaml")]) == 2
+    assert "not a Redis URL" in capsys.readouterr().err
