@@ -228,7 +228,10 @@ def install(w_tpot: float, only_whole: bool = False, replace: bool = False, know
             if best is None or est < best[0]:
                 best = (est, k)
         assert best is not None
-        return dplb_mod.Decision(best[1], "ttft", [], uncached_tokens=int(vec[best[1]]), est_s=best[0])
+        # est_s carries the TPOT price; the admission queue reads ttft_s, the request's own TTFT
+        # there, as plain dplb reports it (else it would hold requests for the price)
+        ttft = self.own_ttft(best[1], work, req.prompt_len, now, out) if self.report_ttft else None
+        return dplb_mod.Decision(best[1], "ttft", [], uncached_tokens=int(vec[best[1]]), est_s=best[0], ttft_s=ttft)
 
     engine_mod.EngineCore.__init__ = init   # type: ignore[method-assign]
     engine_mod.EngineCore._finish = finish  # type: ignore[method-assign]
