@@ -109,23 +109,74 @@ def _event(raw: object) -> Event | None:
     else:
         raise EventFormatError(f"event {raw!r}: expected a tagged map or array")
     if kind == "BlockStored":
-        hashes = tuple(_hash(h) for h in get("block_hashes") or ())
+        hashes = tuple(map(_hash, get("block_hashes") or ()))
         parent = get("parent_block_hash")
-        ids = tuple(int(t) for t in get("token_ids") or ())
+        ids = tuple(map(int, get("token_ids") or ()))   # one C loop: thousands of ids a batch
         bs = int(get("block_size") or 0)
         if bs <= 0 or len(ids) != bs * len(hashes):
             raise EventFormatError(f"BlockStored: {len(ids)} token ids for {len(hashes)} blocks of {bs}")
         return Stored(hashes, None if parent is None else _hash(parent), ids, bs)
     if kind == "BlockRemoved":
-        return Removed(tuple(_hash(h) for h in get("block_hashes") or ()))
+        return Removed(tuple(map(_hash, get("block_hashes") or ())))
     if kind == "AllBlocksCleared":
         return Cleared()
     return None
 
 
+class _StoredMap(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    token_ids: list[int]
+    block_size: int
+    parent_block_hash: int | bytes | None = None
+
+
+class _RemovedMap(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+
+
+class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _BatchMap(msgspec.Struct):
+    ts: float
+    events: list[_StoredMap | _RemovedMap | _ClearedMap]
+    data_parallel_rank: int | None = None
+
+
+#: today's vLLM batches (the map form, the three kinds), decoded and type-checked in one C pass:
+#: a batch of a 4,500-token prompt's blocks costs ~0.1 ms instead of ~1 ms through the generic path
+_TYPED = msgspec.msgpack.Decoder(_BatchMap)
+
+
+def _typed(payload: bytes) -> tuple[float, list[Event], int | None] | None:
+    """:func:`decode_batch` through :data:`_TYPED`; None for anything it does not take (an array
+    form, another event kind, a wrong field type: the generic path decides)."""
+    try:
+        b = _TYPED.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    out: list[Event] = []
+    for e in b.events:
+        if isinstance(e, _StoredMap):
+            bs = e.block_size
+            if bs <= 0 or len(e.token_ids) != bs * len(e.block_hashes):
+                raise EventFormatError(f"BlockStored: {len(e.token_ids)} token ids for {len(e.block_hashes)} "
+                                       f"blocks of {bs}")
+            out.append(Stored(tuple(e.block_hashes), e.parent_block_hash, tuple(e.token_ids), bs))
+        elif isinstance(e, _RemovedMap):
+            out.append(Removed(tuple(e.block_hashes)))
+        else:
+            out.append(Cleared())
+    return b.ts, out, b.data_parallel_rank
+
+
 def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
     """``(ts, events, data_parallel_rank)`` of one msgpack ``EventBatch`` (map or array form).
     Raises :class:`EventFormatError` when it is not one."""
+    got = _typed(payload)
+    if got is not None:
+        return got
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
