@@ -17,6 +17,8 @@ redis-server on loopback with no persistence; everything is stopped at the end::
 ``--idle-s N`` measures instead what sharing costs while no request comes: the CPU of each of two
 pickers and of redis-server over ``N`` seconds (their /proc times), without sharing, with the
 pushes and the default poll, and with a poll of ``--idle-interval-ms`` (5: the poll-only design's).
+``--busy N`` measures the CPU per request instead: ``N`` short requests from 4 concurrent clients
+through two pickers, without and with sharing (each request pushes its dispatch and its end).
 """
 from __future__ import annotations
 
@@ -133,20 +135,37 @@ class Stack:
             queried, hit = queried + q1 - q0, hit + h1 - h0
         return {"hit_rate": hit / queried if queried else 0.0, "requests": n}
 
+    def cpu(self) -> dict[str, float]:
+        """Each of :attr:`pids`' CPU time so far, s (utime + stime from /proc)."""
+        out = {}
+        for name, pid in self.pids.items():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
     def idle_cpu(self, seconds: float) -> dict[str, float]:
         """Each of :attr:`pids`' CPU over ``seconds`` with no request, as a share of one core."""
-        def cpu() -> dict[str, float]:
-            out = {}
-            for name, pid in self.pids.items():
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
-            return out
-
         time.sleep(3.0)   # past the start and the warm-up request
-        c0, t0 = cpu(), time.monotonic()
+        c0, t0 = self.cpu(), time.monotonic()
         time.sleep(seconds)
-        c1, t1 = cpu(), time.monotonic()
+        c1, t1 = self.cpu(), time.monotonic()
         return {k: (c1[k] - c0[k]) / (t1 - t0) for k in c0}
+
+    def busy_cpu(self, n: int, clients: int = 4) -> dict[str, float]:
+        """Each of :attr:`pids`' CPU per request, ms, over ``n`` short requests from ``clients``
+        concurrent clients (each request a prompt of its own)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(c: httpx.Client, i: int) -> None:
+            c.post(self.base + "/v1/chat/completions", json={"model": "sim-model", "max_tokens": 2, "messages": [
+                {"role": "user", "content": f"request {i} " + " ".join(f"w{j}" for j in range(50))}]}).raise_for_status()
+
+        time.sleep(3.0)
+        with ThreadPoolExecutor(clients) as ex, httpx.Client(timeout=60) as c:
+            c0 = self.cpu()
+            list(ex.map(lambda i: one(c, i), range(n)))
+            c1 = self.cpu()
+        return {k: 1000.0 * (c1[k] - c0[k]) / n for k in c0}
 
     def close(self) -> None:
         self.procs.close()
@@ -197,6 +216,25 @@ def idle(seconds: float, interval_ms: float) -> int:
     return 0
 
 
+def busy(n: int) -> int:
+    """Print the CPU per request table (``--busy``)."""
+    print("| configuration | picker 0, ms/request | picker 1, ms/request | redis-server, ms/request |")
+    print("|---|---|---|---|")
+    for name, share in [("2 pickers, no sharing", False), ("2 pickers, shared (pushes)", True)]:
+        d = tempfile.mkdtemp(prefix="dplb-bench-share-", dir="/tmp")
+        try:
+            st = Stack(2, [], share, d)
+            try:
+                c = st.busy_cpu(n)
+            finally:
+                st.close()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        cell = [f"{c[k]:.2f}" if k in c else "-" for k in ("picker-0", "picker-1", "redis")]
+        print(f"| {name} | " + " | ".join(cell) + " |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.share_live", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=5)
@@ -208,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pause after each answer before the next request, ms (0: back to back)")
     ap.add_argument("--idle-s", type=float, default=0.0,
                     help="measure the idle CPU of the pickers and Redis over this many seconds instead (0: off)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="measure the CPU per request of the pickers and Redis over this many requests instead (0: off)")
     ap.add_argument("--idle-interval-ms", type=float, default=5.0,
                     help="the shorter poll --idle-s measures besides the default (default 5)")
     a = ap.parse_args(argv)
@@ -216,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.idle_s > 0:
         return idle(a.idle_s, a.idle_interval_ms)
+    if a.busy > 0:
+        return busy(a.busy)
     workloads = {"sessions": session_requests(a.sessions, a.turns, a.words),
                  "shared-prompt": shared_prompt_requests(a.docs, a.questions, a.words)}
     print("| configuration | " + " | ".join(f"{w} hit rate" for w in workloads) + " |")
