@@ -5,7 +5,7 @@ import orjson
 
 from epp.envoy import HEADER
 from epp.picker import envoy_target
-from epp.stream import CHUNK, Exchange, destination, immediate
+from epp.stream import CHUNK, Exchange, destination, immediate, route_answer
 from router.errors import NoEligibleWorker
 
 
@@ -36,3 +36,16 @@ def test_an_exchange_without_a_lease_releases_nothing():
     ex = Exchange(None, 2)  # type: ignore[arg-type]
     ex.close()              # a stream that ended before any pick: nothing to give back
     assert CHUNK == 62_000
+
+
+def test_route_answer_routes_down_the_endpoints_and_is_shared_per_destination():
+    head = route_answer(("0.0.0.0:9", "10.0.0.5:8000"), False)
+    body = route_answer(("0.0.0.0:9", "10.0.0.5:8000"), True)
+    for resp, common in ((head, head.request_headers.response), (body, body.request_body.response)):
+        assert [(h.header.key, h.header.raw_value) for h in common.header_mutation.set_headers] == [
+            (HEADER, b"127.0.0.1:9,10.0.0.5:8000")]
+        assert common.clear_route_cache
+        assert resp.dynamic_metadata["envoy.lb"][HEADER] == "127.0.0.1:9,10.0.0.5:8000"
+    assert head.WhichOneof("response") == "request_headers" and body.WhichOneof("response") == "request_body"
+    assert route_answer(("0.0.0.0:9", "10.0.0.5:8000"), False) is head   # built once per destination
+    assert route_answer(("10.0.0.5:8000",), False) is not head
