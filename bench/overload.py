@@ -20,7 +20,7 @@ The SLO is the simulator's (``dplb-simulate``): TTFT ≤ 1 s + 0.1 s per 1k prom
 per system and repeat: goodput (SLO-met requests per simulated second of the burst, the span from
 the first send to the last answer), attainment of each class, 429s and other errors, TTFT p50/p99.
 
-DPLB runs with ``admission.enabled: true`` (its defaults otherwise) and the ``dplb`` policy; smg
+DPLB runs with its shipped defaults (admission on) and the ``dplb`` policy; smg
 with ``cache_aware`` and its priority scheduler on (``--smg-flags``: a concurrency limit of
 ``--smg-concurrency`` per engine, a queue with a ``--smg-queue-timeout-s`` wait, tenants allowed
 the interactive class): without a limit smg forwards every request at once and has nothing to
@@ -114,10 +114,9 @@ def run_one(spec: SystemSpec, specs: list[RequestSpec], ns: argparse.Namespace, 
     ``smg_concurrency`` × engines as its concurrency limit."""
     with ProcessSet(log_dir) as procs:
         es = start_engines(procs, ns.engines, EngineFlags(time_scale=ns.time_scale, seed=seed))
-        conf = {"admission": {"enabled": True}} if spec.kind == "dplb" else None
         extra = shlex.split(ns.smg_flags.format(c=smg_concurrency * ns.engines, q=ns.smg_queue_timeout_s)) \
             if spec.kind == "smg" else []
-        running = start_system(spec, procs, es, log_dir, router_config=conf, peer_extra=extra)
+        running = start_system(spec, procs, es, log_dir, peer_extra=extra)
         try:
             wait_idle(es.urls, 30)
             results, wall_s = asyncio.run(run_open(running.base_url, specs, timeout_s=600.0))

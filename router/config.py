@@ -296,10 +296,10 @@ class AdmissionSection(_Strict):
     burst below capacity costs nothing). While a
     higher class has had a request within ``reserve_window_s``, a class fills only ``reserve`` ×
     the headroom, measured against the smaller of its own TTFT budget and a typical request's of
-    the higher class (trunk reservation): the rest is kept for the higher class. ``enabled: false``: today's behaviour
-    (every request bound to a worker on arrival; the default until the whole suite has run with it on)."""
+    the higher class (trunk reservation): the rest is kept for the higher class. On by default;
+    ``enabled: false`` binds every request to a worker on arrival (no queue, no 429 for overload)."""
 
-    enabled: bool = False
+    enabled: bool = True
     headroom: float = Field(default=1.0, gt=0, le=100,
                             description="dispatch while est. TTFT <= headroom x the request's TTFT budget")
     reserve: float = Field(default=0.5, gt=0, le=1,

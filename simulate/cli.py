@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "of two), x4 (four times over) or none (absent: the policy's default)")
     a = p.add_argument_group("admission (the router's queue: config admission.*)")
     a.add_argument("--admission", choices=("config", "on", "off"), default="config",
-                   help="the router's admission queue: as the config says (admission.enabled, default off), on or off")
+                   help="the router's admission queue: as the config says (admission.enabled, default on), on or off")
     a.add_argument("--priority-mix", default=None, metavar="P:W,...",
                    help="draw each request's priority class by weight, e.g. 1:0.3,0:0.7 (seeded by --seed)")
     a.add_argument("--tenant-mix", default=None, metavar="NAME:W,...",

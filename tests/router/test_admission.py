@@ -331,8 +331,8 @@ def test_go_duration(text, want):
 
 def test_config_validates_and_defaults_on():
     c = load_config(None)
-    assert c.admission.enabled is False
-    assert load_config(None, {"admission.enabled": True}).admission.enabled is True
+    assert c.admission.enabled is True
+    assert load_config(None, {"admission.enabled": False}).admission.enabled is False
     assert c.admission.budget_s(3) == 30.0
     c2 = load_config(None, {"admission.classes": {1: {"queue_budget_s": 5}}, "admission.tenant_header": "X-Team"})
     assert c2.admission.budget_s(1) == 5.0
