@@ -39,7 +39,9 @@ it still holds) before :meth:`Share.caught_up` turns True; a picker reports read
 **Redis unreachable.** Each replica falls back to its own view: the others' counters it had added
 are taken back (its lines hold its own work only, as without sharing), placements are not sent;
 the failure is logged once (then once more when Redis answers again) and counted
-(:attr:`Share.errors`, ``dplb_share_errors_total``). No request waits for Redis: reads and writes
+(:attr:`Share.errors`, ``dplb_share_errors_total``). A replica that started while Redis was
+unreachable did not catch up: when Redis answers it takes the placements made from then on, not
+the older ones the stream holds (they would arrive as placed just now). No request waits for Redis: reads and writes
 run on background tasks, the request path only queues placements and sets a flag.
 
 Why Redis: platform teams already run it (and its operators, failover and monitoring); a hash per
@@ -303,7 +305,9 @@ class Share:
             self._up(True)
         except Exception as e:   # noqa: BLE001  (redis errors, OSError, timeouts: fall back, never fail)
             self._down(e)
-            self.loads_id = b"$"   # when Redis answers: what comes from then on (the poll has the rest)
+            # when Redis answers: what comes from then on (the poll has the rest of the load); the
+            # placements the stream held before are not replayed there as placed just now (age 0)
+            self.loads_id = self.last_id = b"$"
         self._caught_up = True
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._refresh_loop(), name="share-refresh"))

@@ -140,3 +140,39 @@ async def test_a_push_is_one_round_trip_and_survives_a_flushed_script_cache(redi
     finally:
         await a.close()
         await admin.aclose()
+
+
+async def test_a_replica_started_while_redis_was_down_takes_no_old_placement_as_new(redis, segs):
+    """A replica whose start found Redis unreachable did not catch up; when Redis answers, the
+    placements the stream held before are not handed to ``on_place`` as placed just now (age 0:
+    fresh pending placements on engines that may have evicted them long ago), new ones are."""
+    import msgspec
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    got: list[tuple[str, list[int], list[int], float]] = []
+    admin = aioredis.Redis.from_url(redis.url)
+    await admin.xadd("dplb:placements", {"r": "old", "p": msgspec.msgpack.encode([E1, [11, 12], [7]])})
+    a = Share(redis.url, segs(), lambda: {E1: 0}, on_place=lambda *x: None, replica="a", **SLOW)
+    b = Share(redis.url, segs(), lambda: {E1: 0}, on_place=lambda *x: got.append(x), replica="b",
+              timeout_s=0.3, **SLOW)
+
+    async def unreachable() -> None:
+        raise RedisConnectionError("unreachable at start (test)")
+
+    b.redis.ping = unreachable   # type: ignore[method-assign]   # the start's first call fails
+    await a.start()
+    await b.start()
+    try:
+        assert not b.up and b.caught_up()
+        for _ in range(400):                  # until b's stream read (once Redis answers) has one
+            a.place(E1, [21], [])
+            await asyncio.sleep(0.05)
+            if got:
+                break
+        assert got, "b never received a new placement"
+        assert all(g[1] == [21] for g in got), got
+    finally:
+        await a.close()
+        await b.close()
+        await admin.aclose()
