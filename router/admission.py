@@ -302,8 +302,9 @@ class AdmissionQueue(Generic[P]):
     def headroom(self, priority: int, now: float, tenant: str | None = None) -> float:
         """The share of its TTFT budget a request of class ``priority`` (and ``tenant``) may find
         queued ahead: ``headroom``, times ``reserve`` while a higher class had a request within
-        ``reserve_window_s``, or while ``tenant`` had more than :data:`OVER_SHARE` × its fair
-        share (1 / tenants served) of its class's dispatches in that window. Trunk reservation
+        ``reserve_window_s``, or times ``tenant_reserve`` while ``tenant`` had more than
+        :data:`OVER_SHARE` × its fair share (1 / tenants served) of its class's dispatches in that
+        window. Trunk reservation
         (Ott & Krishnan, ITC 1985): the room above is kept for the higher class and the lighter
         tenants, whose requests then go at once instead of waiting for a request to end."""
         cfg = self.cfg
@@ -312,7 +313,7 @@ class AdmissionQueue(Generic[P]):
             if p > priority and t >= horizon:
                 return cfg.headroom * cfg.reserve
         if tenant is not None and self._over_share(priority, tenant, horizon):
-            return cfg.headroom * cfg.reserve
+            return cfg.headroom * cfg.tenant_reserve
         return cfg.headroom
 
     def _over_share(self, priority: int, tenant: str, horizon: float) -> bool:
