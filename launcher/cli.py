@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "else 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port, else 30000)")
     p.add_argument("--config", default=None,
-                   help="dplb.yaml (see dplb.example.yaml); its router.host/port/shm and "
-                        "routing_policy.latency_window_sec apply unless a flag says otherwise")
+                   help="dplb.yaml (see dplb.example.yaml), passed on to the router: every section applies "
+                        "(admission, routing_policy, share, ...); its router.host/port/shm and "
+                        "routing_policy.latency_window_sec also set the launch's own defaults unless a flag says otherwise")
     p.add_argument("--state-interval-ms", type=int, default=200, help="how often agents publish their state")
     p.add_argument("--policy", default=None, choices=policy_names(), metavar="P",
                    help=f"routing policy, one of: {', '.join(policy_names())} (router default: dplb)")
