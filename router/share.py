@@ -114,12 +114,13 @@ def encode_counts(c: Counts) -> str:
 
 
 def decode_counts(v: bytes | str) -> Counts:
-    """The inverse of :func:`encode_counts`; a malformed value reads as zeros."""
+    """The inverse of :func:`encode_counts`; a malformed value, or one with a negative count (no
+    replica writes one: its counts are its own in-flight requests and tokens), reads as zeros."""
     try:
         parts = [int(x) for x in (v.decode() if isinstance(v, bytes) else v).split()]
     except ValueError:
         return ZERO
-    if len(parts) != 4:
+    if len(parts) != 4 or min(parts) < 0:
         return ZERO
     return parts[0], parts[1], parts[2], parts[3]
 

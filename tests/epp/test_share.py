@@ -60,6 +60,9 @@ def test_counts_encode_and_decode():
     assert decode_counts(encode_counts((3, 1200, 2, 900))) == (3, 1200, 2, 900)
     assert decode_counts(b"1 2 3") == (0, 0, 0, 0)
     assert decode_counts("x 1 2 3") == (0, 0, 0, 0)
+    # a negative count would be clamped at 0 on the line while own() (line minus the others) grew
+    # by it, and this replica would push the inflated count on
+    assert decode_counts(b"2 -5 0 0") == (0, 0, 0, 0)
 
 
 def test_load_share_adds_the_others_and_keeps_its_own(segs):
