@@ -124,15 +124,38 @@ def serve(shm: str, sock: str, pub_ep: str, replay_ep: str, block_size: int, voc
     iw.serve_worker(shm, sock, 1, 0.0)
 
 
+def router_config(a: argparse.Namespace, run_dir: str, engines: list[str], pubs: list[tuple[str, str]],
+                  enabled: bool, name: str) -> str:
+    """Write a router config file for the rig (every engine in ``backend_servers`` with its
+    publisher, ``kv_events.enabled`` = ``enabled``, its own state directory) into ``run_dir`` as
+    ``<name>.yaml``; returns its path."""
+    from launcher.stack import write_router_config
+
+    cfg = {"backend_servers": [{"endpoint": e, "kv_events": p, "kv_events_replay": r}
+                               for e, (p, r) in zip(engines, pubs, strict=True)],
+           "kv_events": {"enabled": enabled, "block_size": a.kv_block_size, "vocab_size": a.kv_vocab_size},
+           "router": {"state_dir": os.path.join(run_dir, f"state-{name}")}}
+    return str(write_router_config(os.path.join(run_dir, f"{name}.yaml"), cfg))
+
+
+def wait_mirrors(port: int, n: int, timeout_s: float = 60.0) -> None:
+    """Poll the router on ``port`` until it lists ``n`` workers eligible (every engine mirrored);
+    raises SystemExit after ``timeout_s``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ws = httpx.get(f"http://127.0.0.1:{port}/dplb/status", timeout=5).json()["workers"]
+        if sum(1 for w in ws if w.get("eligible")) >= n:
+            return
+        time.sleep(0.2)
+    raise SystemExit("the router did not mirror every engine")
+
+
 def make_rig(a: argparse.Namespace, Rig: type) -> Any:
     """The :class:`EventsRig` for ``a`` (``--kv-events``); ``Rig``: :class:`bench.router_overhead.Rig`
     (passed in: that module imports this one)."""
-    from launcher.stack import (
-        free_port,
-        router_argv,
-        wait_for_port,
-        write_router_config,
-    )
+    from launcher.stack import free_port, router_argv, wait_for_port
 
     class EventsRig(Rig):
         """:class:`bench.router_overhead.Rig` with ``--kv-engines`` events-publishing instant
@@ -160,12 +183,7 @@ def make_rig(a: argparse.Namespace, Rig: type) -> Any:
 
         def config(self, enabled: bool, name: str) -> str:
             """A router config file: every engine in ``backend_servers`` with its publisher."""
-            a = self.a
-            cfg = {"backend_servers": [{"endpoint": e, "kv_events": p, "kv_events_replay": r}
-                                       for e, (p, r) in zip(self.engines, self.pubs, strict=True)],
-                   "kv_events": {"enabled": enabled, "block_size": a.kv_block_size, "vocab_size": a.kv_vocab_size},
-                   "router": {"state_dir": os.path.join(self.dir, f"state-{name}")}}
-            return str(write_router_config(os.path.join(self.dir, f"{name}.yaml"), cfg))
+            return router_config(self.a, self.dir, self.engines, self.pubs, enabled, name)
 
         def _router_command(self, peer: str | None, port: int) -> tuple[list[str], str, dict[str, str] | None]:
             a = self.a
@@ -190,16 +208,7 @@ def make_rig(a: argparse.Namespace, Rig: type) -> Any:
             return port, pid
 
         def _wait_mirrors(self, port: int) -> None:
-            """Until the router lists every engine eligible (mirrored)."""
-            import httpx
-
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                ws = httpx.get(f"http://127.0.0.1:{port}/dplb/status", timeout=5).json()["workers"]
-                if sum(1 for w in ws if w.get("eligible")) >= len(self.engines):
-                    return
-                time.sleep(0.2)
-            raise SystemExit("the router did not mirror every engine")
+            wait_mirrors(port, len(self.engines))
 
         def close(self) -> None:
             import dplb_shm
