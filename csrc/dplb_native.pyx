@@ -155,7 +155,7 @@ cdef void _set_str(char *dst, size_t cap, s, str field) except *:
     if not isinstance(s, str):
         raise SlotFieldError(f"{field} must be a string, got {s!r}", field=field)
     b = (<str>s).encode("utf-8")
-    if len(b) >= cap:
+    if <size_t>len(b) >= cap:
         raise SlotFieldError(f"{field} is {len(b)} bytes, at most {cap - 1} fit", field=field)
     if b"\0" in b:
         raise SlotFieldError(f"{field} must not contain NUL", field=field)
