@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,17 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.02, what: str = 
     """Poll ``pred()`` until it returns a truthy value (:func:`launcher.stack.wait_for`, the one
     polling loop, with the tests' defaults); raises ``TimeoutError`` after ``timeout`` s."""
     return wait_for(pred, timeout, what, interval=interval)
+
+
+async def until(pred, timeout: float = 20.0, what: str = "condition", interval: float = 0.005) -> None:
+    """:func:`wait_until` for a test's event loop: await ``asyncio.sleep(interval)`` until ``pred()``
+    is truthy (bounded, busy-machine friendly); raises ``AssertionError`` naming ``what`` after
+    ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 #: every process a test starts goes through the launcher's process-group manager (own session each,

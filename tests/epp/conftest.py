@@ -136,3 +136,32 @@ def gateway():
                 os.unlink(f"/dev/shm/{name}")
             shutil.rmtree(run_dir, ignore_errors=True)
 
+
+@pytest.fixture
+def redis(procs, run_dir):
+    """A real redis-server on a free loopback port (:class:`tests.epp.redis_server.RedisServer`),
+    killed at teardown."""
+    from tests.epp.redis_server import RedisServer
+
+    return RedisServer(procs, run_dir).start()
+
+
+@pytest.fixture
+def segs():
+    """A factory of 4-slot segments (each a replica's own, as on its own node), unlinked and
+    closed at teardown."""
+    made = []
+
+    def make() -> Any:
+        from dplb_shm import Segment
+
+        s = Segment.create(unique_shm_name(), num_slots=4)
+        made.append(s)
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.unlink()
+            s.close()

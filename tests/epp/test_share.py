@@ -13,43 +13,11 @@ import pytest
 
 from dplb_shm import Segment
 from epp.share import LoadShare, Share, decode_counts, encode_counts
-from tests.epp.redis_server import RedisServer
-from tests.helpers import unique_shm_name
+from tests.helpers import until
 
 pytestmark = [pytest.mark.timeout(120)]
 
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
-
-
-@pytest.fixture
-def redis(procs, run_dir):
-    return RedisServer(procs, run_dir).start()
-
-
-@pytest.fixture
-def segs():
-    made = []
-
-    def make() -> Segment:
-        s = Segment.create(unique_shm_name(), num_slots=4)
-        made.append(s)
-        return s
-
-    try:
-        yield make
-    finally:
-        for s in made:
-            s.unlink()
-            s.close()
-
-
-async def until(pred, timeout: float = 20.0, what: str = "condition") -> None:
-    """Wait (bounded, busy-machine friendly) until ``pred()`` is true."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def inflight(seg: Segment, slot: int) -> int:
