@@ -23,6 +23,7 @@ through two pickers, without and with sharing (each request pushes its dispatch 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -171,6 +173,20 @@ class Stack:
         self.procs.close()
 
 
+@contextlib.contextmanager
+def temp_stack(pickers: int, args: list[str], share: bool) -> Iterator[Stack]:
+    """A :class:`Stack` in a fresh run directory under /tmp; closed and the directory removed on exit."""
+    d = tempfile.mkdtemp(prefix="dplb-bench-share-", dir="/tmp")
+    try:
+        st = Stack(pickers, args, share, d)
+        try:
+            yield st
+        finally:
+            st.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def session_requests(sessions: int, turns: int, words: int) -> list[list[dict[str, str]]]:
     """Each session's turn t carries the history so far (answers as a fixed text: the engines'
     answers are not needed for the prefix), interleaved across sessions."""
@@ -202,15 +218,8 @@ def idle(seconds: float, interval_ms: float) -> int:
     for name, args, share in [("2 pickers, no sharing", [], False), ("2 pickers, shared (pushes, default poll)", [], True),
                               (f"2 pickers, shared, --share-interval-ms {interval_ms:g}",
                                ["--share-interval-ms", str(interval_ms)], True)]:
-        d = tempfile.mkdtemp(prefix="dplb-bench-share-", dir="/tmp")
-        try:
-            st = Stack(2, args, share, d)
-            try:
-                c = st.idle_cpu(seconds)
-            finally:
-                st.close()
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
+        with temp_stack(2, args, share) as st:
+            c = st.idle_cpu(seconds)
         cell = [f"{100 * c[k]:.1f} %" if k in c else "-" for k in ("picker-0", "picker-1", "redis")]
         print(f"| {name} | " + " | ".join(cell) + " |", flush=True)
     return 0
@@ -221,15 +230,8 @@ def busy(n: int) -> int:
     print("| configuration | picker 0, ms/request | picker 1, ms/request | redis-server, ms/request |")
     print("|---|---|---|---|")
     for name, share in [("2 pickers, no sharing", False), ("2 pickers, shared (pushes)", True)]:
-        d = tempfile.mkdtemp(prefix="dplb-bench-share-", dir="/tmp")
-        try:
-            st = Stack(2, [], share, d)
-            try:
-                c = st.busy_cpu(n)
-            finally:
-                st.close()
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
+        with temp_stack(2, [], share) as st:
+            c = st.busy_cpu(n)
         cell = [f"{c[k]:.2f}" if k in c else "-" for k in ("picker-0", "picker-1", "redis")]
         print(f"| {name} | " + " | ".join(cell) + " |", flush=True)
     return 0
@@ -265,15 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, args, share in CONFIGS:
         row = []
         for reqs in workloads.values():
-            d = tempfile.mkdtemp(prefix="dplb-bench-share-", dir="/tmp")
-            try:
-                st = Stack(n, args, share, d)
-                try:
-                    row.append(st.run(reqs, a.gap_ms / 1000.0)["hit_rate"])
-                finally:
-                    st.close()
-            finally:
-                shutil.rmtree(d, ignore_errors=True)
+            with temp_stack(n, args, share) as st:
+                row.append(st.run(reqs, a.gap_ms / 1000.0)["hit_rate"])
         print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in row) + " |", flush=True)
     return 0
 
