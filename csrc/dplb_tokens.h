@@ -172,6 +172,7 @@ typedef struct {
     int64_t *keys;
     Py_ssize_t keys_n, keys_cap;
     int oom;
+    int open_end;            /* 1: a prefix of the prompt (resumed later): no closing literals */
 } dplb_tok;
 
 static inline uint32_t dplb_mod(const dplb_tok *t, uint32_t x)
@@ -606,7 +607,7 @@ static int dplb_tokenize_ascii(dplb_tok *t, int chat, const uint8_t *p, Py_ssize
         }
     }
     dplb_tok_ascii_words(t, p, seg, n);
-    if (chat) {
+    if (chat && !t->open_end) {
         if (t->n > 0)
             dplb_tok_literal(t, "<|eot|>", 7);
         dplb_tok_literal(t, "<|assistant|>", 13);
@@ -618,7 +619,10 @@ static int dplb_tokenize_ascii(dplb_tok *t, int chat, const uint8_t *p, Py_ssize
 /* The tokens of the router's prompt text (n code points, PyUnicode_KIND ``kind``, PyUnicode_DATA
  * ``data``, ``ascii``: PyUnicode_IS_ASCII), rendered as chat when ``chat`` (see the top). Returns
  * 0, or -1 on a surrogate in a word (the caller falls back to Python, which raises) or when memory
- * ran out (t->oom). */
+ * ran out (t->oom). A prompt can be tokenized in pieces that each start at a line's start (just
+ * after a '\n'): the first with ``open_end`` set (no closing literals), the next from the state
+ * (n, acc, in_block, parent) the first left, gives the same tokens and keys as one pass: a line
+ * start is a word boundary and where a role is looked for in both. */
 static int dplb_tokenize(dplb_tok *t, int chat, int ascii, int kind, const void *data, Py_ssize_t n)
 {
     Py_ssize_t i = 0;
@@ -647,9 +651,11 @@ static int dplb_tokenize(dplb_tok *t, int chat, int ascii, int kind, const void 
             return -1;
         i = end + 1;
     }
-    if (t->n > 0)
-        dplb_tok_literal(t, "<|eot|>", 7);
-    dplb_tok_literal(t, "<|assistant|>", 13);
+    if (!t->open_end) {
+        if (t->n > 0)
+            dplb_tok_literal(t, "<|eot|>", 7);
+        dplb_tok_literal(t, "<|assistant|>", 13);
+    }
     return t->oom ? -1 : 0;
 }
 

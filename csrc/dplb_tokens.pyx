@@ -19,7 +19,7 @@ from libc.stdint cimport uint32_t, uint64_t, int64_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy
 from cpython cimport array
-from cpython.unicode cimport PyUnicode_KIND, PyUnicode_DATA, PyUnicode_GET_LENGTH
+from cpython.unicode cimport PyUnicode_KIND, PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_READ_CHAR
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
@@ -48,6 +48,7 @@ cdef extern from "dplb_tokens.h" nogil:
         Py_ssize_t keys_n
         Py_ssize_t keys_cap
         int oom
+        int open_end
     void dplb_crc_init()
     uint64_t dplb_int_hash(int64_t v)
     uint64_t dplb_tuple_lane(uint64_t acc, uint64_t lane)
@@ -73,11 +74,21 @@ def fast_path(object on=None):
     return bool(dplb_has_fast and not dplb_fast_off)
 
 
-cdef int _run(dplb_tok *t, str text, bint chat, Py_ssize_t vocab_size, Py_ssize_t block_size, bint keep_ids) except -1:
+cdef int _run(dplb_tok *t, str text, bint chat, Py_ssize_t vocab_size, Py_ssize_t block_size, bint keep_ids,
+              Py_ssize_t start=0, Py_ssize_t end=-1, object state=None) except -1:
+    """Tokenize ``text[start:end]`` (``end`` -1: to the end, closed with the chat literals; else an
+    open prefix) from ``state`` (:func:`word_block_state`'s; None: the prompt's start)."""
     if vocab_size < 1 or vocab_size > 0xFFFFFFFF:
         raise ValueError(f"vocab_size must be in [1, 2**32) (got {vocab_size})")
     if block_size < 0:
         raise ValueError(f"block_size must be >= 0 (got {block_size})")
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    if end < 0:
+        end = n
+    if start < 0 or start > end or end > n:
+        raise ValueError(f"[start, end) = [{start}, {end}) is not within the text (length {n})")
+    if start > 0 and PyUnicode_READ_CHAR(text, start - 1) != 10:
+        raise ValueError(f"start {start} is not a line's start (text[start - 1] must be a newline)")
     t.vocab = <uint32_t>vocab_size
     t.fastmod = <uint64_t>0xFFFFFFFFFFFFFFFF // t.vocab + 1
     t.block_size = block_size
@@ -85,6 +96,14 @@ cdef int _run(dplb_tok *t, str text, bint chat, Py_ssize_t vocab_size, Py_ssize_
     t.in_block = 0
     t.parent = 0
     t.n = 0
+    if state is not None:
+        st_n, st_acc, st_in, st_parent, st_bs = state
+        if st_bs != block_size or (start == 0 and st_n):
+            raise ValueError("state is not one of this block size at a line's start")
+        t.n = st_n
+        t.acc = st_acc
+        t.in_block = st_in
+        t.parent = st_parent
     t.keep_ids = keep_ids
     t.ids = NULL
     t.ids_cap = 0
@@ -92,13 +111,13 @@ cdef int _run(dplb_tok *t, str text, bint chat, Py_ssize_t vocab_size, Py_ssize_
     t.keys_n = 0
     t.keys_cap = 0
     t.oom = 0
+    t.open_end = end != n
     cdef int ascii = PyUnicode_IS_ASCII(text)
     cdef int kind = PyUnicode_KIND(text)
-    cdef const void *data = PyUnicode_DATA(text)
-    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef const char *data = <const char *>PyUnicode_DATA(text) + start * kind
     cdef int rc
     with nogil:
-        rc = dplb_tokenize(t, chat, ascii, kind, data, n)
+        rc = dplb_tokenize(t, chat, ascii, kind, data, end - start)
     if rc < 0:
         free(t.ids)
         free(t.keys)
@@ -135,21 +154,45 @@ cdef list _keys_list(const int64_t *keys, Py_ssize_t n):
     return out
 
 
-def word_block_keys(str text, bint chat, Py_ssize_t vocab_size, Py_ssize_t block_size, bint drop_last=True):
+def word_block_keys(str text, bint chat, Py_ssize_t vocab_size, Py_ssize_t block_size, bint drop_last=True,
+                    Py_ssize_t start=0, object state=None):
     """``(tokens, keys)`` of the router's prompt ``text``: its token count (:func:`word_ids`) and the
     chained keys (list of int, :func:`token_keys` from key 0) of the full blocks of its ids; with
     ``drop_last`` of all ids but the last (vLLM always computes a prompt's last token, so the
-    block holding it is never a hit). Raises ValueError for a ``block_size`` below 1 and as
-    :func:`word_ids`."""
+    block holding it is never a hit). From ``start`` (a line's start) with ``state``, what
+    :func:`word_block_state` answered for ``text[:start - 1]``: the tokens counted from the
+    state's and the keys of the blocks completed after it only (with ``drop_last`` the last of
+    them left out when the prompt's last token completes a block). Raises ValueError for a
+    ``block_size`` below 1, a ``start`` that is not a line's start or a state of another block
+    size, and as :func:`word_ids`."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
     cdef dplb_tok t
-    _run(&t, text, chat, vocab_size, block_size, False)
+    _run(&t, text, chat, vocab_size, block_size, False, start, -1, state)
     cdef Py_ssize_t nk = t.keys_n
-    if drop_last and t.n > 0 and t.n % block_size == 0:
+    if drop_last and nk > 0 and t.n > 0 and t.n % block_size == 0:
         nk -= 1
     try:
         return t.n, _keys_list(t.keys, nk)
+    finally:
+        free(t.keys)
+
+
+def word_block_state(str text, bint chat, Py_ssize_t vocab_size, Py_ssize_t block_size, Py_ssize_t end,
+                     Py_ssize_t start=0, object state=None):
+    """``(state, keys)`` of the open prefix ``text[start:end]`` (``text[end]`` a newline; from
+    ``state`` as :func:`word_block_keys`'s): the keys (list of int) of the blocks completed in it
+    and the tokenizer's state after it (an opaque tuple), from which :func:`word_block_keys`
+    resumes at ``end + 1`` as if the text had been read in one pass (no chat literal closes the
+    prefix). Raises ValueError when ``text[end]`` is not a newline and as :func:`word_block_keys`."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    if not 0 <= end < PyUnicode_GET_LENGTH(text) or PyUnicode_READ_CHAR(text, end) != 10:
+        raise ValueError(f"end {end} is not a newline of the text")
+    cdef dplb_tok t
+    _run(&t, text, chat, vocab_size, block_size, False, start, end, state)
+    try:
+        return (t.n, t.acc, t.in_block, t.parent, block_size), _keys_list(t.keys, t.keys_n)
     finally:
         free(t.keys)
 

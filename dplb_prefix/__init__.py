@@ -11,7 +11,9 @@
 - :func:`word_ids`, :func:`word_block_keys`, :func:`token_keys`: a prompt's token ids for the
   simulated engine's word tokenizer and the chained keys of its token blocks, as the engines'
   KV-cache events are matched (:mod:`router.kv_events`), in one pass over the str's buffer;
-  :func:`leading_run`: how many of them an engine's block set holds, one dict lookup each.
+  :func:`leading_run`: how many of them an engine's block set holds, one dict lookup each;
+  :func:`word_block_state`: the tokenizer's state after a prompt's leading lines, from which
+  :func:`word_block_keys` resumes (a long shared message tokenized once).
 
 Built from csrc/dplb_prefix.pyx and csrc/dplb_prefix.h, csrc/dplb_tokens.pyx and
 csrc/dplb_tokens.h (``make build``); a missing build raises
@@ -28,9 +30,15 @@ try:
         count_words,
         model_seed,
     )
-    from dplb_prefix._tokens import leading_run, token_keys, word_block_keys, word_ids
+    from dplb_prefix._tokens import (
+        leading_run,
+        token_keys,
+        word_block_keys,
+        word_block_state,
+        word_ids,
+    )
 except ImportError as e:   # pragma: no cover - only without a build
     raise ImportError(f"dplb_prefix's native extension is not built ({e}): run `make build`") from e
 
 __all__ = ["MAX_WORKER_ID", "PrefixIndex", "chain_hashes", "count_words", "leading_run", "model_seed", "token_keys",
-           "word_block_keys", "word_ids"]
+           "word_block_keys", "word_block_state", "word_ids"]

@@ -1,13 +1,18 @@
 """Type stub of dplb_prefix._tokens, built from csrc/dplb_tokens.pyx."""
 from array import array
 from collections.abc import Container, Mapping, Sequence
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 _K = TypeVar("_K")
 
 def word_ids(text: str, chat: bool, vocab_size: int) -> array[int]: ...
+#: the tokenizer's state after an open prefix (word_block_state), opaque
+TokState: TypeAlias = tuple[int, int, int, int, int]
+
 def word_block_keys(text: str, chat: bool, vocab_size: int, block_size: int,
-                    drop_last: bool = ...) -> tuple[int, list[int]]: ...
+                    drop_last: bool = ..., start: int = ..., state: TokState | None = ...) -> tuple[int, list[int]]: ...
+def word_block_state(text: str, chat: bool, vocab_size: int, block_size: int, end: int,
+                     start: int = ..., state: TokState | None = ...) -> tuple[TokState, list[int]]: ...
 def token_keys(token_ids: Sequence[int], block_size: int, parent: int = ...) -> list[int]: ...
 def leading_run(keys: Sequence[_K], present: Container[object], until: Mapping[_K, float] | None = ...,
                 now: float = ...) -> int: ...

@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from dplb_prefix import reference as _ref
-from dplb_prefix import word_block_keys, word_ids
+from dplb_prefix import word_block_keys, word_block_state, word_ids
 from router.kv_events import KVEventSubscriber, PendingBlocks, token_keys
 
 if TYPE_CHECKING:
+    from dplb_prefix._tokens import TokState
     from router.admin_store import MirrorSpec
     from router.policies.prefix_index import PrefixIndex
 
@@ -57,12 +59,26 @@ class WordTokenizer:
     ``vocab_size``: the engine's (``--vocab-size``, 128,256 by default: Llama 3's; below 2**32).
     Native (:mod:`dplb_prefix`: one pass over the text's buffer, a CRC-32 per word);
     :meth:`block_keys` gives a prompt's block keys without its ids (what :meth:`EventsFeed.match`
-    needs)."""
+    needs), and resumes after a long run of leading messages it tokenized before (``resume``,
+    :meth:`block_keys`)."""
 
-    def __init__(self, vocab_size: int = 128_256) -> None:
+    #: a chat prompt's leading messages are kept tokenized when they are at least this many
+    #: characters (a shared document or system prompt, a session's history)
+    RESUME_MIN_CHARS = 4096
+    #: at most this many such prefixes are kept (the least recently used goes first) ...
+    RESUME_ENTRIES = 32
+    #: ... and at most this many of their characters (each keeps a copy of its text)
+    RESUME_CHARS = 16_000_000
+
+    def __init__(self, vocab_size: int = 128_256, resume: bool = True) -> None:
         if not 1 <= vocab_size < 1 << 32:
             raise ValueError(f"vocab_size must be in [1, 2**32) (got {vocab_size})")
         self.vocab_size = vocab_size
+        self.resume = resume
+        #: (block size, prefix text) -> (state after it, its keys): prefixes ending before a message
+        self._kept: OrderedDict[tuple[int, str], tuple[TokState, list[int]]] = OrderedDict()
+        self._kept_chars = 0
+        self.resumed = 0   # prompts whose keys resumed after a kept prefix
 
     @staticmethod
     def chat(path: str, text: str) -> bool:
@@ -84,8 +100,69 @@ class WordTokenizer:
     def block_keys(self, path: str, text: str, block_size: int) -> tuple[int, list[int]]:
         """``(prompt tokens, keys)``: the :func:`router.kv_events.token_keys` of the prompt's full
         blocks but the one holding its last token (vLLM always computes that token), in one native
-        pass (:func:`dplb_prefix.word_block_keys`)."""
-        return word_block_keys(text, self.chat(path, text), self.vocab_size, block_size)
+        pass (:func:`dplb_prefix.word_block_keys`).
+
+        With ``resume``, a chat prompt whose leading messages (everything before its last message's
+        line) span at least :attr:`RESUME_MIN_CHARS` characters keeps the tokenizer's state after
+        them (:func:`dplb_prefix.word_block_state`); a later prompt that starts with the same text
+        (compared in place: one ``memcmp``) is tokenized from there on only. The keys are the
+        same as one pass's (a message's line start is a word boundary;
+        tests/router/test_events_index.py)."""
+        chat = self.chat(path, text)
+        if not (self.resume and chat) or len(text) < self.RESUME_MIN_CHARS:
+            return word_block_keys(text, chat, self.vocab_size, block_size)
+        vocab = self.vocab_size
+        start, state, pre = self._kept_prefix(text, block_size)
+        cut = _last_turn(text, start + self.RESUME_MIN_CHARS)
+        if cut >= 0:   # keep the leading messages' state for the next prompt that starts with them
+            state, mid = word_block_state(text, True, vocab, block_size, cut, start, state)
+            pre = pre + mid
+            self._keep(block_size, text[:cut], state, pre)
+            start = cut + 1
+        n, tail = word_block_keys(text, True, vocab, block_size, False, start, state)
+        keys = pre + tail
+        if n and n % block_size == 0:   # the block holding the last token is never a hit
+            keys.pop()
+        return n, keys
+
+    def _kept_prefix(self, text: str, block_size: int) -> tuple[int, TokState | None, list[int]]:
+        """``(start, state, keys)`` after the longest kept prefix of ``text`` (``(0, None, [])``:
+        none): where to resume, the tokenizer's state there and the prefix's keys."""
+        best: tuple[str, tuple[TokState, list[int]]] | None = None
+        n = len(text)
+        for (bs, pre), got in tuple(self._kept.items()):
+            end = len(pre)
+            if (bs == block_size and end < n and (best is None or end > len(best[0])) and text[end] == "\n"
+                    and text.startswith(pre)):
+                best = pre, got
+        if best is None:
+            return 0, None, []
+        self._kept.move_to_end((block_size, best[0]))
+        self.resumed += 1
+        return len(best[0]) + 1, best[1][0], best[1][1]
+
+    def _keep(self, block_size: int, pre: str, state: TokState, keys: list[int]) -> None:
+        """Keep ``pre``'s state and keys, dropping the least recently used beyond the bounds."""
+        kept = self._kept
+        if kept.setdefault((block_size, pre), (state, keys))[0] is state:
+            self._kept_chars += len(pre)
+        while kept and (len(kept) > self.RESUME_ENTRIES or self._kept_chars > self.RESUME_CHARS):
+            (_, old), _ = kept.popitem(last=False)
+            self._kept_chars -= len(old)
+
+
+def _last_turn(text: str, lo: int, tries: int = 64) -> int:
+    """The newline before the last line of ``text`` that starts a message (``role:``), if it is at
+    or after ``lo``; -1 otherwise (or when the last ``tries`` lines start none)."""
+    i = len(text)
+    for _ in range(tries):
+        i = text.rfind("\n", lo, i)
+        if i < 0:
+            return -1
+        c = text.find(":", i + 1, i + 11)
+        if c > 0 and text[i + 1:c] in ROLES:
+            return i
+    return -1
 
 
 class EventsFeed:

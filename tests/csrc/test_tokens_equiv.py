@@ -14,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dplb_prefix import leading_run, token_keys, word_block_keys, word_ids
+from dplb_prefix import (
+    leading_run,
+    token_keys,
+    word_block_keys,
+    word_block_state,
+    word_ids,
+)
 from dplb_prefix import reference as ref
 from dplb_prefix._tokens import fast_path
 from dplb_protocol.wire import parse_request
@@ -116,6 +122,48 @@ def test_token_keys_of_an_ids_array_equal_those_of_the_list(ids, bs):
 def test_word_block_keys_equal_the_reference(fast, text, chat, vocab, bs, drop_last):
     with native_path(fast):
         assert word_block_keys(text, chat, vocab, bs, drop_last) == ref.word_block_keys(text, chat, vocab, bs, drop_last)
+
+
+def pieces_keys(text: str, chat: bool, vocab: int, bs: int, cuts: list[int]) -> tuple[int, list[int]]:
+    """The keys of ``text`` tokenized in pieces split at the newlines ``cuts`` (word_block_state
+    for each piece but the last, word_block_keys resuming after the last cut)."""
+    start, state, keys = 0, None, []
+    for c in cuts:
+        state, got = word_block_state(text, chat, vocab, bs, c, start, state)
+        keys += got
+        start = c + 1
+    n, tail = word_block_keys(text, chat, vocab, bs, False, start, state)
+    keys += tail
+    if n and n % bs == 0:
+        keys.pop()
+    return n, keys
+
+
+@BOTH_PATHS
+@settings(max_examples=300, deadline=None)
+@given(text=texts | ascii_texts, chat=st.booleans(), vocab=vocabs, bs=st.integers(1, 20), data=st.data())
+def test_word_block_keys_resumed_at_newlines_equal_one_pass(fast, text, chat, vocab, bs, data):
+    # a prompt read in pieces that end at newlines (a kept prefix's state, then the rest) gives
+    # the tokens and keys of one pass, whichever newlines it is cut at
+    nls = [i for i, c in enumerate(text) if c == "\n"]
+    cuts = sorted(data.draw(st.sets(st.sampled_from(nls), max_size=4))) if nls else []
+    with native_path(fast):
+        assert pieces_keys(text, chat, vocab, bs, cuts) == word_block_keys(text, chat, vocab, bs)
+
+
+def test_resuming_checks_where_and_from_what():
+    text = "system: a b c\nuser: d e"
+    with pytest.raises(ValueError):
+        word_block_state(text, True, 10, 4, 3)            # text[3] is not a newline
+    with pytest.raises(ValueError):
+        word_block_state(text, True, 10, 4, len(text))    # past the end
+    state, _ = word_block_state(text, True, 10, 4, 13)
+    with pytest.raises(ValueError):
+        word_block_keys(text, True, 10, 4, True, 5, state)   # not a line's start
+    with pytest.raises(ValueError):
+        word_block_keys(text, True, 10, 8, True, 14, state)  # a state of another block size
+    with pytest.raises(ValueError):
+        word_block_keys(text, True, 10, 4, True, 0, state)   # a state where the prompt starts
 
 
 @settings(max_examples=200, deadline=None)

@@ -15,6 +15,7 @@ import pytest
 
 from dplb_protocol.wire import parse_request
 from router.events_index import EventsFeed, EventsIndex, WordTokenizer, install
+from router.kv_events import token_keys
 from router.policies.prefix_index import PrefixIndex
 from sim_engine.kv_events import (
     BlockRemoved,
@@ -120,7 +121,7 @@ def test_the_leading_run_by_bisection_equals_the_walk_under_any_store_and_evicti
     import random
 
     from dplb_prefix import leading_run
-    from router.kv_events import ROOT_KEY, BlockSet, token_keys
+    from router.kv_events import ROOT_KEY, BlockSet
 
     rnd = random.Random(7)
     bs = 2
@@ -183,3 +184,46 @@ def test_the_typed_decode_agrees_with_the_generic_one():
     for payload in (enc({"ts": 1.0, "events": [bad]}), enc({"ts": 1.0, "events": [bad, {"type": "Other"}]})):
         with pytest.raises(K.EventFormatError):
             K.decode_batch(payload)
+
+
+def test_a_prompt_resumed_after_its_kept_leading_messages_has_the_keys_of_one_pass():
+    # a shared document, then sessions whose histories grow turn by turn (with newlines in the
+    # messages, a non-ASCII one and messages that look like roles): every prompt's keys equal the
+    # engine's (token_keys of the simulated engine's ids), whether it resumed or not
+    import random
+
+    rnd = random.Random(3)
+    vocab = [f"w{i}" for i in range(300)] + ["ü", "user:", "\u4e2d"]
+
+    def words(n: int) -> str:
+        return " ".join(rnd.choice(vocab) + ("\n" if rnd.random() < 0.02 else "") for _ in range(n))
+
+    docs = [words(1500) for _ in range(3)]
+    tok = WordTokenizer(VOCAB)
+    tok.RESUME_MIN_CHARS = 2000   # the document alone is kept; a history grows past it
+    plain = WordTokenizer(VOCAB, resume=False)
+    for session in range(6):
+        msgs = [{"role": "system", "content": docs[session % 3]}]
+        for turn in range(5):
+            msgs.append({"role": "user", "content": words(rnd.randint(5, 400))})
+            text = parse_request(CHAT, orjson.dumps({"model": "m", "messages": msgs})).text
+            for bs in (BS, 16):
+                ids = token_ids(render_chat(msgs), VOCAB)
+                want = token_keys(ids[:len(ids) - 1], bs)
+                assert tok.block_keys(CHAT, text, bs) == (len(ids), want)
+                assert plain.block_keys(CHAT, text, bs) == (len(ids), want)
+            msgs.append({"role": "assistant", "content": words(rnd.randint(5, 300))})
+    assert tok.resumed >= 40   # most prompts resumed (the first of each document and size did not)
+    assert plain.resumed == 0
+
+
+def test_the_kept_prefixes_stay_within_their_bounds():
+    tok = WordTokenizer(VOCAB)
+    tok.RESUME_MIN_CHARS, tok.RESUME_ENTRIES, tok.RESUME_CHARS = 100, 3, 10_000
+    for i in range(20):
+        text = f"system:{' '.join(f'd{i}x{j}' for j in range(60))}\nuser: q"
+        tok.block_keys(CHAT, text, BS)
+        assert len(tok._kept) <= 3 and tok._kept_chars == sum(len(p) for _, p in tok._kept)
+    tok.RESUME_CHARS = 500   # one entry is ~600 characters: none stays
+    tok.block_keys(CHAT, "system:" + "y " * 400 + "\nuser: q", BS)
+    assert not tok._kept and tok._kept_chars == 0
