@@ -118,7 +118,8 @@ async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
 
     loop = asyncio.get_running_loop()
     cfg = load_config(None, {"router.shm": shm, "health_check.enabled": False,
-                             "routing_policy.policy": a.policy, "router.access_log": a.access_log})
+                             "routing_policy.policy": a.policy, "router.access_log": a.access_log,
+                             "admission.enabled": a.admission == "on"})
     app = create_app(cfg, seg)
     ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", access_log=False, server_header=False,
                           date_header=False, log_level="warning", proxy_headers=False, timeout_keep_alive=30)
@@ -159,6 +160,8 @@ async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
             for _ in range(a.requests):
                 await one()
             prof.disable()
+            if a.dump:
+                prof.dump_stats(a.dump)
             st = pstats.Stats(prof)
             print(f"Python function calls per request: {st.total_calls / a.requests:.1f}")   # type: ignore[attr-defined]
             groups: dict[str, float] = defaultdict(float)
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also run them under cProfile and print calls per request")
     ap.add_argument("--top", type=int, default=25, help="functions listed with --profile")
     ap.add_argument("--access-log", default="text", choices=("text", "json", "off"), help="router.access_log")
+    ap.add_argument("--admission", default="on", choices=("on", "off"), help="admission.enabled (default on, as shipped)")
+    ap.add_argument("--dump", help="with --profile: also write cProfile's stats to this file (pstats)")
     a = ap.parse_args(argv)
     import logging
 

@@ -102,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer", choices=("sglang", "vllm", "smg"), help="measure this peer router (bench/peers.py) instead of "
                     "DPLB's, pinned the same way, in front of the same instant worker (implies --tcp)")
     ap.add_argument("--peer-policy", default="round_robin", help="the peer's policy (default: round_robin)")
-    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline", "no-access-log", "own-index"), action="append",
+    ap.add_argument("--versus", choices=("sglang", "vllm", "smg", "baseline", "no-access-log", "no-admission", "own-index"),
+                    action="append",
                     help="run DPLB's router and this peer's (repeatable; baseline: DPLB from --baseline-dir; "
-                    "no-access-log: DPLB's router with --access-log off, the access log's share; own-index: with "
+                    "no-access-log: DPLB's router with --access-log off, the access log's share; no-admission: with "
+                    "admission.enabled false, the admission step's share; own-index: with "
                     "--kv-events, DPLB's router on its own prefix index) side by "
                     "side and measure them in alternating blocks (implies --tcp; see the module docstring)")
     ap.add_argument("--baseline-dir", help="a second DPLB checkout, built (make build), run as --versus baseline: "
@@ -174,6 +176,12 @@ class Rig:
         if peer == "no-access-log":
             return router_argv(port=port, shm=self.shm, policy=a.policy, log_level="warning",
                                extra=["--access-log", "off"]), self.root, None
+        if peer == "no-admission":
+            conf = os.path.join(self.dir, "no-admission.yaml")
+            with open(conf, "w") as f:
+                f.write("admission:\n  enabled: false\n")
+            return router_argv(port=port, shm=self.shm, config=conf, policy=a.policy,
+                               log_level="warning"), self.root, None
         if peer:
             from bench.peers import ensure_peer, peer_command
 

@@ -108,7 +108,7 @@ class AccessLog:
                     f"duration_ms={duration_s * 1e3:.1f} "
                     f"prompt_tokens={'-' if prompt_tokens is None else prompt_tokens} "
                     f"output_tokens={'-' if output_tokens is None else output_tokens} attempts={attempts} "
-                    f"queue_ms={queue_s * 1e3:.1f}")
+                    f"queue_ms={'0.0' if queue_s == 0.0 else f'{queue_s * 1e3:.1f}'}")   # most went at once: no float format
         if batch is None:
             log.info(line)
         else:
