@@ -91,10 +91,22 @@ def normalize_base_url(url: str) -> str:
     return url.rstrip("/") + "/v1" if parts.path in ("", "/") else url.rstrip("/")
 
 
+#: the API key the client sends when neither ``ReplayOptions.api_key`` nor ``OPENAI_API_KEY`` gives one
+DEFAULT_API_KEY = "dplb-replay"
+
+
+def api_key(explicit: str | None = None) -> str:
+    """The API key the replay client sends (``Authorization: Bearer ...``): ``explicit``, else the
+    ``OPENAI_API_KEY`` environment variable, else :data:`DEFAULT_API_KEY`. The router's admission
+    queue takes a request without another tenant key for the tenant of this key's digest
+    (docs/admission.md), so a harness request that is not part of the measured load sends the same
+    key (:func:`bench.systems.probe`)."""
+    return explicit or os.environ.get("OPENAI_API_KEY") or DEFAULT_API_KEY
+
+
 def make_client(opts: ReplayOptions) -> openai.AsyncOpenAI:
     """An ``AsyncOpenAI`` client for ``opts`` with retries off (a retried request would hide errors)."""
-    return openai.AsyncOpenAI(base_url=normalize_base_url(opts.base_url),
-                              api_key=opts.api_key or os.environ.get("OPENAI_API_KEY") or "dplb-replay",
+    return openai.AsyncOpenAI(base_url=normalize_base_url(opts.base_url), api_key=api_key(opts.api_key),
                               max_retries=0, timeout=opts.timeout_s)
 
 

@@ -31,6 +31,7 @@ from bench.engines import EngineSet, http_get
 from bench.errors import StartupError
 from bench.peers import ensure_peer, peer_command
 from bench.procs import LOOPBACK, Child, ProcessSet, free_port, wait_until
+from bench.replay import api_key
 from launcher.stack import agent_argv, router_argv, write_router_config
 from router.policies import policy_names
 
@@ -84,8 +85,8 @@ class Running:
     sock_dir: str | None = None
 
 
-def _post_json(url: str, body: dict, timeout: float = 10.0) -> int:
-    req = urllib.request.Request(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+def _post_json(url: str, body: dict, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> int:
+    req = urllib.request.Request(url, data=orjson.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
@@ -95,9 +96,15 @@ def _post_json(url: str, body: dict, timeout: float = 10.0) -> int:
 
 
 def probe(base_url: str) -> bool:
-    """One tiny non-streaming chat completion through ``base_url``; True on HTTP 200."""
+    """One tiny non-streaming chat completion through ``base_url``; True on HTTP 200. It sends the
+    replay client's API key (:func:`bench.replay.api_key`): DPLB's admission queue takes a request
+    for the tenant of its key, and a probe without one would be a second tenant, one that
+    dispatched a request within ``admission.reserve_window_s`` of the measured load, which then
+    counts as above its fair share and fills only ``tenant_reserve`` of the headroom for that
+    long (docs/admission.md)."""
     return _post_json(base_url + "/v1/chat/completions",
-                      {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}) == 200
+                      {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {api_key()}"}) == 200
 
 
 def start_system(spec: SystemSpec, procs: ProcessSet, engines: EngineSet, run_dir: Path,

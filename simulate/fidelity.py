@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +44,9 @@ from simulate.cluster import Simulation
 from simulate.settings import Figures, SimSettings
 from simulate.stats import summarize
 from simulate.workload import load_workload
+
+#: the router config (a ``dplb.yaml`` as a dict) that turns the admission queue off
+ADMISSION_OFF: dict[str, object] = {"admission": {"enabled": False}}
 
 
 def spread_bursts(reqs: list[TraceRequest], gap_ms: float) -> list[TraceRequest]:
@@ -61,13 +65,14 @@ def spread_bursts(reqs: list[TraceRequest], gap_ms: float) -> list[TraceRequest]
 
 
 def run_live(reqs: list, engines: int, policy: str, time_scale: float, log_dir: Path,
-             rate_scale: float = 1.0) -> Figures:
+             rate_scale: float = 1.0, router_config: Mapping[str, object] | None = None) -> Figures:
     """The window through the launched system; figures in simulated seconds (see module docstring).
     ``shed``: requests the router's admission queue answered 429 (its default config, as the
-    simulator's); ``errors``: every other failed request."""
+    simulator's, unless ``router_config`` gives one: a ``dplb.yaml`` as a dict); ``errors``: every
+    other failed request."""
     with ProcessSet(log_dir) as procs:
         es = start_engines(procs, engines, EngineFlags(time_scale=time_scale, seed=0))
-        running = start_system(SystemSpec("dplb", policy), procs, es, log_dir)
+        running = start_system(SystemSpec("dplb", policy), procs, es, log_dir, router_config=router_config)
         try:
             wait_idle(es.urls, 30)
             before = scrape(es.urls)
@@ -92,15 +97,18 @@ def run_live(reqs: list, engines: int, policy: str, time_scale: float, log_dir: 
             "send_lag_p99_s": rep["send_lag_ms"]["p99"] / 1000.0 * time_scale if rep["send_lag_ms"]["p99"] else 0.0}
 
 
-def live_like(engines: int, policy: str, time_scale: float, seed: int = 0, rate_scale: float = 1.0) -> SimSettings:
+def live_like(engines: int, policy: str, time_scale: float, seed: int = 0, rate_scale: float = 1.0,
+              admission: bool = True) -> SimSettings:
     """Settings that mimic the live cluster at ``--time-scale T`` in simulated time: the agents'
     state interval (200 ms), latency window (10 s), the router's health interval (200 ms) and
     heartbeat timeout (1 s) are wall-clock periods, T times longer in simulated time, and the
-    latencies the agents measure and publish are wall times, T times shorter."""
+    latencies the agents measure and publish are wall times, T times shorter. ``admission``
+    False: the router config's ``admission.enabled: false`` (as :data:`ADMISSION_OFF` live)."""
     d = Config()
     cfg = Config.model_validate({"health_check": {
         "interval_ms": round(d.health_check.interval_ms * time_scale),
-        "heartbeat_timeout_ms": round(d.health_check.heartbeat_timeout_ms * time_scale)}})
+        "heartbeat_timeout_ms": round(d.health_check.heartbeat_timeout_ms * time_scale)},
+        **({} if admission else ADMISSION_OFF)})
     return SimSettings(engines=[EngineConfig() for _ in range(engines)], policy=policy, seed=seed, router=cfg,
                        rate_scale=rate_scale,
                        state_interval_ms=round(200 * time_scale), latency_window_s=10.0 * time_scale,
@@ -108,8 +116,10 @@ def live_like(engines: int, policy: str, time_scale: float, seed: int = 0, rate_
 
 
 def run_sim(reqs: list, engines: int, policy: str, seed: int = 0, time_scale: float = 1.0,
-            rate_scale: float = 1.0) -> Figures:
-    res = Simulation(reqs, live_like(engines, policy, time_scale, seed, rate_scale)).run()
+            rate_scale: float = 1.0, admission: bool = True) -> Figures:
+    """The window through ``dplb-simulate`` with :func:`live_like` settings (``admission`` False:
+    the queue off); the same figures as :func:`run_live`."""
+    res = Simulation(reqs, live_like(engines, policy, time_scale, seed, rate_scale, admission)).run()
     fig = summarize(res, engines)
     return {"counts": fig["per_engine"]["requests"], "ttft_s": [x for x in res.ttft if x is not None],
             "shed": fig["rejected_by_status"].get("429", 0),
@@ -150,15 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-cap", type=int, default=8)
     p.add_argument("--spread-ms", type=float, default=200.0, help="gap between requests of one burst (0: none)")
     p.add_argument("--seeds", type=int, default=5, help="simulated runs (seeds 0..n-1); the median is compared")
+    p.add_argument("--admission", choices=("on", "off"), default="on",
+                   help="the router's admission queue on both sides (on: the default config)")
     p.add_argument("--log-dir", default=None)
     ns = p.parse_args(argv)
     reqs = load_workload(ns.trace, "auto", ns.start, ns.requests, ns.max_tokens_cap)
     if ns.spread_ms > 0:
         reqs = spread_bursts(reqs, ns.spread_ms)
     log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="dplb-fid-"))
-    live = run_live(reqs, ns.engines, ns.policy, ns.time_scale, log_dir, rate_scale=ns.rate_scale)
-    sims = [run_sim(reqs, ns.engines, ns.policy, seed=s, time_scale=ns.time_scale, rate_scale=ns.rate_scale)
-            for s in range(ns.seeds)]
+    on = ns.admission == "on"
+    live = run_live(reqs, ns.engines, ns.policy, ns.time_scale, log_dir, rate_scale=ns.rate_scale,
+                    router_config=None if on else ADMISSION_OFF)
+    sims = [run_sim(reqs, ns.engines, ns.policy, seed=s, time_scale=ns.time_scale, rate_scale=ns.rate_scale,
+                    admission=on) for s in range(ns.seeds)]
     rows = [compare(live, s) for s in sims]
     out: Figures = {"live_errors": live["errors"], "shed_live": live["shed"],
                     "shed_sim": [s["shed"] for s in sims]}
