@@ -13,6 +13,7 @@ Every configuration starts fresh engines (empty caches), pickers, Envoy and (whe
 redis-server on loopback with no persistence; everything is stopped at the end::
 
     python -m bench.share_live [--sessions 5 --turns 4 --docs 5 --questions 4 --words 3000 --gap-ms 0]
+                               [--runs N] [--only "shared (Redis)" ...]
 
 ``--idle-s N`` measures instead what sharing costs while no request comes: the CPU of each of two
 pickers and of redis-server over ``N`` seconds (their /proc times), without sharing, with the
@@ -208,6 +209,7 @@ def shared_prompt_requests(docs: int, questions: int, words: int) -> list[list[d
 
 
 CONFIGS = [("1 picker", 1, [], False), ("2 pickers, own views", 2, [], False),
+           ("2 pickers, shared (Redis), no lookup on a miss", 2, ["--share-lookup-ms", "0"], True),
            ("2 pickers, shared (Redis)", 2, [], True), ("2 pickers, shared + --kv-events", 2, ["--kv-events"], True)]
 
 
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure the CPU per request of the pickers and Redis over this many requests instead (0: off)")
     ap.add_argument("--idle-interval-ms", type=float, default=5.0,
                     help="the shorter poll --idle-s measures besides the default (default 5)")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="run only the hit-rate configurations whose name contains TEXT (repeatable; default all)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat the hit-rate table this many times (default 1)")
     a = ap.parse_args(argv)
     if shutil.which("redis-server") is None:
         print("redis-server is not installed (apt-get install redis-server)", file=sys.stderr)
@@ -262,14 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         return busy(a.busy)
     workloads = {"sessions": session_requests(a.sessions, a.turns, a.words),
                  "shared-prompt": shared_prompt_requests(a.docs, a.questions, a.words)}
-    print("| configuration | " + " | ".join(f"{w} hit rate" for w in workloads) + " |")
-    print("|---|" + "---|" * len(workloads))
-    for name, n, args, share in CONFIGS:
-        row = []
-        for reqs in workloads.values():
-            with temp_stack(n, args, share) as st:
-                row.append(st.run(reqs, a.gap_ms / 1000.0)["hit_rate"])
-        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in row) + " |", flush=True)
+    print("| run | configuration | " + " | ".join(f"{w} hit rate" for w in workloads) + " |")
+    print("|---|---|" + "---|" * len(workloads))
+    for run in range(1, a.runs + 1):
+        for name, n, args, share in CONFIGS:
+            if a.only and not any(t in name for t in a.only):
+                continue
+            row = []
+            for reqs in workloads.values():
+                with temp_stack(n, args, share) as st:
+                    row.append(st.run(reqs, a.gap_ms / 1000.0)["hit_rate"])
+            print(f"| {run} | {name} | " + " | ".join(f"{x:.3f}" for x in row) + " |", flush=True)
     return 0
 
 

@@ -96,7 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--share-interval-ms", type=float,
                    help="how often every replica's load is read besides the pushed changes, ms (default 100)")
     r.add_argument("--share-ttl-s", type=float,
-                   help="how long a replica's load outlives its last write (a dead replica's), s (default 2)")
+                   help="how long a replica's load outlives its last write (a dead replica's), s (default 2; at "
+                        "least 3 x the interval)")
+    r.add_argument("--share-push-gap-ms", type=float,
+                   help="the shortest time between two pushes of this replica's changes, ms (changes meanwhile go "
+                        "together; default 1)")
+    r.add_argument("--share-lookup-ms", type=float,
+                   help="on a prefix miss, the longest a request waits for one read of the other replicas' pushes "
+                        "not arrived yet, ms (0: never waits; default 10)")
     g = p.add_argument_group("Envoy bootstrap (--print-envoy-config)")
     g.add_argument("--print-envoy-config", action="store_true", help="print the Envoy bootstrap and exit")
     g.add_argument("--envoy-port", type=int, default=8081, help="Envoy's listener port")
@@ -137,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"routing_policy.policy": args.policy, "router.shm": args.shm,
                  "router.state_dir": args.state_dir if args.shm else private_dir,
                  "router.log_level": args.log_level, "share.url": args.share_url, "share.prefix": args.share_prefix,
-                 "share.interval_ms": args.share_interval_ms, "share.ttl_s": args.share_ttl_s}
+                 "share.interval_ms": args.share_interval_ms, "share.ttl_s": args.share_ttl_s,
+                 "share.push_gap_ms": args.share_push_gap_ms, "share.lookup_ms": args.share_lookup_ms}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

@@ -198,8 +198,8 @@ class Exchange:
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
     __slots__ = ("body", "body_mode", "cut", "done", "duplex", "eager", "fallbacks", "handle", "head", "headers", "info", "kept",
-                 "lease", "meter", "owed", "path", "picker", "resp_mode", "route", "size", "status", "streaming", "t0",
-                 "trailers", "waiting", "whole")
+                 "lease", "lookup", "meter", "owed", "path", "picker", "resp_mode", "route", "size", "status", "streaming",
+                 "t0", "trailers", "waiting", "whole")
 
     def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1, eager: bool | None = None) -> None:
         self.picker = picker
@@ -222,6 +222,9 @@ class Exchange:
         #: a request admission holds back (:meth:`Director.may_dispatch` said no): ``(body,
         #: trailers)`` to dispatch once :meth:`admit` returns; the stream's driver awaits it
         self.waiting: tuple[bytes, bool] | None = None
+        #: the request waiting is a prefix miss that first reads the other replicas' pushes
+        #: (:meth:`epp.share.PickerShare.wants_lookup`), then passes admission
+        self.lookup = False
         self.fallbacks: list[WorkerHandle] = []
         self.t0 = time.perf_counter()
         self.duplex = False
@@ -315,7 +318,9 @@ class Exchange:
     def _pick(self, body: bytes, trailers: bool = False) -> list[pb.ProcessingResponse]:
         """Parse and check the request (:meth:`Director.request`), then, when admission lets it
         through at once, :meth:`_dispatch` it; else it waits (:attr:`waiting`, :meth:`admit`) and
-        the answer is :func:`hold_response` (Envoy asked to wait for the next one)."""
+        the answer is :func:`hold_response` (Envoy asked to wait for the next one). A prefix miss
+        on a picker sharing with others through Redis waits the same way, for one read of what
+        they pushed (:attr:`lookup`), before admission and the pick."""
         p = self.picker
         director = p.director
         try:
@@ -327,18 +332,25 @@ class Exchange:
         self.info = info
         director.tag(info, ((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()),
                      (self.headers.get("authorization") or "").encode("latin-1") or None)
-        if not director.may_dispatch(info):
+        share = p.share
+        self.lookup = share is not None and share.wants_lookup(info.text, info.model)
+        if self.lookup or not director.may_dispatch(info):
             self.waiting = (body, trailers)
             # Envoy waits message_timeout for each answer; the queue may hold the request longer
             return [hold_response(p.state.cfg.admission)]
         return self._dispatch(info, body, trailers)
 
     async def admit(self) -> list[pb.ProcessingResponse]:
-        """The request :attr:`waiting` passes admission (:meth:`Director.admit`; the ext_proc
-        stream is held meanwhile), then is dispatched: the answers that send it on, or the
-        immediate response refusing it."""
+        """The request :attr:`waiting` reads the other replicas' pushes when it is a prefix miss
+        (:attr:`lookup`: :meth:`router.share.Share.sync`, bounded by ``share.lookup_ms``), passes
+        admission (:meth:`Director.admit`; the ext_proc stream is held meanwhile), then is
+        dispatched: the answers that send it on, or the immediate response refusing it."""
         assert self.waiting is not None and self.info is not None
         (body, trailers), self.waiting = self.waiting, None
+        share = self.picker.share
+        if self.lookup and share is not None and share.share is not None:
+            self.lookup = False
+            await share.share.sync()   # bounded (share.lookup_ms); never raises
         try:
             await self.picker.director.admit(self.info)
         except OpenAIError as e:

@@ -248,7 +248,12 @@ class ShareSection(_Strict):
     one per pool of replicas; ``interval_ms``: how often every replica's load is read besides the
     pushes (the others' changes arrive as they happen); ``push_gap_ms``: the shortest time between
     two pushes of this replica's changes (changes meanwhile go together); ``ttl_s``: how long a
-    replica's load outlives its last write (a replica killed without a goodbye). The engines are
+    replica's load outlives its last write (a replica killed without a goodbye; at least 3 x
+    ``interval_ms``: the load is rewritten within ``ttl_s / 4`` plus one interval);
+    ``lookup_ms``: on a prefix miss (this replica's index holds less than half of the prompt's
+    head), the longest the request waits for one read of what the other replicas pushed and
+    placed that has not arrived yet (0: never waits; a back-to-back client's next request can then
+    beat the push of its previous one's placement). The engines are
     matched by their address: give every replica the same addresses. A router shares with one
     process per node (``router.workers`` 1)."""
 
@@ -257,6 +262,7 @@ class ShareSection(_Strict):
     interval_ms: float = Field(default=100.0, gt=0, le=60_000)
     push_gap_ms: float = Field(default=1.0, ge=0, le=10_000)
     ttl_s: float = Field(default=2.0, gt=0, le=3600)
+    lookup_ms: float = Field(default=10.0, ge=0, le=1000)
 
     @field_validator("url")
     @classmethod
@@ -267,9 +273,10 @@ class ShareSection(_Strict):
 
     @model_validator(mode="after")
     def _interval(self) -> ShareSection:
-        if self.interval_ms >= self.ttl_s * 1000:
-            raise ValueError(f"interval_ms {self.interval_ms} must be below ttl_s ({self.ttl_s} s): a replica's "
-                             "load would expire between two writes")
+        if 3 * self.interval_ms > self.ttl_s * 1000:
+            raise ValueError(f"ttl_s ({self.ttl_s} s) must be at least 3 x interval_ms ({self.interval_ms} ms): a "
+                             "replica rewrites its load within ttl_s / 4 plus one interval, and a late write would "
+                             "let it expire while the replica runs")
         return self
 
 

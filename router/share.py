@@ -15,13 +15,14 @@ value: the four counters; field ``_``: a sequence number that grows with each wr
 on this replica (:meth:`Share.poke`, called by the request accounting:
 :class:`router.share_state.Notifying`), one
 pipelined round trip (at most one per ``push_gap_s``) writes the hash and appends the same counters
-to the stream ``<prefix>:loads`` (:data:`SYNC_SCRIPT`, a Lua script); every other replica blocks on
-that stream (``XREAD BLOCK``, its own connection) and adds the counters to its router lines as they
-arrive (:meth:`LoadShare.apply`), so a request that ends on one replica is off the others' books
-one Redis hop later, before a client's next request gets there. Every ``interval_s`` (100 ms by
-default) a poll reads every replica's hash as well (expired replicas dropped from the set: a
-replica killed without a goodbye stops refreshing its hash and its share expires ``ttl_s`` later);
-the sequence numbers keep a late answer from undoing a newer push. The kernel then prices each
+to the replica's own stream ``<prefix>:loads:<replica>`` (:data:`SYNC_SCRIPT`, a Lua script; the
+stream expires with the hash); every other replica blocks on the others' streams (``XREAD BLOCK``,
+its own connection: it never wakes for its own pushes) and adds the counters to its router lines as
+they arrive (:meth:`LoadShare.apply`), so a request that ends on one replica is off the others'
+books one Redis hop later. Every ``interval_s`` (100 ms by default) a poll reads every replica's
+hash as well (a push does not: it only writes; expired replicas dropped from the set: a replica
+killed without a goodbye stops refreshing its hash and its share expires ``ttl_s`` later); the
+sequence numbers keep a late answer from undoing a newer push. The kernel then prices each
 engine with every replica's work, and the engine's outside requests ``X_i`` count it too.
 
 **Placements.** Each prompt a replica dispatches is appended to the Redis stream
@@ -33,6 +34,12 @@ until the engine's ``BlockStored`` arrives: :class:`router.kv_events.PendingBloc
 blocking read hands the other replicas' placements to ``on_place``, so a session's next turn finds
 the engine that holds its history whichever replica placed it.
 
+**A miss looks first** (:meth:`Share.sync`, ``lookup_s``). A client that sends its next request
+the moment an answer is in can beat the push of its previous placement to the replica that gets
+it. A request whose prompt head this replica's index misses (:meth:`router.share_state.StateShare.wants_lookup`)
+therefore reads the streams once more, without blocking, before it is priced: one round trip,
+waited for at most ``lookup_s``; a request whose prefix is known never waits.
+
 **Catch-up.** :meth:`Share.start` reads the others' load and replays the placements stream (what
 it still holds) before :meth:`Share.caught_up` turns True; a picker reports ready only then.
 
@@ -41,8 +48,8 @@ are taken back (its lines hold its own work only, as without sharing), placement
 the failure is logged once (then once more when Redis answers again) and counted
 (:attr:`Share.errors`, ``dplb_share_errors_total``). A replica that started while Redis was
 unreachable did not catch up: when Redis answers it takes the placements made from then on, not
-the older ones the stream holds (they would arrive as placed just now). No request waits for Redis: reads and writes
-run on background tasks, the request path only queues placements and sets a flag.
+the older ones the stream holds (they would arrive as placed just now). Reads and writes run on background tasks; the request
+path queues placements and sets a flag, and only a prefix miss waits (``lookup_s`` at most).
 
 Why Redis: platform teams already run it (and its operators, failover and monitoring); a hash per
 replica with a TTL is how a dead replica's share disappears without a protocol of our own, a
@@ -64,32 +71,55 @@ from typing import TYPE_CHECKING
 import msgspec
 from redis.exceptions import NoScriptError
 
+from router.share_load import (
+    FIELDS,
+    ZERO,
+    Counts,
+    LoadShare,
+    decode_counts,
+    encode_counts,
+)
+from router.share_wire import (
+    _b,
+    _entries,
+    _id_key,
+    _id_ms,
+    _int,
+    _s,
+    _safe,
+    _streams_of,
+)
+
 if TYPE_CHECKING:
     from dplb_shm import Segment
 
 log = logging.getLogger("dplb.share")
 
-#: the router-line counters shared (``Segment.router_line`` keys), in the order they are encoded
-FIELDS = ("router_inflight", "prefill_tokens", "decode_reqs", "decode_ctx_tokens")
-Counts = tuple[int, int, int, int]
-ZERO: Counts = (0, 0, 0, 0)
-
 #: One round trip per refresh: write this replica's hash when asked (``ARGV[3] == "1"``) and append
-#: its counters to the loads stream (``ARGV[5]``: the stream's approximate length bound, ``ARGV[6]``:
-#: the counters, msgpack), then read every other replica's hash. ``KEYS[1]``: the replicas' set;
-#: ``KEYS[2]``: this replica's hash; ``KEYS[3]``: the loads stream; ``ARGV``: replica id, TTL ms,
-#: write flag, key prefix of the hashes, the two stream arguments, then field/value pairs (the
-#: first: ``_`` and the write's sequence number). A member whose hash expired is removed from the
-#: set. Returns ``[replica, {field, value...}, ...]``.
+#: its counters to its own loads stream (``ARGV[5]``: the stream's approximate length bound,
+#: ``ARGV[6]``: the counters, msgpack; the stream expires with the hash), then, when asked
+#: (``ARGV[7] == "1"``: a poll, not a push), read every other replica's hash. ``KEYS[1]``: the
+#: replicas' set (a replica that joins it says so on the stream ``KEYS[4]``: the others read its
+#: loads stream from then on); ``KEYS[2]``: this replica's hash; ``KEYS[3]``: its loads stream; ``ARGV``:
+#: replica id, TTL ms, write flag, key prefix of the hashes, the two stream arguments, the read
+#: flag, then field/value pairs (the first: ``_`` and the write's sequence number). A member whose
+#: hash expired is removed from the set. Returns ``[replica, {field, value...}, ...]`` (empty
+#: without the read).
 SYNC_SCRIPT = """
 if ARGV[3] == '1' then
   redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], unpack(ARGV, 7))
+  redis.call('HSET', KEYS[2], unpack(ARGV, 8))
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  redis.call('SADD', KEYS[1], ARGV[1])
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'r', ARGV[1], 's', ARGV[8], 'c', ARGV[6])
+  if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'r', ARGV[1])
+  end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'r', ARGV[1], 's', ARGV[9], 'c', ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
 end
 local out = {}
+if ARGV[7] ~= '1' then
+  return out
+end
 for _, r in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if r ~= ARGV[1] then
     local h = redis.call('HGETALL', ARGV[4] .. r)
@@ -108,87 +138,6 @@ return out
 OnPlace = Callable[[str, list[int], list[int], float], None]
 
 
-def encode_counts(c: Counts) -> str:
-    """The four counters as a hash value: ``"inflight prefill decode_reqs decode_ctx"``."""
-    return " ".join(str(v) for v in c)
-
-
-def decode_counts(v: bytes | str) -> Counts:
-    """The inverse of :func:`encode_counts`; a malformed value, or one with a negative count (no
-    replica writes one: its counts are its own in-flight requests and tokens), reads as zeros."""
-    try:
-        parts = [int(x) for x in (v.decode() if isinstance(v, bytes) else v).split()]
-    except ValueError:
-        return ZERO
-    if len(parts) != 4 or min(parts) < 0:
-        return ZERO
-    return parts[0], parts[1], parts[2], parts[3]
-
-
-class LoadShare:
-    """The load half of :class:`Share`, without Redis: what this replica's own counters are and how
-    the others' are added to its router lines.
-
-    ``seg``: the replica's segment (``router_line``, ``router_inflight_add``, ``prefill_add``,
-    ``decode_add``); ``engines``: a callable answering ``{engine address: slot}`` now. The others'
-    counters added so far are kept per address (:attr:`got`, with the slot they went to), so
-    :meth:`own` is the line minus them, and :meth:`apply` moves only the difference. Single
-    threaded (the picker's event loop, as the request accounting)."""
-
-    def __init__(self, seg: Segment, engines: Callable[[], dict[str, int]]) -> None:
-        self.seg = seg
-        self.engines = engines
-        #: per engine address: (slot, the other replicas' counters added to that slot's line)
-        self.got: dict[str, tuple[int, Counts]] = {}
-
-    def own(self) -> dict[str, Counts]:
-        """This replica's own counters per engine address (never below zero), zeros left out."""
-        out: dict[str, Counts] = {}
-        for addr, slot in self.engines().items():
-            line = self.seg.router_line(slot)
-            g = self.got.get(addr)
-            add = g[1] if g is not None and g[0] == slot else ZERO
-            c: Counts = (max(0, int(line["router_inflight"]) - add[0]), max(0, int(line["prefill_tokens"]) - add[1]),
-                         max(0, int(line["decode_reqs"]) - add[2]), max(0, int(line["decode_ctx_tokens"]) - add[3]))
-            if any(c):
-                out[addr] = c
-        return out
-
-    def apply(self, others: dict[str, Counts]) -> None:
-        """Make the router lines hold the other replicas' counters ``others`` (per engine address,
-        summed over replicas; an address missing: zeros) on top of this replica's own."""
-        engines = self.engines()
-        for addr in [a for a, (slot, _) in self.got.items() if engines.get(a) != slot]:
-            slot, add = self.got.pop(addr)   # the engine left, or moved to another slot: take it back
-            self._add(slot, tuple(-v for v in add))   # type: ignore[arg-type]
-        for addr, slot in engines.items():
-            want = others.get(addr, ZERO)
-            have = self.got.get(addr, (slot, ZERO))[1]
-            if want != have:
-                self._add(slot, (want[0] - have[0], want[1] - have[1], want[2] - have[2], want[3] - have[3]))
-                if any(want):
-                    self.got[addr] = (slot, want)
-                else:
-                    self.got.pop(addr, None)
-
-    def clear(self) -> None:
-        """Take every other replica's counters back (this replica's own view only)."""
-        for slot, add in self.got.values():
-            self._add(slot, (-add[0], -add[1], -add[2], -add[3]))
-        self.got.clear()
-
-    def _add(self, slot: int, d: Counts) -> None:
-        seg = self.seg
-        if d[0] and seg.router_inflight_add(slot, d[0]) < 0:   # never below zero (a line reset meanwhile)
-            seg.router_inflight_add(slot, -seg.router_inflight_get(slot))
-        if d[1] and seg.prefill_add(slot, d[1]) < 0:
-            seg.prefill_add(slot, -int(seg.router_line(slot)["prefill_tokens"]))
-        if d[2] or d[3]:
-            reqs, ctx = seg.decode_add(slot, d[2], d[3])
-            if reqs < 0 or ctx < 0:
-                seg.decode_add(slot, -min(0, reqs), -min(0, ctx))
-
-
 def default_replica_id() -> str:
     """``<hostname>-<pid>-<6 hex>``: unique per process, readable in ``redis-cli``."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -203,11 +152,13 @@ class Share:
     prefix (one per deployment: replicas of one pool share it); ``interval_s``: the poll period of
     every replica's hash, s (> 0); ``push_gap_s``: the shortest time between two pushes of this
     replica's changes, s (>= 0; changes meanwhile go together); ``ttl_s``: how long a replica's
-    load outlives its last refresh, s (> ``interval_s``); ``replay_s``: placements older than this
+    load outlives its last refresh, s (at least ``3 * interval_s``: the hash is rewritten within
+    ``ttl_s / 4 + interval_s`` of its last write, so a replica that runs never expires between two
+    writes, with an interval to spare for a late loop); ``replay_s``: placements older than this
     (stream time) are not replayed into pending placements at catch-up (they still enter the prefix
     index); ``max_placements``: the placements stream's approximate length bound (the loads
     stream's: ``max_placements // 10``, at least 1000); ``timeout_s``: each Redis call's socket
-    timeout, s.
+    timeout, s; ``lookup_s``: the longest a request waits for :meth:`sync` (0: no lookups).
 
     :meth:`start` connects and catches up (or, Redis unreachable, falls back at once), then runs
     the refresh and the stream reader until :meth:`close`. Single threaded: :meth:`place` and
@@ -217,9 +168,10 @@ class Share:
     def __init__(self, url: str, seg: Segment, engines: Callable[[], dict[str, int]], on_place: OnPlace | None = None,
                  prefix: str = "dplb", replica: str | None = None, interval_s: float = 0.1, ttl_s: float = 2.0,
                  replay_s: float = 30.0, max_placements: int = 100_000, timeout_s: float = 1.0,
-                 push_gap_s: float = 0.001) -> None:
-        if interval_s <= 0 or ttl_s <= interval_s or push_gap_s < 0:
-            raise ValueError(f"need 0 < interval_s < ttl_s and push_gap_s >= 0 (got {interval_s}, {ttl_s}, {push_gap_s})")
+                 push_gap_s: float = 0.001, lookup_s: float = 0.01) -> None:
+        if interval_s <= 0 or ttl_s < 3 * interval_s or push_gap_s < 0 or lookup_s < 0:
+            raise ValueError("need interval_s > 0, ttl_s >= 3 * interval_s, push_gap_s >= 0 and lookup_s >= 0 (got "
+                             f"{interval_s}, {ttl_s}, {push_gap_s}, {lookup_s})")
         if max_placements < 1 or timeout_s <= 0:
             raise ValueError(f"max_placements and timeout_s must be positive (got {max_placements}, {timeout_s})")
         import redis.asyncio as aioredis
@@ -231,6 +183,7 @@ class Share:
         self.replica = replica or default_replica_id()
         self.interval_s = interval_s
         self.push_gap_s = push_gap_s
+        self.lookup_s = lookup_s
         self.ttl_s = ttl_s
         self.replay_s = replay_s
         self.max_placements = max_placements
@@ -246,11 +199,18 @@ class Share:
         self.hash_prefix = f"{prefix}:load:"
         self.own_key = self.hash_prefix + self.replica
         self.stream_key = f"{prefix}:placements"
-        self.loads_key = f"{prefix}:loads"
+        #: each replica pushes its counters to a stream of its own (``<prefix>:loads:<replica>``):
+        #: a replica's blocking read wakes for the others' pushes only, never its own
+        self.loads_prefix = f"{prefix}:loads:"
+        self.own_loads_key = self.loads_prefix + self.replica
+        self.hello_key = f"{prefix}:hello"
         #: placements of this replica not sent yet: (address, hashes, keys)
         self.outbox: list[tuple[str, Sequence[int], Sequence[int]]] = []
         self.last_id = b"0-0"         # the placements stream's last entry read
-        self.loads_id = b"0-0"        # the loads stream's
+        #: per other replica: its loads stream's last entry read
+        self.loads_ids: dict[str, bytes] = {}
+        self._read_at = 0.0           # when the others' hashes were last read (a poll)
+        self.hello_id = b"0-0"        # the stream of replicas joining: its last entry read
         #: per other replica: (sequence number, its counters per engine, time.monotonic() when taken)
         self.per: dict[str, tuple[int, dict[str, Counts], float]] = {}
         #: the other replicas seen, and their counters per engine summed
@@ -262,12 +222,15 @@ class Share:
         self.refreshes = 0      # round trips done (polls and pushes)
         self.pushed = 0         # load changes taken from the loads stream
         self.up = False         # the last round trip succeeded
+        self.lookups = 0        # requests that waited for a :meth:`sync`
+        self.lookups_late = 0   # ... and went on before it answered (``lookup_s``)
+        self._sync_task: asyncio.Task[bool] | None = None
         self.seq = 0
         self._caught_up = False
         self._written: dict[str, Counts] | None = None
         self._written_at = 0.0
         self._wake: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None] | asyncio.Task[bool]] = []
         self._closed = False
         self.on_error: Callable[[], None] | None = None   # called on each counted error (a metric)
 
@@ -298,8 +261,8 @@ class Share:
         self._wake = asyncio.Event()
         try:
             await self.redis.ping()
-            last = _entries(await self.redis.xrevrange(self.loads_key, count=1))
-            self.loads_id = last[0][0] if last else b"0-0"   # what the hashes read next hold already
+            last = _entries(await self.redis.xrevrange(self.hello_key, count=1))
+            self.hello_id = last[0][0] if last else b"0-0"   # who joins from now on (the poll has the rest)
             await self._refresh()
             if self.on_place is not None:
                 await self._replay()
@@ -308,7 +271,7 @@ class Share:
             self._down(e)
             # when Redis answers: what comes from then on (the poll has the rest of the load); the
             # placements the stream held before are not replayed there as placed just now (age 0)
-            self.loads_id = self.last_id = b"$"
+            self.last_id = self.hello_id = b"$"
         self._caught_up = True
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._refresh_loop(), name="share-refresh"))
@@ -324,6 +287,8 @@ class Share:
             self._wake.set()
         # the loops see the flag after their round trip (each bounded by the socket timeout): a
         # round trip cancelled halfway can leave redis-py's pipeline waiting for ever
+        if self._sync_task is not None:
+            self._tasks.append(self._sync_task)
         if self._tasks:
             _, late = await asyncio.wait(self._tasks, timeout=2 * self.timeout_s + 1.0)
             for t in late:
@@ -334,8 +299,9 @@ class Share:
                 async with self.redis.pipeline(transaction=True) as p:
                     p.delete(self.own_key)
                     p.srem(self.replicas_key, self.replica)
-                    p.xadd(self.loads_key, {"r": self.replica, "s": str(self.seq + 1), "c": msgspec.msgpack.encode({})},
+                    p.xadd(self.own_loads_key, {"r": self.replica, "s": str(self.seq + 1), "c": msgspec.msgpack.encode({})},
                            maxlen=self.max_loads, approximate=True)
+                    p.pexpire(self.own_loads_key, int(self.ttl_s * 1000))
                     await p.execute()
             except Exception as e:   # noqa: BLE001
                 log.debug("share: goodbye not written: %s", e)
@@ -365,7 +331,8 @@ class Share:
             wake.clear()
             last = time.monotonic()
             try:
-                await self._refresh()
+                # a push writes only; the others' hashes are read (a poll) once an interval
+                await self._refresh(read=last - self._read_at >= self.interval_s)
                 self._up(True)
             except asyncio.CancelledError:
                 raise
@@ -374,13 +341,15 @@ class Share:
                 await asyncio.sleep(min(1.0, self.ttl_s / 2))   # retry, not spin, while Redis is down
                 wake.clear()
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, read: bool = True) -> None:
         """One round trip: the queued placements, this replica's hash and its push when it
-        changed (or a quarter TTL passed), every other replica's hash; then the lines take the
-        others' sum."""
+        changed (or a quarter TTL passed), and with ``read`` (a poll) every other replica's hash;
+        then the lines take the others' sum. Nothing to write and no read: no round trip."""
         own = self.load.own()
         now = time.monotonic()
         write = own != self._written or now - self._written_at >= self.ttl_s / 4
+        if not (write or read or self.outbox):
+            return
         seq = self.seq + 1 if write else self.seq
         pairs: list[str] = ["_", str(seq)]   # never empty: the hash exists while the replica runs
         counts = b""
@@ -389,14 +358,15 @@ class Share:
                 pairs += [addr, encode_counts(c)]
             counts = msgspec.msgpack.encode({a: list(c) for a, c in own.items()})
         out, self.outbox = self.outbox, []
-        args = [self.replica, int(self.ttl_s * 1000), "1" if write else "0", self.hash_prefix, self.max_loads, counts, *pairs]
+        args = [self.replica, int(self.ttl_s * 1000), "1" if write else "0", self.hash_prefix, self.max_loads, counts,
+                "1" if read else "0", *pairs]
         try:
             for attempt in (0, 1):
                 async with self.redis.pipeline(transaction=False) as p:
                     for addr, hashes, keys in out if attempt == 0 else ():
                         p.xadd(self.stream_key, {"r": self.replica, "p": msgspec.msgpack.encode([addr, list(hashes), list(keys)])},
                                maxlen=self.max_placements, approximate=True)
-                    p.evalsha(self.sync_sha, 3, self.replicas_key, self.own_key, self.loads_key, *args)
+                    p.evalsha(self.sync_sha, 4, self.replicas_key, self.own_key, self.own_loads_key, self.hello_key, *args)
                     res = await p.execute(raise_on_error=False)
                 if not isinstance(res[-1], NoScriptError) or attempt:
                     break
@@ -411,7 +381,13 @@ class Share:
         if write:
             self.seq = seq
             self._written, self._written_at = own, now
-        rows = res[-1]
+        self.refreshes += 1
+        if read:
+            self._read_at = now
+            self._read_hashes(res[-1], now)
+
+    def _read_hashes(self, rows: list[object], now: float) -> None:
+        """Take every other replica's hash (the script's answer to a poll), forget those gone."""
         seen: set[str] = set()
         for i in range(0, len(rows) - 1, 2):
             r = _s(rows[i])
@@ -419,24 +395,27 @@ class Share:
             flat = rows[i + 1]
             got: dict[str, Counts] = {}
             s = 0
-            for j in range(0, len(flat) - 1, 2):
-                field = _s(flat[j])
+            for j in range(0, len(flat) - 1, 2):   # type: ignore[arg-type]
+                field = _s(flat[j])                  # type: ignore[index]
                 if field == "_":
-                    s = _int(flat[j + 1])
+                    s = _int(flat[j + 1])            # type: ignore[index]
                 else:
-                    got[field] = decode_counts(flat[j + 1])
+                    got[field] = decode_counts(flat[j + 1])   # type: ignore[index]
             self._take(r, s, got, now)
         for r in [r for r, v in self.per.items() if r not in seen and v[2] <= now]:
             del self.per[r]    # expired or said goodbye (not one that a push brought in meanwhile)
+            self.loads_ids.pop(r, None)
         self._sum()
-        self.refreshes += 1
 
     def _take(self, replica: str, seq: int, counts: dict[str, Counts], now: float) -> bool:
-        """Keep ``replica``'s counters unless a newer write of it is held already."""
+        """Keep ``replica``'s counters unless a newer write of it is held already; a replica seen
+        for the first time has its loads stream read from then on (from its start: the writes
+        older than the one held are left by their sequence numbers)."""
         have = self.per.get(replica)
         if have is not None and have[0] > seq:
             return False
         self.per[replica] = (seq, counts, now)
+        self.loads_ids.setdefault(replica, b"0-0")
         return True
 
     def _sum(self) -> None:
@@ -467,34 +446,79 @@ class Share:
             start = b"(" + self.last_id
 
     async def _read_loop(self) -> None:
-        loads, places = self.loads_key.encode(), self.stream_key.encode()
         while not self._closed:
-            streams = {self.loads_key: self.loads_id}
-            if self.on_place is not None:
-                streams[self.stream_key] = self.last_id
             try:
-                got: object = await self.reader.xread(streams, count=1000, block=200)   # type: ignore[arg-type]
+                got: object = await self.reader.xread(self._streams(), count=1000, block=200)   # type: ignore[arg-type]
             except asyncio.CancelledError:
                 raise
             except Exception as e:   # noqa: BLE001
                 self._down(e)
                 await asyncio.sleep(min(1.0, self.ttl_s / 2))
                 continue
-            # [[stream, entries], ...] (RESP2, redis-py's default protocol)
-            changed = False
-            for x in got if isinstance(got, list) else ():
-                if not (isinstance(x, (list, tuple)) and len(x) == 2):
-                    continue
-                name = _b(x[0])
-                for eid, fields in _entries(x[1]):
-                    if name == loads:
-                        self.loads_id = eid
+            self._apply_streams(got)
+
+    def _streams(self) -> dict[str, bytes]:
+        """What the stream reads ask for: each stream past the last entry applied."""
+        streams = {self.hello_key: self.hello_id, **{self.loads_prefix + r: i for r, i in self.loads_ids.items()}}
+        if self.on_place is not None:
+            streams[self.stream_key] = self.last_id
+        return streams
+
+    def _apply_streams(self, got: object) -> None:
+        """Apply an XREAD answer (``[[stream, entries], ...]``, RESP2, redis-py's default protocol):
+        the entries past the last applied of each stream (the blocking read and :meth:`sync` may
+        both bring one), then the others' sum when a load changed."""
+        loads, places, hello = self.loads_prefix.encode(), self.stream_key.encode(), self.hello_key.encode()
+        changed = False
+        for x in _streams_of(got):
+            name = _b(x[0])
+            r = name[len(loads):].decode(errors="replace") if name.startswith(loads) else None
+            for eid, fields in _entries(x[1]):
+                if name == hello and _id_key(eid) > _id_key(self.hello_id):
+                    self.hello_id = eid
+                    joined = fields.get(b"r", b"").decode(errors="replace")
+                    if joined and joined != self.replica:
+                        self.loads_ids.setdefault(joined, b"0-0")   # its pushes from the next read on
+                elif r is not None:
+                    if r in self.loads_ids and _id_key(eid) > _id_key(self.loads_ids[r]):
+                        self.loads_ids[r] = eid
                         changed = self._apply_load(fields) or changed
-                    elif name == places:
-                        self._apply_entry(eid, fields, 0.0)
-                        self.last_id = eid
-            if changed and self.up:
-                self._sum()
+                elif name == places and _id_key(eid) > _id_key(self.last_id):
+                    self._apply_entry(eid, fields, 0.0)
+                    self.last_id = eid
+        if changed and self.up:
+            self._sum()
+
+    async def sync(self) -> bool:
+        """Bring this replica's view up to what Redis holds now: one round trip (``XREAD`` without
+        blocking: the other replicas' pushes and placements not applied yet), waited for at most
+        ``lookup_s`` (the read goes on in the background past that; requests that ask meanwhile
+        wait for the same read). For a request whose prefix this replica's index misses: another
+        replica may have placed it a moment ago, its push still on the way here. True when the
+        view is current; False when Redis is down, the lookup is off, or it took too long (the
+        request is then priced on the view as it is: never an error)."""
+        if not self.up or self._closed or self.lookup_s <= 0:
+            return False
+        t = self._sync_task
+        if t is None or t.done():
+            t = self._sync_task = asyncio.get_running_loop().create_task(self._sync_once(), name="share-sync")
+        self.lookups += 1
+        done, _ = await asyncio.wait({t}, timeout=self.lookup_s)
+        if not done:
+            self.lookups_late += 1
+            return False
+        return not t.cancelled() and t.result()
+
+    async def _sync_once(self) -> bool:
+        try:
+            got = await self.redis.xread(self._streams(), count=1000)   # type: ignore[arg-type]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # noqa: BLE001
+            self._down(e)
+            return False
+        self._apply_streams(got)
+        return True
 
     def _apply_load(self, fields: dict[bytes, bytes]) -> bool:
         """A pushed write of another replica's counters (the loads stream); True when taken."""
@@ -542,42 +566,6 @@ class Share:
         self.per.clear()
         self.remote, self.others = {}, []
         self._written = None
-
-
-def _b(v: object) -> bytes:
-    return v if isinstance(v, bytes) else str(v).encode()
-
-
-def _entries(raw: object) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """Stream entries as redis-py answers them (``[(id, {field: value}), ...]``), checked."""
-    out: list[tuple[bytes, dict[bytes, bytes]]] = []
-    if isinstance(raw, list):
-        for e in raw:
-            if isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[1], dict):
-                out.append((_b(e[0]), {_b(k): _b(v) for k, v in e[1].items()}))
-    return out
-
-
-def _s(v: object) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
-def _int(v: object) -> int:
-    try:
-        return int(_s(v))
-    except ValueError:
-        return 0
-
-
-def _id_ms(eid: bytes | str) -> int:
-    """A stream entry id's milliseconds (Redis server time)."""
-    return int(_b(eid).split(b"-")[0])
-
-
-def _safe(url: str) -> str:
-    """``url`` without its password."""
-    head, at, tail = url.rpartition("@")
-    return f"{head.split('//')[0]}//***@{tail}" if at else url
 
 
 __all__ = ["FIELDS", "SYNC_SCRIPT", "LoadShare", "OnPlace", "Share", "decode_counts", "default_replica_id",

@@ -38,6 +38,7 @@ class SharedIndex:
         self.share = share
         self.addr_of = addr_of
         self._keys: Sequence[int] = ()
+        self._last: tuple[str, str | None, Sequence[int]] = ("", None, ())   # the last text hashed
         if feed is not None:
             feed.on_place = self._placed
 
@@ -53,8 +54,14 @@ class SharedIndex:
         return int(self.inner.chunk_chars)
 
     def hashes(self, text: str, model: str | None = None) -> Sequence[int]:
-        """The inner index's hashes of ``text``."""
-        return self.inner.hashes(text, model)
+        """The inner index's hashes of ``text``; the same string asked again (the share's
+        :meth:`StateShare.wants_lookup`, then the policy) is hashed once."""
+        last = self._last
+        if text is last[0] and model == last[1]:
+            return last[2]
+        h = self.inner.hashes(text, model)
+        self._last = (text, model, h)
+        return h
 
     def match(self, hashes: Sequence[int]) -> dict[int, int]:
         """The inner index's match."""
@@ -142,6 +149,23 @@ class StateShare:
         """True once the share caught up (or fell back: Redis unreachable at the start)."""
         return self.share is not None and self.share.caught_up()
 
+    def wants_lookup(self, text: str, model: str | None) -> bool:
+        """Should a request with prompt ``text`` for ``model`` wait for :meth:`Share.sync` before it
+        is priced? True when other replicas share with this one (Redis up, lookups on) and this
+        replica's prefix index holds less than half of the prompt's leading chunks on any engine:
+        a prefix miss, where another replica may have placed the prompt's head a moment ago and its
+        push is still on the way (a back-to-back client: the next turn of a session, the next
+        question on a document). Costs the hashing of the prompt, which the policy reuses."""
+        share = self.share
+        index = getattr(self.state.policy, "index", None)
+        if (share is None or not text or not isinstance(index, SharedIndex) or share.lookup_s <= 0 or not share.up
+                or not share.others):
+            return False
+        hashes = index.hashes(text, model)
+        if not hashes:
+            return False
+        return 2 * max(index.match(hashes).values(), default=0) < len(hashes)
+
     async def start(self) -> None:
         """Build the share over the state's segment, wrap the policy's index and the accounting,
         catch up, run."""
@@ -152,7 +176,7 @@ class StateShare:
         inner = getattr(st.policy, "index", None)
         share = self.share = Share(s.url, st.seg, self.engines, self._on_place if inner is not None else None,
                                    prefix=s.prefix, interval_s=s.interval_ms / 1000.0, ttl_s=s.ttl_s,
-                                   push_gap_s=s.push_gap_ms / 1000.0)
+                                   push_gap_s=s.push_gap_ms / 1000.0, lookup_s=s.lookup_ms / 1000.0)
         if inner is not None:
             st.policy.index = SharedIndex(inner, share, self.addr_of, self.events)   # type: ignore[attr-defined]
         st.scheduler.accounts = Notifying(st.scheduler.accounts, share)   # type: ignore[assignment]

@@ -179,6 +179,10 @@ def test_bad_settings_are_refused(segs):
         Share("redis://127.0.0.1:1/0", segs(), dict, interval_s=0.0)
     with pytest.raises(ValueError):
         Share("redis://127.0.0.1:1/0", segs(), dict, interval_s=1.0, ttl_s=0.5)
+    with pytest.raises(ValueError):
+        Share("redis://127.0.0.1:1/0", segs(), dict, interval_s=1.0, ttl_s=2.5)   # under 3 intervals
+    with pytest.raises(ValueError):
+        Share("redis://127.0.0.1:1/0", segs(), dict, lookup_s=-0.001)
 
 
 def test_dplb_epp_reads_the_share_section_of_its_config_file(tmp_path, capsys):
@@ -191,10 +195,48 @@ def test_dplb_epp_reads_the_share_section_of_its_config_file(tmp_path, capsys):
     # the file's share.url is taken (no flag): refused with a node's segment, named in the message
     assert main(["--config", str(cfg), "--shm", "dplb-none"]) == 2
     assert "share.url (--share-url) goes with a picker's own segment" in capsys.readouterr().err
-    cfg.write_text(yaml.safe_dump({"share": {"url": "redis://127.0.0.1:1/0", "interval_ms": 5000}}))
+    # a TTL barely above the poll: the load could expire between two writes of a running replica
+    cfg.write_text(yaml.safe_dump({"share": {"url": "redis://127.0.0.1:1/0", "interval_ms": 1000}}))
     assert main(["--config", str(cfg), "--endpoints-file", str(tmp_path / "eps.yaml")]) == 2
-    assert "must be below ttl_s" in capsys.readouterr().err   # validated by the config model
+    assert "must be at least 3 x interval_ms" in capsys.readouterr().err   # validated by the config model
+    assert main(["--config", str(cfg), "--share-ttl-s", "3", "--share-push-gap-ms", "-1",
+                 "--endpoints-file", str(tmp_path / "eps.yaml")]) == 2
+    assert "push_gap_ms" in capsys.readouterr().err   # the flag reaches the config model
     # a flag overrides the file
     assert main(["--config", str(cfg), "--share-interval-ms", "50", "--share-url", "http://x",
                  "--endpoints-file", str(tmp_path / "eps.yaml")]) == 2
     assert "not a Redis URL" in capsys.readouterr().err
+
+
+def test_a_request_waits_for_a_lookup_only_on_a_prefix_miss(segs):
+    """:meth:`StateShare.wants_lookup`: with other replicas sharing, a prompt whose head this
+    replica's index holds on no engine (or holds less than half of) asks for a lookup; one whose
+    prefix it holds does not; neither does any prompt without other replicas or with lookups off."""
+    from types import SimpleNamespace
+
+    from dplb_prefix import PrefixIndex
+    from router.config import ShareSection
+    from router.share_state import SharedIndex, StateShare
+
+    share = Share("redis://127.0.0.1:1/0", segs(), lambda: {E1: 0}, on_place=lambda *x: None, replica="me")
+    index = SharedIndex(PrefixIndex(chunk_chars=16), share, lambda slot: E1)
+    st = StateShare(SimpleNamespace(policy=SimpleNamespace(index=index)), ShareSection(url="redis://x:1/0"))  # type: ignore[arg-type]
+    st.share = share
+    text = "".join(f"word{i:04d} " for i in range(64))     # 640 characters: 40 chunks
+    share.up, share.others = True, ["other"]
+    assert st.wants_lookup(text, "m")                       # held nowhere: a miss
+    hashes = index.hashes(text, "m")
+    assert index.hashes(text, "m") is hashes                # the policy's second ask is not hashed again
+    index.inner.insert(hashes[:10], 0)
+    assert st.wants_lookup(text, "m")                       # a quarter of its head: still a miss
+    index.inner.insert(hashes[:30], 0)
+    assert not st.wants_lookup(text, "m")                   # three quarters held on one engine
+    assert not st.wants_lookup("short", "m")                # under one chunk: no prefix to miss
+    other = "".join(f"else{i:04d} " for i in range(64))
+    assert st.wants_lookup(other, "m")
+    share.others = []
+    assert not st.wants_lookup(other, "m")                  # alone: nobody could have placed it
+    share.others, share.lookup_s = ["other"], 0.0
+    assert not st.wants_lookup(other, "m")                  # lookups off
+    share.lookup_s, share.up = 0.01, False
+    assert not st.wants_lookup(other, "m")                  # Redis down: own view

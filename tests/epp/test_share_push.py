@@ -19,7 +19,7 @@ from tests.helpers import until
 pytestmark = [pytest.mark.timeout(120)]
 
 E1, E2 = "10.0.0.1:8000", "10.0.0.2:8000"
-SLOW = {"interval_s": 60.0, "ttl_s": 120.0}   # no poll within the test: what arrives was pushed
+SLOW = {"interval_s": 60.0, "ttl_s": 180.0}   # no poll within the test: what arrives was pushed
 
 
 def line(seg: Segment, slot: int) -> tuple[int, int, int, int]:
@@ -141,6 +141,111 @@ async def test_a_replica_started_while_redis_was_down_takes_no_old_placement_as_
                 break
         assert got, "b never received a new placement"
         assert all(g[1] == [21] for g in got), got
+    finally:
+        await a.close()
+        await b.close()
+        await admin.aclose()
+
+
+async def test_a_miss_reads_what_the_others_pushed_before_it_is_priced(redis, segs):
+    """:meth:`Share.sync`: a placement and a dispatch pushed by replica a that b's blocking stream
+    read has not delivered (as when the read's wake-up lags on a busy machine) are b's after one
+    ``sync``; the blocking read, when it comes, does not apply them twice."""
+    got: list[tuple[str, list[int], list[int], float]] = []
+    a_seg, b_seg = segs(), segs()
+    a = Share(redis.url, a_seg, lambda: {E1: 0}, on_place=lambda *x: None, replica="a", **SLOW)
+    b = Share(redis.url, b_seg, lambda: {E1: 0}, on_place=lambda *x: got.append(x), replica="b", lookup_s=10.0,
+              **SLOW)   # a lookup bound no busy machine reaches: what is read, not how fast
+    await a.start()
+    await b.start()
+    reader = next(t for t in b._tasks if t.get_name() == "share-read")
+    reader.cancel()                          # b's push delivery held back
+    try:
+        await until(lambda: b.others == ["a"] or reader.done(), what="b's reader stopped")
+        RequestAccount(Notifying(a_seg, a), 0, 1000, 1000, time.monotonic())   # a dispatches to E1
+        a.place(E1, [11, 12], [])
+        await until(lambda: a.sent == 1 and a._written == {E1: (1, 1000, 0, 0)}, what="a's push in Redis")
+        await asyncio.sleep(0.05)
+        assert got == [] and line(b_seg, 0) == (0, 0, 0, 0)   # not arrived: b would price E1 as empty
+        assert await b.sync()
+        assert [g[:3] for g in got] == [(E1, [11, 12], [])] and line(b_seg, 0) == (1, 1000, 0, 0)
+        assert b.lookups == 1 and b.lookups_late == 0
+        assert await b.sync() and len(got) == 1   # nothing new: nothing applied again
+        loop = asyncio.get_running_loop()
+        b._tasks.append(loop.create_task(b._read_loop(), name="share-read"))   # the blocking read resumes
+        a.place(E1, [13], [])
+        await until(lambda: len(got) == 2, what="the next placement by the blocking read")
+        assert [g[1] for g in got] == [[11, 12], [13]] and b.received == 2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_lookup_waits_at_most_lookup_s_for_a_slow_redis(redis, segs):
+    """A Redis that does not answer (stopped with SIGSTOP) holds a lookup for ``lookup_s``, not
+    longer; the read goes on in the background and later lookups wait for the same one."""
+    import os
+    import signal
+
+    b = Share(redis.url, segs(), lambda: {E1: 0}, on_place=lambda *x: None, replica="b", lookup_s=0.05,
+              timeout_s=5.0, **SLOW)
+    await b.start()
+    pid = redis.child.popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert not await b.sync()
+        first = b._sync_task
+        assert not await b.sync()
+        assert time.monotonic() - t0 < 4.0     # two lookups of 0.05 s, far from the 5 s socket timeout
+        assert b._sync_task is first and b.lookups == 2 and b.lookups_late == 2
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await b.close()
+    b.lookup_s = 0.0
+    assert not await b.sync()                  # off (and closed): nothing asked
+
+
+async def test_a_push_only_writes_and_wakes_only_the_other_replicas(redis, segs):
+    """A push writes this replica's counters to its own stream without reading the others' hashes
+    (that is the poll's, once an interval), and the replica's own blocking read never gets its
+    own pushes back: with one stream for all, every push woke its sender's reader too."""
+    import redis.asyncio as aioredis
+
+    a_seg, b_seg = segs(), segs()
+    a = Share(redis.url, a_seg, lambda: {E1: 0}, replica="a", **SLOW)
+    b = Share(redis.url, b_seg, lambda: {E1: 0}, replica="b", **SLOW)
+    admin = aioredis.Redis.from_url(redis.url)
+    woke: list[object] = []
+    xread = a.reader.xread
+
+    async def counting(*args: object, **kw: object) -> object:
+        got = await xread(*args, **kw)   # type: ignore[arg-type]
+        if got:
+            woke.append(got)
+        return got
+
+    a.reader.xread = counting   # type: ignore[method-assign]
+    await a.start()
+    await b.start()
+    try:
+        await admin.config_resetstat()
+        for k in range(1, 8):
+            a_seg.router_inflight_add(0, 1)
+            a.poke()
+            await until(lambda k=k: line(b_seg, 0)[0] == k, what="b sees a's push")
+        stats = await admin.info("commandstats")
+        assert "cmdstat_hgetall" not in stats and "cmdstat_smembers" not in stats   # no read of the others
+        assert stats["cmdstat_evalsha"]["calls"] >= 7 and b.pushed >= 7
+        def own_entries() -> int:
+            return sum(1 for got in woke for name, entries in got if name != b"dplb:hello"   # type: ignore[attr-defined]
+                       for _, fields in entries if fields.get(b"r") == b"a")
+
+        assert own_entries() == 0            # a's own reader: none of its 7 pushes came back to it
+        b_seg.router_inflight_add(0, 2)
+        b.poke()
+        await until(lambda: line(a_seg, 0)[0] == 9, what="a sees b's push")
+        assert a.pushed >= 1 and own_entries() == 0
     finally:
         await a.close()
         await b.close()
