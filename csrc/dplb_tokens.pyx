@@ -264,3 +264,77 @@ def leading_run(object keys, object present, object until=None, double now=0.0):
             continue
         return i
     return n
+
+
+cdef object _NONE_YET = object()
+
+
+cdef long long _drop_key(dict present, dict parent_of, dict kids, object k, object root) except? -1:
+    if k is None:
+        return 0
+    cdef object got = present.get(k)
+    cdef Py_ssize_t n = (<Py_ssize_t>got if got is not None else 0) - 1
+    if n > 0:
+        present[k] = n
+        return 0
+    present.pop(k, None)
+    cdef object pk = parent_of.pop(k, None)
+    if pk is None:
+        return 0
+    got = kids.get(pk)
+    cdef Py_ssize_t left = (<Py_ssize_t>got if got is not None else 0) - 1
+    if left > 0:
+        kids[pk] = left
+    else:
+        kids.pop(pk, None)
+    got = kids.get(k)
+    cdef bint orphaned_by_it = pk != root and pk not in present
+    return (<Py_ssize_t>got if got is not None else 0) - orphaned_by_it
+
+
+def store_blocks(dict blocks, dict present, dict parent_of, dict kids, list hashes, list keys, object pk,
+                 object root=0):
+    """:func:`dplb_prefix.reference.store_blocks` (the definition) in C: an engine's blocks stored
+    into its block set's maps (router.kv_events.BlockSet.store); returns the change in the count of
+    orphans. ``hashes`` and ``keys`` are lists of one length (ValueError otherwise)."""
+    cdef Py_ssize_t i, n = len(hashes), c
+    if len(keys) != n:
+        raise ValueError(f"{n} hashes but {len(keys)} keys")
+    cdef long long d = 0
+    cdef bint orphan
+    cdef object h, k, old, got
+    for i in range(n):
+        h = hashes[i]
+        k = keys[i]
+        old = blocks.get(h, _NONE_YET)
+        if old is not _NONE_YET and old == k:
+            pk = k
+            continue
+        if old is not _NONE_YET:
+            d += _drop_key(present, parent_of, kids, old, root)
+        blocks[h] = k
+        if k is not None:
+            got = present.get(k)
+            c = <Py_ssize_t>got if got is not None else 0
+            present[k] = c + 1
+            if not c and pk is not None:
+                parent_of[k] = pk
+                got = kids.get(pk)
+                kids[pk] = (<Py_ssize_t>got if got is not None else 0) + 1
+                got = kids.get(k)
+                orphan = pk != root and pk not in present
+                d += orphan - (<Py_ssize_t>got if got is not None else 0)
+        pk = k
+    return d
+
+
+def remove_blocks(dict blocks, dict present, dict parent_of, dict kids, object hashes, object root=0):
+    """:func:`dplb_prefix.reference.remove_blocks` in C: an engine's blocks ``hashes`` (an
+    iterable) evicted from its block set's maps; returns the change in the count of orphans."""
+    cdef long long d = 0
+    cdef object h, k
+    for h in hashes:
+        k = blocks.pop(h, _NONE_YET)
+        if k is not _NONE_YET:
+            d += _drop_key(present, parent_of, kids, k, root)
+    return d

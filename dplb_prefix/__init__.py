@@ -13,7 +13,8 @@
   KV-cache events are matched (:mod:`router.kv_events`), in one pass over the str's buffer;
   :func:`leading_run`: how many of them an engine's block set holds, one dict lookup each;
   :func:`word_block_state`: the tokenizer's state after a prompt's leading lines, from which
-  :func:`word_block_keys` resumes (a long shared message tokenized once).
+  :func:`word_block_keys` resumes (a long shared message tokenized once); :func:`store_blocks`,
+  :func:`remove_blocks`: an engine's stored and evicted blocks applied to its block set's maps.
 
 Built from csrc/dplb_prefix.pyx and csrc/dplb_prefix.h, csrc/dplb_tokens.pyx and
 csrc/dplb_tokens.h (``make build``); a missing build raises
@@ -32,6 +33,8 @@ try:
     )
     from dplb_prefix._tokens import (
         leading_run,
+        remove_blocks,
+        store_blocks,
         token_keys,
         word_block_keys,
         word_block_state,
@@ -40,5 +43,6 @@ try:
 except ImportError as e:   # pragma: no cover - only without a build
     raise ImportError(f"dplb_prefix's native extension is not built ({e}): run `make build`") from e
 
-__all__ = ["MAX_WORKER_ID", "PrefixIndex", "chain_hashes", "count_words", "leading_run", "model_seed", "token_keys",
+__all__ = ["MAX_WORKER_ID", "PrefixIndex", "chain_hashes", "count_words", "leading_run", "model_seed", "remove_blocks",
+           "store_blocks", "token_keys",
            "word_block_keys", "word_block_state", "word_ids"]

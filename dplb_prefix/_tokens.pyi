@@ -1,9 +1,10 @@
 """Type stub of dplb_prefix._tokens, built from csrc/dplb_tokens.pyx."""
 from array import array
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import TypeAlias, TypeVar
 
 _K = TypeVar("_K")
+_H = TypeVar("_H")
 
 def word_ids(text: str, chat: bool, vocab_size: int) -> array[int]: ...
 #: the tokenizer's state after an open prefix (word_block_state), opaque
@@ -17,3 +18,8 @@ def token_keys(token_ids: Sequence[int], block_size: int, parent: int = ...) -> 
 def leading_run(keys: Sequence[_K], present: Container[object], until: Mapping[_K, float] | None = ...,
                 now: float = ...) -> int: ...
 def fast_path(on: bool | None = ...) -> bool: ...
+def store_blocks(blocks: dict[_H, int | None], present: dict[int, int], parent_of: dict[int, int],
+                 kids: dict[int, int], hashes: list[_H], keys: list[int | None], pk: int | None,
+                 root: int = ...) -> int: ...
+def remove_blocks(blocks: dict[_H, int | None], present: dict[int, int], parent_of: dict[int, int],
+                  kids: dict[int, int], hashes: Iterable[_H], root: int = ...) -> int: ...

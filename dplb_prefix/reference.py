@@ -231,3 +231,63 @@ def leading_run(keys: Sequence[K], present: Container[object], until: Mapping[K,
             break
         n += 1
     return n
+
+
+def store_blocks(blocks: dict[object, int | None], present: dict[int, int], parent_of: dict[int, int],
+                 kids: dict[int, int], hashes: Sequence[object], keys: Sequence[int | None], pk: int | None,
+                 root: int = 0) -> int:
+    """An engine's blocks ``hashes`` stored with their keys ``keys`` (None: unknown), the first
+    chained on key ``pk`` (None: unknown), into one engine's block set
+    (:class:`router.kv_events.BlockSet`): ``blocks`` (hash -> key), ``present`` (key -> how many
+    blocks carry it), ``parent_of`` (key present -> its parent key) and ``kids`` (key -> how many
+    keys present have it as parent). Returns the change in the count of orphans (keys present
+    whose parent key, other than ``root``, is not)."""
+    d = 0
+    for h, k in zip(hashes, keys):
+        old = blocks.get(h, -1)
+        if old != k:
+            if old != -1:
+                d += drop_key(present, parent_of, kids, old, root)
+            blocks[h] = k
+            if k is not None:
+                n = present.get(k, 0)
+                present[k] = n + 1
+                if not n and pk is not None:
+                    parent_of[k] = pk
+                    kids[pk] = kids.get(pk, 0) + 1
+                    d += (pk != root and pk not in present) - kids.get(k, 0)
+        pk = k
+    return d
+
+
+def drop_key(present: dict[int, int], parent_of: dict[int, int], kids: dict[int, int], k: int | None,
+             root: int = 0) -> int:
+    """One block carrying key ``k`` (None: none) left the set (:func:`store_blocks`' maps);
+    returns the change in the count of orphans."""
+    if k is None:
+        return 0
+    n = present.get(k, 0) - 1
+    if n > 0:
+        present[k] = n
+        return 0
+    present.pop(k, None)
+    pk = parent_of.pop(k, None)
+    if pk is None:
+        return 0
+    left = kids.get(pk, 0) - 1
+    if left > 0:
+        kids[pk] = left
+    else:
+        kids.pop(pk, None)
+    return kids.get(k, 0) - (pk != root and pk not in present)
+
+
+def remove_blocks(blocks: dict[object, int | None], present: dict[int, int], parent_of: dict[int, int],
+                  kids: dict[int, int], hashes: Sequence[object], root: int = 0) -> int:
+    """An engine's blocks ``hashes`` evicted (unknown ones ignored; :func:`store_blocks`' maps);
+    returns the change in the count of orphans."""
+    d = 0
+    for h in hashes:
+        if h in blocks:
+            d += drop_key(present, parent_of, kids, blocks.pop(h), root)
+    return d

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from dplb_prefix import leading_run
+from dplb_prefix import leading_run, remove_blocks, store_blocks
 from dplb_prefix import token_keys as _token_keys
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,9 @@ class BlockSet:
 
     def store(self, hashes: Iterable[BlockHash], parent: BlockHash | None = None,
               token_ids: Sequence[int] = (), block_size: int = 0) -> None:
-        """Add blocks ``hashes`` (chained on ``parent``); with their ``token_ids`` also their keys."""
+        """Add blocks ``hashes`` (chained on ``parent``); with their ``token_ids`` also their keys.
+        The per-block step (the four maps and the orphan count) is native
+        (:func:`dplb_prefix.store_blocks`; :func:`dplb_prefix.reference.store_blocks` defines it)."""
         hashes = list(hashes)
         keys: list[int | None]
         if block_size > 0 and len(token_ids) == block_size * len(hashes):
@@ -261,52 +263,12 @@ class BlockSet:
         for w in self.watchers:
             w.stored(hashes)
             w.stored(k for k in keys if k is not None)
-        present = self.keys
         pk = ROOT_KEY if parent is None else self.blocks.get(parent)
-        for h, k in zip(hashes, keys):
-            old = self.blocks.get(h, -1)
-            if old != k:
-                if old != -1:
-                    self._drop_key(old)
-                self.blocks[h] = k
-                if k is not None:
-                    n = present.get(k, 0)
-                    present[k] = n + 1
-                    if not n and pk is not None:
-                        self._add_key(k, pk)
-            pk = k
+        self.orphans += store_blocks(self.blocks, self.keys, self._parent, self._kids, hashes, keys, pk, ROOT_KEY)
 
     def remove(self, hashes: Iterable[BlockHash]) -> None:
         """Drop blocks ``hashes`` (unknown ones are ignored)."""
-        for h in hashes:
-            if h in self.blocks:
-                self._drop_key(self.blocks.pop(h))
-
-    def _add_key(self, k: int, pk: int) -> None:
-        """Key ``k`` (parent key ``pk``) became present: the orphan count follows."""
-        self._parent[k] = pk
-        kids = self._kids
-        kids[pk] = kids.get(pk, 0) + 1
-        self.orphans += (pk != ROOT_KEY and pk not in self.keys) - kids.get(k, 0)
-
-    def _drop_key(self, k: int | None) -> None:
-        if k is None:
-            return
-        n = self.keys.get(k, 0) - 1
-        if n > 0:
-            self.keys[k] = n
-            return
-        self.keys.pop(k, None)
-        pk = self._parent.pop(k, None)
-        if pk is None:
-            return
-        kids = self._kids
-        left = kids.get(pk, 0) - 1
-        if left > 0:
-            kids[pk] = left
-        else:
-            kids.pop(pk, None)
-        self.orphans += kids.get(k, 0) - (pk != ROOT_KEY and pk not in self.keys)
+        self.orphans += remove_blocks(self.blocks, self.keys, self._parent, self._kids, hashes, ROOT_KEY)
 
     def apply(self, events: Iterable[Event]) -> None:
         """Apply decoded events in order."""

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from dplb_prefix import (
     leading_run,
+    remove_blocks,
+    store_blocks,
     token_keys,
     word_block_keys,
     word_block_state,
@@ -174,6 +176,29 @@ def test_leading_run_equals_the_reference(keys, present, until, now):
     assert leading_run(keys, p) == ref.leading_run(keys, p)
     assert leading_run(keys, p, until, now) == ref.leading_run(keys, p, until, now)
     assert leading_run(tuple(keys), p, until, now) == ref.leading_run(keys, p, until, now)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.lists(st.tuples(st.integers(0, 12), st.none() | st.integers(0, 8)),
+                                                      max_size=6),
+                              st.none() | st.integers(0, 8)), max_size=25))
+def test_storing_and_removing_blocks_equal_the_reference(ops):
+    # stores (a hash stored again with another key or None, unknown parents) and removals in any
+    # order leave the same four maps and orphan count in C as in the reference
+    native: tuple[dict, dict, dict, dict] = ({}, {}, {}, {})
+    python: tuple[dict, dict, dict, dict] = ({}, {}, {}, {})
+    orphans = [0, 0]
+    for store, pairs, pk in ops:
+        hashes, keys = [h for h, _ in pairs], [k for _, k in pairs]
+        if store:
+            orphans[0] += store_blocks(*native, hashes, keys, pk)
+            orphans[1] += ref.store_blocks(*python, hashes, keys, pk)
+        else:
+            orphans[0] += remove_blocks(*native, iter(hashes))
+            orphans[1] += ref.remove_blocks(*python, hashes)
+        assert native == python and orphans[0] == orphans[1]
+    with pytest.raises(ValueError):
+        store_blocks({}, {}, {}, {}, [1, 2], [3], None)
 
 
 def test_a_chat_request_tokenizes_as_the_simulated_engine_renders_it():
