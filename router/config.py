@@ -253,7 +253,9 @@ class ShareSection(_Strict):
     ``lookup_ms``: on a prefix miss (this replica's index holds less than half of the prompt's
     head), the longest the request waits for one read of what the other replicas pushed and
     placed that has not arrived yet (0: never waits; a back-to-back client's next request can then
-    beat the push of its previous one's placement). The engines are
+    beat the push of its previous one's placement); ``max_stream_mb``: about how much the stream of
+    placements may hold in Redis, MiB (each a prompt's hashes and block keys: up to ~100 KB for a
+    long prompt; its oldest go first). The engines are
     matched by their address: give every replica the same addresses. A router shares with one
     process per node (``router.workers`` 1)."""
 
@@ -263,6 +265,7 @@ class ShareSection(_Strict):
     push_gap_ms: float = Field(default=1.0, ge=0, le=10_000)
     ttl_s: float = Field(default=2.0, gt=0, le=3600)
     lookup_ms: float = Field(default=10.0, ge=0, le=1000)
+    max_stream_mb: float = Field(default=256.0, gt=0, le=1 << 20)
 
     @field_validator("url")
     @classmethod

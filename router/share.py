@@ -26,7 +26,8 @@ sequence numbers keep a late answer from undoing a newer push. The kernel then p
 engine with every replica's work, and the engine's outside requests ``X_i`` count it too.
 
 **Placements.** Each prompt a replica dispatches is appended to the Redis stream
-``<prefix>:placements`` (``XADD``, ``MAXLEN ~ max_placements``) by the push it triggers: the
+``<prefix>:placements`` (``XADD``, ``MAXLEN ~``: at most ``max_placements`` entries and about
+``max_stream_bytes``, by the mean size of this replica's entries) by the push it triggers: the
 engine's address, the prompt's prefix-index hashes (the policy's own index: chained over the
 text and the model's name, the same in every process) and, with the engines' KV-cache events
 (``kv_events``), its token block keys (:func:`router.kv_events.token_keys`, a pending placement
@@ -157,7 +158,10 @@ class Share:
     writes, with an interval to spare for a late loop); ``replay_s``: placements older than this
     (stream time) are not replayed into pending placements at catch-up (they still enter the prefix
     index); ``max_placements``: the placements stream's approximate length bound (the loads
-    stream's: ``max_placements // 10``, at least 1000); ``timeout_s``: each Redis call's socket
+    stream's: ``max_placements // 10``, at least 1000); ``max_stream_bytes``: its approximate size
+    bound, bytes (entries carry a prompt's chunk hashes and block keys: a long prompt's can reach
+    100 KB; the length bound is lowered to this over the mean size of the entries this replica
+    sent, at least 100 entries); ``timeout_s``: each Redis call's socket
     timeout, s; ``lookup_s``: the longest a request waits for :meth:`sync` (0: no lookups).
 
     :meth:`start` connects and catches up (or, Redis unreachable, falls back at once), then runs
@@ -168,12 +172,13 @@ class Share:
     def __init__(self, url: str, seg: Segment, engines: Callable[[], dict[str, int]], on_place: OnPlace | None = None,
                  prefix: str = "dplb", replica: str | None = None, interval_s: float = 0.1, ttl_s: float = 2.0,
                  replay_s: float = 30.0, max_placements: int = 100_000, timeout_s: float = 1.0,
-                 push_gap_s: float = 0.001, lookup_s: float = 0.01) -> None:
+                 push_gap_s: float = 0.001, lookup_s: float = 0.01, max_stream_bytes: int = 256 << 20) -> None:
         if interval_s <= 0 or ttl_s < 3 * interval_s or push_gap_s < 0 or lookup_s < 0:
             raise ValueError("need interval_s > 0, ttl_s >= 3 * interval_s, push_gap_s >= 0 and lookup_s >= 0 (got "
                              f"{interval_s}, {ttl_s}, {push_gap_s}, {lookup_s})")
-        if max_placements < 1 or timeout_s <= 0:
-            raise ValueError(f"max_placements and timeout_s must be positive (got {max_placements}, {timeout_s})")
+        if max_placements < 1 or timeout_s <= 0 or max_stream_bytes < 1:
+            raise ValueError("max_placements, max_stream_bytes and timeout_s must be positive (got "
+                             f"{max_placements}, {max_stream_bytes}, {timeout_s})")
         import redis.asyncio as aioredis
 
         self.url = url
@@ -188,6 +193,8 @@ class Share:
         self.replay_s = replay_s
         self.max_placements = max_placements
         self.max_loads = max(1000, max_placements // 10)
+        self.max_stream_bytes = max_stream_bytes
+        self.entry_bytes = 0.0        # the mean size of this replica's placement entries (EWMA), bytes
         self.timeout_s = timeout_s
         self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         # the stream reader blocks on its own connection
@@ -364,8 +371,9 @@ class Share:
             for attempt in (0, 1):
                 async with self.redis.pipeline(transaction=False) as p:
                     for addr, hashes, keys in out if attempt == 0 else ():
-                        p.xadd(self.stream_key, {"r": self.replica, "p": msgspec.msgpack.encode([addr, list(hashes), list(keys)])},
-                               maxlen=self.max_placements, approximate=True)
+                        body = msgspec.msgpack.encode([addr, list(hashes), list(keys)])
+                        p.xadd(self.stream_key, {"r": self.replica, "p": body}, maxlen=self._maxlen(len(body)),
+                               approximate=True)
                     p.evalsha(self.sync_sha, 4, self.replicas_key, self.own_key, self.own_loads_key, self.hello_key, *args)
                     res = await p.execute(raise_on_error=False)
                 if not isinstance(res[-1], NoScriptError) or attempt:
@@ -385,6 +393,13 @@ class Share:
         if read:
             self._read_at = now
             self._read_hashes(res[-1], now)
+
+    def _maxlen(self, size: int) -> int:
+        """The placements stream's length bound for an entry of ``size`` bytes (payload; about 64
+        more in Redis): ``max_stream_bytes`` over the mean entry, within [100, ``max_placements``]."""
+        e = float(size + 64)
+        self.entry_bytes = e if self.entry_bytes <= 0 else 0.9 * self.entry_bytes + 0.1 * e
+        return max(100, min(self.max_placements, int(self.max_stream_bytes / self.entry_bytes)))
 
     def _read_hashes(self, rows: list[object], now: float) -> None:
         """Take every other replica's hash (the script's answer to a poll), forget those gone."""

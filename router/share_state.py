@@ -176,7 +176,8 @@ class StateShare:
         inner = getattr(st.policy, "index", None)
         share = self.share = Share(s.url, st.seg, self.engines, self._on_place if inner is not None else None,
                                    prefix=s.prefix, interval_s=s.interval_ms / 1000.0, ttl_s=s.ttl_s,
-                                   push_gap_s=s.push_gap_ms / 1000.0, lookup_s=s.lookup_ms / 1000.0)
+                                   push_gap_s=s.push_gap_ms / 1000.0, lookup_s=s.lookup_ms / 1000.0,
+                                   max_stream_bytes=int(s.max_stream_mb * (1 << 20)))
         if inner is not None:
             st.policy.index = SharedIndex(inner, share, self.addr_of, self.events)   # type: ignore[attr-defined]
         st.scheduler.accounts = Notifying(st.scheduler.accounts, share)   # type: ignore[assignment]

@@ -250,3 +250,30 @@ async def test_a_push_only_writes_and_wakes_only_the_other_replicas(redis, segs)
         await a.close()
         await b.close()
         await admin.aclose()
+
+
+async def test_the_placements_stream_is_bounded_in_bytes(redis, segs):
+    """Long prompts' placements (here ~10 KB each: 1,100 chunk hashes) with ``max_stream_bytes`` 1
+    MB: the stream keeps about 100 of 400 entries (its length bound lowered by the entries' mean
+    size; Redis trims whole nodes of 100), not all 400 as a bound of 100,000 entries alone would."""
+    import redis.asyncio as aioredis
+
+    a = Share(redis.url, segs(), lambda: {E1: 0}, on_place=lambda *x: None, replica="a", max_stream_bytes=1 << 20,
+              **SLOW)
+    admin = aioredis.Redis.from_url(redis.url)
+    await a.start()
+    try:
+        big = [2**62 + i for i in range(1100)]   # 9 bytes each in msgpack
+        for k in range(400):
+            a.place(E1, big[k % 7:], [])
+            if k % 50 == 49:
+                await until(lambda k=k: a.sent == k + 1, what="the placements sent")
+        await until(lambda: a.sent == 400, what="all sent")
+        n = await admin.xlen("dplb:placements")
+        size = await admin.memory_usage("dplb:placements")
+        assert 100 <= n <= 250, n
+        assert size is not None and size < 3 << 20, size
+        assert 9_000 < a.entry_bytes < 11_000
+    finally:
+        await a.close()
+        await admin.aclose()

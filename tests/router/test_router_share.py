@@ -139,6 +139,7 @@ def test_requests_in_flight_through_one_router_are_counted_on_the_other(nodes):
     ({"url": "redis://r:6379/0", "interval_ms": 3000, "ttl_s": 2}, "must be at least 3 x interval_ms"),
     ({"url": "redis://r:6379/0", "interval_ms": 1000, "ttl_s": 2}, "must be at least 3 x interval_ms"),
     ({"url": "redis://r:6379/0", "lookup_ms": -1}, "greater than or equal"),
+    ({"url": "redis://r:6379/0", "max_stream_mb": 0}, "greater than"),
     ({"url": "redis://r:6379/0", "push_gap_ms": -1}, "greater than or equal"),
     ({"urls": "redis://r:6379/0"}, "urls"),
 ])
