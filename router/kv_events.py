@@ -38,9 +38,10 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import msgspec
 import zmq
@@ -412,9 +413,8 @@ class PendingBlocks:
     def stored(self, keys: Iterable[BlockHash]) -> None:
         """The engine's events stored ``keys``: no longer pending."""
         until = self.until
-        if until:
-            for k in keys:
-                until.pop(k, None)
+        if until:   # until.pop(k, None) for each key, the loop in C (a stored batch: thousands of keys)
+            deque(map(until.pop, keys, repeat(None)), maxlen=0)
 
     def match(self, blocks: BlockSet, keys: Sequence[BlockHash], now: float, by_key: bool = False) -> int:
         """How many leading ``keys`` the engine holds (``blocks``: its hashes, or with ``by_key``
