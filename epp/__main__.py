@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "STREAMED (default: the least picker CPU per streamed event that still sees every chunk, "
                         "bench/results/epp_latency.md), FULL_DUPLEX_STREAMED, or NONE (head and end only: no TTFT, "
                         "no token counts)")
+    p.add_argument("--observe-response", action="store_true",
+                   help="--print-envoy-config: the response side on a second ext_proc filter in Envoy's observability "
+                        "mode (epp.observe: Envoy does not hold the answer for the picker; the same accounting; one "
+                        "picker replica per Envoy; an aborted answer is counted 502 but not rewritten)")
     p.add_argument("--ext-proc-server", choices=["h2", "grpcio"], default="h2",
                    help="the ext_proc server: h2 (default: the h2 HTTP/2 library on the picker's event loop, epp.h2grpc; "
                         "about half of grpcio's CPU per request, bench/results/gateway.md) or grpcio (grpc.aio)")
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(bootstrap_yaml(EnvoySettings(
             listen_port=args.envoy_port, admin_port=args.envoy_admin_port, epp_port=args.port, epp_host=args.host,
             failure_mode_allow=args.failure_mode_allow, request_body_mode=args.request_body_mode,
-            response_body_mode=args.response_body_mode, pool_eds=args.envoy_eds)))
+            response_body_mode=args.response_body_mode, pool_eds=args.envoy_eds,
+            observe_response=args.observe_response)))
         return 0
     if args.fallbacks is not None and args.fallbacks < 0:
         print("dplb-epp: --fallbacks must be 0 or more", file=sys.stderr)

@@ -74,6 +74,16 @@ POOL_CLUSTER = "dplb_pool"
 #: a request held in the picker's admission queue asks for its budget (epp.stream.hold_response);
 #: the gRPC stream's own timeout (300 s) bounds it anyway
 MAX_HOLD_S = 300.0
+#: seconds Envoy keeps the observer filter's stream open after its request ended (its
+#: ``deferred_close_timeout``): a client that left is seen by the picker that much later
+OBSERVE_CLOSE_S = 1.0
+#: the gRPC request header (``grpc_service.initial_metadata``) that marks the streams of an
+#: observed response side (:mod:`epp.observe`): ``request`` on the first filter's (the picker hands
+#: the lease off), ``response`` on the observer filter's
+SIDE_KEY = "x-dplb-side"
+#: the dynamic-metadata key (namespace :data:`NAMESPACE`) of the picked worker's label, copied
+#: into the ``x-dplb-worker-id`` response header when the response side is observed
+WORKER_KEY = "x-dplb-worker-id"
 #: Envoy's response flags for an upstream that failed before answering (local reply bodies)
 UPSTREAM_FLAGS = ("UF", "URX", "UH", "UC", "UO", "UT", "UMSDR", "NR")
 
@@ -115,6 +125,10 @@ class EnvoySettings:
     #: how long a picker replica whose stream failed locally stays out of the ``epp`` cluster
     #: (:func:`epp_outlier_detection`), seconds
     epp_ejection_s: float = 10.0
+    #: the response side on a second ext_proc filter in ``observability_mode`` (:mod:`epp.observe`:
+    #: Envoy does not hold the answer for the picker; one picker replica): the first filter
+    #: then processes the request only, and ``response_body_mode`` is the observer's (``STREAMED``)
+    observe_response: bool = False
 
 
 ACCESS_LOG_FORMAT = (f"%RESPONSE_CODE% %DYNAMIC_METADATA({NAMESPACE}:{HEADER})% "
@@ -213,8 +227,13 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
                                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
     if s.request_body_mode == "FULL_DUPLEX_STREAMED":
         mode["request_trailer_mode"] = "SEND"   # Envoy requires it with a full-duplex body
-    if s.response_body_mode in ("FULL_DUPLEX_STREAMED", "NONE"):
+    if s.observe_response:   # the response goes to the observer filter (_observer_filter)
+        mode.update(response_header_mode="SKIP", response_body_mode="NONE")
+    elif s.response_body_mode in ("FULL_DUPLEX_STREAMED", "NONE"):
         mode["response_trailer_mode"] = "SEND"   # full duplex requires it; without a body, the only end an engine sends
+    grpc: dict[str, object] = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "300s"}
+    if s.observe_response:   # the picker hands the lease off to the observer filter's stream
+        grpc["initial_metadata"] = [{"key": SIDE_KEY, "value": "request"}]
     early: dict[str, object] = {}
     if s.request_body_mode == "STREAMED":
         # the body's chunks follow the head at once; the picker answers the head at the body's end
@@ -223,7 +242,7 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "300s"},
+            "grpc_service": grpc,
             "failure_mode_allow": s.failure_mode_allow,
             "message_timeout": _secs(s.message_timeout_s),
             "max_message_timeout": _secs(s.max_message_timeout_s),
@@ -233,6 +252,29 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
             **early,
             "metadata_options": {"receiving_namespaces": {"untyped": [NAMESPACE]},
                                  "forwarding_namespaces": {"untyped": [NAMESPACE]}},
+        },
+    }
+
+
+def _observer_filter(s: EnvoySettings) -> dict[str, object]:
+    """The second ext_proc filter of an observed response side (:mod:`epp.observe`): Envoy's
+    ``observability_mode`` (every message sent without waiting, answers ignored) for the request
+    head (the lease's token) and the response's head, body chunks and end, on streams marked
+    ``x-dplb-side: response`` (the first filter's: ``request``); the picker's failure never fails
+    a request here."""
+    return {
+        "name": "dplb.observe_response",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "300s",
+                             "initial_metadata": [{"key": SIDE_KEY, "value": "response"}]},
+            "observability_mode": True,
+            "deferred_close_timeout": _secs(OBSERVE_CLOSE_S),
+            "failure_mode_allow": True,
+            "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                                "response_header_mode": "SEND", "response_body_mode": "STREAMED",
+                                "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"},
+            "metadata_options": {"forwarding_namespaces": {"untyped": [NAMESPACE]}},
         },
     }
 
@@ -252,6 +294,17 @@ def _route(s: EnvoySettings) -> dict[str, object]:
     return route
 
 
+def _routes(s: EnvoySettings) -> list[dict[str, object]]:
+    """The one route (:func:`_route`); observed, with the picked worker's label as the
+    ``x-dplb-worker-id`` response header (from the pick's dynamic metadata)."""
+    r: dict[str, object] = {"match": {"prefix": "/"}, "route": _route(s)}
+    if s.observe_response:
+        r["response_headers_to_add"] = [{
+            "header": {"key": WORKER_KEY, "value": f"%DYNAMIC_METADATA({NAMESPACE}:{WORKER_KEY})%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    return [r]
+
+
 def _connection_manager(s: EnvoySettings) -> dict[str, object]:
     """The listener's HTTP connection manager: the route (:func:`_route`), Envoy's own replies
     OpenAI-shaped (:func:`_local_reply_mappers`), the ext_proc filter then the router filter, and
@@ -263,10 +316,11 @@ def _connection_manager(s: EnvoySettings) -> dict[str, object]:
         "stream_idle_timeout": "300s",
         "route_config": {"name": "dplb", "virtual_hosts": [{
             "name": "dplb", "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"}, "route": _route(s)}]}]},
+            "routes": _routes(s)}]},
         "local_reply_config": {"mappers": _local_reply_mappers(s)},
-        "http_filters": [_ext_proc_filter(s), {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        "http_filters": [_ext_proc_filter(s), *([_observer_filter(s)] if s.observe_response else []),
+                         {"name": "envoy.filters.http.router", "typed_config": {
+                             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
     if s.access_log:
         hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {

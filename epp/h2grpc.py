@@ -55,6 +55,8 @@ CONFIG = h2.config.H2Configuration(client_side=False, header_encoding=None,
                                    validate_inbound_headers=False, normalize_inbound_headers=False,
                                    validate_outbound_headers=False, normalize_outbound_headers=False)
 RESPONSE_HEAD = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+#: the gRPC request header that marks an observed response side's streams (epp.envoy.SIDE_KEY)
+SIDE = b"x-dplb-side"
 
 
 def _frame_name(obj: object) -> str:
@@ -101,7 +103,9 @@ class ExtProcConnection(asyncio.Protocol):
     """One HTTP/2 connection from Envoy (module docstring), driven through ``h2``;
     ``new_exchange`` makes the :class:`epp.stream.Exchange` of each stream."""
 
-    def __init__(self, new_exchange: Callable[[], Exchange], conns: set[ExtProcConnection]) -> None:
+    def __init__(self, new_exchange: Callable[[str | None], Exchange], conns: set[ExtProcConnection]) -> None:
+        #: makes a stream's exchange from its gRPC request header ``x-dplb-side`` (None without:
+        #: :func:`epp.observe.new_exchange`)
         self.new_exchange = new_exchange
         self.conns = conns
         self.transport: asyncio.Transport | None = None
@@ -168,7 +172,8 @@ class ExtProcConnection(asyncio.Protocol):
         if isinstance(ev, h2.events.DataReceived):
             self._data(ev)
         elif isinstance(ev, h2.events.RequestReceived):
-            self.streams[ev.stream_id] = _Stream(ev.stream_id, self.new_exchange())
+            side = next((v.decode() for k, v in ev.headers if k == SIDE), None)
+            self.streams[ev.stream_id] = _Stream(ev.stream_id, self.new_exchange(side))
         elif isinstance(ev, h2.events.StreamEnded):
             if (st := self.streams.get(ev.stream_id)) is not None:
                 self._half_close(st)
@@ -312,10 +317,11 @@ class ExtProcConnection(asyncio.Protocol):
 
 class H2GrpcServer:
     """The ext_proc server of :mod:`epp.h2grpc` on ``host:port`` (0: a free port).
-    ``new_exchange`` makes one :class:`epp.stream.Exchange` per stream. After :meth:`start`,
+    ``new_exchange`` makes one :class:`epp.stream.Exchange` per stream, from the stream's
+    ``x-dplb-side`` gRPC request header (:func:`epp.observe.new_exchange`). After :meth:`start`,
     ``bound_ports`` holds the bound port first (the shape :mod:`epp.server` reports)."""
 
-    def __init__(self, new_exchange: Callable[[], Exchange]) -> None:
+    def __init__(self, new_exchange: Callable[[str | None], Exchange]) -> None:
         self.new_exchange = new_exchange
         self.conns: set[ExtProcConnection] = set()
         self.server: asyncio.base_events.Server | None = None

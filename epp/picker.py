@@ -83,6 +83,10 @@ class Picker:
         self.events: EventsFeed | None = None
         #: the load and placements shared with the other replicas through Redis (:mod:`epp.share`; None: off)
         self.share: PickerShare | None = None
+        #: the leases handed off to an observed response side (:mod:`epp.observe`)
+        from epp.observe import Handoffs
+
+        self.handoffs = Handoffs()
         #: called with the new readiness when it changes (the health server's statuses, :mod:`epp.server`)
         self.on_ready_change: Callable[[bool], Awaitable[None]] | None = None
 
@@ -104,6 +108,7 @@ class Picker:
         if self.share is not None:   # catches up before the first readiness
             await self.share.start()
         st.monitor.extra.append(self._readiness)
+        st.monitor.extra.append(self.handoffs.tick)
         await self._readiness()
         self.warn_unix_only()
 

@@ -10,6 +10,7 @@ SERVING while at least one worker is eligible, NOT_SERVING otherwise (updated ev
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -19,8 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from epp.h2grpc import H2GrpcServer
+from epp.observe import new_exchange
 from epp.picker import Picker
-from epp.stream import Exchange, ExtProcServicer
+from epp.stream import ExtProcServicer
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -43,7 +45,7 @@ async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
     RuntimeError when a port cannot be bound, ValueError for an unknown ``server``."""
     ext: ExtServer
     if server == "h2":
-        ext = H2GrpcServer(lambda: Exchange(picker, body_mode, resp_mode))
+        ext = H2GrpcServer(functools.partial(new_exchange, picker, body_mode, resp_mode))
         try:
             ext_port = await ext.start(host, port)
         except OSError:

@@ -82,7 +82,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from dplb_protocol.wire import WORKER_HEADER, BadRequest, OpenAIError
-from epp.envoy import HEADER, MAX_HOLD_S, NAMESPACE, SERVED
+from epp.envoy import HEADER, MAX_HOLD_S, NAMESPACE, SERVED, SIDE_KEY, WORKER_KEY
 from epp.picker import Picker, envoy_target
 from router.config import AdmissionSection
 from router.director import ENGINE_ABORT, route_of
@@ -168,13 +168,16 @@ def destination(endpoint: str, *fallbacks: str) -> tuple[pb.HeaderMutation, stru
 
 
 @functools.lru_cache(maxsize=1024)
-def route_answer(endpoints: tuple[str, ...], on_body: bool) -> pb.ProcessingResponse:
+def route_answer(endpoints: tuple[str, ...], on_body: bool, worker: str = "") -> pb.ProcessingResponse:
     """The answer that sends a request to ``endpoints[0]``, then on Envoy's retries down the rest
     (:func:`destination`; the route cache cleared so that the header counts): to the request head,
-    or with ``on_body`` to the request body. Cached per destination (the same few endpoints serve
+    or with ``on_body`` to the request body; ``worker``: a label also set as the dynamic metadata
+    ``envoy.lb`` / ``x-dplb-worker-id`` (the observed response side's header, :mod:`epp.observe`). Cached per destination (the same few endpoints serve
     every request; building the mutation and the metadata cost ~3 % of the picker's CPU per tiny
     request, bench/results/gateway.md round 4): the message is shared, never to be mutated."""
     mutation, md = destination(*endpoints)
+    if worker:
+        md.fields[NAMESPACE].struct_value.fields[WORKER_KEY].string_value = worker
     common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
     if on_body:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
@@ -198,8 +201,8 @@ class Exchange:
     (a list of responses, possibly empty); :meth:`close` at the stream's end, always."""
 
     __slots__ = ("body", "body_mode", "cut", "done", "duplex", "eager", "fallbacks", "handle", "head", "headers", "info", "kept",
-                 "lease", "lookup", "meter", "owed", "path", "picker", "resp_mode", "route", "size", "status", "streaming",
-                 "t0", "trailers", "waiting", "whole")
+                 "lease", "lookup", "meter", "observed", "owed", "path", "picker", "resp_mode", "route", "size", "status",
+                 "streaming", "t0", "trailers", "waiting", "whole")
 
     def __init__(self, picker: Picker, body_mode: int, resp_mode: int = 1, eager: bool | None = None) -> None:
         self.picker = picker
@@ -218,6 +221,8 @@ class Exchange:
         self.done = False
         #: the response body mode (``ProcessingMode.BodySendMode``: 1 STREAMED, 4 full duplex, 0 none)
         self.resp_mode = resp_mode
+        #: the response side is observed on another stream (:mod:`epp.observe`): the lease is handed off at the pick
+        self.observed = False
         self.info: RequestInfo | None = None
         #: a request admission holds back (:meth:`Director.may_dispatch` said no): ``(body,
         #: trailers)`` to dispatch once :meth:`admit` returns; the stream's driver awaits it
@@ -367,10 +372,10 @@ class Exchange:
         endpoints = (self.handle.endpoint, *(f.endpoint for f in self.fallbacks))
         if self.early:   # the head's answer routes; then one answer per body chunk, in order
             owed, self.owed, self.body = self.owed, 0, []
-            return [route_answer(endpoints, False), *[_REQUEST_BODY_OK] * owed]
+            return [self._route(endpoints, False), *[_REQUEST_BODY_OK] * owed]
         if not self.duplex:
-            return [route_answer(endpoints, True)]
-        out = [route_answer(endpoints, False)]
+            return [self._route(endpoints, True)]
+        out = [self._route(endpoints, False)]
         n = len(body)
         for i in range(0, max(n, 1), CHUNK):
             last = i + CHUNK >= n
@@ -379,6 +384,14 @@ class Exchange:
                     body=body[i:i + CHUNK], end_of_stream=last and not trailers))))))
         self.body = []
         return out
+
+    def _route(self, endpoints: tuple[str, ...], on_body: bool) -> pb.ProcessingResponse:
+        """:func:`route_answer`; with the response side observed (:mod:`epp.observe`) the lease is
+        handed off and the answer carries its token."""
+        if not self.observed:
+            return route_answer(endpoints, on_body)
+        assert self.handle is not None
+        return self.picker.handoffs.put(self, route_answer(endpoints, on_body, self.handle.label), on_body)
 
     # -- response side -------------------------------------------------------------------------
     def _served(self, req: pb.ProcessingRequest) -> None:
@@ -558,7 +571,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         """One request's stream (module docstring); the lease is released in ``finally``."""
-        ex = Exchange(self.picker, self.body_mode, self.resp_mode)
+        from epp.observe import new_exchange
+
+        side = next((m.value for m in context.invocation_metadata() or () if m.key == SIDE_KEY), None)
+        ex = new_exchange(self.picker, self.body_mode, self.resp_mode, side)
         try:
             async for req in request_iterator:
                 out = ex.on_message(req)

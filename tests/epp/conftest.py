@@ -1,7 +1,8 @@
 """One gateway stack per test module: fake engines on loopback TCP ports (no agents), ``dplb-epp``
 scraping them from an endpoints file into a segment of the test's, two agent-like fakes that own
 slots of that segment (``agent-model`` on TCP, ``uds-model`` on a Unix socket), and real Envoys (``BUFFERED``,
-``FULL_DUPLEX_STREAMED`` and eager ``STREAMED`` request bodies) routing through it. Every process is killed and the
+``FULL_DUPLEX_STREAMED`` and eager ``STREAMED`` request bodies, and ``STREAMED`` with the response side
+observed) routing through it. Every process is killed and the
 segment unlinked at teardown, even when a test fails; each wait is bounded."""
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class Gateway:
     dead_model: str = "dead-model"
     agent: FakeHandle | None = None
     procs: Procs = field(default_factory=Procs)
+    #: the STREAMED Envoy whose response side is a second, observing ext_proc filter (epp.observe)
+    observed: str = ""
 
     def slots(self) -> dict[str, Any]:
         """The live slots by endpoint."""
@@ -69,15 +72,17 @@ class Gateway:
         return True
 
 
-def _start_envoy(procs: Procs, run_dir: str, epp_port: int, mode: str, access_log: Path) -> str:
+def _start_envoy(procs: Procs, run_dir: str, epp_port: int, mode: str, access_log: Path, observe: bool = False) -> str:
     from epp.envoy import EnvoySettings, bootstrap_yaml, envoy_argv
     from launcher.stack import wait_for
 
     port, admin = free_port(), free_port()
-    cfg = Path(run_dir) / f"envoy-{mode.lower()}.yaml"
+    name = mode.lower() + ("-observe" if observe else "")
+    cfg = Path(run_dir) / f"envoy-{name}.yaml"
     cfg.write_text(bootstrap_yaml(EnvoySettings(listen_port=port, admin_port=admin, epp_port=epp_port,
-                                                request_body_mode=mode, access_log=str(access_log))))
-    child = procs.start(envoy_argv(str(cfg)), log=os.path.join(run_dir, f"envoy-{mode.lower()}.log"), cwd=str(ROOT))
+                                                request_body_mode=mode, access_log=str(access_log),
+                                                observe_response=observe)))
+    child = procs.start(envoy_argv(str(cfg)), log=os.path.join(run_dir, f"envoy-{name}.log"), cwd=str(ROOT))
 
     def ready() -> bool:
         return httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=2).text.strip() == "LIVE"
@@ -125,8 +130,9 @@ def gateway():
         envoy = _start_envoy(procs, run_dir, epp_port, "BUFFERED", access)
         duplex = _start_envoy(procs, run_dir, epp_port, "FULL_DUPLEX_STREAMED", Path(run_dir) / "access-duplex.log")
         early = _start_envoy(procs, run_dir, epp_port, "STREAMED", Path(run_dir) / "access-early.log")
+        observed = _start_envoy(procs, run_dir, epp_port, "STREAMED", Path(run_dir) / "access-observe.log", observe=True)
         yield Gateway(envoy, duplex, early, fakes, seg, epp_port, health_port, metrics_port, access, run_dir, agent=agent,
-                      procs=procs)
+                      procs=procs, observed=observed)
     finally:
         try:
             procs.close()
