@@ -274,7 +274,8 @@ def _observer_filter(s: EnvoySettings) -> dict[str, object]:
             "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
                                 "response_header_mode": "SEND", "response_body_mode": "STREAMED",
                                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"},
-            "metadata_options": {"forwarding_namespaces": {"untyped": [NAMESPACE]}},
+            # the served address (the pool cluster's retries) only: Envoy serializes the namespace into every message
+            **({"metadata_options": {"forwarding_namespaces": {"untyped": [NAMESPACE]}}} if s.pool_eds else {}),
         },
     }
 
