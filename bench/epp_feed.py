@@ -4,7 +4,9 @@
 An ``h2`` client plays Envoy's side of ext_proc for ``--requests`` tiny non-streamed chat requests
 (the messages Envoy 1.40 sends per request: ``eager`` = request body ``STREAMED`` without waiting
 for the head's answer, head + body chunk + empty end in one write, then the answer's head + body +
-end in one write; ``buffered`` = four exchanges: head, whole body, answer head, whole answer); its
+end in one write; ``buffered`` = four exchanges: head, whole body, answer head, whole answer;
+``observe`` = eager's request on one stream, reset once answered, and the observer filter's request
+head, answer head, body and end on a second, :mod:`epp.observe`); its
 bytes are recorded once, then fed again into a fresh :class:`epp.h2grpc.ExtProcConnection` over a
 real :class:`epp.picker.Picker` (one ready worker in a fresh segment) and the process CPU time of
 that replay is divided by the requests. Only the picker runs during the replay (HTTP/2 with ``h2``,
@@ -90,15 +92,25 @@ class _Sink:
         return data
 
 
-async def run(requests: int, eager: bool, profile: bool) -> float:
+def observed(token: str) -> list[list[pb.ProcessingRequest]]:
+    """The observer filter's messages of one request (``--mode observe``, :mod:`epp.observe`): the
+    request head with the lease's ``token``, then the answer's head, body and end, as Envoy writes them."""
+    # the headers Envoy forwards to the observer (epp.envoy.OBSERVED_HEADERS)
+    head = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_headers({"x-dplb-lease": token})))
+    answer_head = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=_headers({
+        ":status": "200", "content-type": "application/json"})))
+    return [[head], [answer_head, *batches(True)[1][1:]]]
+
+
+async def run(requests: int, eager: bool, profile: bool, observe: bool = False) -> float:
     """CPU µs of the picker per request (module docstring)."""
     import cProfile
     import pstats
 
     from dplb_shm import Segment
     from epp.h2grpc import ExtProcConnection
+    from epp.observe import Handoffs, new_exchange
     from epp.picker import Picker
-    from epp.stream import Exchange
     from router.config import Config
 
     name = f"dplb-feed-{uuid.uuid4().hex[:8]}"
@@ -114,7 +126,7 @@ async def run(requests: int, eager: bool, profile: bool) -> float:
     mode = 1 if eager else 2
     try:
         def server() -> tuple[ExtProcConnection, _Sink]:
-            conn, sink = ExtProcConnection(lambda: Exchange(picker, mode, 1), set()), _Sink()
+            conn, sink = ExtProcConnection(lambda side: new_exchange(picker, mode, 1, side), set()), _Sink()
             conn.connection_made(sink)   # type: ignore[arg-type]
             return conn, sink
 
@@ -136,19 +148,31 @@ async def run(requests: int, eager: bool, profile: bool) -> float:
         conn.data_received(record[0])
         client.receive_data(sink.take())
         msgs = batches(eager)
-        per_request = []
+        if observe:   # the first filter's stream: the request only, reset by Envoy once it went upstream
+            msgs[0][0].protocol_config.response_body_mode = 0
+            msgs = msgs[:1]
+        replica = picker.handoffs.replica
         for _ in range(requests):
-            start = len(record)
             sid = client.get_next_available_stream_id()
-            client.send_headers(sid, GRPC_HEAD)
+            client.send_headers(sid, GRPC_HEAD + ([("x-dplb-side", "request")] if observe else []))
             for batch in msgs:
                 client.send_data(sid, b"".join(_grpc(m) for m in batch))
                 feed(client.data_to_send())
+            if observe:
+                client.reset_stream(sid)
+                feed(client.data_to_send())
+                token = next(reversed(picker.handoffs.open))
+                sid = client.get_next_available_stream_id()
+                client.send_headers(sid, GRPC_HEAD + [("x-dplb-side", "response")])
+                for batch in observed(token):
+                    client.send_data(sid, b"".join(_grpc(m) for m in batch))
+                    feed(client.data_to_send())
             if not client.streams[sid].closed:   # the picker ended the stream first: Envoy's END_STREAM
                 client.end_stream(sid)
                 feed(client.data_to_send())
-            per_request.append(len(record) - start)
             w.heartbeat()
+        picker.handoffs = Handoffs()   # the replay hands off under the recorded tokens
+        picker.handoffs.replica = replica
         replay, sink2 = server()
         prof = cProfile.Profile() if profile else None
         t0 = time.process_time()
@@ -175,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     """Print the picker's CPU per tiny request (module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m bench.epp_feed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--mode", choices=["eager", "buffered"], action="append",
-                    help="the request body mode Envoy uses (repeatable; default: both)")
+    ap.add_argument("--mode", choices=["eager", "buffered", "observe"], action="append",
+                    help="the request body mode Envoy uses (repeatable; default: eager and buffered); observe: "
+                         "eager with the response side on a second, observing stream (epp.observe)")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
     for mode in a.mode or ["eager", "buffered"]:
-        us = asyncio.run(run(a.requests, mode == "eager", a.profile))
+        us = asyncio.run(run(a.requests, mode != "buffered", a.profile, mode == "observe"))
         print(f"{mode:<9} picker CPU per tiny request {us:6.0f} µs ({a.requests} requests fed in-process)")
     return 0
 

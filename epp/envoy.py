@@ -81,6 +81,9 @@ OBSERVE_CLOSE_S = 1.0
 #: observed response side (:mod:`epp.observe`): ``request`` on the first filter's (the picker hands
 #: the lease off), ``response`` on the observer filter's
 SIDE_KEY = "x-dplb-side"
+#: the only headers Envoy forwards to the observer filter's stream (its ``forward_rules``): the
+#: lease's token from the request, the status and the content type from the response
+OBSERVED_HEADERS = ("x-dplb-lease", ":status", "content-type")
 #: the dynamic-metadata key (namespace :data:`NAMESPACE`) of the picked worker's label, copied
 #: into the ``x-dplb-worker-id`` response header when the response side is observed
 WORKER_KEY = "x-dplb-worker-id"
@@ -271,6 +274,8 @@ def _observer_filter(s: EnvoySettings) -> dict[str, object]:
             "observability_mode": True,
             "deferred_close_timeout": _secs(OBSERVE_CLOSE_S),
             "failure_mode_allow": True,
+            # only what the observer reads: fewer bytes to encode (Envoy) and to parse (the picker)
+            "forward_rules": {"allowed_headers": {"patterns": [{"exact": h} for h in OBSERVED_HEADERS]}},
             "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
                                 "response_header_mode": "SEND", "response_body_mode": "STREAMED",
                                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"},

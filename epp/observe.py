@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from epp.envoy import OBSERVED_HEADERS
 from epp.stream import Exchange, _headers, _hv
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dplb.epp")
 
 #: the request header that carries a handed-off lease's token from the pick to the observer
-LEASE_HEADER = "x-dplb-lease"
+LEASE_HEADER = OBSERVED_HEADERS[0]
 #: seconds a handed-off lease waits for its observer's stream before it is ended without a verdict
 #: (the observer's stream opens within milliseconds of the pick: Envoy sends the request head on
 #: it as soon as the first filter lets the head go)
@@ -72,7 +73,7 @@ class Observer(Exchange):
         """Account for one message (the request head: adopt the lease; the response's parts);
         returns no answer."""
         if req.WhichOneof("request") == "request_headers":
-            self._adopt(_headers(req.request_headers).get(LEASE_HEADER))
+            self._adopt(_headers(req.request_headers).get(LEASE_HEADER))   # the only header (epp.envoy.OBSERVED_HEADERS)
             return []
         super().on_message(req)
         return []

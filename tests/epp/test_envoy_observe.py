@@ -88,3 +88,23 @@ def test_the_pickers_own_errors_are_unchanged(gateway):
     assert r.json()["error"]["type"] == "invalid_request_error" or r.json()["error"]["message"]
     assert r.headers["x-dplb-worker-id"] == "none"
     wait_for(gateway.idle, 10, "router lines back to zero")
+
+
+def test_an_engine_abort_is_counted_but_the_answer_goes_unchanged(gateway):
+    """What the observed side cannot do: change an answer Envoy does not hold. A stream its engine
+    aborted is counted 502 ``engine_abort`` (the observer read it as an event stream: its
+    content type reached the picker) and reaches the client without an error event; a non-streamed
+    aborted answer is counted 502 while the client gets the engine's 200."""
+    before = scrape(gateway)
+    s = httpx.post(gateway.observed + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
+                   headers={"x-fake-mode": "abort", "x-fake-chunks": "3"})
+    assert s.status_code == 200 and b'"finish_reason":"abort"' in s.content and b'"error"' not in s.content
+    r = httpx.post(gateway.observed + "/v1/chat/completions", json=CHAT, timeout=30, headers={"x-fake-mode": "abort"})
+    assert r.status_code == 200
+    wait_for(gateway.idle, 10, "router lines back to zero")
+    after = scrape(gateway)
+    for w in {s.headers["x-dplb-worker-id"], r.headers["x-dplb-worker-id"]}:
+        n = (s.headers["x-dplb-worker-id"] == w) + (r.headers["x-dplb-worker-id"] == w)
+        for name, labels in (("dplb_router_requests_total", {"status": "502"}),
+                             ("dplb_router_request_errors_total", {"kind": "engine_abort"})):
+            assert count(after, name, worker=w, **labels) - count(before, name, worker=w, **labels) == n, (name, w)

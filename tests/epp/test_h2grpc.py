@@ -73,7 +73,7 @@ def served():
         async def main():
             gate = asyncio.Event()
             served.gate = gate
-            server = H2GrpcServer(lambda: Echo(exchanges, gate))   # type: ignore[arg-type, return-value]
+            server = H2GrpcServer(lambda side: Echo(exchanges, gate))   # type: ignore[arg-type, return-value]
             port = await server.start("127.0.0.1", 0)
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
