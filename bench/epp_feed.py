@@ -22,6 +22,8 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import h2.config
 import h2.connection
@@ -29,6 +31,9 @@ import h2.events
 import h2.settings
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+if TYPE_CHECKING:
+    from epp.picker import Picker
 
 BODY = (b'{"model":"bench","messages":[{"role":"user","content":"Say hello in one word, please."}],'
         b'"max_tokens":8}')
@@ -102,6 +107,33 @@ def observed(token: str) -> list[list[pb.ProcessingRequest]]:
     return [[head], [answer_head, *batches(True)[1][1:]]]
 
 
+def one_request(client: h2.connection.H2Connection, feed: Callable[[bytes], None], picker: Picker, eager: bool,
+                observe: bool) -> None:
+    """Envoy's side of one request through ``client`` (each write handed to ``feed``): its stream
+    (module docstring); ``observe``: the first filter's, reset once answered, then the observer's."""
+    msgs = batches(eager)
+    if observe:   # the first filter's stream: the request only, reset by Envoy once it went upstream
+        msgs[0][0].protocol_config.response_body_mode = 0
+        msgs = msgs[:1]
+    sid = client.get_next_available_stream_id()
+    client.send_headers(sid, GRPC_HEAD + ([("x-dplb-side", "request")] if observe else []))
+    for batch in msgs:
+        client.send_data(sid, b"".join(_grpc(m) for m in batch))
+        feed(client.data_to_send())
+    if observe:
+        client.reset_stream(sid)
+        feed(client.data_to_send())
+        token = next(reversed(picker.handoffs.open))
+        sid = client.get_next_available_stream_id()
+        client.send_headers(sid, GRPC_HEAD + [("x-dplb-side", "response")])
+        for batch in observed(token):
+            client.send_data(sid, b"".join(_grpc(m) for m in batch))
+            feed(client.data_to_send())
+    if not client.streams[sid].closed:   # the picker ended the stream first: Envoy's END_STREAM
+        client.end_stream(sid)
+        feed(client.data_to_send())
+
+
 async def run(requests: int, eager: bool, profile: bool, observe: bool = False) -> float:
     """CPU µs of the picker per request (module docstring)."""
     import cProfile
@@ -109,7 +141,8 @@ async def run(requests: int, eager: bool, profile: bool, observe: bool = False) 
 
     from dplb_shm import Segment
     from epp.h2grpc import ExtProcConnection
-    from epp.observe import Handoffs, new_exchange
+    from epp.handoff import Handoffs
+    from epp.observe import new_exchange
     from epp.picker import Picker
     from router.config import Config
 
@@ -147,29 +180,9 @@ async def run(requests: int, eager: bool, profile: bool, observe: bool = False) 
 
         conn.data_received(record[0])
         client.receive_data(sink.take())
-        msgs = batches(eager)
-        if observe:   # the first filter's stream: the request only, reset by Envoy once it went upstream
-            msgs[0][0].protocol_config.response_body_mode = 0
-            msgs = msgs[:1]
         replica = picker.handoffs.replica
         for _ in range(requests):
-            sid = client.get_next_available_stream_id()
-            client.send_headers(sid, GRPC_HEAD + ([("x-dplb-side", "request")] if observe else []))
-            for batch in msgs:
-                client.send_data(sid, b"".join(_grpc(m) for m in batch))
-                feed(client.data_to_send())
-            if observe:
-                client.reset_stream(sid)
-                feed(client.data_to_send())
-                token = next(reversed(picker.handoffs.open))
-                sid = client.get_next_available_stream_id()
-                client.send_headers(sid, GRPC_HEAD + [("x-dplb-side", "response")])
-                for batch in observed(token):
-                    client.send_data(sid, b"".join(_grpc(m) for m in batch))
-                    feed(client.data_to_send())
-            if not client.streams[sid].closed:   # the picker ended the stream first: Envoy's END_STREAM
-                client.end_stream(sid)
-                feed(client.data_to_send())
+            one_request(client, feed, picker, eager, observe)
             w.heartbeat()
         picker.handoffs = Handoffs()   # the replay hands off under the recorded tokens
         picker.handoffs.replica = replica

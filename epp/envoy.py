@@ -84,6 +84,8 @@ SIDE_KEY = "x-dplb-side"
 #: the only headers Envoy forwards to the observer filter's stream (its ``forward_rules``): the
 #: lease's token from the request, the status and the content type from the response
 OBSERVED_HEADERS = ("x-dplb-lease", ":status", "content-type")
+#: the request header that carries a handed-off lease's token from the pick to the observer
+LEASE_HEADER = OBSERVED_HEADERS[0]
 #: the dynamic-metadata key (namespace :data:`NAMESPACE`) of the picked worker's label, copied
 #: into the ``x-dplb-worker-id`` response header when the response side is observed
 WORKER_KEY = "x-dplb-worker-id"

@@ -7,7 +7,7 @@ picker and two of Envoy on each request's critical path. Observed instead:
 
 - the first filter processes the request only (head and body; no response processing), so Envoy
   ends its stream once the request has gone upstream;
-- at the pick, the lease is handed off (:class:`Handoffs`): the routing answer also sets the
+- at the pick, the lease is handed off (:class:`epp.handoff.Handoffs`): the routing answer also sets the
   request header ``x-dplb-lease: <token>`` (:data:`LEASE_HEADER`);
 - a second ext_proc filter in ``observability_mode`` (Envoy sends without waiting for, or
   applying, any answer) sends the request head (with the token), the response head, each response
@@ -27,36 +27,21 @@ the request ended.
 **One picker replica per Envoy.** Envoy balances each ext_proc stream on its own, so with several
 replicas in the ``epp`` cluster the response stream reaches another replica than the pick's in
 most cases. That replica cannot account for a lease it does not hold (it ends the stream and
-counts it, :attr:`Handoffs.foreign`); the pick's replica ends the lease it handed off after
-:data:`CLAIM_S` without a verdict and counts it as a client that left. Use the synchronous
+counts it, :attr:`epp.handoff.Handoffs.foreign`); the pick's replica ends the lease it handed off
+after :data:`epp.handoff.CLAIM_S` without a verdict and counts it as a client that left. Use the synchronous
 response side (the default) with several replicas.
 """
 from __future__ import annotations
 
-import logging
-import time
-import uuid
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.envoy import OBSERVED_HEADERS
-from epp.stream import Exchange, _headers, _hv
+from epp.envoy import LEASE_HEADER
+from epp.stream import OBSERVED, Exchange, _headers
 
 if TYPE_CHECKING:
     from epp.picker import Picker
-
-log = logging.getLogger("dplb.epp")
-
-#: the request header that carries a handed-off lease's token from the pick to the observer
-LEASE_HEADER = OBSERVED_HEADERS[0]
-#: seconds a handed-off lease waits for its observer's stream before it is ended without a verdict
-#: (the observer's stream opens within milliseconds of the pick: Envoy sends the request head on
-#: it as soon as the first filter lets the head go)
-CLAIM_S = 10.0
-#: the observer's response mode (never one of ``ProcessingMode.BodySendMode``'s values): no answer
-#: is held or asked for, every body chunk comes (``STREAMED``)
-OBSERVED = -1
 
 
 class Observer(Exchange):
@@ -79,78 +64,12 @@ class Observer(Exchange):
         return []
 
     def _adopt(self, token: str | None) -> None:
-        """Take over the lease handed off under ``token`` (:meth:`Handoffs.take`)."""
-        handoffs = self.picker.handoffs
-        src = handoffs.take(token) if token else None
-        if src is None:
-            if token:
-                handoffs.foreign += 1
-                log.debug("observer stream for lease %s: not handed off here", token)
+        """Take over the lease handed off under ``token`` (:meth:`epp.handoff.Handoffs.take`)."""
+        src = self.picker.handoffs.take(token) if token else None
+        if not isinstance(src, Exchange):
             return
         self.lease, self.handle, self.info, self.fallbacks = src.lease, src.handle, src.info, src.fallbacks
         self.route, self.t0, self.streaming, self.path = src.route, src.t0, src.streaming, src.path
-
-
-class Handoffs:
-    """The leases handed off at the pick and not yet adopted by their :class:`Observer`, by token
-    (``<replica>.<n>``: a random replica id, then a counter)."""
-
-    def __init__(self, claim_s: float = CLAIM_S) -> None:
-        self.claim_s = claim_s
-        self.replica = uuid.uuid4().hex[:8]
-        self.n = 0
-        #: token -> (time handed off, the pick's exchange holding the lease), oldest first
-        self.open: dict[str, tuple[float, Exchange]] = {}
-        #: observer streams whose token was not handed off here (another replica's, or expired)
-        self.foreign = 0
-        #: leases ended because no observer adopted them within :attr:`claim_s`
-        self.expired = 0
-
-    def put(self, ex: Exchange, answer: pb.ProcessingResponse, on_body: bool) -> pb.ProcessingResponse:
-        """Hand off ``ex``'s lease (``ex`` no longer ends it) and return ``answer`` (the routing
-        answer to the request head, or with ``on_body`` to its body) with :data:`LEASE_HEADER`
-        set to the new token."""
-        self.n += 1
-        token = f"{self.replica}.{self.n}"
-        held = Exchange(ex.picker, ex.body_mode, OBSERVED, eager=False)
-        held.lease, held.handle, held.info, held.fallbacks = ex.lease, ex.handle, ex.info, ex.fallbacks
-        held.route, held.t0, held.streaming, held.path = ex.route, ex.t0, ex.streaming, ex.path
-        ex.lease = None
-        now = time.monotonic()
-        self.open[token] = (now, held)
-        out = pb.ProcessingResponse()
-        out.CopyFrom(answer)
-        common = out.request_body.response if on_body else out.request_headers.response
-        common.header_mutation.set_headers.append(_hv(LEASE_HEADER, token))
-        return out
-
-    def take(self, token: str) -> Exchange | None:
-        """The exchange holding the lease handed off under ``token``, removed; None when there is none."""
-        got = self.open.pop(token, None)
-        return got[1] if got is not None else None
-
-    def expire(self, now: float | None = None) -> int:
-        """End the leases no observer adopted within :attr:`claim_s` (no verdict; counted as a
-        client that left, :meth:`epp.stream.Exchange.close`'s rule for a stream without a
-        response). Returns how many."""
-        now = time.monotonic() if now is None else now
-        old = []
-        for token, (t, _) in self.open.items():   # oldest first
-            if now - t < self.claim_s:
-                break
-            old.append(token)
-        for token in old:
-            _, ex = self.open.pop(token)
-            ex.close()
-        if old:
-            self.expired += len(old)
-            log.warning("%d handed-off lease(s) ended without their response side (observer stream on another "
-                        "picker replica, or the request never went upstream); %d so far", len(old), self.expired)
-        return len(old)
-
-    async def tick(self) -> None:
-        """Health-tick extra (:class:`router.health.HealthMonitor`): :meth:`expire`."""
-        self.expire()
 
 
 def new_exchange(picker: Picker, body_mode: int, resp_mode: int, side: str | None) -> Exchange:
@@ -166,4 +85,4 @@ def new_exchange(picker: Picker, body_mode: int, resp_mode: int, side: str | Non
     return ex
 
 
-__all__ = ["CLAIM_S", "LEASE_HEADER", "OBSERVED", "Handoffs", "Observer", "new_exchange"]
+__all__ = ["LEASE_HEADER", "Observer", "new_exchange"]

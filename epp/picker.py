@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from epp.discovery import EndpointsFile, ScrapeManager
 from epp.envoy import write_eds
 from epp.events import EventsFeed, install, wanted
+from epp.handoff import Handoffs
 from router.config import Config
 from router.director import Director
 from router.errors import NoEligibleWorker
@@ -84,8 +85,6 @@ class Picker:
         #: the load and placements shared with the other replicas through Redis (:mod:`epp.share`; None: off)
         self.share: PickerShare | None = None
         #: the leases handed off to an observed response side (:mod:`epp.observe`)
-        from epp.observe import Handoffs
-
         self.handoffs = Handoffs()
         #: called with the new readiness when it changes (the health server's statuses, :mod:`epp.server`)
         self.on_ready_change: Callable[[bool], Awaitable[None]] | None = None

@@ -52,7 +52,8 @@ async def start_grpc(picker: Picker, host: str, port: int, health_port: int,
             ext_port = 0
     elif server == "grpcio":
         ext = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(picker, body_mode, resp_mode), ext)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProcServicer(functools.partial(new_exchange, picker, body_mode, resp_mode)), ext)
         ext_port = ext.add_insecure_port(f"{_bracket(host)}:{port}")
     else:
         raise ValueError(f"unknown ext_proc server {server!r} (h2, grpcio)")

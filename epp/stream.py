@@ -71,7 +71,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -82,7 +82,15 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from dplb_protocol.wire import WORKER_HEADER, BadRequest, OpenAIError
-from epp.envoy import HEADER, MAX_HOLD_S, NAMESPACE, SERVED, SIDE_KEY, WORKER_KEY
+from epp.envoy import (
+    HEADER,
+    LEASE_HEADER,
+    MAX_HOLD_S,
+    NAMESPACE,
+    SERVED,
+    SIDE_KEY,
+    WORKER_KEY,
+)
 from epp.picker import Picker, envoy_target
 from router.config import AdmissionSection
 from router.director import ENGINE_ABORT, route_of
@@ -116,6 +124,8 @@ WHOLE_ANSWER = processing_mode_pb2.ProcessingMode(
     response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
 
 
+#: the observer's response mode (:mod:`epp.observe`; no ``BodySendMode``): nothing held or asked for
+OBSERVED = -1
 #: the answer to a body chunk that goes on unchanged (never mutated: shared)
 _REQUEST_BODY_OK = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _RESPONSE_BODY_OK = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -391,7 +401,15 @@ class Exchange:
         if not self.observed:
             return route_answer(endpoints, on_body)
         assert self.handle is not None
-        return self.picker.handoffs.put(self, route_answer(endpoints, on_body, self.handle.label), on_body)
+        held = Exchange(self.picker, self.body_mode, OBSERVED, eager=False)   # the lease, parked for the observer
+        for k in ("lease", "handle", "info", "fallbacks", "route", "t0", "streaming", "path"):
+            setattr(held, k, getattr(self, k))
+        self.lease = None
+        out = pb.ProcessingResponse()
+        out.CopyFrom(route_answer(endpoints, on_body, self.handle.label))
+        common = out.request_body.response if on_body else out.request_headers.response
+        common.header_mutation.set_headers.append(_hv(LEASE_HEADER, self.picker.handoffs.put(held)))
+        return out
 
     # -- response side -------------------------------------------------------------------------
     def _served(self, req: pb.ProcessingRequest) -> None:
@@ -560,21 +578,16 @@ class Exchange:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """``ExternalProcessor/Process`` over a :class:`Picker`. ``body_mode``: the request body mode
-    assumed when Envoy sends no ``protocol_config`` (an int of ``ProcessingMode.BodySendMode``)."""
+    """``ExternalProcessor/Process`` over a :class:`Picker`: ``new_exchange(side)`` makes each
+    stream's exchange from its ``x-dplb-side`` gRPC request header (:func:`epp.observe.new_exchange`)."""
 
-    def __init__(self, picker: Picker, body_mode: int = 2, resp_mode: int = 1) -> None:
-        self.picker = picker
-        self.body_mode = body_mode
-        self.resp_mode = resp_mode
+    def __init__(self, new_exchange: Callable[[str | None], Exchange]) -> None:
+        self.new_exchange = new_exchange
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         """One request's stream (module docstring); the lease is released in ``finally``."""
-        from epp.observe import new_exchange
-
-        side = next((m.value for m in context.invocation_metadata() or () if m.key == SIDE_KEY), None)
-        ex = new_exchange(self.picker, self.body_mode, self.resp_mode, side)
+        ex = self.new_exchange(next((m.value for m in context.invocation_metadata() or () if m.key == SIDE_KEY), None))
         try:
             async for req in request_iterator:
                 out = ex.on_message(req)

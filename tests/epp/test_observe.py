@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import time
 
-from epp.observe import LEASE_HEADER, Observer, new_exchange
+from epp.envoy import LEASE_HEADER
+from epp.observe import Observer, new_exchange
 from epp.picker import Picker
-from tests.epp.test_exchange import BODY, CONTENT, body, headers, picker, requests, resp_headers  # noqa: F401
+from tests.epp.test_exchange import (  # noqa: F401
+    BODY,
+    CONTENT,
+    body,
+    headers,
+    picker,
+    requests,
+    resp_headers,
+)
 
 DONE = b"data: [DONE]\n\n"
 
