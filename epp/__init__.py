@@ -10,7 +10,8 @@ lease the first content and the end (:mod:`epp.stream`).
 
 Modules, one job each: :mod:`epp.picker` (the picker: the router's state without an HTTP edge,
 discovery, readiness, the pick and its fallbacks), :mod:`epp.stream` (the ext_proc stream
-handler), :mod:`epp.h2grpc` (ext_proc's gRPC over HTTP/2 framed on the picker's own event loop),
+handler), :mod:`epp.answers` (the answers it sends), :mod:`epp.observe` and :mod:`epp.handoff`
+(the response side on a second, observing filter's stream), :mod:`epp.h2grpc` (ext_proc's gRPC over HTTP/2 framed on the picker's own event loop),
 :mod:`epp.server` (the ext_proc, health and ``/metrics`` servers), :mod:`epp.discovery`
 (endpoints from a file, scraped into slots), :mod:`epp.kube` (an InferencePool's pods),
 :mod:`epp.envoy` (an Envoy bootstrap that routes through this picker), :mod:`epp.__main__` (the

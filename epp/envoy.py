@@ -71,7 +71,7 @@ BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED", "STREAMED")
 RESPONSE_BODY_MODES = ("STREAMED", "FULL_DUPLEX_STREAMED", "NONE")
 POOL_CLUSTER = "dplb_pool"
 #: the longest Envoy may be asked to wait for one picker answer (``max_message_timeout``, seconds):
-#: a request held in the picker's admission queue asks for its budget (epp.stream.hold_response);
+#: a request held in the picker's admission queue asks for its budget (epp.answers.hold_response);
 #: the gRPC stream's own timeout (300 s) bounds it anyway
 MAX_HOLD_S = 300.0
 #: seconds Envoy keeps the observer filter's stream open after its request ended (its

@@ -68,31 +68,27 @@ The decisions are the picker's (:class:`epp.picker.Picker`) and request control'
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
 
 from dplb_protocol.wire import WORKER_HEADER, BadRequest, OpenAIError
-from epp.envoy import (
-    HEADER,
-    LEASE_HEADER,
-    MAX_HOLD_S,
-    NAMESPACE,
-    SERVED,
-    SIDE_KEY,
-    WORKER_KEY,
+from epp.answers import (
+    _headers,
+    _hv,
+    destination,
+    hold_response,
+    immediate,
+    route_answer,
+    served_endpoint,
 )
+from epp.envoy import LEASE_HEADER, SIDE_KEY
 from epp.picker import Picker, envoy_target
-from router.config import AdmissionSection
 from router.director import ENGINE_ABORT, route_of
 from router.errors import BodyTooLarge, TransportError, UpstreamError
 from router.policies.base import RequestInfo
@@ -109,8 +105,6 @@ CHUNK = 62_000
 ANSWER_KEEP = 1 << 20
 #: seconds the probe that tells a broken stream from a client that left may take (module docstring)
 CUT_PROBE_S = 1.0
-#: seconds Envoy is asked to wait beyond the longest queue budget for a held request's answer
-HOLD_MARGIN_S = 5.0
 #: the probes of cut streams under way (kept referenced until done)
 _JUDGING: set[asyncio.Task[None]] = set()
 _PROBING = "probing"   # Exchange.cut while the probe of a cut stream is out
@@ -130,81 +124,6 @@ OBSERVED = -1
 _REQUEST_BODY_OK = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _RESPONSE_BODY_OK = pb.ProcessingResponse(response_body=pb.BodyResponse())
 
-
-def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-
-
-def _headers(msg: pb.HttpHeaders) -> dict[str, str]:
-    """An ext_proc ``HttpHeaders`` message's headers, lower-case names → values (the last wins)."""
-    out = {}
-    for h in msg.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
-
-
-def immediate(e: OpenAIError, worker: str = "none") -> pb.ProcessingResponse:
-    """An immediate response for ``e``: its status, its OpenAI-shaped body, ``content-type:
-    application/json``, ``x-dplb-worker-id: <worker>`` and its own headers (``retry-after``)."""
-    hs = [_hv("content-type", "application/json"), _hv(WORKER_HEADER, worker)]
-    hs += [_hv(k, v) for k, v in e.headers.items()]
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=e.status), 
-        headers=pb.HeaderMutation(set_headers=hs), body=e.body(), details=f"dplb_epp_{e.status}"))
-
-
-def hold_response(adm: AdmissionSection) -> pb.ProcessingResponse:
-    """The answer that asks Envoy to wait for the picker's next answer up to the longest queue
-    budget of ``adm`` plus :data:`HOLD_MARGIN_S` (at most :data:`MAX_HOLD_S`), seconds, while a
-    request waits in the admission queue: ext_proc's ``override_message_timeout``, honoured once
-    per processing state by an Envoy whose ``max_message_timeout`` is at least that
-    (:func:`epp.envoy.bootstrap_yaml` sets it; without one Envoy ignores it and answers 504 after
-    ``message_timeout``)."""
-    longest = max([adm.queue_budget_s, *(c.queue_budget_s for c in adm.classes.values() if c.queue_budget_s)])
-    d = duration_pb2.Duration()
-    d.FromMilliseconds(int(1000 * min(MAX_HOLD_S, longest + HOLD_MARGIN_S)))
-    return pb.ProcessingResponse(override_message_timeout=d)
-
-
-def destination(endpoint: str, *fallbacks: str) -> tuple[pb.HeaderMutation, struct_pb2.Struct]:
-    """The header mutation and the dynamic metadata that send a request to ``endpoint``, then, when
-    Envoy retries, to each of ``fallbacks`` in turn (GIE: ``ip:port,ip:port,...``; every address
-    through :func:`envoy_target`)."""
-    value = ",".join(envoy_target(e) for e in (endpoint, *fallbacks))
-    md = struct_pb2.Struct()
-    md.update({NAMESPACE: {HEADER: value}})
-    return pb.HeaderMutation(set_headers=[_hv(HEADER, value)]), md
-
-
-@functools.lru_cache(maxsize=1024)
-def route_answer(endpoints: tuple[str, ...], on_body: bool, worker: str = "") -> pb.ProcessingResponse:
-    """The answer that sends a request to ``endpoints[0]``, then on Envoy's retries down the rest
-    (:func:`destination`; the route cache cleared so that the header counts): to the request head,
-    or with ``on_body`` to the request body; ``worker``: a label also set as the dynamic metadata
-    ``envoy.lb`` / ``x-dplb-worker-id`` (the observed response side's header, :mod:`epp.observe`). Cached per destination (the same few endpoints serve
-    every request; building the mutation and the metadata cost ~3 % of the picker's CPU per tiny
-    request, bench/results/gateway.md round 4): the message is shared, never to be mutated."""
-    mutation, md = destination(*endpoints)
-    if worker:
-        md.fields[NAMESPACE].struct_value.fields[WORKER_KEY].string_value = worker
-    common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-    if on_body:
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
-
-
-def served_endpoint(req: pb.ProcessingRequest) -> str | None:
-    """The address that served, as Envoy reports it with the response (``metadata_context``,
-    namespace ``envoy.lb``, key ``x-gateway-destination-endpoint-served``: the pool cluster's
-    ``override_host`` policy writes it, :mod:`epp.envoy`); None when absent."""
-    if not req.HasField("metadata_context"):
-        return None
-    ns = req.metadata_context.filter_metadata.get(NAMESPACE)
-    if ns is None or SERVED not in ns.fields:
-        return None
-    v = ns.fields[SERVED].string_value
-    return v or None
 
 class Exchange:
     """One request's ext_proc stream (module docstring). :meth:`on_message` answers each message
