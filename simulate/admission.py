@@ -3,11 +3,9 @@
 :class:`SimAdmission` runs the router's own :class:`~router.admission.AdmissionQueue` and
 :func:`~router.admission_rule.route_ticket` (the same code, not a copy) over the simulation's
 scheduler: an arrival is offered to the queue and the queue is pumped; the simulation pumps it
-again whenever the routing state changed (a request's first token or end: the router's
-accounting; an agent's publication), which is when the live router's pump at each request end
-and every ``admission.poll_ms`` could decide otherwise; between them only time passes, so the
-simulation's timer (every ``poll_ms`` while requests wait) only sheds what expired
-(:meth:`SimAdmission.expire`). Dispatched
+again at a request's first token or end (the live router's kick), at an agent's publication, and
+every ``admission.poll_ms`` while requests wait (the live router's poller): the TPOT rules read a
+decode's pace and slack, which change with every decode step and with time alone. Dispatched
 requests go to the caller's ``dispatch``; shed ones to ``reject`` with 429 (or the scheduler's
 503 for an empty pool).
 
@@ -100,13 +98,6 @@ class SimAdmission:
         self._now = t
         out = self.q.pump(t, self._try)
         for tk, _ in out.shed:
-            self._shed(tk, t)
-
-    def expire(self, t: float) -> None:
-        """Answer what waited its budget (or, with ``shed_late``, passed its deadline) by ``t``."""
-        if self.q.depth == 0:
-            return
-        for tk, _ in self.q.expire(t).shed:
             self._shed(tk, t)
 
     def _shed(self, tk: Ticket[int], t: float) -> None:

@@ -28,7 +28,7 @@ Events (virtual seconds; no sockets, no sleeping)::
                        router's code), which dispatches it at once while the cluster has room and
                        else holds it; the queue is pumped again at each first token and end (the
                        router's accounting changed) and agent tick, and every ``poll_ms`` while
-                       requests wait a timer answers what expired (429; simulate/admission.py)
+                       requests wait, as the live router's poller does (simulate/admission.py)
 
 Ties at one instant: step ends, then agent ticks, router ticks, samples, admission timers, then
 arrivals.
@@ -425,12 +425,13 @@ class _Run:
 
     def admit_timer(self, t: float, k: int) -> None:
         """The router's poll while requests wait in its admission queue (``admission.poll_ms``):
-        between the pumps at each change of the routing state only time passes, so it only answers
-        what expired (:meth:`simulate.admission.SimAdmission.expire`)."""
+        a pump, as the live gate's poller. Time alone changes what the TPOT rules read (a decode's
+        pace and slack, :func:`router.admission_rule.pacing_over`, ``Decision.slo_victims``), and
+        so does every decode step (tokens streamed), which pumps nothing here."""
         self.admit_tick = False
         for adm in self.adms:
             if adm.waiting:
-                adm.expire(t)
+                adm.pump(t)
         self._poll(t)
 
     def _poll(self, t: float) -> None:

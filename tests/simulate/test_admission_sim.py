@@ -3,6 +3,7 @@ a flood above capacity keeps the high class served, a flooding tenant does not s
 nothing waits past its budget unanswered, and turning admission off restores binding on arrival."""
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -90,3 +91,28 @@ def test_nothing_waits_past_its_budget():
     assert all(res.waited[i] is not None and cfg_budget - 1e-9 <= res.waited[i] <= cfg_budget + poll + 1e-9 for i in shed)
     served_waits = [w for i, w in enumerate(res.waited) if res.status[i] == 200 and w is not None]
     assert max(served_waits) < cfg_budget
+
+
+def test_the_queue_is_judged_again_every_poll_while_requests_wait(monkeypatch):
+    """As the live router's poller (router/admission_gate.py ``_poll``): while requests wait, the
+    queue is pumped at least every ``admission.poll_ms``, not only when a request gets its first
+    token or ends or an agent publishes. What the TPOT rules read (a decode's pace and slack)
+    changes with every decode step and with time alone."""
+    from simulate.admission import SimAdmission
+
+    pumps: list[tuple[float, int]] = []   # (time, requests still waiting after the pump)
+    real = SimAdmission.pump
+
+    def pump(self, t):
+        real(self, t)
+        pumps.append((t, self.waiting))
+
+    monkeypatch.setattr(SimAdmission, "pump", pump)
+    reqs = _flood(400, 10.0)
+    _, _, adm = _run(reqs)
+    assert adm["queued"] > 50
+    poll = Config().admission.poll_ms / 1000.0
+    gaps = [(t1 - t0, t0) for (t0, w0), (t1, _) in itertools.pairwise(pumps) if w0 > 0]
+    assert len(gaps) > 100
+    worst = max(gaps)
+    assert worst[0] <= poll + 1e-9, f"nothing judged the queue for {worst[0]:.3f} s after t={worst[1]:.3f} s"
