@@ -31,6 +31,11 @@ cdef class Segment:
     cdef dplb_params_t params
     cdef object tparams_obj
     cdef dplb_ttft_params_t tparams
+    #: the parameters loaded before ``tparams_obj`` (a policy alternates two: its own and the
+    #: chosen worker's own-TTFT set, ``DplbPolicy.own_ttft``), kept so that switching back costs
+    #: a struct swap instead of 14 attribute reads (TtftParams is frozen: identity is enough)
+    cdef object tparams_obj2
+    cdef dplb_ttft_params_t tparams2
     #: spins (retries) made by this mapping's :meth:`read_slot` calls in all: how long readers
     #: waited for writers (a diagnostic; a slot whose writer stopped mid-write adds at most
     #: ``DPLB_YIELD_EVERY`` (1024) per read once its heartbeat is 1 s old)
@@ -44,6 +49,7 @@ cdef class Segment:
         self.tterms = NULL
         self.params_obj = None
         self.tparams_obj = None
+        self.tparams_obj2 = None
         self.rng = _urandom64()
         self.rng_fork_gen = _fork_gen
 
@@ -541,9 +547,20 @@ cdef class Segment:
 
     cdef int _load_ttft(self, params, uncached, uint32_t *n_unc) except -1:
         cdef Py_ssize_t n, j
-        if params is not self.tparams_obj:
+        cdef dplb_ttft_params_t held
+        if params is not self.tparams_obj and params is self.tparams_obj2:
+            held = self.tparams
+            self.tparams = self.tparams2
+            self.tparams2 = held
+            self.tparams_obj2 = self.tparams_obj
+            self.tparams_obj = params
+        elif params is not self.tparams_obj:
             if not isinstance(params, TtftParams):
                 raise SlotFieldError(f"params must be a TtftParams, got {type(params).__name__}", field="params")
+            if self.tparams_obj is not None:
+                self.tparams2 = self.tparams
+                self.tparams_obj2 = self.tparams_obj
+            self.tparams_obj = None   # until every field is in (a read that raises leaves no stale match)
             self.tparams.prefill_rate = params.prefill_rate
             self.tparams.waiting_tokens = params.waiting_tokens
             self.tparams.step_tokens = params.step_tokens

@@ -337,3 +337,26 @@ def test_params_validation():
         TtftParams(decode_seq_s=-1.0)
     with pytest.raises(SlotFieldError):
         TtftParams(rate_band=-0.1)
+
+
+def test_alternating_parameter_sets_each_price_with_their_own(seg):
+    """The mapping keeps the last two parameter sets it loaded (a policy alternates its own and the
+    own-TTFT set per decision): every call still prices with the set it was given, whatever came
+    before, as a mapping that never saw another set does (and as the Python reference)."""
+    clear(seg)
+    put(seg, 0, queue=4000, dreq=8, dctx=40_000, rate=20_000.0)
+    put(seg, 1, queue=0, dreq=40, dctx=400_000, rate=20_000.0)
+    put(seg, 2, queue=9000, dreq=0, rate=20_000.0, kv=0.85)
+    a = TtftParams()
+    b = replace(a, w_decode=0.0, w_interf=0.0, w_miss=0.0, kv_cache_threshold=1.0)
+    c = replace(a, prefill_rate=5_000.0, w_decode=2.0)
+
+    def ref(p: TtftParams) -> tuple[int, float]:
+        chosen, terms = reference.pick_ttft(seg.snapshot(), p, 2000, [1500.0, 2000.0, 100.0], NOW, 0.5, 64.0)
+        return int(chosen), next(float(t.est_s) for t in terms if int(t.worker_id) == chosen)
+
+    want = {id(p): ref(p) for p in (a, b, c)}
+    assert len({v for v in want.values()}) == 3   # three sets, three different answers
+    for p in (a, b, a, b, c, a, c, b, b, a, c, c, b):
+        chosen, est = seg.pick_ttft(p, 2000, [1500.0, 2000.0, 100.0], now_ns=NOW, rng_u=0.5, out_tokens=64.0)
+        assert (int(chosen), pytest.approx(float(est), rel=1e-9)) == want[id(p)]
