@@ -43,6 +43,13 @@ waited without a break for ``late_backlog_s`` (:meth:`AdmissionQueue.backlogged`
 late requests are served late, not refused (on the simulator CLI's 60-request window 16 of 60
 were answered 429 at x0.25 of the trace's rate when every late request was shed).
 
+**Head of line per worker** (:data:`HOLD`): a request held because the worker its routing chose
+has no room (its cached prefix there, say) keeps its place, and the pump tries the requests of its
+class behind it (up to ``lookahead`` held ones): one routed to another worker with room goes, one
+routed to a held worker waits behind the request held there. A queue-wide head of line left the
+high class's requests behind a head held for its prefix worker 1-2.5 s past their deadline
+(agentic workload at 2x capacity, bench/results/admission.md round 4; round 5 for this rule).
+
 **Shedding**: a request that waited its class's queue budget is answered 429 (reason
 ``budget``); one arriving to a queue holding ``max_queue`` requests at once (reason ``full``).
 ``Retry-After`` (:meth:`AdmissionQueue.retry_after`) is the time the requests ahead would take at
@@ -64,8 +71,10 @@ from typing import Generic, TypeVar
 from router.config import AdmissionSection
 
 #: :meth:`AdmissionQueue.judge` verdicts: dispatch now / the cluster has no room (stop trying) /
-#: this request would miss its deadline (try the next one) / the caller failed the request itself
-GO, WAIT, LATE, FAIL = "go", "wait", "late", "fail"
+#: this request would miss its deadline (try the next one) / the caller failed the request itself /
+#: the worker this request's routing chose has no room (it keeps its place; a request behind it
+#: may go to another worker: :meth:`AdmissionQueue.pump`)
+GO, WAIT, LATE, FAIL, HOLD = "go", "wait", "late", "fail", "hold"
 #: shed reasons (metric label values)
 BUDGET, DEADLINE, FULL = "budget", "deadline", "full"
 WAITING, DISPATCHED, SHED, GONE, FAILED = range(5)
@@ -166,6 +175,12 @@ class AdmissionQueue(Generic[P]):
         #: count per tenant (a tenant above its fair share fills only the reserved headroom)
         self._recent: dict[int, deque[tuple[float, str]]] = {}
         self._recent_n: dict[int, dict[str, int]] = {}
+        #: during a :meth:`pump`, the workers a request tried earlier in it waits for (:data:`HOLD`):
+        #: a request behind it that is routed to one of them waits too (the rule's
+        #: :func:`router.admission_rule.judge_route` reads and fills it)
+        self.held: set[int] = set()
+        #: True while :meth:`pump` runs (outside it, a held worker is not remembered)
+        self.pumping = False
 
     # -- entering and leaving ------------------------------------------------------------------
     def ticket(self, payload: P, now: float, prompt_tokens: int, priority: int | None = None, tenant: str = "",
@@ -359,29 +374,49 @@ class AdmissionQueue(Generic[P]):
     def pump(self, now: float, try_dispatch: Callable[[Ticket[P]], str]) -> Outcome[P]:
         """Shed what expired, then offer waiting tickets in order to ``try_dispatch`` until it
         answers :data:`WAIT` or nothing waits. ``try_dispatch(t)`` routes ``t`` and returns
-        :data:`GO` (it dispatched ``t``: lease taken), :data:`WAIT`, :data:`LATE` (nothing taken;
-        ``t`` moves to its class's late list, or is shed with ``shed_late``) or :data:`FAIL` (the
-        caller answered ``t`` itself, e.g. 503 for an empty pool)."""
+        :data:`GO` (it dispatched ``t``: lease taken), :data:`WAIT`, :data:`HOLD` (nothing taken:
+        ``t`` keeps its place and waits for the worker it was routed to, named in :attr:`held`;
+        the next tickets of its class are tried, up to ``lookahead`` held ones per pump, and a
+        ticket routed to a held worker is held too, so no request overtakes another on the worker
+        both wait for; a lower class is not tried past a held ticket),
+        :data:`LATE` (nothing taken; ``t`` moves to its class's late list, or is shed with
+        ``shed_late``) or :data:`FAIL` (the caller answered ``t`` itself, e.g. 503 for an empty
+        pool)."""
         out: Outcome[P] = Outcome()
         self._expire(now, out)
-        while self.depth > 0:
-            t = self._next(now, out)
-            if t is None:
-                break
-            v = try_dispatch(t)
-            if v == GO:
-                self._leave(t, DISPATCHED, now)
-                self.record(t, now)
-                out.dispatched.append(t)
-            elif v == WAIT:
-                break
-            elif v == LATE and not t.late:
-                self._make_late(t, now, out)
-            elif v == FAIL:
-                self.fail(t, now)
-            else:   # LATE for a late ticket: the caller's rule disagrees with judge(); stop
-                break
+        self.held.clear()
+        self.pumping = True
+        aside: list[tuple[list[tuple[float, int, Ticket[P]]], tuple[float, int, Ticket[P]]]] = []
+        try:
+            while self.depth > 0:
+                t = self._next(now, out)
+                if t is None or (aside and t.priority < aside[0][1][2].priority):
+                    break   # never a lower class past a held one: the room it would take is reserved
+                v = try_dispatch(t)
+                if v == GO:
+                    self._leave(t, DISPATCHED, now)
+                    self.record(t, now)
+                    out.dispatched.append(t)
+                elif v == HOLD and len(aside) < self.cfg.lookahead:
+                    self._set_aside(t, aside)
+                elif v == LATE and not t.late:
+                    self._make_late(t, now, out)
+                elif v == FAIL:
+                    self.fail(t, now)
+                else:   # WAIT, a HOLD past the look-ahead, LATE for a late ticket (the caller's rule disagrees)
+                    break
+        finally:
+            for h, e in aside:   # back in their place
+                if e[2].state == WAITING:
+                    heapq.heappush(h, e)
+            self.held.clear()
+            self.pumping = False
         return out
+
+    def _set_aside(self, t: Ticket[P], aside: list[tuple[list[tuple[float, int, Ticket[P]]], tuple[float, int, Ticket[P]]]]) -> None:
+        """Take ``t`` (the head :meth:`_next` returned) off its heap for the rest of a pump."""
+        h = self._classes[t.priority].late if t.late else self._classes[t.priority].tenants[t.tenant].heap
+        aside.append((h, heapq.heappop(h)))
 
     def expire(self, now: float) -> Outcome[P]:
         """Shed what waited its budget and, with ``shed_late``, what can no longer meet its
@@ -506,4 +541,4 @@ class AdmissionQueue(Generic[P]):
                 "classes": classes, "shed": shed, "dispatched": self.dispatched_total}
 
 
-__all__ = ["BUDGET", "DEADLINE", "FAIL", "FULL", "GO", "LATE", "WAIT", "AdmissionQueue", "Outcome", "Ticket"]
+__all__ = ["BUDGET", "DEADLINE", "FAIL", "FULL", "GO", "HOLD", "LATE", "WAIT", "AdmissionQueue", "Outcome", "Ticket"]

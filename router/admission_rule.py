@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
 
-from router.admission import GO, AdmissionQueue, Ticket
+from router.admission import GO, HOLD, WAIT, AdmissionQueue, Ticket
+from router.errors import NoEligibleWorker
 
 if TYPE_CHECKING:
     from router.policies.base import Decision, RequestInfo
@@ -48,22 +49,52 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     else the policy's ``est_s``; the caller turns on the policy's ``report_ttft``); on :data:`GO`
     the chosen worker's breaker admits it (a half-open breaker's probe is taken; one that refuses
     it: the choice is made again without it). Returns ``(verdict, handle, decision)`` (handle and
-    decision only on GO; nothing is recorded: the caller takes the lease before it yields). Raises
+    decision only on GO; nothing is recorded: the caller takes the lease before it yields).
+
+    :data:`HOLD` instead of :data:`WAIT` when the chosen worker alone has no room (the estimate
+    there, its decodes' pace, a prefill that would push them over), not the cluster (every worker
+    above the KV threshold, or at least half pacing over): the worker joins
+    :attr:`AdmissionQueue.held` and the pump tries the requests behind ``t``; a request routed to a
+    held worker is held too. Not for a request that fills only the reserve (it stops the pump). A
+    request held for ``reroute_after`` × its TTFT budget or longer is routed again without the held
+    workers and goes if that choice passes the same rule and still meets its deadline. Raises
     :class:`~router.errors.NoEligibleWorker` when no worker can take it at all (503, as without
     the queue).
 
     ``full`` (no room whatever the estimate): every offered worker above the KV threshold
     (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
     its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
-    ``tpot_slo_s`` (:func:`pacing_over`) and either at least half the eligible workers have one
+    ``tpot_slo_s`` (``reserve_pace`` × it for a request that fills only the reserve,
+    :meth:`AdmissionQueue.headroom`; :func:`pacing_over`) and either at least half the eligible workers have one
     (the cluster has no TPOT room), or the queue is shedding (:meth:`AdmissionQueue.shedding`), or
     ``t`` fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``), or, for a policy that estimates no TTFT, the chosen worker's router in-flight
     count (read live from the segment) at its ``max_num_seqs``."""
+    v, h, d = _judge(q, sched, info, t, now, exclude, True)
+    share = q.cfg.reroute_after
+    if v == HOLD and h is not None and share > 0 and now - t.arrival >= share * t.ttft_budget:
+        # held for its worker for long enough: another worker with room, if its deadline holds there
+        try:
+            v2, h2, d2 = _judge(q, sched, info, t, now, set(exclude) | q.held | {h.worker_id}, False)
+        except NoEligibleWorker:
+            return HOLD, None, None
+        if v2 == GO:
+            return v2, h2, d2
+    return (v, None, None) if v != GO else (v, h, d)
+
+
+def _judge(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
+           exclude: set[int] | frozenset[int], hold: bool) -> tuple[str, WorkerHandle | None, Decision | None]:
+    """:func:`judge_route` on one routing decision; on :data:`HOLD` also the worker it waits for
+    (added to :attr:`AdmissionQueue.held` when ``hold``)."""
     h, d = sched.decide(info, exclude)
+    if h.worker_id in q.held:   # a request ahead waits for this worker: no overtaking it there
+        return HOLD, h, None
     full = d.reason == "kv_full" or d.slo_victims > 0
+    cluster = d.reason == "kv_full"   # no room on any worker (else: none on the chosen one)
+    reserve = q.headroom(t.priority, now, t.tenant) < q.cfg.headroom
     if not full:
         tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
-        if pacing_over(decodes.requests(h.worker_id), tpot):
+        if pacing_over(decodes.requests(h.worker_id), tpot * (q.cfg.reserve_pace if reserve else 1.0)):
             # the chosen worker's batch paces above its TPOT bound: a request that fills only the
             # reserve (lower class, tenant above its share) waits for it, and so does any request
             # while the queue has shed one for its deadline or budget lately (past capacity);
@@ -75,12 +106,12 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
             # engines, bench/results/admission.md): holding for the chosen worker alone raised
             # TTFT p99 at 0.8x capacity 0.76 -> 1.27 s; holding only when every worker paces over
             # let goodput at 1.5x capacity fall to 0.75x the peak.
-            if q.headroom(t.priority, now, t.tenant) < q.cfg.headroom or q.shedding(now):
+            if reserve or q.shedding(now):
                 full = True
             else:
                 cands = sched.candidates(info.model, set(exclude), False)
                 over = sum(1 for s in cands if pacing_over(decodes.requests(s.worker_id), tpot))
-                full = 2 * over >= len(cands)
+                full = cluster = 2 * over >= len(cands)
     est = d.ttft_s if d.ttft_s is not None else d.est_s
     if est is None and not full:
         snap = h.snap
@@ -91,6 +122,12 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
             n = int(snap.router_inflight) if seg is None else int(seg.router_inflight_get(h.worker_id))
             full = n >= int(snap.max_num_seqs)
     v = q.judge(t, est, now, full)
+    if v == WAIT and est is not None and not cluster and not reserve:
+        # room may be elsewhere for the requests behind this one (their prefix on another worker);
+        # a request that fills only the reserve stops the pump, as the rest of its class would
+        if hold and q.pumping:
+            q.held.add(h.worker_id)
+        return HOLD, h, None
     if v != GO:
         return v, None, None
     if not h.breaker.allow():   # a half-open breaker's probe is taken: choose among the others

@@ -337,6 +337,18 @@ class AdmissionSection(_Strict):
     max_queue: int = Field(default=10_000, ge=1, le=10_000_000)
     tenant_header: str = "x-dplb-tenant"
     poll_ms: float = Field(default=20.0, gt=0, le=10_000)
+    reroute_after: float = Field(default=0.5, ge=0, le=1,
+                                 description="a request held for its worker this share of its TTFT budget goes to another "
+                                             "worker that has room (0: never)")
+    # 0.8 with lookahead 8 and reroute_after 0.5: agentic at 2x capacity, high class 0.893 -> 0.982
+    # (4 engines, seed 0, tuned on), 0.951 -> 0.997 (seed 1), 0.979 -> 0.993 (8 engines);
+    # bench/results/admission.md, round 5
+    reserve_pace: float = Field(default=0.8, gt=0, le=1,
+                                description="a request that fills only the reserve waits while a decode on its worker paces "
+                                            "above this x tpot_slo_s")
+    lookahead: int = Field(default=8, ge=0, le=1000,
+                           description="requests a pump sets aside while the worker each was routed to has no room, "
+                                       "trying those behind them on other workers (0: the first without room stops it)")
 
     @field_validator("tenant_header")
     @classmethod

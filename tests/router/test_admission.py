@@ -12,6 +12,7 @@ from router.admission import (
     DEADLINE,
     FULL,
     GO,
+    HOLD,
     LATE,
     WAIT,
     AdmissionQueue,
@@ -396,13 +397,14 @@ def test_a_worker_pacing_over_holds_only_when_the_cluster_is_saturated_or_for_th
     # two of three workers pace over: the cluster has no TPOT room, the request waits
     saturated = _Sched({0: [PACING_OVER], 1: [PACING_OVER]})
     assert judge_route(q, saturated, info, t, 0.0)[0] == WAIT
-    # past capacity (a request was just shed for its budget) the burst holds too, for a while
+    # past capacity (a request was just shed for its budget) the burst holds too, for a while: the
+    # request waits for its worker (HOLD: one routed elsewhere may go meanwhile)
     shed = AdmissionQueue[str](cfg(queue_budget_s=1.0))
     old = shed.ticket("old", 0.0, prompt_tokens=100)
     shed.offer(old)
     assert shed.expire(1.0).shed == [(old, BUDGET)]
     t2 = shed.ticket("b", 1.0, prompt_tokens=100)
-    assert judge_route(shed, burst, info, t2, 1.0)[0] == WAIT
+    assert judge_route(shed, burst, info, t2, 1.0)[0] == HOLD
     t3 = shed.ticket("c", 12.0, prompt_tokens=100)     # reserve_window_s (10 s) later
     assert judge_route(shed, burst, info, t3, 12.0)[0] == GO
     # a lower class while a higher one is active fills only the reserve: it waits for worker 0
@@ -447,3 +449,119 @@ def test_the_reserve_is_counted_in_the_higher_class_s_budget():
     hi = q.ticket("hi", 0.0, prompt_tokens=200, priority=1)
     assert q.room_budget(hi, 0.0) == pytest.approx(1.02)
     assert q.room_budget(long_low, 11.0) == pytest.approx(6.0)
+
+
+class _Prefix:
+    """Two workers; request ``text`` has its prefix on worker ``home[text]``, where its own TTFT
+    is ``est[(text, worker)]`` s (elsewhere 0.1 s, a cold prefill with room), the policy's choice
+    among the workers not excluded being its home when offered."""
+
+    def __init__(self, home: dict[str, int], est: dict[tuple[str, int], float]) -> None:
+        from types import SimpleNamespace
+
+        self.decodes = _Decodes({})
+        self.handles = {k: SimpleNamespace(worker_id=k, breaker=_Breaker(), snap=None) for k in (0, 1)}
+        self.home, self.est = home, est
+        self.decided: list[tuple[str, int]] = []
+
+    def decide(self, info, exclude=frozenset()):
+        from router.policies.base import Decision
+
+        k = self.home[info.text]
+        if k in exclude:
+            k = next(w for w in self.handles if w not in exclude)
+        self.decided.append((info.text, k))
+        return self.handles[k], Decision(worker_id=k, reason="prefix", ttft_s=self.est.get((info.text, k), 0.1))
+
+    def candidates(self, model, exclude, fresh):
+        return [h for k, h in self.handles.items() if k not in exclude]
+
+
+def _pump_rule(q: AdmissionQueue[str], sched: _Prefix, now: float, went: list[tuple[str, int]]):
+    from router.admission_rule import judge_route
+    from router.policies.base import RequestInfo
+
+    def try_dispatch(t: Ticket[str]) -> str:
+        v, h, _ = judge_route(q, sched, RequestInfo("/v1/chat/completions", "m", True, t.payload, 100), t, now)
+        if v == GO:
+            went.append((t.payload, h.worker_id))
+        return v
+
+    return q.pump(now, try_dispatch)
+
+
+def test_a_request_held_for_its_worker_lets_one_bound_elsewhere_go_but_none_overtakes_it_there():
+    """Head-of-line blocking per worker, not per queue: ``a`` waits for worker 0 (its prefix there,
+    no room); ``b`` is routed to worker 0 too and waits behind it although it would fit; ``c``,
+    routed to worker 1, goes (on the old pump the first request without room stopped it)."""
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(reroute_after=0))
+    sched = _Prefix({"a": 0, "b": 0, "c": 1}, {("a", 0): 5.0})
+    went: list[tuple[str, int]] = []
+    for name in ("a", "b", "c"):
+        q.offer(q.ticket(name, 0.0, prompt_tokens=100))
+    _pump_rule(q, sched, 0.1, went)
+    assert went == [("c", 1)]
+    assert sorted(t.payload for t in q.waiting()) == ["a", "b"]
+    assert not q.held                       # the held workers are per pump
+    sched.est[("a", 0)] = 0.2               # worker 0 has room again: a first, then b
+    _pump_rule(q, sched, 0.2, went)
+    assert went == [("c", 1), ("a", 0), ("b", 0)]
+    # with lookahead 0 the first request without room stops the pump, as before
+    q0: AdmissionQueue[str] = AdmissionQueue(cfg(reroute_after=0, lookahead=0))
+    for name in ("a", "c"):
+        q0.offer(q0.ticket(name, 0.0, prompt_tokens=100))
+    sched.est[("a", 0)] = 5.0
+    went0: list[tuple[str, int]] = []
+    _pump_rule(q0, sched, 0.1, went0)
+    assert went0 == [] and q0.depth == 2
+
+
+def test_a_request_held_for_its_worker_goes_elsewhere_after_reroute_after_of_its_budget():
+    """``reroute_after`` 0.5: held for worker 0 (prefix, no room) until it waited half its TTFT
+    budget (1 s + 0.1 s x 0.1k tokens = 1.01 s), then dispatched to worker 1, which has room."""
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(reroute_after=0.5))
+    sched = _Prefix({"a": 0}, {("a", 0): 5.0})
+    q.offer(q.ticket("a", 0.0, prompt_tokens=100))
+    went: list[tuple[str, int]] = []
+    _pump_rule(q, sched, 0.4, went)
+    assert went == [] and q.depth == 1
+    _pump_rule(q, sched, 0.51, went)
+    assert went == [("a", 1)] and q.depth == 0
+    # not when worker 1 would miss the deadline too (its estimate 0.6 s: 0.51 + 0.6 > 1.01)
+    q2: AdmissionQueue[str] = AdmissionQueue(cfg(reroute_after=0.5))
+    sched2 = _Prefix({"a": 0}, {("a", 0): 5.0, ("a", 1): 0.6})
+    q2.offer(q2.ticket("a", 0.0, prompt_tokens=100))
+    went2: list[tuple[str, int]] = []
+    _pump_rule(q2, sched2, 0.51, went2)
+    assert went2 == [] and q2.depth == 1
+
+
+def test_a_lower_class_is_not_tried_past_a_higher_class_request_held_for_its_worker():
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(reroute_after=0))
+    sched = _Prefix({"hi": 0, "hi2": 1, "lo": 1}, {("hi", 0): 5.0})
+    q.offer(q.ticket("hi", 0.0, prompt_tokens=100, priority=1))
+    q.offer(q.ticket("lo", 0.0, prompt_tokens=100, priority=0))
+    went: list[tuple[str, int]] = []
+    _pump_rule(q, sched, 0.1, went)
+    assert went == [] and q.depth == 2      # lo would fit on worker 1 but waits behind hi's class
+    q.offer(q.ticket("hi2", 0.1, prompt_tokens=100, priority=1))
+    _pump_rule(q, sched, 0.1, went)
+    assert went == [("hi2", 1)]             # its own class does go past it
+
+
+def test_a_lower_class_waits_while_a_decode_on_its_worker_paces_near_the_tpot_bound():
+    """``reserve_pace`` 0.8: a request that fills only the reserve waits while a decode on its
+    worker paces above 0.8 x ``tpot_slo_s`` (0.09 s per token here); the higher class goes."""
+    from router.admission_rule import judge_route
+    from router.policies.base import RequestInfo
+
+    info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
+    near = _Sched({0: [(200, 21, 1.8)]})    # 0.09 s per token
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    hi = q.ticket("hi", 0.0, prompt_tokens=100, priority=1)
+    low = q.ticket("lo", 0.0, prompt_tokens=100, priority=0)
+    assert judge_route(q, near, info, hi, 0.0)[0] == GO
+    assert judge_route(q, near, info, low, 0.0)[0] == WAIT
+    q1: AdmissionQueue[str] = AdmissionQueue(cfg(reserve_pace=1.0))
+    q1.ticket("hi", 0.0, prompt_tokens=100, priority=1)
+    assert judge_route(q1, near, info, q1.ticket("lo", 0.0, prompt_tokens=100, priority=0), 0.0)[0] == GO
