@@ -19,7 +19,8 @@ redis-server on loopback with no persistence; everything is stopped at the end::
 pickers and of redis-server over ``N`` seconds (their /proc times), without sharing, with the
 pushes and the default poll, and with a poll of ``--idle-interval-ms`` (5: the poll-only design's).
 ``--busy N`` measures the CPU per request instead: ``N`` short requests from 4 concurrent clients
-through two pickers, without and with sharing (each request pushes its dispatch and its end).
+through two pickers, without and with sharing (each request pushes its dispatch and its end; each
+prompt is new, so with lookups on each is a prefix miss that reads Redis once before its pick).
 """
 from __future__ import annotations
 
@@ -231,8 +232,10 @@ def busy(n: int) -> int:
     """Print the CPU per request table (``--busy``)."""
     print("| configuration | picker 0, ms/request | picker 1, ms/request | redis-server, ms/request |")
     print("|---|---|---|---|")
-    for name, share in [("2 pickers, no sharing", False), ("2 pickers, shared (pushes)", True)]:
-        with temp_stack(2, [], share) as st:
+    for name, args, share in [("2 pickers, no sharing", [], False),
+                              ("2 pickers, shared, no lookup on a miss (--share-lookup-ms 0)", ["--share-lookup-ms", "0"], True),
+                              ("2 pickers, shared (every request here is a miss: a lookup each)", [], True)]:
+        with temp_stack(2, args, share) as st:
             c = st.busy_cpu(n)
         cell = [f"{c[k]:.2f}" if k in c else "-" for k in ("picker-0", "picker-1", "redis")]
         print(f"| {name} | " + " | ".join(cell) + " |", flush=True)
