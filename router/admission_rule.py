@@ -64,7 +64,7 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     ``full`` (no room whatever the estimate): every offered worker above the KV threshold
     (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
     its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
-    ``tpot_slo_s`` (``reserve_pace`` × it for a request that fills only the reserve,
+    ``tpot_slo_s`` (``reserve_pace`` × it for a lower class while a higher one is active,
     :meth:`AdmissionQueue.headroom`; :func:`pacing_over`) and either at least half the eligible workers have one
     (the cluster has no TPOT room), or the queue is shedding (:meth:`AdmissionQueue.shedding`), or
     ``t`` fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``), or, for a policy that estimates no TTFT, the chosen worker's router in-flight
@@ -94,7 +94,8 @@ def _judge(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[
     reserve = q.headroom(t.priority, now, t.tenant) < q.cfg.headroom
     if not full:
         tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
-        if pacing_over(decodes.requests(h.worker_id), tpot * (q.cfg.reserve_pace if reserve else 1.0)):
+        lower = reserve and q.headroom(t.priority, now) < q.cfg.headroom   # a lower class (not a tenant)
+        if pacing_over(decodes.requests(h.worker_id), tpot * (q.cfg.reserve_pace if lower else 1.0)):
             # the chosen worker's batch paces above its TPOT bound: a request that fills only the
             # reserve (lower class, tenant above its share) waits for it, and so does any request
             # while the queue has shed one for its deadline or budget lately (past capacity);

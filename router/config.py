@@ -344,8 +344,8 @@ class AdmissionSection(_Strict):
     # (4 engines, seed 0, tuned on), 0.951 -> 0.997 (seed 1), 0.979 -> 0.993 (8 engines);
     # bench/results/admission.md, round 5
     reserve_pace: float = Field(default=0.8, gt=0, le=1,
-                                description="a request that fills only the reserve waits while a decode on its worker paces "
-                                            "above this x tpot_slo_s")
+                                description="a lower-class request (a higher class active) waits while a decode on its worker "
+                                            "paces above this x tpot_slo_s")
     lookahead: int = Field(default=8, ge=0, le=1000,
                            description="requests a pump sets aside while the worker each was routed to has no room, "
                                        "trying those behind them on other workers (0: the first without room stops it)")
