@@ -17,7 +17,8 @@ Modules:
   and returns (:class:`~simulate.settings.RunResult`); :mod:`simulate.virtual`: the cluster's parts
   (virtual clock, private segment, engines with their agents, the oracle prefix index);
 * :mod:`simulate.stats`: the figures of a run (definitions, units: seconds);
-* :mod:`simulate.capacity`: goodput by bisection, fewest engines;
+* :mod:`simulate.capacity`: goodput by bisection, fewest engines; :mod:`simulate.early_abort`:
+  when a run may stop early (a p99 SLO certainly missed, an attainment target out of reach);
 * :mod:`simulate.report`: table, JSON, plots, progress bar;
 * :mod:`simulate.cli`: the ``dplb-simulate`` command; :mod:`simulate.bench`: ``make bench-simulate``;
 * :mod:`simulate.fidelity`: the same window through the live stack and the simulator.
