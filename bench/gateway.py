@@ -41,6 +41,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from bench.rawclient import (
     chat_request,
     connector,
@@ -49,9 +51,66 @@ from bench.rawclient import (
     read_response,
     sequential,
 )
+from epp.envoy import envoy_argv
 from launcher.stack import free_port, router_argv, wait_for, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hcm(cfg: dict) -> dict:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _ext_proc(cfg: dict) -> dict:
+    return _hcm(cfg)["http_filters"][0]["typed_config"]
+
+
+def _direct(cfg: dict, wport: int) -> None:
+    """No ext_proc filter; the route goes to a static cluster holding the engine."""
+    hcm = _hcm(cfg)
+    hcm["http_filters"] = hcm["http_filters"][1:]
+    hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = "engine"
+    cfg["static_resources"]["clusters"].append({
+        "name": "engine", "type": "STATIC", "connect_timeout": "2s", "load_assignment": {
+            "cluster_name": "engine", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": wport}}}}]}]}})
+
+
+def _no_stats(cfg: dict, wport: int) -> None:
+    cfg["stats_config"] = {"stats_matcher": {"reject_all": True}}
+
+
+def _no_request_id(cfg: dict, wport: int) -> None:
+    hcm = _hcm(cfg)
+    hcm["generate_request_id"] = False
+    hcm["http_filters"][-1]["typed_config"]["suppress_envoy_headers"] = True
+
+
+def _no_metadata(cfg: dict, wport: int) -> None:
+    _ext_proc(cfg).pop("metadata_options", None)
+
+
+def _access_log(cfg: dict, wport: int) -> None:
+    from epp.envoy import ACCESS_LOG_FORMAT
+
+    _hcm(cfg)["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": "/dev/null", "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
+
+
+def _request_only(cfg: dict, wport: int) -> None:
+    """The response side skipped: Envoy resets the ext_proc stream at dispatch (no accounting)."""
+    _ext_proc(cfg)["processing_mode"].update(response_header_mode="SKIP", response_body_mode="NONE")
+
+
+def _no_local_reply(cfg: dict, wport: int) -> None:
+    _hcm(cfg).pop("local_reply_config", None)
+
+
+#: bootstrap changes for ``--floor VARIANT`` (each ``f(bootstrap dict, engine port)``, in place)
+VARIANTS = {"": lambda cfg, wport: None, "direct": _direct, "no-stats": _no_stats, "no-request-id": _no_request_id,
+            "no-metadata": _no_metadata, "access-log": _access_log, "request-only": _request_only,
+            "no-local-reply": _no_local_reply}
 
 
 @dataclass
@@ -151,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--envoy-concurrency", type=int, help="Envoy --concurrency (default: the launcher's, "
                     "epp.envoy.envoy_concurrency; 0: Envoy's own default)")
     ap.add_argument("--epp-profile", help="run the first picker under cProfile, write its top functions here")
+    ap.add_argument("--floor", action="append", nargs="?", const="", metavar="VARIANT",
+                    help="a gateway whose picker is bench.epp_floor (the cheapest ext_proc server: one fixed "
+                         "answer, nothing counted) behind the default bootstrap, or that bootstrap changed by "
+                         f"VARIANT (repeatable; {', '.join(VARIANTS)})")
+    ap.add_argument("--envoy-only", action="store_true",
+                    help="Envoy alone in front of the engine (no ext_proc filter): what proxying costs Envoy")
     return ap
 
 
@@ -189,8 +254,6 @@ class Run:
 
     def gateway(self, i: int, spec: str, cwd: Path) -> System:
         """Envoy and its picker from the checkout ``cwd``; ``spec``: ``MODE[+flags and VAR=value]``."""
-        from epp.envoy import envoy_argv
-
         a = self.a
         mode, _, extra = spec.partition("+")
         name = ("gw-base" if cwd != ROOT else "gateway") + (f"-{mode}" if mode else "") + (f"+{extra}" if extra else "")
@@ -213,6 +276,29 @@ class Run:
         wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2).read().strip() == b"LIVE",
                  60, f"{name} ready")
         return System(name, port, [envoy.pid, epp.pid])
+
+    def floor(self, variant: str) -> System:
+        """Envoy (the default bootstrap, changed by ``variant``: :data:`VARIANTS`) in front of
+        :mod:`bench.epp_floor`; ``variant`` ``direct``: no ext_proc filter, Envoy alone."""
+        from epp.envoy import EnvoySettings, bootstrap
+
+        eport, port, admin = free_port(), free_port(), free_port()
+        name = "envoy-only" if variant == "direct" else "floor" + (f"+{variant}" if variant else "")
+        cfg = bootstrap(EnvoySettings(listen_port=port, admin_port=admin, epp_port=eport))
+        VARIANTS[variant](cfg, self.wport)
+        path = os.path.join(self.d, f"envoy-{name}.yaml")
+        Path(path).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        pids = []
+        if variant != "direct":
+            floor = self.start([sys.executable, "-m", "bench.epp_floor", "--port", str(eport),
+                                "--endpoint", f"127.0.0.1:{self.wport}"], f"{name}.log")
+            wait_for_port(eport, timeout=30)
+            pids.append(floor.pid)
+        conc = ["--concurrency", str(self.a.envoy_concurrency)] if self.a.envoy_concurrency else []
+        envoy = self.start([*envoy_argv(path, "error"), *conc], f"envoy-{name}.log")
+        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=2).read().strip() == b"LIVE",
+                 60, f"{name} ready")
+        return System(name, port, [envoy.pid, *pids])
 
     def close(self) -> None:
         """Stop the children, write the profile (``--epp-profile``), remove the segment and the run dir."""
@@ -277,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.baseline_dir:
             specs.append(("", Path(a.baseline_dir).resolve()))
         systems += [run.gateway(i, spec, cwd) for i, (spec, cwd) in enumerate(specs)]
+        systems += [run.floor(v) for v in (a.floor or [])]
+        if a.envoy_only:
+            systems.append(run.floor("direct"))
         measure(a, systems, run.wport)
         report(a, systems, load0)
         return 1 if any(s.bad or s.statuses for s in systems) else 0
@@ -299,8 +388,8 @@ def report(a: argparse.Namespace, systems: list[System], load0: tuple[float, flo
               f"{_med(s.p99, '.2f'):>22} {statistics.median(s.rate) if s.rate else 0:8.0f}")
     for s in systems[1:]:
         if s.parts:
-            print(f"  {s.name}: CPU µs per request, Envoy {_med([p[0] for p in s.parts], '.0f')}, "
-                  f"dplb-epp {_med([p[1] for p in s.parts], '.0f')}")
+            picker = f", picker {_med([p[1] for p in s.parts], '.0f')}" if len(s.parts[0]) > 1 else ""
+            print(f"  {s.name}: CPU µs per request, Envoy {_med([p[0] for p in s.parts], '.0f')}{picker}")
     router = systems[0]
     for s in systems[1:]:
         added = [x / y for x, y in zip(s.added, router.added, strict=True) if y > 0]
