@@ -71,6 +71,9 @@ class Decodes(Protocol):
 
     def requests(self, worker_id: int) -> list[tuple[int | None, int, float | None]]: ...
 
+    def victim_rows(self, worker_id: int, tpot_slo_s: float, step_tokens: float,
+                    default_output_tokens: int) -> list[tuple[float, float]]: ...
+
 
 class Policy(Protocol):
     """A routing policy. ``name`` is its config name; what it reads, declared here and read by the

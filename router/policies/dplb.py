@@ -115,7 +115,7 @@ from router.policies.registry import (
     RateParams,
     register,
 )
-from router.policies.tpot_slo import count_pushed, victim_rows
+from router.policies.tpot_slo import count_pushed
 
 if TYPE_CHECKING:
     from dplb_shm.types import WorkerSnapshot
@@ -179,7 +179,7 @@ class DplbPolicy(PrefixIndexedPolicy, BasePolicy):
         for w in workers:
             wid = w.worker_id
             if book.has_requests(wid):
-                rows = victim_rows(book.requests(wid), self.slo_tpot_s, step, self.default_output_tokens)
+                rows = book.victim_rows(wid, self.slo_tpot_s, step, self.default_output_tokens)
                 if rows:
                     out[wid] = rows
         return out

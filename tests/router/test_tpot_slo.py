@@ -137,3 +137,32 @@ def test_the_stream_meter_counts_content_events_as_they_pass():
     m.feed(b'data: {"choices":[{"delta":{"content":"c"}}]}\n')
     m.feed(b'\n')                                    # a separator split across chunks
     assert m.content_events() == 3
+
+
+def test_the_books_one_pass_rows_are_the_references_rows(seg):
+    # DecodeBook.victim_rows (what the policy reads) against victim_rows(book.requests(...)) (the
+    # reference): random bounds (none, <= 1, short, long), progress from a counter or a meter's
+    # callable, before or after the first token, lost, done and slack victims, same order
+    sch, _ = _scheduler(seg, T)
+    rng = random.Random(7)
+    book = sch.decodes
+    for _ in range(60):
+        wid = rng.randrange(2)
+        o = rng.choice([None, 0, 1, 2, 3, 4, 16, 256])
+        lease = sch.lease(sch.registry.handles[wid], Decision(wid, "test", uncached_tokens=100),
+                          RequestInfo(text="", prompt_len=100, stream=True, max_tokens=o),
+                          now=NOW_S - rng.uniform(0.0, 3.0))
+        if rng.random() < 0.8:
+            lease.first_token(now=NOW_S - rng.choice([0.0, rng.uniform(0.0, 2.0), -0.5]))
+        k = rng.randrange(0, 300)
+        if rng.random() < 0.5:
+            lease.tokens = k
+        else:
+            lease.progress = lambda k=k: k
+    for default in (3, 256):
+        for wid in (0, 1, 5):
+            ref = victim_rows(book.requests(wid), T, S, default)
+            assert book.victim_rows(wid, T, S, default) == ref
+        assert any(victim_rows(book.requests(w), T, S, default) for w in (0, 1))   # not all empty
+    with pytest.raises(ValueError):
+        book.victim_rows(0, 0.0, S, 256)
