@@ -148,7 +148,8 @@ class AdmissionQueue(Generic[P]):
     ``cfg``: the ``admission`` config section. Not thread-safe: one event loop owns it."""
 
     def __init__(self, cfg: AdmissionSection) -> None:
-        self.cfg = cfg
+        #: the section's values as plain attributes (read a dozen times per request)
+        self.cfg = cfg.values()
         self._classes: dict[int, _Class[P]] = {}
         self._order: list[int] = []        # priorities present, highest first
         self._expiry: list[tuple[float, int, Ticket[P]]] = []

@@ -6,6 +6,7 @@ ending with its connection as RFC 9112 §6.3 says)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +21,23 @@ if TYPE_CHECKING:
 
 #: pause reading a connection once this many body bytes wait for the relay (flow control)
 HIGH_WATER = 1 << 20
+
+
+#: per thread, the event loop :func:`running_loop` last found running there
+_LOOPS = threading.local()
+
+
+def running_loop() -> asyncio.AbstractEventLoop:
+    """``asyncio.get_running_loop()``, without its system call on the router's hot path: CPython
+    3.11's makes a ``getpid()`` call each time (3.12 dropped the check; strace on the router at
+    300 tiny requests/s: 1.6 per request, bench/results/long-prompts.md round 5). The loop found
+    last in this thread is returned while it runs (one loop at a time runs in a thread, so a
+    running loop found here is this thread's); otherwise asyncio's lookup, whose RuntimeError
+    (no running loop) passes through."""
+    loop: asyncio.AbstractEventLoop | None = getattr(_LOOPS, "loop", None)
+    if loop is None or not loop.is_running():
+        loop = _LOOPS.loop = asyncio.get_running_loop()
+    return loop
 
 
 def endpoint_url(endpoint: str) -> str:
@@ -247,7 +265,7 @@ class Connection(asyncio.Protocol):
 
     async def wait(self, timeout: float | None) -> bool:
         """Sleep until the next network event; False when ``timeout`` (s) passed first."""
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         w = self.waiter = loop.create_future()
         h = loop.call_later(timeout, _expire, w) if timeout is not None else None
         try:

@@ -90,7 +90,7 @@ from router.metrics import Metrics
 from router.policies.base import RequestInfo
 from router.relay import relay_stream
 from router.scheduling import Scheduler
-from router.server import ClientGone, watch_disconnect, write_response
+from router.server import ClientGone, current_task, watch_disconnect, write_response
 from router.transport import Transport
 from router.upstream import Upstream
 
@@ -314,7 +314,7 @@ class Proxy:
         """Watch for the client leaving, then :meth:`forward` ``ex`` to ``send`` (``pre``: the
         first attempt, already dispatched by :meth:`start`)."""
         ex.send, ex.scope = send, scope
-        task = asyncio.current_task()
+        task = current_task()
         gone = False
 
         def on_gone() -> None:

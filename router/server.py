@@ -42,11 +42,12 @@ The protocol reads its limits from ``$DPLB_ROUTER_MAX_HEADER_BYTES`` / ``$DPLB_R
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -55,11 +56,9 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from dplb_protocol.wire import WORKER_HEADER_B, error_body
 from router._relay import ChunkRelay
 from router.asgi import Scope
+from router.connection import running_loop
 from router.errors import HeadersTooLarge
 from router.logtext import text
-
-if TYPE_CHECKING:
-    import asyncio
 
 ENV_BYTES = "DPLB_ROUTER_MAX_HEADER_BYTES"
 ENV_COUNT = "DPLB_ROUTER_MAX_HEADERS"
@@ -333,6 +332,13 @@ def write_response(scope: Scope, status: int, headers: list[tuple[bytes, bytes]]
         return True
     except AttributeError:
         return False
+
+
+def current_task() -> asyncio.Task[None] | None:
+    """``asyncio.current_task()`` without the ``getpid()`` call of CPython 3.11's running-loop
+    lookup (:func:`router.connection.running_loop`); None outside a task. Raises RuntimeError
+    when no event loop runs."""
+    return asyncio.current_task(running_loop())
 
 
 def watch_disconnect(scope: Scope, on_gone: Callable[[], None]) -> Callable[[], None] | None:

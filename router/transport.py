@@ -48,7 +48,7 @@ import errno
 import logging
 from collections.abc import Callable, Iterable
 
-from router.connection import HIGH_WATER, Connection, Pool, endpoint_url
+from router.connection import HIGH_WATER, Connection, Pool, endpoint_url, running_loop
 from router.errors import TransportError
 from router.upstream import Upstream
 
@@ -126,7 +126,7 @@ class Transport:
         head instead and the body's gaps too: health probes and control calls). Raises
         TransportError (``connect``, with ``refused`` when nothing accepted the connection and
         ``unsent`` when the worker never read the request, or ``timeout``)."""
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         deadline = loop.time() + (timeout_s if timeout_s is not None else self.first_byte_timeout_s)
         pool = self._pool(endpoint)
         c = written or pool.get() or await self._connect(pool, max(0.0, deadline - loop.time()))
