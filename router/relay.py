@@ -170,19 +170,11 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
         return
     write = writer.write
     relays: list[ChunkRelay] = []
-    # output tokens so far (router.policies.tpot_slo): the meter's events, then the native relay's
-    # (it meters what it writes; its counts reach the meter only at the end)
-    content_events = meter.content_events
-
-    def progress() -> int:
-        # read for every stream in flight on the worker at each routing decision there (a plain
-        # loop: a third of sum() over a generator)
-        n = content_events()
-        for r in relays:
-            n += r.events
-        return n
-
-    lease.progress = progress
+    # output tokens so far (router.policies.tpot_slo, read for every stream in flight on the
+    # worker at each routing decision there): the meter's events, then from the hand-over the
+    # native relay's on top (it meters what it writes; its counts reach the meter only at the
+    # end, and the meter is fed nothing while it has the body): at the hand-over one C call
+    lease.progress = meter.content_events
 
     def sink(chunk: bytes) -> bool:
         # the body's last bytes carry its end (one write, not two), unless the engine aborted the
@@ -204,6 +196,8 @@ async def _relay_rest(ex: Exchange, att: Attempt, up: Upstream, writer: ChunkedW
         if not meter.first_seen or meter.aborted() or pend:
             return None
         r = writer.native_relay(meter.carry, meter.tail)
+        r.base = meter.content_events()
+        lease.progress = r.progress
         relays.append(r)
         return r
 

@@ -142,3 +142,17 @@ def test_a_separator_straddling_the_hand_over_is_counted_once():
     r = ChunkRelay(c.write, c, c, carry=b"\n")    # the meter's last byte before the relay took over
     r.feed(b"8\r\n\ndata: x\r\n")
     assert r.events == 1 and r.last_byte() == b"x"
+
+
+def test_progress_is_the_meters_count_before_the_hand_over_plus_the_events_relayed():
+    # the TPOT-SLO term's output-token count of a relayed stream (router/relay.py sets ``base``)
+    c = FakeClient()
+    r = ChunkRelay(c.write, c, c)
+    assert r.progress() == 0
+    r.base = 5
+    raw = frame([b"data: a\n\ndata: b\n\ndata: c\n", b"\n"])
+    cut = raw.index(b"\r\n1\r\n") + 2
+    r.feed(raw[:cut])                  # the last event not yet whole
+    assert r.events == 2 and r.progress() == 7
+    r.feed(raw[cut:])
+    assert r.events == 3 and r.progress() == 8
