@@ -50,7 +50,15 @@ import time
 
 import orjson
 
-from router.logtext import LOG_FORMAT, MAX_FIELD, MAX_LINE, OneLineFilter, field, one_line, text
+from router.logtext import (
+    LOG_FORMAT,
+    MAX_FIELD,
+    MAX_LINE,
+    OneLineFilter,
+    field,
+    one_line,
+    text,
+)
 from router.repeats import RepeatLimiter
 
 log = logging.getLogger("dplb.router.access")
