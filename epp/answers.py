@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
@@ -82,6 +83,43 @@ def route_answer(endpoints: tuple[str, ...], on_body: bool, worker: str = "") ->
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
 
 
+def response_status(msg: pb.HttpHeaders) -> tuple[int, str]:
+    """A response head's status (0 when absent or not a number) and ``content-type`` ("" when
+    absent), the only two headers the picker reads there (the last of each wins, as in
+    :func:`_headers`)."""
+    status, ctype = "0", ""
+    for h in msg.headers.headers:
+        k = h.key.lower()
+        if k == ":status":
+            status = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        elif k == "content-type":
+            ctype = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    try:
+        return int(status), ctype
+    except ValueError:
+        return 0, ctype
+
+
+#: the rest of a non-streamed answer's exchange, asked for at its head: the body in one message
+#: (``BUFFERED_PARTIAL``: up to Envoy's buffer limit, 16 MiB, whatever that answer's size),
+#: instead of each chunk and then an empty end of stream, each a round trip with the head held
+WHOLE_ANSWER = processing_mode_pb2.ProcessingMode(
+    response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
+
+
+@functools.lru_cache(maxsize=1024)
+def head_answer(worker: str, whole: bool) -> pb.ProcessingResponse:
+    """The answer to a response head: the ``x-dplb-worker-id: <worker>`` response header, and
+    with ``whole`` the rest of the answer asked for in one message (:data:`WHOLE_ANSWER`, Envoy's
+    ``allow_mode_override``). Cached per worker label (built per request it cost ~3 % of the
+    picker's CPU per tiny request, bench/results/gateway.md round 6): shared, never to be mutated."""
+    resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, worker)]))))
+    if whole:
+        resp.mode_override.CopyFrom(WHOLE_ANSWER)
+    return resp
+
+
 def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     """The address that served, as Envoy reports it with the response (``metadata_context``,
     namespace ``envoy.lb``, key ``x-gateway-destination-endpoint-served``: the pool cluster's
@@ -95,4 +133,5 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     return v or None
 
 
-__all__ = ["HOLD_MARGIN_S", "destination", "hold_response", "immediate", "route_answer", "served_endpoint"]
+__all__ = ["HOLD_MARGIN_S", "WHOLE_ANSWER", "destination", "head_answer", "hold_response", "immediate",
+           "response_status", "route_answer", "served_endpoint"]

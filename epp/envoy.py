@@ -252,7 +252,7 @@ def _ext_proc_filter(s: EnvoySettings) -> dict[str, object]:
             "message_timeout": _secs(s.message_timeout_s),
             "max_message_timeout": _secs(s.max_message_timeout_s),
             "processing_mode": mode,
-            # the picker asks for a non-streamed answer's body whole (epp.stream.WHOLE_ANSWER)
+            # the picker asks for a non-streamed answer's body whole (epp.answers.WHOLE_ANSWER)
             "allow_mode_override": True,
             **early,
             "metadata_options": {"receiving_namespaces": {"untyped": [NAMESPACE]},

@@ -73,17 +73,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from dplb_protocol.wire import WORKER_HEADER, BadRequest, OpenAIError
+from dplb_protocol.wire import BadRequest, OpenAIError
 from epp.answers import (
+    WHOLE_ANSWER,
     _headers,
     _hv,
     destination,
+    head_answer,
     hold_response,
     immediate,
+    response_status,
     route_answer,
     served_endpoint,
 )
@@ -111,11 +113,6 @@ _PROBING = "probing"   # Exchange.cut while the probe of a cut stream is out
 _FULL_DUPLEX = 4   # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 _NONE = 0          # ProcessingMode.BodySendMode.NONE
 _STREAMED = 1      # ProcessingMode.BodySendMode.STREAMED
-#: the rest of a non-streamed answer's exchange, asked for at its head: the body in one message
-#: (``BUFFERED_PARTIAL``: up to Envoy's buffer limit, 16 MiB, whatever that answer's size),
-#: instead of each chunk and then an empty end of stream, each a round trip with the head held
-WHOLE_ANSWER = processing_mode_pb2.ProcessingMode(
-    response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
 
 
 #: the observer's response mode (:mod:`epp.observe`; no ``BodySendMode``): nothing held or asked for
@@ -352,16 +349,12 @@ class Exchange:
         self.handle, self.lease = moved if moved is not None else (None, None)
 
     def _response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
-        hs = _headers(msg)
-        try:
-            self.status = int(hs.get(":status", "0"))
-        except ValueError:
-            self.status = 0
+        self.status, ctype = response_status(msg)
         h = self.handle
         if self.lease is not None:
             if 0 < self.status < 500:
                 self.lease.head_seen()
-            sse = is_event_stream([(b"content-type", hs.get("content-type", "").encode("latin-1"))])
+            sse = is_event_stream([(b"content-type", ctype.encode("latin-1"))])
             self.streaming = self.streaming or sse
             if self.resp_mode == _NONE:
                 # no body comes: prefill is taken as done at the head (no TTFT learned) and the end is
@@ -370,8 +363,8 @@ class Exchange:
             elif self.streaming:
                 self.meter = StreamMeter(sse)
                 self.lease.progress = self.meter.content_events   # tokens so far (the TPOT-SLO term)
-        resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, h.label if h else "none")]))))
+        label = h.label if h else "none"
+        resp = head_answer(label, False)
         if msg.end_of_stream:
             self.done = True
             self._end(True)
@@ -380,7 +373,7 @@ class Exchange:
             if self.eager and self.lease is not None:
                 self.head = resp   # the body comes without waiting: the head is answered with its end
                 return []
-            resp.mode_override.CopyFrom(WHOLE_ANSWER)   # Envoy's allow_mode_override (epp.envoy)
+            resp = head_answer(label, True)   # WHOLE_ANSWER: Envoy's allow_mode_override (epp.envoy)
         return [resp]
 
     def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -520,5 +513,5 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             ex.close()
 
 
-__all__ = ["ANSWER_KEEP", "CHUNK", "Exchange", "ExtProcServicer", "destination", "immediate", "route_answer",
+__all__ = ["ANSWER_KEEP", "CHUNK", "WHOLE_ANSWER", "Exchange", "ExtProcServicer", "destination", "immediate", "route_answer",
            "served_endpoint"]
