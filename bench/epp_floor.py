@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import struct
 
 from envoy.config.core.v3 import base_pb2
@@ -31,6 +32,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.envoy import HEADER
 
+#: ``FLOOR_NO_TRAILERS=1``: no stream is ended by the picker (no trailers): Envoy resets each
+#: ext_proc stream itself once its request is over, trailers or not (``bench.gateway --floor no-trailers``)
+NO_TRAILERS = bool(os.environ.get("FLOOR_NO_TRAILERS"))
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 WINDOW = (1 << 31) - 1
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0, 1, 3, 4, 6, 7
@@ -205,7 +209,8 @@ class FloorConnection(asyncio.Protocol):
                     out.append(frame(HEADERS, END_HEADERS, sid, HEAD_BLOCK))
                 out.append(frame(DATA, 0, sid, answer))
             if last:
-                out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, TRAILER_BLOCK))
+                if not NO_TRAILERS:
+                    out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, TRAILER_BLOCK))
                 self.streams.pop(sid, None)
                 return
 

@@ -38,6 +38,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,8 +108,15 @@ def _no_local_reply(cfg: dict, wport: int) -> None:
     _hcm(cfg).pop("local_reply_config", None)
 
 
-#: bootstrap changes for ``--floor VARIANT`` (each ``f(bootstrap dict, engine port)``, in place)
-VARIANTS = {"": lambda cfg, wport: None, "direct": _direct, "no-stats": _no_stats, "no-request-id": _no_request_id,
+def _no_trailers(cfg: dict, wport: int) -> dict[str, str]:
+    """The default bootstrap; the floor ends no stream with trailers (Envoy resets each itself)."""
+    return {"FLOOR_NO_TRAILERS": "1"}
+
+
+#: bootstrap changes for ``--floor VARIANT`` (each ``f(bootstrap dict, engine port)``, in place;
+#: it may return environment variables for bench.epp_floor)
+VARIANTS: dict[str, Callable[[dict, int], dict[str, str] | None]] = {"": lambda cfg, wport: None,
+            "no-trailers": _no_trailers, "direct": _direct, "no-stats": _no_stats, "no-request-id": _no_request_id,
             "no-metadata": _no_metadata, "access-log": _access_log, "request-only": _request_only,
             "no-local-reply": _no_local_reply}
 
@@ -285,13 +293,13 @@ class Run:
         eport, port, admin = free_port(), free_port(), free_port()
         name = "envoy-only" if variant == "direct" else "floor" + (f"+{variant}" if variant else "")
         cfg = bootstrap(EnvoySettings(listen_port=port, admin_port=admin, epp_port=eport))
-        VARIANTS[variant](cfg, self.wport)
+        env = VARIANTS[variant](cfg, self.wport)
         path = os.path.join(self.d, f"envoy-{name}.yaml")
         Path(path).write_text(yaml.safe_dump(cfg, sort_keys=False))
         pids = []
         if variant != "direct":
             floor = self.start([sys.executable, "-m", "bench.epp_floor", "--port", str(eport),
-                                "--endpoint", f"127.0.0.1:{self.wport}"], f"{name}.log")
+                                "--endpoint", f"127.0.0.1:{self.wport}"], f"{name}.log", env=env)
             wait_for_port(eport, timeout=30)
             pids.append(floor.pid)
         conc = ["--concurrency", str(self.a.envoy_concurrency)] if self.a.envoy_concurrency else []
