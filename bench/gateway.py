@@ -108,6 +108,12 @@ def _no_local_reply(cfg: dict, wport: int) -> None:
     _hcm(cfg).pop("local_reply_config", None)
 
 
+def _runtime(flags: dict[str, bool]) -> Callable[[dict, int], None]:
+    def apply(cfg: dict, wport: int) -> None:
+        cfg["layered_runtime"] = {"layers": [{"name": "static", "static_layer": dict(flags)}]}
+    return apply
+
+
 def _no_trailers(cfg: dict, wport: int) -> dict[str, str]:
     """The default bootstrap; the floor ends no stream with trailers (Envoy resets each itself)."""
     return {"FLOOR_NO_TRAILERS": "1"}
@@ -116,7 +122,9 @@ def _no_trailers(cfg: dict, wport: int) -> dict[str, str]:
 #: bootstrap changes for ``--floor VARIANT`` (each ``f(bootstrap dict, engine port)``, in place;
 #: it may return environment variables for bench.epp_floor)
 VARIANTS: dict[str, Callable[[dict, int], dict[str, str] | None]] = {"": lambda cfg, wport: None,
-            "no-trailers": _no_trailers, "direct": _direct, "no-stats": _no_stats, "no-request-id": _no_request_id,
+            "no-trailers": _no_trailers,
+            # Envoy's HTTP/2 codec nghttp2 instead of oghttp2 (a runtime guard of Envoy 1.40)
+            "nghttp2": _runtime({"envoy.reloadable_features.http2_use_oghttp2": False}), "direct": _direct, "no-stats": _no_stats, "no-request-id": _no_request_id,
             "no-metadata": _no_metadata, "access-log": _access_log, "request-only": _request_only,
             "no-local-reply": _no_local_reply}
 
