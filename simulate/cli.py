@@ -47,6 +47,7 @@ from simulate.report import (
 from simulate.settings import (
     CLIENT_BOUNDS,
     DEFAULT_ATTAINMENT,
+    DEFAULT_STACK_OVERHEAD_S,
     DEFAULT_TPOT_S,
     DEFAULT_TTFT_BASE_S,
     DEFAULT_TTFT_PER_1K_S,
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="agents' publication period of engine state (dplb-worker-agent's default: 200)")
     c.add_argument("--latency-window-s", type=float, default=10.0,
                    help="age at which latency samples leave the slot windows (agent default: 10)")
+    c.add_argument("--stack-overhead-ms", type=float, default=DEFAULT_STACK_OVERHEAD_S * 1000.0,
+                   help="the stack's own time per request, from the router's dispatch to the engine "
+                        f"(default {DEFAULT_STACK_OVERHEAD_S * 1000.0:g}; the live test stack's: simulate.fidelity)")
     r = p.add_argument_group("routing")
     r.add_argument("--policy", default=None,
                    help=f"comma-separated policies to compare (of {', '.join(policy_names())}; default: the config's)")
@@ -270,7 +274,7 @@ def run_settings(ns: argparse.Namespace, reqs: list[TraceRequest], engines: list
         "seed": ns.seed, "state_interval_ms": ns.state_interval_ms, "latency_window_s": ns.latency_window_s,
         "api": ns.api, "config": ns.config, "oracle_prefix": ns.oracle_prefix, "events_prefix": ns.events_prefix,
         "events_pending_s": ns.events_pending_s, "client_max_tokens": ns.client_max_tokens,
-        "replicas": ns.replicas, "share_load_ms": ns.share_load_ms,
+        "replicas": ns.replicas, "share_load_ms": ns.share_load_ms, "stack_overhead_ms": ns.stack_overhead_ms,
         "routing_policy": cfg.routing_policy.model_dump(),
         "health_check_interval_ms": cfg.health_check.interval_ms,
         "heartbeat_timeout_ms": cfg.health_check.heartbeat_timeout_ms,
@@ -364,6 +368,8 @@ def _check_numbers(ns: argparse.Namespace) -> None:
         raise UsageError(f"--share-load-ms {ns.share_load_ms}: must be >= 0")
     if ns.latency_window_s < 0:
         raise UsageError(f"--latency-window-s {ns.latency_window_s}: must be >= 0")
+    if ns.stack_overhead_ms < 0:
+        raise UsageError(f"--stack-overhead-ms {ns.stack_overhead_ms}: must be >= 0")
 
 
 def _requests(ns: argparse.Namespace) -> tuple[list[TraceRequest], int | None]:
@@ -428,7 +434,7 @@ def _plan(ns: argparse.Namespace) -> tuple[_Plan, Figures, SimSettings]:
                        seed=ns.seed, load_points=ns.load_points, oracle_prefix=ns.oracle_prefix,
                        client_max_tokens=ns.client_max_tokens, replicas=ns.replicas,
                        events_prefix=ns.events_prefix, share_load_ms=ns.share_load_ms,
-                       events_pending_s=ns.events_pending_s,
+                       events_pending_s=ns.events_pending_s, stack_overhead_s=ns.stack_overhead_ms / 1000.0,
                        priorities=assign_mix(len(reqs), prio_mix, ns.seed + 1, 0) if prio_mix else None,
                        tenants=assign_mix(len(reqs), tenant_mix, ns.seed + 2, "") if tenant_mix else None)
     return plan, settings_json, base

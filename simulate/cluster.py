@@ -4,10 +4,13 @@ Events (virtual seconds; no sockets, no sleeping)::
 
     arrival i          the router routes request i through its real pipeline
                        (router.scheduling.Scheduler: eligibility → policy → Lease), the chosen
-                       engine queues it (sim_engine EngineCore.add_request; the router forwards
-                       straight to the engine; a request it can never serve is rejected with the
-                       engine's HTTP status, 400, which the router passes through unchanged); an
-                       idle engine starts a step at once
+                       engine queues it (sim_engine EngineCore.add_request; a request it can never
+                       serve is rejected with the engine's HTTP status, 400, which the router
+                       passes through unchanged); an idle engine starts a step at once
+    engine in i        with ``SimSettings.stack_overhead_s`` > 0 the engine gets request i that
+                       long after the router dispatched it (its lease taken): the live stack's own
+                       time per request (HTTP, relays, the router's and the engine's parsing), in
+                       its TTFT and in the router's learned prefill rate; 0: at the dispatch
     step end (k)       EngineCore.complete: tokens of the step; a request's first token passes
                        Lease.first_token(); a finished one feeds the slot's latency windows (live,
                        the agent derives them from the engine's own histograms at its next scrape)
@@ -30,8 +33,8 @@ Events (virtual seconds; no sockets, no sleeping)::
                        router's accounting changed) and agent tick, and every ``poll_ms`` while
                        requests wait, as the live router's poller does (simulate/admission.py)
 
-Ties at one instant: step ends, then agent ticks, router ticks, samples, admission timers, then
-arrivals.
+Ties at one instant: step ends, then agent ticks, router ticks, samples, admission timers,
+shared-load deliveries, requests reaching their engine, then arrivals.
 
 Information model, as live: the slot fields the engine owns (running, waiting, KV usage) change
 only at agent ticks (the agent is off the data path: it sees no request); the router's own
@@ -42,7 +45,8 @@ only the ``weighted`` policy reads them). The kernel reads the same kind of segm
 here (unique name, always unlinked), and judges heartbeats against the virtual clock: slot writers
 run with ``now_override_ns``, policies and the registry get ``clock=``.
 
-What is not modelled: network and router/agent CPU time (zero), HTTP retries (the sim engine
+What is not modelled: the stack's time apart from one fixed delay per request (``stack_overhead_s``:
+no queueing for the router's CPU, no dependence on the prompt's size), HTTP retries (the sim engine
 answers 400 only, which is never retried), probe failures, breaker trips, agent ``--max-queue``.
 
 Router replicas (``SimSettings.replicas`` R > 1, :mod:`simulate.replicas`): R routers behind a
@@ -105,7 +109,7 @@ from simulate.workload import (
 )
 from worker_agent.metrics import EngineMetrics
 
-STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE, ADMIT_TICK, SHARE = 0, 1, 2, 3, 4, 5
+STEP_END, AGENT_TICK, ROUTER_TICK, SAMPLE, ADMIT_TICK, SHARE, ENGINE_IN = 0, 1, 2, 3, 4, 5, 6
 
 
 class _Run:
@@ -220,7 +224,7 @@ class _Run:
         n, arr, heap, clock = self.n, self.arr, self.heap, self.clock
         share = self.share
         handlers = (self.step_end, self.agent_tick, self.router_tick, self.sample, self.admit_timer,
-                    share.deliver if share is not None else lambda t, k: None)
+                    share.deliver if share is not None else lambda t, k: None, self.engine_in)
         heappop = heapq.heappop
         inf = float("inf")
         i_next = 0
@@ -418,12 +422,24 @@ class _Run:
         self._rejected(i, status)
 
     def dispatch(self, i: int, lease: Lease, d: Decision, t: float) -> None:
-        """Request ``i`` routed (``lease`` taken on ``d.worker_id``): its engine queues it."""
+        """Request ``i`` routed (``lease`` taken on ``d.worker_id``): its engine queues it, at once or
+        ``stack_overhead_s`` later (:meth:`engine_in`)."""
+        self.worker[i] = d.worker_id
+        self.leases[i] = lease
+        if self.s.stack_overhead_s > 0:
+            self.push(t + self.s.stack_overhead_s, ENGINE_IN, i)
+        else:
+            self.engine_in(t, i)
+
+    def engine_in(self, t: float, i: int) -> None:
+        """Request ``i`` reaches its engine (the worker :meth:`dispatch` chose), which queues it or
+        rejects it with its HTTP status (its lease given back); an idle engine starts a step."""
         s = self.s
         r = self.reqs[i]
-        k = d.worker_id
+        k = self.worker[i]
         e = self.engines[k]
-        self.worker[i] = k
+        lease = self.leases[i]
+        assert lease is not None   # taken at dispatch
         e.stamp(self.now_ns())
         sreq = SimRequest(str(i), RenderedPrompt(r, s.api), r.output_length, e.core.config.block_size,  # type: ignore[arg-type]
                           sink=i, hashes=e.hasher.hashes(r))
@@ -431,9 +447,9 @@ class _Run:
             e.core.add_request(sreq, t)
         except SimEngineError as err:
             lease.release(now=t)
+            self.leases[i] = None
             self._rejected(i, err.status)
             return
-        self.leases[i] = lease
         if (oracle := self.replicas[self.via[i]].oracle) is not None and oracle.pending:
             oracle.pending[k].place(sreq.hashes, t)
             if self.share is not None:   # the other replicas see it through the store
@@ -489,7 +505,8 @@ class _Run:
                          waited=self._waited(),
                          priority=list(self.prios) if self.prios is not None
                          else [self.s.router.admission.default_priority] * self.n,
-                         tenant=list(self.tenants) if self.tenants is not None else [""] * self.n)
+                         tenant=list(self.tenants) if self.tenants is not None else [""] * self.n,
+                         prefill_rate=[float(self.segs[0].router_line(e.k)["prefill_rate"]) for e in self.engines])
 
     def _waited(self) -> list[float | None]:
         """Per request, its wait in the admission queue of the replica that took it."""

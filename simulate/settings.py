@@ -70,6 +70,11 @@ DEFAULT_TTFT_BASE_S = SMETRIC_TTFT_BASE_S
 DEFAULT_TTFT_PER_1K_S = 0.1
 DEFAULT_TPOT_S = 0.1
 DEFAULT_ATTAINMENT = (0.99, 0.90)
+#: the stack's own time per request that a simulated engine's TTFT leaves out (HTTP, the router's
+#: routing and relay, the engine's request parsing), seconds: 0 by default (the figures are the
+#: engines' and the router's decisions alone). The live test stack's, measured:
+#: :data:`simulate.fidelity.LIVE_STACK_OVERHEAD_S`; ``--stack-overhead-ms`` sets a deployment's.
+DEFAULT_STACK_OVERHEAD_S = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,10 @@ class SimSettings:
     #: (``router.admission``, on unless ``router.admission.enabled`` is false)
     priorities: list[int] | None = None
     tenants: list[str] | None = None
+    #: seconds between the router's dispatch of a request (its lease taken) and the engine
+    #: receiving it: the stack's own time per request, which a live TTFT includes and the router's
+    #: learned prefill rate sees (:data:`DEFAULT_STACK_OVERHEAD_S`; 0: none)
+    stack_overhead_s: float = DEFAULT_STACK_OVERHEAD_S
 
 
 @dataclass
@@ -178,3 +187,6 @@ class RunResult:
     waited: list[float | None] = field(default_factory=list)
     priority: list[int] = field(default_factory=list)
     tenant: list[str] = field(default_factory=list)
+    #: per engine, the prefill rate the router (replica 0) had learned at the end, tokens per
+    #: simulated second (0: none learned; router/accounting.py)
+    prefill_rate: list[float] = field(default_factory=list)

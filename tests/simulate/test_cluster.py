@@ -263,3 +263,30 @@ def test_router_config_reaches_the_policy(tmp_path):
     cfg = Config.model_validate({"routing_policy": {"cache_threshold": 1.0}})
     b = _run(reqs, "cache_aware", 4, rate_scale=2, router=cfg)[1]
     assert a["per_engine"]["requests"] != b["per_engine"]["requests"]
+
+
+def test_stack_overhead_delays_each_request_to_its_engine_and_the_router_learns_from_it():
+    """``stack_overhead_s``: the engine gets each request that long after the router dispatched it
+    (its lease taken), so every TTFT carries it and the router's learned prefill rate, which sees
+    dispatch to first token, comes out lower (the live router's, simulate.fidelity)."""
+    # spaced requests (1 s apart, 2 engines, 4-8k new tokens each): no queueing, every one learnt from
+    reqs = [_req(i, 1000.0 * i, 4096 + 512 * (i % 8), 4) for i in range(24)]
+    base, _ = _run(reqs, n=2, seed=1)
+    slow, fig = _run(reqs, n=2, seed=1, stack_overhead_s=0.05)
+    assert fig["served"] == len(reqs)
+    for i in range(len(reqs)):
+        # the engine schedules it 0.05 s later (its queue time counts from the client's arrival)
+        assert slow.queue[i] >= 0.05 - 1e-9
+        assert slow.ttft[i] == pytest.approx(base.ttft[i] + 0.05, abs=0.01)
+    learned = [r for r in base.prefill_rate if r > 0]
+    assert learned and all(0 < s < b for s, b in zip(slow.prefill_rate, base.prefill_rate) if b > 0)
+
+
+def test_stack_overhead_flag_reaches_the_settings(tmp_path):
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, "-m", "simulate", "--trace", str(TRACE), "--requests", "20", "--engines", "2",
+                    "--progress", "off", "--stack-overhead-ms", "40", "--json-out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT, timeout=240)
+    row = json.loads(out.read_text())[0]
+    assert row["settings"]["stack_overhead_ms"] == 40.0
+    assert row["queue_s"]["p50"] >= 0.04
