@@ -13,13 +13,15 @@ the ``dplb`` policy's estimated TTFT on the worker it chose (``Decision.ttft_s``
 off: queue ahead + own prefill, whose queued prefill is the segment's shared accounting of every
 router process and counts the engine's waiting requests, the decode steps sharing them, and the
 KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
-worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`). A
-decode there already pacing above ``tpot_slo_s`` (:func:`router.admission_rule.pacing_over`: the batch is full for its
-SLO) holds the request when at least half the eligible workers have one (the cluster has no TPOT
-room), when a waiting request went late or was shed for its budget within ``reserve_window_s``
-(:meth:`AdmissionQueue.shedding`: past capacity), or when the request fills only the reserve
-(below): a burst on a minority of workers is not saturation, and holding for it would cost TTFT
-below capacity without saving its decodes. The cluster has room for a request when that estimate is within ``headroom`` × the
+worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`), in a
+sustained backlog (:meth:`AdmissionQueue.backlogged`) or for a request that fills only the reserve
+(below); there a decode already pacing above ``tpot_slo_s``
+(:func:`router.admission_rule.pacing_over`: the batch is full for its SLO) also holds the request
+when at least half the eligible workers have one (the cluster has no TPOT room), when a waiting
+request went late or was shed for its budget within ``reserve_window_s``
+(:meth:`AdmissionQueue.shedding`), or when the request fills only the reserve. Below capacity the
+TPOT holds cost TTFT without saving the decodes (a hold at the capacity rate raised TTFT p99 0.68
+-> 2.56 s on the agentic workload, bench/results/admission.md round 6). The cluster has room for a request when that estimate is within ``headroom`` × the
 request's TTFT budget (``ttft_slo_base_s + ttft_slo_per_1k_s × prompt tokens / 1000``; for a
 request that fills only the reserve of a higher class, at most that class's typical budget,
 :meth:`AdmissionQueue.room_budget`); when every worker is above the KV threshold (decision
