@@ -14,8 +14,8 @@ off: queue ahead + own prefill, whose queued prefill is the segment's shared acc
 router process and counts the engine's waiting requests, the decode steps sharing them, and the
 KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
 worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`), in a
-sustained backlog (:meth:`AdmissionQueue.backlogged`) or for a request that fills only the reserve
-(below); there a decode already pacing above ``tpot_slo_s``
+sustained backlog (:meth:`AdmissionQueue.backlogged`), while two classes are active
+(:meth:`AdmissionQueue.classes_mixed`) or for a request that fills only the reserve (below); there a decode already pacing above ``tpot_slo_s``
 (:func:`router.admission_rule.pacing_over`: the batch is full for its SLO) also holds the request
 when at least half the eligible workers have one (the cluster has no TPOT room), when a waiting
 request went late or was shed for its budget within ``reserve_window_s``
@@ -304,6 +304,13 @@ class AdmissionQueue(Generic[P]):
             if p > t.priority and seen >= horizon:
                 budget = min(budget, cfg.ttft_budget_s(int(self._ptok.get(p, 0.0))))
         return budget
+
+    def classes_mixed(self, now: float) -> bool:
+        """Whether requests of more than one priority class arrived within the last
+        ``reserve_window_s``: a lower class is then held to its reserve, and the TPOT holds of
+        :func:`router.admission_rule.judge_route` protect the higher class's decodes at any load."""
+        horizon = now - self.cfg.reserve_window_s
+        return sum(1 for seen in self._seen.values() if seen >= horizon) > 1
 
     def backlogged(self, now: float) -> bool:
         """Whether requests have waited without a break for ``late_backlog_s`` or longer: the
