@@ -14,8 +14,8 @@ off: queue ahead + own prefill, whose queued prefill is the segment's shared acc
 router process and counts the engine's waiting requests, the decode steps sharing them, and the
 KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
 worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`), in a
-sustained backlog (:meth:`AdmissionQueue.backlogged`), while two classes are active
-(:meth:`AdmissionQueue.classes_mixed`) or for a request that fills only the reserve (below); there a decode already pacing above ``tpot_slo_s``
+sustained backlog (:meth:`AdmissionQueue.backlogged`), while the reserve is in force
+(:meth:`AdmissionQueue.rationed`) or for a request that fills only the reserve (below); there a decode already pacing above ``tpot_slo_s``
 (:func:`router.admission_rule.pacing_over`: the batch is full for its SLO) also holds the request
 when at least half the eligible workers have one (the cluster has no TPOT room), when a waiting
 request went late or was shed for its budget within ``reserve_window_s``
@@ -305,12 +305,22 @@ class AdmissionQueue(Generic[P]):
                 budget = min(budget, cfg.ttft_budget_s(int(self._ptok.get(p, 0.0))))
         return budget
 
-    def classes_mixed(self, now: float) -> bool:
-        """Whether requests of more than one priority class arrived within the last
-        ``reserve_window_s``: a lower class is then held to its reserve, and the TPOT holds of
-        :func:`router.admission_rule.judge_route` protect the higher class's decodes at any load."""
+    def rationed(self, now: float) -> bool:
+        """Whether the reserve is in force (:meth:`headroom`): requests of more than one priority
+        class arrived within the last ``reserve_window_s``, or a tenant had more than
+        :data:`OVER_SHARE` × its fair share of its class's dispatches in that window. The TPOT holds
+        of :func:`router.admission_rule.judge_route` then protect the decodes of the higher class
+        and of the tenants within their share at any load."""
         horizon = now - self.cfg.reserve_window_s
-        return sum(1 for seen in self._seen.values() if seen >= horizon) > 1
+        if sum(1 for seen in self._seen.values() if seen >= horizon) > 1:
+            return True
+        for prio, counts in self._recent_n.items():
+            if len(counts) > 1:
+                self._trim(prio, horizon)
+                total = sum(counts.values())
+                if len(counts) > 1 and total and max(counts.values()) * len(counts) > OVER_SHARE * total:
+                    return True
+        return False
 
     def backlogged(self, now: float) -> bool:
         """Whether requests have waited without a break for ``late_backlog_s`` or longer: the

@@ -64,8 +64,8 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     ``full`` (no room whatever the estimate): every offered worker above the KV threshold
     (decision reason ``kv_full``), or, for a policy that estimates no TTFT, the chosen worker's
     router in-flight count (read live from the segment) at its ``max_num_seqs``, or one of the TPOT
-    holds, which apply only in a sustained backlog (:meth:`AdmissionQueue.backlogged`), while two
-    classes are active (:meth:`AdmissionQueue.classes_mixed`) or to a ``t`` that fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``): the
+    holds, which apply only in a sustained backlog (:meth:`AdmissionQueue.backlogged`), while the
+    reserve is in force (:meth:`AdmissionQueue.rationed`) or to a ``t`` that fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``): the
     request's prefill would push a decode in flight there over its TPOT bound
     (``Decision.slo_victims``), or a decode there already paces above ``tpot_slo_s``
     (``reserve_pace`` × it for a lower class while a higher one is active; :func:`pacing_over`) and
@@ -93,14 +93,17 @@ def _judge(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[
         return HOLD, h, None
     cluster = d.reason == "kv_full"   # no room on any worker (else: none on the chosen one)
     reserve = q.headroom(t.priority, now, t.tenant) < q.cfg.headroom
-    # TPOT holds only for a request that fills only the reserve, in a sustained backlog (past
-    # capacity, :meth:`AdmissionQueue.backlogged`) or while two classes are active (they protect the
-    # higher class's decodes: without them agentic's high class at 2x capacity fell 0.950 ->
-    # 0.936); in one class below capacity the request goes where the policy
+    # TPOT holds (checked only when a decode on the chosen worker paces near its bound or would be
+    # pushed over) only for a request that fills only the reserve, in a sustained backlog (past
+    # capacity, :meth:`AdmissionQueue.backlogged`) or while the reserve is in force for a lower
+    # class or a tenant above its share (:meth:`AdmissionQueue.rationed`: they protect the higher
+    # class's and the light tenants' decodes; without them agentic's high class at 2x capacity
+    # fell 0.950 -> 0.936, a light tenant 0.956 -> 0.933); otherwise the request goes where the policy
     # chose (which priced the TPOT victims already): a hold there turns into TTFT, more than the
     # TPOT it saves is worth (agentic, 4 engines, at the capacity rate: TTFT p99 0.68 s with
     # admission off, 2.56 s with these holds at any time; bench/results/admission.md, round 6)
-    tpot_holds = reserve or q.backlogged(now) or q.classes_mixed(now)
+    near = d.slo_victims > 0 or pacing_over(sched.decodes.requests(h.worker_id), q.cfg.tpot_slo_s * q.cfg.reserve_pace)
+    tpot_holds = not cluster and near and (reserve or q.backlogged(now) or q.rationed(now))
     full = cluster or (d.slo_victims > 0 and tpot_holds)
     if not full and tpot_holds:
         tpot, decodes = q.cfg.tpot_slo_s, sched.decodes

@@ -426,8 +426,9 @@ def test_below_capacity_a_decode_the_request_would_push_over_does_not_hold_it():
     chosen worker over its TPOT bound (``slo_victims``: the policy priced that victim when it
     chose) goes there: a hold below capacity turned into TTFT (agentic, 4 engines, at the capacity
     rate: TTFT p99 0.68 s with admission off, 2.56 s with the TPOT holds; bench/results/admission.md,
-    round 6). In a sustained backlog (past capacity), or while two classes are active, it waits
-    for that worker, as before. On the old rule it was held at once."""
+    round 6). In a sustained backlog (past capacity), or while the reserve is in force (two
+    classes, a tenant above its share), it waits for that worker, as before. On the old rule it
+    was held at once."""
     from router.admission_rule import judge_route
     from router.policies.base import RequestInfo
 
@@ -440,12 +441,25 @@ def test_below_capacity_a_decode_the_request_would_push_over_does_not_hold_it():
     b = _backlogged()
     assert judge_route(b, victim, info, b.ticket("b", 9.0, prompt_tokens=100), 9.0)[0] == GO
     assert judge_route(b, victim, info, b.ticket("c", 10.0, prompt_tokens=100), 10.0)[0] == HOLD
-    # with two classes active the holds apply at any load: a lower class fills only the reserve
+    # with two classes active the reserve is in force and the holds apply at any load: a lower class fills only the reserve
     # (it waits at once), the higher class's request waits for its worker
     q.ticket("hi", 0.0, prompt_tokens=100, priority=1)
     assert judge_route(q, victim, info, q.ticket("lo", 0.0, prompt_tokens=100, priority=0), 0.0)[0] == WAIT
     assert judge_route(q, victim, info, q.ticket("hi2", 0.0, prompt_tokens=100, priority=1), 0.0)[0] == HOLD
     assert judge_route(q, victim, info, q.ticket("hi3", 11.0, prompt_tokens=100, priority=1), 11.0)[0] == GO
+    # and while a tenant is above its fair share: the light tenant's request waits for its worker
+    qt: AdmissionQueue[str] = AdmissionQueue(cfg())
+    for i, ten in enumerate(["heavy"] * 4 + ["light"]):
+        qt.record(qt.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
+    assert qt.rationed(0.0)
+    assert judge_route(qt, victim, info, qt.ticket("l", 0.0, prompt_tokens=100, tenant="light"), 0.0)[0] == HOLD
+    assert not qt.rationed(11.0)             # reserve_window_s later
+    # two tenants within their shares: no reserve in force, the request goes
+    qe: AdmissionQueue[str] = AdmissionQueue(cfg())
+    for i, ten in enumerate(["a", "b"] * 3):
+        qe.record(qe.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
+    assert not qe.rationed(0.0)
+    assert judge_route(qe, victim, info, qe.ticket("x", 0.0, prompt_tokens=100, tenant="a"), 0.0)[0] == GO
 
 
 def test_a_lower_class_fills_a_quarter_of_the_headroom_a_tenant_above_its_share_half():
