@@ -6,6 +6,7 @@ ending with its connection as RFC 9112 §6.3 says)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import deque
@@ -32,12 +33,21 @@ def running_loop() -> asyncio.AbstractEventLoop:
     3.11's makes a ``getpid()`` call each time (3.12 dropped the check; strace on the router at
     300 tiny requests/s: 1.6 per request, bench/results/long-prompts.md round 5). The loop found
     last in this thread is returned while it runs (one loop at a time runs in a thread, so a
-    running loop found here is this thread's); otherwise asyncio's lookup, whose RuntimeError
-    (no running loop) passes through."""
+    running loop found here is this thread's; a forked child forgets it); otherwise asyncio's
+    lookup, whose RuntimeError (no running loop) passes through."""
     loop: asyncio.AbstractEventLoop | None = getattr(_LOOPS, "loop", None)
     if loop is None or not loop.is_running():
         loop = _LOOPS.loop = asyncio.get_running_loop()
     return loop
+
+
+def _forget_loop() -> None:
+    # a child forked while a loop ran: its copy of that loop still reads as running, but never
+    # runs there (asyncio's own lookup checks getpid() for this case; here the fork says it once)
+    _LOOPS.loop = None
+
+
+os.register_at_fork(after_in_child=_forget_loop)
 
 
 def endpoint_url(endpoint: str) -> str:

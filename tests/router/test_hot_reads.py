@@ -90,3 +90,27 @@ def test_a_plain_request_id_is_what_field_makes_of_it() -> None:
         assert _plain_id(s) and field(s) == s
     assert not _plain_id("x" * (MAX_FIELD + 1)) and field("x" * (MAX_FIELD + 1)) != "x" * (MAX_FIELD + 1)
     assert seen[True] > 100 and seen[False] > 100
+
+
+def test_running_loop_in_a_child_forked_while_a_loop_ran() -> None:
+    """A child forked while its parent's loop ran (the parent's running_loop() had found that loop)
+    runs a loop of its own: running_loop() there is the child's loop, as asyncio's own lookup says
+    (CPython's getpid() check exists for this case), not the parent's copy, which never runs there."""
+    import os
+
+    async def parent() -> int:
+        running_loop()   # the parent's loop is now this thread's cached one
+        pid = os.fork()
+        if pid == 0:   # the child: its own loop; exit status 0 only if the lookup is that loop
+            code = 1
+            try:
+                async def child() -> bool:
+                    return running_loop() is asyncio.get_running_loop()
+                code = 0 if asyncio.run(child()) else 3
+            finally:
+                os._exit(code)
+        return pid
+
+    pid = asyncio.run(parent())
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
