@@ -13,15 +13,13 @@ the ``dplb`` policy's estimated TTFT on the worker it chose (``Decision.ttft_s``
 off: queue ahead + own prefill, whose queued prefill is the segment's shared accounting of every
 router process and counts the engine's waiting requests, the decode steps sharing them, and the
 KV barrier that prices KV use), as long as dispatching it pushes no decode in flight on that
-worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`), in a
-sustained backlog (:meth:`AdmissionQueue.backlogged`), while the reserve is in force
-(:meth:`AdmissionQueue.rationed`) or for a request that fills only the reserve (below); there a decode already pacing above ``tpot_slo_s``
-(:func:`router.admission_rule.pacing_over`: the batch is full for its SLO) also holds the request
-when at least half the eligible workers have one (the cluster has no TPOT room), when a waiting
-request went late or was shed for its budget within ``reserve_window_s``
-(:meth:`AdmissionQueue.shedding`), or when the request fills only the reserve. Below capacity the
-TPOT holds cost TTFT without saving the decodes (a hold at the capacity rate raised TTFT p99 0.68
--> 2.56 s on the agentic workload, bench/results/admission.md round 6). The cluster has room for a request when that estimate is within ``headroom`` × the
+worker over its TPOT bound (``Decision.slo_victims``, :mod:`router.policies.tpot_slo`). A
+decode there already pacing above ``tpot_slo_s`` (:func:`router.admission_rule.pacing_over`: the batch is full for its
+SLO) holds the request when at least half the eligible workers have one (the cluster has no TPOT
+room), when a waiting request went late or was shed for its budget within ``reserve_window_s``
+(:meth:`AdmissionQueue.shedding`: past capacity), or when the request fills only the reserve
+(below): a burst on a minority of workers is not saturation, and holding for it would cost TTFT
+below capacity without saving its decodes. The cluster has room for a request when that estimate is within ``headroom`` × the
 request's TTFT budget (``ttft_slo_base_s + ttft_slo_per_1k_s × prompt tokens / 1000``; for a
 request that fills only the reserve of a higher class, at most that class's typical budget,
 :meth:`AdmissionQueue.room_budget`); when every worker is above the KV threshold (decision
@@ -304,23 +302,6 @@ class AdmissionQueue(Generic[P]):
             if p > t.priority and seen >= horizon:
                 budget = min(budget, cfg.ttft_budget_s(int(self._ptok.get(p, 0.0))))
         return budget
-
-    def rationed(self, now: float) -> bool:
-        """Whether the reserve is in force (:meth:`headroom`): requests of more than one priority
-        class arrived within the last ``reserve_window_s``, or a tenant had more than
-        :data:`OVER_SHARE` × its fair share of its class's dispatches in that window. The TPOT holds
-        of :func:`router.admission_rule.judge_route` then protect the decodes of the higher class
-        and of the tenants within their share at any load."""
-        horizon = now - self.cfg.reserve_window_s
-        if sum(1 for seen in self._seen.values() if seen >= horizon) > 1:
-            return True
-        for prio, counts in self._recent_n.items():
-            if len(counts) > 1:
-                self._trim(prio, horizon)
-                total = sum(counts.values())
-                if len(counts) > 1 and total and max(counts.values()) * len(counts) > OVER_SHARE * total:
-                    return True
-        return False
 
     def backlogged(self, now: float) -> bool:
         """Whether requests have waited without a break for ``late_backlog_s`` or longer: the

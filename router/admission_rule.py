@@ -62,15 +62,13 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     the queue).
 
     ``full`` (no room whatever the estimate): every offered worker above the KV threshold
-    (decision reason ``kv_full``), or, for a policy that estimates no TTFT, the chosen worker's
-    router in-flight count (read live from the segment) at its ``max_num_seqs``, or one of the TPOT
-    holds, which apply only in a sustained backlog (:meth:`AdmissionQueue.backlogged`), while the
-    reserve is in force (:meth:`AdmissionQueue.rationed`) or to a ``t`` that fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``): the
-    request's prefill would push a decode in flight there over its TPOT bound
-    (``Decision.slo_victims``), or a decode there already paces above ``tpot_slo_s``
-    (``reserve_pace`` × it for a lower class while a higher one is active; :func:`pacing_over`) and
-    either at least half the eligible workers have one (the cluster has no TPOT room), or the queue
-    is shedding (:meth:`AdmissionQueue.shedding`), or ``t`` fills only the reserve."""
+    (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
+    its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
+    ``tpot_slo_s`` (``reserve_pace`` × it for a lower class while a higher one is active,
+    :meth:`AdmissionQueue.headroom`; :func:`pacing_over`) and either at least half the eligible workers have one
+    (the cluster has no TPOT room), or the queue is shedding (:meth:`AdmissionQueue.shedding`), or
+    ``t`` fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``), or, for a policy that estimates no TTFT, the chosen worker's router in-flight
+    count (read live from the segment) at its ``max_num_seqs``."""
     v, h, d = _judge(q, sched, info, t, now, exclude, True)
     share = q.cfg.reroute_after
     if v == HOLD and h is not None and share > 0 and now - t.arrival >= share * t.ttft_budget:
@@ -91,34 +89,24 @@ def _judge(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[
     h, d = sched.decide(info, exclude)
     if h.worker_id in q.held:   # a request ahead waits for this worker: no overtaking it there
         return HOLD, h, None
+    full = d.reason == "kv_full" or d.slo_victims > 0
     cluster = d.reason == "kv_full"   # no room on any worker (else: none on the chosen one)
     reserve = q.headroom(t.priority, now, t.tenant) < q.cfg.headroom
-    # TPOT holds (checked only when a decode on the chosen worker paces near its bound or would be
-    # pushed over) only for a request that fills only the reserve, in a sustained backlog (past
-    # capacity, :meth:`AdmissionQueue.backlogged`) or while the reserve is in force for a lower
-    # class or a tenant above its share (:meth:`AdmissionQueue.rationed`: they protect the higher
-    # class's and the light tenants' decodes; without them agentic's high class at 2x capacity
-    # fell 0.950 -> 0.936, a light tenant 0.956 -> 0.933); otherwise the request goes where the policy
-    # chose (which priced the TPOT victims already): a hold there turns into TTFT, more than the
-    # TPOT it saves is worth (agentic, 4 engines, at the capacity rate: TTFT p99 0.68 s with
-    # admission off, 2.56 s with these holds at any time; bench/results/admission.md, round 6)
-    near = d.slo_victims > 0 or pacing_over(sched.decodes.requests(h.worker_id), q.cfg.tpot_slo_s * q.cfg.reserve_pace)
-    tpot_holds = not cluster and near and (reserve or q.backlogged(now) or q.rationed(now))
-    full = cluster or (d.slo_victims > 0 and tpot_holds)
-    if not full and tpot_holds:
+    if not full:
         tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
         lower = reserve and q.headroom(t.priority, now) < q.cfg.headroom   # a lower class (not a tenant)
         if pacing_over(decodes.requests(h.worker_id), tpot * (q.cfg.reserve_pace if lower else 1.0)):
             # the chosen worker's batch paces above its TPOT bound: a request that fills only the
             # reserve (lower class, tenant above its share) waits for it, and so does any request
-            # while the queue has shed one for its deadline or budget lately; otherwise it waits
-            # only when at least half the eligible workers pace over (the cluster has no TPOT
-            # room). A minority pacing over is a burst the others' room absorbs: holding for it
-            # turns into TTFT without saving the decodes there (a pace is a mean since the first
-            # token, slow to fall back), and re-routing would give up the prefix the policy chose
-            # the worker for. Measured (agentic, 4 engines, bench/results/admission.md): holding
-            # for the chosen worker alone raised TTFT p99 at 0.8x capacity 0.76 -> 1.27 s; holding
-            # only when every worker paces over let goodput at 1.5x capacity fall to 0.75x the peak.
+            # while the queue has shed one for its deadline or budget lately (past capacity);
+            # otherwise it waits only when at least half the eligible workers pace over (the
+            # cluster has no TPOT room). A minority pacing over is a burst the others' room
+            # absorbs: holding for it turns into TTFT below capacity without saving the decodes
+            # there (a pace is a mean since the first token, slow to fall back), and re-routing
+            # would give up the prefix the policy chose the worker for. Measured (agentic, 4
+            # engines, bench/results/admission.md): holding for the chosen worker alone raised
+            # TTFT p99 at 0.8x capacity 0.76 -> 1.27 s; holding only when every worker paces over
+            # let goodput at 1.5x capacity fall to 0.75x the peak.
             if reserve or q.shedding(now):
                 full = True
             else:

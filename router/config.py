@@ -323,8 +323,7 @@ class AdmissionSection(_Strict):
     reserve_window_s: float = Field(default=10.0, ge=0)
     ttft_slo_base_s: float = Field(default=1.0, gt=0)
     ttft_slo_per_1k_s: float = Field(default=0.1, ge=0)
-    tpot_slo_s: float = Field(default=0.1, ge=0, description="in a sustained backlog (late_backlog_s), a worker whose "
-                                                             "decodes pace above this has no room (0: off)")
+    tpot_slo_s: float = Field(default=0.1, ge=0, description="a worker whose decodes pace above this has no room (0: off)")
     queue_budget_s: float = Field(default=30.0, gt=0, le=3600)
     default_priority: int = Field(default=0, ge=-1000, le=1000)
     classes: dict[int, AdmissionClass] = Field(default_factory=dict)
@@ -333,9 +332,8 @@ class AdmissionSection(_Strict):
                                 description="a spell without room shorter than this (and no hold within reserve_window_s) "
                                             "binds requests on arrival, as without the queue (0: always hold)")
     late_backlog_s: float = Field(default=10.0, ge=0, le=3600,
-                                  description="shed_late answers 429, and the TPOT holds apply, only once requests have "
-                                              "waited without a break this long (a sustained backlog); before, a late request "
-                                              "waits behind those on time")
+                                  description="shed_late answers 429 only once requests have waited without a break this "
+                                              "long (a sustained backlog); before, a late request waits behind those on time")
     max_queue: int = Field(default=10_000, ge=1, le=10_000_000)
     tenant_header: str = "x-dplb-tenant"
     poll_ms: float = Field(default=20.0, gt=0, le=10_000)

@@ -383,83 +383,35 @@ PACING_OVER = (200, 20, 5.0)
 PACING_FINE = (200, 20, 1.0)
 
 
-def _backlogged(**kw: object) -> AdmissionQueue[str]:
-    """A queue with one request that has waited since 0 s (``late_backlog_s`` 10 s: a sustained
-    backlog from 10 s on; ``shed_late`` off so that it stays)."""
-    q: AdmissionQueue[str] = AdmissionQueue(cfg(shed_late=False, **kw))
-    q.offer(q.ticket("waiting", 0.0, prompt_tokens=100))
-    return q
-
-
-def test_a_worker_pacing_over_holds_only_in_a_sustained_backlog_or_for_the_reserve():
+def test_a_worker_pacing_over_holds_only_when_the_cluster_is_saturated_or_for_the_reserve():
     from router.admission_rule import judge_route
     from router.policies.base import RequestInfo
 
     info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
     q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    # worker 0 (the policy's choice) paces over, workers 1 and 2 have TPOT room: the request goes
+    # where the policy chose (no hold: the burst is one worker's, the cluster has room)
     burst = _Sched({0: [PACING_OVER], 1: [PACING_FINE]})
-    saturated = _Sched({0: [PACING_OVER], 1: [PACING_OVER]})
     t = q.ticket("a", 0.0, prompt_tokens=100)
-    # no backlog (below capacity): the request goes, whether one worker or most pace over
     assert judge_route(q, burst, info, t, 0.0)[0] == GO
-    assert judge_route(q, saturated, info, t, 0.0)[0] == GO
-    # in a sustained backlog, two of three workers pacing over: the cluster has no TPOT room
-    b = _backlogged()
-    t2 = b.ticket("b", 10.0, prompt_tokens=100)
-    assert judge_route(b, saturated, info, t2, 10.0)[0] == WAIT
-    assert judge_route(b, burst, info, t2, 10.0)[0] == GO
-    # ... and while a request was shed for its budget within reserve_window_s, a burst holds too
-    # (HOLD: one routed elsewhere may go meanwhile), until 10 s after the shed
-    b.offer(b.ticket("short", 0.0, prompt_tokens=100, budget_s=1.0))
-    assert [x.payload for x, _ in b.expire(10.0).shed] == ["short"]
-    assert judge_route(b, burst, info, b.ticket("c", 10.5, prompt_tokens=100), 10.5)[0] == HOLD
-    assert judge_route(b, burst, info, b.ticket("d", 21.0, prompt_tokens=100), 21.0)[0] == GO
+    # two of three workers pace over: the cluster has no TPOT room, the request waits
+    saturated = _Sched({0: [PACING_OVER], 1: [PACING_OVER]})
+    assert judge_route(q, saturated, info, t, 0.0)[0] == WAIT
+    # past capacity (a request was just shed for its budget) the burst holds too, for a while: the
+    # request waits for its worker (HOLD: one routed elsewhere may go meanwhile)
+    shed = AdmissionQueue[str](cfg(queue_budget_s=1.0))
+    old = shed.ticket("old", 0.0, prompt_tokens=100)
+    shed.offer(old)
+    assert shed.expire(1.0).shed == [(old, BUDGET)]
+    t2 = shed.ticket("b", 1.0, prompt_tokens=100)
+    assert judge_route(shed, burst, info, t2, 1.0)[0] == HOLD
+    t3 = shed.ticket("c", 12.0, prompt_tokens=100)     # reserve_window_s (10 s) later
+    assert judge_route(shed, burst, info, t3, 12.0)[0] == GO
     # a lower class while a higher one is active fills only the reserve: it waits for worker 0
     q.ticket("hi", 0.0, prompt_tokens=100, priority=1)
     low = q.ticket("lo", 0.0, prompt_tokens=100, priority=0)
     assert judge_route(q, burst, info, low, 0.0)[0] == WAIT
     assert judge_route(q, _Sched({0: [PACING_FINE]}), info, low, 0.0)[0] == GO
-
-
-def test_below_capacity_a_decode_the_request_would_push_over_does_not_hold_it():
-    """Below capacity (no sustained backlog) a request whose prefill would push a decode on the
-    chosen worker over its TPOT bound (``slo_victims``: the policy priced that victim when it
-    chose) goes there: a hold below capacity turned into TTFT (agentic, 4 engines, at the capacity
-    rate: TTFT p99 0.68 s with admission off, 2.56 s with the TPOT holds; bench/results/admission.md,
-    round 6). In a sustained backlog (past capacity), or while the reserve is in force (two
-    classes, a tenant above its share), it waits for that worker, as before. On the old rule it
-    was held at once."""
-    from router.admission_rule import judge_route
-    from router.policies.base import RequestInfo
-
-    info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
-    victim = _Sched({0: [PACING_FINE]})
-    victim.decision.slo_victims = 1
-    q: AdmissionQueue[str] = AdmissionQueue(cfg())
-    v, h, d = judge_route(q, victim, info, q.ticket("a", 0.0, prompt_tokens=100), 0.0)
-    assert (v, h.worker_id, d.slo_victims) == (GO, 0, 1)
-    b = _backlogged()
-    assert judge_route(b, victim, info, b.ticket("b", 9.0, prompt_tokens=100), 9.0)[0] == GO
-    assert judge_route(b, victim, info, b.ticket("c", 10.0, prompt_tokens=100), 10.0)[0] == HOLD
-    # with two classes active the reserve is in force and the holds apply at any load: a lower class fills only the reserve
-    # (it waits at once), the higher class's request waits for its worker
-    q.ticket("hi", 0.0, prompt_tokens=100, priority=1)
-    assert judge_route(q, victim, info, q.ticket("lo", 0.0, prompt_tokens=100, priority=0), 0.0)[0] == WAIT
-    assert judge_route(q, victim, info, q.ticket("hi2", 0.0, prompt_tokens=100, priority=1), 0.0)[0] == HOLD
-    assert judge_route(q, victim, info, q.ticket("hi3", 11.0, prompt_tokens=100, priority=1), 11.0)[0] == GO
-    # and while a tenant is above its fair share: the light tenant's request waits for its worker
-    qt: AdmissionQueue[str] = AdmissionQueue(cfg())
-    for i, ten in enumerate(["heavy"] * 4 + ["light"]):
-        qt.record(qt.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
-    assert qt.rationed(0.0)
-    assert judge_route(qt, victim, info, qt.ticket("l", 0.0, prompt_tokens=100, tenant="light"), 0.0)[0] == HOLD
-    assert not qt.rationed(11.0)             # reserve_window_s later
-    # two tenants within their shares: no reserve in force, the request goes
-    qe: AdmissionQueue[str] = AdmissionQueue(cfg())
-    for i, ten in enumerate(["a", "b"] * 3):
-        qe.record(qe.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
-    assert not qe.rationed(0.0)
-    assert judge_route(qe, victim, info, qe.ticket("x", 0.0, prompt_tokens=100, tenant="a"), 0.0)[0] == GO
 
 
 def test_a_lower_class_fills_a_quarter_of_the_headroom_a_tenant_above_its_share_half():
