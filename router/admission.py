@@ -37,7 +37,14 @@ fair queuing (Goyal, Vin & Cheng, SIGCOMM 1996: each tenant's virtual time advan
 dispatched request; a tenant that becomes active starts at the smallest virtual time of those
 waiting, so an idle tenant banks no credit), so a flooding tenant cannot starve a light one. A
 request judged unable to meet its deadline even if dispatched now (``now + est > deadline``)
-moves to its class's late list (FIFO), tried only when no on-time request of any class waits;
+moves to its class's late list (FIFO), tried only when no on-time request of any class waits.
+A request of a class with a lower class active (which fills only the reserve, so room for this
+class frees up first) is instead passed over for the rest of that try and keeps its place: the
+next try may choose another worker, or the one holding its cached prefix once that has room,
+where it still makes it; it turns late when its deadline passes (moved to the late list at the
+first such verdict, it waited behind every on-time request of every class until it was shed:
+agentic, 4 engines, 2x capacity, the high class 0.950 -> 0.982; bench/results/admission.md,
+round 6). A late request is tried only after every on-time one;
 with ``shed_late`` it is answered 429 at once instead (reason ``deadline``), once requests have
 waited without a break for ``late_backlog_s`` (:meth:`AdmissionQueue.backlogged`): a burst's
 late requests are served late, not refused (on the simulator CLI's 60-request window 16 of 60
@@ -381,13 +388,15 @@ class AdmissionQueue(Generic[P]):
         ticket routed to a held worker is held too, so no request overtakes another on the worker
         both wait for; a lower class is not tried past a held ticket),
         :data:`LATE` (nothing taken; ``t`` moves to its class's late list, or is shed with
-        ``shed_late``) or :data:`FAIL` (the caller answered ``t`` itself, e.g. 503 for an empty
+        ``shed_late``; of a class with a lower class active, it keeps its place and the tickets
+        behind it are tried) or :data:`FAIL` (the caller answered ``t`` itself, e.g. 503 for an empty
         pool)."""
         out: Outcome[P] = Outcome()
         self._expire(now, out)
         self.held.clear()
         self.pumping = True
         aside: list[tuple[list[tuple[float, int, Ticket[P]]], tuple[float, int, Ticket[P]]]] = []
+        passed: list[tuple[list[tuple[float, int, Ticket[P]]], tuple[float, int, Ticket[P]]]] = []
         try:
             while self.depth > 0:
                 t = self._next(now, out)
@@ -401,18 +410,29 @@ class AdmissionQueue(Generic[P]):
                 elif v == HOLD and len(aside) < self.cfg.lookahead:
                     self._set_aside(t, aside)
                 elif v == LATE and not t.late:
-                    self._make_late(t, now, out)
+                    if self._above_active(t.priority, now):
+                        # late on the worker this decision chose; room for its class frees up
+                        # first: the next try may find a worker where it still makes it
+                        self._set_aside(t, passed)
+                    else:
+                        self._make_late(t, now, out)
                 elif v == FAIL:
                     self.fail(t, now)
                 else:   # WAIT, a HOLD past the look-ahead, LATE for a late ticket (the caller's rule disagrees)
                     break
         finally:
-            for h, e in aside:   # back in their place
+            for h, e in aside + passed:   # back in their place
                 if e[2].state == WAITING:
                     heapq.heappush(h, e)
             self.held.clear()
             self.pumping = False
         return out
+
+    def _above_active(self, priority: int, now: float) -> bool:
+        """Whether a class below ``priority`` had a request within ``reserve_window_s`` (it then
+        fills only the reserve: room for class ``priority`` frees up first)."""
+        horizon = now - self.cfg.reserve_window_s
+        return any(p < priority and seen >= horizon for p, seen in self._seen.items())
 
     def _set_aside(self, t: Ticket[P], aside: list[tuple[list[tuple[float, int, Ticket[P]]], tuple[float, int, Ticket[P]]]]) -> None:
         """Take ``t`` (the head :meth:`_next` returned) off its heap for the rest of a pump."""
