@@ -44,21 +44,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import re
 import sys
 import time
 
 import orjson
 
-from router.logtext import (
-    LOG_FORMAT,
-    MAX_FIELD,
-    MAX_LINE,
-    OneLineFilter,
-    field,
-    one_line,
-    text,
-)
+from router.logtext import LOG_FORMAT, MAX_LINE, OneLineFilter, field, one_line, text
 from router.repeats import RepeatLimiter
 
 log = logging.getLogger("dplb.router.access")
@@ -112,7 +103,7 @@ class AccessLog:
         else:
             # the line made here, once: a record then carries no arguments to merge (its message
             # is read by the one-line filter and by the formatter)
-            line = (f"rid={r if _plain_id(r) else field(r)} {_field(method)} {_field(route)} model={_field(model or '-')} worker={w} "
+            line = (f"rid={field(r)} {_field(method)} {_field(route)} model={_field(model or '-')} worker={w} "
                     f"status={status} ttft_ms={'-' if ttft_s is None else f'{ttft_s * 1e3:.1f}'} "
                     f"duration_ms={duration_s * 1e3:.1f} "
                     f"prompt_tokens={'-' if prompt_tokens is None else prompt_tokens} "
@@ -272,11 +263,6 @@ def _field(value: str) -> str:
             _FIELDS.clear()
         f = _FIELDS[value] = field(value)
     return f
-
-
-#: a value :func:`router.logtext.field` leaves as it is (ASCII letters, digits, ``_.:/+-``, at most
-#: MAX_FIELD of them): a request id, minted (hex) or a client's UUID, skips field()'s checks
-_plain_id = re.compile(rf"[\w.:/+-]{{1,{MAX_FIELD}}}", re.ASCII).fullmatch
 
 
 def _cut(s: str, limit: int = 256) -> str:

@@ -20,6 +20,7 @@ format characters). A cut value ends with ``...(+N chars)``.
 from __future__ import annotations
 
 import logging
+import re
 
 #: characters of one client-supplied value kept in a log line (a model name, a request id, a path)
 MAX_FIELD = 256
@@ -65,11 +66,23 @@ def text(value: object, limit: int = MAX_FIELD) -> str:
     return f"{s}...(+{extra} chars)" if extra > 0 else s
 
 
+#: a value :func:`field` leaves as it is: nothing to escape, cut or quote
+_plain = re.compile(r"[\w.:/+-]+", re.ASCII).fullmatch
+
+
 def field(value: object, limit: int = MAX_FIELD) -> str:
     """``value`` as the value of a ``key=value`` log field: :func:`text`'s escaping and cut, and
     double quotes around it (with ``\\"`` inside) when it is empty or holds a space, ``=`` or
-    ``"``, so that it can never read as a field of its own (logfmt's quoting)."""
-    s = _str(value)
+    ``"``, so that it can never read as a field of its own (logfmt's quoting). A string of at
+    most ``limit`` ASCII letters, digits and ``_.:/+-`` (a request id, minted or a client's UUID;
+    a method, a route) is returned as it is, without the checks: none of them would change it."""
+    if type(value) is str and len(value) <= limit and _plain(value):
+        return value
+    return _checked(_str(value), limit)
+
+
+def _checked(s: str, limit: int) -> str:
+    # field() of ``s`` through every check (the reference its shortcut is tested against)
     extra = len(s) - limit
     if extra > 0:
         s = s[:limit]

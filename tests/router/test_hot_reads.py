@@ -11,11 +11,10 @@ import threading
 import pytest
 from pydantic import BaseModel
 
-from router.access_log import _plain_id
 from router.admission import AdmissionQueue
 from router.config import AdmissionSection, load_config
 from router.connection import running_loop
-from router.logtext import MAX_FIELD, field
+from router.logtext import MAX_FIELD, _checked, _plain, field
 from router.server import current_task
 
 
@@ -76,19 +75,21 @@ def test_running_loop_follows_the_loop_that_runs() -> None:
     assert got is real
 
 
-def test_a_plain_request_id_is_what_field_makes_of_it() -> None:
+def test_field_shortcut_returns_what_the_checks_make_of_a_value() -> None:
+    # field() returns an id-like string as it is; every string must read as the checks make it
     rng = random.Random(7)
     alphabet = "aZ09_.:/+-= \"\\\t\né\x00"
     seen = {True: 0, False: 0}
     for _ in range(20_000):
         s = "".join(rng.choice(alphabet) for _ in range(rng.choice((0, 1, 3, 8, 40))))
-        plain = _plain_id(s) is not None
-        seen[plain] += 1
-        if plain:   # the shortcut is taken only where field() would change nothing
-            assert field(s) == s, s
-    for s in ("x" * MAX_FIELD, "3f2a9c0d1b4e5f60-000001", "9b1deb4d-3b7d-4bad-9bdd-2b0d7b3dcb6d"):
-        assert _plain_id(s) and field(s) == s
-    assert not _plain_id("x" * (MAX_FIELD + 1)) and field("x" * (MAX_FIELD + 1)) != "x" * (MAX_FIELD + 1)
+        seen[_plain(s) is not None] += 1
+        for limit in (MAX_FIELD, 5):
+            assert field(s, limit) == _checked(s, limit), (s, limit)
+    for s in ("x" * MAX_FIELD, "3f2a9c0d1b4e5f60-000001", "9b1deb4d-3b7d-4bad-9bdd-2b0d7b3dcb6d", "POST"):
+        assert field(s) == s
+    long = "x" * (MAX_FIELD + 1)
+    assert field(long) == _checked(long, MAX_FIELD) != long
+    assert field("") == '""' and field(b"ab") == "ab"
     assert seen[True] > 100 and seen[False] > 100
 
 
