@@ -1,7 +1,7 @@
 """The overhead benches' *instant worker*: a minimal asyncio HTTP/1.1 keep-alive server on a Unix
 socket or loopback TCP port that answers every POST with a fixed ~300-byte chat completion
 (:data:`RESP_BODY`), a streamed POST (``"stream":true``) with one SSE event per write every
-``interval_s`` (an engine's tokens), and the GETs an attached agent's engine adapter asks for. It
+``interval_s`` (an engine's tokens; ``burst`` K: K events per write every K x ``interval_s``), and the GETs an attached agent's engine adapter asks for. It
 plays the role nginx plays in the field's router measurements: the engine costs nothing, so what a
 router adds is all that is measured. Run by ``python -m bench.router_overhead --serve-worker SHM
 SOCK CHUNKS INTERVAL`` (:func:`serve_worker`).
@@ -24,7 +24,7 @@ CHUNK = (b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","create
 STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                b"transfer-encoding: chunked\r\n\r\n")
 #: stream parameters of the instant worker (set from the command line of --serve-worker)
-STREAM = {"chunks": 64, "interval_s": 0.002}
+STREAM = {"chunks": 64, "interval_s": 0.002, "burst": 1}
 #: a worker that does more than answer (:mod:`bench.events_rig`: publishes KV-cache events, serves
 #: ``/dplb/state``): ``POST_HOOK[0]`` is called with each POST's body before the answer;
 #: ``GET_HOOK[0]`` answers a GET path (the whole response) or None for the fixed answers
@@ -108,25 +108,30 @@ class _Instant(asyncio.Protocol):
                 self.t.write(RESP)
 
     def _tick(self, left: int) -> None:
-        """One SSE event per write, ``STREAM["interval_s"]`` apart (an engine's tokens)."""
+        """One SSE event per write, ``STREAM["interval_s"]`` apart (an engine's tokens); with
+        ``STREAM["burst"]`` K > 1, K events per write (one HTTP chunk), K x ``interval_s`` apart:
+        the same event rate, the tokens arriving together as from an engine that batches its
+        writes (``stream_interval`` > 1) or whose events pile up while it is loaded."""
         if self.t.is_closing():
             return
         if left == 0:
             self.t.write(_hchunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             return
-        self.t.write(_hchunk(CHUNK))
-        asyncio.get_running_loop().call_later(STREAM["interval_s"], self._tick, left - 1)
+        k = min(left, STREAM["burst"])
+        self.t.write(_hchunk(CHUNK * k))
+        asyncio.get_running_loop().call_later(STREAM["interval_s"] * k, self._tick, left - k)
 
 
-def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.002) -> None:
+def serve_worker(shm: str, sock: str, chunks: int = 64, interval_s: float = 0.002, burst: int = 1) -> None:
     """Run the instant worker in this process (``--serve-worker``) until killed. ``shm`` "-": a
     bare engine (no slot; a worker agent attaches to it), else it claims slot 0 like an agent.
-    ``sock``: a Unix socket path, or ``127.0.0.1:PORT`` to listen on loopback TCP."""
+    ``sock``: a Unix socket path, or ``127.0.0.1:PORT`` to listen on loopback TCP. A stream has
+    ``chunks`` events, ``burst`` per write, ``interval_s`` apart per event (:meth:`_Instant._tick`)."""
     import uvloop
 
     from dplb_shm import Segment, WorkerState
 
-    STREAM.update(chunks=chunks, interval_s=interval_s)
+    STREAM.update(chunks=chunks, interval_s=interval_s, burst=max(1, burst))
     w = None
     if shm != "-":
         seg = Segment.attach(shm)

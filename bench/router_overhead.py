@@ -20,11 +20,14 @@ router's CPU seconds per request (psutil), hence req/s per fully used router cor
 SSE relay (``--streams`` > 0): that many concurrent streamed requests, each answered by the instant
 worker with one SSE event (a ~150-byte chat chunk) every ``--chunk-interval-ms`` (each event its own
 write, as an engine emits one per token), ``--chunks`` events per stream, streams restarted as
-they end, for ``--seconds``. Prints the events the client received and the router's CPU seconds:
-**SSE chunks relayed per router core per second** = events / router CPU seconds, the client's
-socket reads per event, and the inter-token latency the client saw (p50/p90/p99 of the gap since
-the event before, 0 for an event that came in the same read as the one before): a router that
-holds events back to write several at once relays more per core-second and adds that to the ITL.
+they end, for ``--seconds`` (``--burst K``: K events per engine write, K × the interval apart: the
+same event rate with the tokens arriving together, as from a loaded or batching engine; a router
+that relays one write per read then pays its per-read cost once per K events). Prints the events
+the client received and the router's CPU seconds: **SSE chunks relayed per router core per
+second** = events / router CPU seconds, the client's socket reads per event, and the inter-token
+latency the client saw (p50/p90/p99 of the gap since the event before, 0 for an event that came
+in the same read as the one before): a router that holds events back to write several at once
+relays more per core-second and adds that to the ITL.
 
 ``--versus PEER``: DPLB's router and the peer's (bench/peers.py), both pinned to the same core in
 front of the same instant worker (TCP), measured in alternating blocks within one run instead of
@@ -96,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--streams", type=int, default=32, help="concurrent streams of the SSE phase (0: skip it)")
     ap.add_argument("--chunks", type=int, default=64, help="SSE events per stream")
     ap.add_argument("--chunk-interval-ms", type=float, default=2.0, help="gap between two events of a stream")
+    ap.add_argument("--burst", type=int, default=1, help="SSE events per engine write (one write every burst x "
+                    "--chunk-interval-ms)")
     ap.add_argument("--workers", type=int, default=0, help="router processes (--workers of the router; 0: one, "
                     "unpinned with --pin -1, else pinned to CPUs pin..pin+k-1)")
     ap.add_argument("--tcp", action="store_true", help="the instant worker listens on loopback TCP (as the peers need)")
@@ -122,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(0: as fast as answers come)")
     add_events_arguments(ap)
     ap.add_argument("--serve-worker", nargs=4, metavar=("SHM", "SOCK", "CHUNKS", "INTERVAL"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve-burst", type=int, default=1, help=argparse.SUPPRESS)
     return ap
 
 
@@ -153,7 +159,8 @@ class Rig:
         a, sock = self.a, self.sock
         self.children.append(subprocess.Popen([sys.executable, "-m", "bench.router_overhead", "--serve-worker",
                                                "-" if a.through_agent else self.shm, sock, str(a.chunks),
-                                               str(a.chunk_interval_ms / 1000.0)], cwd=self.root, start_new_session=True))
+                                               str(a.chunk_interval_ms / 1000.0), "--serve-burst", str(a.burst)],
+                                              cwd=self.root, start_new_session=True))
         if self.tcp:
             wait_for_port(int(sock.rpartition(":")[2]), timeout=20)
         if a.through_agent:
@@ -348,7 +355,8 @@ def _sse(a: argparse.Namespace, rig: Rig, port: int, router_cpu: Callable[[], fl
           f"{(t_1.system - t_0.system) * 1e6 / max(ev, 1):.1f} µs per event; context switches per event: "
           f"voluntary {(x_1.voluntary - x_0.voluntary) / max(ev, 1):.2f}, involuntary "
           f"{(x_1.involuntary - x_0.involuntary) / max(ev, 1):.2f}")
-    print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms: {ev / wall:,.0f} "
+    print(f"SSE relay, {a.streams} streams, one event per {a.chunk_interval_ms:g} ms ({a.burst} per engine write): "
+          f"{ev / wall:,.0f} "
           f"events/s measured; router CPU {cpu:.2f} s → {ev / max(cpu, 1e-9):,.0f} SSE chunks relayed "
           f"per router core per second; {reads / max(ev, 1):.2f} client reads per event")
     if gaps:
@@ -432,13 +440,15 @@ def _versus_sse(a: argparse.Namespace, systems: list[tuple[str, int, int]], othe
     cpu: dict[str, list[float]] = {name: [] for name, _, _ in systems}
     p50: dict[str, list[float]] = {name: [] for name, _, _ in systems}
     p99: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+    rpe: dict[str, list[float]] = {name: [] for name, _, _ in systems}
     for r in range(a.rounds):
         for name, port, pid in _order(systems, r):
             measure = Rig.cpu_of(pid)
             gaps: list[float] = []
             c0 = measure()
-            ev, _ = stream_loop(port, a.streams, a.seconds, gaps)
+            ev, reads = stream_loop(port, a.streams, a.seconds, gaps)
             cpu[name].append((measure() - c0) * 1e6 / max(ev, 1))
+            rpe[name].append(reads / max(ev, 1))
             p50[name].append(pct(gaps, 50) * 1e3 if gaps else float("nan"))
             p99[name].append(pct(gaps, 99) * 1e3 if gaps else float("nan"))
     if not a.rounds:
@@ -447,8 +457,9 @@ def _versus_sse(a: argparse.Namespace, systems: list[tuple[str, int, int]], othe
         print(f"SSE relay, {name:8s}: router CPU {statistics.median(xs):.1f} µs per event median of "
               f"{a.rounds} rounds [{min(xs):.1f}–{max(xs):.1f}]; inter-token gap p50 "
               f"{statistics.median(p50[name]):.2f} ms, p99 {statistics.median(p99[name]):.2f} ms "
-              f"[{min(p99[name]):.2f}–{max(p99[name]):.2f}] ({a.streams} streams, one event per "
-              f"{a.chunk_interval_ms:g} ms, {a.seconds:g} s each)")
+              f"[{min(p99[name]):.2f}–{max(p99[name]):.2f}]; {statistics.median(rpe[name]):.2f} client reads per "
+              f"event ({a.streams} streams, one event per {a.chunk_interval_ms:g} ms, {a.burst} per engine write, "
+              f"{a.seconds:g} s each)")
     for other in others:
         ratios = [x / y for x, y in zip(cpu["dplb"], cpu[other], strict=True)]
         gap99 = [x / y for x, y in zip(p99["dplb"], p99[other], strict=True)]
@@ -492,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.serve_worker:
         shm_, sock_, ch, iv = a.serve_worker
-        serve_worker(shm_, sock_, int(ch), float(iv))
+        serve_worker(shm_, sock_, int(ch), float(iv), a.serve_burst)
         return 0
     if a.versus and (a.peer or a.workers or a.through_agent):
         ap.error("--versus runs DPLB's router beside the peer: not with --peer, --workers or --through-agent")

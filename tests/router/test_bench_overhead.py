@@ -65,3 +65,19 @@ def test_versus_measures_the_sse_relay_of_each_router_in_rounds(shm_name):
     assert re.search(r"SSE dplb / no-access-log: CPU per event \d+\.\d\d× \(per round \[[\d.]+–[\d.]+\]\); "
                      r"inter-token gap p99 \d+\.\d\d×", r.stdout), r.stdout
     assert shm_leftovers(shm_name) == []
+
+
+def test_burst_sends_several_events_per_engine_write(shm_name):
+    """``--burst K``: the instant worker writes K events per write (the same event rate), so the
+    client reads the router's relay in about one read per K events (a router relaying one write
+    per read: at most one read per engine write, plus the head and the end)."""
+    r = subprocess.run([sys.executable, "-m", "bench.router_overhead", "--skip-latency", "--rounds", "1", "--seconds",
+                        "1", "--conns", "1", "--streams", "2", "--chunks", "8", "--burst", "4", "--pin", "-1",
+                        "--shm", shm_name], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"SSE relay, 2 streams, one event per 2 ms \(4 per engine write\): .* (\d+\.\d\d) client reads per "
+                  r"event", r.stdout)
+    # 8 events in 2 writes of 4, then [DONE]: 3 engine writes per stream, so at most 3 client reads
+    # (fewer when reads merge); one per event would be 1.00
+    assert m and 0 < float(m.group(1)) <= 3 / 8 + 0.01, r.stdout
+    assert shm_leftovers(shm_name) == []
