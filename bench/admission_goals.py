@@ -32,6 +32,7 @@ Usage::
 
     python -m bench.admission_goals --variant main='--ref main' --variant mine= [--full]
         [--cells 'agentic e4 s0,docqa e4 s3'] [--goals a,b,c,d] [--jobs 2] [--out goals.json]
+        [--off-from main]
 
 Prints one table per goal (a row per cell, a column per variant, ``ok``/``MISS`` with the
 figures) and the totals (cells met per goal and variant).
@@ -304,7 +305,8 @@ def a_tree_venv(tree: Path, venv: Path) -> bool:
 
 def run_cached(v: Variant, run: Run, cache: Path, nice: int) -> dict:
     """One run's JSON row, from the cache or by running ``dplb-simulate`` (niced) and caching it;
-    raises RuntimeError when the simulator fails."""
+    raises RuntimeError when the simulator fails or the checkout's sources changed while it ran
+    (the row would be filed under the wrong code key)."""
     args = run.args(v.extra)
     key = hashlib.sha256(json.dumps([v.code, args]).encode()).hexdigest()[:24]
     path = cache / f"{key}.json"
@@ -322,6 +324,9 @@ def run_cached(v: Variant, run: Run, cache: Path, nice: int) -> dict:
                                    f"{p.stderr[-2000:]}")
             with open(out) as f:
                 row = json.load(f)[0]
+        if source_hash(v.tree) != v.code:
+            raise RuntimeError(f"{run.cell.name} {run.key} / {v.name}: the sources in {v.tree} changed while it ran "
+                               f"(not cached: rerun the harness)")
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"code": v.code, "tree": str(v.tree), "args": args, "row": row}))
         os.replace(tmp, path)
@@ -361,14 +366,16 @@ def report(cells: Sequence[Cell], names: Sequence[str], verdicts: dict[tuple[str
 
 
 def run_all(cells: Sequence[Cell], variants: Sequence[Variant], goals: Sequence[str], cache: Path, jobs: int,
-            nice: int, log: Callable[[str], None]) -> dict[tuple[str, str], dict[str, dict]]:
-    """Every run every (cell, variant) needs, ``jobs`` at a time; ``{(cell, variant): {run key: row}}``."""
+            nice: int, log: Callable[[str], None], off_from: Variant | None = None
+            ) -> dict[tuple[str, str], dict[str, dict]]:
+    """Every run every (cell, variant) needs, ``jobs`` at a time; ``{(cell, variant): {run key: row}}``.
+    With ``off_from``, every variant's admission-off runs are that variant's (run once)."""
     todo = [(c, v, r) for c in cells for v in variants for r in runs_for(c, goals)]
     rows: dict[tuple[str, str], dict[str, dict]] = {}
 
     def one(job: tuple[Cell, Variant, Run]) -> None:
         c, v, r = job
-        row = run_cached(v, r, cache, nice)
+        row = run_cached(off_from if off_from is not None and r.kind == "off" else v, r, cache, nice)
         rows.setdefault((c.name, v.name), {})[r.key] = row
         log(f"done {c.name} {r.key} {v.name}")
 
@@ -390,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default=CACHE)
     ap.add_argument("--out", default=None, help="write every verdict and figure as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--off-from", default=None, metavar="NAME",
+                    help="take every variant's admission-off runs from variant NAME (for changes that only act "
+                         "with admission on, e.g. a config flag of the admission section): run once, not per variant")
     ns = ap.parse_args(argv)
     goals = [g for g in ns.goals.split(",") if g]
     try:
@@ -405,8 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     if len({v.name for v in variants}) != len(variants):
         print("admission_goals: variant names must differ", file=sys.stderr)
         return 2
+    off_from = next((v for v in variants if v.name == ns.off_from), None)
+    if ns.off_from is not None and off_from is None:
+        print(f"admission_goals: --off-from {ns.off_from}: no such variant", file=sys.stderr)
+        return 2
     log = (lambda s: None) if ns.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    rows = run_all(cells, variants, goals, cache, ns.jobs, ns.nice, log)
+    rows = run_all(cells, variants, goals, cache, ns.jobs, ns.nice, log, off_from)
     verdicts = {(c.name, v.name): judge(c, {k: figures(r) for k, r in rows.get((c.name, v.name), {}).items()})
                 for c in cells for v in variants}
     print(f"# admission goals: {len(cells)} cells; variants: "

@@ -117,3 +117,4 @@ def test_a_tiny_cell_end_to_end_through_the_simulator_and_the_cache(tmp_path, mo
     assert [p.stat().st_mtime_ns for p in sorted(cache.glob("*.json"))] == stamps
     assert json.loads((tmp_path / "v.json").read_text())["tiny e4 s0 / plain"] == verdicts
     assert ag.main(["--variant", "plain=", "--goals", "e", "--cache", str(cache)]) == 2
+    assert ag.main([*argv, "--off-from", "nosuch"]) == 2
