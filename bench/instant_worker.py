@@ -109,16 +109,17 @@ class _Instant(asyncio.Protocol):
 
     def _tick(self, left: int) -> None:
         """One SSE event per write, ``STREAM["interval_s"]`` apart (an engine's tokens); with
-        ``STREAM["burst"]`` K > 1, K events per write (one HTTP chunk), K x ``interval_s`` apart:
-        the same event rate, the tokens arriving together as from an engine that batches its
-        writes (``stream_interval`` > 1) or whose events pile up while it is loaded."""
+        ``STREAM["burst"]`` K > 1, K events per write, K x ``interval_s`` apart, each event its
+        own HTTP chunk as an engine frames them: the same event rate, the tokens arriving
+        together, as a reader finds them when an engine's writes pile up in the socket (a loaded
+        router or engine; the simulated engines at a high time scale)."""
         if self.t.is_closing():
             return
         if left == 0:
             self.t.write(_hchunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             return
         k = min(left, STREAM["burst"])
-        self.t.write(_hchunk(CHUNK * k))
+        self.t.write(_hchunk(CHUNK) * k)
         asyncio.get_running_loop().call_later(STREAM["interval_s"] * k, self._tick, left - k)
 
 

@@ -20,9 +20,10 @@ router's CPU seconds per request (psutil), hence req/s per fully used router cor
 SSE relay (``--streams`` > 0): that many concurrent streamed requests, each answered by the instant
 worker with one SSE event (a ~150-byte chat chunk) every ``--chunk-interval-ms`` (each event its own
 write, as an engine emits one per token), ``--chunks`` events per stream, streams restarted as
-they end, for ``--seconds`` (``--burst K``: K events per engine write, K × the interval apart: the
-same event rate with the tokens arriving together, as from a loaded or batching engine; a router
-that relays one write per read then pays its per-read cost once per K events). Prints the events
+they end, for ``--seconds`` (``--burst K``: K events per engine write, each its own HTTP chunk, K ×
+the interval apart: the same event rate with the tokens arriving together, as a router finds
+them when an engine's writes pile up in the socket; a router that relays one write per read pays
+its per-read cost once per K events, one that handles each HTTP chunk pays per event). Prints the events
 the client received and the router's CPU seconds: **SSE chunks relayed per router core per
 second** = events / router CPU seconds, the client's socket reads per event, and the inter-token
 latency the client saw (p50/p90/p99 of the gap since the event before, 0 for an event that came
