@@ -2,9 +2,10 @@
 ``python -m bench.epp_feed [--requests 3000] [--mode eager|buffered] [--profile]``
 
 An ``h2`` client plays Envoy's side of ext_proc for ``--requests`` tiny non-streamed chat requests
-(the messages Envoy 1.40 sends per request: ``eager`` = request body ``STREAMED`` without waiting
-for the head's answer, head + body chunk + empty end in one write, then the answer's head + body +
-end in one write; ``buffered`` = four exchanges: head, whole body, answer head, whole answer;
+(the messages Envoy 1.40 sends per request, each in its own DATA frame after a gRPC head whose
+``:path`` is a literal that is not indexed, the stream reset by Envoy once answered: ``eager`` =
+request body ``STREAMED`` without waiting for the head's answer, head + body chunk + empty end in
+one write, then the answer's head + body + end in one write; ``buffered`` = four exchanges: head, whole body, answer head, whole answer;
 ``observe`` = eager's request on one stream, reset once answered, and the observer filter's request
 head, answer head, body and end on a second, :mod:`epp.observe`); its
 bytes are recorded once, then fed again into a fresh :class:`epp.h2grpc.ExtProcConnection` over a
@@ -29,6 +30,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -41,7 +43,9 @@ ANSWER = (b'{"id":"x","object":"chat.completion","model":"bench","choices":[{"in
           b'"assistant","content":"Hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,'
           b'"completion_tokens":1,"total_tokens":10}}')
 #: the gRPC request head Envoy's client sends for each ext_proc stream
-GRPC_HEAD = [(":method", "POST"), (":scheme", "http"), (":path", "/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+#: (``:path`` as a literal that is not indexed, as Envoy 1.40 sends it: decoded every time)
+GRPC_HEAD = [(":method", "POST"), (":scheme", "http"),
+             hpack.NeverIndexedHeaderTuple(":path", "/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
              (":authority", "epp"), ("content-type", "application/grpc"), ("te", "trailers"),
              ("grpc-timeout", "300000m"), ("x-envoy-internal", "true"), ("x-forwarded-for", "127.0.0.1")]
 WINDOW = 268_435_456   # Envoy's default HTTP/2 windows (256 MiB)
@@ -117,8 +121,9 @@ def one_request(client: h2.connection.H2Connection, feed: Callable[[bytes], None
         msgs = msgs[:1]
     sid = client.get_next_available_stream_id()
     client.send_headers(sid, GRPC_HEAD + ([("x-dplb-side", "request")] if observe else []))
-    for batch in msgs:
-        client.send_data(sid, b"".join(_grpc(m) for m in batch))
+    for batch in msgs:   # each message its own DATA frame, as Envoy sends them
+        for m in batch:
+            client.send_data(sid, _grpc(m))
         feed(client.data_to_send())
     if observe:
         client.reset_stream(sid)
@@ -127,10 +132,11 @@ def one_request(client: h2.connection.H2Connection, feed: Callable[[bytes], None
         sid = client.get_next_available_stream_id()
         client.send_headers(sid, GRPC_HEAD + [("x-dplb-side", "response")])
         for batch in observed(token):
-            client.send_data(sid, b"".join(_grpc(m) for m in batch))
+            for m in batch:
+                client.send_data(sid, _grpc(m))
             feed(client.data_to_send())
-    if not client.streams[sid].closed:   # the picker ended the stream first: Envoy's END_STREAM
-        client.end_stream(sid)
+    if not client.streams[sid].closed:   # Envoy resets the stream once the request is over
+        client.reset_stream(sid)
         feed(client.data_to_send())
 
 

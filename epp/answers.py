@@ -18,6 +18,32 @@ from router.config import AdmissionSection
 
 #: seconds Envoy is asked to wait beyond the longest queue budget for a held request's answer
 HOLD_MARGIN_S = 5.0
+#: the most shared answers :func:`shared` keeps framed (then it starts again)
+FRAMED_MAX = 4096
+#: ``id(answer)`` -> (the answer, its gRPC message frame) for the answers :func:`shared` registered;
+#: the answer itself is kept, so its id stays its own while the entry lives
+_FRAMED: dict[int, tuple[pb.ProcessingResponse, bytes]] = {}
+
+
+def grpc_frame(msg: pb.ProcessingResponse) -> bytes:
+    """``msg`` as one length-prefixed gRPC message (uncompressed; "PROTOCOL-HTTP2.md" in
+    grpc/grpc): kept from :func:`shared` for a shared answer, else serialized now."""
+    got = _FRAMED.get(id(msg))
+    if got is not None and got[0] is msg:
+        return got[1]
+    b = msg.SerializeToString()
+    return len(b).to_bytes(5, "big") + b
+
+
+def shared(msg: pb.ProcessingResponse) -> pb.ProcessingResponse:
+    """Register ``msg``, an answer shared by many streams and never mutated (the unchanged-body
+    answers, :func:`route_answer`, :func:`head_answer`), so that :func:`grpc_frame` serializes it
+    once instead of for every stream (four answers per tiny request). Returns ``msg``."""
+    if len(_FRAMED) >= FRAMED_MAX:
+        _FRAMED.clear()
+    b = msg.SerializeToString()
+    _FRAMED[id(msg)] = (msg, len(b).to_bytes(5, "big") + b)
+    return msg
 
 
 def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -79,8 +105,8 @@ def route_answer(endpoints: tuple[str, ...], on_body: bool, worker: str = "") ->
         md.fields[NAMESPACE].struct_value.fields[WORKER_KEY].string_value = worker
     common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
     if on_body:
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
+        return shared(pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md))
+    return shared(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md))
 
 
 def response_status(msg: pb.HttpHeaders) -> tuple[int, str]:
@@ -117,7 +143,7 @@ def head_answer(worker: str, whole: bool) -> pb.ProcessingResponse:
         header_mutation=pb.HeaderMutation(set_headers=[_hv(WORKER_HEADER, worker)]))))
     if whole:
         resp.mode_override.CopyFrom(WHOLE_ANSWER)
-    return resp
+    return shared(resp)
 
 
 def served_endpoint(req: pb.ProcessingRequest) -> str | None:
@@ -133,5 +159,5 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     return v or None
 
 
-__all__ = ["HOLD_MARGIN_S", "WHOLE_ANSWER", "destination", "head_answer", "hold_response", "immediate",
-           "response_status", "route_answer", "served_endpoint"]
+__all__ = ["HOLD_MARGIN_S", "WHOLE_ANSWER", "destination", "grpc_frame", "head_answer", "hold_response", "immediate",
+           "response_status", "route_answer", "served_endpoint", "shared"]

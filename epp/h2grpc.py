@@ -39,7 +39,10 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import hpack
+import hpack.table
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from epp.answers import grpc_frame
 
 if TYPE_CHECKING:
     from epp.stream import Exchange
@@ -119,6 +122,95 @@ class FixedBlocks:
         return self.inner.encode(headers, huffman)
 
 
+class CountingTable(hpack.table.HeaderTable):
+    """``hpack``'s dynamic table that counts its changes (an entry added, the size changed) in
+    :attr:`generation`: a header block decoded while the count stayed the same left the table as it
+    was, and decodes to the same list for as long as it stays so (:class:`CachedDecoder`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.generation += 1
+        super().add(name, value)
+
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, newmax: int) -> None:
+        self.generation += 1
+        hpack.table.HeaderTable.maxsize.fset(self, newmax)  # type: ignore[attr-defined]
+
+
+#: the most header blocks :class:`CachedDecoder` keeps (then it starts again)
+DECODED_MAX = 64
+
+
+class CachedDecoder:
+    """``h2``'s HPACK decoder with the header blocks that leave the dynamic table as it is kept
+    decoded: Envoy's gRPC client sends the same block at the head of every ext_proc stream
+    (indexed fields and ``:path`` as a Huffman-coded literal without indexing, RFC 7541 6.1 and
+    6.2.2), whose decoding in pure Python was about 9 % of the picker's CPU per tiny request
+    (``python -m bench.epp_feed --profile``; bench/results/gateway.md round 7). A block's list is
+    reused only while the table (:class:`CountingTable`) and the decoder's limits have not changed
+    since it was decoded, which is when decoding it again gives the same list; every other block
+    is decoded by ``hpack`` itself, errors included."""
+
+    __slots__ = ("decoded", "inner", "table")
+
+    def __init__(self, inner: hpack.Decoder) -> None:
+        self.inner = inner
+        self.table = inner.header_table = CountingTable()
+        #: ``(block, raw)`` -> (the table's generation then, the header list)
+        self.decoded: dict[tuple[bytes, bool], tuple[int, tuple[hpack.HeaderTuple, ...]]] = {}
+
+    @property
+    def header_table_size(self) -> int:
+        """The dynamic table's size (``hpack``'s property)."""
+        return self.inner.header_table_size
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        self.inner.header_table_size = value
+
+    @property
+    def max_header_list_size(self) -> int:
+        """The largest decoded header list accepted (``h2`` sets it from its settings)."""
+        return self.inner.max_header_list_size
+
+    @max_header_list_size.setter
+    def max_header_list_size(self, value: int) -> None:
+        self.table.generation += 1   # a kept list was checked against the old limit
+        self.inner.max_header_list_size = value
+
+    @property
+    def max_allowed_table_size(self) -> int:
+        """The largest table size the peer may set (``h2`` sets it from its acknowledged settings)."""
+        return self.inner.max_allowed_table_size
+
+    @max_allowed_table_size.setter
+    def max_allowed_table_size(self, value: int) -> None:
+        self.table.generation += 1
+        self.inner.max_allowed_table_size = value
+
+    def decode(self, data: bytes, raw: bool = False) -> list[hpack.HeaderTuple]:
+        """The header list of the HPACK block ``data`` (as ``hpack.Decoder.decode``; raises its errors)."""
+        key = (bytes(data), raw)
+        gen = self.table.generation
+        got = self.decoded.get(key)
+        if got is not None and got[0] == gen:
+            return list(got[1])
+        headers = list(self.inner.decode(data, raw))
+        if self.table.generation == gen:   # the block left the table as it was
+            if len(self.decoded) >= DECODED_MAX:
+                self.decoded.clear()
+            self.decoded[key] = (gen, tuple(headers))
+        return headers
+
+
 def trailers(status: int, message: str = "") -> list[tuple[bytes, bytes]]:
     """A stream's gRPC trailers: ``grpc-status``, and ``grpc-message`` percent-encoded (at most 500
     characters) when ``message`` is given."""
@@ -131,7 +223,7 @@ def trailers(status: int, message: str = "") -> list[tuple[bytes, bytes]]:
 
 
 class _Stream:
-    __slots__ = ("admitting", "closed", "ex", "half_closed", "head_sent", "outq", "pending", "rbuf",
+    __slots__ = ("admitting", "answered", "closed", "ex", "half_closed", "head_sent", "outq", "pending", "rbuf",
                  "sid", "trailer_block")
 
     def __init__(self, sid: int, ex: Exchange) -> None:
@@ -141,6 +233,7 @@ class _Stream:
         self.head_sent = False
         self.half_closed = False       # Envoy sent END_STREAM
         self.closed = False
+        self.answered = False          # the exchange gave its last answer; no trailers sent yet
         self.admitting = False         # admission holds the request: later messages wait in pending
         self.pending: list[pb.ProcessingRequest] = []
         self.outq = bytearray()        # DATA payload waiting for the peer's window
@@ -159,6 +252,7 @@ class ExtProcConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.h2 = h2.connection.H2Connection(config=CONFIG)
         self.h2.encoder = FixedBlocks(self.h2.encoder)  # type: ignore[assignment]
+        self.h2.decoder = CachedDecoder(self.h2.decoder)  # type: ignore[assignment]
         self.streams: dict[int, _Stream] = {}
         #: bytes received per stream in this input batch, acknowledged once at its end (:meth:`_data`)
         self.unacked: dict[int, int] = {}
@@ -284,7 +378,7 @@ class ExtProcConnection(asyncio.Protocol):
             task.add_done_callback(functools.partial(self._admitted, st))
         self._send(st, out)
         if ex.done and not st.admitting:
-            self._finish(st)   # the answer was the last: the stream ends with it (no END_STREAM round trip)
+            self._answered(st)   # the answer was the last: the exchange ends with it
 
     def _admitted(self, st: _Stream, task: asyncio.Task[list[pb.ProcessingResponse]]) -> None:
         try:
@@ -301,7 +395,7 @@ class ExtProcConnection(asyncio.Protocol):
             return
         self._send(st, task.result())
         if st.ex.done:
-            self._finish(st)
+            self._answered(st)
             return
         while st.pending and not st.admitting and not st.closed:
             self._message(st, st.pending.pop(0))
@@ -311,7 +405,7 @@ class ExtProcConnection(asyncio.Protocol):
     def _send(self, st: _Stream, out: list[pb.ProcessingResponse]) -> None:
         if not out or st.closed:
             return
-        st.outq += b"".join(len(p).to_bytes(5, "big") + p for p in (r.SerializeToString() for r in out))
+        st.outq += b"".join(map(grpc_frame, out))
         self._flush(st)
 
     def _flush(self, st: _Stream) -> None:
@@ -341,8 +435,23 @@ class ExtProcConnection(asyncio.Protocol):
 
     def _half_close(self, st: _Stream) -> None:
         st.half_closed = True
-        if not st.admitting:
+        if st.answered:   # Envoy ended its side instead of resetting the stream: the trailers now
+            st.answered = False
+            st.trailer_block = OK_TRAILERS
+            self._flush(st)
+        elif not st.admitting:
             self._finish(st)
+
+    def _answered(self, st: _Stream) -> None:
+        """The exchange gave its last answer: it is closed now, and the stream stays open until
+        Envoy ends it. Envoy (1.40) resets every ext_proc stream itself once its request is over,
+        also one the picker ended with trailers (traced, bench/results/gateway.md round 6): trailers
+        sent with the last answer were read by nobody and cost an HPACK block and a HEADERS frame
+        per request on both sides. They go only if Envoy half-closes instead (:meth:`_half_close`)."""
+        if st.closed:
+            return
+        st.closed = st.answered = True
+        self._end(st)
 
     def _finish(self, st: _Stream, status: int = 0, message: str = "") -> None:
         """End ``st``: the exchange is closed, trailers follow the queued answers."""
@@ -401,4 +510,4 @@ class H2GrpcServer:
         await asyncio.sleep(0)
 
 
-__all__ = ["FIXED_BLOCKS", "OK_TRAILERS", "ExtProcConnection", "FixedBlocks", "H2GrpcServer", "trailers"]
+__all__ = ["FIXED_BLOCKS", "OK_TRAILERS", "CachedDecoder", "CountingTable", "ExtProcConnection", "FixedBlocks", "H2GrpcServer", "trailers"]

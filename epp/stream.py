@@ -88,6 +88,7 @@ from epp.answers import (
     response_status,
     route_answer,
     served_endpoint,
+    shared,
 )
 from epp.envoy import LEASE_HEADER, SIDE_KEY
 from epp.picker import Picker, envoy_target
@@ -118,8 +119,8 @@ _STREAMED = 1      # ProcessingMode.BodySendMode.STREAMED
 #: the observer's response mode (:mod:`epp.observe`; no ``BodySendMode``): nothing held or asked for
 OBSERVED = -1
 #: the answer to a body chunk that goes on unchanged (never mutated: shared)
-_REQUEST_BODY_OK = pb.ProcessingResponse(request_body=pb.BodyResponse())
-_RESPONSE_BODY_OK = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_REQUEST_BODY_OK = shared(pb.ProcessingResponse(request_body=pb.BodyResponse()))
+_RESPONSE_BODY_OK = shared(pb.ProcessingResponse(response_body=pb.BodyResponse()))
 
 
 class Exchange:

@@ -162,9 +162,10 @@ def test_a_cancelled_call_closes_its_exchange(served):
     run(fn)
 
 
-def test_a_done_exchange_ends_its_call_without_waiting_for_the_client_to_half_close(served):
-    # the answer to the response's end is the last: the call ends with it (grpc-status 0), the
-    # client's request stream still open (Envoy then needs no END_STREAM round trip)
+def test_a_done_exchange_closes_at_its_last_answer_and_the_call_ends_when_the_client_does(served):
+    # the answer to the response's end is the last: the exchange is closed with it (its lease
+    # released), without waiting for the client; the call itself sends no trailers until the client
+    # half-closes (Envoy resets the stream instead, reading none: epp.h2grpc._answered)
     run, exchanges = served
 
     async def fn(stub, gate):
@@ -179,10 +180,11 @@ def test_a_done_exchange_ends_its_call_without_waiting_for_the_client_to_half_cl
         assert (await call.read()).request_body.response.body_mutation.body == b"x"
         await q.put(body(b"last"))
         assert (await call.read()).request_body.response.body_mutation.body == b"last"
-        assert await asyncio.wait_for(call.read(), 10) == grpc.aio.EOF   # ended by the server
+        assert exchanges[0].closed == 1   # closed with the last answer, the client's side still open
+        assert not call.done()
+        await q.put(None)                 # the client half-closes: the trailers follow
+        assert await asyncio.wait_for(call.read(), 10) == grpc.aio.EOF
         assert await call.code() == grpc.StatusCode.OK
-        assert exchanges[0].closed == 1
-        await q.put(None)
 
     run(fn)
     assert exchanges[0].closed == 1
