@@ -289,7 +289,7 @@ class Connection(asyncio.Protocol):
     async def wait_idle(self, idle_s: float) -> bool:
         """Sleep until the next network event; False when no byte arrived for ``idle_s`` seconds.
         One timer serves a whole stream (re-armed only when it fires early), not one per chunk."""
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         w = self.waiter = loop.create_future()
         if self.timer is None:
             self.timer = loop.call_later(idle_s, self._idle_check, idle_s)
@@ -300,7 +300,7 @@ class Connection(asyncio.Protocol):
             self.waiter = None
 
     def _idle_check(self, idle_s: float) -> None:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         left = self.last_rx + idle_s - time.monotonic()
         if left > 0:
             self.timer = loop.call_later(left, self._idle_check, idle_s)

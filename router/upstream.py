@@ -5,13 +5,12 @@
 its connection back to the pool (or drops it: how the engine learns to abort)."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from dplb_protocol.wire import HOP_BY_HOP
-from router.connection import Connection, Pool
+from router.connection import Connection, Pool, running_loop
 from router.errors import TransportError
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ class Upstream:
                 c.transport.close()
                 raise TransportError("stream_broken", self.endpoint, repr(c.error))
             if self._first:
-                wait = None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
+                wait = None if self.deadline is None else self.deadline - running_loop().time()
                 if (wait is not None and wait <= 0) or not await c.wait(wait):
                     c.transport.close()
                     raise TransportError("timeout", self.endpoint, "no first byte within the timeout")
