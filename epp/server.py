@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -113,6 +114,13 @@ async def serve(picker: Picker, host: str, port: int, health_port: int, metrics_
         servers = (ext, hs)
         if metrics_port is not None:
             runner = await start_metrics(picker, host, metrics_port)
+        # what start-up built (modules, the picker, the servers) lives as long as the process: out
+        # of the collector's sight, so that its full passes walk only what requests allocate
+        # (gc.freeze, CPython's gc docs; as the router does, router/control.py). A full pass over
+        # the start-up objects stalled the picker's loop 160-180 ms at load 10 behind Envoy
+        # (bench/results/gateway.md round 7), every ext_proc stream waiting meanwhile.
+        gc.collect()
+        gc.freeze()
         log.warning("dplb-epp: ext_proc on %s:%d, health on %s:%d, metrics %s, policy %s, segment %s", host,
                     ext.bound_ports[0], host, ext.bound_ports[1],
                     f"on {host}:{metrics_port}" if metrics_port is not None else "off",
