@@ -2,12 +2,15 @@
 
 The router's real uvicorn protocol (:class:`router.server.LimitedHttpToolsProtocol`) and the real
 app (:func:`router.app.create_app`, policy ``dplb`` unless ``--policy``) in this process, on a
-fresh segment with one ready worker (slot 0, heartbeating); the client's transport and the engine
-(:class:`router.transport.Transport`) are fakes that cost next to nothing. Each request is fed to
-the protocol as the bytes a client would send (:mod:`bench.rawclient`'s tiny chat request) and
-answered with that tool's tiny chat completion. What is timed is everything the router's own
-process runs per request except the two sockets and the kernel: uvicorn's parsing and task, the
-proxy, parse, policy, kernel call, lease, accounting, metrics and the response's framing.
+fresh segment with one ready worker (slot 0, heartbeating); the client's transport and the
+engine's end of each pooled connection are fakes that cost next to nothing (the engine answers a
+request at the event loop's next turn, as a socket read would bring it; the router's own
+:class:`router.transport.Transport` pools, writes and parses). Each request is fed to the
+protocol as the bytes a client would send (:mod:`bench.rawclient`'s tiny chat request) and
+answered with the instant worker's tiny chat completion. What is timed is everything the
+router's own process runs per request except the two sockets and the kernel: uvicorn's parsing
+and task, the proxy, parse, policy, kernel call, lease, the engine connection's request write and
+answer parse, accounting, metrics and the response's framing.
 
 The router's logging is configured as in its process (:func:`router.app.configure_logging`, its
 stream pointed at ``/dev/null``), so the access line (``--access-log``, default ``text``) costs
@@ -30,52 +33,58 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from bench.instant_worker import RESP_BODY
+from bench.instant_worker import RESP, RESP_BODY
 from bench.rawclient import BODY, chat_request
 
 
-class _FakeUpstream:
-    status = 200
-    is_stream = False
-    request_id = None
+class _EngineSide(asyncio.Transport):
+    """The engine's end of one pooled connection: every request written to it is answered with
+    the instant worker's whole tiny answer (:data:`bench.instant_worker.RESP`) at the event loop's
+    next turn, as a read of a real socket would bring it."""
 
-    def __init__(self) -> None:
-        self.headers = [(b"content-type", b"application/json")]
-        self.whole: bytes | None = None
-        self.answered = False
+    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.conn = conn
+        self.loop = loop
+        self.closed = False
 
-    async def first_chunk(self) -> bytes:
-        return RESP_BODY
+    def write(self, data: Any) -> None:
+        self.loop.call_soon(self.conn.data_received, RESP)
 
-    async def read(self, first: bytes) -> bytes:
-        return first
+    def writelines(self, parts: Any) -> None:
+        self.write(b"".join(parts))
 
-    def release(self, abort: bool = False) -> None:
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.loop.call_soon(self.conn.connection_lost, None)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
         return None
 
 
-class _FakeEngine:
-    """Stands in for :class:`router.transport.Transport`: every request gets the tiny answer."""
+def _fake_engine_pools() -> None:
+    """Connections to engines made in-process (:class:`_EngineSide`) instead of sockets: the
+    router's real :class:`router.transport.Transport` (pool, request write, response parse, the
+    taskless answer) runs as in the router's process."""
+    from router.connection import Connection, Pool
 
-    def write_pooled(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None) -> Any:
-        return None
+    async def connect(self: Pool, timeout: float) -> Connection:
+        c = Connection()
+        c.connection_made(_EngineSide(c, asyncio.get_running_loop()))
+        c.home = self
+        return c
 
-    async def send(self, endpoint: str, method: str, path: str, headers: Any, body: bytes | None,
-                   timeout_s: float | None = None, written: Any = None, on_whole: Any = None) -> _FakeUpstream:
-        up = _FakeUpstream()
-        if on_whole is not None:   # as the real client does when the whole answer came with its head
-            up.whole = RESP_BODY
-            up.answered = bool(on_whole(up))
-        return up
-
-    async def get(self, *a: Any, **k: Any) -> tuple[int, bytes]:
-        return 200, b""
-
-    async def forget(self, endpoint: str) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
+    Pool.connect = connect  # type: ignore[method-assign]
 
 
 class _Client(asyncio.Transport):
@@ -128,7 +137,7 @@ async def _run(a: argparse.Namespace, shm: str, seg: Any, writer: Any) -> None:
     await lifespan.startup()
     try:
         assert app.state.proxy is not None
-        app.state.proxy.transport = _FakeEngine()  # type: ignore[assignment]
+        _fake_engine_pools()
         proto = LimitedHttpToolsProtocol(config=ucfg, server_state=ServerState(), app_state={}, _loop=loop)
         client = _Client()
         proto.connection_made(client)

@@ -28,7 +28,7 @@ from router.control import build_fastapi
 from router.errors import HeadersTooLarge, MethodNotAllowed, NoEligibleWorker
 from router.logtext import LOG_FORMAT
 from router.proxy import Proxy, ProxySettings
-from router.server import check_headers
+from router.server import LaterTask, check_headers
 from router.state import RouterState
 
 if TYPE_CHECKING:
@@ -89,12 +89,12 @@ class DPLBApp:
         self.max_header_bytes = state.cfg.router.max_header_bytes
         self.max_headers = state.cfg.router.max_headers
 
-    def start_request(self, scope: Scope, body: bytes) -> ASGIApp | None:
+    def start_request(self, scope: Scope, body: bytes) -> ASGIApp | LaterTask | None:
         """Start a ``POST`` whose whole ``body`` came in with its head, from the router's protocol
         callback (:class:`router.server.LimitedHttpToolsProtocol`): a proxied path within the
         head limits goes to :meth:`Proxy.start`, which writes it to its worker before the event
-        loop turns. Returns the ASGI callable to run as the request's task instead of this app,
-        or None: serve the request through :meth:`__call__` (another path, the router starting,
+        loop turns. Returns the ASGI callable to run as the request's task instead of this app (or
+        a :class:`router.server.LaterTask` that runs it only if needed), or None: serve the request through :meth:`__call__` (another path, the router starting,
         any error to answer)."""
         p = scope["path"]
         proxy = self.state.proxy

@@ -67,8 +67,8 @@ class Connection(asyncio.Protocol):
     future the reader sleeps on."""
 
     __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held", "home",
-                 "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "relay", "sink",
-                 "status", "timer", "transport", "waiter")
+                 "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "quick",
+                 "relay", "sink", "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         # Any: asyncio's transport (connection_made gets a BaseTransport; the socket one has pause_reading)
@@ -84,6 +84,9 @@ class Connection(asyncio.Protocol):
         self.handoff: Callable[[], ChunkRelay | None] | None = None   # see Upstream.pipe
         self.relay: ChunkRelay | None = None                          # a router._relay.ChunkRelay while it has the body
         self.on_whole: Callable[[Connection], None] | None = None   # see Transport.send
+        #: while no task waits on this connection (router.quick.QuickAnswer): told of every network
+        #: event instead of a waiter (a read, the end, a failure); it decides whether to act
+        self.quick: Callable[[Connection], None] | None = None
         self.home: Pool | None = None                  # the pool of its endpoint (liveness: Pool.last_rx)
         self._reset()
 
@@ -259,6 +262,8 @@ class Connection(asyncio.Protocol):
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
+        elif self.quick is not None:
+            self.quick(self)
 
     def take(self) -> bytes:
         """Every body byte that arrived so far (b"" when none)."""

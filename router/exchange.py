@@ -85,6 +85,8 @@ class Attempt:
     written: Connection | None
     number: int = 0
     outcome: bool | None = None
+    #: the first-byte deadline (event-loop time, s) when it was set at the write (router.quick); None: from the send
+    deadline: float | None = None
 
 
 def relayed_headers(up: Upstream, rid: bytes, wid_b: bytes) -> list[tuple[bytes, bytes]]:

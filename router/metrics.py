@@ -36,7 +36,7 @@ that left before its answer was complete. ``kind`` is one of connect, timeout, s
 engine_abort (an engine answered 499 to a client still connected), stream_broken, client_disconnect,
 drain_cut (the router's own stop cut the request at its drain limit: 503). ``dplb_router_query_of_death_total`` counts requests answered
 502 and not tried again because they broke the connection of two workers after those read them
-(:data:`router.proxy.BROKEN_ENGINES_LIMIT`). The TTFT
+(:data:`router.failures.BROKEN_ENGINES_LIMIT`). The TTFT
 histogram times a stream from the request's arrival to the first chunk that carries content
 (:mod:`router.stream_meter`; a chat stream's role-only chunk does not count). ``phase``:
 ``routing`` (arrival → dispatch to the worker, retries included), ``queue_prefill`` (dispatch →

@@ -69,7 +69,6 @@ from router.director import CLIENT_CLOSED, NO_WORKER, ROUTES, Director
 from router.drain import settle_cut
 from router.errors import (
     BadRequest,
-    GatewayTimeout,
     NoEligibleWorker,
     RouterError,
     TransportError,
@@ -86,11 +85,19 @@ from router.exchange import (
     relayed_headers,
     request_target,
 )
+from router.failures import BROKEN_ENGINES_LIMIT, breaks, final_error, retryable
 from router.metrics import Metrics
 from router.policies.base import RequestInfo
+from router.quick import QuickAnswer
 from router.relay import relay_stream
 from router.scheduling import Scheduler
-from router.server import ClientGone, current_task, watch_disconnect, write_response
+from router.server import (
+    ClientGone,
+    LaterTask,
+    current_task,
+    watch_disconnect,
+    write_response,
+)
 from router.transport import Transport
 from router.upstream import Upstream
 
@@ -99,9 +106,6 @@ log = logging.getLogger("dplb.router.proxy")
 _XRID = b"x-request-id"
 _MINTED = "dplb.minted_request_id"   # scope key: the id minted for this request
 _NONE = b"none"
-#: a request whose connection broke on this many workers after they read it, before any byte
-#: reached the client, is answered 502 and not tried again (a query of death: each try crashed an engine)
-BROKEN_ENGINES_LIMIT = 2
 
 
 class Step(enum.Enum):
@@ -246,11 +250,13 @@ class Proxy:
             raise
         return Attempt(h, lease, written, number)
 
-    def start(self, scope: Scope, body: bytes) -> ASGIApp | None:
+    def start(self, scope: Scope, body: bytes) -> ASGIApp | LaterTask | None:
         """Start a request whose whole ``body`` came in with its head, without a task: check, parse,
         choose and write it to its worker now, from the router's protocol callback
         (:class:`router.server.LimitedHttpToolsProtocol`), before the event loop turns. Returns the
-        ASGI callable that serves the rest (answer, retries, bookkeeping) as the request's task; None
+        ASGI callable that serves the rest (answer, retries, bookkeeping) as the request's task, or,
+        when it went out on a pooled connection, a :class:`router.quick.QuickAnswer` that serves a
+        plain whole answer without a task and runs that callable only for anything else; None
         when it is no plain success so far (an error, no eligible worker, a body above the limit, a
         request admission holds back: :meth:`Director.may_dispatch`): nothing was sent or recorded,
         and :meth:`__call__` serves it (answers the error, awaits admission)."""
@@ -273,10 +279,13 @@ class Proxy:
             return None
 
         async def rest(scope: Scope, receive: Receive, send: Send) -> None:
-            # the request's task, same turn of the loop: only the loop's shutdown cancels it before its first step
+            # the request's task (at once, or when the taskless serving hands over: router.quick)
             await self._serve(scope, receive, send, ex, pre)
 
-        return rest
+        if pre.written is None:   # (connecting first: the task path)
+            return rest
+        return QuickAnswer(rest, ex, pre, self.transport.first_byte_timeout_s, self.settings.retry_status,
+                           director, self.settle_whole)
 
     async def refuse(self, scope: Scope, send: Send, error: RouterError) -> None:
         """Answer ``error`` (a ``GET`` on a ``POST``-only path: 405) as any refusal: with an id, counted, logged."""
@@ -351,55 +360,6 @@ class Proxy:
             elif unwatch is not None:
                 unwatch()
 
-    def retryable(self, e: TransportError, broken: int) -> bool:
-        """May a request whose attempt failed with ``e`` before its first byte reached the client go
-        to another worker? ``broken``: how many workers' connections it broke after they read it,
-        this attempt's included (:meth:`breaks`). Never read by the worker (refused, reset before
-        reading): always; a timeout: only with ``retries.retry_on_timeout``; a connection that
-        broke after the worker read the request (the engine exited or reset it): with
-        ``retries.retry_on_disconnect`` (the default) while fewer than
-        :data:`BROKEN_ENGINES_LIMIT` broke."""
-        if e.kind == "timeout":
-            return self.settings.retry_on_timeout
-        if e.kind == "connect" and (e.refused or e.unsent):
-            return True
-        return self.settings.retry_on_disconnect and broken < BROKEN_ENGINES_LIMIT
-
-    @staticmethod
-    def breaks(e: TransportError) -> bool:
-        """Did ``e`` break a worker's connection after the worker read the request (not refused, not
-        unread, not a timeout)? Such a request may have crashed its engine."""
-        return e.kind != "timeout" and not (e.kind == "connect" and (e.refused or e.unsent))
-
-    def final_error(self, e: Exception | None, wid: int | None, tried: int, mid_body: bool = False,
-                    broken: int = 0, no_worker: NoEligibleWorker | None = None) -> RouterError:
-        """The error a client gets when no attempt succeeded. ``e``: the last attempt's failure, on
-        worker ``wid``; ``tried``: the workers tried; ``mid_body``: a non-streamed body stalled or
-        broke after its first byte; ``broken``: the workers whose connection it broke after they
-        read it; ``no_worker``: the pipeline found no worker for another attempt.
-
-        504 after a timeout; 502 when the request broke :data:`BROKEN_ENGINES_LIMIT` workers (a
-        query of death) or failed in a way that is not retried; otherwise no worker was left to
-        take it, or every one tried refused it: 503 + Retry-After (:class:`NoEligibleWorker`)."""
-        if isinstance(e, TransportError) and e.kind == "timeout" and mid_body:
-            return GatewayTimeout(f"worker {wid} stalled mid-response: no data within the idle timeout "
-                                  f"(router.idle_timeout_s={self.settings.idle_timeout_s:g})", worker_id=wid)
-        if isinstance(e, TransportError) and e.kind == "timeout":
-            return GatewayTimeout(f"worker {wid} sent no response within the first-byte timeout "
-                                  f"(router.first_byte_timeout_s={self.settings.first_byte_timeout_s:g}); a timed-out "
-                                  "request is not retried on another worker (retries.retry_on_timeout)", worker_id=wid)
-        if broken >= BROKEN_ENGINES_LIMIT:
-            return UpstreamError(f"the request broke the connection of {broken} workers after they read it, before "
-                                 f"the first byte (last: worker {wid}: {e}); it is not tried again: a request that "
-                                 "crashes engines would crash the next one", worker_id=wid)
-        if no_worker is not None or (isinstance(e, TransportError) and (e.refused or e.unsent)):
-            why = no_worker.message if no_worker is not None else "no worker can take the request now"
-            return NoEligibleWorker(f"{why}; {tried} worker(s) tried failed before the first byte (last: worker "
-                                    f"{wid}: {e})", reason="all_failed")
-        if tried > 1:
-            return UpstreamError(f"all {tried} worker(s) tried failed before the first byte: {e}", worker_id=wid)
-        return UpstreamError(f"worker {wid} failed before the first byte: {e}", worker_id=wid)
-
     async def forward(self, ex: Exchange, pre: Attempt | None = None) -> None:
         """Choose, send, retry what may be retried, relay (module docstring, steps 3-7). Never
         raises RouterError to the caller; a client that left is counted (status 499) and its
@@ -440,7 +400,9 @@ class Proxy:
             if not await settle_cut(ex, label, director, e):
                 raise
             return
-        err = self.final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker)
+        st = self.settings
+        err = final_error(ex.last, ex.last_wid, len(ex.tried), ex.mid_body, ex.broken, ex.no_worker,
+                          st.idle_timeout_s, st.first_byte_timeout_s)
         if ex.broken >= BROKEN_ENGINES_LIMIT and err.status == 502:
             self.metrics.query_of_death.inc()
             log.warning("request %s broke the connection of %d workers (last: worker %s); answered 502, not tried "
@@ -508,7 +470,7 @@ class Proxy:
         up = None
         try:
             up = await self.transport.send(h.endpoint, ex.method, ex.target, ex.headers, ex.body, written=att.written,
-                                           on_whole=self._whole_answer(ex, h.label_b))
+                                           on_whole=self._whole_answer(ex, h.label_b), deadline=att.deadline)
             status = up.status
             if not 200 <= status <= 599:
                 # an interim (1xx) or made-up status is no answer to relay: uvicorn cannot
@@ -560,8 +522,8 @@ class Proxy:
             if up is None and e.refused:  # down for sure: out now, not after max_failures probes (a probe brings it back)
                 att.lease.refused()
             self._failed(ex, att, e, e.kind, up)
-            ex.broken += self.breaks(e)
-            if self.retryable(e, ex.broken):
+            ex.broken += breaks(e)
+            if retryable(e, ex.broken, settings.retry_on_timeout, settings.retry_on_disconnect):
                 self.metrics.retries.labels(e.kind).inc()
                 return _RETRY
             return _STOP
@@ -588,13 +550,16 @@ class Proxy:
         """Answer ``ex`` with ``up``'s whole non-streamed body ``data``: one write of head and body
         where the router's protocol serves the request (already done from the engine connection's
         callback when ``up.answered``), else two ASGI messages; then count it and log it."""
-        status, label = up.status, att.handle.label
+        status = up.status
         if not up.answered and (ex.scope is None or not write_response(ex.scope, status, headers, data)):
             headers.append((b"content-length", b"%d" % len(data)))
             await ex.send({"type": "http.response.start", "status": status, "headers": headers})
             await ex.send({"type": "http.response.body", "body": data, "more_body": False})
-        director = self.director
-        prompt_n, out_n = director.answer(att.lease, data)
-        director.finished(label, status, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model, None,
-                          prompt_n, out_n, att.number + 1, None if status < 500 else f"the engine answered {status}",
-                          queue_s=ex.info.queued_s)
+        self.settle_whole(ex, att, status, data)
+
+    def settle_whole(self, ex: Exchange, att: Attempt, status: int, data: bytes) -> None:
+        """Count and log ``ex``'s whole answer ``data`` (``status``), written to its client from ``att``."""
+        prompt_n, out_n = self.director.answer(att.lease, data)
+        self.director.finished(att.handle.label, status, ex.route, ex.t0, ex.rid, ex.method, ex.info.path, ex.info.model,
+                               None, prompt_n, out_n, att.number + 1,
+                               None if status < 500 else f"the engine answered {status}", queue_s=ex.info.queued_s)

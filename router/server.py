@@ -50,12 +50,16 @@ from collections.abc import Callable
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from dplb_protocol.wire import WORKER_HEADER_B, error_body
 from router._relay import ChunkRelay
-from router.asgi import Scope
+from router.asgi import ASGIApp, Scope
 from router.connection import running_loop
 from router.errors import HeadersTooLarge
 from router.logtext import text
@@ -380,6 +384,64 @@ def _nothing() -> None:
     return None
 
 
+class LaterTask:
+    """A request :meth:`LimitedHttpToolsProtocol._start_deferred` started without a task: the app's
+    ``start_request`` returned this instead of an ASGI callable. The request is served from
+    callbacks (:class:`router.quick.QuickAnswer`) until :meth:`spawn` runs ``app`` as its task
+    after all (anything but the plain outcome) or :meth:`done` says it ended. Meanwhile it stands
+    in uvicorn's task set, so that a stop waits for it and, at its drain limit, cancels it:
+    :meth:`cancel` spawns the task, then cancels it once it has taken its first step (the
+    request's task is then cut as any other, ``router.drain``)."""
+
+    __slots__ = ("_cycle", "_proto", "app", "ended")
+
+    def __init__(self, app: ASGIApp) -> None:
+        #: the request's task (an ASGI callable, run as uvicorn runs one)
+        self.app = app
+        self._proto: LimitedHttpToolsProtocol | None = None
+        self._cycle: RequestResponseCycle | None = None
+        #: spawned or done: nothing more to do here
+        self.ended = False
+
+    def bind(self, proto: LimitedHttpToolsProtocol, cycle: RequestResponseCycle) -> None:
+        """Called by the protocol once the request is started: listed among its tasks."""
+        self._proto, self._cycle = proto, cycle
+        proto.tasks.add(self)  # type: ignore[arg-type]
+
+    def spawn(self) -> asyncio.Task[None] | None:
+        """Run ``app`` as the request's task now, as uvicorn would have (once; None after
+        :meth:`done` or a first spawn)."""
+        proto, cycle = self._proto, self._cycle
+        if self.ended or proto is None or cycle is None:
+            return None
+        self.ended = True
+        tasks = proto.tasks
+        tasks.discard(self)
+        task = proto.loop.create_task(cycle.run_asgi(self.app))  # type: ignore[arg-type]
+        task.add_done_callback(tasks.discard)
+        tasks.add(task)
+        return task
+
+    def done(self) -> None:
+        """The request ended without a task."""
+        self.ended = True
+        if self._proto is not None:
+            self._proto.tasks.discard(self)
+
+    def cancel(self, msg: str | None = None) -> bool:
+        """uvicorn's stop at its drain limit (it iterates its task set: nothing is changed here):
+        spawn the task at the next callback, cancelled after its first step."""
+        if self.ended or self._proto is None:
+            return False
+        self._proto.loop.call_soon(self._cut, msg)
+        return True
+
+    def _cut(self, msg: str | None) -> None:
+        task = self.spawn()
+        if task is not None and self._proto is not None:
+            self._proto.loop.call_soon(task.cancel, msg)
+
+
 #: the event loop that started a request from a protocol callback in its current turn (see
 #: LimitedHttpToolsProtocol._start_deferred); cleared by the turn's ready callbacks
 _busy_loop: asyncio.AbstractEventLoop | None = None
@@ -473,6 +535,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle.message_event.clear()
         cycle.waiting_for_100_continue = False   # the body is here: no 100 Continue to send
         self.flow.resume_reading()               # as receive() does
+        if isinstance(started, LaterTask):
+            started.bind(self, cycle)            # served from callbacks; a task only if needed
+            return
         super()._start_asgi_task(cycle, started)
 
     def send_400_response(self, msg: str) -> None:

@@ -109,7 +109,7 @@ class Transport:
 
     async def send(self, endpoint: str, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
                    body: bytes | None, timeout_s: float | None = None, written: Connection | None = None,
-                   on_whole: Callable[[Upstream], bool] | None = None) -> Upstream:
+                   on_whole: Callable[[Upstream], bool] | None = None, deadline: float | None = None) -> Upstream:
         """Send one request (``path`` includes any query string; ``headers`` lower-case byte
         pairs, hop-by-hop ones already dropped) and return once the head is in. ``written``: the
         connection :meth:`write_pooled` already wrote this request on (then only the head is
@@ -123,11 +123,13 @@ class Transport:
         in the pool. An exception in it is logged and counts as not answered.
 
         The head must arrive within the first-byte timeout (``timeout_s``, when given, bounds the
-        head instead and the body's gaps too: health probes and control calls). Raises
+        head instead and the body's gaps too: health probes and control calls), or by ``deadline``
+        (event-loop time, s) when given: the first-byte deadline of a request written earlier. Raises
         TransportError (``connect``, with ``refused`` when nothing accepted the connection and
         ``unsent`` when the worker never read the request, or ``timeout``)."""
         loop = running_loop()
-        deadline = loop.time() + (timeout_s if timeout_s is not None else self.first_byte_timeout_s)
+        if deadline is None:
+            deadline = loop.time() + (timeout_s if timeout_s is not None else self.first_byte_timeout_s)
         pool = self._pool(endpoint)
         c = written or pool.get() or await self._connect(pool, max(0.0, deadline - loop.time()))
         if c is not written:

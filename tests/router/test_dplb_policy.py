@@ -259,7 +259,7 @@ class _OrderTransport:
         self.conns.append(_Written())
         return self.conns[-1]
 
-    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None, on_whole=None):
+    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None, on_whole=None, deadline=None):
         self.sent_written.append(written)
         return _Answer()
 

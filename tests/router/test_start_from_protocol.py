@@ -200,7 +200,7 @@ class Engine:
     def write_pooled(self, endpoint, method, path, headers, body):  # type: ignore[no-untyped-def]
         self.written.append((path, body, self.seg.router_line(0)))
 
-    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None, on_whole=None):  # type: ignore[no-untyped-def]
+    async def send(self, endpoint, method, path, headers, body, timeout_s=None, written=None, on_whole=None, deadline=None):  # type: ignore[no-untyped-def]
         up = WholeAnswer()
         if on_whole is not None:   # as the real client does when the whole answer came with its head
             up.answered = bool(on_whole(up))
