@@ -23,7 +23,7 @@ has one, else this interpreter) and ``--ref REV`` runs a commit of this reposito
 ``/tmp/dplb-adm-cache/trees/COMMIT`` and built there once. ``plain=`` is this checkout's defaults.
 
 Every run's JSON is cached under ``/tmp/dplb-adm-cache`` (``--cache``), keyed by a content hash of
-the simulator's sources (router/, simulate/, csrc/ and the packages they use) and the run's
+the simulator's sources (the checkout's modules a small simulation loads, and csrc/) and the run's
 arguments, so a baseline (``main=--ref main``) is computed once and shared between checkouts; a
 lock per key makes a second harness wait for a run in progress instead of repeating it. Runs
 are niced (``--nice``) and ``--jobs`` at a time.
@@ -225,29 +225,71 @@ def judge(cell: Cell, figs: dict[str, dict]) -> dict[str, Verdict]:
 # -- running and caching -------------------------------------------------------------------
 
 
-def source_hash(tree: Path) -> str:
-    """A sha256 over the simulator's sources in ``tree`` (:data:`HASHED` folders, :data:`HASHED_EXT`
-    files, paths and contents; not the C that Cython generates from a ``.pyx`` beside it, which
-    names the checkout's path), first 16 hex digits: the cache's code key."""
+def source_hash(tree: Path, modules: Sequence[str] | None = None) -> str:
+    """A sha256 over the simulator's sources in ``tree``, first 16 hex digits: the cache's code key.
+
+    ``modules``: the Python files (relative paths) a simulation runs (:func:`simulator_modules`),
+    hashed with every native source under csrc/; None: every :data:`HASHED_EXT` file of the
+    :data:`HASHED` folders (conservative: a change to a module the simulator never loads, the live
+    proxy's, also makes a new key). Not the C that Cython generates from a ``.pyx`` beside it,
+    which names the checkout's path."""
     h = hashlib.sha256()
-    for top in HASHED:
+    files: list[Path] = []
+    for top in (HASHED if modules is None else ("csrc",)):
         root = tree / top
-        for p in sorted(root.rglob("*")) if root.is_dir() else ():
-            if (p.suffix in HASHED_EXT and p.is_file() and "__pycache__" not in p.parts
-                    and not (p.suffix == ".c" and p.with_suffix(".pyx").exists())):
-                h.update(str(p.relative_to(tree)).encode() + b"\0" + p.read_bytes() + b"\0")
+        files += sorted(root.rglob("*")) if root.is_dir() else []
+    files += [tree / m for m in modules or ()]
+    for p in files:
+        if (p.suffix in HASHED_EXT and p.is_file() and "__pycache__" not in p.parts
+                and not (p.suffix == ".c" and p.with_suffix(".pyx").exists())):
+            h.update(str(p.relative_to(tree)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+#: a tiny simulation with both admission mixes, run once per variant to learn which of the
+#: checkout's files a simulation runs code of: files with a function called during the run
+#: (a module only imported, such as the live proxy's connection code, does not count)
+_PROBE = """
+import contextlib, io, os, sys
+import simulate.cli as c
+seen = set()
+def prof(frame, event, arg):
+    if event == "call" and frame.f_code.co_name != "<module>":
+        seen.add(frame.f_code.co_filename)
+sys.setprofile(prof)
+with contextlib.redirect_stdout(io.StringIO()):
+    c.main(["--policy", "dplb", "--workload", "agentic", "--requests", "30", "--engines", "2", "--progress", "off",
+            "--admission", "on", "--priority-mix", "1:0.3,0:0.7", "--tenant-mix", "a:1,b:1"])
+sys.setprofile(None)
+root = os.getcwd()
+for f in seen:
+    rel = os.path.relpath(os.path.abspath(f), root)
+    if f.endswith(".py") and not rel.startswith((".", "..")) and "site-packages" not in rel:
+        print("MODULE", rel)
+"""
+
+
+def simulator_modules(tree: Path, python: str) -> list[str] | None:
+    """The Python files of ``tree`` whose functions a small ``dplb-simulate`` run calls (relative
+    paths, sorted), or None when the probe fails (then :func:`source_hash` hashes whole folders)."""
+    p = subprocess.run([python, "-c", _PROBE], cwd=tree, capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        return None
+    mods = sorted({line[7:] for line in p.stdout.splitlines() if line.startswith("MODULE ")})
+    return mods or None
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A variant: its name, the checkout it runs (``tree``, ``python``), its code key and arguments."""
+    """A variant: its name, the checkout it runs (``tree``, ``python``), its code key, arguments
+    and the modules the key covers (:func:`simulator_modules`; None: whole folders)."""
 
     name: str
     tree: Path
     python: str
     code: str
     extra: tuple[str, ...]
+    modules: tuple[str, ...] | None = None
 
 
 def export_ref(ref: str, cache: Path) -> Path:
@@ -295,7 +337,8 @@ def parse_variant(text: str, cache: Path) -> Variant:
             extra.append(a)
     venv = tree / ".venv" / "bin" / "python"
     python = str(venv) if a_tree_venv(tree, venv) else sys.executable
-    return Variant(name, tree, python, source_hash(tree), tuple(extra))
+    modules = simulator_modules(tree, python)
+    return Variant(name, tree, python, source_hash(tree, modules), tuple(extra), tuple(modules or ()) or None)
 
 
 def a_tree_venv(tree: Path, venv: Path) -> bool:
@@ -324,7 +367,7 @@ def run_cached(v: Variant, run: Run, cache: Path, nice: int) -> dict:
                                    f"{p.stderr[-2000:]}")
             with open(out) as f:
                 row = json.load(f)[0]
-        if source_hash(v.tree) != v.code:
+        if source_hash(v.tree, v.modules) != v.code:
             raise RuntimeError(f"{run.cell.name} {run.key} / {v.name}: the sources in {v.tree} changed while it ran "
                                f"(not cached: rerun the harness)")
         tmp = path.with_suffix(".tmp")

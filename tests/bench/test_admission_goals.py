@@ -51,6 +51,14 @@ def test_variant_takes_out_tree_and_keeps_the_rest(tmp_path):
     code = v.code
     (tmp_path / "router" / "a.py").write_text("x = 2\n")
     assert ag.source_hash(tmp_path) != code          # a source change is a new cache key
+    # keyed by the files a simulation runs: a change elsewhere keeps the key, one there changes it
+    mods = ["router/a.py"]
+    (tmp_path / "router" / "live.py").write_text("y = 1\n")
+    key = ag.source_hash(tmp_path, mods)
+    (tmp_path / "router" / "live.py").write_text("y = 2\n")
+    assert ag.source_hash(tmp_path, mods) == key
+    (tmp_path / "router" / "a.py").write_text("x = 3\n")
+    assert ag.source_hash(tmp_path, mods) != key
     for bad in ("noequals", "=--config x", "x=--tree"):
         with pytest.raises(ValueError):
             ag.parse_variant(bad, tmp_path)
@@ -118,3 +126,10 @@ def test_a_tiny_cell_end_to_end_through_the_simulator_and_the_cache(tmp_path, mo
     assert json.loads((tmp_path / "v.json").read_text())["tiny e4 s0 / plain"] == verdicts
     assert ag.main(["--variant", "plain=", "--goals", "e", "--cache", str(cache)]) == 2
     assert ag.main([*argv, "--off-from", "nosuch"]) == 2
+
+
+def test_the_probe_finds_the_admission_rule_and_not_the_live_proxy():
+    mods = ag.simulator_modules(ag.REPO, ag.sys.executable)
+    assert mods is not None
+    assert "router/admission_rule.py" in mods and "simulate/cluster.py" in mods
+    assert "router/proxy.py" not in mods and not any(m.startswith(".venv") for m in mods)
