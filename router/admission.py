@@ -19,7 +19,9 @@ SLO) holds the request when at least half the eligible workers have one (the clu
 room), when a waiting request went late or was shed for its budget within ``reserve_window_s``
 (:meth:`AdmissionQueue.shedding`: past capacity), or when the request fills only the reserve
 (below): a burst on a minority of workers is not saturation, and holding for it would cost TTFT
-below capacity without saving its decodes. The cluster has room for a request when that estimate is within ``headroom`` × the
+below capacity without saving its decodes. These TPOT holds apply only on overload evidence
+(:meth:`AdmissionQueue.overloaded`), while the reserve is in force (:meth:`AdmissionQueue.rationed`)
+or for a request that fills only the reserve (``tpot_holds: always``: at any load). The cluster has room for a request when that estimate is within ``headroom`` × the
 request's TTFT budget (``ttft_slo_base_s + ttft_slo_per_1k_s × prompt tokens / 1000``; for a
 request that fills only the reserve of a higher class, at most that class's typical budget,
 :meth:`AdmissionQueue.room_budget`); when every worker is above the KV threshold (decision
@@ -179,6 +181,8 @@ class AdmissionQueue(Generic[P]):
         #: a spell without room: its first and last request judged without room (it ends when
         #: ``hold_after_s`` pass without one); when a waiting request last went late; last hold
         self._spell_since = self._last_no_room = self._last_late = self._last_hold = -math.inf
+        #: last hold on the TTFT estimate (not a TPOT rule's); last :meth:`note_overload` (:meth:`overloaded`)
+        self._last_est_hold = self._last_pace_over = -math.inf
         #: per class, the dispatches of the last ``reserve_window_s`` (time, tenant) and their
         #: count per tenant (a tenant above its fair share fills only the reserved headroom)
         self._recent: dict[int, deque[tuple[float, str]]] = {}
@@ -290,6 +294,8 @@ class AdmissionQueue(Generic[P]):
                 # without a TTFT estimate has no other measure of room; not for the reserve)
                 return GO
             self._last_hold = now
+            if not full and est_s is not None:
+                self._last_est_hold = now
             return WAIT
         if not t.late and now + est_s > t.deadline:
             return LATE
@@ -321,6 +327,34 @@ class AdmissionQueue(Generic[P]):
         429 for its budget within the last ``reserve_window_s``: evidence that the cluster is past
         its capacity, not in a burst."""
         return now - max(self._last_shed, self._last_late) <= self.cfg.reserve_window_s
+
+    def overloaded(self, now: float) -> bool:
+        """Whether the cluster shows it is past its capacity, by evidence the TPOT holds do not make
+        themselves: within ``reserve_window_s`` a hold on the TTFT estimate (not a burst's), a late
+        or shed request (:meth:`shedding`) or a :meth:`note_overload`; or :meth:`backlogged`. The
+        TPOT holds of :mod:`router.admission_rule` wait for it (below capacity they turn into TTFT)."""
+        return (now - max(self._last_est_hold, self._last_shed, self._last_late, self._last_pace_over)
+                <= self.cfg.reserve_window_s or self.backlogged(now))
+
+    def rationed(self, now: float) -> bool:
+        """Whether the reserve is in force (:meth:`headroom`): two priority classes arrived within
+        ``reserve_window_s``, or a tenant had more than :data:`OVER_SHARE` × its fair share of its
+        class's dispatches then. The TPOT holds then protect the higher class's and the light
+        tenants' decodes at any load."""
+        horizon = now - self.cfg.reserve_window_s
+        if sum(1 for seen in self._seen.values() if seen >= horizon) > 1:
+            return True
+        for prio, counts in self._recent_n.items():
+            if len(counts) > 1:
+                self._trim(prio, horizon)
+                total = sum(counts.values())
+                if len(counts) > 1 and total and max(counts.values()) * len(counts) > OVER_SHARE * total:
+                    return True
+        return False
+
+    def note_overload(self, now: float) -> None:
+        """The caller saw most decodes in flight pace over their bound (evidence for :meth:`overloaded`)."""
+        self._last_pace_over = now
 
     def headroom(self, priority: int, now: float, tenant: str | None = None) -> float:
         """The share of its TTFT budget a request of class ``priority`` (and ``tenant``) may find

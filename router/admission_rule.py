@@ -26,6 +26,10 @@ P = TypeVar("P")
 
 #: a decode is judged by its pace once it has streamed this many tokens
 PACE_MIN_TOKENS = 8
+#: more than this share of the decodes in flight pacing over their TPOT bound is overload evidence
+#: (:meth:`AdmissionQueue.note_overload`): a majority. Agentic, 4 engines, seed 0: at most 0.39
+#: (one-second means) at the capacity rate, above 0.5 from 12 s on at 1.5x (bench/results/admission.md round 7)
+OVERLOAD_PACE_SHARE = 0.5
 
 
 def pacing_over(requests: Iterable[tuple[int | None, int, float | None]], tpot_s: float) -> bool:
@@ -40,6 +44,23 @@ def pacing_over(requests: Iterable[tuple[int | None, int, float | None]], tpot_s
         if k >= PACE_MIN_TOKENS and since is not None and since > tpot_s * (k - 1):
             return True
     return False
+
+
+def pace_share(workers: Iterable[Iterable[tuple[int | None, int, float | None]]], tpot_s: float) -> float:
+    """The share, in [0, 1], of the decodes in flight on ``workers`` (per worker, its
+    :meth:`router.scheduling.DecodeBook.requests`) that have streamed at least
+    :data:`PACE_MIN_TOKENS` tokens at a mean time per output token above ``tpot_s`` (0 when none
+    has streamed that many, or ``tpot_s`` <= 0)."""
+    if tpot_s <= 0:
+        return 0.0
+    n = over = 0
+    for reqs in workers:
+        for _, k, since in reqs:
+            if k >= PACE_MIN_TOKENS and since is not None:
+                n += 1
+                if since > tpot_s * (k - 1):
+                    over += 1
+    return over / n if n else 0.0
 
 
 def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
@@ -62,13 +83,19 @@ def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ti
     the queue).
 
     ``full`` (no room whatever the estimate): every offered worker above the KV threshold
-    (decision reason ``kv_full``), or the request's prefill would push a decode in flight there over
-    its TPOT bound (``Decision.slo_victims``), or a decode there already paces above
-    ``tpot_slo_s`` (``reserve_pace`` × it for a lower class while a higher one is active,
-    :meth:`AdmissionQueue.headroom`; :func:`pacing_over`) and either at least half the eligible workers have one
-    (the cluster has no TPOT room), or the queue is shedding (:meth:`AdmissionQueue.shedding`), or
-    ``t`` fills only the reserve (:meth:`AdmissionQueue.headroom` below ``headroom``), or, for a policy that estimates no TTFT, the chosen worker's router in-flight
-    count (read live from the segment) at its ``max_num_seqs``."""
+    (decision reason ``kv_full``), or, for a policy that estimates no TTFT, the chosen worker's
+    router in-flight count (read live from the segment) at its ``max_num_seqs``, or one of the TPOT
+    holds: the request's prefill would push a decode in flight there over its TPOT bound
+    (``Decision.slo_victims``), or a decode there already paces above ``tpot_slo_s``
+    (``reserve_pace`` × it for a lower class while a higher one is active,
+    :meth:`AdmissionQueue.headroom`; :func:`pacing_over`) and either at least half the eligible
+    workers have one (the cluster has no TPOT room), or the queue is shedding
+    (:meth:`AdmissionQueue.shedding`), or ``t`` fills only the reserve
+    (:meth:`AdmissionQueue.headroom` below ``headroom``). The TPOT holds apply to a ``t`` that
+    fills only the reserve, and otherwise (``tpot_holds: overload``) only while the queue sees
+    overload (:meth:`AdmissionQueue.overloaded`; this call reports more than half the decodes in
+    flight pacing over, :func:`pace_share`, as evidence) or the reserve is in force
+    (:meth:`AdmissionQueue.rationed`); with ``tpot_holds: always`` at any load."""
     v, h, d = _judge(q, sched, info, t, now, exclude, True)
     share = q.cfg.reroute_after
     if v == HOLD and h is not None and share > 0 and now - t.arrival >= share * t.ttft_budget:
@@ -89,30 +116,46 @@ def _judge(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[
     h, d = sched.decide(info, exclude)
     if h.worker_id in q.held:   # a request ahead waits for this worker: no overtaking it there
         return HOLD, h, None
-    full = d.reason == "kv_full" or d.slo_victims > 0
     cluster = d.reason == "kv_full"   # no room on any worker (else: none on the chosen one)
     reserve = q.headroom(t.priority, now, t.tenant) < q.cfg.headroom
-    if not full:
-        tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
-        lower = reserve and q.headroom(t.priority, now) < q.cfg.headroom   # a lower class (not a tenant)
-        if pacing_over(decodes.requests(h.worker_id), tpot * (q.cfg.reserve_pace if lower else 1.0)):
-            # the chosen worker's batch paces above its TPOT bound: a request that fills only the
-            # reserve (lower class, tenant above its share) waits for it, and so does any request
-            # while the queue has shed one for its deadline or budget lately (past capacity);
-            # otherwise it waits only when at least half the eligible workers pace over (the
-            # cluster has no TPOT room). A minority pacing over is a burst the others' room
-            # absorbs: holding for it turns into TTFT below capacity without saving the decodes
-            # there (a pace is a mean since the first token, slow to fall back), and re-routing
-            # would give up the prefix the policy chose the worker for. Measured (agentic, 4
-            # engines, bench/results/admission.md): holding for the chosen worker alone raised
-            # TTFT p99 at 0.8x capacity 0.76 -> 1.27 s; holding only when every worker paces over
-            # let goodput at 1.5x capacity fall to 0.75x the peak.
-            if reserve or q.shedding(now):
-                full = True
-            else:
-                cands = sched.candidates(info.model, set(exclude), False)
-                over = sum(1 for s in cands if pacing_over(decodes.requests(s.worker_id), tpot))
-                full = cluster = 2 * over >= len(cands)
+    tpot, decodes = q.cfg.tpot_slo_s, sched.decodes
+    lower = reserve and q.headroom(t.priority, now) < q.cfg.headroom   # a lower class (not a tenant)
+    over = not cluster and pacing_over(decodes.requests(h.worker_id), tpot * (q.cfg.reserve_pace if lower else 1.0))
+    # The TPOT holds: for a request that fills only the reserve, while the reserve protects a higher
+    # class or the tenants within their share (rationed), and otherwise only on overload evidence
+    # the holds cannot make themselves (AdmissionQueue.overloaded: a hold on the TTFT estimate, a
+    # late or shed request, most decodes in flight pacing over). Below capacity the request goes
+    # where the policy chose (the dplb policy priced its TPOT victims already): a hold there turned
+    # into TTFT (agentic, 4 engines, at the capacity rate: TTFT p99 0.68 s with admission off, 2.56
+    # s with the holds at any load). Past capacity they keep the decodes within their bound: gated
+    # to a 10 s backlog alone, goodput at 2x fell to 0.51x the peak (bench/results/admission.md,
+    # rounds 6 and 7).
+    tpot_holds = (reserve or q.cfg.tpot_holds == "always"
+                  or ((over or d.slo_victims > 0) and (q.overloaded(now) or q.rationed(now))))
+    if over and not tpot_holds:
+        cands = sched.candidates(info.model, set(exclude), False)
+        if pace_share((decodes.requests(s.worker_id) for s in cands), tpot) > OVERLOAD_PACE_SHARE:
+            q.note_overload(now)   # most decodes in flight already miss their bound: past capacity
+            tpot_holds = True
+    full = cluster or (d.slo_victims > 0 and tpot_holds)
+    if not full and tpot_holds and over:
+        # the chosen worker's batch paces above its TPOT bound: a request that fills only the
+        # reserve (lower class, tenant above its share) waits for it, and so does any request
+        # while the queue has shed one for its deadline or budget lately (past capacity);
+        # otherwise it waits only when at least half the eligible workers pace over (the
+        # cluster has no TPOT room). A minority pacing over is a burst the others' room
+        # absorbs: holding for it turns into TTFT below capacity without saving the decodes
+        # there (a pace is a mean since the first token, slow to fall back), and re-routing
+        # would give up the prefix the policy chose the worker for. Measured (agentic, 4
+        # engines, bench/results/admission.md): holding for the chosen worker alone raised
+        # TTFT p99 at 0.8x capacity 0.76 -> 1.27 s; holding only when every worker paces over
+        # let goodput at 1.5x capacity fall to 0.75x the peak.
+        if reserve or q.shedding(now):
+            full = True
+        else:
+            cands = sched.candidates(info.model, set(exclude), False)
+            n_over = sum(1 for s in cands if pacing_over(decodes.requests(s.worker_id), tpot))
+            full = cluster = 2 * n_over >= len(cands)
     est = d.ttft_s if d.ttft_s is not None else d.est_s
     if est is None and not full:
         snap = h.snap
@@ -146,4 +189,4 @@ def route_ticket(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: T
     return GO, sched.lease(h, d, info, now), d
 
 
-__all__ = ["PACE_MIN_TOKENS", "judge_route", "pacing_over", "route_ticket"]
+__all__ = ["OVERLOAD_PACE_SHARE", "PACE_MIN_TOKENS", "judge_route", "pace_share", "pacing_over", "route_ticket"]

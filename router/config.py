@@ -346,6 +346,12 @@ class AdmissionSection(_Strict):
     reserve_pace: float = Field(default=0.8, gt=0, le=1,
                                 description="a lower-class request (a higher class active) waits while a decode on its worker "
                                             "paces above this x tpot_slo_s")
+    tpot_holds: Literal["overload", "always"] = Field(
+        default="overload",
+        description="when the TPOT rules (a decode the request would push over its bound, decodes pacing over) hold a "
+                    "request: overload = only while the queue sees overload (within reserve_window_s a hold on the TTFT "
+                    "estimate, a late or shed request, most decodes in flight pacing over; a sustained backlog), while "
+                    "the reserve is in force, or for a request that fills only the reserve; always: at any load")
     lookahead: int = Field(default=8, ge=0, le=1000,
                            description="requests a pump sets aside while the worker each was routed to has no room, "
                                        "trying those behind them on other workers (0: the first without room stops it)")

@@ -414,6 +414,70 @@ def test_a_worker_pacing_over_holds_only_when_the_cluster_is_saturated_or_for_th
     assert judge_route(q, _Sched({0: [PACING_FINE]}), info, low, 0.0)[0] == GO
 
 
+def test_the_tpot_holds_wait_for_overload_evidence():
+    """Below capacity (no overload evidence) neither a TPOT victim nor half the workers pacing over
+    holds the request: it goes where the policy chose, as with admission off (the holds cost
+    agentic at the capacity rate TTFT p99 0.68 -> 2.56 s). A hold on the TTFT estimate, most
+    decodes in flight pacing over, or a shed request is evidence: for ``reserve_window_s`` the
+    holds apply. A hold by the TPOT rules themselves is no evidence. ``tpot_holds: always``: the
+    holds at any load."""
+    from router.admission_rule import judge_route
+    from router.policies.base import RequestInfo
+
+    info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
+    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    # two of three workers have a decode pacing over, but 2 of 5 decodes (a minority) do
+    minority = _Sched({0: [PACING_OVER], 1: [PACING_OVER], 2: [PACING_FINE] * 3})
+    victim = _Sched({})
+    victim.decision.slo_victims = 1   # the request's prefill would push a decode over its bound
+    t = q.ticket("a", 0.0, prompt_tokens=100)
+    assert judge_route(q, minority, info, t, 0.0)[0] == GO
+    assert judge_route(q, victim, info, t, 0.0)[0] == GO
+    assert not q.overloaded(0.0)
+    # a TPOT hold is no evidence (it would feed on itself): the caller's own rule says full
+    assert q.judge(q.ticket("f", 0.5, prompt_tokens=100), 0.1, 0.5, full=True) == WAIT
+    assert not q.overloaded(0.5)
+    # a hold on the TTFT estimate is: for reserve_window_s (10 s) the TPOT holds apply
+    assert q.judge(q.ticket("e", 1.0, prompt_tokens=100), 5.0, 1.0) == WAIT
+    assert q.overloaded(1.0) and q.overloaded(11.0) and not q.overloaded(11.5)
+    assert judge_route(q, victim, info, q.ticket("b", 2.0, prompt_tokens=100), 2.0)[0] == HOLD
+    assert judge_route(q, minority, info, q.ticket("c", 2.0, prompt_tokens=100), 2.0)[0] == WAIT
+    assert judge_route(q, victim, info, q.ticket("d", 11.5, prompt_tokens=100), 11.5)[0] == GO
+    # most decodes in flight pace over: evidence at once, and for the next 10 s
+    most = _Sched({0: [PACING_OVER], 1: [PACING_OVER, PACING_OVER], 2: [PACING_FINE]})
+    q2: AdmissionQueue[str] = AdmissionQueue(cfg())
+    assert judge_route(q2, most, info, q2.ticket("a", 0.0, prompt_tokens=100), 0.0)[0] == WAIT
+    assert q2.overloaded(9.0)
+    assert judge_route(q2, victim, info, q2.ticket("b", 9.0, prompt_tokens=100), 9.0)[0] == HOLD
+    # while the reserve is in force (a tenant above its fair share, or two classes) the holds
+    # protect the other tenants' and the higher class's decodes at any load
+    qt: AdmissionQueue[str] = AdmissionQueue(cfg())
+    for i, ten in enumerate(["heavy"] * 4 + ["light"]):
+        qt.record(qt.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
+    assert qt.rationed(0.0) and not qt.overloaded(0.0)
+    assert judge_route(qt, victim, info, qt.ticket("l", 0.0, prompt_tokens=100, tenant="light"), 0.0)[0] == HOLD
+    even: AdmissionQueue[str] = AdmissionQueue(cfg())
+    for i, ten in enumerate(["x", "y"] * 2):
+        even.record(even.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
+    assert not even.rationed(0.0)
+    assert judge_route(even, victim, info, even.ticket("x", 0.0, prompt_tokens=100, tenant="x"), 0.0)[0] == GO
+    # always: the holds at any load
+    qa: AdmissionQueue[str] = AdmissionQueue(cfg(tpot_holds="always"))
+    assert judge_route(qa, victim, info, qa.ticket("a", 0.0, prompt_tokens=100), 0.0)[0] == HOLD
+    assert judge_route(qa, minority, info, qa.ticket("b", 0.0, prompt_tokens=100), 0.0)[0] == WAIT
+
+
+def test_pace_share_counts_decodes_past_their_first_tokens():
+    from router.admission_rule import PACE_MIN_TOKENS, pace_share
+
+    assert pace_share([], 0.1) == 0.0
+    assert pace_share([[PACING_OVER, PACING_FINE], [PACING_OVER]], 0.1) == pytest.approx(2 / 3)
+    # a decode with fewer than PACE_MIN_TOKENS tokens, or before its first, is not judged yet
+    young = (200, PACE_MIN_TOKENS - 1, 100.0)
+    assert pace_share([[young, (200, 0, None), PACING_FINE]], 0.1) == 0.0
+    assert pace_share([[PACING_OVER]], 0.0) == 0.0   # tpot_slo_s 0: off
+
+
 def test_a_lower_class_fills_a_quarter_of_the_headroom_a_tenant_above_its_share_half():
     """Defaults: ``reserve`` 0.25 for a lower class while a higher one is active, ``tenant_reserve``
     0.5 for a tenant above its fair share (a quarter for tenants too cost a light tenant's
