@@ -434,34 +434,52 @@ cdef class ChunkRelay:
 
 
 cdef class RelayProtocol:
-    """The asyncio protocol of an engine connection while a :class:`ChunkRelay` has its body
-    (``conn``: the router's ``router.connection.Connection``, ``relay``: its relay): every read
-    goes from the event loop straight to the relay, with no Python frame per read. Per read it
-    does what ``Connection.data_received`` does with a relay: the read's time (``time.monotonic``'s
-    clock, CLOCK_MONOTONIC) into ``conn.last_rx`` and ``conn.home.last_rx`` (the idle timer and
-    the engine's liveness), :meth:`ChunkRelay.feed`, and ``conn.relay_settle(result)`` only when
-    the read changed something the reader waits for (the body ended or was malformed, the client
-    is full or gone, or the reader is already to be woken). The connection's other callbacks go
-    to ``conn``. The connection puts it on its transport (``set_protocol``) when the relay takes
-    the body and itself back when the body ends (``Connection.end_relay``)."""
+    """The asyncio protocol of an engine connection (``conn``: the router's
+    ``router.connection.Connection``) for the connection's whole life: while a
+    :class:`ChunkRelay` has its body (``relay``, set by :meth:`take`) every read goes from the
+    event loop straight to the relay, with no Python frame per read; otherwise every read goes
+    to ``conn.data_received``. Per relayed read it does what ``Connection.data_received`` does
+    with a relay: the read's time (``time.monotonic``'s clock, CLOCK_MONOTONIC) into
+    ``conn.last_rx`` and ``conn.home.last_rx`` (the idle timer and the engine's liveness),
+    :meth:`ChunkRelay.feed`, and ``conn.relay_settle(result)`` only when the read changed
+    something the reader waits for (the body ended or was malformed, the client is full or
+    gone, or the reader is already to be woken). The connection's other callbacks go to
+    ``conn``. Staying on the transport, instead of being swapped in and out with
+    ``set_protocol`` per relayed body, spares the event loop a stop and a restart of reading (two
+    ``epoll_ctl`` changes, ~4.5 us per stream; bench/results/long-prompts.md, round 7)."""
 
-    cdef object conn
+    cdef readonly object conn
     cdef object home
     cdef ChunkRelay relay
 
-    def __init__(self, conn, ChunkRelay relay not None):
+    def __init__(self, conn, ChunkRelay relay=None):
         self.conn = conn
         self.home = conn.home
         self.relay = relay
 
+    def take(self, ChunkRelay relay):
+        """Give the reads to ``relay`` (its body starts with the next read), or back to the
+        connection (None)."""
+        self.relay = relay
+        if relay is not None:
+            self.home = self.conn.home
+
+    @property
+    def relaying(self):
+        """Whether the reads go to a relay now (else to the connection)."""
+        return self.relay is not None
+
     def connection_made(self, transport):
-        pass
+        self.conn.connection_made(transport)
 
     def data_received(self, bytes data):
         cdef timespec ts
         cdef int st
         cdef ChunkRelay r = self.relay
         conn = self.conn
+        if r is None:
+            conn.data_received(data)
+            return
         clock_gettime(CLOCK_MONOTONIC, &ts)
         t = <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
         conn.last_rx = t

@@ -67,8 +67,8 @@ class Connection(asyncio.Protocol):
     future the reader sleeps on."""
 
     __slots__ = ("body", "boundary", "buffered", "done", "error", "got_any", "handoff", "head_done", "headers", "held", "home",
-                 "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "quick",
-                 "relay", "sink", "status", "timer", "transport", "waiter")
+                 "idle_since", "interim", "keep", "keep_hint", "last_rx", "lost", "on_whole", "parser", "paused", "proto",
+                 "quick", "relay", "sink", "status", "timer", "transport", "waiter")
 
     def __init__(self) -> None:
         # Any: asyncio's transport (connection_made gets a BaseTransport; the socket one has pause_reading)
@@ -88,6 +88,9 @@ class Connection(asyncio.Protocol):
         #: event instead of a waiter (a read, the end, a failure); it decides whether to act
         self.quick: Callable[[Connection], None] | None = None
         self.home: Pool | None = None                  # the pool of its endpoint (liveness: Pool.last_rx)
+        # the transport's protocol when Pool.connect made it (for the connection's life): it hands the
+        # reads to a native relay and back without set_protocol (see _hand_off); None: this is the protocol
+        self.proto: RelayProtocol | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -183,20 +186,30 @@ class Connection(asyncio.Protocol):
         """At a chunk boundary (``boundary``: the parser's last callback was a chunk's end and the
         read ended with that chunk's CRLF, so the parser holds no partial size line): give the
         rest of the body to the native relay if the pipe's ``handoff`` has one ready; the
-        transport's reads then go to a :class:`router._relay.RelayProtocol` (no Python frame per
-        read) until :meth:`end_relay`."""
+        transport's reads then go through a :class:`router._relay.RelayProtocol` to the relay (no
+        Python frame per read) until :meth:`end_relay`: the connection's own protocol
+        (:attr:`proto`) takes the relay, else one is put on the transport."""
         r = self.handoff() if self.handoff is not None else None
         if r is not None:
             self.handoff = None
             self.relay = r
             t = self.transport
             if t is not None and not self.done and self.error is None and not t.is_closing():
-                t.set_protocol(RelayProtocol(self, r))
+                p = self.proto
+                if p is not None:
+                    p.take(r)
+                else:
+                    t.set_protocol(RelayProtocol(self, r))
 
     def end_relay(self) -> None:
         """The relayed body ended (or the pipe gave up on it): this connection reads its own
-        transport again (a kept-alive connection's next answer goes through its parser)."""
+        transport again (a kept-alive connection's next answer goes through its parser); its
+        :attr:`proto` gives the reads back, or the connection is put back on the transport."""
         self.relay = None
+        p = self.proto
+        if p is not None:
+            p.take(None)
+            return
         t = self.transport
         if t is not None and not t.is_closing() and t.get_protocol() is not self:
             t.set_protocol(self)
@@ -327,6 +340,14 @@ def _expire(w: asyncio.Future[bool | None]) -> None:
         w.set_result(False)
 
 
+def _protocol() -> RelayProtocol:
+    """A new connection's transport protocol: a :class:`Connection` behind the native
+    :class:`router._relay.RelayProtocol`, which keeps it for the connection's life."""
+    c = Connection()
+    p = c.proto = RelayProtocol(c)
+    return p
+
+
 class Pool:
     """Idle keep-alive connections of one endpoint (LIFO)."""
 
@@ -372,10 +393,11 @@ class Pool:
     async def connect(self, timeout: float) -> Connection:
         loop = asyncio.get_running_loop()
         if self.path is not None:
-            coro = loop.create_unix_connection(Connection, self.path)
+            coro = loop.create_unix_connection(_protocol, self.path)
         else:
-            coro = loop.create_connection(Connection, self._tcp_host, self.port)
-        _, c = await asyncio.wait_for(coro, timeout)
+            coro = loop.create_connection(_protocol, self._tcp_host, self.port)
+        _, p = await asyncio.wait_for(coro, timeout)
+        c: Connection = p.conn   # type: ignore[assignment]
         c.home = self
         sock = c.transport.get_extra_info("socket")
         if self.path is None and sock is not None:

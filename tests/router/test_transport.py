@@ -451,9 +451,10 @@ async def test_the_native_relay_reports_a_worker_that_died_mid_stream(server):
 
 async def _relay_reads_bypass_the_connection(path: str) -> None:
     """A /ticks stream through the native relay: while the relay has the body the transport's
-    reads go to a RelayProtocol (not the connection's data_received), which keeps the endpoint's
-    liveness time current; at the body's end the connection has its transport back and reads
-    the next answer on it."""
+    reads go to it through the connection's RelayProtocol (not the connection's data_received),
+    which keeps the endpoint's liveness time current; the protocol stays on the transport (no
+    set_protocol per body: the event loop would stop and restart reading); at the body's end the
+    reads go to the connection again, which reads the next answer on it."""
     import time
 
     from router._relay import ChunkRelay, RelayProtocol
@@ -471,15 +472,16 @@ async def _relay_reads_bypass_the_connection(path: str) -> None:
     orig = client.write
 
     def write(b: bytes) -> None:   # what protocol the transport has while the relay writes
-        seen.append(conn.transport.get_protocol())
+        p = conn.transport.get_protocol()
+        seen.append((p, isinstance(p, RelayProtocol) and p.relaying))
         orig(b)
 
     client.write = write  # type: ignore[method-assign]
     await asyncio.wait_for(up.pipe(lambda d: True, asyncio.sleep, handoff), 10)
     t_end = time.monotonic()
     assert up.complete() and len(seen) >= 2
-    assert all(isinstance(p, RelayProtocol) for p in seen)
-    assert conn.transport.get_protocol() is conn
+    assert all(p is conn.proto and relaying for p, relaying in seen)
+    assert conn.transport.get_protocol() is conn.proto and not conn.proto.relaying
     assert t_end - 0.05 <= t.last_rx(path) <= t_end    # the relay's reads moved the liveness time
     body = first + client.body()
     assert body.count(b"data: ") <= 40 and body.endswith(b"data: 39\n\n")
