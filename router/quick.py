@@ -98,9 +98,16 @@ class QuickAnswer(LaterTask):
         if u is not None:
             u()
 
+    def spawn(self) -> asyncio.Task[None] | None:
+        """Stop watching, then run the request's task (:meth:`LaterTask.spawn`): from here on only
+        the task reads the engine's connection, also when the stop's drain limit spawns it
+        (:meth:`LaterTask.cancel`); an answer read meanwhile is the task's, never written and
+        pooled a second time from here."""
+        self._stop_watching()
+        return super().spawn()
+
     def _escalate(self) -> None:
         """Anything but the plain outcome: the request's task takes over from here."""
-        self._stop_watching()
         self.spawn()
 
     def _late(self) -> None:
@@ -112,6 +119,8 @@ class QuickAnswer(LaterTask):
 
     def _engine(self, c: Connection) -> None:
         """A network event on the engine's connection (``Connection.quick``)."""
+        if self.ended:
+            return              # (the task has it)
         if c.error is None and not c.head_done:
             return              # the head is not complete yet
         if c.error is None and c.done and self._answer(c):

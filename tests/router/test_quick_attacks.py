@@ -1,0 +1,213 @@
+"""Attacks on the taskless serving of a plain answer (router/quick.py ``QuickAnswer``): HTTP/1.1
+requests pipelined on one client connection, an engine's 5xx, a body split over reads or cut
+short, a slow client, the stop's drain limit racing the engine's answer. Each request is answered
+exactly once, its connection to the engine goes back to the pool at most once, and the in-flight
+accounting returns to zero. The rig of tests/router/test_quick_answer.py (the real app and
+protocol in front of a scripted engine on loopback) with an engine that can also write an answer
+in parts."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dplb_shm import WorkerState
+from router.server import LaterTask
+from tests.helpers import RecordingTransport, in_process_router
+from tests.router.test_quick_answer import (
+    ANSWER,
+    REQUEST,
+    count,
+    inflight,
+    settle,
+    whole,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class PartsEngine:
+    """An HTTP/1.1 engine on loopback answering each request with the next step of ``script``
+    (then a whole 200): bytes (written at once), a list of bytes (written apart, 50 ms between
+    them), ``("cut", bytes)`` (written, then the connection closed), "hang" (nothing until the
+    router closes the connection)."""
+
+    def __init__(self) -> None:
+        self.script: list[object] = []
+        self.requests = self.closed = self.connections = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                n = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                         if line.lower().startswith(b"content-length:"))
+                await r.readexactly(n)
+                self.requests += 1
+                step = self.script.pop(0) if self.script else whole(200)
+                if step == "hang":
+                    await r.read()
+                    break
+                if isinstance(step, tuple):
+                    w.write(step[1])
+                    await w.drain()
+                    break
+                for i, part in enumerate(step if isinstance(step, list) else [step]):
+                    if i:
+                        await asyncio.sleep(0.05)
+                    w.write(part)
+                    await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed += 1
+            w.close()
+
+
+@pytest.fixture
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture
+def rig(loop):
+    """(make a client protocol, engine, app): two ready workers at one engine, the pool warmed."""
+    engine = PartsEngine()
+    port = loop.run_until_complete(engine.start())
+    with in_process_router(loop, f"127.0.0.1:{port}") as (app, seg, make):
+        w = seg.writer(1)
+        w.claim(worker_id=1, pid=0, endpoint=f"127.0.0.1:{port}", model="m", max_num_seqs=64)
+        w.set_state(WorkerState.READY)
+        w.heartbeat()
+        app.state.registry.refresh_if_changed()
+        c = RecordingTransport()
+        proto = make(c)
+        proto.data_received(REQUEST)
+        settle(loop, lambda: c.writes)
+        proto.connection_lost(None)
+        yield make, engine, app
+    assert engine.server is not None
+    engine.server.close()
+    settle(loop, lambda: engine.closed >= engine.connections)
+
+
+def send(make, n: int = 1):  # type: ignore[no-untyped-def]
+    c = RecordingTransport()
+    proto = make(c)
+    proto.data_received(REQUEST * n)
+    return c, proto, list(proto.tasks)
+
+
+def responses(c: RecordingTransport) -> int:
+    return b"".join(c.writes).count(b"HTTP/1.1 ")
+
+
+def pools_sane(app) -> bool:  # type: ignore[no-untyped-def]
+    """No connection idles twice in a pool (two requests would then share it)."""
+    for pool in app.state.proxy.transport._pools.values():
+        idle = list(pool.idle)
+        if len({id(c) for c in idle}) != len(idle):
+            return False
+    return True
+
+
+def test_two_pipelined_requests_are_both_answered_in_order(rig, loop):
+    make, engine, app = rig
+    engine.script = [whole(200, ANSWER.replace(b'"hi"', b'"one"')), whole(200, ANSWER.replace(b'"hi"', b'"two"'))]
+    ok0 = count(app, "200")
+    c, proto, started = send(make, 2)
+    assert isinstance(started[0], LaterTask)
+    settle(loop, lambda: responses(c) == 2)
+    out = b"".join(c.writes)
+    assert out.index(b'"one"') < out.index(b'"two"')
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    assert count(app, "200") == ok0 + 2 and pools_sane(app)
+    proto.connection_lost(None)
+
+
+def test_an_engine_5xx_is_relayed_once_and_counted(rig, loop):
+    make, engine, app = rig
+    engine.script = [whole(500, b'{"error":"boom"}')]
+    n0, e0 = engine.requests, count(app, "500")
+    c, proto, started = send(make)
+    assert isinstance(started[0], LaterTask)
+    settle(loop, lambda: c.writes)
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    out = b"".join(c.writes)
+    assert out.startswith(b"HTTP/1.1 500") and out.endswith(b'{"error":"boom"}') and responses(c) == 1
+    assert engine.requests == n0 + 1 and count(app, "500") == e0 + 1
+    proto.connection_lost(None)
+
+
+def test_a_body_split_over_reads_is_answered_whole(rig, loop):
+    make, engine, app = rig
+    resp = whole(200)
+    engine.script = [[resp[:-20], resp[-20:]]]
+    c, proto, _ = send(make)
+    settle(loop, lambda: c.writes)
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    out = b"".join(c.writes)
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(ANSWER) and responses(c) == 1 and pools_sane(app)
+    proto.connection_lost(None)
+
+
+def test_a_body_cut_short_is_retried_on_the_other_worker(rig, loop):
+    make, engine, app = rig
+    resp = whole(200)
+    engine.script = [("cut", resp[:-20])]
+    n0 = engine.requests
+    c, proto, _ = send(make)
+    settle(loop, lambda: c.writes)
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    out = b"".join(c.writes)
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(ANSWER) and responses(c) == 1
+    assert engine.requests == n0 + 2 and pools_sane(app)
+    proto.connection_lost(None)
+
+
+def test_a_slow_client_gets_the_answer_through_its_task(rig, loop):
+    make, _engine, app = rig
+    c, proto, started = send(make)
+    assert isinstance(started[0], LaterTask)
+    proto.pause_writing()                        # the client's transport is above its high-water mark
+    settle(loop, lambda: any(not isinstance(t, LaterTask) for t in proto.tasks))   # handed to its task
+    assert c.writes == []
+    proto.resume_writing()
+    settle(loop, lambda: c.writes and inflight(app) == 0 and not proto.tasks)
+    out = b"".join(c.writes)
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(ANSWER) and responses(c) == 1 and pools_sane(app)
+    proto.connection_lost(None)
+
+
+def test_the_drain_cut_racing_the_engines_answer_answers_once(rig, loop):
+    """uvicorn's stop cancels the request at its drain limit; the engine's whole answer is read in
+    the same turn of the loop, after the cut spawned the request's task and before that task's
+    first step. One answer reaches the client, the engine's connection is pooled at most once."""
+    make, engine, app = rig
+    engine.script = ["hang"]
+    n0 = engine.requests
+    c, proto, started = send(make)
+    qa = started[0]
+    assert isinstance(qa, LaterTask)
+    settle(loop, lambda: engine.requests == n0 + 1)
+    conn = qa.att.written     # the engine's connection (the engine itself stays silent)
+    errors: list[object] = []
+    loop.set_exception_handler(lambda lp, ctx: errors.append(ctx))
+    qa.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")   # queues the cut
+    loop.call_soon(conn.data_received, whole(200))   # the answer, read right after the cut
+    settle(loop, lambda: c.writes)
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    for _ in range(5):
+        loop.run_until_complete(asyncio.sleep(0.01))
+    assert responses(c) == 1, b"".join(c.writes)
+    assert pools_sane(app)
+    assert not errors, errors
+    proto.connection_lost(None)
