@@ -17,6 +17,8 @@ from router.admission import GO, HOLD, WAIT, AdmissionQueue, Ticket
 from router.errors import NoEligibleWorker
 
 if TYPE_CHECKING:
+    from dplb_shm.types import RouterLine
+    from router.accounting import LearnSettings
     from router.policies.base import Decision, RequestInfo
     from router.scheduling import Lease, Scheduler
     from router.workers import WorkerHandle
@@ -61,6 +63,29 @@ def pace_share(workers: Iterable[Iterable[tuple[int | None, int, float | None]]]
                 if since > tpot_s * (k - 1):
                     over += 1
     return over / n if n else 0.0
+
+
+def decode_over(line: RouterLine, learn: LearnSettings, prompt_tokens: int, tpot_s: float) -> bool:
+    """True when a worker's decode step, once every request the routers dispatched there (its
+    router line ``line``: ``router_inflight``, ``decode_reqs``, ``decode_ctx_tokens``) and one
+    more of ``prompt_tokens`` decode together, would take longer than ``tpot_s`` (0: never): every
+    decode there would then pace above its TPOT bound whatever the prefills do. The step is the
+    kernel's decode-cost model (csrc/dplb_kernel.h ``decode_s``; :class:`LearnSettings`
+    ``step_base_s + decode_seq_s x requests + decode_ctx_s x context tokens``); a request
+    dispatched but not past its first token counts with the decodes' mean context (the new
+    request's prompt when none decodes). Why: a pump that finds room by the TTFT estimate alone
+    can bind a dozen requests of long cached contexts to one worker at once (docqa, 4 engines, 2x
+    capacity: 14 in one pump, 27 -> 41 decodes of about 55k tokens each, 11 TPOT misses;
+    bench/results/admission.md, round 7)."""
+    if tpot_s <= 0:
+        return False
+    dreq = max(0.0, float(line["decode_reqs"]))
+    dctx = max(0.0, float(line["decode_ctx_tokens"]))
+    pending = max(0.0, float(line["router_inflight"]) - dreq)
+    mean = dctx / dreq if dreq > 0 else float(prompt_tokens)
+    reqs = dreq + pending + 1.0
+    ctx = dctx + pending * mean + prompt_tokens
+    return (learn.step_base_s + learn.decode_seq_s * reqs) + learn.decode_ctx_s * ctx > tpot_s
 
 
 def judge_route(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[P], now: float,
@@ -156,6 +181,8 @@ def _judge(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: Ticket[
             cands = sched.candidates(info.model, set(exclude), False)
             n_over = sum(1 for s in cands if pacing_over(decodes.requests(s.worker_id), tpot))
             full = cluster = 2 * n_over >= len(cands)
+    if not full and q.cfg.decode_room and sched.seg is not None:
+        full = decode_over(sched.seg.router_line(h.worker_id), sched.learn, info.prompt_len, q.cfg.tpot_slo_s)
     est = d.ttft_s if d.ttft_s is not None else d.est_s
     if est is None and not full:
         snap = h.snap
@@ -189,4 +216,5 @@ def route_ticket(q: AdmissionQueue[P], sched: Scheduler, info: RequestInfo, t: T
     return GO, sched.lease(h, d, info, now), d
 
 
-__all__ = ["OVERLOAD_PACE_SHARE", "PACE_MIN_TOKENS", "judge_route", "pace_share", "pacing_over", "route_ticket"]
+__all__ = ["OVERLOAD_PACE_SHARE", "PACE_MIN_TOKENS", "decode_over", "judge_route", "pace_share", "pacing_over",
+           "route_ticket"]

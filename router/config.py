@@ -352,6 +352,10 @@ class AdmissionSection(_Strict):
                     "request: overload = only while the queue sees overload (within reserve_window_s a hold on the TTFT "
                     "estimate, a late or shed request, most decodes in flight pacing over; a sustained backlog), while "
                     "the reserve is in force, or for a request that fills only the reserve; always: at any load")
+    decode_room: bool = Field(default=False,
+                              description="a worker whose decode step, once the requests dispatched there and this one "
+                                          "decode, would take longer than tpot_slo_s has no room (the kernel's decode-cost "
+                                          "model: step_base_ms + decode_seq_ms x requests + decode_ctx_ns x context tokens)")
     lookahead: int = Field(default=8, ge=0, le=1000,
                            description="requests a pump sets aside while the worker each was routed to has no room, "
                                        "trying those behind them on other workers (0: the first without room stops it)")
