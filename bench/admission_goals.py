@@ -23,7 +23,8 @@ has one, else this interpreter) and ``--ref REV`` runs a commit of this reposito
 ``/tmp/dplb-adm-cache/trees/COMMIT`` and built there once. ``plain=`` is this checkout's defaults.
 
 Every run's JSON is cached under ``/tmp/dplb-adm-cache`` (``--cache``), keyed by a content hash of
-the simulator's sources (the checkout's modules a small simulation loads, and csrc/) and the run's
+the simulator's sources (the checkout's modules small simulations of each workload kind run, the
+data files they read, and csrc/) and the run's
 arguments, so a baseline (``main=--ref main``) is computed once and shared between checkouts; a
 lock per key makes a second harness wait for a run in progress instead of repeating it. Runs
 are niced (``--nice``) and ``--jobs`` at a time.
@@ -238,40 +239,50 @@ def source_hash(tree: Path, modules: Sequence[str] | None = None) -> str:
     for top in (HASHED if modules is None else ("csrc",)):
         root = tree / top
         files += sorted(root.rglob("*")) if root.is_dir() else []
-    files += [tree / m for m in modules or ()]
-    for p in files:
-        if (p.suffix in HASHED_EXT and p.is_file() and "__pycache__" not in p.parts
+    listed = [tree / m for m in modules or ()]
+    for p in files + listed:
+        if ((p.suffix in HASHED_EXT or p in listed) and p.is_file() and "__pycache__" not in p.parts
                 and not (p.suffix == ".c" and p.with_suffix(".pyx").exists())):
             h.update(str(p.relative_to(tree)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
-#: a tiny simulation with both admission mixes, run once per variant to learn which of the
-#: checkout's files a simulation runs code of: files with a function called during the run
-#: (a module only imported, such as the live proxy's connection code, does not count)
+#: tiny simulations with both admission mixes, one per workload kind of :data:`WORKLOADS` (the
+#: conversation trace's window runs dplb_trace's loader, the generated workloads simulate/generators),
+#: run once per variant to learn which of the checkout's files a simulation runs code of: files with a
+#: function called during the runs (a module only imported, such as the live proxy's connection
+#: code, does not count), and every other file of the checkout the runs open (the trace's data)
 _PROBE = """
 import contextlib, io, os, sys
 import simulate.cli as c
-seen = set()
+root = os.getcwd()
+seen, opened = set(), set()
+def audit(event, args):
+    if event == "open" and isinstance(args[0], str):
+        opened.add(args[0])
+sys.addaudithook(audit)
 def prof(frame, event, arg):
     if event == "call" and frame.f_code.co_name != "<module>":
         seen.add(frame.f_code.co_filename)
-sys.setprofile(prof)
-with contextlib.redirect_stdout(io.StringIO()):
-    c.main(["--policy", "dplb", "--workload", "agentic", "--requests", "30", "--engines", "2", "--progress", "off",
-            "--admission", "on", "--priority-mix", "1:0.3,0:0.7", "--tenant-mix", "a:1,b:1"])
-sys.setprofile(None)
-root = os.getcwd()
-for f in seen:
+mixes = ["--admission", "on", "--priority-mix", "1:0.3,0:0.7", "--tenant-mix", "a:1,b:1"]
+for w in (["--workload", "agentic"], ["--workload", "docqa"], ["--workload", "mixed"],
+          ["--arrival-spread-ms", "3000", "--start", "2000"]):
+    sys.setprofile(prof)
+    with contextlib.redirect_stdout(io.StringIO()):
+        c.main(["--policy", "dplb", *w, "--requests", "30", "--engines", "2", "--progress", "off", *mixes])
+    sys.setprofile(None)
+for f in seen | {f for f in opened if not f.endswith((".py", ".pyc")) and os.path.isfile(f)}:
     rel = os.path.relpath(os.path.abspath(f), root)
-    if f.endswith(".py") and not rel.startswith((".", "..")) and "site-packages" not in rel:
+    if (f.endswith(".py") or f not in seen) and not rel.startswith((".", "..")) and "site-packages" not in rel \
+            and "__pycache__" not in rel:
         print("MODULE", rel)
 """
 
 
 def simulator_modules(tree: Path, python: str) -> list[str] | None:
-    """The Python files of ``tree`` whose functions a small ``dplb-simulate`` run calls (relative
-    paths, sorted), or None when the probe fails (then :func:`source_hash` hashes whole folders)."""
+    """The Python files of ``tree`` whose functions small ``dplb-simulate`` runs of each workload
+    kind call, and the other files of ``tree`` they open (the conversation trace), as relative
+    paths, sorted; None when the probe fails (then :func:`source_hash` hashes whole folders)."""
     p = subprocess.run([python, "-c", _PROBE], cwd=tree, capture_output=True, text=True, check=False)
     if p.returncode != 0:
         return None

@@ -133,3 +133,22 @@ def test_the_probe_finds_the_admission_rule_and_not_the_live_proxy():
     assert mods is not None
     assert "router/admission_rule.py" in mods and "simulate/cluster.py" in mods
     assert "router/proxy.py" not in mods and not any(m.startswith(".venv") for m in mods)
+
+
+def test_the_probe_covers_the_trace_workloads_loader_and_data(tmp_path):
+    """The conversation windows (A, B) run dplb_trace's loader and read the trace, which the
+    generated workloads never touch: a change to either must be a new cache key."""
+    mods = ag.simulator_modules(ag.REPO, ag.sys.executable)
+    assert mods is not None
+    trace = "dplb_trace/data/mooncake/conversation_trace.jsonl"
+    assert "dplb_trace/mooncake.py" in mods and trace in mods and "simulate/generators.py" in mods
+    for rel in ("dplb_trace/mooncake.py", trace):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    key = ag.source_hash(tmp_path, mods)
+    for rel in ("dplb_trace/mooncake.py", trace):
+        before = (tmp_path / rel).read_text()
+        (tmp_path / rel).write_text(before + "y = 2\n")
+        assert ag.source_hash(tmp_path, mods) != key
+        (tmp_path / rel).write_text(before)
+    assert ag.source_hash(tmp_path, mods) == key
