@@ -211,3 +211,53 @@ def test_the_drain_cut_racing_the_engines_answer_answers_once(rig, loop):
     assert pools_sane(app)
     assert not errors, errors
     proto.connection_lost(None)
+
+
+class ClosingTransport(RecordingTransport):
+    """A client transport that records being closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_a_graceful_stop_waits_for_a_quick_answer_and_closes_after_it(rig, loop):
+    """uvicorn's stop asks each connection to shut down (HttpToolsProtocol.shutdown), then waits
+    while its task set is not empty: the taskless request stays in that set until its answer is
+    out, and the answer says ``connection: close`` and closes the connection."""
+    make, engine, app = rig
+    resp = whole(200)
+    engine.script = [[resp[:0], resp]]          # the whole answer 50 ms after the request
+    c = ClosingTransport()
+    proto = make(c)
+    proto.data_received(REQUEST)
+    assert isinstance(next(iter(proto.tasks)), LaterTask)
+    proto.shutdown()                            # the stop begins with the request in flight
+    assert not c.closed and proto.tasks         # uvicorn waits for it
+    settle(loop, lambda: c.writes)
+    out = b"".join(c.writes)
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(ANSWER) and b"connection: close" in out.lower()
+    assert c.closed
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    proto.connection_lost(None)
+
+
+def test_a_client_leaving_after_the_head_came_is_499_and_the_engine_told(rig, loop):
+    """The head and part of the body came (the task took over); then the client leaves."""
+    make, engine, app = rig
+    resp = whole(200)
+    engine.script = [[resp[:-20]]]             # the rest of the body never comes
+    closed0, gone0 = engine.closed, count(app, "499")
+    c, proto, started = send(make)
+    assert isinstance(started[0], LaterTask)
+    settle(loop, lambda: any(not isinstance(t, LaterTask) for t in proto.tasks))
+    proto.connection_lost(None)
+    settle(loop, lambda: engine.closed == closed0 + 1)
+    settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
+    assert count(app, "499") == gone0 + 1 and c.writes == [] and pools_sane(app)
