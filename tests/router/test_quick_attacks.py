@@ -8,12 +8,13 @@ in parts."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
-from dplb_shm import WorkerState
+from dplb_shm import Segment, WorkerState
 from router.server import LaterTask
-from tests.helpers import RecordingTransport, in_process_router
+from tests.helpers import RecordingTransport, in_process_router, unique_shm_name
 from tests.router.test_quick_answer import (
     ANSWER,
     REQUEST,
@@ -261,3 +262,68 @@ def test_a_client_leaving_after_the_head_came_is_499_and_the_engine_told(rig, lo
     settle(loop, lambda: engine.closed == closed0 + 1)
     settle(loop, lambda: inflight(app) == 0 and not proto.tasks)
     assert count(app, "499") == gone0 + 1 and c.writes == [] and pools_sane(app)
+
+
+def test_a_drain_cut_quick_request_is_answered_503_while_the_app_stops():
+    """uvicorn's stop at its drain limit cancels every listed task, then runs the app's lifespan
+    shutdown at once (pools closed, the router's own segment detached): the taskless request's cut
+    (spawned one callback later, cancelled one after that) still answers its 503 with the app's
+    state intact, and nothing is logged as an error."""
+    import uvicorn
+    from uvicorn.lifespan.on import LifespanOn
+    from uvicorn.server import ServerState
+
+    from router.app import create_app
+    from router.config import load_config
+    from router.server import LimitedHttpToolsProtocol
+    loop = asyncio.new_event_loop()
+    engine = PartsEngine()
+    port = loop.run_until_complete(engine.start())
+    name = unique_shm_name()
+    seg = Segment.create(name, num_slots=4)
+    errors: list[object] = []
+    loop.set_exception_handler(lambda lp, ctx: errors.append(ctx))
+    try:
+        w = seg.writer(0)
+        w.claim(worker_id=0, pid=os.getpid(), endpoint=f"127.0.0.1:{port}", model="m", max_num_seqs=64)
+        w.set_state(WorkerState.READY)
+        w.heartbeat()
+        cfg = load_config(None, {"router.shm": name, "health_check.enabled": False,
+                                 "health_check.heartbeat_timeout_ms": 600_000})
+        app = create_app(cfg)   # attaches the segment itself: closes it at its stop
+        ucfg = uvicorn.Config(app, http=LimitedHttpToolsProtocol, lifespan="on", log_level="critical",
+                              access_log=False, proxy_headers=False)
+        ucfg.load()
+        lifespan = LifespanOn(ucfg)
+        loop.run_until_complete(lifespan.startup())
+        state = ServerState()
+
+        def make(c):  # type: ignore[no-untyped-def]
+            p = LimitedHttpToolsProtocol(config=ucfg, server_state=state, app_state={}, _loop=loop)
+            p.connection_made(c)
+            return p
+        c0 = RecordingTransport()
+        p0 = make(c0)
+        p0.data_received(REQUEST)
+        settle(loop, lambda: c0.writes)
+        p0.connection_lost(None)
+        engine.script = ["hang"]
+        c = RecordingTransport()
+        proto = make(c)
+        proto.data_received(REQUEST)
+        assert isinstance(next(iter(proto.tasks)), LaterTask)
+        settle(loop, lambda: engine.requests == 2)
+        for t in list(state.tasks):
+            t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        loop.run_until_complete(lifespan.shutdown())
+        for _ in range(20):
+            loop.run_until_complete(asyncio.sleep(0.01))
+        assert b"".join(c.writes).startswith(b"HTTP/1.1 503")
+        assert not errors and not state.tasks
+    finally:
+        assert engine.server is not None
+        engine.server.close()
+        seg.close()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+        loop.close()
