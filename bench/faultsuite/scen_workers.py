@@ -298,12 +298,19 @@ def run_drain_remove_cycles(rate: float = 20.0, duration: float = 3.2) -> Result
 
         turn = threading.Condition()
 
-        def act(k: int, method: str, path: str, **kw: Any) -> Callable[[], None]:
+        def act(k: int, method: str, path: str, busy: int | None = None, **kw: Any) -> Callable[[], None]:
             def run() -> None:
                 # each call in its own thread at its offset: on a busy machine a later one can start
                 # first (a re-add before its removal: 409); each waits for the calls before it
                 with turn:
                     turn.wait_for(lambda: len(calls) >= k, timeout=15)
+                # a removal waits (up to 2 s, while the load goes on) until the worker it removes
+                # has a request in flight: on a busy machine the offsets alone do not ensure it
+                give_up = time.monotonic() + 2.0
+                while busy is not None and time.monotonic() < give_up:
+                    if (f0, f1)[busy].client().stats()["active"] > 0:
+                        break
+                    time.sleep(0.01)
                 active = [f.client().stats()["active"] for f in (f0, f1)]
                 t = time.monotonic()
                 code = admin_call(base, method, path, **kw)
@@ -313,9 +320,9 @@ def run_drain_remove_cycles(rate: float = 20.0, duration: float = 3.2) -> Result
             return run
 
         events = {0.5: act(0, "POST", "/dplb/workers/0/drain"), 1.1: act(1, "POST", "/dplb/workers/0/undrain"),
-                  1.6: act(2, "DELETE", "/dplb/workers/0"),
+                  1.6: act(2, "DELETE", "/dplb/workers/0", busy=0),
                   2.1: act(3, "POST", "/dplb/workers", json={"endpoint": f0.endpoint}),
-                  2.5: act(4, "DELETE", "/dplb/workers/1"),
+                  2.5: act(4, "DELETE", "/dplb/workers/1", busy=1),
                   2.9: act(5, "POST", "/dplb/workers", json={"endpoint": f1.endpoint})}
         def hdr(i: int) -> dict[str, str]:  # streams of 10 chunks 0.1 s apart; chats answered after 0.3 s
             if i % 2 == 0:
