@@ -347,7 +347,7 @@ class AdmissionSection(_Strict):
                                 description="a lower-class request (a higher class active) waits while a decode on its worker "
                                             "paces above this x tpot_slo_s")
     tpot_holds: Literal["overload", "always"] = Field(
-        default="overload",
+        default="always",
         description="when the TPOT rules (a decode the request would push over its bound, decodes pacing over) hold a "
                     "request: overload = only while the queue sees overload (within reserve_window_s a hold on the TTFT "
                     "estimate, a late or shed request, most decodes in flight pacing over; a sustained backlog), while "

@@ -425,7 +425,7 @@ def test_the_tpot_holds_wait_for_overload_evidence():
     from router.policies.base import RequestInfo
 
     info = RequestInfo("/v1/chat/completions", "m", True, "", 100)
-    q: AdmissionQueue[str] = AdmissionQueue(cfg())
+    q: AdmissionQueue[str] = AdmissionQueue(cfg(tpot_holds="overload"))
     # two of three workers have a decode pacing over, but 2 of 5 decodes (a minority) do
     minority = _Sched({0: [PACING_OVER], 1: [PACING_OVER], 2: [PACING_FINE] * 3})
     victim = _Sched({})
@@ -445,18 +445,18 @@ def test_the_tpot_holds_wait_for_overload_evidence():
     assert judge_route(q, victim, info, q.ticket("d", 11.5, prompt_tokens=100), 11.5)[0] == GO
     # most decodes in flight pace over: evidence at once, and for the next 10 s
     most = _Sched({0: [PACING_OVER], 1: [PACING_OVER, PACING_OVER], 2: [PACING_FINE]})
-    q2: AdmissionQueue[str] = AdmissionQueue(cfg())
+    q2: AdmissionQueue[str] = AdmissionQueue(cfg(tpot_holds="overload"))
     assert judge_route(q2, most, info, q2.ticket("a", 0.0, prompt_tokens=100), 0.0)[0] == WAIT
     assert q2.overloaded(9.0)
     assert judge_route(q2, victim, info, q2.ticket("b", 9.0, prompt_tokens=100), 9.0)[0] == HOLD
     # while the reserve is in force (a tenant above its fair share, or two classes) the holds
     # protect the other tenants' and the higher class's decodes at any load
-    qt: AdmissionQueue[str] = AdmissionQueue(cfg())
+    qt: AdmissionQueue[str] = AdmissionQueue(cfg(tpot_holds="overload"))
     for i, ten in enumerate(["heavy"] * 4 + ["light"]):
         qt.record(qt.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
     assert qt.rationed(0.0) and not qt.overloaded(0.0)
     assert judge_route(qt, victim, info, qt.ticket("l", 0.0, prompt_tokens=100, tenant="light"), 0.0)[0] == HOLD
-    even: AdmissionQueue[str] = AdmissionQueue(cfg())
+    even: AdmissionQueue[str] = AdmissionQueue(cfg(tpot_holds="overload"))
     for i, ten in enumerate(["x", "y"] * 2):
         even.record(even.ticket(str(i), 0.0, 100, tenant=ten), 0.0)
     assert not even.rationed(0.0)
