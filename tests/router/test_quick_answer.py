@@ -36,12 +36,14 @@ STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encod
 
 
 class ScriptedEngine:
-    """An HTTP/1.1 engine on loopback: answers each request with the next of ``script``
-    (``whole(...)`` bytes, ``STREAM``, "hang": nothing, "close": closes the connection), then with
-    a whole 200. ``requests``: how many it read; ``closed``: connections it saw end."""
+    """An HTTP/1.1 engine on loopback: answers each request with the next step of ``script``, then
+    with a whole 200. A step: bytes (``whole(...)``, ``STREAM``: written at once), a list of bytes
+    (written apart, 50 ms between them), ``("cut", bytes)`` (written, then the connection closed),
+    "hang" (nothing until the router closes the connection), "close" (the connection closed).
+    ``requests``: how many it read; ``closed``: connections it saw end."""
 
     def __init__(self) -> None:
-        self.script: list[bytes | str] = []
+        self.script: list[object] = []
         self.requests = 0
         self.closed = 0
         self.connections = 0
@@ -66,9 +68,15 @@ class ScriptedEngine:
                 if step == "hang":
                     await r.read()      # until the router closes the connection
                     break
-                assert isinstance(step, bytes)
-                w.write(step)
-                await w.drain()
+                if isinstance(step, tuple):
+                    w.write(step[1])
+                    await w.drain()
+                    break
+                for i, part in enumerate(step if isinstance(step, list) else [step]):
+                    if i:
+                        await asyncio.sleep(0.05)
+                    w.write(part)
+                    await w.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -85,9 +93,13 @@ def loop():
 
 @pytest.fixture
 def rig(loop):
-    """(make a client protocol, engine, app): the router with two ready workers (slots 0 and 1)
-    at the same scripted engine, its pool warmed (one request answered through the task path)."""
-    engine = ScriptedEngine()
+    yield from warmed_router(loop, ScriptedEngine())
+
+
+def warmed_router(loop, engine):  # type: ignore[no-untyped-def]
+    """Yields (make a client protocol, engine, app): the router with two ready workers (slots 0
+    and 1) at the same scripted ``engine``, its pool warmed (one request answered through the task
+    path); then stops the engine and waits until the router's pool closed its connections."""
     port = loop.run_until_complete(engine.start())
     with in_process_router(loop, f"127.0.0.1:{port}") as (app, seg, make):
         w = seg.writer(1)

@@ -2,9 +2,8 @@
 requests pipelined on one client connection, an engine's 5xx, a body split over reads or cut
 short, a slow client, the stop's drain limit racing the engine's answer. Each request is answered
 exactly once, its connection to the engine goes back to the pool at most once, and the in-flight
-accounting returns to zero. The rig of tests/router/test_quick_answer.py (the real app and
-protocol in front of a scripted engine on loopback) with an engine that can also write an answer
-in parts."""
+accounting returns to zero. The rig of tests/router/test_quick_answer.py: the real app and
+protocol in front of a scripted engine on loopback."""
 from __future__ import annotations
 
 import asyncio
@@ -14,61 +13,19 @@ import pytest
 
 from dplb_shm import Segment, WorkerState
 from router.server import LaterTask
-from tests.helpers import RecordingTransport, in_process_router, unique_shm_name
+from tests.helpers import RecordingTransport, unique_shm_name
 from tests.router.test_quick_answer import (
     ANSWER,
     REQUEST,
+    ScriptedEngine,
     count,
     inflight,
     settle,
+    warmed_router,
     whole,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class PartsEngine:
-    """An HTTP/1.1 engine on loopback answering each request with the next step of ``script``
-    (then a whole 200): bytes (written at once), a list of bytes (written apart, 50 ms between
-    them), ``("cut", bytes)`` (written, then the connection closed), "hang" (nothing until the
-    router closes the connection)."""
-
-    def __init__(self) -> None:
-        self.script: list[object] = []
-        self.requests = self.closed = self.connections = 0
-        self.server: asyncio.base_events.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                head = await r.readuntil(b"\r\n\r\n")
-                n = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                         if line.lower().startswith(b"content-length:"))
-                await r.readexactly(n)
-                self.requests += 1
-                step = self.script.pop(0) if self.script else whole(200)
-                if step == "hang":
-                    await r.read()
-                    break
-                if isinstance(step, tuple):
-                    w.write(step[1])
-                    await w.drain()
-                    break
-                for i, part in enumerate(step if isinstance(step, list) else [step]):
-                    if i:
-                        await asyncio.sleep(0.05)
-                    w.write(part)
-                    await w.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self.closed += 1
-            w.close()
 
 
 @pytest.fixture
@@ -80,24 +37,7 @@ def loop():
 
 @pytest.fixture
 def rig(loop):
-    """(make a client protocol, engine, app): two ready workers at one engine, the pool warmed."""
-    engine = PartsEngine()
-    port = loop.run_until_complete(engine.start())
-    with in_process_router(loop, f"127.0.0.1:{port}") as (app, seg, make):
-        w = seg.writer(1)
-        w.claim(worker_id=1, pid=0, endpoint=f"127.0.0.1:{port}", model="m", max_num_seqs=64)
-        w.set_state(WorkerState.READY)
-        w.heartbeat()
-        app.state.registry.refresh_if_changed()
-        c = RecordingTransport()
-        proto = make(c)
-        proto.data_received(REQUEST)
-        settle(loop, lambda: c.writes)
-        proto.connection_lost(None)
-        yield make, engine, app
-    assert engine.server is not None
-    engine.server.close()
-    settle(loop, lambda: engine.closed >= engine.connections)
+    yield from warmed_router(loop, ScriptedEngine())
 
 
 def send(make, n: int = 1):  # type: ignore[no-untyped-def]
@@ -277,7 +217,7 @@ def test_a_drain_cut_quick_request_is_answered_503_while_the_app_stops():
     from router.config import load_config
     from router.server import LimitedHttpToolsProtocol
     loop = asyncio.new_event_loop()
-    engine = PartsEngine()
+    engine = ScriptedEngine()
     port = loop.run_until_complete(engine.start())
     name = unique_shm_name()
     seg = Segment.create(name, num_slots=4)
