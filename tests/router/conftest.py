@@ -1,6 +1,7 @@
 """Fixtures for router tests: fake workers in a fresh segment and a router in front of them."""
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -9,6 +10,14 @@ import pytest
 
 from bench.fakes import start_fake, start_router
 from tests.helpers import Procs, unique_shm_name
+
+
+@pytest.fixture
+def loop():
+    """A fresh asyncio event loop for a test that drives the router's protocol by hand; closed after."""
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
 
 
 class Cluster:

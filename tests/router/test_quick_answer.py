@@ -85,13 +85,6 @@ class ScriptedEngine:
 
 
 @pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture
 def rig(loop):
     yield from warmed_router(loop, ScriptedEngine())
 

@@ -29,13 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture
 def rig(loop):
     yield from warmed_router(loop, ScriptedEngine())
 

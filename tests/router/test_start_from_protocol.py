@@ -76,13 +76,6 @@ class RecordingApp:
         assert write_response(scope, 200, [], b"task:" + body)
 
 
-@pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
 def turn(loop: asyncio.AbstractEventLoop) -> None:
     loop.run_until_complete(asyncio.sleep(0.01))
 

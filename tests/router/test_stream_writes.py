@@ -81,13 +81,6 @@ class ScriptedEngine:
 
 
 @pytest.fixture
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture
 def stream_router(loop):
     """run(script) -> the client's writes for one streamed request through the real app."""
     d = tempfile.mkdtemp(prefix="dplb-sw-", dir="/tmp")
